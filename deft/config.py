@@ -1,0 +1,164 @@
+"""DeftConfig: every knob of deft, its default, and strict loading from TOML or a dict.
+
+``epsilon`` is the one accuracy/speed knob: the preserver accepts a schedule only when the predicted
+loss ratio of the schedule's batch-size sequence against plain data parallelism lies in
+``[1 - epsilon, 1 + epsilon]``. ``epsilon == 0`` forbids any delayed update: deft then only reorders
+communication and assigns links, and gives the same parameters as torch DDP.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from deft._json import Fields
+from deft.errors import ContractError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+LINK_BACKENDS = ("auto", "nccl", "gloo")
+SOLVERS = ("exact", "greedy")
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    """One communication link. ``backend="auto"``: NCCL for the first link on CUDA, gloo otherwise."""
+
+    name: str
+    backend: str = "auto"
+    ifname: str | None = None
+
+
+@dataclass(frozen=True)
+class DeftConfig:
+    epsilon: float = 0.01
+    links: tuple[LinkConfig, ...] = (LinkConfig("primary"),)
+    bucket_cap_mb: float = 25.0
+    partition_numel: int = 6_500_000
+    solver: str = "exact"
+    solver_time_limit_s: float = 1.0
+    solver_relative_gap: float = 1e-3
+    warmup_iters: int = 3
+    profile_iters: int = 5
+    preserver: bool = True
+    preserver_max_tries: int = 10
+    capacity_growth: float = 1.25
+    recheck_every: int = 200
+    s_star: float = 0.0
+    timeout_s: float = 300.0
+    profile_path: str | None = None
+    schedule_path: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate("<config>")
+
+    def validate(self, source: str) -> None:
+        def bad(name: str, problem: str) -> ContractError:
+            return ContractError(source, name, problem)
+
+        if not 0.0 <= self.epsilon <= 1.0:
+            raise bad("epsilon", f"expected a number in [0, 1], got {self.epsilon}")
+        if not self.links:
+            raise bad("links", "expected at least one link")
+        names = [lk.name for lk in self.links]
+        if len(set(names)) != len(names):
+            raise bad("links", f"link names must be unique, got {names}")
+        for i, lk in enumerate(self.links):
+            if lk.backend not in LINK_BACKENDS:
+                raise bad(f"links[{i}].backend", f"expected one of {', '.join(LINK_BACKENDS)}, got {lk.backend!r}")
+            if i > 0 and lk.backend == "nccl":
+                raise bad(f"links[{i}].backend", "only the first (primary) link may be NCCL")
+        if self.bucket_cap_mb <= 0:
+            raise bad("bucket_cap_mb", f"expected > 0, got {self.bucket_cap_mb}")
+        if self.partition_numel < 1:
+            raise bad("partition_numel", f"expected >= 1, got {self.partition_numel}")
+        if self.solver not in SOLVERS:
+            raise bad("solver", f"expected one of {', '.join(SOLVERS)}, got {self.solver!r}")
+        for name in ("solver_time_limit_s", "timeout_s"):
+            if getattr(self, name) <= 0:
+                raise bad(name, f"expected > 0, got {getattr(self, name)}")
+        if not 0 <= self.solver_relative_gap < 1:
+            raise bad("solver_relative_gap", f"expected in [0, 1), got {self.solver_relative_gap}")
+        for name in ("warmup_iters", "profile_iters", "preserver_max_tries", "recheck_every"):
+            if getattr(self, name) < (0 if name == "warmup_iters" else 1):
+                raise bad(name, f"expected a positive integer, got {getattr(self, name)}")
+        if self.capacity_growth <= 1.0:
+            raise bad("capacity_growth", f"expected > 1, got {self.capacity_growth}")
+
+    @property
+    def link_names(self) -> tuple[str, ...]:
+        return tuple(lk.name for lk in self.links)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["links"] = [asdict(lk) for lk in self.links]
+        return d
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any], source: str = "<dict>") -> DeftConfig:
+        f = Fields(doc, source, "")
+        known = {fl.name for fl in fields(cls)}
+        unknown = sorted(set(doc) - known)
+        if unknown:
+            raise ContractError(source, unknown[0], f"unknown setting; known settings are {', '.join(sorted(known))}")
+        kw: dict[str, Any] = {}
+        defaults = cls.__dataclass_fields__
+        for name in known - {"links", "extra", "profile_path", "schedule_path"}:
+            if name not in doc:
+                continue
+            default = defaults[name].default
+            if isinstance(default, bool):
+                if not isinstance(doc[name], bool):
+                    raise f.error(name, f"expected true or false, got {doc[name]!r}")
+                kw[name] = doc[name]
+            elif isinstance(default, int):
+                kw[name] = f.int(name)
+            elif isinstance(default, float):
+                kw[name] = f.float(name, minimum=None)
+            else:
+                kw[name] = f.str(name)
+        for name in ("profile_path", "schedule_path"):
+            if name in doc:
+                kw[name] = f.opt_str(name)
+        if "links" in doc:
+            kw["links"] = tuple(
+                LinkConfig(name=lf.str("name"), backend=lf.str("backend", "auto", choices=LINK_BACKENDS),
+                           ifname=lf.opt_str("ifname"))
+                for lf in f.items("links")
+            )
+        if "extra" in doc:
+            kw["extra"] = f.dict("extra")
+        cfg = object.__new__(cls)
+        base = cls()
+        for fl in fields(cls):
+            object.__setattr__(cfg, fl.name, kw.get(fl.name, getattr(base, fl.name)))
+        cfg.validate(source)
+        return cfg
+
+    @classmethod
+    def load(cls, path: str | Path) -> DeftConfig:
+        p = Path(path)
+        try:
+            doc = tomllib.loads(p.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ContractError(str(p), "<file>", "no such config file") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ContractError(str(p), "<file>", f"not valid TOML: {e}") from None
+        return cls.from_dict(doc, str(p))
+
+    @classmethod
+    def resolve(cls, config: DeftConfig | str | Path | dict[str, Any] | None) -> DeftConfig:
+        """Accept what users pass: nothing, a DeftConfig, a TOML path or a dict."""
+        if config is None:
+            return cls()
+        if isinstance(config, DeftConfig):
+            return config
+        if isinstance(config, dict):
+            return cls.from_dict(config)
+        return cls.load(config)

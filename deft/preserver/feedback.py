@@ -1,0 +1,334 @@
+"""The preserver's feedback loop (DeFT section IV.C.3): accept a schedule only if it converges like DDP.
+
+A schedule's cycle of ``N`` iterations applies ``m`` updates merging ``K = k_1..k_m`` iterations
+(:attr:`deft.schedule.Schedule.batch_sequence`). The Gaussian walk predicts the loss after the cycle
+for plain data parallelism (``N`` steps of batch ``B``) and for the schedule (``m`` steps of
+``k_i B``); their ratio (:func:`deft.preserver.gaussian_walk.convergence_ratio`) must lie in
+``[1 - epsilon, 1 + epsilon]``. Otherwise the knapsack capacity is multiplied by
+``config.capacity_growth`` (more communication per stage, so fewer delayed updates) and the solver
+re-plans, at most ``config.preserver_max_tries`` times; if no try passes, deft falls back to the
+no-delay schedule. A ratio above ``1 + epsilon`` (the walk predicts the schedule *better*, which
+happens near ``S*`` where larger batches rebound less) is rejected too, as in the paper: that
+prediction rests on the plug-in approximation where it is weakest.
+
+What ``epsilon`` means for a user
+---------------------------------
+=====================  ============================================================================
+``epsilon``            behaviour
+=====================  ============================================================================
+``0``                  No delayed update at all: every iteration applies its own update, exactly
+                       like torch DDP (same parameters to float tolerance). deft only reorders the
+                       communication and spreads it over the links. Safest, least speed-up when
+                       communication exceeds computation.
+``0.01`` (default)     The paper's setting. Merged updates are accepted while the predicted loss at
+                       the end of a cycle is within 1% of DDP's. Far from convergence (loss well
+                       above ``S*``) this allows little merging when the gradient is strong
+                       (``lr * mu`` not small against the loss), more as training slows down.
+``0.05``               Trades more accuracy risk for speed: schedules whose cycle loses up to ~5% of
+                       the predicted progress. Reasonable when communication dominates and the
+                       final accuracy is checked anyway.
+``0.2``                Aggressive: most solver schedules pass; convergence per iteration can be
+                       visibly slower. For bandwidth-starved settings or experiments only.
+preserver disabled     (``preserver = false``) The solver's first schedule is used as is, with no
+                       convergence test and no re-check during training: fastest plan, no
+                       guarantee about convergence.
+=====================  ============================================================================
+
+(Qualitative for now: measured accuracy and time for each setting belong in benchmarks/RESULTS.md.)
+
+Statistics
+----------
+:class:`WalkStats` carries the current loss, ``mu = |g|²``, ``sigma² = gᵀΣg`` (per sample), the
+learning rate and the batch of one iteration *across all ranks* (ranks x per-rank batch), since the
+all-reduced update averages that many samples. ``mu`` and ``sigma`` come from
+:mod:`deft.preserver.noise`; while they are unknown (before training, or with one rank) the preserver
+keeps the no-delay schedule and :class:`Recheck` asks for a re-plan once they are known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from deft.config import DeftConfig
+from deft.errors import ContractError
+from deft.preserver.gaussian_walk import convergence_ratio, expected_next_loss
+from deft.schedule import Schedule
+
+if TYPE_CHECKING:  # pragma: no cover
+    from deft.preserver.noise import NoiseEstimate
+    from deft.profile import Profile
+
+log = logging.getLogger("deft.preserver")
+
+#: ``plan(profile, config, *, capacity_scale) -> Schedule`` (deft.solver.plan.plan)
+Planner = Callable[..., Schedule]
+#: ``no_delay_plan(profile, config) -> Schedule`` (deft.solver.plan.no_delay_plan)
+NoDelayPlanner = Callable[..., Schedule]
+
+
+@dataclass(frozen=True)
+class WalkStats:
+    """The walk's inputs at the current point of training (see the module docstring).
+
+    * ``loss``: a smoothed training loss (one batch's loss is itself noisy), ``>= s_star``;
+    * ``mu``, ``sigma``: from :class:`deft.preserver.noise.NoiseEstimator`;
+    * ``lr``: the step size of plain SGD (the walk models ``w -= lr * g_B``; for momentum SGD the
+      steady-state step is ``lr / (1 - momentum)``, the caller decides which to pass);
+    * ``batch``: the global batch of one iteration (all ranks).
+    """
+
+    loss: float
+    mu: float
+    sigma: float
+    lr: float
+    batch: float
+    s_star: float = 0.0
+
+    def __post_init__(self) -> None:
+        # One evaluation validates every field with errors that name it.
+        expected_next_loss(self.loss, self.mu, self.sigma, self.lr, self.batch, self.s_star)
+
+    @classmethod
+    def from_estimate(cls, loss: float, estimate: NoiseEstimate | None, lr: float, batch: float,
+                      s_star: float = 0.0) -> WalkStats | None:
+        """From a :class:`deft.preserver.noise.NoiseEstimate`; ``None`` while mu or sigma is unknown."""
+        if estimate is None or estimate.sigma is None:
+            return None
+        return cls(loss=loss, mu=estimate.mu, sigma=estimate.sigma, lr=lr, batch=batch, s_star=s_star)
+
+    def to_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Try:
+    """One round of the feedback loop. ``capacity_scale is None`` marks the no-delay schedule."""
+
+    capacity_scale: float | None
+    k: tuple[int, ...]
+    ratio: float | None
+    accepted: bool
+    applied: tuple[int, ...] = ()  # updates applied within the cycle (see applied_sequence)
+    window: int = 0  # the cycle length the ratio was taken over
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"capacity_scale": self.capacity_scale, "k": list(self.k), "applied": list(self.applied),
+                "window": self.window, "ratio": _json_float(self.ratio), "accepted": self.accepted}
+
+
+@dataclass(frozen=True)
+class PreserveResult:
+    """The chosen schedule (its ``meta["preserver"]`` records the outcome), every try, whether a try
+    passed the test (``False``: the no-delay fallback was used) and why."""
+
+    schedule: Schedule
+    tries: tuple[Try, ...]
+    accepted: bool
+    reason: str = ""
+
+    @property
+    def stats_were_unknown(self) -> bool:
+        """The fallback was taken because mu and sigma were unknown, not because tries failed."""
+        return not self.accepted and not any(t.capacity_scale is not None for t in self.tries)
+
+
+def _json_float(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def applied_sequence(schedule: Schedule) -> tuple[int, ...]:
+    """Batch multiples of the updates a cycle applies *within* the cycle, in order.
+
+    The paper compares ``N`` steps of ``B`` with the schedule's ``K`` over one cycle, which ignores
+    when an update lands. A delayed update applied after the cycle's last iteration
+    (``apply_after >= cycle``) is stale: its gradient was computed ``apply_after - last`` iterations
+    before it is applied, and for the whole of training the parameters lag that many steps behind
+    plain data parallelism. We count the lag as progress missing from the window (the update lands
+    in the next window instead), so a schedule whose only change is staleness (K all ones, updates
+    one iteration late) gets a ratio below 1 that grows with ``lr * mu`` against the loss, as the
+    measured accuracy does (benchmarks/RESULTS.md: one step of staleness with momentum 0.9 cost
+    13-25 accuracy points in a 4-epoch run); it is 1 only when every update lands in its own cycle.
+    """
+    return tuple(u.k for u in schedule.updates if u.apply_after < schedule.cycle)
+
+
+def schedule_ratio(schedule: Schedule, stats: WalkStats) -> float:
+    """``E_baseline / E_schedule`` over one cycle: ``cycle`` steps of ``B`` against the updates the
+    cycle applies within itself (:func:`applied_sequence`); 1.0 for a no-delay schedule."""
+    return convergence_ratio(stats.loss, stats.mu, stats.sigma, stats.lr, stats.batch,
+                             applied_sequence(schedule), stats.s_star, window=schedule.cycle)
+
+
+def passes(k: tuple[int, ...], ratio: float, epsilon: float) -> bool:
+    """The acceptance test. ``epsilon == 0`` accepts only schedules without merged updates."""
+    if epsilon == 0.0:
+        return all(x == 1 for x in k) and ratio == 1.0
+    return 1.0 - epsilon <= ratio <= 1.0 + epsilon
+
+
+def _default_planners() -> tuple[Planner, NoDelayPlanner]:
+    from deft.solver.plan import no_delay_plan, plan  # lazy: the solver may import the preserver
+
+    return plan, no_delay_plan
+
+
+def _checked(schedule: Any, who: str) -> Schedule:
+    if not isinstance(schedule, Schedule):
+        raise ContractError("preserver", who, f"expected the planner to return a Schedule, got {type(schedule)!r}")
+    return schedule
+
+
+def _finish(schedule: Schedule, tries: list[Try], accepted: bool, config: DeftConfig,
+            stats: WalkStats | None, reason: str) -> PreserveResult:
+    chosen = next((t for t in reversed(tries) if t.accepted), tries[-1])
+    record = {
+        "accepted": accepted,
+        "reason": reason,
+        "ratio": _json_float(chosen.ratio),
+        "tries": len([t for t in tries if t.capacity_scale is not None]),
+        "capacity_scale": chosen.capacity_scale,
+        "epsilon": config.epsilon,
+        "stats": None if stats is None else stats.to_dict(),
+        "log": [t.to_dict() for t in tries],
+    }
+    meta = {**schedule.meta, "preserver": record}
+    return PreserveResult(schedule=dataclasses.replace(schedule, meta=meta), tries=tuple(tries), accepted=accepted,
+                          reason=reason)
+
+
+def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
+             planner: Planner | None = None, no_delay_planner: NoDelayPlanner | None = None) -> PreserveResult:
+    """Run the feedback loop and return the schedule to use.
+
+    * ``config.epsilon == 0``: the no-delay schedule directly (no merged update can pass), even
+      with the preserver disabled: epsilon = 0 promises DDP's parameters.
+    * ``config.preserver`` false: the planner's schedule at capacity scale 1, untested.
+    * ``stats is None`` (mu, sigma unknown): the no-delay schedule, not accepted, reason logged.
+    * otherwise tries capacity scales ``capacity_growth ** i`` for ``i < preserver_max_tries`` and
+      returns the first schedule that passes; if none does, the no-delay schedule.
+
+    ``planner`` and ``no_delay_planner`` default to :func:`deft.solver.plan.plan` and
+    :func:`deft.solver.plan.no_delay_plan`; tests inject their own.
+    """
+    if planner is None or no_delay_planner is None:
+        default_plan, default_no_delay = _default_planners()
+        planner = planner or default_plan
+        no_delay_planner = no_delay_planner or default_no_delay
+    tries: list[Try] = []
+
+    def no_delay(reason: str, accepted: bool) -> PreserveResult:
+        s = _checked(no_delay_planner(profile, config), "no_delay_plan")
+        if any(k != 1 for k in s.batch_sequence):
+            raise ContractError("preserver", "no_delay_plan",
+                                f"expected a schedule without merged updates, got K = {s.batch_sequence}")
+        tries.append(Try(capacity_scale=None, k=s.batch_sequence, ratio=1.0, accepted=accepted,
+                         applied=applied_sequence(s), window=s.cycle))
+        log.info("preserver: no-delay schedule (%s)", reason)
+        return _finish(s, tries, accepted, config, stats, reason)
+
+    if config.epsilon == 0.0:
+        return no_delay("epsilon = 0: no delayed update allowed", accepted=True)
+    if not config.preserver:
+        s = _checked(planner(profile, config, capacity_scale=1.0), "plan")
+        ratio = None if stats is None else schedule_ratio(s, stats)
+        tries.append(Try(capacity_scale=1.0, k=s.batch_sequence, ratio=ratio, accepted=True,
+                         applied=applied_sequence(s), window=s.cycle))
+        log.info("preserver disabled: using the solver's schedule K=%s untested (ratio %s)",
+                 s.batch_sequence, "unknown" if ratio is None else f"{ratio:.4f}")
+        return _finish(s, tries, True, config, stats, "preserver disabled")
+    if stats is None:
+        return no_delay("mu and sigma unknown yet: cannot test delayed updates", accepted=False)
+
+    lo, hi = 1.0 - config.epsilon, 1.0 + config.epsilon
+    for i in range(config.preserver_max_tries):
+        scale = config.capacity_growth ** i
+        s = _checked(planner(profile, config, capacity_scale=scale), "plan")
+        k = s.batch_sequence
+        ratio = schedule_ratio(s, stats)
+        ok = passes(k, ratio, config.epsilon)
+        tries.append(Try(capacity_scale=scale, k=k, ratio=ratio, accepted=ok, applied=applied_sequence(s),
+                         window=s.cycle))
+        log.info("preserver try %d/%d: capacity x%.4g, K=%s, ratio %.5f in [%.4g, %.4g]: %s",
+                 i + 1, config.preserver_max_tries, scale, k, ratio, lo, hi, "accepted" if ok else "rejected")
+        if ok:
+            return _finish(s, tries, True, config, stats, f"ratio {ratio:.5f} within [{lo:.4g}, {hi:.4g}]")
+    log.warning("preserver: no schedule passed in %d tries (ratios %s); falling back to the no-delay schedule",
+                config.preserver_max_tries, ", ".join(f"{t.ratio:.4f}" for t in tries if t.ratio is not None))
+    return no_delay(f"no schedule within [{lo:.4g}, {hi:.4g}] in {config.preserver_max_tries} tries",
+                    accepted=False)
+
+
+@dataclass(frozen=True)
+class RecheckDecision:
+    """What :meth:`Recheck.check` concluded: the current schedule's ratio now, and whether to re-plan."""
+
+    iteration: int
+    ratio: float
+    replan: bool
+    reason: str
+
+
+class Recheck:
+    """Re-evaluates the running schedule every ``config.recheck_every`` iterations.
+
+    The walk's inputs drift as training proceeds (the loss falls, the gradient weakens, the noise
+    changes), so a schedule accepted at the start may leave the tolerance later, and a delayed
+    schedule rejected earlier may pass now. Both are cheap to test without the solver: the ratio
+    depends only on a batch sequence, and the rejected tries' sequences are remembered. Re-plan when
+
+    1. the running schedule's ratio left ``[1 - epsilon, 1 + epsilon]``, or
+    2. a sequence that was rejected at a smaller capacity (so: a faster schedule) would pass now, or
+    3. the running schedule is the no-delay fallback taken while mu and sigma were unknown, and they
+       are known now.
+
+    With ``epsilon == 0`` or the preserver disabled there is nothing to re-check.
+    """
+
+    def __init__(self, config: DeftConfig, result: PreserveResult) -> None:
+        self.config = config
+        self.reset(result)
+
+    def reset(self, result: PreserveResult) -> None:
+        """Start over with the outcome of a new :func:`preserve` call."""
+        self.result = result
+        chosen = result.schedule.batch_sequence
+        # Candidates that would be faster than the running schedule: every try before the accepted
+        # one (each later try had more capacity, hence no more delay), or all tries after a fallback.
+        tried = [t for t in result.tries if t.capacity_scale is not None]
+        if result.accepted and tried:
+            idx = max(i for i, t in enumerate(tried) if t.accepted)
+            tried = tried[:idx]
+        self._faster = [t for t in tried if (t.k, t.applied) != (chosen, applied_sequence(result.schedule))]
+
+    def due(self, iteration: int) -> bool:
+        return iteration > 0 and iteration % self.config.recheck_every == 0
+
+    def check(self, iteration: int, stats: WalkStats | None) -> RecheckDecision | None:
+        """``None`` when not due, when there is nothing to check, or while the statistics are unknown."""
+        if not self.due(iteration) or not self.config.preserver or self.config.epsilon == 0.0 or stats is None:
+            return None
+        eps = self.config.epsilon
+        k = self.result.schedule.batch_sequence
+        ratio = schedule_ratio(self.result.schedule, stats)
+        if self.result.stats_were_unknown:
+            return self._decide(iteration, ratio, True, "mu and sigma are known now: delayed updates can be tested")
+        if not passes(k, ratio, eps):
+            return self._decide(iteration, ratio, True,
+                                f"running schedule K={k} has ratio {ratio:.5f}, outside [{1 - eps:.4g}, {1 + eps:.4g}]")
+        for cand in self._faster:
+            r = convergence_ratio(stats.loss, stats.mu, stats.sigma, stats.lr, stats.batch, cand.applied,
+                                  stats.s_star, window=cand.window or sum(cand.k))
+            if passes(cand.k, r, eps):
+                return self._decide(iteration, ratio, True,
+                                    f"previously rejected K={cand.k} now has ratio {r:.5f}: a faster schedule may pass")
+        return self._decide(iteration, ratio, False, f"ratio {ratio:.5f} still within tolerance")
+
+    @staticmethod
+    def _decide(iteration: int, ratio: float, replan: bool, reason: str) -> RecheckDecision:
+        log.info("preserver recheck at iteration %d: %s%s", iteration, reason, " -> re-plan" if replan else "")
+        return RecheckDecision(iteration=iteration, ratio=ratio, replan=replan, reason=reason)

@@ -1,0 +1,244 @@
+"""The profile: what the profiler measured and the solver plans from (DESIGN.md section 3).
+
+Invariants
+----------
+* ``buckets[i].id == i`` and ``times[i]`` belongs to ``buckets[i]``.
+* Bucket ``0`` is the first to become ready in backward (nearest the output); in forward the order
+  is reversed: bucket ``n-1`` (nearest the input) is computed first.
+* Every link named in a ``BucketTimes.comm_s`` is one of ``links``; a bucket with no measured time on
+  a link falls back to that link's fitted model ``alpha + beta * nbytes``.
+
+The JSON form carries ``schema`` (this module's :data:`SCHEMA_VERSION`) and ``kind == "deft.profile"``;
+:meth:`Profile.load` rejects anything else with an error naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from deft._json import Fields, read_json, write_json
+from deft.errors import ContractError
+
+SCHEMA_VERSION = 1
+SOURCES = ("timing", "kineto", "nsys", "reference", "synthetic")
+BACKENDS = ("nccl", "gloo")
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A group of parameters whose gradients are communicated together."""
+
+    id: int
+    params: tuple[str, ...]
+    numel: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class BucketTimes:
+    """Seconds spent on one bucket: its forward and backward compute, and its all-reduce per link."""
+
+    forward_s: float
+    backward_s: float
+    comm_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A communication link: one process group, optionally bound to its own NIC.
+
+    ``T(nbytes) = alpha_s + beta_s_per_byte * nbytes`` is the fitted all-reduce time at the
+    profile's world size.
+    """
+
+    name: str
+    backend: str
+    ifname: str | None = None
+    alpha_s: float = 0.0
+    beta_s_per_byte: float = 0.0
+
+    def time(self, nbytes: int) -> float:
+        return self.alpha_s + self.beta_s_per_byte * nbytes
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Per-bucket forward, backward and communication times of one model on one cluster."""
+
+    buckets: tuple[Bucket, ...]
+    times: tuple[BucketTimes, ...]
+    links: tuple[Link, ...]
+    world_size: int
+    source: str
+    versions: dict[str, str] = field(default_factory=dict)
+    model: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate("<profile>")
+
+    # -- derived views -------------------------------------------------------------------------
+    @property
+    def n(self) -> int:
+        return len(self.buckets)
+
+    @property
+    def link_names(self) -> tuple[str, ...]:
+        return tuple(link.name for link in self.links)
+
+    def link(self, name: str) -> Link:
+        for link in self.links:
+            if link.name == name:
+                return link
+        raise KeyError(f"profile has no link {name!r}; links are {', '.join(self.link_names)}")
+
+    def comm_time(self, bucket: int, link: str) -> float:
+        """Measured all-reduce time of ``bucket`` on ``link``, else the link's fitted model."""
+        measured = self.times[bucket].comm_s.get(link)
+        if measured is not None:
+            return measured
+        return self.link(link).time(self.buckets[bucket].nbytes)
+
+    @property
+    def forward_s(self) -> float:
+        return sum(t.forward_s for t in self.times)
+
+    @property
+    def backward_s(self) -> float:
+        return sum(t.backward_s for t in self.times)
+
+    def total_comm_s(self, link: str | None = None) -> float:
+        """Total all-reduce time of all buckets on ``link`` (default: the first, primary link)."""
+        name = link if link is not None else self.links[0].name
+        return sum(self.comm_time(b.id, name) for b in self.buckets)
+
+    @property
+    def coverage_rate(self) -> float:
+        """CR = T_comm / (T_forward + T_backward) on the primary link (paper, Table I)."""
+        compute = self.forward_s + self.backward_s
+        return self.total_comm_s() / compute if compute > 0 else float("inf")
+
+    def with_links(self, links: Sequence[Link]) -> Profile:
+        """The same buckets on ``links``: measured times on links not kept are dropped."""
+        keep = {link.name for link in links}
+        times = tuple(replace(t, comm_s={k: v for k, v in t.comm_s.items() if k in keep}) for t in self.times)
+        return replace(self, links=tuple(links), times=times)
+
+    # -- validation and JSON -------------------------------------------------------------------
+    def validate(self, source: str) -> None:
+        if self.world_size < 1:
+            raise ContractError(source, "world_size", f"expected >= 1, got {self.world_size}")
+        if self.source not in SOURCES:
+            raise ContractError(source, "source", f"expected one of {', '.join(SOURCES)}, got {self.source!r}")
+        if not self.buckets:
+            raise ContractError(source, "buckets", "expected at least one bucket")
+        if len(self.times) != len(self.buckets):
+            raise ContractError(
+                source, "times", f"expected one entry per bucket ({len(self.buckets)}), got {len(self.times)}"
+            )
+        if not self.links:
+            raise ContractError(source, "links", "expected at least one link")
+        names = [link.name for link in self.links]
+        if len(set(names)) != len(names):
+            raise ContractError(source, "links", f"link names must be unique, got {names}")
+        for i, link in enumerate(self.links):
+            if link.backend not in BACKENDS:
+                raise ContractError(source, f"links[{i}].backend", f"expected nccl or gloo, got {link.backend!r}")
+            if link.alpha_s < 0 or link.beta_s_per_byte < 0:
+                raise ContractError(source, f"links[{i}]", "alpha_s and beta_s_per_byte must be >= 0")
+        for i, b in enumerate(self.buckets):
+            if b.id != i:
+                raise ContractError(source, f"buckets[{i}].id", f"expected {i} (ids are 0..n-1 in order), got {b.id}")
+            if b.numel < 0 or b.nbytes < 0:
+                raise ContractError(source, f"buckets[{i}]", "numel and nbytes must be >= 0")
+        for i, t in enumerate(self.times):
+            if t.forward_s < 0 or t.backward_s < 0:
+                raise ContractError(source, f"times[{i}]", "forward_s and backward_s must be >= 0")
+            for name, v in t.comm_s.items():
+                if name not in names:
+                    raise ContractError(source, f"times[{i}].comm_s.{name}", f"unknown link; links are {names}")
+                if v < 0:
+                    raise ContractError(source, f"times[{i}].comm_s.{name}", f"expected >= 0, got {v}")
+            for name in names:
+                if name not in t.comm_s and self.links[names.index(name)].beta_s_per_byte == 0 \
+                        and self.links[names.index(name)].alpha_s == 0:
+                    raise ContractError(
+                        source, f"times[{i}].comm_s.{name}",
+                        "missing, and the link has no fitted alpha/beta to fall back on",
+                    )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "deft.profile",
+            "schema": SCHEMA_VERSION,
+            "model": self.model,
+            "source": self.source,
+            "world_size": self.world_size,
+            "versions": dict(self.versions),
+            "links": [
+                {"name": k.name, "backend": k.backend, "ifname": k.ifname,
+                 "alpha_s": k.alpha_s, "beta_s_per_byte": k.beta_s_per_byte}
+                for k in self.links
+            ],
+            "buckets": [
+                {"id": b.id, "params": list(b.params), "numel": b.numel, "nbytes": b.nbytes,
+                 "forward_s": t.forward_s, "backward_s": t.backward_s, "comm_s": dict(t.comm_s)}
+                for b, t in zip(self.buckets, self.times, strict=True)
+            ],
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any], source: str = "<dict>") -> Profile:
+        f = Fields(doc, source, "")
+        kind = f.str("kind")
+        if kind != "deft.profile":
+            raise f.error("kind", f"expected 'deft.profile', got {kind!r}")
+        schema = f.int("schema")
+        if schema != SCHEMA_VERSION:
+            raise f.error("schema", f"this deft reads schema {SCHEMA_VERSION}, file has {schema}")
+        links = []
+        for lf in f.items("links"):
+            links.append(Link(
+                name=lf.str("name"), backend=lf.str("backend", choices=BACKENDS), ifname=lf.opt_str("ifname"),
+                alpha_s=lf.float("alpha_s", 0.0), beta_s_per_byte=lf.float("beta_s_per_byte", 0.0),
+            ))
+        buckets, times = [], []
+        for bf in f.items("buckets"):
+            params = bf.list("params", [])
+            if not all(isinstance(p, str) for p in params):
+                raise bf.error("params", "expected a list of parameter names")
+            buckets.append(Bucket(id=bf.int("id", minimum=0), params=tuple(params),
+                                  numel=bf.int("numel", minimum=0), nbytes=bf.int("nbytes", minimum=0)))
+            comm = bf.sub("comm_s") if "comm_s" in bf.doc else None
+            comm_s = {k: comm.float(k) for k in comm.doc} if comm is not None else {}
+            times.append(BucketTimes(forward_s=bf.float("forward_s"), backward_s=bf.float("backward_s"),
+                                     comm_s=comm_s))
+        versions = f.dict("versions", {})
+        prof = object.__new__(cls)
+        object.__setattr__(prof, "buckets", tuple(buckets))
+        object.__setattr__(prof, "times", tuple(times))
+        object.__setattr__(prof, "links", tuple(links))
+        object.__setattr__(prof, "world_size", f.int("world_size", minimum=1))
+        object.__setattr__(prof, "source", f.str("source", choices=SOURCES))
+        object.__setattr__(prof, "versions", {str(k): str(v) for k, v in versions.items()})
+        object.__setattr__(prof, "model", f.str("model", ""))
+        object.__setattr__(prof, "meta", f.dict("meta", {}))
+        prof.validate(source)
+        return prof
+
+    def save(self, path: str | Path) -> None:
+        write_json(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        return cls.from_dict(read_json(path, "profile"), str(path))
+
+    def digest(self) -> str:
+        """Stable hash of the content (sha256 of canonical JSON), used to tie a schedule to its profile."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,418 @@
+"""Per-bucket times from Nsight Systems SQLite exports (``nsys export --type sqlite``): tidy tables.
+
+Schema used (as in the real export ``nsys_2gpu_sendrecv.sqlite``, export schema 3.25)
+-------------------------------------------------------------------------------------
+* ``CUPTI_ACTIVITY_KIND_KERNEL``: ``start``/``end`` (ns), ``deviceId``, ``streamId``,
+  ``correlationId``, ``globalPid``, ``shortName``/``demangledName`` (ids into ``StringIds``).
+* ``CUPTI_ACTIVITY_KIND_RUNTIME``: the CUDA API calls (``nameId``, ``globalTid``, ``correlationId``).
+  A kernel's launch is the runtime call with the same ``correlationId`` *in the same process*:
+  correlation ids restart in every process, so the join key is ``(correlationId, pid)`` with
+  ``pid = (globalTid >> 24) & 0xFFFFFF`` (nsys' serialized GlobalId: hw/vm ids, pid, tid).
+* ``NVTX_EVENTS``: ``eventType`` 59 (push/pop range), 60 (start/end range), 34 (mark), 75 (domain
+  create: ``text`` names ``domainId``); the message is ``text`` or, for registered strings,
+  ``StringIds[textId]``.
+* ``PROCESSES`` (``globalPid``, ``pid``, ``name``), ``StringIds``, ``META_DATA_EXPORT``.
+
+NCCL activity is every kernel named ``ncclKernel_*`` / ``ncclDevKernel_*`` (the collective is the
+next token: ``AllReduce``, ``SendRecv``, ...) plus the NVTX ranges NCCL itself emits (``ncclAllReduce``,
+``ncclSend``, ...).
+
+Bucket times (:func:`load`) come from deft's NVTX ranges (:mod:`deft.profiler.nvtx`): per rank
+(process) and iteration, a ``deft/fwd`` or ``deft/bwd`` range's time is the GPU span
+``[first start, last end]`` of the compute kernels launched inside it (its CPU duration if it launched
+none), and a ``deft/comm`` range's time is the span of the NCCL kernels launched inside it (its CPU
+duration if none: a gloo link, whose completion nsys cannot see). Each bucket then takes the median
+over iterations per rank and the maximum over ranks (the slowest rank gates a synchronous
+all-reduce). Sizes come from ``deft/bucket/...`` marks (:func:`deft.profiler.nvtx.mark_layout`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import re
+import sqlite3
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deft.errors import TraceError
+from deft.profile import Bucket, BucketTimes, Link, Profile
+from deft.profiler.nvtx import RangeName, parse_layout_name, parse_range_name
+from deft.profiler.tables import format_table, median
+
+NS = 1e-9
+PUSH_POP, START_END, MARK, DOMAIN_CREATE = 59, 60, 34, 75
+_NCCL_KERNEL_RE = re.compile(r"nccl(?:Dev)?Kernel_([A-Za-z]+)")
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+_NSYS_MARKERS = ("META_DATA_EXPORT", "ENUM_NSYS_EVENT_TYPE", "TARGET_INFO_SESSION_START_TIME", "ThreadNames")
+
+
+def _pid(global_id: int | None) -> int | None:
+    return None if global_id is None else (global_id >> 24) & 0xFFFFFF
+
+
+def _tid(global_tid: int | None) -> int | None:
+    return None if global_tid is None else global_tid & 0xFFFFFF
+
+
+# -- opening -----------------------------------------------------------------------------------------
+class Export:
+    """A read-only connection to one nsys SQLite export, with its table list and string table."""
+
+    def __init__(self, path: str | Path) -> None:
+        p = Path(path)
+        self.path = str(p)
+        try:
+            with p.open("rb") as f:
+                head = f.read(len(_SQLITE_MAGIC))
+        except FileNotFoundError:
+            raise TraceError(self.path, "no such nsys export file") from None
+        except OSError as e:
+            raise TraceError(self.path, f"cannot read nsys export: {e}") from None
+        if head != _SQLITE_MAGIC:
+            raise TraceError(self.path, "not an SQLite file; expected an `nsys export --type sqlite` file "
+                                        "(a .nsys-rep must be exported first)")
+        try:
+            self.db = sqlite3.connect(f"file:{p.resolve()}?mode=ro", uri=True)
+            self.tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        except sqlite3.DatabaseError as e:
+            raise TraceError(self.path, f"corrupt SQLite file ({e})") from None
+        if "StringIds" not in self.tables or not any(t in self.tables for t in _NSYS_MARKERS):
+            listed = ", ".join(sorted(self.tables)[:12]) or "none"
+            raise TraceError(self.path, "an SQLite file but not an nsys export: no StringIds / META_DATA_EXPORT / "
+                                        f"ENUM_NSYS_EVENT_TYPE tables (tables: {listed})")
+        self.strings: dict[int, str] = dict(self.db.execute("SELECT id, value FROM StringIds"))
+
+    def has(self, table: str) -> bool:
+        return table in self.tables
+
+    def rows(self, sql: str) -> list[tuple[Any, ...]]:
+        try:
+            return self.db.execute(sql).fetchall()
+        except sqlite3.DatabaseError as e:
+            raise TraceError(self.path, f"unexpected nsys schema ({e}) in query: {sql.split()[0:6]}") from None
+
+    def columns(self, table: str) -> set[str]:
+        return {r[1] for r in self.db.execute(f'PRAGMA table_info("{table}")')}
+
+    def close(self) -> None:
+        self.db.close()
+
+    def __enter__(self) -> Export:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _open(path: str | Path | Export) -> tuple[Export, bool]:
+    return (path, False) if isinstance(path, Export) else (Export(path), True)
+
+
+# -- tidy tables -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Kernel:
+    """One GPU kernel and (when the export has it) the runtime call that launched it; times in ns."""
+
+    pid: int | None
+    device: int
+    stream: int
+    start_ns: int
+    end_ns: int
+    name: str
+    correlation: int | None
+    launch_tid: int | None
+    launch_api: str | None
+    launch_ns: int | None
+
+    @property
+    def dur_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+    @property
+    def nccl_op(self) -> str | None:
+        m = _NCCL_KERNEL_RE.match(self.name)
+        return m[1] if m else None
+
+
+def kernels(path: str | Path | Export) -> list[Kernel]:
+    """All kernels, each joined to its launching runtime call on ``(correlationId, pid)``."""
+    ex, own = _open(path)
+    try:
+        if not ex.has("CUPTI_ACTIVITY_KIND_KERNEL"):
+            raise TraceError(ex.path, "export holds no CUDA kernels (no CUPTI_ACTIVITY_KIND_KERNEL table; "
+                                      "capture with `nsys profile --trace=cuda,nvtx`)")
+        launch: dict[tuple[int | None, int], tuple[int, str, int]] = {}
+        if ex.has("CUPTI_ACTIVITY_KIND_RUNTIME"):
+            for start, gtid, corr, name_id in ex.rows(
+                    "SELECT start, globalTid, correlationId, nameId FROM CUPTI_ACTIVITY_KIND_RUNTIME "
+                    "WHERE correlationId IS NOT NULL"):
+                launch[(_pid(gtid), corr)] = (_tid(gtid), ex.strings.get(name_id, "?"), start)
+        out = []
+        for start, end, dev, stream, corr, gpid, short in ex.rows(
+                "SELECT start, end, deviceId, streamId, correlationId, globalPid, shortName "
+                "FROM CUPTI_ACTIVITY_KIND_KERNEL ORDER BY start"):
+            pid = _pid(gpid)
+            tid, api, lts = launch.get((pid, corr), (None, None, None))
+            out.append(Kernel(pid, dev, stream, start, end, ex.strings.get(short, f"<string {short}>"), corr,
+                              tid, api, lts))
+        return out
+    finally:
+        if own:
+            ex.close()
+
+
+@dataclass(frozen=True)
+class NvtxRange:
+    """One NVTX range or mark (``end_ns is None`` for marks); ``deft`` is its parsed deft name."""
+
+    pid: int | None
+    tid: int | None
+    kind: str          # "push_pop" | "start_end" | "mark"
+    start_ns: int
+    end_ns: int | None
+    text: str
+    domain: str | None
+    deft: RangeName | None
+
+    @property
+    def dur_ns(self) -> int:
+        return (self.end_ns - self.start_ns) if self.end_ns is not None else 0
+
+
+def nvtx_ranges(path: str | Path | Export) -> list[NvtxRange]:
+    """NVTX push/pop (59) and start/end (60) ranges and marks (34), text resolved through StringIds."""
+    ex, own = _open(path)
+    try:
+        if not ex.has("NVTX_EVENTS"):
+            return []
+        cols = ex.columns("NVTX_EVENTS")
+        text_id = "textId" if "textId" in cols else "NULL"
+        domain_id = "domainId" if "domainId" in cols else "NULL"
+        rows = ex.rows(f"SELECT start, end, eventType, text, {text_id}, globalTid, {domain_id} FROM NVTX_EVENTS "
+                       f"WHERE eventType IN ({PUSH_POP}, {START_END}, {MARK}, {DOMAIN_CREATE}) ORDER BY start")
+        domains = {d: t for _, _, et, t, _, _, d in rows if et == DOMAIN_CREATE and t}
+        kinds = {PUSH_POP: "push_pop", START_END: "start_end", MARK: "mark"}
+        out = []
+        for start, end, et, text, tid_, gtid, dom in rows:
+            if et == DOMAIN_CREATE:
+                continue
+            msg = text if text is not None else ex.strings.get(tid_, "") if tid_ is not None else ""
+            out.append(NvtxRange(_pid(gtid), _tid(gtid), kinds[et], start, end if et != MARK else None, msg,
+                                 domains.get(dom) if dom else None, parse_range_name(msg)))
+        return out
+    finally:
+        if own:
+            ex.close()
+
+
+@dataclass(frozen=True)
+class NcclActivity:
+    """One piece of NCCL activity: a kernel on a GPU stream, or an NVTX range NCCL emitted on a thread."""
+
+    source: str        # "kernel" | "nvtx"
+    pid: int | None
+    where: str         # "dev{d}/stream{s}" or "tid{t}"
+    op: str            # AllReduce, SendRecv, Broadcast, ... / ncclAllReduce, ncclSend, ...
+    start_ns: int
+    end_ns: int
+    name: str
+
+    @property
+    def dur_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+def nccl_activity(path: str | Path | Export) -> list[NcclActivity]:
+    """NCCL kernels (``ncclKernel_*``, ``ncclDevKernel_*``) and NCCL's own NVTX ranges, by start time."""
+    ex, own = _open(path)
+    try:
+        out = [NcclActivity("kernel", k.pid, f"dev{k.device}/stream{k.stream}", k.nccl_op or "?", k.start_ns,
+                            k.end_ns, k.name) for k in kernels(ex) if k.nccl_op is not None]
+        for r in nvtx_ranges(ex):
+            if r.text.startswith("nccl") and r.end_ns is not None:
+                out.append(NcclActivity("nvtx", r.pid, f"tid{r.tid}", r.text.split(",")[0], r.start_ns, r.end_ns,
+                                        r.text))
+        return sorted(out, key=lambda a: a.start_ns)
+    finally:
+        if own:
+            ex.close()
+
+
+def summary(path: str | Path | Export) -> dict[str, Any]:
+    """What the export holds: processes, kernels (NCCL by collective), NVTX ranges, deft ranges."""
+    ex, own = _open(path)
+    try:
+        ks = kernels(ex) if ex.has("CUPTI_ACTIVITY_KIND_KERNEL") else []
+        rs = nvtx_ranges(ex)
+        procs = dict(ex.rows("SELECT pid, name FROM PROCESSES")) if ex.has("PROCESSES") else {}
+        gpu_pids = sorted({k.pid for k in ks if k.pid is not None})
+        meta = dict(ex.rows("SELECT name, value FROM META_DATA_EXPORT")) if ex.has("META_DATA_EXPORT") else {}
+        nccl = [k for k in ks if k.nccl_op is not None]
+        top = Counter(r.text.split(",")[0] for r in rs if r.end_ns is not None).most_common(8)
+        return {
+            "file": ex.path,
+            "nsys_version": meta.get("EXPORT_PRODUCT_VERSION"),
+            "export_schema": meta.get("EXPORT_SCHEMA_VERSION"),
+            "gpu_processes": {pid: procs.get(pid, "?") for pid in gpu_pids},
+            "devices": sorted({k.device for k in ks}),
+            "kernels": len(ks),
+            "kernels_launch_joined": sum(1 for k in ks if k.launch_api is not None),
+            "kernel_time_ms": sum(k.dur_ns for k in ks) * 1e-6,
+            "nccl_kernels": dict(Counter(k.nccl_op for k in nccl)),
+            "nccl_kernel_time_ms": sum(k.dur_ns for k in nccl) * 1e-6,
+            "nvtx_ranges": sum(1 for r in rs if r.end_ns is not None),
+            "nvtx_marks": sum(1 for r in rs if r.end_ns is None),
+            "nvtx_top": dict(top),
+            "deft_ranges": sum(1 for r in rs if r.deft is not None),
+            "span_ms": (max(k.end_ns for k in ks) - min(k.start_ns for k in ks)) * 1e-6 if ks else 0.0,
+        }
+    finally:
+        if own:
+            ex.close()
+
+
+# -- per-bucket times ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BucketRange:
+    """One deft range of one rank, with the time it is charged (seconds) and where that came from."""
+
+    pid: int | None
+    kind: str
+    bucket: int
+    iteration: int
+    link: str | None
+    seconds: float
+    source: str        # "gpu_kernels" | "nccl_kernels" | "nvtx_cpu"
+
+
+def bucket_ranges(path: str | Path | Export) -> list[BucketRange]:
+    """Every deft range with its charged time (see the module docstring)."""
+    ex, own = _open(path)
+    try:
+        ks = kernels(ex)
+        by_thread: dict[tuple[int | None, int | None], list[tuple[int, Kernel]]] = defaultdict(list)
+        for k in ks:
+            if k.launch_ns is not None:
+                by_thread[(k.pid, k.launch_tid)].append((k.launch_ns, k))
+        for lst in by_thread.values():
+            lst.sort(key=lambda x: x[0])
+        out = []
+        for r in nvtx_ranges(ex):
+            if r.deft is None or r.end_ns is None:
+                continue
+            lst = by_thread.get((r.pid, r.tid), [])
+            lo = bisect.bisect_left(lst, r.start_ns, key=lambda x: x[0])
+            hi = bisect.bisect_right(lst, r.end_ns, key=lambda x: x[0])
+            inside = [k for _, k in lst[lo:hi]]
+            want_nccl = r.deft.kind == "comm"
+            sel = [k for k in inside if (k.nccl_op is not None) == want_nccl]
+            if sel:
+                secs = (max(k.end_ns for k in sel) - min(k.start_ns for k in sel)) * NS
+                src = "nccl_kernels" if want_nccl else "gpu_kernels"
+            else:
+                secs, src = r.dur_ns * NS, "nvtx_cpu"
+            out.append(BucketRange(r.pid, r.deft.kind, r.deft.bucket, r.deft.iteration, r.deft.link, secs, src))
+        return out
+    finally:
+        if own:
+            ex.close()
+
+
+def load(path: str | Path, world_size: int | None = None) -> Profile:
+    """A :class:`deft.Profile` (source ``"nsys"``) from deft's NVTX ranges in an nsys export.
+
+    ``world_size`` defaults to the number of processes that recorded deft ranges (an export of one
+    node sees only that node's ranks: pass the real world size for multi-node runs).
+    """
+    ex = Export(path)
+    try:
+        ranges = bucket_ranges(ex)
+        if not ranges:
+            s = summary(ex)
+            nccl = ", ".join(f"{op} x{n}" for op, n in s["nccl_kernels"].items()) or "none"
+            top = ", ".join(f"{t!r} x{n}" for t, n in list(s["nvtx_top"].items())[:5]) or "none"
+            raise TraceError(ex.path, "holds no deft bucket ranges ('deft/fwd|bwd|comm/...' NVTX ranges from a deft "
+                                      f"run); it holds {s['kernels']} kernels on devices {s['devices']}, NCCL "
+                                      f"kernels: {nccl}; {s['nvtx_ranges']} NVTX ranges, most common: {top}")
+        layout = {}
+        for r in nvtx_ranges(ex):
+            parsed = parse_layout_name(r.text)
+            if parsed is not None:
+                layout[parsed[0]] = (parsed[1], parsed[2])
+        nccl_links = {r.link for r in ranges if r.kind == "comm" and r.source == "nccl_kernels"}
+    finally:
+        ex.close()
+    pids = sorted({r.pid for r in ranges}, key=lambda p: -1 if p is None else p)
+    n = max(r.bucket for r in ranges) + 1
+    links = sorted({r.link for r in ranges if r.kind == "comm" and r.link}, key=lambda x: (x != "primary", x))
+    if not links:
+        raise TraceError(str(path), "has deft forward/backward ranges but no deft/comm ranges: no communication "
+                                    "time per bucket")
+
+    def per_rank(pid: int | None, kind: str, b: int, link: str | None = None) -> float | None:
+        per_it: dict[int, float] = defaultdict(float)
+        for r in ranges:
+            if r.pid == pid and r.kind == kind and r.bucket == b and (link is None or r.link == link):
+                per_it[r.iteration] += r.seconds
+        return median(list(per_it.values())) if per_it else None
+
+    def reduce(kind: str, b: int, link: str | None = None) -> float | None:
+        vals = [v for v in (per_rank(p, kind, b, link) for p in pids) if v is not None]
+        return max(vals) if vals else None
+
+    times, missing = [], []
+    for b in range(n):
+        comm = {lk: v for lk in links if (v := reduce("comm", b, lk)) is not None}
+        if set(comm) != set(links):
+            missing.append(b)
+        times.append(BucketTimes(forward_s=reduce("fwd", b) or 0.0, backward_s=reduce("bwd", b) or 0.0, comm_s=comm))
+    if missing:
+        raise TraceError(str(path), f"buckets {missing} have no deft/comm range on every link ({', '.join(links)})")
+    sizes_known = all(b in layout for b in range(n))
+    buckets = tuple(Bucket(id=b, params=(f"<unknown: bucket {b} of the nsys export>",),
+                           numel=layout.get(b, (0, 0))[0], nbytes=layout.get(b, (0, 0))[1]) for b in range(n))
+    return Profile(
+        buckets=buckets, times=tuple(times),
+        links=tuple(Link(name=lk, backend="nccl" if lk in nccl_links else "gloo") for lk in links),
+        world_size=world_size or max(1, len(pids)), source="nsys", model=Path(path).name,
+        meta={"export": str(path), "ranks_pids": pids, "reduction": "median over iterations per rank, max over ranks",
+              "params_known": False, "sizes_known": sizes_known,
+              "note": "NVTX ranges carry no parameter names; sizes come from deft/bucket marks"
+                      + ("" if sizes_known else " (absent for some buckets: numel/nbytes 0 there)")},
+    )
+
+
+# -- command line -----------------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m deft.profiler.nsys EXPORT.sqlite``: summary, NCCL activity, NVTX ranges, the profile."""
+    ap = argparse.ArgumentParser(prog="python -m deft.profiler.nsys", description=main.__doc__)
+    ap.add_argument("export")
+    ap.add_argument("--limit", type=int, default=15, help="rows per table")
+    ap.add_argument("--out", help="write the profile JSON here (needs deft ranges)")
+    args = ap.parse_args(argv)
+    try:
+        with Export(args.export) as ex:
+            for k, v in summary(ex).items():
+                print(f"{k}: {v}")
+            print("\n# NCCL activity")
+            print(format_table(nccl_activity(ex)[: args.limit], ["source", "pid", "where", "op", "start_ns", "dur_ns"]))
+            print("\n# NVTX ranges")
+            print(format_table(nvtx_ranges(ex)[: args.limit], ["pid", "tid", "kind", "start_ns", "dur_ns", "text"]))
+        prof = load(args.export)
+    except TraceError as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 2
+    for b, t in zip(prof.buckets, prof.times, strict=True):
+        print(b.id, b.numel, t.forward_s, t.backward_s, t.comm_s)
+    if args.out:
+        prof.save(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,404 @@
+"""The executor: runs a cyclic :class:`~deft.schedule.Schedule` on real buckets and real links.
+
+Iteration ``t`` (counted from 0 over training iterations only) sits at position
+``p = (t - t0) % cycle`` of the schedule installed at iteration ``t0``. Its gradient is added into the
+flat buffers of its *update group instance*, named by the global index of the group's last iteration
+``last = t - p + updates[group_of(p)].last``. The buffers of a group instance therefore hold the local
+sum of the gradients of its ``k`` iterations (the paper's future task queue, merged); the instances
+whose buckets are being sent are the current task queue.
+
+Launch rules (every rank executes the same ones, so each link sees the same collectives in the same
+order everywhere):
+
+* forward stage of ``t``: at forward start, launch ``stage(p, "forward").comms`` (all ``origin >= 1``:
+  their group finished, nothing to wait for);
+* backward stage of ``t``: at the first gradient of the backward, queue ``stage(p, "backward").comms``;
+  a task of ``origin == 0`` becomes ready when its bucket's gradient of this iteration is complete, an
+  ``origin >= 1`` task is ready at once; per link, a task launches only after every task listed before
+  it on that link (strict listed order);
+* at the end of backward, parameters that got no gradient count as zero contribution, completing every
+  bucket, and whatever remains is launched; a group instance that ends with ``t`` also launches the
+  all-reduce of its *used map* (how many iterations each parameter got a gradient, torch DDP's
+  ``find_unused_parameters`` bookkeeping) on the primary link, so that a parameter no rank used in any
+  merged iteration keeps ``grad = None`` as under torch DDP.
+
+A task whose group instance ends before ``t0`` (the cycle that ran before this schedule) is skipped, as
+is its update: those gradients were applied by the previous schedule.
+
+Waiting happens only in :meth:`Executor.take_update` (and :meth:`Executor.drain`), i.e. where the
+update's averaged gradient is needed. Every wait is bounded by ``timeout_s`` and a failure becomes a
+:class:`~deft.errors.CommunicationError` naming this rank, the link and the collective.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from deft.errors import CommunicationError, DeftError
+from deft.profiler import nvtx
+from deft.runtime.buckets import FlatLayout
+from deft.runtime.links import CommLink
+from deft.schedule import CommTask, Schedule
+
+
+@dataclass
+class Pending:
+    """One launched collective and what it was, for error messages."""
+
+    work: Any
+    link: str
+    what: str
+
+
+@dataclass
+class GroupInstance:
+    """The merged local gradient of one update group instance and its collectives in flight."""
+
+    last: int
+    k: int
+    iterations: list[int]
+    buffers: dict[torch.dtype, torch.Tensor]
+    used: torch.Tensor  # int32, one count per trainable parameter
+    launched: set[int] = field(default_factory=set)
+    used_launched: bool = False
+    pending: list[Pending] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        """All ``k`` iterations have contributed."""
+        return len(self.iterations) == self.k
+
+
+@dataclass
+class Update:
+    """An update ready to apply: averaged gradients per parameter (None: no rank used it)."""
+
+    iterations: tuple[int, ...]
+    grads: list[torch.Tensor | None]
+
+
+class Executor:
+    """Launches the scheduled collectives of each stage and assembles the due updates."""
+
+    def __init__(self, params: list[torch.Tensor], links: dict[str, CommLink], rank: int, world: int,
+                 timeout_s: float, device: torch.device) -> None:
+        self.params = params
+        self.links = links
+        self.primary = next(iter(links))
+        self.rank = rank
+        self.world = world
+        self.timeout = timedelta(seconds=timeout_s)
+        self.device = device
+        self.schedule: Schedule | None = None
+        self.layout: FlatLayout | None = None
+        self.t0 = 0
+        self.groups: dict[int, GroupInstance] = {}
+        self._pool: list[dict[torch.dtype, torch.Tensor]] = []
+        # Per-iteration state.
+        self.t = -1
+        self.in_backward = False
+        self.backward_done = False
+        self._captured: list[bool] = []  # gradient of this iteration complete (bucket readiness)
+        self._touched: list[bool] = []   # got any gradient this iteration (the used map)
+        self._bucket_missing: list[int] = []
+        self._queues: dict[str, deque[CommTask]] = {}
+        self._stage = ""
+        # Observers for the warm-up timing (no cost when unset).
+        self.on_bucket_ready: Callable[[int], None] | None = None
+        self.on_launch: Callable[[int, str, list[torch.Tensor], list[Any], float, int], None] | None = None
+        # Trace ranges around each launch (deft.profiler.nvtx; free when no tool records). Off while
+        # the warm-up timer labels its own timed launches instead.
+        self.label_launches = True
+
+    # -- schedule ------------------------------------------------------------------------------
+    def install(self, schedule: Schedule, layout: FlatLayout, t0: int) -> None:
+        """Run ``schedule`` from iteration ``t0`` on; no group instance may be pending."""
+        if self.groups:
+            raise DeftError("internal: a schedule can only be installed when no update is pending")
+        missing = [n for n in schedule.links if n not in self.links]
+        if missing:
+            raise DeftError(f"the schedule uses link(s) {missing} that the config does not define "
+                            f"(config links: {list(self.links)})")
+        if tuple(layout.bucket_numel) != tuple(schedule.bucket_numel):
+            raise DeftError("internal: layout and schedule disagree on the buckets")
+        if self.layout is None or self.layout.dtype_numel != layout.dtype_numel:
+            self._pool.clear()
+        self.schedule, self.layout, self.t0 = schedule, layout, t0
+
+    def position(self, t: int) -> int:
+        assert self.schedule is not None
+        return (t - self.t0) % self.schedule.cycle
+
+    def group_last(self, t: int) -> int:
+        """Global index of the last iteration of the group instance that iteration ``t`` belongs to."""
+        s = self.schedule
+        assert s is not None
+        p = self.position(t)
+        return t - p + s.updates[s.group_of(p)].last
+
+    # -- iteration -----------------------------------------------------------------------------
+    def begin_iteration(self, t: int) -> None:
+        """Forward start of iteration ``t``: open its group instance, launch the forward stage."""
+        s, lay = self.schedule, self.layout
+        assert s is not None and lay is not None
+        self.t = t
+        self.in_backward = self.backward_done = False
+        self._captured = [False] * len(self.params)
+        self._touched = [False] * len(self.params)
+        self._bucket_missing = [len(ps) for ps in lay.bucket_params]
+        last = self.group_last(t)
+        g = self.groups.get(last)
+        if g is None:
+            k = s.updates[s.group_of(self.position(t))].k
+            g = GroupInstance(last=last, k=k, iterations=[], buffers=self._buffers(),
+                              used=torch.zeros(len(self.params), dtype=torch.int32, device=self.device))
+            self.groups[last] = g
+        g.iterations.append(t)
+        self._start_stage("forward")
+
+    def begin_backward(self) -> None:
+        if self.in_backward or self.backward_done:
+            return
+        self.in_backward = True
+        self._start_stage("backward")
+        for b, missing in enumerate(self._bucket_missing):
+            if missing == 0:  # an empty bucket is ready at once
+                self._bucket_ready(b)
+        self._pump()
+
+    def add_grad(self, index: int, grad: torch.Tensor, final: bool = True) -> None:
+        """Accumulate parameter ``index``'s gradient of this iteration into its group's buffer.
+
+        ``final=False`` (a micro-batch under ``no_sync()``): only accumulate; the parameter's gradient
+        of this iteration is complete at the first backward outside ``no_sync()``.
+        """
+        if self.backward_done:
+            raise DeftError("deft runs one backward per iteration: a gradient arrived after the backward of "
+                            f"iteration {self.t} had ended (use ddp.no_sync() for micro-batches, and call "
+                            "optimizer.step() between iterations)")
+        if final:
+            self.begin_backward()
+        lay = self.layout
+        assert lay is not None
+        g = self.groups[self.group_last(self.t)]
+        if grad.is_sparse:
+            raise DeftError(f"parameter {lay.slots[index].name!r} has a sparse gradient; deft needs dense ones")
+        lay.param_view(g.buffers, index).add_(grad.reshape(-1))
+        if not self._touched[index]:
+            self._touched[index] = True
+            g.used[index] += 1
+        if final and not self._captured[index]:
+            self._captured[index] = True
+            self._param_complete(index)
+            self._pump()
+
+    def end_backward(self) -> None:
+        """Unused parameters count as zero; launch everything left of the backward stage."""
+        if self.backward_done:
+            return
+        self.begin_backward()
+        for i, done in enumerate(self._captured):
+            if not done:
+                self._captured[i] = True
+                self._param_complete(i)
+        self._pump()
+        left = {n: list(q) for n, q in self._queues.items() if q}
+        if left:
+            raise DeftError(f"internal: tasks {left} of iteration {self.t} could not be launched")
+        self.in_backward, self.backward_done = False, True
+        g = self.groups[self.group_last(self.t)]
+        if g.complete and not g.used_launched:
+            self._launch_used(g)
+
+    def next_unready(self) -> int | None:
+        """The lowest bucket of this iteration whose gradient is not complete yet (None: all are)."""
+        return next((b for b, m in enumerate(self._bucket_missing) if m > 0), None)
+
+    def _param_complete(self, index: int) -> None:
+        assert self.layout is not None
+        for b in self.layout.param_buckets[index]:
+            self._bucket_missing[b] -= 1
+            if self._bucket_missing[b] == 0:
+                self._bucket_ready(b)
+
+    def _bucket_ready(self, b: int) -> None:
+        if self.on_bucket_ready is not None:
+            self.on_bucket_ready(b)
+
+    # -- launching -----------------------------------------------------------------------------
+    def _start_stage(self, stage: str) -> None:
+        s = self.schedule
+        assert s is not None
+        self._stage = stage
+        self._queues = {n: deque() for n in s.links}
+        for task in s.stage(self.position(self.t), stage).comms:
+            self._queues[task.link].append(task)
+        self._pump()
+
+    def _ready(self, task: CommTask) -> bool:
+        if task.origin >= 1:
+            return True
+        return self._stage == "backward" and self.in_backward and self._bucket_missing[task.bucket] == 0
+
+    def _pump(self) -> None:
+        for name, q in self._queues.items():
+            while q and self._ready(q[0]):
+                self._launch(q.popleft(), name)
+
+    def _launch(self, task: CommTask, link_name: str) -> None:
+        last = self.t - task.origin
+        if last < self.t0:
+            return  # belongs to the cycle before this schedule; already applied
+        g = self.groups.get(last)
+        if g is None or not g.complete:
+            raise DeftError(f"internal: iteration {self.t} sends bucket {task.bucket} of the group ending at "
+                            f"iteration {last}, which is not complete")
+        if task.bucket in g.launched:
+            raise DeftError(f"internal: bucket {task.bucket} of the group ending at {last} sent twice")
+        assert self.layout is not None
+        link = self.links[link_name]
+        views = self.layout.bucket_views(g.buffers, task.bucket)
+        t_start = time.perf_counter()
+        tok = nvtx.push_range("comm", task.bucket, self.t, link_name, last) if self.label_launches else None
+        works = [link.all_reduce(v) for v in views]
+        nvtx.pop_range(tok)
+        what = (f"all-reduce of bucket {task.bucket} of the update merging iterations {g.iterations} "
+                f"(launched in the {self._stage} stage of iteration {self.t})")
+        g.pending.extend(Pending(w, link_name, what) for w in works)
+        g.launched.add(task.bucket)
+        if self.on_launch is not None:
+            self.on_launch(task.bucket, link_name, views, works, t_start, last)
+
+    def _launch_used(self, g: GroupInstance) -> None:
+        link = self.links[self.primary]
+        w = link.all_reduce(g.used)
+        g.pending.append(Pending(w, self.primary, f"all-reduce of the used-parameter map of the update merging "
+                                                  f"iterations {g.iterations}"))
+        g.used_launched = True
+
+    # -- waiting and updates -------------------------------------------------------------------
+    def wait(self, pending: Pending) -> None:
+        try:
+            pending.work.wait(timeout=self.timeout)
+        except Exception as e:  # gloo/NCCL raise RuntimeError or DistBackendError
+            raise CommunicationError(
+                f"rank {self.rank}: {pending.what} on link {pending.link!r} failed or timed out after "
+                f"at most {self.timeout.total_seconds():g} s: {e}. A peer rank probably died or stalled; "
+                "check the other ranks' logs.") from None
+
+    def _settle(self, g: GroupInstance) -> None:
+        for p in g.pending:
+            self.wait(p)
+        g.pending.clear()
+
+    def due(self, t: int) -> list[int]:
+        """Last-iteration keys of the group instances whose update is applied after the step of ``t``."""
+        s = self.schedule
+        assert s is not None
+        p = self.position(t)
+        keys = []
+        for gi, back in s.updates_due(p):
+            last = t - p + s.updates[gi].last - back * s.cycle
+            if last >= self.t0:
+                keys.append(last)
+        return keys
+
+    def take_update(self, last: int) -> Update:
+        """Wait for group instance ``last``'s collectives and return its averaged gradients."""
+        g = self.groups.pop(last)
+        assert self.layout is not None
+        n = self.layout.n_buckets
+        if len(g.launched) != n or not g.used_launched:
+            raise DeftError(f"internal: the update merging iterations {g.iterations} is due but only "
+                            f"{len(g.launched)} of {n} buckets were sent")
+        self._settle(g)
+        scale = 1.0 / (self.world * len(g.iterations))
+        grads: list[torch.Tensor | None] = []
+        used = g.used.tolist()  # one device sync, not one per parameter
+        for i, p in enumerate(self.params):
+            if used[i] == 0:
+                grads.append(None)
+            else:
+                grads.append(self.layout.param_view(g.buffers, i).view(p.shape).mul(scale))
+        self._release(g.buffers)
+        return Update(tuple(g.iterations), grads)
+
+    def drain(self) -> list[Update]:
+        """Send every bucket not yet sent (primary link, bucket order), wait, return all updates.
+
+        Used by ``flush()``: every rank calls it at the same point, so the launch order matches.
+        """
+        updates = []
+        for last in sorted(self.groups):
+            g = self.groups[last]
+            g.k = len(g.iterations)  # a group cut short merges the iterations it has
+            link = self.links[self.primary]
+            assert self.layout is not None
+            for b in range(self.layout.n_buckets):
+                if b not in g.launched:
+                    tok = nvtx.push_range("comm", b, max(self.t, 0), self.primary, last)
+                    works = [link.all_reduce(v) for v in self.layout.bucket_views(g.buffers, b)]
+                    nvtx.pop_range(tok)
+                    g.pending.extend(Pending(w, self.primary, f"flush all-reduce of bucket {b} of the update "
+                                                              f"merging iterations {g.iterations}") for w in works)
+                    g.launched.add(b)
+            if not g.used_launched:
+                self._launch_used(g)
+        for last in sorted(self.groups):
+            updates.append(self.take_update(last))
+        return updates
+
+    def settle_all(self) -> None:
+        """Wait for every collective in flight (before a checkpoint)."""
+        for g in self.groups.values():
+            self._settle(g)
+
+    # -- buffers -------------------------------------------------------------------------------
+    def _buffers(self) -> dict[torch.dtype, torch.Tensor]:
+        if self._pool:
+            bufs = self._pool.pop()
+            for b in bufs.values():
+                b.zero_()
+            return bufs
+        assert self.layout is not None
+        return self.layout.new_buffers(self.device)
+
+    def _release(self, bufs: dict[torch.dtype, torch.Tensor]) -> None:
+        self._pool.append(bufs)
+
+    # -- checkpoint ----------------------------------------------------------------------------
+    def group_states(self) -> list[dict[str, Any]]:
+        """Pending group instances as tensors and plain types (after :meth:`settle_all`)."""
+        out = []
+        for last in sorted(self.groups):
+            g = self.groups[last]
+            out.append({
+                "last": g.last, "k": g.k, "iterations": list(g.iterations),
+                "buffers": {str(d).removeprefix("torch."): b.detach().cpu().clone() for d, b in g.buffers.items()},
+                "used": g.used.detach().cpu().clone(), "launched": sorted(g.launched),
+                "used_launched": g.used_launched,
+            })
+        return out
+
+    def restore_groups(self, states: list[dict[str, Any]], source: str) -> None:
+        assert self.layout is not None
+        self.groups.clear()
+        for st in states:
+            bufs = self.layout.new_buffers(self.device)
+            saved = st["buffers"]
+            for d, b in bufs.items():
+                key = str(d).removeprefix("torch.")
+                if key not in saved or saved[key].shape != b.shape:
+                    raise DeftError(f"{source}: pending gradient buffer {key} does not match this model")
+                b.copy_(saved[key])
+            g = GroupInstance(last=int(st["last"]), k=int(st["k"]), iterations=[int(i) for i in st["iterations"]],
+                              buffers=bufs, used=st["used"].to(self.device, torch.int32).clone(),
+                              launched={int(b) for b in st["launched"]}, used_launched=bool(st["used_launched"]))
+            self.groups[g.last] = g

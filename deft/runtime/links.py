@@ -1,0 +1,99 @@
+"""Links: one process group per configured link, each optionally bound to its own NIC.
+
+* CUDA: the first link is NCCL (``NCCL_SOCKET_IFNAME`` selects its NIC), the others gloo. A gloo
+  all-reduce of a CUDA tensor is staged through pinned host memory by torch itself
+  (``AsyncAllreduceCUDAHostWork`` in torch/csrc/distributed/c10d/ProcessGroupGlooCuda.cpp): at launch
+  a side stream waits for the caller's stream and starts the device-to-host copy into a pinned
+  buffer; gloo's worker thread synchronizes that stream, all-reduces on the host and copies back on
+  the side stream, recording an event; ``Work.wait()`` makes the caller's stream wait for that event.
+  That is exactly the sequence this link needs (async D2H on a side stream, event sync, all-reduce,
+  H2D, stream ordering), tested by torch on GPUs, so deft passes CUDA tensors to the gloo group and
+  does not re-implement it. The executor waits on a work only where the result is needed, so the
+  caller's stream is ordered after the copy back exactly there.
+* CPU: every link is gloo. A link with ``ifname`` gets ``GLOO_SOCKET_IFNAME`` set right before its
+  ``dist.new_group`` (gloo reads the variable when it creates the group's transport device; pg_options
+  are ignored for gloo) and the previous value is restored afterwards.
+
+Every link is a *new* group created with ``timeout=config.timeout_s`` so that a dead or stalled peer
+fails a collective within the configured time. ``dist.new_group`` is collective: every rank of the
+default group must build the links in the same order (the config digest check runs first).
+
+Counters (``calls``, ``bytes``) per link let tests and reports prove that each link carried traffic.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deft.config import DeftConfig, LinkConfig
+
+
+@dataclass
+class LinkStats:
+    calls: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class CommLink:
+    """A named process group and its traffic counters."""
+
+    name: str
+    backend: str
+    ifname: str | None
+    group: Any
+    stats: LinkStats = field(default_factory=LinkStats)
+
+    def all_reduce(self, tensor: torch.Tensor) -> Any:
+        """Launch an asynchronous sum all-reduce of ``tensor`` in place; returns the Work."""
+        self.stats.calls += 1
+        self.stats.bytes += tensor.numel() * tensor.element_size()
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+
+def link_backend(cfg: LinkConfig, index: int, cuda: bool) -> str:
+    """``auto`` means NCCL for the first link on CUDA, gloo otherwise."""
+    if cfg.backend != "auto":
+        if cfg.backend == "nccl" and not cuda:
+            return "gloo"  # NCCL cannot run on CPU tensors; on a CPU run the link degrades to gloo
+        return cfg.backend
+    return "nccl" if (cuda and index == 0) else "gloo"
+
+
+def _new_group(backend: str, ifname: str | None, timeout_s: float, ranks: Sequence[int] | None) -> Any:
+    var = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
+    previous = os.environ.get(var)
+    if ifname:
+        os.environ[var] = ifname
+    try:
+        return dist.new_group(ranks=list(ranks) if ranks is not None else None, backend=backend,
+                              timeout=timedelta(seconds=timeout_s))
+    finally:
+        # NCCL creates its communicator lazily at the first collective and reads the variable then,
+        # so the NCCL link keeps it; gloo has bound its device inside new_group.
+        if ifname and backend != "nccl":
+            if previous is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = previous
+
+
+def make_control_group(config: DeftConfig, ranks: Sequence[int] | None) -> Any:
+    """A CPU gloo group for deft's own small messages (digests, schedule JSON, profile reduction)."""
+    return _new_group("gloo", None, config.timeout_s, ranks)
+
+
+def make_links(config: DeftConfig, cuda: bool, ranks: Sequence[int] | None) -> dict[str, CommLink]:
+    links: dict[str, CommLink] = {}
+    for i, lk in enumerate(config.links):
+        backend = link_backend(lk, i, cuda)
+        links[lk.name] = CommLink(lk.name, backend, lk.ifname,
+                                  _new_group(backend, lk.ifname, config.timeout_s, ranks))
+    return links

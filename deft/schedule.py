@@ -1,0 +1,288 @@
+"""The schedule: a cyclic plan of which bucket is all-reduced when, on which link (DESIGN.md section 3).
+
+Vocabulary
+----------
+* The schedule repeats every ``cycle`` iterations; *position* ``p`` in ``0..cycle-1`` is an iteration's
+  place in the cycle, and every iteration has two *stages*, ``forward`` then ``backward``.
+* The gradients of the iterations of one cycle are partitioned into *update groups* of consecutive
+  positions (:class:`Update`). A group of ``k`` iterations is merged (averaged, as gradient
+  accumulation does: batch ``k*B``) and applied as one optimizer step; ``K = k_1..k_m`` is the paper's
+  batch-size sequence.
+* A :class:`CommTask` all-reduces one bucket of one group on one link. ``origin`` says which group:
+  the group whose *last* iteration is ``origin`` iterations before the current one (``origin == 0``:
+  the group ends with this iteration, so in backward the task waits until the bucket's gradient is
+  ready; in forward ``origin >= 1`` always).
+
+Invariants (checked by :meth:`Schedule.validate`)
+-------------------------------------------------
+1. Every bucket of every group is communicated exactly once per cycle, after all the group's
+   gradients exist (never in the forward stage of the group's last iteration or before).
+2. An update is applied after the optimizer step of position ``apply_after`` (may be ``>= cycle``:
+   then in the next cycle), no earlier than the end of the stage of its group's last communication
+   and within one cycle of the group's last iteration; updates are applied in group order.
+3. The launch order on each link is the order of ``comms`` in each stage, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deft._json import Fields, read_json, write_json
+from deft.errors import ContractError
+
+SCHEMA_VERSION = 1
+STAGES = ("forward", "backward")
+
+
+@dataclass(frozen=True)
+class CommTask:
+    """All-reduce ``bucket`` of the group that ended ``origin`` iterations ago, on ``link``."""
+
+    bucket: int
+    origin: int
+    link: str
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """The communications launched in one stage of one cycle position, in launch order."""
+
+    position: int
+    stage: str
+    comms: tuple[CommTask, ...] = ()
+
+
+@dataclass(frozen=True)
+class Update:
+    """One optimizer step: merges the gradients of ``positions`` and is applied after ``apply_after``."""
+
+    positions: tuple[int, ...]
+    apply_after: int
+
+    @property
+    def k(self) -> int:
+        return len(self.positions)
+
+    @property
+    def last(self) -> int:
+        return self.positions[-1]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A cyclic DeFT plan; see the module docstring for the invariants."""
+
+    cycle: int
+    links: tuple[str, ...]
+    bucket_numel: tuple[int, ...]
+    bucket_nbytes: tuple[int, ...]
+    stages: tuple[StagePlan, ...]
+    updates: tuple[Update, ...]
+    predicted_iteration_s: float = 0.0
+    predicted_bubble_ratio: float = 0.0
+    profile_digest: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate("<schedule>")
+
+    # -- derived views -------------------------------------------------------------------------
+    @property
+    def n_buckets(self) -> int:
+        return len(self.bucket_numel)
+
+    @property
+    def batch_sequence(self) -> tuple[int, ...]:
+        """The paper's K = k_1..k_m: how many iterations each update merges."""
+        return tuple(u.k for u in self.updates)
+
+    @property
+    def updates_per_iteration(self) -> float:
+        return len(self.updates) / self.cycle
+
+    def stage(self, position: int, stage: str) -> StagePlan:
+        return self.stages[2 * (position % self.cycle) + STAGES.index(stage)]
+
+    def group_of(self, position: int) -> int:
+        """Index of the update group that position ``position`` (mod cycle) belongs to."""
+        p = position % self.cycle
+        for g, u in enumerate(self.updates):
+            if p in u.positions:
+                return g
+        raise AssertionError("validated schedules cover every position")
+
+    def updates_due(self, position: int) -> list[tuple[int, int]]:
+        """(group index, cycles back) of the updates applied after the optimizer step at ``position``.
+
+        ``cycles back`` is 0 when the group belongs to the current cycle and 1 when it belongs to the
+        previous one (``apply_after >= cycle``).
+        """
+        p = position % self.cycle
+        due = []
+        for g, u in enumerate(self.updates):
+            if u.apply_after == p:
+                due.append((g, 0))
+            elif u.apply_after == p + self.cycle:
+                due.append((g, 1))
+        return sorted(due, key=lambda gc: (-gc[1], gc[0]))
+
+    # -- validation ----------------------------------------------------------------------------
+    def validate(self, source: str) -> None:
+        n, c = self.n_buckets, self.cycle
+        if c < 1:
+            raise ContractError(source, "cycle", f"expected >= 1, got {c}")
+        if n < 1 or len(self.bucket_nbytes) != n:
+            raise ContractError(source, "bucket_nbytes", "expected one entry per bucket of bucket_numel")
+        if not self.links:
+            raise ContractError(source, "links", "expected at least one link")
+        if len(self.stages) != 2 * c:
+            raise ContractError(source, "stages",
+                                f"expected {2 * c} stage plans (2 per position), got {len(self.stages)}")
+        for i, sp in enumerate(self.stages):
+            if sp.position != i // 2 or sp.stage != STAGES[i % 2]:
+                raise ContractError(source, f"stages[{i}]", f"expected position {i // 2} stage {STAGES[i % 2]}")
+        covered = sorted(p for u in self.updates for p in u.positions)
+        if covered != list(range(c)):
+            raise ContractError(source, "updates", f"positions of the update groups must partition 0..{c - 1}")
+        for g, u in enumerate(self.updates):
+            if list(u.positions) != list(range(u.positions[0], u.positions[0] + u.k)):
+                raise ContractError(source, f"updates[{g}].positions", "must be consecutive")
+            if not u.last <= u.apply_after < u.last + c:
+                raise ContractError(source, f"updates[{g}].apply_after",
+                                    f"expected in [{u.last}, {u.last + c}), got {u.apply_after}")
+            if g and u.positions[0] < self.updates[g - 1].positions[0]:
+                raise ContractError(source, "updates", "groups must be listed in position order")
+            if g and u.apply_after < self.updates[g - 1].apply_after:
+                raise ContractError(source, f"updates[{g}].apply_after", "updates must be applied in group order")
+        # Where (in iterations after the group's last one, and stage) each (group, bucket) is sent.
+        seen: dict[tuple[int, int], int] = {}
+        for i, sp in enumerate(self.stages):
+            for j, t in enumerate(sp.comms):
+                where = f"stages[{i}].comms[{j}]"
+                if not 0 <= t.bucket < n:
+                    raise ContractError(source, f"{where}.bucket", f"expected 0..{n - 1}, got {t.bucket}")
+                if t.link not in self.links:
+                    raise ContractError(source, f"{where}.link", f"unknown link {t.link!r}")
+                if t.origin < (1 if sp.stage == "forward" else 0):
+                    raise ContractError(source, f"{where}.origin",
+                                        f"{sp.stage} stage needs origin >= {1 if sp.stage == 'forward' else 0}")
+                if t.origin >= c:
+                    raise ContractError(source, f"{where}.origin", f"expected < cycle ({c}), got {t.origin}")
+                g = self.group_of(sp.position - t.origin)
+                if self.updates[g].last != (sp.position - t.origin) % c:
+                    raise ContractError(source, f"{where}.origin",
+                                        f"position {sp.position} - origin {t.origin} is not the last of a group")
+                if (g, t.bucket) in seen:
+                    raise ContractError(source, where, f"bucket {t.bucket} of group {g} sent twice")
+                # Iterations elapsed since the group's last iteration, counting stage order.
+                seen[(g, t.bucket)] = 2 * t.origin + STAGES.index(sp.stage)
+        for g, u in enumerate(self.updates):
+            for b in range(n):
+                if (g, b) not in seen:
+                    raise ContractError(source, "stages", f"bucket {b} of update group {g} is never sent")
+            done = max(seen[(g, b)] for b in range(n))  # 2*origin + stage index of the last send
+            # Applied after the step of apply_after: needs the last send's stage at or before it.
+            if 2 * (u.apply_after - u.last) + 1 < done:
+                raise ContractError(source, f"updates[{g}].apply_after",
+                                    "applied before its last bucket is communicated")
+
+    # -- JSON ----------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "deft.schedule",
+            "schema": SCHEMA_VERSION,
+            "cycle": self.cycle,
+            "links": list(self.links),
+            "bucket_numel": list(self.bucket_numel),
+            "bucket_nbytes": list(self.bucket_nbytes),
+            "stages": [
+                {"position": s.position, "stage": s.stage,
+                 "comms": [[t.bucket, t.origin, t.link] for t in s.comms]}
+                for s in self.stages
+            ],
+            "updates": [{"positions": list(u.positions), "apply_after": u.apply_after} for u in self.updates],
+            "predicted_iteration_s": self.predicted_iteration_s,
+            "predicted_bubble_ratio": self.predicted_bubble_ratio,
+            "profile_digest": self.profile_digest,
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any], source: str = "<dict>") -> Schedule:
+        f = Fields(doc, source, "")
+        kind = f.str("kind")
+        if kind != "deft.schedule":
+            raise f.error("kind", f"expected 'deft.schedule', got {kind!r}")
+        schema = f.int("schema")
+        if schema != SCHEMA_VERSION:
+            raise f.error("schema", f"this deft reads schema {SCHEMA_VERSION}, file has {schema}")
+
+        def ints(key: str) -> tuple[int, ...]:
+            v = f.list(key)
+            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+                raise f.error(key, "expected a list of non-negative integers")
+            return tuple(v)
+
+        links = f.list("links")
+        if not all(isinstance(x, str) for x in links):
+            raise f.error("links", "expected a list of link names")
+        stages = []
+        for sf in f.items("stages"):
+            comms = []
+            for j, t in enumerate(sf.list("comms")):
+                if (not isinstance(t, list) or len(t) != 3 or not isinstance(t[0], int)
+                        or not isinstance(t[1], int) or not isinstance(t[2], str)):
+                    raise sf.error(f"comms[{j}]", f"expected [bucket, origin, link], got {t!r}")
+                comms.append(CommTask(bucket=t[0], origin=t[1], link=t[2]))
+            stages.append(StagePlan(position=sf.int("position", minimum=0),
+                                    stage=sf.str("stage", choices=STAGES), comms=tuple(comms)))
+        updates = []
+        for uf in f.items("updates"):
+            pos = uf.list("positions")
+            if not pos or not all(isinstance(x, int) and not isinstance(x, bool) for x in pos):
+                raise uf.error("positions", "expected a non-empty list of integers")
+            updates.append(Update(positions=tuple(pos), apply_after=uf.int("apply_after", minimum=0)))
+        sched = object.__new__(cls)
+        for k, v in {
+            "cycle": f.int("cycle", minimum=1), "links": tuple(links),
+            "bucket_numel": ints("bucket_numel"), "bucket_nbytes": ints("bucket_nbytes"),
+            "stages": tuple(stages), "updates": tuple(updates),
+            "predicted_iteration_s": f.float("predicted_iteration_s", 0.0),
+            "predicted_bubble_ratio": f.float("predicted_bubble_ratio", 0.0),
+            "profile_digest": f.str("profile_digest", ""), "meta": f.dict("meta", {}),
+        }.items():
+            object.__setattr__(sched, k, v)
+        sched.validate(source)
+        return sched
+
+    def save(self, path: str | Path) -> None:
+        write_json(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Schedule:
+        return cls.from_dict(read_json(path, "schedule"), str(path))
+
+    def digest(self) -> str:
+        """Hash of everything the ranks must agree on (not the free-form meta)."""
+        d = self.to_dict()
+        d.pop("meta")
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def synchronous_schedule(bucket_numel: tuple[int, ...], bucket_nbytes: tuple[int, ...],
+                         links: tuple[str, ...], assignment: tuple[str, ...] | None = None) -> Schedule:
+    """Cycle of one iteration, no delayed update: every bucket all-reduced in its own backward.
+
+    This is what ``epsilon == 0`` permits (same parameters as torch DDP); ``assignment`` gives each
+    bucket's link (default: all on the first link).
+    """
+    n = len(bucket_numel)
+    assign = assignment or tuple(links[0] for _ in range(n))
+    comms = tuple(CommTask(bucket=b, origin=0, link=assign[b]) for b in range(n))
+    return Schedule(cycle=1, links=links, bucket_numel=bucket_numel, bucket_nbytes=bucket_nbytes,
+                    stages=(StagePlan(0, "forward"), StagePlan(0, "backward", comms)),
+                    updates=(Update(positions=(0,), apply_after=0),))

@@ -1,0 +1,187 @@
+"""``deft simulate`` and ``deft plan``: the solver's command line (dispatched by :mod:`deft.cli`).
+
+* ``deft simulate PROFILE [--schemes ddp,bytescheduler,usbyte,mgwfbp,deft] [--png FILE] [--workers N]
+  [--config deft.toml]``: simulate each scheme on the profile, print a comparison table and draw the
+  timeline picture.
+* ``deft plan PROFILE [--out schedule.json] [--epsilon E] [--config deft.toml] [--workers N]
+  [--png FILE]``: plan a DeFT schedule, print its cycle, batch-size sequence K and the all-reduces of
+  every stage, compare it with the baselines in simulation, and write the schedule JSON.
+
+Bad input (a damaged profile, an unknown scheme, an invalid config) raises a :class:`DeftError`; the
+dispatcher prints its message (which names the file and the field) and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+from deft.config import DeftConfig
+from deft.errors import ContractError
+from deft.profile import Profile
+from deft.schedule import Schedule
+from deft.solver.simulate import SCHEMES, SimResult, plan_deft, scale_workers, simulate, simulate_schedule
+
+DEFAULT_SCHEMES = ("ddp", "bytescheduler", "usbyte", "mgwfbp", "deft")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected >= 1, got {v}")
+    return v
+
+
+def _epsilon(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {v}")
+    return v
+
+
+def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("profile", help="profile JSON (deft-profile output or examples/profiles/*.json)")
+    parser.add_argument("--config", metavar="TOML", help="deft.toml with solver settings (default: built-in)")
+    parser.add_argument("--workers", type=_positive_int, metavar="N",
+                        help="rescale communication to N workers (ring all-reduce model)")
+    parser.add_argument("--png", metavar="FILE", help="write the timeline picture (compute stream and links)")
+    if name == "simulate":
+        parser.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
+                            help=f"comma-separated, from {', '.join(SCHEMES)} (default: %(default)s)")
+    elif name == "plan":
+        parser.add_argument("--out", default="schedule.json", metavar="FILE",
+                            help="where to write the schedule JSON (default: %(default)s)")
+        parser.add_argument("--epsilon", type=_epsilon, metavar="E",
+                            help="accuracy knob in [0, 1]; 0 forbids delayed updates (default: config's)")
+    else:  # pragma: no cover - the dispatcher only registers the two names above
+        raise ValueError(f"unknown subcommand {name!r}")
+
+
+def run(name: str, args: argparse.Namespace) -> int:
+    if name == "simulate":
+        return _simulate(args)
+    if name == "plan":
+        return _plan(args)
+    raise ValueError(f"unknown subcommand {name!r}")  # pragma: no cover
+
+
+# --------------------------------------------------------------------------------------------------
+def _load(args: argparse.Namespace) -> tuple[Profile, DeftConfig]:
+    profile = Profile.load(args.profile)
+    config = DeftConfig.resolve(args.config)
+    if args.workers is not None:
+        profile = scale_workers(profile, args.workers)
+    return profile, config
+
+
+def _schemes(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise ContractError("command line", "--schemes", f"expected a comma-separated list of {', '.join(SCHEMES)}")
+    for s in names:
+        if s not in SCHEMES:
+            raise ContractError("command line", "--schemes", f"unknown scheme {s!r}; expected {', '.join(SCHEMES)}")
+    return list(dict.fromkeys(names))
+
+
+def describe_profile(profile: Profile, path: str) -> str:
+    links = ", ".join(k.name if k.name == k.backend else f"{k.name} ({k.backend})" for k in profile.links)
+    compute = (profile.forward_s + profile.backward_s) * 1e3
+    return (f"{profile.model or 'model'} ({profile.source} profile {path}): {profile.n} buckets, "
+            f"{profile.world_size} workers, links {links}\n"
+            f"forward {profile.forward_s * 1e3:.1f} ms + backward {profile.backward_s * 1e3:.1f} ms = compute bound "
+            f"{compute:.1f} ms; all-reduce {profile.total_comm_s() * 1e3:.1f} ms "
+            f"on {profile.links[0].name} (coverage rate {profile.coverage_rate:.2f})")
+
+
+def format_table(results: dict[str, SimResult], baseline: SimResult | None) -> str:
+    """The comparison table: scheme, iteration ms, speedup vs ddp, bubble %, updates/iter, links."""
+    head = f"{'scheme':<14} {'iteration ms':>12} {'vs ddp':>8} {'bubble %':>9} {'updates/iter':>13}  link utilisation"
+    lines = [head, "-" * len(head)]
+    for name, r in results.items():
+        speed = f"{r.speedup_over(baseline):.2f}x" if baseline is not None else "-"
+        util = "  ".join(f"{k} {v:.0%}" for k, v in r.link_utilization.items() if v > 0) or "-"
+        lines.append(f"{name:<14} {r.iteration_s * 1e3:>12.2f} {speed:>8} {r.bubble_ratio * 100:>9.1f} "
+                     f"{r.updates_per_iteration:>13.2f}  {util}")
+    return "\n".join(lines)
+
+
+def _picture(results: dict[str, SimResult], png: str, title: str) -> None:
+    from deft.solver.timeline import draw_timeline  # matplotlib only when a picture is asked for
+
+    out = draw_timeline(results, png, title=title)
+    print(f"timeline picture: {out}")
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    profile, config = _load(args)
+    schemes = _schemes(args.schemes)
+    results = {s: simulate(profile, s, config) for s in schemes}
+    baseline = results.get("ddp") or simulate(profile, "ddp", config)
+    print(describe_profile(profile, args.profile))
+    print()
+    print(format_table(results, baseline))
+    if "deft" in results:
+        sched: Schedule = results["deft"].meta["schedule"]
+        print(f"\ndeft: cycle {sched.cycle}, K = {list(sched.batch_sequence)}, "
+              f"{sched.n_buckets} buckets after partition; deft/compute bound = "
+              f"{results['deft'].iteration_s / results['deft'].compute_bound_s:.3f}")
+    if args.png:
+        _picture(results, args.png, f"{profile.model or args.profile}: simulated steady-state iterations")
+    return 0
+
+
+def format_stages(schedule: Schedule) -> str:
+    """Each position's forward and backward all-reduces: ``bucket(origin)@link`` in launch order."""
+    lines = []
+    for sp in schedule.stages:
+        comms = " ".join(f"{t.bucket}" + (f"({t.origin})" if t.origin else "") + f"@{t.link}" for t in sp.comms)
+        lines.append(f"  position {sp.position} {sp.stage:<8} {comms or '-'}")
+    for g, u in enumerate(schedule.updates):
+        lines.append(f"  update {g}: merges positions {list(u.positions)} (k={u.k}), applied after position "
+                     f"{u.apply_after}" + (" of the next cycle" if u.apply_after >= schedule.cycle else ""))
+    return "\n".join(lines)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    profile, config = _load(args)
+    if args.epsilon is not None:
+        config = dataclasses.replace(config, epsilon=args.epsilon)
+    schedule, planned = plan_deft(profile, config)
+    print(describe_profile(profile, args.profile))
+    mode = schedule.meta.get("mode", "deft")
+    print(f"\nschedule ({mode}, epsilon {config.epsilon}): cycle {schedule.cycle} iterations, "
+          f"K = {list(schedule.batch_sequence)}, {schedule.updates_per_iteration:.2f} updates/iteration, "
+          f"{planned.n} buckets after partition, links {', '.join(schedule.links)}")
+    print("all-reduces per stage (bucket(k) = the bucket of the group that ended k iterations before):")
+    print(format_stages(schedule))
+    if config.epsilon > 0:
+        print("note: during training the preserver tests this plan against measured loss statistics and "
+              "may re-plan with more capacity (fewer merged updates).")
+    results: dict[str, SimResult] = {s: simulate(profile, s, config) for s in DEFAULT_SCHEMES if s != "deft"}
+    results["deft"] = simulate_schedule(planned, schedule, scheme="deft")
+    print()
+    print(format_table(results, results["ddp"]))
+    out = Path(args.out)
+    if out.parent and not out.parent.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+    schedule.save(out)
+    print(f"\nschedule written to {out} (digest {schedule.digest()})")
+    if args.png:
+        _picture(results, args.png, f"{profile.model or args.profile}: planned schedule vs baselines")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run as ``python -m deft.solver.cli simulate ...`` (same as ``deft simulate ...``)."""
+    from deft.cli import main as deft_main
+
+    return deft_main(list(argv) if argv is not None else None)

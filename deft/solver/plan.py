@@ -1,0 +1,717 @@
+"""The DeFT planner: two-stage knapsack scheduling with current and future task queues (paper III.B-C).
+
+What is planned
+---------------
+Buckets ``0..n-1`` (of the partitioned profile, see :mod:`deft.solver.partition`); bucket ``i``'s
+gradient is ready in backward at ``R_i = B_0 + ... + B_i`` (``B_i`` its backward time), so the last
+bucket ``n-1`` is ready only when backward ends (the hard dependency: it is never sent in its own
+backward). One knapsack per link ``j``; a bucket weighs its real all-reduce time on that link
+(``Profile.comm_time``) and is worth its time on the primary link (the paper maximizes the
+communicated time). With ``s = capacity_scale``, ``F`` the total forward and ``B`` the total backward
+time, a forward stage offers every link ``s*F`` and a backward stage ends at ``E = s*B``.
+
+The state machine (Algorithm 2, made precise)
+---------------------------------------------
+Per iteration ``t``, starting from empty queues. The *current queue* holds the unsent buckets of the
+oldest unfinished update group; the *future queue* the iterations whose gradients are accumulated
+but not yet grouped.
+
+* Case 1 (forward, current queue non-empty): knapsack over the current queue, capacity ``s*F`` per
+  link; the chosen buckets are sent (old gradients: no dependency on the forward).
+* Backward, current queue non-empty: knapsack over it with capacity ``E`` per link.
+  - Case 2: not all of it fits. Send the chosen ones; iteration ``t``'s gradient joins the future
+    queue (merged into it, not sent).
+  - Case 3: all of it fits. Send it first (from the stage start: old, no dependency); the group is
+    complete. Then as in Case 4, with each link busy until its share of the old buckets is done.
+* Case 4 (current queue empty): iteration ``t``'s gradient merged with the future queue forms a new
+  group ending at ``t``. Algorithm 1 (:func:`recursive_knapsack`) picks which of its buckets
+  ``0..n-2`` to send now, then :func:`repair_ready_order` makes that choice feasible under the ready
+  times; the rest becomes the current queue.
+
+A group's update is applied at the optimizer step of the iteration in which its last bucket is sent.
+The machine runs until the queue state at the start of an iteration (current buckets, its group's
+size and age, future queue length) repeats; the repeating part, started at an iteration with an
+empty future queue so no group straddles the cycle boundary, and unrolled until every group's
+communication lies within one cycle, is the emitted :class:`~deft.schedule.Schedule`.
+
+Where this deviates from the paper, and why
+-------------------------------------------
+* Per-link weights: the paper gives the second knapsack ``mu`` times less capacity with one weight
+  per item; we give every link the same capacity (time) and each item its measured time per link,
+  which is the same model when times scale by ``mu`` and exact when they do not.
+* Algorithm 1's capacity: at recursion level ``k`` (items ``k..``, the first ready at ``R_k``) a link
+  can carry new buckets only after it is free of old ones (``busy_j``) and after ``R_k``, so its
+  capacity is ``E - max(busy_j, R_k)``. The paper passes ``B - B_first`` in Case 4 (no old buckets,
+  the same) and ``B - sum(old)`` in Case 3 (ignoring the ready time at the top level).
+* Ties in Algorithm 1 go to the deeper level, as the paper's ``>`` does; the recursion stops once
+  an upper bound on what deeper levels can pack falls below the best found (they cannot win).
+* Algorithm 1 is a heuristic: a knapsack of capacity ``E - R_k`` ignores that later items become
+  ready later. :func:`repair_ready_order` therefore checks each link exactly (ready order after the
+  old buckets, each starting at ``max(link free, ready)``, all finished by ``E``), drops the bucket
+  whose removal frees the most lateness until feasible, then offers the dropped and the unchosen
+  buckets to any link where they still fit (using slack the heuristic left). The schedule never
+  promises overlap the dependencies forbid.
+* Oversized buckets: when even the partition cannot bring a bucket under the stage capacity (the
+  latency ``alpha`` alone exceeds the forward time), every stage's capacity is raised to the largest
+  bucket's cheapest time (``meta["bucket_floor_s"]``): that bubble is accepted so the bucket is ever
+  sent; the paper's partition simply assumes this never happens.
+* Buckets worth nothing (zero time on the primary link) are sent with the first opportunity on the
+  primary link: the knapsack would never pick them, and a group with an unsent bucket never ends.
+* Degenerate case: if torch-DDP-style WFBP (:func:`no_delay_plan`) already hides everything except
+  the unavoidable tail of the last bucket, the plan is the no-delay plan (cycle 1, ``K = (1,)``); the
+  paper would still delay the last bucket to hide that tail, at the price of a stale update.
+* Budget: past ``EXACT_BUDGET_LIMITS * solver_time_limit_s`` of CP-SAT time in one plan, the
+  remaining knapsacks are solved greedily (``meta["exact_budget_exhausted"]``).
+* Cycle cap: if no repetition appears within ``4 * max_cycle`` iterations (or the unrolled cycle is
+  longer than ``max_cycle``, or the coverage rate alone rules out a cycle that short), the plan runs
+  ``max_cycle`` iterations from empty queues and *flushes* in the last backward (everything left is
+  sent, the last bucket after its gradient is ready), which returns the queues to empty and closes
+  the cycle. This is valid but exceeds that stage's capacity; it is recorded as backward case 0 and
+  ``meta["cycle_capped"]``.
+
+The solver never imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from deft.config import DeftConfig
+from deft.errors import ContractError
+from deft.profile import Profile
+from deft.schedule import CommTask, Schedule, StagePlan, Update, synchronous_schedule
+from deft.solver import knapsack
+from deft.solver.partition import default_capacity, partition
+
+__all__ = [
+    "CASE_FLUSH", "DEFAULT_MAX_CYCLE", "EXACT_BUDGET_LIMITS", "GroupRecord", "IterationRecord", "KnapsackRecord",
+    "Packing", "PlanResult", "RecursiveChoice", "Send", "link_finish", "no_delay_plan", "plan", "plan_trace",
+    "recursive_knapsack", "repair_ready_order",
+]
+
+CASE_FLUSH = 0  # backward "case" of the forced flush that closes a capped cycle (not a paper case)
+DEFAULT_MAX_CYCLE = 64
+# Total CP-SAT time of one plan, in units of the per-knapsack time limit, before the greedy takes over.
+EXACT_BUDGET_LIMITS = 20
+# Iterations of the state machine searched for a repeating queue state, per iteration of max_cycle.
+_SEARCH_PER_CYCLE = 4
+_SOURCE = "plan"
+# Float slack when re-checking times the knapsack proved feasible in exact arithmetic.
+_REL_TOL = 1e-9
+
+
+# ------------------------------------------------------------------------------------------------
+# records
+
+
+@dataclass(frozen=True)
+class Send:
+    """Bucket ``bucket`` of update group ``group`` sent on ``link``; ``origin`` = t - group's last iteration."""
+
+    bucket: int
+    group: int
+    link: str
+    origin: int
+
+
+@dataclass(frozen=True)
+class KnapsackRecord:
+    """One knapsack decision: which problem, over which buckets, and how well it was solved."""
+
+    stage: str  # "forward" | "backward"
+    purpose: str  # "current" (Cases 1-3) | "recursive" (Algorithm 1, Cases 3-4)
+    items: tuple[int, ...]
+    capacities: tuple[float, ...]
+    value: float
+    bound: float
+    optimal: bool
+    method: str
+    solve_s: float
+    level: int | None = None  # Algorithm 1: recursion level whose answer won
+    levels: int = 1  # knapsacks solved for this decision
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """What the state machine did in one iteration."""
+
+    iteration: int
+    forward_case: int | None  # 1, or None when the current queue was empty
+    backward_case: int  # 2, 3, 4, or CASE_FLUSH
+    current_before: tuple[int, ...]  # current queue at the start of the iteration
+    future_before: tuple[int, ...]  # iterations in the future queue at the start
+    forward: tuple[Send, ...]
+    backward: tuple[Send, ...]
+    completed: tuple[int, ...]  # groups whose update is applied after this iteration's step
+    knapsacks: tuple[KnapsackRecord, ...]
+    dropped: tuple[int, ...] = ()  # buckets the ready-time repair removed from Algorithm 1's choice
+    current_after: tuple[int, ...] = ()
+    future_after: tuple[int, ...] = ()
+
+    @property
+    def cases(self) -> tuple[int | None, int]:
+        return (self.forward_case, self.backward_case)
+
+
+@dataclass(frozen=True)
+class GroupRecord:
+    """An update group: the iterations it merges and the iteration after whose step it is applied."""
+
+    iterations: tuple[int, ...]
+    complete_at: int | None
+
+    @property
+    def last(self) -> int:
+        return self.iterations[-1]
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """The schedule plus everything that led to it (for tests, reports and the timeline)."""
+
+    schedule: Schedule
+    profile: Profile  # the partitioned profile the schedule refers to
+    iterations: tuple[IterationRecord, ...]
+    groups: tuple[GroupRecord, ...]
+    cycle_start: int  # first simulated iteration of the emitted cycle
+    period: int  # period N of the queue states; schedule.cycle = N * unroll
+    unroll: int
+    mode: str  # "deft" | "no_delay" | "capped"
+
+
+@dataclass(frozen=True)
+class Packing:
+    """An answer of a knapsack over some buckets: bucket -> link index, and the value packed."""
+
+    assignment: dict[int, int]
+    value: float
+    bound: float = 0.0
+    optimal: bool = True
+    method: str = ""
+    solve_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RecursiveChoice:
+    """Algorithm 1's answer: the winning level's packing, and how many levels were solved."""
+
+    assignment: dict[int, int]
+    value: float
+    level: int | None
+    packings: tuple[Packing, ...] = field(default=())
+
+
+# ------------------------------------------------------------------------------------------------
+# Algorithm 1 and the ready-time check (pure functions over bucket ids)
+
+
+def link_finish(busy_until: float, items: Sequence[int], ready: Sequence[float], weight: Sequence[float]) -> float:
+    """When a link that is busy until ``busy_until`` finishes ``items`` sent in ready order.
+
+    Each item starts at ``max(link free, its ready time)``; ``weight[b]`` is bucket ``b``'s time on
+    this link and ``ready[b]`` its ready time (both indexed by bucket id).
+    """
+    t = busy_until
+    for b in sorted(items, key=lambda b: (ready[b], b)):
+        t = max(t, ready[b]) + weight[b]
+    return t
+
+
+def recursive_knapsack(
+    items: Sequence[int], ready: Sequence[float], end: float, busy_until: Sequence[float],
+    values: Sequence[float], weights: Sequence[Sequence[float]],
+    solve: Callable[[tuple[int, ...], tuple[float, ...]], Packing],
+) -> RecursiveChoice:
+    """Algorithm 1 (RecursiveKnapsack) of the paper, iteratively and for several links.
+
+    ``items`` are bucket ids in ready order; ``values[b]`` and ``weights[b][j]`` are indexed by
+    bucket id. Level ``k`` solves a knapsack over ``items[k:]`` with capacity
+    ``end - max(busy_until[j], ready[items[k]])`` on link ``j`` (the window in which the link is free
+    and the level's first item is ready); the best level wins, ties going to the deeper level (the
+    paper returns ``order1`` only if strictly better than the recursion's ``order2``).
+
+    Pruning (same answer, fewer solves): level ``k`` can pack at most
+    ``min(sum of its values, sum_j cap_j * max value/weight on link j)``; that bound never grows with
+    ``k`` (capacities shrink, item sets shrink), so once it is below the best value found, no deeper
+    level can win and the recursion stops.
+    """
+    n_links = len(busy_until)
+    m = len(items)
+    # Suffix sums of values and suffix maxima of value per weight, per link.
+    suffix_value = [0.0] * (m + 1)
+    suffix_ratio = [[0.0] * n_links for _ in range(m + 1)]
+    for k in range(m - 1, -1, -1):
+        b = items[k]
+        suffix_value[k] = suffix_value[k + 1] + values[b]
+        for j in range(n_links):
+            w = weights[b][j]
+            ratio = values[b] / w if w > 0 else (math.inf if values[b] > 0 else 0.0)
+            suffix_ratio[k][j] = max(suffix_ratio[k + 1][j], ratio)
+    best: tuple[int, Packing] | None = None
+    packings: list[Packing] = []
+    for k in range(m):
+        sub = tuple(items[k:])
+        start = ready[sub[0]]
+        caps = tuple(max(0.0, end - max(busy, start)) for busy in busy_until)
+        if best is not None:
+            by_caps = math.fsum(c * r if c > 0 else 0.0 for c, r in zip(caps, suffix_ratio[k], strict=True))
+            if min(suffix_value[k], by_caps) < best[1].value:
+                break
+        p = solve(sub, caps)
+        packings.append(p)
+        if best is None or p.value >= best[1].value:
+            best = (k, p)
+    if best is None:
+        return RecursiveChoice({}, 0.0, None, ())
+    return RecursiveChoice(dict(best[1].assignment), best[1].value, best[0], tuple(packings))
+
+
+def repair_ready_order(
+    assignment: dict[int, int], ready: Sequence[float], end: float, busy_until: Sequence[float],
+    weights: Sequence[Sequence[float]], values: Sequence[float], fill: Sequence[int] = (),
+) -> tuple[dict[int, int], tuple[int, ...]]:
+    """Make ``assignment`` (bucket -> link) feasible under ready times; return it and the dropped buckets.
+
+    Feasible on link ``j``: :func:`link_finish` of its buckets after ``busy_until[j]`` is at most
+    ``end``. While a link is late, drop from the latest link the bucket whose removal gives the
+    earliest finish (ties: the least valuable). Then offer the dropped buckets and the unchosen
+    ``fill`` candidates, most valuable (then earliest ready) first, to the link where they would
+    finish earliest, keeping each only if that link stays feasible: slack left by the heuristic or
+    by a drop is used, never overfilled. Returns a feasible assignment (the empty one always is when
+    ``busy_until <= end``) and the dropped buckets that found no place again.
+    """
+    n_links = len(busy_until)
+    tol = _REL_TOL * max(end, 1e-30)
+    out = dict(assignment)
+
+    def col(j: int) -> list[float]:
+        return [w[j] for w in weights]
+
+    def on(j: int) -> list[int]:
+        return [b for b, k in out.items() if k == j]
+
+    dropped: list[int] = []
+    while True:
+        late = [(link_finish(busy_until[j], on(j), ready, col(j)) - end, j) for j in range(n_links)]
+        worst, j = max(late)
+        if worst <= tol:
+            break
+        items = on(j)
+        wj = col(j)
+        victim = min(items, key=lambda b: (link_finish(busy_until[j], [x for x in items if x != b], ready, wj),
+                                           values[b], -b))
+        del out[victim]
+        dropped.append(victim)
+    offers = {*dropped, *(b for b in fill if b not in out)}
+    for b in sorted(offers, key=lambda b: (-values[b], ready[b], b)):
+        options = sorted(
+            (link_finish(busy_until[j], [*on(j), b], ready, col(j)), j) for j in range(n_links)
+        )
+        for fin, j in options:
+            if fin - end <= tol:
+                out[b] = j
+                break
+    return out, tuple(sorted(b for b in dropped if b not in out))
+
+
+# ------------------------------------------------------------------------------------------------
+# the state machine
+
+
+class _Machine:
+    """Queues, groups and knapsack solving for one plan; see the module docstring."""
+
+    def __init__(self, profile: Profile, config: DeftConfig, scale: float) -> None:
+        self.p = profile
+        self.n = profile.n
+        self.links = profile.link_names
+        self.w = [[profile.comm_time(b, name) for name in self.links] for b in range(self.n)]
+        self.v = [self.w[b][0] for b in range(self.n)]
+        ready, acc = [], 0.0
+        for t in profile.times:
+            acc += t.backward_s
+            ready.append(acc)
+        self.ready = ready
+        # A bucket that no partition brings under the capacity (latency alone exceeds it) would never
+        # be sent; every stage is granted room for the largest one, i.e. accepts that bubble.
+        self.floor = max(min(row) for row in self.w)
+        self.cap_forward = max(scale * profile.forward_s, self.floor)
+        self.end_backward = max(scale * profile.backward_s, self.floor)
+        self.method = config.solver
+        self.exact_budget_s = EXACT_BUDGET_LIMITS * config.solver_time_limit_s
+        self.budget_exhausted = False
+        self.time_limit_s = config.solver_time_limit_s
+        self.relative_gap = config.solver_relative_gap
+        self._cache: dict[tuple[tuple[int, ...], tuple[float, ...]], Packing] = {}
+        self.solve_s = 0.0
+        self.calls = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.current: list[int] = []
+        self.current_group: int | None = None
+        self.future: list[int] = []
+        self.groups: list[list[int]] = []
+        self.complete: list[int | None] = []
+
+    # -- knapsack with a cache: the machine must be a deterministic function of the queue state,
+    #    and CP-SAT under a time limit with several workers need not return the same answer twice.
+    def solve(self, items: tuple[int, ...], caps: tuple[float, ...]) -> Packing:
+        key = (items, caps)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        method = self.method
+        if method == "exact" and self.solve_s > self.exact_budget_s:
+            # A plan may need thousands of knapsacks; past the budget the greedy answers the rest.
+            method = "greedy"
+            self.budget_exhausted = True
+        sol = knapsack.solve(
+            [self.v[b] for b in items], [self.w[b] for b in items], list(caps),
+            method=method, time_limit_s=self.time_limit_s, relative_gap=self.relative_gap,
+        )
+        self.calls += 1
+        self.solve_s += sol.solve_s
+        assignment = {b: j for b, j in zip(items, sol.link_of, strict=True) if j is not None}
+        # Worthless (zero-time on the primary) buckets: the knapsack never packs them; they cost
+        # nothing on the primary link, so they go there.
+        for b in items:
+            if b not in assignment and self.v[b] == 0.0 and self.w[b][0] == 0.0:
+                assignment[b] = 0
+        packing = Packing(assignment, sol.value, sol.bound, sol.optimal, sol.method, sol.solve_s)
+        self._cache[key] = packing
+        return packing
+
+    def _record(self, stage: str, purpose: str, items: tuple[int, ...], caps: tuple[float, ...],
+                p: Packing, level: int | None = None, levels: int = 1,
+                solve_s: float | None = None, optimal: bool | None = None) -> KnapsackRecord:
+        return KnapsackRecord(stage, purpose, items, caps, p.value, p.bound,
+                              p.optimal if optimal is None else optimal, p.method,
+                              p.solve_s if solve_s is None else solve_s, level, levels)
+
+    def state_key(self, t: int) -> tuple[Any, ...]:
+        if self.current:
+            g = self.current_group
+            assert g is not None
+            grp = self.groups[g]
+            return (frozenset(self.current), len(grp), t - grp[-1], len(self.future))
+        return (frozenset(), 0, 0, len(self.future))
+
+    def _sends(self, assignment: dict[int, int], group: int, t: int) -> list[Send]:
+        last = self.groups[group][-1]
+        return [Send(b, group, self.links[assignment[b]], t - last) for b in sorted(assignment)]
+
+    def _finish_current(self, sent: dict[int, int], t: int) -> list[int]:
+        """Remove sent buckets from the current queue; return [group] if it is now complete."""
+        self.current = [b for b in self.current if b not in sent]
+        if not self.current and self.current_group is not None:
+            g = self.current_group
+            self.complete[g] = t
+            self.current_group = None
+            return [g]
+        return []
+
+    def step(self, t: int, flush: bool = False) -> IterationRecord:
+        current_before, future_before = tuple(sorted(self.current)), tuple(self.future)
+        records: list[KnapsackRecord] = []
+        completed: list[int] = []
+        fwd: list[Send] = []
+        bwd: list[Send] = []
+        dropped: tuple[int, ...] = ()
+
+        # ---- forward: Case 1
+        forward_case: int | None = None
+        if self.current:
+            forward_case = 1
+            items = tuple(sorted(self.current))
+            caps = tuple(self.cap_forward for _ in self.links)
+            pk = self.solve(items, caps)
+            records.append(self._record("forward", "current", items, caps, pk))
+            assert self.current_group is not None
+            fwd = self._sends(pk.assignment, self.current_group, t)
+            completed += self._finish_current(pk.assignment, t)
+
+        # ---- backward: Cases 2-4
+        busy = [0.0 for _ in self.links]
+        if self.current:
+            items = tuple(sorted(self.current))
+            caps = tuple(self.end_backward for _ in self.links)
+            if flush:
+                old = self._spread(items, busy)
+            else:
+                pk = self.solve(items, caps)
+                records.append(self._record("backward", "current", items, caps, pk))
+                old = pk.assignment
+            assert self.current_group is not None
+            bwd += self._sends(old, self.current_group, t)
+            for b, j in old.items():
+                busy[j] += self.w[b][j]
+            completed += self._finish_current(old, t)
+            if self.current:
+                # Case 2: the current queue outlasts this backward; t's gradient waits, merged.
+                self.future.append(t)
+                return self._done(t, forward_case, 2, current_before, future_before, fwd, bwd, completed,
+                                  records, dropped)
+            backward_case = CASE_FLUSH if flush else 3
+        else:
+            backward_case = CASE_FLUSH if flush else 4
+
+        # ---- Cases 3 and 4: a new group of the future queue and iteration t
+        group = len(self.groups)
+        self.groups.append([*self.future, t])
+        self.complete.append(None)
+        self.future = []
+        if flush:
+            new = self._spread(tuple(range(self.n)), busy, after_ready=True)
+        else:
+            cand = tuple(range(self.n - 1))  # bucket n-1 is ready only when backward ends
+            t0 = time.perf_counter()
+            choice = recursive_knapsack(cand, self.ready, self.end_backward, busy, self.v, self.w, self.solve)
+            new, dropped = repair_ready_order(choice.assignment, self.ready, self.end_backward, busy, self.w, self.v,
+                                              fill=cand)
+            # Worthless buckets ride along on the primary when their gradient is ready in time.
+            for b in cand:
+                if b not in new and self.v[b] == 0.0 and self.ready[b] <= self.end_backward:
+                    new[b] = 0
+            if choice.packings:
+                records.append(KnapsackRecord(
+                    "backward", "recursive", cand, tuple(max(0.0, self.end_backward - x) for x in busy),
+                    choice.value, max(p.bound for p in choice.packings),
+                    all(p.optimal for p in choice.packings), self.method, time.perf_counter() - t0,
+                    choice.level, len(choice.packings),
+                ))
+        bwd += [Send(b, group, self.links[new[b]], 0) for b in sorted(new, key=lambda b: (self.ready[b], b))]
+        self.current = [b for b in range(self.n) if b not in new]
+        self.current_group = group if self.current else None
+        if not self.current:
+            self.complete[group] = t
+            completed.append(group)
+        return self._done(t, forward_case, backward_case, current_before, future_before, fwd, bwd, completed,
+                          records, dropped)
+
+    def _spread(self, items: tuple[int, ...], busy: list[float], after_ready: bool = False) -> dict[int, int]:
+        """Flush: every item on the link that finishes it first (list scheduling), no capacity."""
+        free = list(busy)
+        out: dict[int, int] = {}
+        for b in sorted(items, key=lambda b: (self.ready[b], b)) if after_ready else items:
+            start = [max(f, self.ready[b]) if after_ready else f for f in free]
+            j = min(range(len(free)), key=lambda j: (start[j] + self.w[b][j], j))
+            free[j] = start[j] + self.w[b][j]
+            out[b] = j
+        return out
+
+    def _done(self, t: int, fcase: int | None, bcase: int, cur: tuple[int, ...], fut: tuple[int, ...],
+              fwd: list[Send], bwd: list[Send], completed: list[int], records: list[KnapsackRecord],
+              dropped: tuple[int, ...]) -> IterationRecord:
+        return IterationRecord(
+            iteration=t, forward_case=fcase, backward_case=bcase, current_before=cur, future_before=fut,
+            forward=tuple(fwd), backward=tuple(bwd), completed=tuple(completed), knapsacks=tuple(records),
+            dropped=dropped, current_after=tuple(sorted(self.current)), future_after=tuple(self.future),
+        )
+
+    def group_records(self) -> tuple[GroupRecord, ...]:
+        return tuple(GroupRecord(tuple(g), c) for g, c in zip(self.groups, self.complete, strict=True))
+
+
+# ------------------------------------------------------------------------------------------------
+# public entry points
+
+
+def _check(profile: Profile, config: DeftConfig | None, capacity_scale: float) -> DeftConfig:
+    if not isinstance(profile, Profile):
+        raise ContractError(_SOURCE, "profile", f"expected a deft.Profile, got {type(profile).__name__}")
+    cfg = DeftConfig.resolve(config)
+    if isinstance(capacity_scale, bool) or not isinstance(capacity_scale, (int, float)) \
+            or not math.isfinite(capacity_scale) or capacity_scale <= 0:
+        raise ContractError(_SOURCE, "capacity_scale", f"expected a finite number > 0, got {capacity_scale!r}")
+    if profile.backward_s <= 0:
+        raise ContractError(_SOURCE, "profile.times",
+                            "total backward_s is 0: buckets have no ready times to plan against")
+    return cfg
+
+
+def _partition_capacity(profile: Profile, scale: float) -> float:
+    # The layout must not change with capacity_scale >= 1 (the preserver re-plans with growing
+    # scales; the runtime's bucket layout should stay put), so only a shrinking scale shrinks it.
+    return default_capacity(profile) * min(1.0, scale)
+
+
+def _ready_times(profile: Profile) -> list[float]:
+    out, acc = [], 0.0
+    for t in profile.times:
+        acc += t.backward_s
+        out.append(acc)
+    return out
+
+
+def _list_schedule(profile: Profile) -> tuple[tuple[str, ...], float]:
+    """WFBP onto several links: in ready order, each bucket to the link that finishes it first."""
+    ready = _ready_times(profile)
+    names = profile.link_names
+    free = [0.0 for _ in names]
+    assign: list[str] = []
+    for b in range(profile.n):
+        fin = [max(free[j], ready[b]) + profile.comm_time(b, names[j]) for j in range(len(names))]
+        j = min(range(len(names)), key=lambda j: (fin[j], j))
+        free[j] = fin[j]
+        assign.append(names[j])
+    return tuple(assign), max(free)
+
+
+def _with_predictions(profile: Profile, schedule: Schedule) -> Schedule:
+    try:
+        from deft.solver.simulate import simulate_schedule  # type: ignore[attr-defined]
+    except ImportError:
+        return schedule
+    res = simulate_schedule(profile, schedule)
+    return replace(schedule, predicted_iteration_s=float(res.iteration_s),
+                   predicted_bubble_ratio=float(res.bubble_ratio))
+
+
+def _no_delay(profile: Profile, cfg: DeftConfig, scale: float, capacity_s: float, reason: str) -> Schedule:
+    assign, finish = _list_schedule(profile)
+    sched = synchronous_schedule(
+        tuple(b.numel for b in profile.buckets), tuple(b.nbytes for b in profile.buckets),
+        profile.link_names, assign,
+    )
+    meta = {
+        "planner": "deft.solver.plan", "mode": "no_delay", "reason": reason, "solver": cfg.solver,
+        "capacity_scale": scale, "capacity_s": capacity_s, "cases": [[None, None]], "knapsack_calls": 0,
+        "optimal": True, "solve_s": 0.0, "wfbp_finish_s": finish, "backward_s": profile.backward_s,
+        "forward_s": profile.forward_s, "cycle_capped": False,
+    }
+    return _with_predictions(profile, replace(sched, profile_digest=profile.digest(), meta=meta))
+
+
+def no_delay_plan(profile: Profile, config: DeftConfig | None = None) -> Schedule:
+    """What ``epsilon == 0`` allows: cycle 1, every bucket in its own backward, one update per iteration.
+
+    Buckets go to links by list scheduling in ready order onto the link that finishes them first.
+    The parameters are exactly torch DDP's (only the order and the links of all-reduces change).
+    """
+    cfg = _check(profile, config, 1.0)
+    cap = _partition_capacity(profile, 1.0)
+    return _no_delay(partition(profile, cfg, cap, best_effort=True), cfg, 1.0, cap, "requested")
+
+
+def plan(profile: Profile, config: DeftConfig | None = None, *, capacity_scale: float = 1.0) -> Schedule:
+    """The DeFT schedule of ``profile``; see :func:`plan_trace` and the module docstring."""
+    return plan_trace(profile, config, capacity_scale=capacity_scale).schedule
+
+
+def plan_trace(profile: Profile, config: DeftConfig | None = None, *, capacity_scale: float = 1.0,
+               max_cycle: int = DEFAULT_MAX_CYCLE) -> PlanResult:
+    """Plan and return the schedule with the per-iteration record of cases, queues and knapsacks.
+
+    ``config.epsilon == 0`` forbids delayed updates, so the result is :func:`no_delay_plan`'s.
+    """
+    cfg = _check(profile, config, capacity_scale)
+    if isinstance(max_cycle, bool) or not isinstance(max_cycle, int) or max_cycle < 1:
+        raise ContractError(_SOURCE, "max_cycle", f"expected an integer >= 1, got {max_cycle!r}")
+    scale = float(capacity_scale)
+    cap = _partition_capacity(profile, scale)
+    part = partition(profile, cfg, cap, best_effort=True)
+
+    if cfg.epsilon == 0:  # the config forbids any delayed update: only reorder and assign links
+        return PlanResult(_no_delay(part, cfg, scale, cap, "epsilon == 0"), part, (), (), 0, 1, 1, "no_delay")
+    # Degenerate case: WFBP already hides all but the hard-dependency tail of the last bucket.
+    _, finish = _list_schedule(part)
+    last = part.n - 1
+    tail = min(part.comm_time(last, name) for name in part.link_names)
+    floor = max(scale * part.backward_s, part.backward_s + tail)
+    if finish <= floor * (1 + _REL_TOL):
+        sched = _no_delay(part, cfg, scale, cap, "wfbp hides all communication but the last bucket's tail")
+        return PlanResult(sched, part, (), (), 0, 1, 1, "no_delay")
+
+    m = _Machine(part, cfg, scale)
+    records: list[IterationRecord] = []
+    keys: list[tuple[Any, ...]] = []
+    seen: dict[tuple[Any, ...], int] = {}
+    limit = _SEARCH_PER_CYCLE * max_cycle
+    # Each update needs every bucket sent once (at least its cheapest link's time), and an iteration
+    # offers at most s*(F+B) per link: a cycle shorter than their ratio cannot exist. Skip the search.
+    need = math.fsum(min(row) for row in m.w)
+    offer = len(m.links) * scale * (part.forward_s + part.backward_s)
+    if need > max_cycle * offer:
+        limit = 0
+    start = period = -1
+    for t in range(limit):
+        key = m.state_key(t)
+        if key in seen:
+            start, period = seen[key], t - seen[key]
+            break
+        seen[key] = t
+        keys.append(key)
+        records.append(m.step(t))
+
+    if period > 0:
+        # Start the cycle where the future queue is empty, so no group straddles the boundary.
+        s = next(i for i in range(start, start + period) if keys[i][3] == 0)
+        # Simulate on until every group ending in [s, s+period) is complete.
+        def window() -> list[int]:
+            return [i for i, g in enumerate(m.groups) if s <= g[-1] < s + period]
+
+        t = len(records)
+        while t < 2 * limit and (t < s + period or any(m.complete[i] is None for i in window())):
+            records.append(m.step(t))
+            t += 1
+        groups = window()
+        if groups and all(m.complete[i] is not None for i in groups):
+            span = max(m.complete[i] - m.groups[i][-1] for i in groups)  # type: ignore[operator]
+            unroll = span // period + 1
+            if period * unroll <= max_cycle:
+                sched = _emit(part, cfg, scale, cap, m, records, s, period, unroll, capped=False)
+                return PlanResult(sched, part, tuple(records), m.group_records(), s, period, unroll, "deft")
+
+    # Capped: close a cycle of max_cycle iterations by flushing in its last backward.
+    m.reset()
+    records = [m.step(t, flush=(t == max_cycle - 1)) for t in range(max_cycle)]
+    sched = _emit(part, cfg, scale, cap, m, records, 0, max_cycle, 1, capped=True)
+    return PlanResult(sched, part, tuple(records), m.group_records(), 0, max_cycle, 1, "capped")
+
+
+def _emit(profile: Profile, cfg: DeftConfig, scale: float, capacity_s: float, m: _Machine,
+          records: list[IterationRecord],
+          s: int, period: int, unroll: int, capped: bool) -> Schedule:
+    """The cycle: iterations ``s .. s+period-1`` repeated ``unroll`` times (see the module docstring)."""
+    cycle = period * unroll
+    stages: list[StagePlan] = []
+    cases: list[list[int | None]] = []
+    for r in range(unroll):
+        for q in range(period):
+            rec = records[s + q]
+            pos = r * period + q
+            stages.append(StagePlan(pos, "forward", tuple(CommTask(x.bucket, x.origin, x.link) for x in rec.forward)))
+            stages.append(StagePlan(pos, "backward", tuple(CommTask(x.bucket, x.origin, x.link) for x in rec.backward)))
+            cases.append([rec.forward_case, rec.backward_case])
+    updates: list[Update] = []
+    window = sorted((g for g in range(len(m.groups)) if s <= m.groups[g][-1] < s + period),
+                    key=lambda g: m.groups[g][0])
+    for r in range(unroll):
+        for g in window:
+            done = m.complete[g]
+            assert done is not None
+            updates.append(Update(tuple(i - s + r * period for i in m.groups[g]), done - s + r * period))
+    in_cycle = records[s:s + period]
+    ks = [k for rec in in_cycle for k in rec.knapsacks]
+    meta: dict[str, Any] = {
+        "planner": "deft.solver.plan", "mode": "capped" if capped else "deft", "solver": cfg.solver,
+        "capacity_scale": scale, "capacity_s": capacity_s, "cases": cases, "cycle_start": s, "period": period,
+        "unroll": unroll,        "cycle_capped": capped, "knapsack_calls": m.calls, "solve_s": m.solve_s,
+        "exact_budget_exhausted": m.budget_exhausted,
+        "optimal": all(k.optimal for k in ks),
+        "max_gap": max(((k.bound - k.value) / k.bound if k.bound > 0 else 0.0) for k in ks) if ks else 0.0,
+        "dropped_by_repair": sum(len(rec.dropped) for rec in in_cycle),
+        "forward_capacity_s": m.cap_forward, "backward_end_s": m.end_backward, "bucket_floor_s": m.floor,
+        "forward_s": profile.forward_s, "backward_s": profile.backward_s,
+    }
+    sched = Schedule(
+        cycle=cycle, links=profile.link_names,
+        bucket_numel=tuple(b.numel for b in profile.buckets), bucket_nbytes=tuple(b.nbytes for b in profile.buckets),
+        stages=tuple(stages), updates=tuple(updates), profile_digest=profile.digest(), meta=meta,
+    )
+    return _with_predictions(profile, sched)

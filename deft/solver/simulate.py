@@ -1,0 +1,641 @@
+"""Discrete-event simulator: what each scheduling scheme does to an iteration (DESIGN.md section 4).
+
+Model
+-----
+* One **compute stream** runs, for each iteration, the forward of buckets ``n-1 .. 0`` (input side first)
+  then the backward of buckets ``0 .. n-1`` (bucket 0, nearest the output, is ready first), then the
+  optimizer step (zero time; it only waits). Tasks start as soon as the stream is free and their
+  dependencies are met.
+* One **queue per link**: all-reduces run one at a time. The schemes use two disciplines:
+  *ordered* (a fixed launch order, each all-reduce waiting for its gradient and its predecessor, the way
+  NCCL streams and DeFT's schedules behave) and *priority + credit* (ByteScheduler: ready pieces wait in
+  a priority queue and are handed to the link's FIFO while fewer than ``credit`` bytes are in flight).
+* **Dependencies** (the true ones of each scheme):
+  - ``ddp``, ``wfbp``, ``mgwfbp``: synchronous, the optimizer step waits for every all-reduce of the
+    iteration (torch DDP's ``finalize_backward``), so the next forward waits for all of them;
+  - ``bytescheduler``, ``usbyte``: synchronous per layer, the forward of bucket ``i`` in the next
+    iteration waits for the all-reduce(s) of bucket ``i`` (ByteScheduler's dependency proxy);
+  - ``deft`` / any :class:`~deft.schedule.Schedule`: delayed update, the next forward waits for nothing;
+    the optimizer step after position ``p`` waits for all all-reduces of the update groups due there.
+    A stage's all-reduces are launched at the start of the stage (forward) or when their gradient is
+    ready (backward, ``origin == 0``), in the schedule's order on each link.
+* **Costs**: bucket ``i``'s measured all-reduce time ``T_i`` on a link splits into a start-up part
+  ``a_i = min(alpha, T_i)`` and a transfer part ``T_i - a_i`` (``alpha`` from the link's fitted model,
+  see :func:`link_model`). A message made of fractions ``f_i`` of buckets costs
+  ``max_i a_i + sum_i f_i (T_i - a_i)``: fusing saves start-ups, partitioning pays more of them
+  (MG-WFBP eq. 11).
+* **Steady state**: iteration time is averaged over whole cycles after a warm-up, between forward
+  starts; bubble ratio = compute idle time / window; link utilisation = busy time / window.
+
+Baseline knobs (``DeftConfig.extra``): ``bytescheduler_partition_numel`` and ``usbyte_partition_numel``
+(default ``partition_numel``, 6.5M elements as in the DeFT paper's comparison),
+``bytescheduler_credit_bytes`` (default two partitions, about ByteScheduler's tuned NCCL ratio) and
+``mgwfbp_method`` (``"optimal"``, default, or ``"paper"``).
+
+Scaling out (:func:`scale_workers`): ring all-reduce costs ``a = 2(N-1) alpha`` and
+``b = 2(N-1)/N beta`` (MG-WFBP Table 2, the reduction term ``gamma`` folded into ``beta``). Assumption:
+the profile's fitted ``alpha_s`` is the whole start-up term ``a`` at the measured world size ``P`` and
+the rest of each measured time is the transfer term, so at ``N`` workers start-ups scale by
+``(N-1)/(P-1)`` and transfers by ``((N-1)/N) / ((P-1)/P)``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from deft.config import DeftConfig
+from deft.errors import ContractError
+from deft.profile import BucketTimes, Profile
+from deft.schedule import Schedule
+from deft.solver import baselines
+
+SCHEMES = ("ddp", "wfbp", "mgwfbp", "bytescheduler", "usbyte", "deft")
+
+
+# --------------------------------------------------------------------------------------------------
+# Results
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SimEvent:
+    """One bar of the timeline: a compute task on ``row == "compute"`` or an all-reduce on a link row.
+
+    ``iteration`` is the iteration computed (compute) or the last iteration of the gradients sent (comm);
+    ``stage_iteration`` is the iteration during whose stage an all-reduce was launched.
+    """
+
+    row: str
+    kind: str  # forward | backward | update (an optimizer step applying an update) | step (no update) | comm
+    bucket: int
+    iteration: int
+    start_s: float
+    end_s: float
+    label: str
+    stage_iteration: int = -1
+
+
+@dataclass(frozen=True)
+class SimResult:
+    scheme: str
+    iteration_s: float
+    compute_bound_s: float
+    bubble_ratio: float
+    updates_per_iteration: float
+    link_utilization: dict[str, float]
+    events: tuple[SimEvent, ...]
+    window: tuple[float, float]  # the steady-state window the figures are measured on
+    iteration_starts: tuple[float, ...]  # forward start of every simulated iteration
+    cycle: int = 1
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def speedup_over(self, other: SimResult) -> float:
+        """Throughput ratio: ``other.iteration_s / self.iteration_s`` (> 1: this one is faster)."""
+        return other.iteration_s / self.iteration_s if self.iteration_s > 0 else math.inf
+
+
+# --------------------------------------------------------------------------------------------------
+# Cost model helpers
+# --------------------------------------------------------------------------------------------------
+def link_model(profile: Profile, link: str) -> tuple[float, float]:
+    """``(alpha_s, beta_s_per_byte)`` of ``link``: the profile's fitted model, else a fit of the buckets.
+
+    The fallback is a least-squares line through (nbytes, measured time) with ``alpha >= 0`` (a line
+    through the origin when the free fit's intercept is negative or there are fewer than two sizes).
+    """
+    lk = profile.link(link)
+    if lk.alpha_s > 0 or lk.beta_s_per_byte > 0:
+        return lk.alpha_s, lk.beta_s_per_byte
+    xs = [float(b.nbytes) for b in profile.buckets]
+    ys = [profile.comm_time(b.id, link) for b in profile.buckets]
+    return fit_alpha_beta(xs, ys)
+
+
+def fit_alpha_beta(nbytes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
+    """Least-squares ``T = alpha + beta * nbytes`` with ``alpha, beta >= 0``."""
+    n = len(nbytes)
+    sx, sy = sum(nbytes), sum(times)
+    sxx = sum(x * x for x in nbytes)
+    sxy = sum(x * y for x, y in zip(nbytes, times, strict=False))
+    denom = n * sxx - sx * sx
+    if n >= 2 and denom > 0:
+        beta = (n * sxy - sx * sy) / denom
+        alpha = (sy - beta * sx) / n
+        if alpha >= 0 and beta >= 0:
+            return alpha, beta
+    if sxx > 0:
+        return 0.0, max(sxy / sxx, 0.0)
+    return (sy / n if n else 0.0), 0.0
+
+
+def _startup(profile: Profile, link: str, alpha: float, bucket: int) -> tuple[float, float]:
+    t = profile.comm_time(bucket, link)
+    a = min(alpha, t)
+    return a, t - a
+
+
+def message_time(profile: Profile, link: str, parts: Sequence[tuple[int, float]],
+                 alpha: float | None = None) -> float:
+    """All-reduce time of one message made of ``(bucket, fraction)`` parts (see the module docstring)."""
+    if alpha is None:
+        alpha = link_model(profile, link)[0]
+    start, transfer = 0.0, 0.0
+    for b, frac in parts:
+        a, rest = _startup(profile, link, alpha, b)
+        start = max(start, a)
+        transfer += frac * rest
+    return start + transfer
+
+
+def scale_workers(profile: Profile, workers: int) -> Profile:
+    """The profile as it would be measured with ``workers`` ranks under the ring all-reduce model."""
+    if workers < 1:
+        raise ContractError("<workers>", "workers", f"expected >= 1, got {workers}")
+    p = profile.world_size
+    if workers == p:
+        return profile
+    if p < 2:
+        raise ContractError("<profile>", "world_size",
+                            "a profile measured on 1 rank has no communication to rescale; profile with >= 2 ranks")
+    f_start = (workers - 1) / (p - 1)
+    f_transfer = ((workers - 1) / workers) / ((p - 1) / p)
+    models = {lk.name: link_model(profile, lk.name) for lk in profile.links}
+    links = tuple(replace(lk, alpha_s=models[lk.name][0] * f_start,
+                          beta_s_per_byte=models[lk.name][1] * f_transfer) for lk in profile.links)
+    times = []
+    for b in profile.buckets:
+        comm = {}
+        for lk in profile.links:
+            a, rest = _startup(profile, lk.name, models[lk.name][0], b.id)
+            comm[lk.name] = a * f_start + rest * f_transfer
+        t = profile.times[b.id]
+        times.append(BucketTimes(forward_s=t.forward_s, backward_s=t.backward_s, comm_s=comm))
+    meta = dict(profile.meta)
+    meta["rescaled_from_world_size"] = p
+    return replace(profile, links=links, times=tuple(times), world_size=workers, meta=meta)
+
+
+# --------------------------------------------------------------------------------------------------
+# The event engine
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class _Compute:
+    kind: str
+    bucket: int
+    iteration: int
+    duration: float
+    deps: list[int] = field(default_factory=list)  # comm ids that must have ended
+    launches: list[int] = field(default_factory=list)  # comm ids launched when this task starts
+    start: float = math.nan
+    end: float = math.nan
+
+
+@dataclass
+class _Comm:
+    link: str
+    duration: float
+    bucket: int
+    iteration: int  # last iteration of the gradients sent
+    stage_iteration: int
+    label: str
+    nbytes: int = 0
+    priority: tuple[float, ...] = ()
+    launched: bool = False
+    grad_ready: bool = True
+    start: float = math.nan
+    end: float = math.nan
+
+
+class _Engine:
+    """Compute stream + one queue per link, advanced in time order (a plain discrete-event loop)."""
+
+    def __init__(self, links: Sequence[str], credit: dict[str, int] | None = None) -> None:
+        self.compute: list[_Compute] = []
+        self.comms: list[_Comm] = []
+        self.links = list(links)
+        self.credit = credit or {}  # link -> credit bytes: priority + credit discipline
+        self.order: dict[str, list[int]] = {lk: [] for lk in self.links}  # ordered discipline
+        self.waiting_on_grad: dict[int, list[int]] = {}  # compute id -> comm ids it makes ready
+
+    def add_comm(self, comm: _Comm, grad_after: int | None) -> int:
+        cid = len(self.comms)
+        if comm.link not in self.order:
+            raise ContractError("<schedule>", "links", f"link {comm.link!r} is not a link of the profile")
+        if grad_after is not None and math.isnan(self.compute[grad_after].end):
+            comm.grad_ready = False
+            self.waiting_on_grad.setdefault(grad_after, []).append(cid)
+        self.comms.append(comm)
+        self.order[comm.link].append(cid)
+        return cid
+
+    def add_compute(self, task: _Compute) -> int:
+        self.compute.append(task)
+        return len(self.compute) - 1
+
+    def run(self) -> None:
+        heap: list[tuple[float, int, str, int]] = []
+        seq = 0
+        now = 0.0
+        ci = 0  # next compute task
+        compute_busy = False
+        busy_until = {lk: 0.0 for lk in self.links}
+        head = {lk: 0 for lk in self.links}  # ordered: next comm in launch order
+        ready_q: dict[str, list[tuple[tuple[float, ...], int]]] = {lk: [] for lk in self.links}
+        in_flight = {lk: 0 for lk in self.links}  # bytes handed to the link and not yet finished
+        finished = [False] * len(self.comms)
+
+        def push(t: float, kind: str, idx: int) -> None:
+            nonlocal seq
+            heapq.heappush(heap, (t, seq, kind, idx))
+            seq += 1
+
+        def available(cid: int) -> bool:
+            c = self.comms[cid]
+            return c.launched and c.grad_ready and math.isnan(c.start)
+
+        def dispatch(cid: int) -> None:
+            c = self.comms[cid]
+            c.start = max(now, busy_until[c.link])
+            c.end = c.start + c.duration
+            busy_until[c.link] = c.end
+            in_flight[c.link] += c.nbytes
+            push(c.end, "comm", cid)
+
+        def became_available(cid: int) -> None:
+            c = self.comms[cid]
+            if c.link in self.credit and available(cid):
+                heapq.heappush(ready_q[c.link], (c.priority, cid))
+
+        def kick() -> bool:
+            nonlocal ci, compute_busy
+            progress = False
+            for lk in self.links:
+                if lk in self.credit:
+                    q = ready_q[lk]
+                    while q and (in_flight[lk] == 0 or in_flight[lk] + self.comms[q[0][1]].nbytes <= self.credit[lk]):
+                        _, cid = heapq.heappop(q)
+                        dispatch(cid)
+                        progress = True
+                else:
+                    order = self.order[lk]
+                    while head[lk] < len(order) and available(order[head[lk]]):
+                        dispatch(order[head[lk]])
+                        head[lk] += 1
+                        progress = True
+            if not compute_busy and ci < len(self.compute):
+                task = self.compute[ci]
+                if all(finished[d] for d in task.deps):
+                    task.start = now
+                    task.end = now + task.duration
+                    compute_busy = True
+                    for cid in task.launches:
+                        self.comms[cid].launched = True
+                        became_available(cid)
+                    push(task.end, "compute", ci)
+                    ci += 1
+                    progress = True
+            return progress
+
+        while True:
+            while kick():
+                pass
+            if not heap:
+                break
+            # Handle every event of this instant before deciding anything, so a priority queue sees
+            # all the pieces that become ready at the same time as a credit is returned.
+            now = heap[0][0]
+            while heap and heap[0][0] == now:
+                _, _, kind, idx = heapq.heappop(heap)
+                if kind == "compute":
+                    compute_busy = False
+                    for cid in self.waiting_on_grad.get(idx, ()):
+                        self.comms[cid].grad_ready = True
+                        became_available(cid)
+                else:
+                    finished[idx] = True
+                    in_flight[self.comms[idx].link] -= self.comms[idx].nbytes
+        if ci < len(self.compute):
+            task = self.compute[ci]
+            raise RuntimeError(f"simulation deadlocked at {task.kind} of bucket {task.bucket} in iteration "
+                               f"{task.iteration}: a dependency is never communicated")
+
+
+# --------------------------------------------------------------------------------------------------
+# Building the task graph of each scheme
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Message:
+    """One all-reduce of one iteration in a synchronous scheme."""
+
+    link: str
+    parts: tuple[tuple[int, float], ...]  # (bucket, fraction of it)
+    nbytes: int
+    priority: tuple[float, ...] = ()
+
+    @property
+    def ready_bucket(self) -> int:
+        return max(b for b, _ in self.parts)  # the last of its buckets to finish backward
+
+
+def _iteration_tasks(eng: _Engine, profile: Profile, t: int,
+                     fwd_deps: dict[int, list[int]]) -> tuple[list[int], list[int]]:
+    """Forward (buckets n-1..0) and backward (0..n-1) compute tasks of iteration ``t``; their ids."""
+    n = profile.n
+    fwd = [eng.add_compute(_Compute("forward", b, t, profile.times[b].forward_s, deps=list(fwd_deps.get(b, ()))))
+           for b in range(n - 1, -1, -1)]
+    bwd = [eng.add_compute(_Compute("backward", b, t, profile.times[b].backward_s)) for b in range(n)]
+    return fwd, bwd
+
+
+def _run_synchronous(profile: Profile, messages: Sequence[_Message], iterations: int, *, barrier: bool,
+                     credit: dict[str, int] | None = None) -> _Engine:
+    """Every iteration sends ``messages`` (in this launch order) once its gradients are ready.
+
+    ``barrier``: the optimizer step waits for all of them (DDP); otherwise the forward of each bucket in
+    the next iteration waits for the messages containing it (ByteScheduler, US-Byte).
+    """
+    eng = _Engine(profile.link_names, credit)
+    alpha = {lk: link_model(profile, lk)[0] for lk in profile.link_names}
+    fwd_deps: dict[int, list[int]] = {}
+    for t in range(iterations):
+        _, bwd = _iteration_tasks(eng, profile, t, fwd_deps)
+        ids = []
+        for m in messages:
+            label = "+".join(str(b) for b in sorted({b for b, _ in m.parts}))
+            if any(f < 1.0 for _, f in m.parts):
+                label += "'"  # a piece of a partitioned bucket
+            cid = eng.add_comm(_Comm(link=m.link, duration=message_time(profile, m.link, m.parts, alpha[m.link]),
+                                     bucket=m.ready_bucket, iteration=t, stage_iteration=t, label=label,
+                                     nbytes=m.nbytes, priority=m.priority), grad_after=bwd[m.ready_bucket])
+            eng.comms[cid].launched = True
+            ids.append(cid)
+        fwd_deps = {}
+        eng.add_compute(_Compute("update", -1, t, 0.0, deps=ids if barrier else []))
+        if not barrier:
+            for m, cid in zip(messages, ids, strict=True):
+                for b, _ in m.parts:
+                    fwd_deps.setdefault(b, []).append(cid)
+    return eng
+
+
+def _fused(profile: Profile, link: str, groups: Sequence[Sequence[int]]) -> list[_Message]:
+    return [_Message(link, tuple((b, 1.0) for b in g), sum(profile.buckets[b].nbytes for b in g)) for g in groups]
+
+
+def _bytes_per_element(profile: Profile, b: int) -> float:
+    bk = profile.buckets[b]
+    return bk.nbytes / bk.numel if bk.numel else 4.0
+
+
+def _ddp_messages(profile: Profile, link: str, config: DeftConfig) -> list[_Message]:
+    groups = baselines.ddp_buckets([b.nbytes for b in profile.buckets], int(config.bucket_cap_mb * 2**20))
+    return _fused(profile, link, groups)
+
+
+def _mgwfbp_messages(profile: Profile, link: str, config: DeftConfig) -> list[_Message]:
+    n = profile.n
+    alpha, beta = link_model(profile, link)
+    # MG-WFBP indexes layers from the input: layer l is bucket n-1-l.
+    back = [profile.times[n - 1 - layer].backward_s for layer in range(n)]
+    size = [float(profile.buckets[n - 1 - layer].nbytes) for layer in range(n)]
+    method = config.extra.get("mgwfbp_method", "optimal")
+    if method not in ("paper", "optimal"):
+        raise ContractError("<config>", "extra.mgwfbp_method", f"expected 'paper' or 'optimal', got {method!r}")
+    groups = baselines.mgwfbp_merge(back, size, alpha, beta, method=method)
+    bucket_groups = sorted((sorted(n - 1 - layer for layer in g) for g in groups), key=lambda g: g[0])
+    return _fused(profile, link, bucket_groups)
+
+
+def _extra_int(config: DeftConfig, key: str, default: int) -> int:
+    v = config.extra.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        raise ContractError("<config>", f"extra.{key}", f"expected a positive number, got {v!r}")
+    return int(v)
+
+
+def _bytescheduler_messages(profile: Profile, link: str, config: DeftConfig) -> tuple[list[_Message], int]:
+    numel = _extra_int(config, "bytescheduler_partition_numel", config.partition_numel)
+    msgs = []
+    for b in range(profile.n):
+        unit = max(1, round(numel * _bytes_per_element(profile, b)))
+        nb = profile.buckets[b].nbytes
+        for j, size in enumerate(baselines.partition_sizes(nb, unit)):
+            frac = size / nb if nb else 1.0
+            # Priority: the input side (high bucket id) first, then the pieces in order.
+            msgs.append(_Message(link, ((b, frac),), size, priority=(-b, j)))
+    credit_default = 2 * max(1, round(numel * _bytes_per_element(profile, profile.n - 1)))
+    credit = _extra_int(config, "bytescheduler_credit_bytes", credit_default)
+    return msgs, credit
+
+
+def usbyte_plan_for(profile: Profile, link: str, config: DeftConfig) -> baselines.UsbytePlan:
+    """US-Byte's plan on ``profile``'s buckets as layers (layer l = bucket n-1-l), primary link model."""
+    n = profile.n
+    alpha, beta = link_model(profile, link)
+    numel = _extra_int(config, "usbyte_partition_numel", config.partition_numel)
+    bpe = sum(b.nbytes for b in profile.buckets) / max(1, sum(b.numel for b in profile.buckets)) or 4.0
+    sp = max(1, round(numel * bpe))
+    back = [profile.times[n - 1 - i].backward_s for i in range(n)]
+    fwd = [profile.times[n - 1 - i].forward_s for i in range(n)]
+    size = [profile.buckets[n - 1 - i].nbytes for i in range(n)]
+    return baselines.usbyte_plan(back, fwd, size, alpha, beta, sp)
+
+
+def _usbyte_messages(profile: Profile, link: str, config: DeftConfig) -> list[_Message]:
+    plan = usbyte_plan_for(profile, link, config)
+    n = profile.n
+    msgs = []
+    for op in plan.ops:
+        b = n - 1 - op.layer
+        nb = profile.buckets[b].nbytes
+        msgs.append(_Message(link, ((b, op.nbytes / nb if nb else 1.0),), op.nbytes))
+    return msgs
+
+
+def _schedule_engine(profile: Profile, schedule: Schedule, iterations: int) -> _Engine:
+    eng = _Engine(profile.link_names)
+    n, c = profile.n, schedule.cycle
+    bwd_of: dict[int, list[int]] = {}
+    comm_of: dict[tuple[int, int], int] = {}  # (group's last iteration, bucket) -> comm id
+    for t in range(iterations):
+        p = t % c
+        fwd, bwd = _iteration_tasks(eng, profile, t, {})
+        bwd_of[t] = bwd
+        for stage, first in (("forward", fwd[0]), ("backward", bwd[0])):
+            for task in schedule.stage(p, stage).comms:
+                last = t - task.origin
+                if last < 0:
+                    continue  # a group from before the simulation started: nothing to send
+                label = str(task.bucket) + (f"({task.origin})" if task.origin else "")
+                cid = eng.add_comm(_Comm(link=task.link, duration=profile.comm_time(task.bucket, task.link),
+                                         bucket=task.bucket, iteration=last, stage_iteration=t, label=label,
+                                         nbytes=profile.buckets[task.bucket].nbytes),
+                                   grad_after=bwd_of[last][task.bucket])
+                eng.compute[first].launches.append(cid)
+                comm_of[(last, task.bucket)] = cid
+        deps = []
+        applied = False
+        for g, back in schedule.updates_due(p):
+            last = (t // c - back) * c + schedule.updates[g].last
+            if last >= 0:
+                deps.extend(comm_of[(last, b)] for b in range(n))
+                applied = True
+        # "step": an optimizer step with no update due changes nothing and waits for nothing.
+        eng.add_compute(_Compute("update" if applied else "step", -1, t, 0.0, deps=deps))
+    return eng
+
+
+# --------------------------------------------------------------------------------------------------
+# Measuring
+# --------------------------------------------------------------------------------------------------
+def _result(scheme: str, profile: Profile, eng: _Engine, cycle: int, warm: int, measured: int,
+            updates_per_iteration: float, meta: dict[str, Any]) -> SimResult:
+    starts: list[float] = []
+    for task in eng.compute:
+        if task.kind == "forward" and task.iteration == len(starts):
+            starts.append(task.start)
+    t0, t1 = starts[warm], starts[warm + measured]
+    span = t1 - t0
+    iteration_s = span / measured
+
+    def overlap(s: float, e: float) -> float:
+        return max(0.0, min(e, t1) - max(s, t0))
+
+    busy = sum(overlap(x.start, x.end) for x in eng.compute)
+    util = {lk: (sum(overlap(x.start, x.end) for x in eng.comms if x.link == lk) / span if span > 0 else 0.0)
+            for lk in profile.link_names}
+    # Convergence check: the two halves of the window (whole cycles each) should agree.
+    half = (measured // cycle // 2) * cycle
+    if half:
+        first = (starts[warm + half] - t0) / half
+        second = (t1 - starts[warm + measured - half]) / half
+        meta = {**meta, "converged": abs(first - second) <= 1e-6 * max(first, second, 1e-12)}
+    events = [SimEvent("compute", x.kind, x.bucket, x.iteration, x.start, x.end,
+                       "" if x.kind in ("update", "step") else str(x.bucket), x.iteration) for x in eng.compute]
+    events += [SimEvent(x.link, "comm", x.bucket, x.iteration, x.start, x.end, x.label, x.stage_iteration)
+               for x in eng.comms if not math.isnan(x.start)]
+    return SimResult(scheme=scheme, iteration_s=iteration_s, compute_bound_s=profile.forward_s + profile.backward_s,
+                     bubble_ratio=(span - busy) / span if span > 0 else 0.0,
+                     updates_per_iteration=updates_per_iteration, link_utilization=util,
+                     events=tuple(events), window=(t0, t1), iteration_starts=tuple(starts), cycle=cycle,
+                     meta=meta)
+
+
+def _window(cycle: int, iterations: int) -> tuple[int, int]:
+    """(warm-up, measured) iteration counts, both whole cycles."""
+    warm_cycles = max(4, math.ceil(16 / cycle))
+    measured_cycles = max(2, math.ceil(iterations / cycle))
+    return warm_cycles * cycle, measured_cycles * cycle
+
+
+def simulate_schedule(profile: Profile, schedule: Schedule, *, iterations: int = 24,
+                      scheme: str = "schedule") -> SimResult:
+    """Simulate a DeFT :class:`Schedule` (delayed updates, every link it names) on ``profile``.
+
+    ``profile`` must be the one the schedule was planned on (same buckets, after any partition).
+    """
+    if schedule.n_buckets != profile.n or tuple(b.nbytes for b in profile.buckets) != schedule.bucket_nbytes:
+        raise ContractError("<schedule>", "bucket_nbytes",
+                            f"the schedule has {schedule.n_buckets} buckets of other sizes than the profile's "
+                            f"{profile.n}: simulate it on the (partitioned) profile it was planned on")
+    missing = [lk for lk in schedule.links if lk not in profile.link_names]
+    if missing:
+        raise ContractError("<schedule>", "links", f"links {missing} are not in the profile "
+                            f"(profile links: {', '.join(profile.link_names)})")
+    warm, measured = _window(schedule.cycle, iterations)
+    eng = _schedule_engine(profile, schedule, warm + measured + 1)
+    eng.run()
+    return _result(scheme, profile, eng, schedule.cycle, warm, measured, schedule.updates_per_iteration,
+                   {"batch_sequence": list(schedule.batch_sequence), "links": list(schedule.links)})
+
+
+def profile_for_schedule(profile: Profile, schedule: Schedule, config: DeftConfig) -> Profile:
+    """The profile whose buckets ``schedule`` refers to: ``profile`` itself or its DeFT partition.
+
+    The planner partitions buckets (section III.D) before planning; a schedule records only the bucket
+    sizes, so the partition is recomputed (with the capacity recorded in ``schedule.meta["capacity_s"]``
+    when the planner left one) and must reproduce them.
+    """
+    sizes = tuple(b.nbytes for b in profile.buckets)
+    if sizes == schedule.bucket_nbytes:
+        return profile
+    from deft.solver.plan import partition  # lazy: plan.py imports this module too
+
+    caps: list[float | None] = [None]
+    cap = schedule.meta.get("capacity_s")
+    if isinstance(cap, (int, float)) and not isinstance(cap, bool):
+        caps.insert(0, float(cap))
+    for c in caps:
+        parted = partition(profile, config, capacity_s=c, best_effort=True)
+        if tuple(b.nbytes for b in parted.buckets) == schedule.bucket_nbytes:
+            return parted
+    raise ContractError("<schedule>", "bucket_nbytes",
+                        f"the schedule's {schedule.n_buckets} buckets match neither the profile's {profile.n} "
+                        "nor its partition; was it planned on another profile?")
+
+
+def plan_deft(profile: Profile, config: DeftConfig) -> tuple[Schedule, Profile]:
+    """DeFT's schedule for ``profile`` and the partitioned profile it refers to.
+
+    ``epsilon == 0`` forbids delayed updates: the no-delay plan (cycle 1, links only). Otherwise the
+    solver's plan; the preserver's convergence test needs loss statistics from training, so offline
+    (here and in ``deft plan``) the solver's first plan is what the preserver would start from.
+    """
+    from deft.solver import plan as planner  # lazy: plan.py calls simulate_schedule
+
+    if config.epsilon == 0:
+        schedule = planner.no_delay_plan(profile, config)
+        return schedule, profile_for_schedule(profile, schedule, config)
+    result = planner.plan_trace(profile, config)
+    return result.schedule, result.profile
+
+
+def simulate(profile: Profile, scheme: str, config: DeftConfig | str | dict[str, Any] | None = None, *,
+             workers: int | None = None, iterations: int = 24) -> SimResult:
+    """Steady-state iteration of ``scheme`` on ``profile`` (see the module docstring for the model).
+
+    Baselines use the primary (first) link only, as their papers do; ``deft`` plans with
+    :func:`deft.solver.plan.plan` and uses every link of the profile. ``workers`` rescales the profile
+    with the ring all-reduce model first.
+    """
+    cfg = DeftConfig.resolve(config)
+    if scheme not in SCHEMES:
+        raise ContractError("<scheme>", "scheme", f"expected one of {', '.join(SCHEMES)}, got {scheme!r}")
+    if workers is not None:
+        profile = scale_workers(profile, workers)
+    if scheme == "deft":
+        schedule, planned = plan_deft(profile, cfg)
+        res = simulate_schedule(planned, schedule, iterations=iterations, scheme="deft")
+        return replace(res, meta={**res.meta, "schedule": schedule, "profile": planned})
+    link = profile.links[0].name
+    meta: dict[str, Any] = {"link": link}
+    credit = None
+    barrier = scheme in ("ddp", "wfbp", "mgwfbp")
+    if scheme == "ddp":
+        msgs = _ddp_messages(profile, link, cfg)
+    elif scheme == "wfbp":
+        msgs = _fused(profile, link, [[b] for b in range(profile.n)])
+    elif scheme == "mgwfbp":
+        msgs = _mgwfbp_messages(profile, link, cfg)
+    elif scheme == "bytescheduler":
+        msgs, cr = _bytescheduler_messages(profile, link, cfg)
+        credit = {link: cr}
+        meta["credit_bytes"] = cr
+    else:
+        msgs = _usbyte_messages(profile, link, cfg)
+    meta["messages"] = len(msgs)
+    warm, measured = _window(1, iterations)
+    eng = _run_synchronous(profile, msgs, warm + measured + 1, barrier=barrier, credit=credit)
+    eng.run()
+    return _result(scheme, profile, eng, 1, warm, measured, 1.0, meta)
+
+
+def simulate_all(profile: Profile, schemes: Sequence[str] = SCHEMES, config: DeftConfig | None = None, *,
+                 workers: int | None = None, iterations: int = 24) -> dict[str, SimResult]:
+    """:func:`simulate` for several schemes on the same (rescaled) profile."""
+    cfg = DeftConfig.resolve(config)
+    if workers is not None:
+        profile = scale_workers(profile, workers)
+    return {s: simulate(profile, s, cfg, iterations=iterations) for s in schemes}

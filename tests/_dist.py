@@ -1,0 +1,134 @@
+"""Start N gloo ranks on 127.0.0.1 for multi-process tests (reusable by every test module).
+
+``run_ranks(fn, world=2, args=..., timeout=...)`` starts ``world`` fresh processes (spawn), each with
+the default process group initialized (gloo, a free port on loopback, ``init_timeout_s``), runs
+``fn(rank, world, *args)`` and returns a :class:`RankResult` per rank: the exit code, the value ``fn``
+returned (anything ``json`` can encode; tensors should be converted with ``.tolist()``) or the error
+text. ``fn`` must be a top-level function of an importable module (it is pickled by name). Ranks are
+forked from a forkserver that preloads torch and deft, so a fresh pair of ranks costs a fork, not a
+torch import.
+
+Processes that outlive ``timeout`` are killed (by pid, only the ones started here) and reported with
+``timed_out=True``, so a hanging collective fails the test instead of the whole suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class RankResult:
+    rank: int
+    exitcode: int | None
+    value: Any = None
+    error: str | None = None
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.exitcode == 0 and self.error is None and not self.timed_out
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, outdir: str, args: tuple[Any, ...],
+           init_timeout_s: float, threads: int) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world)
+    out = Path(outdir) / f"rank{rank}.json"
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=init_timeout_s))
+        value = fn(rank, world, *args)
+        out.write_text(json.dumps({"value": value}))
+        code = 0
+    except BaseException as e:  # report, then exit non-zero like a crashed training script
+        out.write_text(json.dumps({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}))
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip destroy_process_group/atexit: a dead peer would make teardown hang or abort.
+    os._exit(code)
+
+
+_CTX: Any = None
+
+
+def _context() -> Any:
+    """A forkserver that has imported torch and deft once: ranks fork from it in milliseconds.
+
+    Forking the test process itself is unsafe (its OpenMP/intra-op threads may exist); the forkserver
+    is a clean single-threaded process started once per test session.
+    """
+    global _CTX
+    if _CTX is None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("forkserver")
+        # torch._dynamo: the first optimizer imports it lazily, which costs seconds per rank otherwise.
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel", "deft",
+                                    "deft.runtime.ddp", "deft.solver.plan", "deft.preserver.feedback", "tests._dist"])
+        _CTX = ctx
+    return _CTX
+
+
+def run_ranks(fn: Callable[..., Any], world: int = 2, args: tuple[Any, ...] = (), timeout: float = 120.0,
+              init_timeout_s: float = 60.0, threads: int = 1) -> list[RankResult]:
+    ctx = _context()
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="deft-ranks-") as outdir:
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, port, outdir, args, init_timeout_s, threads))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        results = []
+        for r, p in enumerate(procs):
+            timed_out = p.is_alive()
+            if timed_out:
+                p.kill()
+                p.join(5)
+            res = RankResult(rank=r, exitcode=p.exitcode, timed_out=timed_out)
+            f = Path(outdir) / f"rank{r}.json"
+            if f.exists():
+                doc = json.loads(f.read_text())
+                res.value = doc.get("value")
+                if "error" in doc:
+                    res.error = doc["error"] + "\n" + doc.get("traceback", "")
+            results.append(res)
+        return results
+
+
+def values(results: list[RankResult]) -> list[Any]:
+    """The returned values, failing with every rank's error text if a rank did not succeed."""
+    bad = [r for r in results if not r.ok]
+    if bad:
+        msg = "\n".join(f"rank {r.rank}: exit {r.exitcode}{' (timed out)' if r.timed_out else ''}: {r.error}"
+                        for r in bad)
+        raise AssertionError(f"ranks failed:\n{msg}")
+    return [r.value for r in results]

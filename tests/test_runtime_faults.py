@@ -1,0 +1,76 @@
+"""Faults end every rank with a clear error, never a hang: a dead peer, a stalled peer, mismatched configs."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests._dist import run_ranks
+from tests.test_runtime_delayed import delayed_schedule
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))  # 83 elements
+
+
+def fault_worker(rank: int, world: int, schedule_path: str, mode: str, timeout_s: float) -> None:
+    import deft
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ddp = deft.DistributedDataParallel(model, config={
+        "epsilon": 0.1, "warmup_iters": 1, "schedule_path": schedule_path, "timeout_s": timeout_s,
+        "links": [{"name": "primary"}, {"name": "second"}]})
+    for t in range(12):
+        out = ddp(torch.randn(4, 6))
+        if rank == 1 and t == 4:
+            if mode == "die":
+                os._exit(3)  # a crash in the middle of an iteration
+            time.sleep(timeout_s + 6)  # a stall longer than the timeout
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "timeout_s"), [("die", 10.0), ("stall", 3.0)])
+def test_peer_failure_gives_clear_error_within_timeout(tmp_path: Path, mode: str, timeout_s: float) -> None:
+    sched = tmp_path / "schedule.json"
+    delayed_schedule((30, 30, 23)).save(sched)
+    start = time.monotonic()
+    res = run_ranks(fault_worker, 2, (str(sched), mode, timeout_s), timeout=60)
+    elapsed = time.monotonic() - start
+    r0 = res[0]
+    assert not r0.timed_out and r0.exitcode not in (0, None)
+    assert r0.error is not None and r0.error.startswith("CommunicationError: rank 0: ")
+    first = r0.error.splitlines()[0]
+    assert "link 'primary'" in first or "link 'second'" in first
+    assert "bucket" in first and "iteration" in first and "peer rank probably died or stalled" in first
+    if mode == "stall":
+        assert "timed out" in first.lower() or "timeout" in first.lower()
+        assert elapsed < timeout_s + 15
+    else:
+        assert res[1].exitcode == 3
+        assert elapsed < timeout_s + 10
+
+
+def mismatch_worker(rank: int, world: int) -> None:
+    import deft
+
+    deft.DistributedDataParallel(_model(), config={"epsilon": 0.01 if rank == 0 else 0.05, "timeout_s": 20})
+
+
+@pytest.mark.slow
+def test_mismatched_config_names_the_rank() -> None:
+    res = run_ranks(mismatch_worker, 2, (), timeout=60)
+    for r in res:
+        assert r.exitcode == 1 and r.error is not None
+        first = r.error.splitlines()[0]
+        assert first.startswith(f"ContractError: rank {r.rank}: config: rank(s) [1] differ from rank 0"), first
+        assert "epsilon: rank 0 has 0.01, rank 1 has 0.05" in first, first

@@ -1,0 +1,134 @@
+"""End to end with deft's own planning: warm-up timing -> Profile -> preserver + planner -> schedule.
+
+Nothing hand-made here: the ranks measure a profile while running like torch DDP, rank 0 plans with
+the preserver (statistics from the warm-up: observed losses, gradient noise, lr, batch), the schedule
+is broadcast and checked, and training continues under it. Whatever the planner chose, every
+iteration's gradient must be applied exactly once and both ranks must end identical. The measured
+profile is written where ``DEFT_PROFILE_OUT`` says (what the deft-profile tool relies on).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from deft.profile import Profile
+from tests._dist import run_ranks, values
+
+ITERS = 16
+
+
+def planned_worker(rank: int, world: int, out_dir: str) -> dict[str, object]:
+    import deft
+
+    os.environ["DEFT_PROFILE_OUT"] = str(Path(out_dir) / "profile.json")
+    torch.manual_seed(0)
+    # Enough computation per bucket (batch 128) that loopback gloo's ~1 ms per all-reduce can be covered.
+    model = nn.Sequential(nn.Conv2d(1, 16, 3), nn.ReLU(), nn.Conv2d(16, 16, 3), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(16 * 12 * 12, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ddp = deft.DistributedDataParallel(model, config={
+        "epsilon": 0.2, "warmup_iters": 3, "profile_iters": 3, "bucket_cap_mb": 0.004, "timeout_s": 60,
+        "solver_time_limit_s": 0.5, "links": [{"name": "primary"}, {"name": "second"}]})
+    g = torch.Generator().manual_seed(rank)
+    teacher = torch.randn(256, 10, generator=torch.Generator().manual_seed(42))  # a learnable task: mu > 0
+    for _ in range(ITERS):
+        x = torch.randn(128, 1, 16, 16, generator=g)
+        y = (x.flatten(1) @ teacher).argmax(1)
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        loss.backward()
+        ddp.observe_loss(loss)
+        opt.step()
+        opt.zero_grad()
+    ddp.flush()
+    return {"log": [[t, list(i)] for t, i in ddp.update_log], "plan": ddp.plan_info,
+            "digest": ddp.schedule.digest(), "params": [p.sum().item() for p in model.parameters()]}
+
+
+@pytest.mark.slow
+def test_warmup_profile_plan_and_run(tmp_path: Path) -> None:
+    out = values(run_ranks(planned_worker, 2, (str(tmp_path),), timeout=150))
+    assert out[0]["digest"] == out[1]["digest"] and out[0]["log"] == out[1]["log"]
+    assert out[0]["params"] == out[1]["params"]
+    merged = sorted(t for _, its in out[0]["log"] for t in its)
+    assert merged == list(range(ITERS))  # every iteration applied exactly once
+    plan = out[0]["plan"]
+    assert plan["t0"] == 6 and plan["stats_reason"] == "estimated during warm-up", plan
+    # The preserver's choice, or a fallback when the planner cannot plan this (timing-noisy) profile.
+    assert plan["source"] == "preserver" or "fallback" in plan["source"], plan
+    prof = Profile.load(tmp_path / "profile.json")
+    assert prof.source == "timing" and prof.world_size == 2 and prof.link_names == ("primary", "second")
+    assert prof.n >= 3 and prof.backward_s > 0 and prof.forward_s > 0
+    assert all(t.comm_s["second"] > 0 and t.comm_s["primary"] > 0 for t in prof.times)
+
+
+# -- the planner's own delayed schedules, executed for real -------------------------------------------
+N_PARAMS, PARAM_NUMEL, LR = 6, 8, 0.125
+
+
+class Probe(nn.Module):
+    """``sum_i (p_i * c_i).sum()``: the gradient is ``c_i`` whatever the parameters (closed form)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for i in range(N_PARAMS):
+            self.register_parameter(f"p{i}", nn.Parameter(torch.zeros(PARAM_NUMEL)))
+
+    def forward(self, c: torch.Tensor) -> torch.Tensor:
+        return sum(((getattr(self, f"p{i}") * c[i]).sum() for i in range(N_PARAMS)), torch.zeros(()))
+
+
+def _coeff(rank: int, t: int) -> torch.Tensor:
+    return torch.randint(-3, 4, (N_PARAMS, PARAM_NUMEL), generator=torch.Generator().manual_seed(97 * t + rank))
+
+
+def comm_bound_profile() -> Profile:
+    """Communication (5 ms per bucket on the primary link, 6.5 ms on the second) against 3 ms of
+    computation per bucket: the planner has to delay and merge updates."""
+    from deft.profile import Bucket, BucketTimes, Link
+
+    nb = PARAM_NUMEL * 4
+    buckets = tuple(Bucket(i, (f"p{N_PARAMS - 1 - i}",), PARAM_NUMEL, nb) for i in range(N_PARAMS))
+    times = tuple(BucketTimes(0.001, 0.002, {"primary": 0.005, "second": 0.0065}) for _ in range(N_PARAMS))
+    links = (Link("primary", "gloo", None, 1e-5, (0.005 - 1e-5) / nb),
+             Link("second", "gloo", None, 1e-5, (0.0065 - 1e-5) / nb))
+    return Profile(buckets, times, links, 2, "synthetic")
+
+
+def planner_schedule_worker(rank: int, world: int, profile_path: str) -> dict[str, object]:
+    import deft
+
+    model = Probe()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    ddp = deft.DistributedDataParallel(model, config={
+        "epsilon": 0.5, "preserver": False, "warmup_iters": 1, "profile_path": profile_path, "timeout_s": 60,
+        "links": [{"name": "primary"}, {"name": "second"}]})
+    for t in range(ITERS):
+        ddp(_coeff(rank, t)).backward()
+        opt.step()
+        opt.zero_grad()
+    ddp.flush()
+    log = [[t, list(i)] for t, i in ddp.update_log]
+    expect = torch.zeros(N_PARAMS, PARAM_NUMEL, dtype=torch.float64)
+    for _, its in log:
+        expect -= LR * sum(_coeff(r, t).double() for r in range(world) for t in its) / (world * len(its))
+    got = torch.stack([getattr(model, f"p{i}").detach().double() for i in range(N_PARAMS)])
+    torch.testing.assert_close(got, expect, rtol=0, atol=1e-6)
+    return {"log": log, "K": list(ddp.schedule.batch_sequence), "cycle": ddp.schedule.cycle,
+            "links": ddp.link_stats, "plan": ddp.plan_info}
+
+
+@pytest.mark.slow
+def test_planner_schedules_run_exactly_once(tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"
+    comm_bound_profile().save(path)
+    out = values(run_ranks(planner_schedule_worker, 2, (str(path),), timeout=120))
+    assert out[0]["log"] == out[1]["log"]
+    merged = sorted(t for _, its in out[0]["log"] for t in its)
+    assert merged == list(range(ITERS))
+    assert out[0]["plan"]["source"] == "plan", out[0]["plan"]
+    assert out[0]["links"]["primary"]["calls"] > 0 and out[0]["links"]["second"]["calls"] > 0

@@ -1,0 +1,283 @@
+"""The simulator on hand-computable cases, its invariants, the reference profiles and worker scaling."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from deft.config import DeftConfig
+from deft.errors import ContractError
+from deft.profile import Bucket, BucketTimes, Link, Profile
+from deft.schedule import CommTask, Schedule, StagePlan, Update, synchronous_schedule
+from deft.solver.baselines import mgwfbp_merge, mgwfbp_time
+from deft.solver.simulate import (
+    SCHEMES,
+    fit_alpha_beta,
+    link_model,
+    message_time,
+    scale_workers,
+    simulate,
+    simulate_schedule,
+    usbyte_plan_for,
+)
+
+PROFILES = Path(__file__).resolve().parents[1] / "examples" / "profiles"
+BASELINES = tuple(s for s in SCHEMES if s != "deft")
+
+
+def make_profile(fwd: list[float], bwd: list[float], comm: list[dict[str, float]], nbytes: list[int] | None = None,
+                 links: tuple[Link, ...] = (Link("a", "nccl"),), world_size: int = 4) -> Profile:
+    n = len(fwd)
+    sizes = nbytes or [1000] * n
+    return Profile(
+        buckets=tuple(Bucket(i, (f"p{i}",), sizes[i] // 4, sizes[i]) for i in range(n)),
+        times=tuple(BucketTimes(fwd[i], bwd[i], comm[i]) for i in range(n)),
+        links=links, world_size=world_size, source="synthetic",
+    )
+
+
+def linear_profile(fwd: list[float], bwd: list[float], nbytes: list[int], alpha: float, beta: float) -> Profile:
+    comm = [{"a": alpha + beta * x} for x in nbytes]
+    return make_profile(fwd, bwd, comm, nbytes, (Link("a", "nccl", None, alpha, beta),))
+
+
+def vgg19() -> Profile:
+    return Profile.load(PROFILES / "vgg19.json")
+
+
+# ------------------------------------------------------------------------------------------------- hand cases
+def test_one_bucket_exposes_its_whole_all_reduce() -> None:
+    # The only bucket is ready at the end of backward: nothing can overlap its all-reduce.
+    p = make_profile([2.0], [3.0], [{"a": 1.5}])
+    for scheme in BASELINES:
+        r = simulate(p, scheme)
+        assert r.iteration_s == pytest.approx(6.5), scheme
+        assert r.bubble_ratio == pytest.approx(1.5 / 6.5)
+        assert r.link_utilization["a"] == pytest.approx(1.5 / 6.5)
+
+
+def test_comm_shorter_than_backward_leaves_only_the_tail() -> None:
+    # Bucket 0 ready at 1, its all-reduce (2) hides under bucket 1's backward (4); bucket 1's (3) is
+    # the exposed tail: iteration = forward 2 + backward 5 + 3.
+    p = make_profile([1.0, 1.0], [1.0, 4.0], [{"a": 2.0}, {"a": 3.0}])
+    assert simulate(p, "wfbp").iteration_s == pytest.approx(10.0)
+    r = simulate(p, "ddp")  # 1000-byte buckets fuse into one bucket under DDP's 1 MiB first cap
+    assert r.meta["messages"] == 1
+    assert r.iteration_s == pytest.approx(7.0 + 5.0)  # sum of measured times (no alpha to save)
+
+
+def test_ddp_fusion_saves_startups_wfbp_overlaps_more() -> None:
+    # Two 0.6 MB buckets, alpha 1, beta 1e-6 s/B: alone 1.6 each, fused 2.2.
+    p = linear_profile([1.0, 1.0], [1.0, 0.5], [600_000, 600_000], 1.0, 1e-6)
+    assert message_time(p, "a", [(0, 1.0), (1, 1.0)]) == pytest.approx(2.2)
+    # WFBP: bucket 0 at [1, 2.6], bucket 1 (ready 1.5) at [2.6, 4.2]; iteration 2 + 4.2.
+    assert simulate(p, "wfbp").iteration_s == pytest.approx(6.2)
+    # DDP: one fused bucket (first cap 1 MiB), sent when bucket 1 is ready at 1.5: [1.5, 3.7].
+    assert simulate(p, "ddp").iteration_s == pytest.approx(5.7)
+
+
+def test_layerwise_dependency_lets_forward_start_early() -> None:
+    # Input-side bucket 1 has a long forward (3); 1 MB buckets in 250 kB basic blocks, alpha 0.01.
+    p = linear_profile([0.5, 3.0], [1.0, 1.0], [1_000_000, 1_000_000], 0.01, 2e-6)
+    cfg = {"partition_numel": 62_500}
+    # WFBP: bucket 0 [4.5, 6.51], bucket 1 [6.51, 8.52], then the next forward.
+    assert simulate(p, "wfbp", cfg).iteration_s == pytest.approx(8.52)
+    # ByteScheduler: bucket 1's pieces overtake bucket 0's, whose rest overlaps bucket 1's forward.
+    assert simulate(p, "bytescheduler", cfg).iteration_s < 8.52 - 0.1
+    # US-Byte (backward from 0): Case 2 sends 2 blocks of bucket 0 in [1, 2.01] during bucket 1's
+    # backward; phase 2 sends bucket 1 [2.01, 4.02] then the rest of bucket 0 [4.02, 5.03]; forward
+    # of bucket 1 4.02-7.02, of bucket 0 7.02-7.52.
+    assert simulate(p, "usbyte", cfg).iteration_s == pytest.approx(7.52)
+
+
+@pytest.mark.parametrize(("credit", "order", "ready", "period"), [
+    # Stop-and-wait: bucket 1 overtakes as soon as a piece ends; bucket 0's last piece then delays
+    # the next forward of bucket 0 by 0.2, so bucket 0 is ready at 3.2 instead of 3.
+    (250_000, "0 0 1 1 1 1 0 0", 3.2, 6.8),
+    # Credit of two pieces: the piece queued behind the running one cannot be overtaken.
+    (500_000, "0 0 0 1 1 1 1 0", 3.0, 7.2),
+    # Everything handed to the link's FIFO at once: no preemption, plain WFBP order.
+    (10**9, "0 0 0 0 1 1 1 1", 3.0, 7.8),
+])
+def test_bytescheduler_priority_and_credit(credit: int, order: str, ready: float, period: float) -> None:
+    # Buckets of four 250 kB pieces (0.6 s each); bucket 1 (the input side) is ready 1 s after bucket 0.
+    p = linear_profile([1.0, 1.0], [1.0, 1.0], [1_000_000, 1_000_000], 0.1, 2e-6)
+    r = simulate(p, "bytescheduler", {"partition_numel": 62_500, "extra": {"bytescheduler_credit_bytes": credit}})
+    assert r.iteration_s == pytest.approx(period)
+    t = 6
+    comms = sorted((e for e in r.events if e.kind == "comm" and e.iteration == t), key=lambda e: e.start_s)
+    assert " ".join(str(e.bucket) for e in comms) == order
+    start = r.iteration_starts[t]
+    assert comms[0].start_s == pytest.approx(start + ready)
+    assert comms[-1].end_s == pytest.approx(start + ready + 4.8)  # the link never idles once started
+    # The next forward (bucket 1 first) starts as soon as bucket 1's last piece is done.
+    assert r.iteration_starts[t + 1] == pytest.approx(max(e.end_s for e in comms if e.bucket == 1))
+
+
+def test_mgwfbp_and_usbyte_simulations_match_their_models() -> None:
+    fwd, bwd = [0.5, 3.0, 1.0, 0.2], [4.0, 1.0, 0.5, 0.3]
+    nbytes = [3_000_000, 2_000_000, 9_000_000, 500_000]
+    p = linear_profile(fwd, bwd, nbytes, 0.3, 1e-6)
+    # MG-WFBP indexes layers from the input: layer l = bucket n-1-l.
+    back_l, size_l = bwd[::-1], [float(x) for x in nbytes[::-1]]
+    groups = mgwfbp_merge(back_l, size_l, 0.3, 1e-6, method="optimal")
+    assert simulate(p, "mgwfbp").iteration_s == pytest.approx(sum(fwd) + mgwfbp_time(back_l, size_l, 0.3, 1e-6, groups))
+    plan = usbyte_plan_for(p, "a", DeftConfig(partition_numel=250_000))
+    r = simulate(p, "usbyte", DeftConfig(partition_numel=250_000))
+    assert r.iteration_s == pytest.approx(plan.iteration_s)
+
+
+# ------------------------------------------------------------------------------------------------- schedules
+def two_bucket_delayed(link_of_bucket0: str) -> tuple[Profile, Schedule]:
+    """Cycle 2, one update merging both iterations, all-reduced during the next cycle's position 0."""
+    p = make_profile([1.0, 2.0], [2.0, 1.0], [{"a": 3.0, "b": 3.0}, {"a": 4.0, "b": 4.0}],
+                     links=(Link("a", "nccl"), Link("b", "gloo")))
+    s = Schedule(cycle=2, links=("a", "b"), bucket_numel=(250, 250), bucket_nbytes=(1000, 1000),
+                 stages=(StagePlan(0, "forward", (CommTask(1, 1, "a"),)),
+                         StagePlan(0, "backward", (CommTask(0, 1, link_of_bucket0),)),
+                         StagePlan(1, "forward"), StagePlan(1, "backward")),
+                 updates=(Update((0, 1), 2),))
+    return p, s
+
+
+def test_delayed_update_schedule_hand_computed() -> None:
+    # Position 0 (iteration start S): bucket 1 of the previous group on link a at [S, S+4]; bucket 0
+    # launched at backward start S+3 queues behind it: [S+4, S+7]; the update after position 0 waits
+    # for both: 7. Position 1 sends nothing and waits for nothing: 6. Cycle 13, 6.5 per iteration.
+    p, s = two_bucket_delayed("a")
+    r = simulate_schedule(p, s)
+    assert r.iteration_s == pytest.approx(6.5)
+    assert r.bubble_ratio == pytest.approx(1 / 13)
+    assert r.link_utilization == pytest.approx({"a": 7 / 13, "b": 0.0})
+    assert r.updates_per_iteration == pytest.approx(0.5)
+    assert r.meta["converged"]
+    # Bucket 0 on the second link runs [S+3, S+6]: everything hides, the compute bound (6) is reached.
+    p, s = two_bucket_delayed("b")
+    r = simulate_schedule(p, s)
+    assert r.iteration_s == pytest.approx(6.0)
+    assert r.bubble_ratio == pytest.approx(0.0, abs=1e-12)
+    # Synchronous WFBP on one link: bucket 0 [5, 8], bucket 1 [8, 12]: 12.
+    assert simulate(p, "wfbp").iteration_s == pytest.approx(12.0)
+
+
+def test_next_forward_does_not_wait_for_old_gradients() -> None:
+    p, s = two_bucket_delayed("a")
+    r = simulate_schedule(p, s)
+    t = 4  # position 0 of a steady-state cycle
+    fwd = next(e for e in r.events if e.kind == "forward" and e.iteration == t and e.bucket == 1)
+    comm = next(e for e in r.events if e.kind == "comm" and e.stage_iteration == t and e.bucket == 1)
+    assert comm.iteration == t - 1  # the group that ended in the previous iteration
+    assert comm.start_s == pytest.approx(fwd.start_s)  # launched at the forward stage's start
+    assert fwd.end_s < comm.end_s  # bucket 1's forward ran without waiting for its gradient's all-reduce
+    step = next(e for e in r.events if e.kind == "update" and e.iteration == t)
+    assert step.start_s == pytest.approx(max(c.end_s for c in r.events if c.kind == "comm" and c.iteration == t - 1))
+
+
+def test_synchronous_schedule_equals_wfbp() -> None:
+    p = vgg19()
+    sched = synchronous_schedule(tuple(b.numel for b in p.buckets), tuple(b.nbytes for b in p.buckets), ("nccl",))
+    assert simulate_schedule(p, sched).iteration_s == pytest.approx(simulate(p, "wfbp").iteration_s)
+
+
+def test_schedule_must_match_profile() -> None:
+    p = vgg19()
+    sched = synchronous_schedule((1, 2), (4, 8), ("nccl",))
+    with pytest.raises(ContractError, match="bucket_nbytes"):
+        simulate_schedule(p, sched)
+    sched = synchronous_schedule(tuple(b.numel for b in p.buckets), tuple(b.nbytes for b in p.buckets), ("ib0",))
+    with pytest.raises(ContractError, match="ib0"):
+        simulate_schedule(p, sched)
+
+
+# ------------------------------------------------------------------------------------------------- invariants
+@pytest.mark.parametrize("name", ["vgg19", "resnet101", "gpt2"])
+def test_invariants_on_reference_profiles(name: str) -> None:
+    p = Profile.load(PROFILES / f"{name}.json")
+    bound = p.forward_s + p.backward_s
+    results = {s: simulate(p, s) for s in SCHEMES}
+    for scheme, r in results.items():
+        assert r.compute_bound_s == pytest.approx(bound)
+        assert r.iteration_s >= bound * (1 - 1e-9), scheme
+        assert 0.0 <= r.bubble_ratio < 1.0
+        assert r.bubble_ratio == pytest.approx(1 - bound / r.iteration_s, abs=1e-6)
+        for link, u in r.link_utilization.items():
+            assert 0.0 <= u <= 1.0 + 1e-9, (scheme, link)
+        # One all-reduce at a time per link.
+        for link in p.link_names:
+            bars = sorted((e.start_s, e.end_s) for e in r.events if e.row == link)
+            assert all(b[0] >= a[1] - 1e-12 for a, b in itertools.pairwise(bars))
+        if scheme != "deft":
+            # Synchronous schemes send all gradients every iteration on the primary link.
+            assert r.iteration_s >= p.total_comm_s() * 0.99
+            assert r.link_utilization[p.links[1].name] == 0.0
+    ddp = results["ddp"].iteration_s
+    assert results["deft"].iteration_s <= min(r.iteration_s for r in results.values()) + 1e-9
+    assert results["deft"].iteration_s <= bound * 1.02  # at (or within 2% of) the compute bound
+    assert results["deft"].iteration_s < ddp
+
+
+def test_epsilon_zero_keeps_one_update_per_iteration() -> None:
+    r = simulate(vgg19(), "deft", DeftConfig(epsilon=0.0))
+    assert r.updates_per_iteration == 1.0
+    assert r.meta["schedule"].batch_sequence == (1,)
+    # Two links and no hard barrier on reordering still beat DDP's single link.
+    assert r.iteration_s < simulate(vgg19(), "ddp").iteration_s
+
+
+def test_unknown_scheme() -> None:
+    with pytest.raises(ContractError, match="scheme"):
+        simulate(vgg19(), "horovod")
+
+
+def test_bad_extra_setting_names_the_field() -> None:
+    with pytest.raises(ContractError, match=r"extra\.bytescheduler_credit_bytes"):
+        simulate(vgg19(), "bytescheduler", {"extra": {"bytescheduler_credit_bytes": -1}})
+
+
+# ------------------------------------------------------------------------------------------------- scaling
+def test_scale_workers_follows_the_ring_model() -> None:
+    alpha, beta, p_ws = 1e-3, 1e-9, 4
+    p = linear_profile([1.0], [1.0], [8_000_000], alpha, beta)
+    # Per-hop costs behind the fitted model at P = 4 workers: a = 2(P-1) al, b = 2(P-1)/P be.
+    al, be = alpha / (2 * (p_ws - 1)), beta * p_ws / (2 * (p_ws - 1))
+    for n in (2, 4, 16, 1024):
+        q = scale_workers(p, n)
+        a_n, b_n = 2 * (n - 1) * al, 2 * (n - 1) / n * be
+        assert q.world_size == n
+        assert q.comm_time(0, "a") == pytest.approx(a_n + b_n * 8_000_000)
+        assert link_model(q, "a") == pytest.approx((a_n, b_n))
+    assert scale_workers(p, 4) is p
+    one = make_profile([1.0], [1.0], [{"a": 0.0}], world_size=1)
+    with pytest.raises(ContractError, match="world_size"):
+        scale_workers(one, 8)
+
+
+def test_more_workers_never_faster_for_ddp() -> None:
+    p = vgg19()
+    times = [simulate(p, "ddp", workers=n).iteration_s for n in (2, 16, 128, 1024)]
+    assert times == sorted(times)
+    assert simulate(p, "ddp", workers=16).iteration_s == pytest.approx(simulate(p, "ddp").iteration_s)
+
+
+def test_fit_alpha_beta() -> None:
+    assert fit_alpha_beta([1.0, 2.0, 3.0], [1.5, 2.5, 3.5]) == pytest.approx((0.5, 1.0))
+    assert fit_alpha_beta([1.0, 2.0], [0.5, 2.5]) == pytest.approx((0.0, 1.1))  # negative intercept
+
+
+# ------------------------------------------------------------------------------------------------- profiles
+def test_vgg19_reference_profile_is_table_ii() -> None:
+    doc = json.loads((PROFILES / "vgg19.json").read_text())
+    assert doc["source"] == "reference" and doc["world_size"] == 16
+    p = vgg19()
+    us = 1e6
+    # Table II totals (microseconds), Table I's 37 / 93 / 258 ms.
+    assert round(p.forward_s * us) == 37166
+    assert round(p.backward_s * us) == 93119
+    assert round(p.total_comm_s("nccl") * us) == 257725
+    # Our bucket 0 is the paper's bucket 6 (nearest the output).
+    assert [round(t.backward_s * us) for t in p.times] == [162, 484, 2319, 4872, 12786, 72496]
+    assert p.total_comm_s("gloo") == pytest.approx(1.65 * p.total_comm_s("nccl"))
+    assert sum(b.numel for b in p.buckets) == 143_667_240  # torchvision's vgg19

@@ -1,0 +1,103 @@
+"""``deft simulate`` and ``deft plan`` end to end through the dispatcher, on the VGG-19 reference profile."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from deft.cli import main
+from deft.schedule import Schedule
+
+VGG19 = Path(__file__).resolve().parents[1] / "examples" / "profiles" / "vgg19.json"
+
+
+def table_rows(out: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if parts and parts[0] in ("ddp", "wfbp", "mgwfbp", "bytescheduler", "usbyte", "deft") and len(parts) >= 5:
+            rows[parts[0]] = parts[1:]
+    return rows
+
+
+def test_simulate_prints_table_and_draws_picture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "out" / "vgg19_timeline.png"
+    assert main(["simulate", str(VGG19), "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    assert set(rows) == {"ddp", "bytescheduler", "usbyte", "mgwfbp", "deft"}
+    assert rows["ddp"][1] == "1.00x"
+    deft_ms = float(rows["deft"][0])
+    assert deft_ms == pytest.approx(130.285, rel=0.02)  # the compute bound: forward + backward
+    assert float(rows["deft"][1].rstrip("x")) > 2.0
+    assert "compute bound 130.3 ms" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_simulate_selected_schemes_and_workers(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", str(VGG19), "--schemes", "wfbp,ddp", "--workers", "64"]) == 0
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    assert list(rows) == ["wfbp", "ddp"]
+    assert "64 workers" in out
+    assert main(["simulate", str(VGG19), "--schemes", "ddp"]) == 0
+    at16 = float(table_rows(capsys.readouterr().out)["ddp"][0])
+    assert float(rows["ddp"][0]) > at16  # ring all-reduce: more workers, longer all-reduces
+
+
+def test_plan_writes_a_loadable_schedule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_file = tmp_path / "schedule.json"
+    assert main(["plan", str(VGG19), "--out", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    sched = Schedule.load(out_file)
+    assert f"cycle {sched.cycle} iterations" in out
+    assert f"K = {list(sched.batch_sequence)}" in out
+    assert re.search(r"position 0 forward", out) and re.search(r"position 0 backward", out)
+    rows = table_rows(out)
+    assert float(rows["deft"][0]) == pytest.approx(sched.predicted_iteration_s * 1e3, rel=1e-3)
+    assert float(rows["deft"][0]) < float(rows["usbyte"][0])
+
+
+def test_plan_epsilon_zero_is_synchronous(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_file = tmp_path / "s.json"
+    assert main(["plan", str(VGG19), "--out", str(out_file), "--epsilon", "0"]) == 0
+    sched = Schedule.load(out_file)
+    assert sched.cycle == 1 and sched.batch_sequence == (1,)
+    assert "K = [1]" in capsys.readouterr().out
+
+
+def test_bad_profile_file_exits_2_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "broken.json"
+    bad.write_text("{ not json")
+    assert main(["simulate", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "broken.json" in err and "not valid JSON" in err
+
+    damaged = tmp_path / "damaged.json"
+    doc = json.loads(VGG19.read_text())
+    doc["buckets"][2]["backward_s"] = "fast"
+    damaged.write_text(json.dumps(doc))
+    assert main(["plan", str(damaged), "--out", str(tmp_path / "s.json")]) == 2
+    err = capsys.readouterr().err
+    assert "damaged.json" in err and "buckets[2].backward_s" in err
+    assert not (tmp_path / "s.json").exists()
+
+    assert main(["simulate", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
+
+
+def test_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", str(VGG19), "--schemes", "ddp,horovod"]) == 2
+    assert "horovod" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", str(VGG19), "--epsilon", "2"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["simulate", str(VGG19), "--workers", "0"])
+    cfg = tmp_path / "deft.toml"
+    cfg.write_text("epsilon = 'lots'\n")
+    assert main(["simulate", str(VGG19), "--config", str(cfg), "--schemes", "ddp"]) == 2
+    assert "deft.toml" in capsys.readouterr().err

@@ -1,0 +1,200 @@
+"""The network-namespace testbed: build, reach every link, shaping holds, teardown leaves nothing."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from deft import testbed as testbed_mod
+from deft.config import DeftConfig
+from deft.errors import DeftError
+from deft.testbed import Testbed, TestbedError, list_namespaces
+
+NETNS_REASON = "needs root and iproute2 (ip, tc) to build network namespaces"
+can_netns = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+
+# A receiver that acknowledges with one byte once it has all the bytes: the sender's clock then
+# covers the whole transfer through the shaped link, not just filling its socket buffer.
+SERVER = textwrap.dedent("""
+    import socket, sys
+    addr, port, nbytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((addr, port)); s.listen(1); print("ready", flush=True)
+    c, _ = s.accept(); got = 0
+    while got < nbytes:
+        chunk = c.recv(1 << 20)
+        if not chunk:
+            break
+        got += len(chunk)
+    c.sendall(b"k" if got == nbytes else b"x"); c.close()
+""")
+CLIENT = textwrap.dedent("""
+    import socket, sys, time
+    addr, port, nbytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    for _ in range(100):
+        try:
+            c = socket.create_connection((addr, port), timeout=10); break
+        except OSError:
+            time.sleep(0.05)
+    t0 = time.perf_counter(); c.sendall(b"\\0" * nbytes); ack = c.recv(1)
+    print(f"{ack.decode()} {time.perf_counter() - t0:.6f}")
+""")
+
+
+def transfer(tb: Testbed, src: int, dst: int, link: int, nbytes: int, port: int) -> float:
+    """Seconds to send ``nbytes`` from host ``src`` to host ``dst`` over ``link`` (TCP, acknowledged)."""
+    server = tb.popen(dst, [sys.executable, "-c", SERVER, tb.addr(dst, link), str(port), str(nbytes)],
+                      stdout=subprocess.PIPE, text=True)
+    assert server.stdout is not None
+    assert server.stdout.readline().strip() == "ready"
+    out = tb.run(src, [sys.executable, "-c", CLIENT, tb.addr(dst, link), str(port), str(nbytes)], timeout=60)
+    server.wait(timeout=10)
+    ack, seconds = out.split()
+    assert ack == "k", f"receiver got a wrong byte count on link {link}"
+    return float(seconds)
+
+
+def leftovers(tb: Testbed) -> list[str]:
+    present = set(list_namespaces())
+    return [ns for ns in tb.namespaces if ns in present]
+
+
+@pytest.mark.parametrize(("kwargs", "problem"), [
+    ({"hosts": 1}, "hosts"), ({"links": 0}, "links"), ({"links": 56}, "links"), ({"rate_mbit": 0}, "rate_mbit"),
+    ({"delay_ms": -1}, "delay_ms"), ({"prefix": "Bad Prefix"}, "prefix"), ({"tag": "a/b"}, "tag"),
+])
+def test_bad_arguments_name_the_field(kwargs: dict[str, object], problem: str) -> None:
+    with pytest.raises(DeftError, match=problem):
+        Testbed(**kwargs)  # type: ignore[arg-type]
+
+
+def test_not_root_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(testbed_mod.os, "geteuid", lambda: 1000)
+    with pytest.raises(TestbedError, match="needs root"):
+        Testbed().up()
+
+
+def test_missing_iproute2_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(testbed_mod.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(testbed_mod.shutil, "which", lambda tool: None if tool == "tc" else "/usr/sbin/ip")
+    with pytest.raises(TestbedError, match=r"iproute2.*tc"):
+        Testbed().up()
+
+
+def test_names_addresses_env_and_config_need_no_root() -> None:
+    a, b = Testbed(), Testbed()
+    assert a.base != b.base and str(os.getpid()) in a.base  # unique per object and per process
+    assert a.host_ns(1).startswith("deft-") and a.ifname(1) == "nic1"
+    assert a.addr(0, 0) == "10.200.0.1" and a.addr(1, 1) == "10.201.0.2"
+    with pytest.raises(TestbedError, match="host 2 out of range"):
+        a.addr(2, 0)
+    env = a.env_for(1, rank=1, world=2, port=29511)
+    assert env["MASTER_ADDR"] == "10.200.0.1" and env["GLOO_SOCKET_IFNAME"] == "nic0"
+    assert env["RANK"] == "1" and env["WORLD_SIZE"] == "2" and env["MASTER_PORT"] == "29511"
+    cfg = DeftConfig.load(env["DEFT_CONFIG"])
+    assert [(lk.name, lk.backend, lk.ifname) for lk in cfg.links] == [
+        ("primary", "auto", "nic0"), ("second", "gloo", "nic1")]
+    one = DeftConfig.load(a.write_config(links=1, epsilon=0.0, preserver=False))
+    assert one.link_names == ("primary",) and one.epsilon == 0.0 and one.preserver is False
+    a.down()  # never up: removes only its temporary config directory
+    assert not Path(env["DEFT_CONFIG"]).exists()
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
+def test_two_hosts_reach_each_link_shaped_and_teardown_is_clean() -> None:
+    rate_mbit, nbytes = 50.0, 2_000_000
+    tb = Testbed(hosts=2, links=2, rate_mbit=rate_mbit)
+    with tb:
+        assert tb.up() is tb  # idempotent
+        assert leftovers(tb) == tb.namespaces
+        for link in range(2):
+            qdisc = tb.run(0, ["tc", "qdisc", "show", "dev", tb.ifname(link)])
+            assert "tbf" in qdisc and "50Mbit" in qdisc
+            # each link is its own subnet: the route to the peer leaves through that link's NIC
+            route = tb.run(0, ["ip", "route", "get", tb.addr(1, link)])
+            assert f"dev {tb.ifname(link)}" in route
+        expected = nbytes * 8 / (rate_mbit * 1e6)  # 0.32 s of payload; headers add ~3 %
+        for link in range(2):
+            seconds = transfer(tb, 0, 1, link, nbytes, port=29400 + link)
+            assert 0.8 * expected < seconds < 1.8 * expected, f"link {link}: {seconds:.3f} s vs {expected:.3f} s"
+        # the reverse direction is shaped too (each end shapes its own egress)
+        seconds = transfer(tb, 1, 0, 1, nbytes, port=29402)
+        assert 0.8 * expected < seconds < 1.8 * expected
+    assert leftovers(tb) == []
+    tb.down()  # idempotent after teardown
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
+def test_teardown_on_error_and_of_started_processes() -> None:
+    tb = Testbed(hosts=2, links=1, rate_mbit=100)
+    with pytest.raises(RuntimeError, match="boom"), tb:
+        p = tb.popen(1, [sys.executable, "-c", "import time; time.sleep(600)"])
+        raise RuntimeError("boom")
+    assert leftovers(tb) == []
+    assert p.poll() is not None  # the process it started was stopped
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
+def test_three_hosts_through_a_bridge_per_link() -> None:
+    with Testbed(hosts=3, links=2, rate_mbit=200) as tb:
+        assert tb.switch_ns is not None and tb.switch_ns in list_namespaces()
+        for link in range(2):
+            seconds = transfer(tb, 0, 2, link, 100_000, port=29410 + link)
+            assert seconds < 2.0
+    assert leftovers(tb) == []
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
+def test_cli_up_status_down(capsys: pytest.CaptureFixture[str]) -> None:
+    prefix = f"t{os.getpid() % 100000}"
+    parser = argparse.ArgumentParser()
+    testbed_mod.add_arguments("testbed", parser)
+
+    def cli(*argv: str) -> int:
+        return testbed_mod.run("testbed", parser.parse_args([*argv, "--prefix", prefix, "--links", "2"]))
+
+    try:
+        assert cli("up") == 0
+        names = [f"{prefix}-cli-h0", f"{prefix}-cli-h1"]
+        assert set(names) <= set(list_namespaces())
+        with pytest.raises(TestbedError, match="already up"):
+            cli("up")
+        assert cli("status") == 0
+        out = capsys.readouterr().out
+        assert "250Mbit" in out
+        config = Path(f"/run/deft/testbed-{prefix}.toml")
+        assert str(config) in out and DeftConfig.load(config).link_names == ("primary", "second")
+    finally:
+        assert cli("down") == 0
+    assert not set(names) & set(list_namespaces())
+    assert not config.exists()
+    assert cli("down") == 0  # nothing left: a no-op
+    assert "nothing to do" in capsys.readouterr().out
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
+def test_delay_builds_or_fails_clearly_and_cleans_up() -> None:
+    tb = Testbed(hosts=2, links=1, rate_mbit=100, delay_ms=5)
+    try:
+        tb.up()
+    except TestbedError as e:  # kernels without sch_netem: the error says so, nothing is left behind
+        assert "netem" in str(e)
+        assert leftovers(tb) == []
+        return
+    try:
+        assert "netem" in tb.run(0, ["tc", "qdisc", "show", "dev", "nic0"])
+    finally:
+        tb.down()
+    assert leftovers(tb) == []
