@@ -94,6 +94,65 @@ def plot(docs: dict[str, dict[str, Any]], target: float, path: Path) -> None:
     plt.close(fig)
 
 
+def update_timing_check(args: argparse.Namespace, iters: int) -> str:
+    """Without deft or a network: does *when* a gradient is applied change training this much?
+
+    One process, one core, the same model, data and optimizer as the runs above, global batch
+    2 x batch-size drawn with a fixed generator, three ways of applying the same gradients:
+    every iteration at once (torch DDP); each one iteration late, i.e. computed on parameters one
+    update old (a K = [1, 1] schedule whose update is applied after the next iteration, as deft's
+    delayed update does); merged in pairs computed on the same parameters (K = [2], batch 2B).
+    Returns a markdown table: mean training loss of the last 10 iterations and test accuracy.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from models import DigitsCNN
+    from train_cnn import evaluate, load_digits_split
+
+    torch.set_num_threads(1)
+    x_train, y_train, x_test, y_test = load_digits_split(args.seed)
+    rows = []
+    for mode, label in (("sync", "every iteration (torch DDP)"), ("late", "one iteration late (K = [1, 1], delayed)"),
+                        ("pairs", "pairs merged (K = [2])")):
+        torch.manual_seed(args.seed)
+        model = DigitsCNN()
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        gen = torch.Generator().manual_seed(args.seed)
+        pending: list[list[torch.Tensor]] = []
+        losses = []
+        t0 = time.perf_counter()
+        for it in range(iters):
+            idx = torch.randint(0, len(y_train), (2 * args.batch_size,), generator=gen)
+            loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
+            loss.backward()
+            losses.append(float(loss.detach()))
+            pending.append([p.grad.clone() for p in model.parameters()])
+            opt.zero_grad()
+            due = {"sync": 1, "late": 2, "pairs": 2}[mode]
+            if len(pending) < due or (mode == "pairs" and it % 2 == 0):
+                continue
+            if mode == "late":  # apply the oldest gradient: it was computed one update ago
+                grads = pending.pop(0)
+            else:
+                grads = [torch.stack(g).mean(0) for g in zip(*pending, strict=True)]
+                pending.clear()
+            for p, g in zip(model.parameters(), grads, strict=True):
+                p.grad = g
+            opt.step()
+            opt.zero_grad()
+        acc, _ = evaluate(model, x_test, y_test)
+        rows.append(f"| {label} | {statistics.fmean(losses[-10:]):.3f} | {acc:.4f} |")
+        print(f"[bench_preserver] update timing check, {label}: loss {statistics.fmean(losses[-10:]):.3f}, "
+              f"test accuracy {acc:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return "\n".join([
+        f"Update-timing check (`--timing-check`, one process, no deft, no network): the same "
+        f"{iters} mini-batches of {2 * args.batch_size}, SGD lr {args.lr} momentum 0.9, gradients applied three ways.",
+        "", f"| gradients applied | training loss, iterations {iters - 9}..{iters} | test accuracy |",
+        "|---|---|---|", *rows])
+
+
 def run_all(args: argparse.Namespace, names: list[str], skipped: dict[str, str], out_dir: Path
             ) -> dict[str, dict[str, Any]]:
     """Train every configuration on one testbed; a failing one is recorded in ``skipped``."""
@@ -167,6 +226,9 @@ def main() -> int:
     ap.add_argument("--save-runs", default=None, help="keep each run's JSON records in this directory")
     ap.add_argument("--from-runs", default=None,
                     help="no training: rebuild the report from the JSON records a --save-runs run left here")
+    ap.add_argument("--timing-check", type=int, default=0, metavar="ITERS",
+                    help="also train ITERS iterations in one process with updates applied at once, one "
+                         "iteration late and merged in pairs (no deft): separates the algorithm from the runtime")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n]
@@ -194,6 +256,8 @@ def main() -> int:
         return 1
     plot(docs, args.target, PLOT)
     text = report(args, docs, skipped, command)
+    if args.timing_check:
+        text += "\n\n" + update_timing_check(args, args.timing_check)
     print(text)
     if not args.no_write:
         update_section("preserver", text)

@@ -8,6 +8,7 @@ communication and assigns links, and gives the same parameters as torch DDP.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -36,6 +37,11 @@ class LinkConfig:
 
 @dataclass(frozen=True)
 class DeftConfig:
+    """Every knob of deft (see the module docstring for ``epsilon``); validated on construction.
+
+    ``from_dict``/``load`` reject unknown settings and wrongly typed values, naming the file and field.
+    """
+
     epsilon: float = 0.01
     links: tuple[LinkConfig, ...] = (LinkConfig("primary"),)
     bucket_cap_mb: float = 25.0
@@ -148,12 +154,14 @@ class DeftConfig:
             doc = tomllib.loads(p.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ContractError(str(p), "<file>", "no such config file") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ContractError(str(p), "<file>", f"cannot read config file: {e}") from None
         except tomllib.TOMLDecodeError as e:
             raise ContractError(str(p), "<file>", f"not valid TOML: {e}") from None
         return cls.from_dict(doc, str(p))
 
     @classmethod
-    def resolve(cls, config: DeftConfig | str | Path | dict[str, Any] | None) -> DeftConfig:
+    def resolve(cls, config: DeftConfig | str | os.PathLike[str] | dict[str, Any] | None) -> DeftConfig:
         """Accept what users pass: nothing, a DeftConfig, a TOML path or a dict."""
         if config is None:
             return cls()
@@ -161,4 +169,7 @@ class DeftConfig:
             return config
         if isinstance(config, dict):
             return cls.from_dict(config)
+        if not isinstance(config, (str, os.PathLike)):
+            raise ContractError("<argument>", "config", "expected a DeftConfig, a TOML path, a dict or None, "
+                                f"got {type(config).__name__}")
         return cls.load(config)

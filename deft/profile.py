@@ -15,7 +15,9 @@ The JSON form carries ``schema`` (this module's :data:`SCHEMA_VERSION`) and ``ki
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,6 +29,11 @@ from deft.errors import ContractError
 SCHEMA_VERSION = 1
 SOURCES = ("timing", "kineto", "nsys", "reference", "synthetic")
 BACKENDS = ("nccl", "gloo")
+
+
+def _nonneg(x: float) -> bool:
+    """A time or cost: finite and >= 0 (NaN compares false with everything, so test it explicitly)."""
+    return math.isfinite(x) and x >= 0
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,11 @@ class Profile:
     def backward_s(self) -> float:
         return sum(t.backward_s for t in self.times)
 
+    @property
+    def ready_s(self) -> tuple[float, ...]:
+        """When each bucket's gradient is ready, from the start of backward: ``R_i = B_0 + ... + B_i``."""
+        return tuple(itertools.accumulate(t.backward_s for t in self.times))
+
     def total_comm_s(self, link: str | None = None) -> float:
         """Total all-reduce time of all buckets on ``link`` (default: the first, primary link)."""
         name = link if link is not None else self.links[0].name
@@ -149,21 +161,23 @@ class Profile:
         for i, link in enumerate(self.links):
             if link.backend not in BACKENDS:
                 raise ContractError(source, f"links[{i}].backend", f"expected nccl or gloo, got {link.backend!r}")
-            if link.alpha_s < 0 or link.beta_s_per_byte < 0:
-                raise ContractError(source, f"links[{i}]", "alpha_s and beta_s_per_byte must be >= 0")
+            if not _nonneg(link.alpha_s) or not _nonneg(link.beta_s_per_byte):
+                raise ContractError(source, f"links[{i}]", "alpha_s and beta_s_per_byte must be finite and >= 0, "
+                                    f"got {link.alpha_s} and {link.beta_s_per_byte}")
         for i, b in enumerate(self.buckets):
             if b.id != i:
                 raise ContractError(source, f"buckets[{i}].id", f"expected {i} (ids are 0..n-1 in order), got {b.id}")
             if b.numel < 0 or b.nbytes < 0:
                 raise ContractError(source, f"buckets[{i}]", "numel and nbytes must be >= 0")
         for i, t in enumerate(self.times):
-            if t.forward_s < 0 or t.backward_s < 0:
-                raise ContractError(source, f"times[{i}]", "forward_s and backward_s must be >= 0")
+            if not _nonneg(t.forward_s) or not _nonneg(t.backward_s):
+                raise ContractError(source, f"times[{i}]", "forward_s and backward_s must be finite and >= 0, "
+                                    f"got {t.forward_s} and {t.backward_s}")
             for name, v in t.comm_s.items():
                 if name not in names:
                     raise ContractError(source, f"times[{i}].comm_s.{name}", f"unknown link; links are {names}")
-                if v < 0:
-                    raise ContractError(source, f"times[{i}].comm_s.{name}", f"expected >= 0, got {v}")
+                if not _nonneg(v):
+                    raise ContractError(source, f"times[{i}].comm_s.{name}", f"expected a finite number >= 0, got {v}")
             for name in names:
                 if name not in t.comm_s and self.links[names.index(name)].beta_s_per_byte == 0 \
                         and self.links[names.index(name)].alpha_s == 0:

@@ -19,8 +19,10 @@ Invariants (checked by :meth:`Schedule.validate`)
    gradients exist (never in the forward stage of the group's last iteration or before).
 2. An update is applied after the optimizer step of position ``apply_after`` (may be ``>= cycle``:
    then in the next cycle), no earlier than the end of the stage of its group's last communication
-   and within one cycle of the group's last iteration; updates are applied in group order.
+   and within one cycle of the group's last iteration; updates are applied in group order, also across
+   the cycle boundary (the last group no later than the next cycle's first).
 3. The launch order on each link is the order of ``comms`` in each stage, the same on every rank.
+4. Link names are unique; bucket ids, origins and positions are integers (JSON ``true`` is not one).
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ from deft.errors import ContractError
 
 SCHEMA_VERSION = 1
 STAGES = ("forward", "backward")
+
+
+def _is_int(x: object) -> bool:
+    """A JSON integer (``true`` parses as a Python ``bool``, an ``int`` subclass: not a bucket id)."""
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -135,10 +142,15 @@ class Schedule:
         n, c = self.n_buckets, self.cycle
         if c < 1:
             raise ContractError(source, "cycle", f"expected >= 1, got {c}")
-        if n < 1 or len(self.bucket_nbytes) != n:
-            raise ContractError(source, "bucket_nbytes", "expected one entry per bucket of bucket_numel")
+        if n < 1:
+            raise ContractError(source, "bucket_numel", "expected at least one bucket")
+        if len(self.bucket_nbytes) != n:
+            raise ContractError(source, "bucket_nbytes",
+                                f"expected one entry per bucket of bucket_numel ({n}), got {len(self.bucket_nbytes)}")
         if not self.links:
             raise ContractError(source, "links", "expected at least one link")
+        if len(set(self.links)) != len(self.links):
+            raise ContractError(source, "links", f"link names must be unique, got {list(self.links)}")
         if len(self.stages) != 2 * c:
             raise ContractError(source, "stages",
                                 f"expected {2 * c} stage plans (2 per position), got {len(self.stages)}")
@@ -158,6 +170,11 @@ class Schedule:
                 raise ContractError(source, "updates", "groups must be listed in position order")
             if g and u.apply_after < self.updates[g - 1].apply_after:
                 raise ContractError(source, f"updates[{g}].apply_after", "updates must be applied in group order")
+            # The next cycle's first group follows the last one: it may share its step, not precede it.
+            if u.apply_after > self.updates[0].apply_after + c:
+                raise ContractError(source, f"updates[{g}].apply_after",
+                                    f"updates must be applied in group order: {u.apply_after} is after the next "
+                                    f"cycle's first update ({self.updates[0].apply_after} + cycle {c})")
         # Where (in iterations after the group's last one, and stage) each (group, bucket) is sent.
         seen: dict[tuple[int, int], int] = {}
         for i, sp in enumerate(self.stages):
@@ -223,7 +240,7 @@ class Schedule:
 
         def ints(key: str) -> tuple[int, ...]:
             v = f.list(key)
-            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+            if not all(_is_int(x) and x >= 0 for x in v):
                 raise f.error(key, "expected a list of non-negative integers")
             return tuple(v)
 
@@ -234,8 +251,8 @@ class Schedule:
         for sf in f.items("stages"):
             comms = []
             for j, t in enumerate(sf.list("comms")):
-                if (not isinstance(t, list) or len(t) != 3 or not isinstance(t[0], int)
-                        or not isinstance(t[1], int) or not isinstance(t[2], str)):
+                if (not isinstance(t, list) or len(t) != 3 or not all(_is_int(x) for x in t[:2])
+                        or not isinstance(t[2], str)):
                     raise sf.error(f"comms[{j}]", f"expected [bucket, origin, link], got {t!r}")
                 comms.append(CommTask(bucket=t[0], origin=t[1], link=t[2]))
             stages.append(StagePlan(position=sf.int("position", minimum=0),
@@ -243,7 +260,7 @@ class Schedule:
         updates = []
         for uf in f.items("updates"):
             pos = uf.list("positions")
-            if not pos or not all(isinstance(x, int) and not isinstance(x, bool) for x in pos):
+            if not pos or not all(_is_int(x) for x in pos):
                 raise uf.error("positions", "expected a non-empty list of integers")
             updates.append(Update(positions=tuple(pos), apply_after=uf.int("apply_after", minimum=0)))
         sched = object.__new__(cls)

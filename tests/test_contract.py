@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -59,6 +60,7 @@ def test_profile_round_trip(tmp_path: Path) -> None:
     assert again.comm_time(2, "gloo") == pytest.approx(2e-4 + 1.65e-9 * 12000)
     assert again.comm_time(2, "nccl") == pytest.approx(0.009)
     assert prof.coverage_rate == pytest.approx(0.018 / (0.006 + 0.012))
+    assert prof.ready_s == pytest.approx((0.002, 0.006, 0.012))  # R_i = B_0 + ... + B_i
 
 
 @pytest.mark.parametrize(
@@ -154,6 +156,35 @@ def test_schedule_invariants_rejected(build, message: str) -> None:
         build(delayed_schedule())
 
 
+def test_schedule_updates_keep_group_order_across_the_cycle() -> None:
+    """Group 1 of cycle c must not be applied after group 0 of cycle c+1 (position 4 > 0 + cycle)."""
+    stages = (
+        StagePlan(0, "forward"), StagePlan(0, "backward", (CommTask(0, 0, "a"),)),
+        StagePlan(1, "forward"), StagePlan(1, "backward", (CommTask(0, 2, "a"),)),
+        StagePlan(2, "forward"), StagePlan(2, "backward"),
+    )
+    ok = Schedule(cycle=3, links=("a",), bucket_numel=(1,), bucket_nbytes=(4,), stages=stages,
+                  updates=(Update((0,), 1), Update((1, 2), 4)))
+    assert ok.updates_due(1) == [(1, 1), (0, 0)]  # same step: the previous cycle's group first
+    with pytest.raises(ContractError, match=r"updates\[1\].apply_after.*next cycle"):
+        replace(ok, updates=(Update((0,), 0), Update((1, 2), 4)))
+
+
+def test_schedule_duplicate_links_rejected() -> None:
+    with pytest.raises(ContractError, match=r"links: link names must be unique"):
+        replace(delayed_schedule(), links=("a", "b", "a"))
+
+
+@pytest.mark.parametrize("comm", [[True, 1, "a"], [1, True, "a"], [1.0, 1, "a"]])
+def test_schedule_comm_fields_must_be_integers(tmp_path: Path, comm: list[object]) -> None:
+    doc = delayed_schedule().to_dict()
+    doc["stages"][2]["comms"][0] = comm
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ContractError, match=r"stages\[2\]\.comms\[0\]"):
+        Schedule.load(path)
+
+
 def test_schedule_bad_file_names_field(tmp_path: Path) -> None:
     doc = delayed_schedule().to_dict()
     doc["stages"][2]["comms"][0] = [1, "one", "a"]
@@ -176,6 +207,8 @@ def test_generated_valid_schedules_round_trip(ks: list[int], n: int, data: st.Da
         last = start + k - 1
         apply_after = max(prev_apply, last + data.draw(st.integers(0, cycle - 1)))
         apply_after = min(apply_after, last + cycle - 1)
+        if updates:  # in group order across the cycle too: no later than the next cycle's first update
+            apply_after = min(apply_after, updates[0].apply_after + cycle)
         if apply_after < prev_apply:
             apply_after = prev_apply
         for b in range(n):
@@ -231,3 +264,36 @@ def test_config_errors_name_file_and_field(tmp_path: Path, text: str, field: str
     with pytest.raises(ContractError) as e:
         DeftConfig.load(path)
     assert str(path) in str(e.value) and field in str(e.value)
+
+
+@pytest.mark.parametrize("content", [None, b"epsilon = 0.1 \xff\n"])
+def test_config_unreadable_file_names_it(tmp_path: Path, content: bytes | None) -> None:
+    """A directory or a non-UTF-8 file given as config: a ContractError naming it, not an OSError."""
+    path = tmp_path / "deft.toml"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ContractError, match=rf"{re.escape(str(path))}: <file>: cannot read config file"):
+        DeftConfig.load(path)
+
+
+@pytest.mark.parametrize(
+    ("build", "field"),
+    [
+        (lambda p: replace(p, times=(replace(p.times[0], backward_s=float("nan")), *p.times[1:])), "times[0]"),
+        (lambda p: replace(p, times=(*p.times[:2], replace(p.times[2], forward_s=float("inf")))), "times[2]"),
+        (lambda p: replace(p, times=(replace(p.times[0], comm_s={"nccl": float("nan")}), *p.times[1:])),
+         "times[0].comm_s.nccl"),
+        (lambda p: replace(p, links=(replace(p.links[0], beta_s_per_byte=float("nan")), p.links[1])), "links[0]"),
+    ],
+)
+def test_profile_built_in_code_rejects_non_finite_times(build, field: str) -> None:
+    """Profiles built by the trace parsers skip JSON's checks: validate() must catch NaN/inf itself."""
+    with pytest.raises(ContractError, match=re.escape(f"<profile>: {field}:")):
+        build(make_profile())
+
+
+def test_config_resolve_rejects_other_types() -> None:
+    with pytest.raises(ContractError, match=r"config: expected a DeftConfig, a TOML path, a dict or None, got int"):
+        DeftConfig.resolve(5)  # type: ignore[arg-type]

@@ -58,14 +58,6 @@ def fig4() -> Profile:
     return Profile(buckets, times, (Link("nccl", "nccl"),), 2, "synthetic", model="fig4")
 
 
-def ready_times(prof: Profile) -> list[float]:
-    out, acc = [], 0.0
-    for t in prof.times:
-        acc += t.backward_s
-        out.append(acc)
-    return out
-
-
 def assert_within_capacity(result: PlanResult) -> None:
     """Recompute, from the schedule alone, that no stage asks a link for more than the stage offers.
 
@@ -78,7 +70,7 @@ def assert_within_capacity(result: PlanResult) -> None:
     floor = max(min(prof.comm_time(b, k) for k in prof.link_names) for b in range(prof.n))
     cap_f, end_b = sched.meta["forward_capacity_s"], sched.meta["backward_end_s"]
     assert cap_f == max(scale * prof.forward_s, floor) and end_b == max(scale * prof.backward_s, floor)
-    ready = ready_times(prof)
+    ready = prof.ready_s
     for sp in sched.stages:
         for link in sched.links:
             comms = [c for c in sp.comms if c.link == link]
@@ -223,7 +215,7 @@ def test_no_delay_plan_list_schedules_onto_links() -> None:
 
     part = partition(prof, DeftConfig())
     assert sched.bucket_numel == tuple(b.numel for b in part.buckets)
-    ready = ready_times(part)
+    ready = part.ready_s
     free = {"nccl": 0.0, "gloo": 0.0}
     for c in comms:
         fin = {k: max(free[k], ready[c.bucket]) + part.comm_time(c.bucket, k) for k in free}
@@ -349,6 +341,12 @@ def test_plan_is_always_a_valid_schedule_within_capacity(prof: Profile, scale: f
     if r.mode == "deft":
         assert_within_capacity(r)
         assert sched.meta["cycle_capped"] is False
+        part = r.profile
+        if scale == 1.0 and (sched.meta["forward_capacity_s"], sched.meta["backward_end_s"]) == (
+                part.forward_s, part.backward_s):
+            # Within capacity in the planner's model means no bubble in the simulator's dependency
+            # model: the two must agree on when links are free and gradients are ready.
+            assert sched.predicted_iteration_s == pytest.approx(part.forward_s + part.backward_s, rel=1e-6)
     # Deterministic: the same input plans the same schedule.
     assert plan(prof, GREEDY, capacity_scale=scale).digest() == sched.digest()
 
@@ -389,7 +387,8 @@ def test_bad_arguments() -> None:
 
 
 def test_solver_does_not_import_torch() -> None:
-    code = ("import sys; import deft.solver.plan, deft.solver.partition; "
+    code = ("import sys; import deft.solver.plan, deft.solver.partition, deft.solver.knapsack, "
+            "deft.solver.simulate, deft.solver.baselines, deft.solver.cli; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

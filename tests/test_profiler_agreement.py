@@ -123,6 +123,7 @@ def test_timing_and_kineto_agree(tmp_path: Path) -> None:
         assert abs(tt.backward_s - kt.backward_s) <= 0.15 * max(tt.backward_s, kt.backward_s) + 3e-4, msg
 
     # Iteration by iteration on each rank: the same intervals, paired.
+    fastest: dict[int, dict[int, float]] = {0: {}, 1: {}}
     for rank in (0, 1):
         rows = kineto.bucket_steps(kineto.read_trace(tmp_path / f"rank{rank}.json.gz"))
         its = sorted({r.step for r in rows})
@@ -142,7 +143,10 @@ def test_timing_and_kineto_agree(tmp_path: Path) -> None:
             fwd_it = [sum(s["fwd"]) for s, _ in pairs]
             assert _median(d_fwd) <= 0.2 * _median(fwd_it) + 3e-4, \
                 f"rank {rank} bucket {b}: |timing - kineto| forward {d_fwd}\n{msg}"
-    # the big bucket really costs more to send: the comparison above can tell buckets apart
+            fastest[rank][b] = min(k.comm_s for _, k in pairs)
+    # The big bucket really costs more to send, so the containment above can tell buckets apart.
+    # Least-disturbed iteration (minimum): medians swing by ms with the machine's load.
     big = max(range(n), key=lambda b: timing.buckets[b].numel)
     small = min(range(n), key=lambda b: timing.buckets[b].numel)
-    assert trace.times[big].comm_s["primary"] > 2 * trace.times[small].comm_s["primary"], msg
+    for rank in (0, 1):
+        assert fastest[rank][big] > 2 * fastest[rank][small], f"rank {rank}: fastest comm {fastest[rank]}\n{msg}"

@@ -34,6 +34,7 @@ def test_simulate_prints_table_and_draws_picture(tmp_path: Path, capsys: pytest.
     assert deft_ms == pytest.approx(130.285, rel=0.02)  # the compute bound: forward + backward
     assert float(rows["deft"][1].rstrip("x")) > 2.0
     assert "compute bound 130.3 ms" in out
+    assert "simulated steady state" in out and "not measured" in out  # never passed off as a measurement
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
 

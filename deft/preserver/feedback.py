@@ -3,11 +3,11 @@
 A schedule's cycle of ``N`` iterations applies ``m`` updates merging ``K = k_1..k_m`` iterations
 (:attr:`deft.schedule.Schedule.batch_sequence`). The Gaussian walk predicts the loss after the cycle
 for plain data parallelism (``N`` steps of batch ``B``) and for the schedule (``m`` steps of
-``k_i B``); their ratio (:func:`deft.preserver.gaussian_walk.convergence_ratio`) must lie in
-``[1 - epsilon, 1 + epsilon]``. Otherwise the knapsack capacity is multiplied by
-``config.capacity_growth`` (more communication per stage, so fewer delayed updates) and the solver
-re-plans, at most ``config.preserver_max_tries`` times; if no try passes, deft falls back to the
-no-delay schedule. A ratio above ``1 + epsilon`` (the walk predicts the schedule *better*, which
+``k_i B``; only the updates applied within the cycle count, see :func:`applied_sequence`); their
+ratio (:func:`schedule_ratio`) must lie in ``[1 - epsilon, 1 + epsilon]``. Otherwise the knapsack
+capacity is multiplied by ``config.capacity_growth`` (more communication per stage, so fewer delayed
+updates) and the solver re-plans, at most ``config.preserver_max_tries`` times; if no try passes, deft
+falls back to the no-delay schedule. A ratio above ``1 + epsilon`` (the walk predicts the schedule *better*, which
 happens near ``S*`` where larger batches rebound less) is rejected too, as in the paper: that
 prediction rests on the plug-in approximation where it is weakest.
 

@@ -535,6 +535,11 @@ def _analyse(trace: Trace) -> tuple[list[Collective], list[BucketStep]]:
     return colls, rows
 
 
+def _gpu_or_cpu(gpu_us: float | None, cpu_us: float) -> float:
+    """The kernel time when the thread launched kernels (CUDA), else the CPU time (CPU-only trace)."""
+    return cpu_us if gpu_us is None else gpu_us
+
+
 def _ddp_step(trace: Trace, idx: _Index, st: Step, colls: list[Collective]) -> list[BucketStep]:
     bwd = [e for e in trace.events if e.cat == "cpu_op" and e.name.startswith(BACKWARD_PREFIX)
            and st.start_us <= e.ts <= st.end_us]
@@ -546,17 +551,9 @@ def _ddp_step(trace: Trace, idx: _Index, st: Step, colls: list[Collective]) -> l
     bucket_colls = [c for c in colls if c.launch_us >= bwd_start_cpu and c.thread == f"{bthread[0]}/{bthread[1]}"]
     if not bucket_colls:
         return []
-    gpu = bthread in idx.launches
-
-    def ready(t: float) -> float:
-        if gpu:
-            r = idx.kernel_end_before(bthread, t)
-            return r if r is not None else t
-        return t
-
-    start = idx.kernel_start_after(bthread, bwd_start_cpu) if gpu else bwd_start_cpu
-    start = start if start is not None else bwd_start_cpu
-    readies = [ready(c.launch_us) for c in bucket_colls]
+    # A bucket's gradient is ready when the last kernel launched before its all-reduce ends.
+    start = _gpu_or_cpu(idx.kernel_start_after(bthread, bwd_start_cpu), bwd_start_cpu)
+    readies = [_gpu_or_cpu(idx.kernel_end_before(bthread, c.launch_us), c.launch_us) for c in bucket_colls]
 
     # forward boundaries via the backward -> forward links of this step's backward operators
     linked = [(b, idx.fwd_of[b]) for b in trace.events if b in idx.fwd_of
@@ -565,18 +562,13 @@ def _ddp_step(trace: Trace, idx: _Index, st: Step, colls: list[Collective]) -> l
     fwd_bounds: list[float] | None = None
     if fwd_ops:
         fthread = Counter(f.thread for f in fwd_ops).most_common(1)[0][0]
-        fgpu = fthread in idx.launches
         first = min(fwd_ops, key=lambda f: f.ts)
         last_end = max(f.end for f in fwd_ops)
 
         def fbound(t: float) -> float:
-            if fgpu:
-                v = idx.kernel_start_after(fthread, t)
-                return v if v is not None else t
-            return t
+            return _gpu_or_cpu(idx.kernel_start_after(fthread, t), t)
 
-        fwd_end = idx.kernel_end_before(fthread, last_end) if fgpu else last_end
-        fwd_end = fwd_end if fwd_end is not None else last_end
+        fwd_end = _gpu_or_cpu(idx.kernel_end_before(fthread, last_end), last_end)
         bounds = []
         lo = bwd_start_cpu
         for b, c in enumerate(bucket_colls):

@@ -7,12 +7,12 @@ The solver needs the all-reduce time of any bucket on any link (DESIGN.md sectio
 
 at the current world size, so the fitted model already contains the ring's ``2(N-1)/N`` factor.
 
-Measurement (:func:`measure`): for every size, ``warmup`` untimed all-reduces, then ``iters`` rounds
-over all sizes (interleaved, so slow spells of a shared machine hit every size alike), each
-all-reduce started right after a barrier so no rank's clock includes waiting for a late peer. Each
-rank takes the median of its iterations (robust against scheduler hiccups; ``statistic="min"`` takes
-the fastest instead, the cost without interference), and the sample is the maximum over ranks: a
-collective is finished for the job only when it is finished on the slowest rank.
+Measurement (:func:`measure`): for every size, ``warmup`` untimed all-reduces, then ``iters`` timed
+ones (or ``iters`` rounds over all sizes with ``interleave=True``), each started right after a
+barrier so no rank's clock includes waiting for a late peer. Each rank takes the median of its
+iterations (robust against scheduler hiccups; ``statistic="min"`` takes the fastest instead, the cost
+without interference), and the sample is the maximum over ranks: a collective is finished for the
+job only when it is finished on the slowest rank.
 
 Fit (:func:`fit`): weighted least squares with weights ``w_i = T_i^-p``. The default ``p = 1`` treats
 a time's variance as proportional to the time (timing noise accumulates over a collective's
@@ -181,13 +181,15 @@ STATISTICS = ("median", "min")
 
 
 def measure(group: Any, sizes_bytes: Sequence[int], iters: int = 10, warmup: int = 2,
-            dtype: Any = None, device: Any = None, statistic: str = "median") -> list[Sample]:
+            dtype: Any = None, device: Any = None, statistic: str = "median", interleave: bool = False
+            ) -> list[Sample]:
     """All-reduce microbenchmark of one process group (``None``: the default group), one sample per size.
 
     Every rank of ``group`` must call it with the same arguments. Sizes are rounded down to whole
     elements of ``dtype`` (default float32); ``device`` defaults to CUDA for NCCL groups, else CPU.
     ``statistic`` reduces each rank's iterations: ``median`` (typical cost, the default) or ``min``
-    (the cost without interference, for machines shared with other work).
+    (the cost without interference, for machines shared with other work). ``interleave`` measures
+    in rounds over all sizes instead of size after size (see the comment in the code for the trade).
     """
     if statistic not in STATISTICS:
         raise ContractError("<measure>", "statistic", f"expected one of {', '.join(STATISTICS)}, got {statistic!r}")
@@ -202,20 +204,33 @@ def measure(group: Any, sizes_bytes: Sequence[int], iters: int = 10, warmup: int
     elem = torch.empty((), dtype=dtype).element_size()
     numels = [max(1, int(size) // elem) for size in sizes_bytes]
     bufs = [torch.ones(n, dtype=dtype, device=device) for n in numels]
-    for buf in bufs:
-        for _ in range(warmup):
-            dist.all_reduce(buf, group=group)
     times: list[list[float]] = [[] for _ in bufs]
-    # round-robin over the sizes: a slow spell of the machine (other work, frequency changes) then
-    # hits every size alike instead of bending the curve at whichever size it happened to fall on
-    for _ in range(iters):
+
+    def timed(i: int) -> None:
+        dist.barrier(group=group)
+        _sync(device)
+        t0 = time.perf_counter()
+        dist.all_reduce(bufs[i], group=group)
+        _sync(device)
+        times[i].append(time.perf_counter() - t0)
+
+    if interleave:
+        # rounds over all sizes: a slow spell of a shared machine hits every size alike instead of
+        # bending the curve where it fell. Not the default: on the tbf-shaped testbed a 16 KiB
+        # all-reduce timed right after a 16 MiB one came out 3-8x slower than in a run of its own
+        # size (link and TCP state carried over), which inflates alpha
+        for buf in bufs:
+            for _ in range(warmup):
+                dist.all_reduce(buf, group=group)
+        for _ in range(iters):
+            for i in range(len(bufs)):
+                timed(i)
+    else:
         for i, buf in enumerate(bufs):
-            dist.barrier(group=group)
-            _sync(device)
-            t0 = time.perf_counter()
-            dist.all_reduce(buf, group=group)
-            _sync(device)
-            times[i].append(time.perf_counter() - t0)
+            for _ in range(warmup):
+                dist.all_reduce(buf, group=group)
+            for _ in range(iters):
+                timed(i)
     medians = [reduce_iters(ts) for ts in times]
     spreads = [_p(ts, 0.9) - _p(ts, 0.1) for ts in times]
     actual = [n * elem for n in numels]
@@ -311,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--stat", choices=STATISTICS, default="median", help="per-rank reduction of the iterations")
+    ap.add_argument("--interleave", action="store_true", help="measure in rounds over all sizes")
     ap.add_argument("--concurrent-sizes", default="4194304", help="sizes for the all-links-at-once run ('' to skip)")
     ap.add_argument("--out", default=None, help="JSON output (rank 0)")
     args = ap.parse_args(argv)
@@ -328,10 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     for lk in cfg.links:
         backend = lk.backend if lk.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
         groups.append(new_link_group(backend, lk.ifname))
-        # one untimed all-reduce of the largest size first: connection setup and TCP's ramp-up
-        # belong to no bucket size, and would otherwise land in the first (smallest) sample
-        measure(groups[-1], [max(sizes)], iters=1, warmup=1)
-        samples = measure(groups[-1], sizes, iters=args.iters, warmup=args.warmup, statistic=args.stat)
+        samples = measure(groups[-1], sizes, iters=args.iters, warmup=args.warmup, statistic=args.stat,
+                          interleave=args.interleave)
         f = fit(samples, source=f"link {lk.name}")
         result["links"][lk.name] = {"backend": backend, "ifname": lk.ifname, "fit": f.to_dict(),
                                     "samples": [asdict(s) for s in samples]}

@@ -20,6 +20,19 @@ Life of a run
    ``epsilon == 0``: the no-delay plan), or loads ``config.schedule_path``; it broadcasts the schedule
    JSON, every rank validates it and the ranks compare its digest. From then on the executor
    (:mod:`deft.runtime.executor`) runs it.
+4. Re-check (preserver plans only, ``epsilon > 0``, two ranks or more): the gradient-noise statistics
+   keep running on the all-reduced buffers (in the 32 iterations before each check); every
+   ``recheck_every`` iterations rank 0 runs :meth:`deft.preserver.feedback.Recheck.check` and, if it
+   asks, re-plans with :func:`deft.preserver.feedback.preserve`; decision and schedule are broadcast
+   as JSON bytes, validated and digest-checked. At the next cycle boundary every rank flushes the
+   pending updates and runs the new schedule. ``plan_info["rechecks"]`` and
+   ``plan_info["switches"]`` record each check and switch. (A pending switch is not checkpointed; a
+   resumed run re-checks only after a new plan.)
+
+Profiling hooks (:mod:`deft.runtime.tracing`): per-bucket ``deft/fwd|bwd|comm`` ranges
+(:mod:`deft.profiler.nvtx`) when a tool records; ``DEFT_PROFILE_ITERS`` overrides
+``profile_iters``; ``DEFT_PROFILE_OUT`` receives rank 0's timing profile; ``DEFT_TRACE_DIR`` makes every
+rank record the profile iterations with torch.profiler and export ``rank{r}.json.gz`` there.
 
 Invariants (DESIGN.md section 5)
 --------------------------------
@@ -65,6 +78,7 @@ Semantics worth knowing
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -167,14 +181,19 @@ class DistributedDataParallel(nn.Module):
         self._ready_order: list[int] | None = None
         self._order_known = False
         self.update_log: list[tuple[int, tuple[int, ...]]] = []
-        self._losses: list[float] = []
+        self._losses: collections.deque[float] = collections.deque(maxlen=64)
         self._batch: int | None = None
         self._planned = False
         self._given_schedule = cfg.schedule_path
         measuring = self._given_profile is None and self._given_schedule is None
         self._plan_at = self._warm_end + (self._profile_iters if measuring else 0)
         self._timer: WarmupTimer | None = None
-        self._stats: _WarmupStats | None = None
+        self._stats: _GradStats | None = None
+        self._stats_window = 32  # after planning: iterations of statistics before each re-check
+        self._recheck_on = False  # all ranks: the preserver re-checks the running schedule
+        self._recheck: Any = None  # rank 0: deft.preserver.feedback.Recheck
+        self._preserve_result: Any = None
+        self._pending_switch: tuple[Schedule, dict[str, Any]] | None = None
         self.plan_info: dict[str, Any] = {}
         self.profile: Profile | None = None  # the profile the schedule was planned from
         self._no_sync = False
@@ -224,8 +243,7 @@ class DistributedDataParallel(nn.Module):
     def observe_loss(self, loss: torch.Tensor | float) -> None:
         """Report this iteration's loss (optional; feeds the preserver's convergence statistics)."""
         value = float(loss.detach().item()) if isinstance(loss, torch.Tensor) else float(loss)
-        if not self._planned:
-            self._losses.append(value)
+        self._losses.append(value)
 
     @property
     def schedule(self) -> Schedule:
@@ -256,6 +274,8 @@ class DistributedDataParallel(nn.Module):
         if self._optimizer is None:
             raise DeftError("flush() needs the optimizer: pass optimizer= to deft.DistributedDataParallel "
                             "or call optimizer.step() once before")
+        if self._stats is not None:
+            self._stats.discard()  # groups cut short: no clean per-group statistics
         for upd in ex.drain():
             self._set_grads(upd.grads)
             self._run_internal_step()
@@ -382,11 +402,12 @@ class DistributedDataParallel(nn.Module):
             self._reopen_bwd = True
         if self._timer is not None:
             self._timer.bucket_ready(b)
-        if self._stats is not None:
+        if self._stats is not None and self._stats_wanted():
             ex = self._executor
             g = ex.groups.get(ex.group_last(self._t))
-            if g is not None and ex.layout is not None:
-                self._stats.bucket(b, ex.layout.bucket_views(g.buffers, b), self._batch or 1)
+            if g is not None and g.complete and ex.layout is not None:
+                k = len(g.iterations)
+                self._stats.bucket(g.last, b, ex.layout.bucket_views(g.buffers, b), (self._batch or 1) * k, k)
 
     def _launched(self, b: int, link: str, views: list[torch.Tensor], works: list[Any], t_start: float,
                   group: int) -> None:
@@ -440,10 +461,12 @@ class DistributedDataParallel(nn.Module):
             ex.end_backward()
             self._phase = "backward_done"
             self._close_bwd()
-        updates = [ex.take_update(last) for last in ex.due(self._t)]
-        if self._stats is not None and updates:
+        lasts = ex.due(self._t)
+        updates = [ex.take_update(last) for last in lasts]
+        if self._stats is not None:
             assert ex.layout is not None
-            self._stats.update(ex.layout, updates[-1].grads, self._control, self.device)
+            for last, upd in zip(lasts, updates, strict=True):
+                self._stats.update(last, ex.layout, upd.grads, self._control, self.device)
         for upd in updates[:-1]:
             self._set_grads(upd.grads)
             self._run_internal_step()
@@ -474,9 +497,12 @@ class DistributedDataParallel(nn.Module):
         if not self._order_known:
             self._adopt_ready_order()
         if not self._planned and self._stats is None:
-            self._stats = _WarmupStats.start(self.config, self.world)
+            self._stats = _GradStats.start(self.config, self.world)
         if not self._planned and self._t >= self._plan_at:
             self._plan()
+        elif self._planned and self._recheck_on:
+            self._maybe_recheck()
+            self._maybe_switch()
 
     def _run_internal_step(self) -> None:
         assert self._optimizer is not None
@@ -558,8 +584,23 @@ class DistributedDataParallel(nn.Module):
         self._executor.install(schedule, layout, self._t)
         self._on_layout(layout)
         self._planned = True
-        self._stats = None
-        self.plan_info = dict(doc.get("info", {}))
+        info = dict(doc.get("info", {}))
+        cfg = self.config
+        # Re-checks need live statistics, a profile to re-plan from, and the preserver's own plan.
+        self._recheck_on = (info.get("source") == "preserver" and cfg.preserver and cfg.epsilon > 0
+                            and self.world >= 2 and profile is not None and self._given_schedule is None)
+        if self._recheck_on:
+            if self._stats is None:
+                self._stats = _GradStats.start(cfg, self.world)
+            if self._stats is not None:
+                self._stats.on_layout()
+            if self.rank == 0 and self._preserve_result is not None:
+                from deft.preserver.feedback import Recheck
+
+                self._recheck = Recheck(cfg, self._preserve_result)
+        else:
+            self._stats = None
+        self.plan_info = info
         self.plan_info["t0"] = self._t
         self.plan_info["stats_reason"] = stats_reason
         log.info("deft: rank %d runs schedule %s from iteration %d (cycle %d, K=%s)", self.rank,
@@ -581,6 +622,7 @@ class DistributedDataParallel(nn.Module):
                 from deft.preserver.feedback import preserve
 
                 res = preserve(profile, cfg, stats, planner=plan, no_delay_planner=no_delay_plan)
+                self._preserve_result = res
                 return res.schedule, {"source": "preserver", "accepted": bool(res.accepted),
                                       "tries": len(res.tries),
                                       "stats": None if stats is None else stats.to_dict()}
@@ -608,9 +650,90 @@ class DistributedDataParallel(nn.Module):
             return [index[n] for n in names]
         return observed
 
-    # -- preserver statistics (warm-up only) ---------------------------------------------------
+    # -- preserver re-check during training -----------------------------------------------------
+    def _stats_wanted(self) -> bool:
+        """Gather statistics now? Always before planning; after it, only in the window of iterations
+        before each re-check (the estimator's EMA forgets older steps anyway)."""
+        if not self._planned:
+            return True
+        every = self.config.recheck_every
+        return every <= self._stats_window or (self._t % every) >= every - self._stats_window
+
+    def _maybe_recheck(self) -> None:
+        """Every ``recheck_every`` iterations (collective): rank 0 re-evaluates the running schedule
+        with the statistics measured now (:class:`deft.preserver.feedback.Recheck`) and, when the check
+        fails, re-plans with :func:`deft.preserver.feedback.preserve`. The decision and the new
+        schedule travel as JSON bytes; every rank validates the schedule and the ranks compare its
+        digest. The switch waits for the next cycle boundary (:meth:`_maybe_switch`)."""
+        cfg = self.config
+        if self._t % cfg.recheck_every != 0 or self._pending_switch is not None:
+            return
+        stats, stats_reason = self._walk_stats()
+        doc: dict[str, Any] = {}
+        if self.rank == 0:
+            try:
+                decision = None if self._recheck is None else self._recheck.check(self._t, stats)
+                if decision is not None:
+                    doc["check"] = {"ratio": decision.ratio, "replan": decision.replan, "reason": decision.reason}
+                    if decision.replan:
+                        from deft.preserver.feedback import preserve
+                        from deft.solver.plan import no_delay_plan, plan
+
+                        assert self.profile is not None
+                        res = preserve(self.profile, cfg, stats, planner=plan, no_delay_planner=no_delay_plan)
+                        self._recheck.reset(res)
+                        doc["schedule"] = res.schedule.to_dict()
+                        doc["info"] = {"source": "preserver (re-plan)", "accepted": bool(res.accepted),
+                                       "tries": len(res.tries), "reason": res.reason,
+                                       "stats": None if stats is None else stats.to_dict()}
+            except Exception as e:  # re-planning never ends a run: keep the running schedule
+                doc = {"error": f"{type(e).__name__}: {e}"}
+        doc = self._broadcast_json(doc, "re-check decision")
+        record: dict[str, Any] = {"iteration": self._t, "schedule": self.schedule.digest()}
+        if "error" in doc:
+            log.warning("deft: preserver re-check at iteration %d failed (%s); keeping the schedule",
+                        self._t, doc["error"])
+            record["error"] = doc["error"]
+        elif "check" not in doc:
+            record["skipped"] = f"no check: {stats_reason}" if stats is None else "nothing to check"
+        else:
+            record.update(doc["check"])
+        if "schedule" in doc:
+            schedule = Schedule.from_dict(doc["schedule"], "schedule re-planned and broadcast by rank 0")
+            self._check_agreement("schedule", schedule.digest())
+            record["new_schedule"] = schedule.digest()
+            if schedule.digest() == self.schedule.digest():
+                record["unchanged"] = True
+            else:
+                self._pending_switch = (schedule, dict(doc.get("info", {})))
+        self.plan_info.setdefault("rechecks", []).append(record)
+
+    def _maybe_switch(self) -> None:
+        """At a cycle boundary (the next iteration is position 0): apply every pending update
+        (:meth:`flush`) and run the re-planned schedule from this iteration on."""
+        if self._pending_switch is None or self._executor.position(self._t) != 0:
+            return
+        schedule, info = self._pending_switch
+        self._pending_switch = None
+        before = len(self.update_log)
+        self.flush()
+        layout = FlatLayout(self._order_for(self.profile), self._names, self._params, schedule.bucket_numel,
+                            "re-planned schedule")
+        old = self.schedule.digest()
+        self._executor.install(schedule, layout, self._t)
+        self._on_layout(layout)
+        if self._stats is not None:
+            self._stats.on_layout()
+        self.plan_info.setdefault("switches", []).append({
+            "iteration": self._t, "from": old, "to": schedule.digest(), "cycle": schedule.cycle,
+            "batch_sequence": list(schedule.batch_sequence), "flushed_updates": len(self.update_log) - before,
+            **info})
+        log.info("deft: rank %d switches to re-planned schedule %s at iteration %d (K=%s)", self.rank,
+                 schedule.digest(), self._t, schedule.batch_sequence)
+
+    # -- preserver statistics --------------------------------------------------------------------
     def _walk_stats(self) -> tuple[Any, str]:
-        """WalkStats for the preserver from warm-up (collective on the control group), or None and why.
+        """WalkStats for the preserver from the live statistics (collective on the control group), or None and why.
 
         ``loss``: the mean over ranks of the last observed loss; ``lr``: the optimizer's first group
         (for SGD with momentum the effective step ``lr / (1 - momentum)``);
@@ -645,8 +768,9 @@ class DistributedDataParallel(nn.Module):
         return stats, "estimated during warm-up"
 
     def _note_batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        for a in list(args) + list(kwargs.values()):
-            if isinstance(a, torch.Tensor) and a.dim() > 0:
+        # the first dimension of the first tensor argument, looking into lists and dicts (HF-style inputs)
+        for a in _output_tensors(list(args) + list(kwargs.values())):
+            if a.dim() > 0:
                 self._batch = int(a.shape[0])
                 return
 
@@ -778,54 +902,76 @@ class DistributedDataParallel(nn.Module):
         self.plan_info = json.loads(state.get("plan_info", "{}"))
 
 
-class _WarmupStats:
-    """The preserver's gradient-noise statistics, gathered during the DDP-like warm-up.
+class _GradStats:
+    """The preserver's gradient-noise statistics, from the buffers deft all-reduces anyway.
 
-    Glue around :mod:`deft.preserver.noise`: before a bucket is all-reduced, this rank's ``|g_r|²`` and
-    projections on the two directions are accumulated bucket by bucket (``local_stats`` per bucket,
-    summed: the quantities are sums over elements); after the update, the ranks all-gather those
-    scalars (control group), the estimator gets ``|ḡ|²`` of the averaged gradient, and the directions
-    absorb the averaged gradient. Pieces are the layout's bucket segments, in bucket order.
+    Glue around :mod:`deft.preserver.noise`. When bucket ``b`` of an update group is complete (the
+    bucket is ready in the group's last iteration), this rank's ``|g_r|²`` and projections on the two
+    directions are accumulated for that group (``local_stats`` per bucket, summed: the quantities are
+    sums over elements). The buffer holds the *sum* of the group's ``k`` local gradients, so the
+    local mean gradient over ``k x batch`` samples is ``buffer / k``: ``|g_r|²`` is scaled by ``1/k²``
+    and the projections by ``1/k``. When the group's update is applied, the ranks all-gather those
+    scalars (control group; every rank applies the same updates, so the collective is matched), the
+    estimator gets ``|ḡ|²`` of the averaged gradient, and the directions absorb it. Pieces are the
+    layout's bucket segments, in bucket order; a new layout restarts the directions.
+
+    Cost per update: one pass of dot products over the gradient and one all-gather of four scalars
+    per rank; after planning it runs only in the window of iterations before each re-check.
     """
 
-    def __init__(self, noise: Any, directions: Any, local_stats: Any, local_cls: Any, gather: Any) -> None:
-        self.noise, self.directions = noise, directions
+    def __init__(self, noise: Any, directions: Any, direction_cls: Any, local_stats: Any, local_cls: Any,
+                 gather: Any) -> None:
+        self.noise, self.directions, self._direction_cls = noise, directions, direction_cls
         self._local_stats, self._local_cls, self._gather = local_stats, local_cls, gather
         self._first_piece: dict[int, int] = {}  # bucket -> index of its first piece in u_a, u_b
-        self._sq = self._pa = self._pb = 0.0
-        self._has_dirs = False
-        self._batch = 1
+        self._acc: dict[int, list[Any]] = {}    # group key -> [sq, pa, pb, has_dirs, batch]
 
     @classmethod
-    def start(cls, cfg: DeftConfig, world: int) -> _WarmupStats | None:
+    def start(cls, cfg: DeftConfig, world: int) -> _GradStats | None:
         if cfg.epsilon == 0 or not cfg.preserver or world < 2:
             return None
         try:
             from deft.preserver.noise import DirectionPair, LocalStats, NoiseEstimator, all_gather_stats, local_stats
         except ImportError:
             return None
-        return cls(NoiseEstimator(), DirectionPair(), local_stats, LocalStats, all_gather_stats)
+        return cls(NoiseEstimator(), DirectionPair(), DirectionPair, local_stats, LocalStats, all_gather_stats)
+
+    def on_layout(self) -> None:
+        """A new flat layout: the directions' pieces no longer match; start them over."""
+        self.directions = self._direction_cls()
+        self._first_piece = {}
+        self._acc.clear()
 
     def _dirs_of(self, first: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         pair = self.directions.get()
         if pair is None:
             return None
         a, b = pair
+        if first + n > len(a):
+            return None
         return a[first:first + n], b[first:first + n]
 
-    def bucket(self, b: int, views: list[torch.Tensor], batch: int) -> None:
-        first = self._first_piece.get(b, 0)
-        dirs = self._dirs_of(first, len(views))
+    def bucket(self, key: int, b: int, views: list[torch.Tensor], batch: int, k: int) -> None:
+        acc = self._acc.setdefault(key, [0.0, 0.0, 0.0, True, batch])
+        dirs = self._dirs_of(self._first_piece.get(b, 0), len(views))
         st = self._local_stats(views, dirs, batch)
-        self._sq += st.sq_norm
-        self._has_dirs = dirs is not None
-        if dirs is not None:
-            self._pa += st.proj_a
-            self._pb += st.proj_b
-        self._batch = batch
+        acc[0] += st.sq_norm / (k * k)
+        if dirs is None:
+            acc[3] = False
+        else:
+            acc[1] += st.proj_a / k
+            acc[2] += st.proj_b / k
 
-    def update(self, layout: FlatLayout, grads: list[torch.Tensor | None], control: Any,
+    def discard(self) -> None:
+        """Forget every accumulated group (their updates are applied without an estimate)."""
+        self._acc.clear()
+
+    def update(self, key: int, layout: FlatLayout, grads: list[torch.Tensor | None], control: Any,
                device: torch.device) -> None:
+        acc = self._acc.pop(key, None)
+        if acc is None:  # the same on every rank: bucket() ran for the same groups everywhere
+            return
+        sq, pa, pb, has_dirs, batch = acc
         mean = {d: torch.zeros(n, dtype=torch.float32, device=device) for d, n in layout.dtype_numel.items()}
         for i, gr in enumerate(grads):
             if gr is not None:
@@ -837,13 +983,11 @@ class _WarmupStats:
             self._first_piece[b] = len(pieces)
             pieces += [mean[s.dtype][s.start:s.end] for s in layout.segments[b] if s.end > s.start]
         mean_sq = sum(float(torch.dot(v.double(), v.double())) for v in mean.values())
-        dot = self.directions.dot() if self._has_dirs else None
-        local = self._local_cls(sq_norm=self._sq, proj_a=self._pa if self._has_dirs else None,
-                                proj_b=self._pb if self._has_dirs else None, batch=self._batch)
+        dot = self.directions.dot() if has_dirs else None
+        local = self._local_cls(sq_norm=sq, proj_a=pa if has_dirs else None, proj_b=pb if has_dirs else None,
+                                batch=batch)
         self.noise.update(self._gather(local, control), mean_sq, dot)
         self.directions.observe(pieces)
-        self._sq = self._pa = self._pb = 0.0
-        self._has_dirs = False
 
     def estimate(self) -> Any:
         return self.noise.estimate

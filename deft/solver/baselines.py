@@ -228,10 +228,6 @@ class UsbytePlan:
     iteration_s: float  # the model's t_iter (eq. 12): backward + exposed communication + forward
 
 
-def _usbyte_blocks(nbytes: Sequence[int], sp: int) -> list[int]:
-    return [math.ceil(x / sp) if x > 0 else 0 for x in nbytes]
-
-
 def usbyte_phase1(backward_s: Sequence[float], nbytes: Sequence[int], alpha: float, beta: float,
                   sp: int, priority: Sequence[int]) -> tuple[list[UsbyteOp], list[int], float]:
     """US-Byte Algorithm 1: the all-reduces issued during backward, for phase-1 priorities ``priority``.

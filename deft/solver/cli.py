@@ -103,9 +103,14 @@ def describe_profile(profile: Profile, path: str) -> str:
 
 
 def format_table(results: dict[str, SimResult], baseline: SimResult | None) -> str:
-    """The comparison table: scheme, iteration ms, speedup vs ddp, bubble %, updates/iter, links."""
+    """The comparison table: scheme, iteration ms, speedup vs ddp, bubble %, updates/iter, links.
+
+    Every figure comes from the discrete-event simulator on the profile's times, and the title says
+    so: a user must not read it as a measurement of training.
+    """
     head = f"{'scheme':<14} {'iteration ms':>12} {'vs ddp':>8} {'bubble %':>9} {'updates/iter':>13}  link utilisation"
-    lines = [head, "-" * len(head)]
+    lines = ["simulated steady state (deft.solver.simulate on the profile's times; not measured):",
+             head, "-" * len(head)]
     for name, r in results.items():
         speed = f"{r.speedup_over(baseline):.2f}x" if baseline is not None else "-"
         util = "  ".join(f"{k} {v:.0%}" for k, v in r.link_utilization.items() if v > 0) or "-"

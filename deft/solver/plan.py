@@ -326,16 +326,11 @@ class _Machine:
     """Queues, groups and knapsack solving for one plan; see the module docstring."""
 
     def __init__(self, profile: Profile, config: DeftConfig, scale: float) -> None:
-        self.p = profile
         self.n = profile.n
         self.links = profile.link_names
         self.w = [[profile.comm_time(b, name) for name in self.links] for b in range(self.n)]
         self.v = [self.w[b][0] for b in range(self.n)]
-        ready, acc = [], 0.0
-        for t in profile.times:
-            acc += t.backward_s
-            ready.append(acc)
-        self.ready = ready
+        self.ready = profile.ready_s
         # A bucket that no partition brings under the capacity (latency alone exceeds it) would never
         # be sent; every stage is granted room for the largest one, i.e. accepts that bubble.
         self.floor = max(min(row) for row in self.w)
@@ -377,21 +372,19 @@ class _Machine:
         self.calls += 1
         self.solve_s += sol.solve_s
         assignment = {b: j for b, j in zip(items, sol.link_of, strict=True) if j is not None}
-        # Worthless (zero-time on the primary) buckets: the knapsack never packs them; they cost
-        # nothing on the primary link, so they go there.
+        # Worthless buckets (value = time on the primary link = 0): the knapsack never packs them,
+        # and they cost nothing on the primary link, so they go there.
         for b in items:
-            if b not in assignment and self.v[b] == 0.0 and self.w[b][0] == 0.0:
+            if b not in assignment and self.v[b] == 0.0:
                 assignment[b] = 0
         packing = Packing(assignment, sol.value, sol.bound, sol.optimal, sol.method, sol.solve_s)
         self._cache[key] = packing
         return packing
 
-    def _record(self, stage: str, purpose: str, items: tuple[int, ...], caps: tuple[float, ...],
-                p: Packing, level: int | None = None, levels: int = 1,
-                solve_s: float | None = None, optimal: bool | None = None) -> KnapsackRecord:
-        return KnapsackRecord(stage, purpose, items, caps, p.value, p.bound,
-                              p.optimal if optimal is None else optimal, p.method,
-                              p.solve_s if solve_s is None else solve_s, level, levels)
+    @staticmethod
+    def _record(stage: str, purpose: str, items: tuple[int, ...], caps: tuple[float, ...],
+                p: Packing) -> KnapsackRecord:
+        return KnapsackRecord(stage, purpose, items, caps, p.value, p.bound, p.optimal, p.method, p.solve_s)
 
     def state_key(self, t: int) -> tuple[Any, ...]:
         if self.current:
@@ -540,17 +533,9 @@ def _partition_capacity(profile: Profile, scale: float) -> float:
     return default_capacity(profile) * min(1.0, scale)
 
 
-def _ready_times(profile: Profile) -> list[float]:
-    out, acc = [], 0.0
-    for t in profile.times:
-        acc += t.backward_s
-        out.append(acc)
-    return out
-
-
 def _list_schedule(profile: Profile) -> tuple[tuple[str, ...], float]:
     """WFBP onto several links: in ready order, each bucket to the link that finishes it first."""
-    ready = _ready_times(profile)
+    ready = profile.ready_s
     names = profile.link_names
     free = [0.0 for _ in names]
     assign: list[str] = []
@@ -563,10 +548,8 @@ def _list_schedule(profile: Profile) -> tuple[tuple[str, ...], float]:
 
 
 def _with_predictions(profile: Profile, schedule: Schedule) -> Schedule:
-    try:
-        from deft.solver.simulate import simulate_schedule  # type: ignore[attr-defined]
-    except ImportError:
-        return schedule
+    from deft.solver.simulate import simulate_schedule  # lazy: simulate imports this module lazily too
+
     res = simulate_schedule(profile, schedule)
     return replace(schedule, predicted_iteration_s=float(res.iteration_s),
                    predicted_bubble_ratio=float(res.bubble_ratio))
@@ -701,7 +684,7 @@ def _emit(profile: Profile, cfg: DeftConfig, scale: float, capacity_s: float, m:
     meta: dict[str, Any] = {
         "planner": "deft.solver.plan", "mode": "capped" if capped else "deft", "solver": cfg.solver,
         "capacity_scale": scale, "capacity_s": capacity_s, "cases": cases, "cycle_start": s, "period": period,
-        "unroll": unroll,        "cycle_capped": capped, "knapsack_calls": m.calls, "solve_s": m.solve_s,
+        "unroll": unroll, "cycle_capped": capped, "knapsack_calls": m.calls, "solve_s": m.solve_s,
         "exact_budget_exhausted": m.budget_exhausted,
         "optimal": all(k.optimal for k in ks),
         "max_gap": max(((k.bound - k.value) / k.bound if k.bound > 0 else 0.0) for k in ks) if ks else 0.0,

@@ -52,6 +52,7 @@ from deft.errors import ContractError
 from deft.profile import BucketTimes, Profile
 from deft.schedule import Schedule
 from deft.solver import baselines
+from deft.solver.partition import partition
 
 SCHEMES = ("ddp", "wfbp", "mgwfbp", "bytescheduler", "usbyte", "deft")
 
@@ -561,8 +562,6 @@ def profile_for_schedule(profile: Profile, schedule: Schedule, config: DeftConfi
     sizes = tuple(b.nbytes for b in profile.buckets)
     if sizes == schedule.bucket_nbytes:
         return profile
-    from deft.solver.plan import partition  # lazy: plan.py imports this module too
-
     caps: list[float | None] = [None]
     cap = schedule.meta.get("capacity_s")
     if isinstance(cap, (int, float)) and not isinstance(cap, bool):
