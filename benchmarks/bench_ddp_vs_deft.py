@@ -24,6 +24,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,19 @@ def load_runs(run_dir: Path, names: list[str], skipped: dict[str, str]) -> tuple
     return docs, (cmd.read_text(encoding="utf-8").strip() if cmd.exists() else command_line())
 
 
+def collect_runs(args: argparse.Namespace, names: list[str], skipped: dict[str, str], run_all: Callable[..., Any]
+                 ) -> tuple[dict[str, dict[str, Any]], str]:
+    """Run every named configuration (keeping records in ``--save-runs``), or reload ``--from-runs``."""
+    if args.from_runs:
+        return load_runs(Path(args.from_runs), names, skipped)
+    command = command_line()
+    with tempfile.TemporaryDirectory() as tmp:
+        out_dir = Path(args.save_runs or tmp)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "command.txt").write_text(command + "\n", encoding="utf-8")
+        return run_all(args, names, skipped, out_dir), command
+
+
 def report(args: argparse.Namespace, docs: dict[str, dict[str, Any]], skipped: dict[str, str], command: str) -> str:
     base = docs.get("torch", {}).get("summary", {}).get("iter_s_median")
     lines = [f"## torch DDP vs deft on the two-link testbed at {args.rate_mbit:g} Mbit/s "
@@ -164,15 +178,7 @@ def main() -> int:
         for n in [n for n in names if n.startswith("deft")]:
             skipped[n] = f"deft runtime does not import ({why})"
             names.remove(n)
-    if args.from_runs:
-        docs, command = load_runs(Path(args.from_runs), names, skipped)
-    else:
-        command = command_line()
-        with tempfile.TemporaryDirectory() as tmp:
-            out_dir = Path(args.save_runs or tmp)
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "command.txt").write_text(command + "\n", encoding="utf-8")
-            docs = run_all(args, names, skipped, out_dir)
+    docs, command = collect_runs(args, names, skipped, run_all)
     if not docs:
         print("[bench_ddp_vs_deft] nothing ran", flush=True)
         return 1

@@ -19,14 +19,13 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ddp_vs_deft import EXAMPLE, deft_runtime_ready
-from bench_links import RESULTS, ROOT, command_line, handle_signals, machine, run_ranks, update_section
+from bench_ddp_vs_deft import EXAMPLE, collect_runs, deft_runtime_ready
+from bench_links import RESULTS, ROOT, handle_signals, machine, run_ranks, update_section
 
 from deft.testbed import Testbed
 
@@ -175,19 +174,6 @@ def run_all(args: argparse.Namespace, names: list[str], skipped: dict[str, str],
     return docs
 
 
-def load_runs(run_dir: Path, names: list[str], skipped: dict[str, str]) -> tuple[dict[str, dict[str, Any]], str]:
-    """The records a ``--save-runs`` run left in ``run_dir`` and the command that made them."""
-    docs = {}
-    for name in names:
-        path = run_dir / f"{name}.json"
-        if path.exists():
-            docs[name] = json.loads(path.read_text(encoding="utf-8"))
-        else:
-            skipped.setdefault(name, f"no records in {run_dir}")
-    cmd = run_dir / "command.txt"
-    return docs, (cmd.read_text(encoding="utf-8").strip() if cmd.exists() else command_line())
-
-
 def report(args: argparse.Namespace, docs: dict[str, dict[str, Any]], skipped: dict[str, str], command: str) -> str:
     lines = ["## Preserver: accuracy vs time for epsilon (`benchmarks/bench_preserver.py`)", "",
              f"Command: `{command}`  ",
@@ -242,15 +228,7 @@ def main() -> int:
         for n in [n for n in names if n != "torch"]:
             skipped[n] = f"deft runtime does not import ({why})"
             names.remove(n)
-    if args.from_runs:
-        docs, command = load_runs(Path(args.from_runs), names, skipped)
-    else:
-        command = command_line()
-        with tempfile.TemporaryDirectory() as tmp:
-            out_dir = Path(args.save_runs or tmp)
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "command.txt").write_text(command + "\n", encoding="utf-8")
-            docs = run_all(args, names, skipped, out_dir)
+    docs, command = collect_runs(args, names, skipped, run_all)
     if not docs:
         print("[bench_preserver] nothing ran", flush=True)
         return 1

@@ -22,6 +22,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
+#: Environment variable naming a TOML config, used when no config is passed.
+CONFIG_ENV = "DEFT_CONFIG"
 LINK_BACKENDS = ("auto", "nccl", "gloo")
 SOLVERS = ("exact", "greedy")
 
@@ -162,9 +164,12 @@ class DeftConfig:
 
     @classmethod
     def resolve(cls, config: DeftConfig | str | os.PathLike[str] | dict[str, Any] | None) -> DeftConfig:
-        """Accept what users pass: nothing, a DeftConfig, a TOML path or a dict."""
+        """Accept what users pass: a DeftConfig, a TOML path, a dict, or nothing (then the TOML file named by
+        ``$DEFT_CONFIG`` if set, else the defaults)."""
         if config is None:
-            return cls()
+            # Lets an unchanged training script pick up a deployment's links (the testbed sets it).
+            env = os.environ.get(CONFIG_ENV)
+            return cls.load(env) if env else cls()
         if isinstance(config, DeftConfig):
             return config
         if isinstance(config, dict):

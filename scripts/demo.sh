@@ -5,4 +5,3 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 mkdir -p out
 .venv/bin/deft simulate examples/profiles/vgg19.json --png out/vgg19_timeline.png
-echo "timeline picture: out/vgg19_timeline.png"

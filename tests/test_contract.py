@@ -297,3 +297,14 @@ def test_profile_built_in_code_rejects_non_finite_times(build, field: str) -> No
 def test_config_resolve_rejects_other_types() -> None:
     with pytest.raises(ContractError, match=r"config: expected a DeftConfig, a TOML path, a dict or None, got int"):
         DeftConfig.resolve(5)  # type: ignore[arg-type]
+
+
+def test_config_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "env.toml"
+    path.write_text("epsilon = 0.2\n")
+    monkeypatch.setenv("DEFT_CONFIG", str(path))
+    assert DeftConfig.resolve(None).epsilon == 0.2
+    assert DeftConfig.resolve({"epsilon": 0.0}).epsilon == 0.0  # an explicit config wins
+    monkeypatch.setenv("DEFT_CONFIG", str(tmp_path / "missing.toml"))
+    with pytest.raises(ContractError, match=r"missing\.toml"):
+        DeftConfig.resolve(None)

@@ -106,15 +106,19 @@ def test_grows_capacity_until_a_try_passes():
     seqs = [(4,), (2, 2), (1, 2, 1), (1, 1, 1, 1)]
     res, fp = run(seqs, epsilon=0.003, capacity_growth=1.5)
     assert fp.scales == pytest.approx([1.0, 1.5, 2.25])
-    assert [t.k for t in res.tries] == seqs[:3]
-    for t in res.tries:
+    deft_tries = [t for t in res.tries if t.kind == "deft"]
+    assert [t.k for t in deft_tries] == seqs[:3]
+    for t in deft_tries:
         r = convergence_ratio(1.0, 0.2, 5.0, 0.01, 256, t.k)
         assert t.ratio == pytest.approx(r)
         assert t.accepted == (0.997 <= r <= 1.003)
-    assert [t.accepted for t in res.tries] == [False, False, True]
+    assert [t.accepted for t in deft_tries] == [False, False, True]
+    # Lag-free merges (real accumulate_plan on this profile) are tried first: (2,) passes, (3,) fails
+    # and ends the search; the fake DeFT schedule, predicted no slower, is kept.
+    assert [(t.k, t.accepted) for t in res.tries if t.kind == "accumulate"] == [((2,), True), ((3,), False)]
     assert res.accepted and res.schedule.batch_sequence == (1, 2, 1)
     rec = res.schedule.meta["preserver"]
-    assert rec["tries"] == 3 and rec["capacity_scale"] == pytest.approx(2.25) and len(rec["log"]) == 3
+    assert rec["tries"] == 3 and rec["capacity_scale"] == pytest.approx(2.25) and len(rec["log"]) == 5
 
 
 def test_falls_back_to_no_delay_after_max_tries(caplog):
@@ -124,7 +128,7 @@ def test_falls_back_to_no_delay_after_max_tries(caplog):
     assert fp.scales == pytest.approx([1.25 ** i for i in range(10)])
     assert fp.no_delay_calls == 1
     assert not res.accepted and res.schedule.batch_sequence == (1,)
-    assert len(res.tries) == 11 and res.tries[-1].capacity_scale is None
+    assert len(res.tries) == 13 and res.tries[-1].kind == "no_delay"  # 10 deft, 2 lag-free merges, 1 fallback
     rec = res.schedule.meta["preserver"]
     assert rec["accepted"] is False and rec["tries"] == 10 and "no schedule within" in rec["reason"]
     assert sum("preserver try" in r.message for r in caplog.records) == 10
@@ -286,7 +290,10 @@ def test_loop_with_the_real_solver(mu):
         assert t.accepted == passes(t.k, ratio, 0.01)
     assert all(not t.accepted for t in tried[:-1])
     if res.accepted:
-        assert tried[-1].accepted and res.schedule.batch_sequence == tried[-1].k
+        merges = [t for t in res.tries if t.kind == "accumulate" and t.accepted]
+        assert tried[-1].accepted
+        # Either the accepted DeFT try, or a passing lag-free merge the preserver preferred to it.
+        assert res.schedule.batch_sequence in [tried[-1].k] + [t.k for t in merges]
         assert 0.99 <= schedule_ratio(res.schedule, stats) <= 1.01
     else:
         assert len(tried) == config.preserver_max_tries and all(k == 1 for k in res.schedule.batch_sequence)
@@ -309,3 +316,18 @@ def test_stale_updates_lower_the_ratio():
     # Same K without the lag: ratio 1, accepted at any epsilon > 0, rejected at epsilon 0 only if merged.
     assert schedule_ratio(schedule_with((1, 1)), STATS) == 1.0
     assert not passes((1, 1), lagged, 0.0)
+
+
+def test_lag_free_merge_preferred_unless_stale_is_much_faster():
+    from dataclasses import replace
+
+    from deft.preserver.feedback import STALENESS_MARGIN, _prefer_lag_free
+
+    merged = replace(schedule_with((2,)), predicted_iteration_s=1.0)
+    stale = schedule_with((1, 1), delayed=True)
+    assert _prefer_lag_free(merged, replace(stale, predicted_iteration_s=0.9))
+    assert not _prefer_lag_free(merged, replace(stale, predicted_iteration_s=0.99 - STALENESS_MARGIN))
+    # Between lag-free schedules only speed counts.
+    fresh = schedule_with((1, 2, 1))
+    assert _prefer_lag_free(merged, replace(fresh, predicted_iteration_s=1.01))
+    assert not _prefer_lag_free(merged, replace(fresh, predicted_iteration_s=0.99))

@@ -15,6 +15,7 @@ that both links carried traffic, and that every rank ends identical.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -64,12 +65,15 @@ def coefficients(rank: int, t: int) -> dict[str, torch.Tensor]:
     return {n: torch.randint(-3, 4, shape, generator=g).to(dtype) for n, (shape, dtype) in SHAPES.items()}
 
 
-def closed_form(update_log: list[list[object]], world: int) -> dict[str, torch.Tensor]:
+def closed_form(update_log: list[list[object]], world: int,
+                coeffs: Callable[[int, int], dict[str, torch.Tensor]] = coefficients) -> dict[str, torch.Tensor]:
+    """SGD with momentum replayed over the logged updates, each the mean of its ranks' and iterations' c
+    (the loss is linear in the parameters, so every gradient is known in closed form)."""
     w = {n: torch.zeros(shape, dtype=torch.float64) for n, (shape, _) in SHAPES.items()}
     buf: dict[str, torch.Tensor] = {}
     for _, its in update_log:
         for n in SHAPES:
-            g = sum(coefficients(r, t)[n].double() for r in range(world) for t in its) / (world * len(its))
+            g = sum(coeffs(r, t)[n].double() for r in range(world) for t in its) / (world * len(its))
             buf[n] = g if n not in buf else MOMENTUM * buf[n] + g
             w[n] -= LR * buf[n]
     return w

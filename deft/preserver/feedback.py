@@ -69,6 +69,8 @@ log = logging.getLogger("deft.preserver")
 Planner = Callable[..., Schedule]
 #: ``no_delay_plan(profile, config) -> Schedule`` (deft.solver.plan.no_delay_plan)
 NoDelayPlanner = Callable[..., Schedule]
+#: ``accumulate_plan(profile, config, k) -> Schedule`` (deft.solver.plan.accumulate_plan)
+AccumulatePlanner = Callable[..., Schedule]
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ class WalkStats:
 
 @dataclass(frozen=True)
 class Try:
-    """One round of the feedback loop. ``capacity_scale is None`` marks the no-delay schedule."""
+    """One round of the feedback loop; ``kind`` names the planner (``capacity_scale`` is set for "deft" only)."""
 
     capacity_scale: float | None
     k: tuple[int, ...]
@@ -115,9 +117,11 @@ class Try:
     accepted: bool
     applied: tuple[int, ...] = ()  # updates applied within the cycle (see applied_sequence)
     window: int = 0  # the cycle length the ratio was taken over
+    kind: str = "deft"  # "deft" (the planner at a capacity), "accumulate" (lag-free merge) or "no_delay"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"capacity_scale": self.capacity_scale, "k": list(self.k), "applied": list(self.applied),
+        return {"kind": self.kind, "capacity_scale": self.capacity_scale, "k": list(self.k),
+                "applied": list(self.applied),
                 "window": self.window, "ratio": _json_float(self.ratio), "accepted": self.accepted}
 
 
@@ -201,8 +205,52 @@ def _finish(schedule: Schedule, tries: list[Try], accepted: bool, config: DeftCo
                           reason=reason)
 
 
+#: A stale schedule (updates applied after their cycle) is taken over the fastest lag-free candidate
+#: only when predicted this much faster: the walk prices a one-iteration lag like merging two
+#: iterations, but measured, one iteration of staleness cost 70 accuracy points where merging pairs
+#: cost none (benchmarks/RESULTS.md, update-timing check).
+STALENESS_MARGIN = 0.25
+#: Largest number of iterations a lag-free merge (:func:`deft.solver.plan.accumulate_plan`) may merge.
+MAX_MERGE = 8
+
+
+def _is_stale(schedule: Schedule) -> bool:
+    return any(u.apply_after >= schedule.cycle or u.apply_after != u.last for u in schedule.updates)
+
+
+def _prefer_lag_free(lag_free: Schedule, candidate: Schedule) -> bool:
+    if not _is_stale(candidate):
+        return lag_free.predicted_iteration_s < candidate.predicted_iteration_s
+    return candidate.predicted_iteration_s >= (1.0 - STALENESS_MARGIN) * lag_free.predicted_iteration_s
+
+
+def _best_merge(profile: Profile, config: DeftConfig, stats: WalkStats, accumulate_planner: AccumulatePlanner | None,
+                tries: list[Try]) -> Schedule | None:
+    """The fastest lag-free merge (largest ``k``) that passes the test, or None.
+
+    The walk's ratio falls as ``k`` grows (more progress merged away), so the search stops at the
+    first ``k`` that fails.
+    """
+    if accumulate_planner is None:
+        from deft.solver.plan import accumulate_plan as accumulate_planner  # lazy, like the planners
+    best = None
+    for k in range(2, MAX_MERGE + 1):
+        s = _checked(accumulate_planner(profile, config, k), "accumulate_plan")
+        ratio = schedule_ratio(s, stats)
+        ok = passes(s.batch_sequence, ratio, config.epsilon)
+        tries.append(Try(capacity_scale=None, k=s.batch_sequence, ratio=ratio, accepted=ok,
+                         applied=applied_sequence(s), window=s.cycle, kind="accumulate"))
+        log.info("preserver: lag-free merge of %d iterations, ratio %.5f: %s", k, ratio,
+                 "passes" if ok else "fails")
+        if not ok:
+            break
+        best = s
+    return best
+
+
 def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
-             planner: Planner | None = None, no_delay_planner: NoDelayPlanner | None = None) -> PreserveResult:
+             planner: Planner | None = None, no_delay_planner: NoDelayPlanner | None = None,
+             accumulate_planner: AccumulatePlanner | None = None) -> PreserveResult:
     """Run the feedback loop and return the schedule to use.
 
     * ``config.epsilon == 0``: the no-delay schedule directly (no merged update can pass), even
@@ -221,13 +269,13 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
         no_delay_planner = no_delay_planner or default_no_delay
     tries: list[Try] = []
 
-    def no_delay(reason: str, accepted: bool) -> PreserveResult:
-        s = _checked(no_delay_planner(profile, config), "no_delay_plan")
+    def no_delay(reason: str, accepted: bool, s: Schedule | None = None) -> PreserveResult:
+        s = s or _checked(no_delay_planner(profile, config), "no_delay_plan")
         if any(k != 1 for k in s.batch_sequence):
             raise ContractError("preserver", "no_delay_plan",
                                 f"expected a schedule without merged updates, got K = {s.batch_sequence}")
         tries.append(Try(capacity_scale=None, k=s.batch_sequence, ratio=1.0, accepted=accepted,
-                         applied=applied_sequence(s), window=s.cycle))
+                         applied=applied_sequence(s), window=s.cycle, kind="no_delay"))
         log.info("preserver: no-delay schedule (%s)", reason)
         return _finish(s, tries, accepted, config, stats, reason)
 
@@ -245,6 +293,7 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
         return no_delay("mu and sigma unknown yet: cannot test delayed updates", accepted=False)
 
     lo, hi = 1.0 - config.epsilon, 1.0 + config.epsilon
+    merged = _best_merge(profile, config, stats, accumulate_planner, tries)
     for i in range(config.preserver_max_tries):
         scale = config.capacity_growth ** i
         s = _checked(planner(profile, config, capacity_scale=scale), "plan")
@@ -256,11 +305,18 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
         log.info("preserver try %d/%d: capacity x%.4g, K=%s, ratio %.5f in [%.4g, %.4g]: %s",
                  i + 1, config.preserver_max_tries, scale, k, ratio, lo, hi, "accepted" if ok else "rejected")
         if ok:
+            if merged is not None and _prefer_lag_free(merged, s):
+                return _finish(merged, tries, True, config, stats,
+                               f"lag-free merge K={merged.batch_sequence} preferred to stale K={k}")
             return _finish(s, tries, True, config, stats, f"ratio {ratio:.5f} within [{lo:.4g}, {hi:.4g}]")
+    nd = _checked(no_delay_planner(profile, config), "no_delay_plan")
+    if merged is not None and merged.predicted_iteration_s < nd.predicted_iteration_s:
+        return _finish(merged, tries, True, config, stats,
+                       f"no DeFT schedule passed; lag-free merge K={merged.batch_sequence} did")
     log.warning("preserver: no schedule passed in %d tries (ratios %s); falling back to the no-delay schedule",
                 config.preserver_max_tries, ", ".join(f"{t.ratio:.4f}" for t in tries if t.ratio is not None))
     return no_delay(f"no schedule within [{lo:.4g}, {hi:.4g}] in {config.preserver_max_tries} tries",
-                    accepted=False)
+                    accepted=False, s=nd)
 
 
 @dataclass(frozen=True)

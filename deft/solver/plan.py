@@ -89,8 +89,8 @@ from deft.solver.partition import default_capacity, partition
 
 __all__ = [
     "CASE_FLUSH", "DEFAULT_MAX_CYCLE", "EXACT_BUDGET_LIMITS", "GroupRecord", "IterationRecord", "KnapsackRecord",
-    "Packing", "PlanResult", "RecursiveChoice", "Send", "link_finish", "no_delay_plan", "plan", "plan_trace",
-    "recursive_knapsack", "repair_ready_order",
+    "Packing", "PlanResult", "RecursiveChoice", "Send", "accumulate_plan", "link_finish", "no_delay_plan", "plan",
+    "plan_trace", "recursive_knapsack", "repair_ready_order",
 ]
 
 CASE_FLUSH = 0  # backward "case" of the forced flush that closes a capped cycle (not a paper case)
@@ -579,6 +579,31 @@ def no_delay_plan(profile: Profile, config: DeftConfig | None = None) -> Schedul
     cfg = _check(profile, config, 1.0)
     cap = _partition_capacity(profile, 1.0)
     return _no_delay(partition(profile, cfg, cap, best_effort=True), cfg, 1.0, cap, "requested")
+
+
+def accumulate_plan(profile: Profile, config: DeftConfig | None, k: int) -> Schedule:
+    """Merge ``k`` iterations without staleness: cycle ``k``, one update group of all ``k`` positions,
+    every bucket sent in the backward of the last one (WFBP over the links, as :func:`no_delay_plan`)
+    and the update applied right after it.
+
+    This is gradient accumulation run by the schedule: the communication of ``k`` iterations costs one
+    all-reduce per bucket, and no update is ever applied to parameters that moved since its gradient
+    was computed. DeFT's Algorithm 2 instead sends leftovers in the next forward, which makes updates
+    stale; the preserver offers both and prefers this one when they are close in speed (staleness
+    measured far more harmful than merging: benchmarks/RESULTS.md, update-timing check).
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ContractError(_SOURCE, "k", f"expected an integer >= 1, got {k!r}")
+    one = no_delay_plan(profile, config)
+    if k == 1:
+        return one
+    stages = tuple(StagePlan(p, stage, one.stage(0, "backward").comms if (p, stage) == (k - 1, "backward") else ())
+                   for p in range(k) for stage in ("forward", "backward"))
+    sched = replace(one, cycle=k, stages=stages, updates=(Update(tuple(range(k)), k - 1),),
+                    meta={**one.meta, "mode": "accumulate", "reason": f"{k} iterations merged, no staleness"})
+    cfg = _check(profile, config, 1.0)
+    part = partition(profile, cfg, _partition_capacity(profile, 1.0), best_effort=True)
+    return _with_predictions(part, sched)
 
 
 def plan(profile: Profile, config: DeftConfig | None = None, *, capacity_scale: float = 1.0) -> Schedule:
