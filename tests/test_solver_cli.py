@@ -102,3 +102,20 @@ def test_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     cfg.write_text("epsilon = 'lots'\n")
     assert main(["simulate", str(VGG19), "--config", str(cfg), "--schemes", "ddp"]) == 2
     assert "deft.toml" in capsys.readouterr().err
+
+
+def test_format_stages_names_positions_within_the_cycle() -> None:
+    """An update applied in the next cycle is named by its position there, never by ``apply_after``."""
+    from deft.schedule import CommTask, StagePlan, Update
+    from deft.solver.cli import format_stages
+
+    sched = Schedule(
+        cycle=2, links=("a",), bucket_numel=(1, 1), bucket_nbytes=(4, 4),
+        stages=(StagePlan(0, "forward", (CommTask(1, 1, "a"),)), StagePlan(0, "backward", (CommTask(0, 0, "a"),)),
+                StagePlan(1, "forward", (CommTask(1, 1, "a"),)), StagePlan(1, "backward", (CommTask(0, 0, "a"),))),
+        updates=(Update((0,), 1), Update((1,), 2)),
+    )
+    text = format_stages(sched)
+    assert "update 0: merges positions [0] (k=1), applied after position 1\n" in text + "\n"
+    assert "update 1: merges positions [1] (k=1), applied after position 0 of the next cycle" in text
+    assert "position 0 forward  1(1)@a" in text

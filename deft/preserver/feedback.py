@@ -34,7 +34,11 @@ preserver disabled     (``preserver = false``) The solver's first schedule is us
                        guarantee about convergence.
 =====================  ============================================================================
 
-(Qualitative for now: measured accuracy and time for each setting belong in benchmarks/RESULTS.md.)
+Measured (benchmarks/RESULTS.md, "What the accuracy knob does"; 4.4M-parameter CNN, 2 ranks, two links at
+250 Mbit/s, 4 epochs, SGD lr 0.02 momentum 0.9): torch DDP 0.961 in 74 s; epsilon 0 and 0.01: 0.961 in
+53 s (no delayed update passed); 0.05 and 0.2: 0.753 in 43 s (a stale schedule passed, see
+:func:`applied_sequence` and ``STALENESS_MARGIN``); preserver disabled: 0.672 in 38 s. The short,
+high-learning-rate run is harsh on stale updates; long runs with decaying learning rates are less so.
 
 Statistics
 ----------

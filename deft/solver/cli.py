@@ -151,8 +151,9 @@ def format_stages(schedule: Schedule) -> str:
         comms = " ".join(f"{t.bucket}" + (f"({t.origin})" if t.origin else "") + f"@{t.link}" for t in sp.comms)
         lines.append(f"  position {sp.position} {sp.stage:<8} {comms or '-'}")
     for g, u in enumerate(schedule.updates):
-        lines.append(f"  update {g}: merges positions {list(u.positions)} (k={u.k}), applied after position "
-                     f"{u.apply_after}" + (" of the next cycle" if u.apply_after >= schedule.cycle else ""))
+        when = (f"{u.apply_after - schedule.cycle} of the next cycle" if u.apply_after >= schedule.cycle
+                else f"{u.apply_after}")
+        lines.append(f"  update {g}: merges positions {list(u.positions)} (k={u.k}), applied after position {when}")
     return "\n".join(lines)
 
 
