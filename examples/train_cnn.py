@@ -38,6 +38,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import DigitsCNN, num_parameters
 
+from deft.errors import DeftError
+
 
 def load_digits_split(seed: int, size: int = 32, test_fraction: float = 0.2
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,8 +79,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", default=None, help="write per-iteration and per-evaluation records (rank 0)")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm bar (one line per epoch instead)")
     args = ap.parse_args(argv)
-    if args.epochs < 1 or args.batch_size < 1 or (args.max_iters is not None and args.max_iters < 1):
-        ap.error("--epochs, --batch-size and --max-iters must be >= 1")
+    for flag, value, low in (("--epochs", args.epochs, 1), ("--batch-size", args.batch_size, 1),
+                             ("--max-iters", args.max_iters, 1), ("--width", args.width, 1),
+                             ("--hidden", args.hidden, 1), ("--eval-every", args.eval_every, 0),
+                             ("--skip-iters", args.skip_iters, 0)):
+        if value is not None and value < low:
+            ap.error(f"{flag}: expected an integer >= {low}, got {value}")
+    if not args.lr > 0:
+        ap.error(f"--lr: expected > 0, got {args.lr}")
+    if args.config is not None and not Path(args.config).is_file():
+        ap.error(f"--config: no such file {args.config} (from --config or $DEFT_CONFIG)")
     return args
 
 
@@ -151,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)  # same initial model everywhere (both wrappers broadcast rank 0's anyway)
     x_train, y_train, x_test, y_test = load_digits_split(args.seed)
     model = DigitsCNN(width=args.width, hidden=args.hidden)
-    ddp, deft_info = wrap(model, args)
+    try:
+        ddp, deft_info = wrap(model, args)
+    except DeftError as e:  # a bad config or --epsilon: one line naming the field, not a traceback
+        raise SystemExit(f"train_cnn.py: error: {e}") from None
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     torch.manual_seed(args.seed * 1000 + rank + 1)  # dropout differs per rank, as in any DDP job
 

@@ -10,3 +10,14 @@ fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0" 2>&1 | grep -v '^WARNING: Location' || true
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev]" 2>&1 | grep -v '^WARNING: Location' || true
 .venv/bin/python -c "import torch, ortools, deft" || { echo "setup failed: deft or its dependencies do not import" >&2; exit 1; }
+# The netns tests and `deft testbed` need iproute2 (ip, tc), which minimal images (Debian slim, most
+# containers) do not ship. As root we install it; otherwise those tests skip and say why.
+if ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing iproute2 (ip, tc) for the network-namespace testbed" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null; } \
+      || echo "setup: could not install iproute2; the netns tests will skip" >&2
+  else
+    echo "setup: iproute2 (ip, tc) not found; the netns tests will skip (install iproute2 as root to run them)" >&2
+  fi
+fi

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -66,14 +65,7 @@ def test_torch_ddp_run_trains_and_records(torch_doc: dict[str, Any]) -> None:
     assert last < first
 
 
-def deft_runtime_missing() -> str | None:
-    if importlib.util.find_spec("deft.runtime.ddp") is None:
-        return "deft.runtime.ddp is not there yet (the runtime is built in another change)"
-    return None
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(deft_runtime_missing() is not None, reason=str(deft_runtime_missing()))
 def test_deft_epsilon_zero_run_is_torch_ddps_run(tmp_path: Path, torch_doc: dict[str, Any]) -> None:
     """Same seed, same data: deft with epsilon = 0 only reorders communication, so every iteration's
     loss is torch DDP's (to float tolerance) and every iteration is applied as an update."""
@@ -84,3 +76,16 @@ def test_deft_epsilon_zero_run_is_torch_ddps_run(tmp_path: Path, torch_doc: dict
     for a, b in zip(torch_doc["iters"], doc["iters"], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5), (a, b)
     assert doc["summary"]["final_test_acc"] == pytest.approx(torch_doc["summary"]["final_test_acc"], abs=0.01)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--epochs", "0"], "--epochs: expected an integer >= 1, got 0"),
+    (["--batch-size", "-1"], "--batch-size: expected an integer >= 1, got -1"),
+    (["--eval-every", "-1"], "--eval-every: expected an integer >= 0, got -1"),
+    (["--lr", "0"], "--lr: expected > 0"),
+    (["--config", "/nonexistent/deft.toml"], "--config: no such file /nonexistent/deft.toml"),
+])
+def test_bad_arguments_name_the_flag(argv: list[str], message: str) -> None:
+    p = subprocess.run([sys.executable, str(EXAMPLE), *argv], capture_output=True, text=True, timeout=60,
+                       check=False)
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr

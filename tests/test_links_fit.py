@@ -141,3 +141,19 @@ def test_two_rank_gloo_sweep_on_loopback_fits(tmp_path: Path) -> None:
     assert f.r2 > 0.9, (f.r2, [round(s.seconds * 1e3, 2) for s in samples])
     assert f.beta_s_per_byte > 0
     assert primary["fit"]["r2"] == pytest.approx(f.r2)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--iters", "0"], "iters: expected iters >= 1"),
+    (["--sizes", "4096,x"], "--sizes/--concurrent-sizes: expected comma-separated integers"),
+    ([], "no RANK in the environment"),
+])
+def test_cli_bad_input_is_one_line_not_a_traceback(argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from deft.profiler.links import main
+
+    for var in ("RANK", "DEFT_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err

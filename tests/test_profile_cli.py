@@ -43,7 +43,8 @@ def test_nothing_after_dashes(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 
 def test_bad_iters(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert "must be >= 1" in _error(capsys, ["--iters", "0", "--out", str(tmp_path / "p.json"), str(SCRIPT)])
+    err = _error(capsys, ["--iters", "0", "--out", str(tmp_path / "p.json"), str(SCRIPT)])
+    assert "--iters: expected an integer >= 1, got 0" in err
 
 
 def test_failing_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -109,3 +110,18 @@ def test_end_to_end(backend: str, tmp_path: Path, capsys: pytest.CaptureFixture[
     assert (tmp_path / "prof.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert deft_main(["plan", str(out), "--out", str(tmp_path / "schedule.json")]) == 0
     assert (tmp_path / "schedule.json").exists()
+
+
+def test_deft_dispatcher_imports_only_the_chosen_subcommand(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from deft.cli import main as deft_main
+
+    monkeypatch.setitem(sys.modules, "deft.testbed", None)  # as if deft.testbed failed to import
+    with pytest.raises(SystemExit):
+        deft_main(["--help"])
+    assert "testbed" in capsys.readouterr().out  # still listed
+    with pytest.raises(SystemExit):
+        deft_main(["plan", "--help"])  # other subcommands still work
+    assert "--epsilon" in capsys.readouterr().out
+    assert deft_main(["testbed", "status"]) == 2
+    assert "cannot load deft.testbed" in capsys.readouterr().err

@@ -37,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="deft-profile",
         description="Profile a training script per bucket (forward, backward, communication per link).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--nproc-per-node", type=int, default=1, help="processes to launch (like torchrun)")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="where the times come from")
@@ -125,8 +126,11 @@ def collect(backend: str, out: Path, trace_dir: Path) -> Profile:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.nproc_per_node < 1 or args.iters < 1:
-            raise DeftError("deft-profile: --nproc-per-node and --iters must be >= 1")
+        for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--iters", args.iters)):
+            if value < 1:
+                raise DeftError(f"deft-profile: {flag}: expected an integer >= 1, got {value}")
+        if args.timeout is not None and not args.timeout > 0:
+            raise DeftError(f"deft-profile: --timeout: expected seconds > 0, got {args.timeout}")
         backend = choose_backend(args.backend)
         out = Path(args.out).resolve()
         trace_dir = out.with_suffix("").with_name(out.stem + "-traces")

@@ -315,12 +315,20 @@ def new_link_group(backend: str, ifname: str | None) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     """Benchmark every link of a deft config, alone and all at once; rank 0 writes JSON (``--out``)."""
+    try:
+        return _main(argv)
+    except DeftError as e:  # bad flags or config: one line naming them, not a traceback
+        print(f"python -m deft.profiler.links: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None) -> int:
     import torch
     import torch.distributed as dist
 
     from deft.config import DeftConfig
 
-    ap = argparse.ArgumentParser(prog="python -m deft.profiler.links", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m deft.profiler.links", description=(main.__doc__ or "").splitlines()[0])
     ap.add_argument("--config", default=os.environ.get("DEFT_CONFIG"), help="deft TOML config naming the links")
     ap.add_argument("--sizes", default=",".join(str(s) for s in DEFAULT_SIZES), help="comma-separated bytes")
     ap.add_argument("--iters", type=int, default=10)
@@ -335,7 +343,13 @@ def main(argv: list[str] | None = None) -> int:
         conc_sizes = [int(x) for x in args.concurrent_sizes.split(",") if x]
     except ValueError:
         raise DeftError(f"--sizes/--concurrent-sizes: expected comma-separated integers, got {args.sizes!r}") from None
+    _check_sweep(sizes, args.iters, args.warmup)
+    if conc_sizes:
+        _check_sweep(conc_sizes, args.iters, args.warmup)
     cfg = DeftConfig.resolve(args.config)
+    if "RANK" not in os.environ:
+        raise DeftError("no RANK in the environment: launch every rank under torchrun (or another env:// "
+                        "launcher), e.g. `torchrun --nproc-per-node 2 -m deft.profiler.links`")
     torch.set_num_threads(1)
     dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
     rank = dist.get_rank()

@@ -114,9 +114,6 @@ class FlatLayout:
     def bucket_nbytes(self) -> tuple[int, ...]:
         return tuple(sum((s.end - s.start) * _itemsize(s.dtype) for s in segs) for segs in self.segments)
 
-    def bucket_param_names(self, b: int) -> tuple[str, ...]:
-        return tuple(self.slots[i].name for i in self.bucket_params[b])
-
     def new_buffers(self, device: torch.device) -> dict[torch.dtype, torch.Tensor]:
         return {d: torch.zeros(n, dtype=d, device=device) for d, n in self.dtype_numel.items()}
 

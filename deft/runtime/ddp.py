@@ -67,6 +67,9 @@ Semantics worth knowing
   supported (it unscales ``p.grad`` before the step, where deft has not written it yet).
 * A parameter no rank used in any merged iteration keeps ``grad = None`` for that update (torch DDP's
   ``find_unused_parameters=True`` behaviour); parameters with ``requires_grad=False`` are ignored.
+* One optimizer per module (several ``param_groups`` are fine; it may cover a subset of the
+  parameters): a second optimizer stepping the module's parameters raises, since it would never see a
+  gradient. A wrapper whose inner optimizer shares its ``param_groups`` (Lookahead-style) is one.
 * Learning-rate schedulers advance per iteration, as the user calls them; an update merging ``k``
   iterations uses the learning rate current at its application.
 * ``process_group``: deft builds its own groups (a gloo control group and one group per link, all
@@ -135,6 +138,10 @@ class DistributedDataParallel(nn.Module):
             if unknown:
                 raise ContractError("profile", "links", f"link(s) {unknown} are not in the config's links "
                                     f"{list(cfg.link_names)}; name the config's links like the profile's")
+        # Like the profile: a wrong schedule file fails before any collective. Only rank 0 reads it when
+        # planning, so another rank without the file (multi-node) skips the check.
+        if cfg.schedule_path is not None and (dist.get_rank() == 0 or os.path.exists(cfg.schedule_path)):
+            _check_schedule_file(cfg, module)
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
         self._control = make_control_group(cfg, ranks)
         self.rank = dist.get_rank(self._control)
@@ -208,12 +215,14 @@ class DistributedDataParallel(nn.Module):
         self._optimizer: torch.optim.Optimizer | None = None
         self._internal_step = False
         self._step_open = False
+        self._bound = optimizer is not None  # hooks on that optimizer; the global ones only check
         self._opt_hooks: list[Any] = []
         if optimizer is not None:
             self._bind_optimizer(optimizer)
-        else:
-            self._opt_hooks.append(register_optimizer_step_pre_hook(_global_pre(me)))
-            self._opt_hooks.append(register_optimizer_step_post_hook(_global_post(me)))
+        # Global hooks in both cases: they find the optimizer when none is given, and they catch a second
+        # optimizer stepping the module's parameters (which would otherwise silently never see a gradient).
+        self._opt_hooks += [register_optimizer_step_pre_hook(_global_pre(me)),
+                            register_optimizer_step_post_hook(_global_post(me))]
 
     # -- public API ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -221,7 +230,9 @@ class DistributedDataParallel(nn.Module):
             return self.module(*args, **kwargs)  # evaluation: no communication, nothing counted
         if self._phase == "backward_done":
             raise DeftError(f"the forward of a new iteration started before optimizer.step() of iteration "
-                            f"{self._t}; deft runs forward, backward, optimizer.step() once per iteration")
+                            f"{self._t}; deft runs forward, backward, optimizer.step() once per iteration, "
+                            "with an optimizer over this module's parameters (wrap forwards that are not "
+                            "training, e.g. metrics, in torch.no_grad())")
         if self._phase == "idle":
             # Buffers (e.g. BatchNorm statistics) follow rank 0 at the first forward of an iteration,
             # which is when torch DDP broadcasts them too (also with no_sync() micro-batches).
@@ -267,7 +278,9 @@ class DistributedDataParallel(nn.Module):
         short merges the iterations it has; the schedule restarts its cycle at the next iteration.
         """
         if self._phase != "idle":
-            raise DeftError("flush() must be called between iterations (after optimizer.step())")
+            raise DeftError("flush() must be called between iterations (after optimizer.step()); "
+                            f"iteration {self._t} is in its {self._phase.replace('_', ' ')} phase. A forward with "
+                            "gradients enabled starts an iteration: run evaluation under torch.no_grad()")
         ex = self._executor
         if not ex.groups:
             return
@@ -431,14 +444,19 @@ class DistributedDataParallel(nn.Module):
         self._opt_hooks.append(opt.register_step_post_hook(_bound_post(me)))
 
     def _claims(self, opt: torch.optim.Optimizer) -> bool:
-        """Global hooks: is ``opt`` the optimizer of this module? Binds it the first time."""
+        """Global hooks: is ``opt`` the optimizer of this module? Binds it the first time; another
+        optimizer over the module's trainable parameters is an error."""
         if self._optimizer is not None:
             if opt is self._optimizer:
                 return True
+            if opt.param_groups is self._optimizer.param_groups:
+                return False  # a wrapper's inner optimizer (Lookahead-style), stepped inside the bound one
             mine = {id(p) for p in self._params}
             if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
-                raise DeftError("a second optimizer steps parameters of a deft.DistributedDataParallel "
-                                "module; deft supports one optimizer per module")
+                raise DeftError(f"a second optimizer ({type(opt).__name__}) steps parameters of a "
+                                "deft.DistributedDataParallel module, which already has one "
+                                f"({type(self._optimizer).__name__}); deft applies each update through one "
+                                "optimizer per module: use one optimizer with several param_groups")
             return False
         mine = {id(p) for p in self._params}
         if not any(id(p) in mine for g in opt.param_groups for p in g["params"]):
@@ -580,7 +598,8 @@ class DistributedDataParallel(nn.Module):
         schedule = Schedule.from_dict(doc["schedule"], "schedule broadcast by rank 0")
         self._check_agreement("schedule", schedule.digest())
         order = self._order_for(profile)
-        layout = FlatLayout(order, self._names, self._params, schedule.bucket_numel, "schedule")
+        layout = FlatLayout(order, self._names, self._params, schedule.bucket_numel,
+                            str(self._given_schedule or "schedule"))
         self._executor.install(schedule, layout, self._t)
         self._on_layout(layout)
         self._planned = True
@@ -852,7 +871,9 @@ class DistributedDataParallel(nn.Module):
     def get_extra_state(self) -> dict[str, Any]:
         """deft's runtime state for ``state_dict()``: tensors and plain types only."""
         if self._phase != "idle":
-            raise DeftError("deft's state can only be saved between iterations (after optimizer.step())")
+            raise DeftError("deft's state can only be saved between iterations (after optimizer.step()); "
+                            f"iteration {self._t} is in its {self._phase.replace('_', ' ')} phase. A forward with "
+                            "gradients enabled starts an iteration: run evaluation under torch.no_grad()")
         ex = self._executor
         ex.settle_all()  # in-flight buckets become reduced values; recorded as launched
         assert ex.schedule is not None and ex.layout is not None
@@ -1005,7 +1026,7 @@ def _grad_hook(me: weakref.ref[DistributedDataParallel], index: int) -> Any:
 def _global_pre(me: weakref.ref[DistributedDataParallel]) -> Any:
     def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         d = me()
-        if d is not None and d._claims(opt):
+        if d is not None and d._claims(opt) and not d._bound:
             d._pre_step()
     return hook
 
@@ -1013,7 +1034,7 @@ def _global_pre(me: weakref.ref[DistributedDataParallel]) -> Any:
 def _global_post(me: weakref.ref[DistributedDataParallel]) -> Any:
     def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         d = me()
-        if d is not None and opt is d._optimizer:
+        if d is not None and opt is d._optimizer and not d._bound:
             d._post_step()
     return hook
 
@@ -1066,6 +1087,23 @@ def _config_shared(cfg: DeftConfig) -> dict[str, Any]:
 
 def _digest(doc: Any) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _check_schedule_file(cfg: DeftConfig, module: nn.Module) -> None:
+    """``config.schedule_path`` must be a valid schedule over this model's trainable elements and the
+    config's links (rank 0 loads it again when planning; every rank checks here)."""
+    path = str(cfg.schedule_path)
+    sched = Schedule.load(path)
+    total = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    if sum(sched.bucket_numel) != total:
+        raise ContractError(path, "bucket_numel",
+                            f"the schedule's buckets hold {sum(sched.bucket_numel)} elements but the model has "
+                            f"{total} trainable elements (was it planned for another model?); plan one for this "
+                            "model or remove schedule_path from the config")
+    unknown = [n for n in sched.links if n not in cfg.link_names]
+    if unknown:
+        raise ContractError(path, "links", f"link(s) {unknown} are not in the config's links "
+                            f"{list(cfg.link_names)}; name the config's links like the schedule's")
 
 
 def _resolve_profile(profile: Profile | str | os.PathLike[str] | None, cfg: DeftConfig) -> Profile | None:

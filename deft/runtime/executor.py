@@ -26,8 +26,9 @@ A task whose group instance ends before ``t0`` (the cycle that ran before this s
 is its update: those gradients were applied by the previous schedule.
 
 Waiting happens only in :meth:`Executor.take_update` (and :meth:`Executor.drain`), i.e. where the
-update's averaged gradient is needed. Every wait is bounded by ``timeout_s`` and a failure becomes a
-:class:`~deft.errors.CommunicationError` naming this rank, the link and the collective.
+update's averaged gradient is needed, and in :meth:`Executor.settle_all` before a checkpoint. Every
+wait is bounded by ``timeout_s`` and a failure becomes a :class:`~deft.errors.CommunicationError`
+naming this rank, the link and the collective.
 """
 
 from __future__ import annotations
