@@ -125,7 +125,7 @@ class WarmupTimer:
             if cur["bwd_start"] is None:
                 cur["bwd_start"] = self._mark = self._now()
 
-        for t in _tensors(output):
+        for t in tensors_in(output):
             if t.requires_grad:
                 t.register_hook(start)
 
@@ -233,11 +233,12 @@ def fit_alpha_beta(nbytes: Sequence[int], seconds: Sequence[float]) -> tuple[flo
     return alpha, beta
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in a (nested) tensor / list / tuple / dict: a module's outputs or a forward's inputs."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
+        return [t for o in obj for t in tensors_in(o)]
     if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
+        return [t for o in obj.values() for t in tensors_in(o)]
     return []

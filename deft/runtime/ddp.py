@@ -100,7 +100,7 @@ from deft.config import DeftConfig
 from deft.errors import CommunicationError, ContractError, DeftError
 from deft.profile import Profile
 from deft.profiler import nvtx
-from deft.profiler.timing import WarmupTimer
+from deft.profiler.timing import WarmupTimer, tensors_in
 from deft.runtime.buckets import FlatLayout, ddp_like_bucket_numel
 from deft.runtime.executor import Executor, Pending
 from deft.runtime.links import CommLink, make_control_group, make_links
@@ -246,7 +246,7 @@ class DistributedDataParallel(nn.Module):
         if self._fwd_ranges is not None:
             self._fwd_ranges.end()
         if recording():
-            for t in _output_tensors(out):
+            for t in tensors_in(out):
                 if t.requires_grad:
                     t.register_hook(self._backward_starts)
         return out
@@ -788,7 +788,7 @@ class DistributedDataParallel(nn.Module):
 
     def _note_batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # the first dimension of the first tensor argument, looking into lists and dicts (HF-style inputs)
-        for a in _output_tensors(list(args) + list(kwargs.values())):
+        for a in tensors_in(list(args) + list(kwargs.values())):
             if a.dim() > 0:
                 self._batch = int(a.shape[0])
                 return
@@ -1053,16 +1053,6 @@ def _bound_post(me: weakref.ref[DistributedDataParallel]) -> Any:
         if d is not None:
             d._post_step()
     return hook
-
-
-def _output_tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _output_tensors(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _output_tensors(o)]
-    return []
 
 
 def _wait_plain(work: Any, link: str, what: str, rank: int, timeout_s: float) -> None:
