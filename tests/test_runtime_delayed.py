@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from deft.schedule import CommTask, Schedule, StagePlan, Update
+from tests._closed_form import sgd_replay
 from tests._dist import run_ranks, values
 
 SHAPES = {"w1": ((5, 4), torch.float32), "w2": ((6,), torch.bfloat16), "w3": ((10,), torch.float32)}
@@ -67,16 +68,8 @@ def coefficients(rank: int, t: int) -> dict[str, torch.Tensor]:
 
 def closed_form(update_log: list[list[object]], world: int,
                 coeffs: Callable[[int, int], dict[str, torch.Tensor]] = coefficients) -> dict[str, torch.Tensor]:
-    """SGD with momentum replayed over the logged updates, each the mean of its ranks' and iterations' c
-    (the loss is linear in the parameters, so every gradient is known in closed form)."""
-    w = {n: torch.zeros(shape, dtype=torch.float64) for n, (shape, _) in SHAPES.items()}
-    buf: dict[str, torch.Tensor] = {}
-    for _, its in update_log:
-        for n in SHAPES:
-            g = sum(coeffs(r, t)[n].double() for r in range(world) for t in its) / (world * len(its))
-            buf[n] = g if n not in buf else MOMENTUM * buf[n] + g
-            w[n] -= LR * buf[n]
-    return w
+    """SGD with momentum replayed over the logged updates (tests/_closed_form.py)."""
+    return sgd_replay(update_log, world, {n: shape for n, (shape, _) in SHAPES.items()}, coeffs, LR, MOMENTUM)
 
 
 def delayed_worker(rank: int, world: int, schedule_path: str) -> dict[str, object]:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from deft.schedule import CommTask, Schedule, StagePlan, Update
+from tests._closed_form import sgd_replay
 from tests._dist import run_ranks, values
 
 SHAPES = {"a": (4,), "b": (3,), "s": (2,)}
@@ -57,17 +58,9 @@ def coefficients(rank: int, t: int) -> dict[str, torch.Tensor]:
 
 
 def closed_form(log: list[list[object]], world: int) -> dict[str, torch.Tensor]:
-    w = {n: torch.zeros(shape, dtype=torch.float64) for n, shape in SHAPES.items()}
-    buf: dict[str, torch.Tensor] = {}
-    for _, its in log:
-        for n in SHAPES:
-            users = [(r, t) for r in range(world) for t in its if n != "s" or uses_s(r, t)]
-            if not users:
-                continue  # no rank used it in any merged iteration: grad None, SGD skips it
-            g = sum(coefficients(r, t)[n].double() for r, t in users) / (world * len(its))
-            buf[n] = g if n not in buf else MOMENTUM * buf[n] + g
-            w[n] -= LR * buf[n]
-    return w
+    """Replay with ``s`` used only where :func:`uses_s` says (tests/_closed_form.py)."""
+    return sgd_replay(log, world, SHAPES, coefficients, LR, MOMENTUM,
+                      used=lambda n, r, t: n != "s" or uses_s(r, t))
 
 
 def edges_worker(rank: int, world: int, schedule_path: str) -> dict[str, object]:
