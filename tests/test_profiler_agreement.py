@@ -2,7 +2,7 @@
 
 Two gloo ranks train a two-layer MLP whose buckets differ 64-fold in size (bucket 0: the 16-wide
 output layer, 16 K elements; bucket 1: the 1024 x 1024 hidden layer, 1 M elements, 4 MB), with
-``DEFT_TRACE_DIR`` set, so the profile iterations are both timed (:mod:`deft.profiler.timing`) and
+``DEFT_TRACE_DIR`` set, so the profile iterations are both timed (:mod:`deft.runtime.warmup_timer`) and
 recorded by torch.profiler; :func:`deft.profiler.kineto.load` reads the traces of both ranks. Both
 sides reduce alike: median over the profile iterations, then maximum over ranks.
 
@@ -55,7 +55,7 @@ def _worker(rank: int, world: int, trace_dir: str) -> dict[str, Any]:
     os.environ["DEFT_TRACE_DIR"] = trace_dir
     import deft
     from deft.config import DeftConfig
-    from deft.profiler import timing
+    from deft.runtime import warmup_timer as timing
 
     samples: list[dict[str, Any]] = []
     original = timing.WarmupTimer.end_iteration
@@ -71,7 +71,7 @@ def _worker(rank: int, world: int, trace_dir: str) -> dict[str, Any]:
                           nn.Linear(1024, 16))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     cfg = DeftConfig(warmup_iters=1, profile_iters=ITERS, epsilon=0.0)
-    ddp = deft.DistributedDataParallel(model, opt, config=cfg)
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, config=cfg)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(1 + ITERS + 1):
         x = torch.randn(64, 256, generator=gen)

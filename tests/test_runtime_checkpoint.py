@@ -61,7 +61,7 @@ def first_half_worker(rank: int, world: int, schedule_path: str, ckpt_dir: str) 
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ddp = deft.DistributedDataParallel(model, optimizer=opt, config=config(schedule_path))
     train(ddp, opt, rank, 0, STOP)
-    groups = {last: (sorted(g.launched), list(g.iterations)) for last, g in ddp._executor.groups.items()}
+    groups = {u.iterations[-1]: (list(u.buckets_sent), list(u.iterations)) for u in ddp.pending_updates}
     torch.save({"ddp": ddp.state_dict(), "opt": opt.state_dict()}, Path(ckpt_dir) / f"rank{rank}.pt")
     return {"full": full, "pending_at_stop": {str(k): v for k, v in groups.items()}}
 

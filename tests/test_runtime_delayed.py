@@ -102,7 +102,7 @@ def delayed_worker(rank: int, world: int, schedule_path: str) -> dict[str, objec
             for p, s in opt.state.items():
                 for k, v in s.items():
                     assert torch.equal(v, state[id(p)][k]), f"optimizer state {k} changed at t={t}"
-    pending = [list(g.iterations) for g in ddp._executor.groups.values()]
+    pending = [list(u.iterations) for u in ddp.pending_updates]
     ddp.flush()
     log = [[t, list(its)] for t, its in ddp.update_log]
     expect = closed_form(log, world)

@@ -99,7 +99,7 @@ def recheck_worker(rank: int, world: int, force_at: int | None = None) -> dict[s
 
     model = Linear()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    ddp = deft.DistributedDataParallel(model, opt, profile=comm_heavy_profile(), config={
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, profile=comm_heavy_profile(), config={
         "epsilon": 1.0, "warmup_iters": WARMUP, "recheck_every": RECHECK_EVERY, "timeout_s": 30,
         "links": [{"name": "primary"}]})
     digests = []

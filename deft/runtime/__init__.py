@@ -1,8 +1,8 @@
 """The runtime: ``deft.DistributedDataParallel`` executing a DeFT schedule on real process groups.
 
-``ddp`` (the wrapper, optimizer interception, warm-up, planning, checkpoint), ``executor`` (launch and
-wait rules of a cyclic schedule), ``buckets`` (flat gradient layout), ``links`` (one process group per
-link); the warm-up timing lives in :mod:`deft.profiler.timing`.
+One job per module; :mod:`deft.runtime.ddp` (the facade) lists them. The runtime is the top library
+layer: it imports the contract, the solver, the profiler's trace ranges and the preserver, and nothing
+below imports it (tests/test_architecture.py).
 """
 
 from __future__ import annotations

@@ -37,14 +37,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
 
-from deft.errors import CommunicationError, DeftError
+from deft.errors import DeftError
 from deft.profiler import nvtx
 from deft.runtime.buckets import FlatLayout
+from deft.runtime.control import wait_work
 from deft.runtime.links import CommLink
 from deft.schedule import CommTask, Schedule
 
@@ -78,11 +78,22 @@ class GroupInstance:
 
 
 @dataclass
-class Update:
-    """An update ready to apply: averaged gradients per parameter (None: no rank used it)."""
+class DueUpdate:
+    """The gradients of one due update, ready for the optimizer: averaged per parameter (None: no rank
+    used it). What the schedule says of the update (positions, when it is applied) is
+    :class:`deft.schedule.Update`; this is its gradient at application time."""
 
     iterations: tuple[int, ...]
     grads: list[torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class PendingUpdate:
+    """A queued update as a user sees it: the iterations merged so far (of ``k``) and the buckets sent."""
+
+    iterations: tuple[int, ...]
+    k: int
+    buckets_sent: tuple[int, ...]
 
 
 class Executor:
@@ -95,7 +106,7 @@ class Executor:
         self.primary = next(iter(links))
         self.rank = rank
         self.world = world
-        self.timeout = timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
         self.device = device
         self.schedule: Schedule | None = None
         self.layout: FlatLayout | None = None
@@ -286,13 +297,7 @@ class Executor:
 
     # -- waiting and updates -------------------------------------------------------------------
     def wait(self, pending: Pending) -> None:
-        try:
-            pending.work.wait(timeout=self.timeout)
-        except Exception as e:  # gloo/NCCL raise RuntimeError or DistBackendError
-            raise CommunicationError(
-                f"rank {self.rank}: {pending.what} on link {pending.link!r} failed or timed out after "
-                f"at most {self.timeout.total_seconds():g} s: {e}. A peer rank probably died or stalled; "
-                "check the other ranks' logs.") from None
+        wait_work(pending.work, pending.link, pending.what, self.rank, self.timeout_s)
 
     def _settle(self, g: GroupInstance) -> None:
         for p in g.pending:
@@ -311,7 +316,7 @@ class Executor:
                 keys.append(last)
         return keys
 
-    def take_update(self, last: int) -> Update:
+    def take_update(self, last: int) -> DueUpdate:
         """Wait for group instance ``last``'s collectives and return its averaged gradients."""
         g = self.groups.pop(last)
         assert self.layout is not None
@@ -329,9 +334,9 @@ class Executor:
             else:
                 grads.append(self.layout.param_view(g.buffers, i).view(p.shape).mul(scale))
         self._release(g.buffers)
-        return Update(tuple(g.iterations), grads)
+        return DueUpdate(tuple(g.iterations), grads)
 
-    def drain(self) -> list[Update]:
+    def drain(self) -> list[DueUpdate]:
         """Send every bucket not yet sent (primary link, bucket order), wait, return all updates.
 
         Used by ``flush()``: every rank calls it at the same point, so the launch order matches.
@@ -360,6 +365,11 @@ class Executor:
         """Wait for every collective in flight (before a checkpoint)."""
         for g in self.groups.values():
             self._settle(g)
+
+    def pending(self) -> list[PendingUpdate]:
+        """The queued update groups, oldest first."""
+        return [PendingUpdate(tuple(g.iterations), g.k, tuple(sorted(g.launched)))
+                for _, g in sorted(self.groups.items())]
 
     # -- buffers -------------------------------------------------------------------------------
     def _buffers(self) -> dict[torch.dtype, torch.Tensor]:

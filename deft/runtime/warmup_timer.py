@@ -1,7 +1,8 @@
 """Warm-up timing: per-bucket forward, backward and per-link all-reduce times -> a ``Profile``.
 
-This is the simple fallback the runtime uses when no profile is given (the profiler package makes
-richer ones from Kineto / Nsight traces). It runs during the *profile iterations* that follow the
+The runtime's own measurement when no profile is given (the profiler package parses richer ones
+from Kineto / Nsight traces). It lives in the runtime because it drives the live run: it hooks the
+module and launches collectives on the runtime's links. It runs during the *profile iterations* that follow the
 warm-up, while the runtime behaves like torch DDP with synchronous buckets:
 
 * **forward**: forward pre/post hooks on every module that owns trainable parameters measure its
@@ -39,7 +40,9 @@ from torch import nn
 from deft.profile import Bucket, BucketTimes, Link, Profile
 from deft.profiler import nvtx
 from deft.runtime.buckets import FlatLayout
+from deft.runtime.control import ControlPlane
 from deft.runtime.links import CommLink
+from deft.runtime.tensors import tensors_in
 
 
 class WarmupTimer:
@@ -183,9 +186,9 @@ class WarmupTimer:
         self._cur = None
 
     # -- reduction -----------------------------------------------------------------------------
-    def profile(self, control: Any, world: int, link_backends: dict[str, str], model: str,
-                names: Sequence[str], wait: Any) -> Profile:
-        """Median over iterations, max over ranks (collective on ``control``)."""
+    def profile(self, control: ControlPlane, world: int, link_backends: dict[str, str], model: str,
+                names: Sequence[str]) -> Profile:
+        """Median over iterations, max over ranks (collective on the control group)."""
         if not self.samples:
             raise RuntimeError("internal: no profile iteration was timed")
         link_names = list(self.links)
@@ -193,10 +196,9 @@ class WarmupTimer:
                 [statistics.median(s["bwd"][b] for s in self.samples) for b in range(self.n)]]
         rows += [[statistics.median(s["comm"][k][b] for s in self.samples) for b in range(self.n)]
                  for k in link_names]
-        t = torch.tensor(rows, dtype=torch.float64)
-        wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control, async_op=True), "control", -1)
-        fwd, bwd = t[0].tolist(), t[1].tolist()
-        comm = {k: t[2 + j].tolist() for j, k in enumerate(link_names)}
+        t = control.max_rows(rows, "timing profile")
+        fwd, bwd = t[0], t[1]
+        comm = {k: t[2 + j] for j, k in enumerate(link_names)}
         nbytes = self.layout.bucket_nbytes()
         buckets = tuple(Bucket(id=b, params=tuple(names[i] for i in self.layout.bucket_params[b]),
                                numel=self.layout.bucket_numel[b], nbytes=nbytes[b]) for b in range(self.n))
@@ -231,14 +233,3 @@ def fit_alpha_beta(nbytes: Sequence[int], seconds: Sequence[float]) -> tuple[flo
     if alpha == 0 and beta == 0:
         beta = 1e-12  # a link must have a model; measured times were all zero
     return alpha, beta
-
-
-def tensors_in(obj: Any) -> list[torch.Tensor]:
-    """Every tensor in a (nested) tensor / list / tuple / dict: a module's outputs or a forward's inputs."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in tensors_in(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in tensors_in(o)]
-    return []

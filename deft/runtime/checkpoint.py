@@ -1,0 +1,82 @@
+"""deft's runtime state in a checkpoint: a typed, versioned record carried by ``state_dict()``.
+
+The record travels through ``nn.Module.get_extra_state`` as tensors and plain types only, so
+``torch.load(..., weights_only=True)`` reads it. It holds what a resumed run needs to continue
+exactly: the iteration counter, the schedule and where its cycle started, the flat layout's order,
+the queued *local* gradient buffers of every pending update group (and which of their buckets were
+already reduced), the update log and ``plan_info``.
+
+Because pending buffers are this rank's local gradients, every rank saves and loads its own
+checkpoint while an update is pending; loading another rank's fails with a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deft.errors import ContractError
+from deft.schedule import Schedule
+
+STATE_VERSION = 1
+SOURCE = "deft checkpoint"
+
+
+@dataclass
+class RuntimeState:
+    """One rank's runtime state between iterations."""
+
+    rank: int
+    world: int
+    t: int                      # the next training iteration
+    t0: int                     # iteration at which the running schedule's cycle started
+    planned: bool
+    plan_at: int
+    order_known: bool
+    order: list[int]            # the flat layout's parameter order
+    schedule: Schedule
+    groups: list[dict[str, Any]]  # pending update groups (deft.runtime.executor.Executor.group_states)
+    update_log: list[tuple[int, tuple[int, ...]]]
+    plan_info: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION, "rank": self.rank, "world": self.world, "t": self.t, "t0": self.t0,
+            "planned": self.planned, "plan_at": self.plan_at, "order_known": self.order_known,
+            "order": torch.tensor(self.order, dtype=torch.int64),
+            "schedule": json.dumps(self.schedule.to_dict()), "groups": self.groups,
+            "update_log": [[t, list(its)] for t, its in self.update_log],
+            "plan_info": json.dumps(self.plan_info, default=str),
+        }
+
+    @classmethod
+    def from_dict(cls, state: Any) -> RuntimeState:
+        """Read and check a saved record; every problem names the field."""
+        if not isinstance(state, dict):
+            raise ContractError(SOURCE, "_extra_state", f"expected a dict, got {type(state).__name__}")
+        if state.get("version") != STATE_VERSION:
+            raise ContractError(SOURCE, "_extra_state.version",
+                                f"expected deft runtime state version {STATE_VERSION}, got {state.get('version')!r}")
+        missing = [k for k in ("rank", "world", "t", "t0", "planned", "plan_at", "order_known", "order",
+                               "schedule", "groups", "update_log") if k not in state]
+        if missing:
+            raise ContractError(SOURCE, "_extra_state", f"missing field(s) {missing}")
+        schedule = Schedule.from_dict(json.loads(state["schedule"]), f"{SOURCE}: schedule")
+        return cls(rank=int(state["rank"]), world=int(state["world"]), t=int(state["t"]), t0=int(state["t0"]),
+                   planned=bool(state["planned"]), plan_at=int(state["plan_at"]),
+                   order_known=bool(state["order_known"]), order=[int(i) for i in state["order"].tolist()],
+                   schedule=schedule, groups=list(state["groups"]),
+                   update_log=[(int(t), tuple(int(i) for i in its)) for t, its in state["update_log"]],
+                   plan_info=json.loads(state.get("plan_info", "{}")))
+
+    def check_owner(self, rank: int, world: int) -> None:
+        """Pending local gradients not yet communicated belong to the rank that saved them."""
+        unsent = any(len(g["launched"]) < self.schedule.n_buckets for g in self.groups)
+        if self.groups and (self.world != world or (unsent and self.rank != rank)):
+            raise ContractError(SOURCE, "_extra_state.rank",
+                                f"this checkpoint holds rank {self.rank}'s (of {self.world}) local gradients "
+                                f"not yet communicated; load it on rank {self.rank} of {self.world} (this is "
+                                f"rank {rank} of {world}) or call ddp.flush() before saving")

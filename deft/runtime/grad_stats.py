@@ -1,0 +1,139 @@
+"""The preserver's live statistics: gradient noise from the buffers deft all-reduces anyway, and the
+:class:`~deft.preserver.feedback.WalkStats` the preserver needs (loss, mu, sigma, learning rate, batch).
+
+Runs before planning (warm-up and profile iterations) and, after it, in a window of iterations before
+each preserver re-check. Every collective here is on the control group and matched on every rank:
+all ranks apply the same updates, so they call :meth:`GradStats.update` at the same points.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import torch
+
+from deft.config import DeftConfig
+from deft.preserver.feedback import WalkStats
+from deft.preserver.noise import DirectionPair, LocalStats, NoiseEstimator, all_gather_stats, local_stats
+from deft.runtime.buckets import FlatLayout
+from deft.runtime.control import ControlPlane
+
+
+class GradStats:
+    """The preserver's gradient-noise statistics, from the buffers deft all-reduces anyway.
+
+    Glue around :mod:`deft.preserver.noise`. When bucket ``b`` of an update group is complete (the
+    bucket is ready in the group's last iteration), this rank's ``|g_r|²`` and projections on the two
+    directions are accumulated for that group (``local_stats`` per bucket, summed: the quantities are
+    sums over elements). The buffer holds the *sum* of the group's ``k`` local gradients, so the
+    local mean gradient over ``k x batch`` samples is ``buffer / k``: ``|g_r|²`` is scaled by ``1/k²``
+    and the projections by ``1/k``. When the group's update is applied, the ranks all-gather those
+    scalars (control group; every rank applies the same updates, so the collective is matched), the
+    estimator gets ``|ḡ|²`` of the averaged gradient, and the directions absorb it. Pieces are the
+    layout's bucket segments, in bucket order; a new layout restarts the directions.
+
+    Cost per update: one pass of dot products over the gradient and one all-gather of four scalars
+    per rank; after planning it runs only in the window of iterations before each re-check.
+    """
+
+    def __init__(self) -> None:
+        self.noise = NoiseEstimator()
+        self.directions = DirectionPair()
+        self._first_piece: dict[int, int] = {}  # bucket -> index of its first piece in u_a, u_b
+        self._acc: dict[int, list[Any]] = {}    # group key -> [sq, pa, pb, has_dirs, batch]
+
+    @classmethod
+    def start(cls, cfg: DeftConfig, world: int) -> GradStats | None:
+        """Statistics are needed only when the preserver may delay or merge, over two ranks or more."""
+        if cfg.epsilon == 0 or not cfg.preserver or world < 2:
+            return None
+        return cls()
+
+    def on_layout(self) -> None:
+        """A new flat layout: the directions' pieces no longer match; start them over."""
+        self.directions = DirectionPair()
+        self._first_piece = {}
+        self._acc.clear()
+
+    def _dirs_of(self, first: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        pair = self.directions.get()
+        if pair is None:
+            return None
+        a, b = pair
+        if first + n > len(a):
+            return None
+        return a[first:first + n], b[first:first + n]
+
+    def bucket(self, key: int, b: int, views: list[torch.Tensor], batch: int, k: int) -> None:
+        acc = self._acc.setdefault(key, [0.0, 0.0, 0.0, True, batch])
+        dirs = self._dirs_of(self._first_piece.get(b, 0), len(views))
+        st = local_stats(views, dirs, batch)
+        acc[0] += st.sq_norm / (k * k)
+        if dirs is None:
+            acc[3] = False
+        else:
+            acc[1] += st.proj_a / k
+            acc[2] += st.proj_b / k
+
+    def discard(self) -> None:
+        """Forget every accumulated group (their updates are applied without an estimate)."""
+        self._acc.clear()
+
+    def update(self, key: int, layout: FlatLayout, grads: list[torch.Tensor | None], control: Any,
+               device: torch.device) -> None:
+        acc = self._acc.pop(key, None)
+        if acc is None:  # the same on every rank: bucket() ran for the same groups everywhere
+            return
+        sq, pa, pb, has_dirs, batch = acc
+        mean = {d: torch.zeros(n, dtype=torch.float32, device=device) for d, n in layout.dtype_numel.items()}
+        for i, gr in enumerate(grads):
+            if gr is not None:
+                s = layout.slots[i]
+                mean[s.dtype][s.dtype_offset:s.dtype_offset + s.numel] = gr.reshape(-1).float()
+        pieces: list[torch.Tensor] = []
+        self._first_piece = {}
+        for b in range(layout.n_buckets):
+            self._first_piece[b] = len(pieces)
+            pieces += [mean[s.dtype][s.start:s.end] for s in layout.segments[b] if s.end > s.start]
+        mean_sq = sum(float(torch.dot(v.double(), v.double())) for v in mean.values())
+        dot = self.directions.dot() if has_dirs else None
+        local = LocalStats(sq_norm=sq, proj_a=pa if has_dirs else None, proj_b=pb if has_dirs else None,
+                                batch=batch)
+        self.noise.update(all_gather_stats(local, control), mean_sq, dot)
+        self.directions.observe(pieces)
+
+    def estimate(self) -> Any:
+        return self.noise.estimate
+
+
+def walk_stats(config: DeftConfig, control: ControlPlane, losses: collections.deque[float],
+               stats: GradStats | None, optimizer: torch.optim.Optimizer | None,
+               batch: int | None) -> tuple[WalkStats | None, str]:
+    """WalkStats for the preserver from the live statistics (collective on the control group), or None and why.
+
+    ``loss``: the mean over ranks of the last observed loss; ``lr``: the optimizer's first group
+    (for SGD with momentum the effective step ``lr / (1 - momentum)``);
+    ``batch``: ranks x the first dimension of the forward's first tensor argument.
+    """
+    if config.epsilon == 0 or not config.preserver:
+        return None, "not needed"
+    loss = control.mean(losses[-1] if losses else float("nan"), "observed loss")
+    estimate = stats.estimate() if stats is not None else None
+    if loss != loss:
+        return None, "no loss observed (call ddp.observe_loss(loss) every iteration)"
+    if estimate is None or estimate.sigma is None:
+        return None, f"gradient noise not estimated yet ({estimate})"
+    if optimizer is None or batch is None:
+        return None, "optimizer or batch size unknown"
+    group = optimizer.param_groups[0]
+    lr = float(group.get("lr", 0.0))
+    if lr <= 0:
+        return None, f"learning rate {lr} is not positive"
+    momentum = float(group.get("momentum", 0.0) or 0.0)
+    if isinstance(optimizer, torch.optim.SGD) and 0.0 < momentum < 1.0:
+        # Heavy-ball SGD moves lr / (1 - momentum) per unit gradient in steady state: that is the
+        # step the walk must see, or a stale or merged update looks 1/(1 - momentum) times cheaper.
+        lr = lr / (1.0 - momentum)
+    walk = WalkStats.from_estimate(max(loss, config.s_star), estimate, lr, batch * control.world, config.s_star)
+    return walk, "estimated during warm-up"

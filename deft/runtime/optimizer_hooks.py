@@ -1,0 +1,122 @@
+"""Optimizer interception: deft applies each due update inside the user's ``optimizer.step()``.
+
+torch's step pre/post hooks let deft put the averaged gradient of every due update into ``p.grad``
+just before the optimizer reads it, and clear it after. Two ways to find the optimizer:
+
+* given (``optimizer=`` at construction): hooks on that optimizer alone (*bound*);
+* not given: torch's *global* optimizer-step hooks see every optimizer; the first one that steps a
+  trainable parameter of the module is claimed.
+
+The global hooks are installed in both cases: they also catch a *second* optimizer stepping the
+module's parameters, which would silently never see a gradient (one optimizer per module; several
+``param_groups`` are fine). A wrapper whose inner optimizer shares the claimed one's
+``param_groups`` (Lookahead-style) is the same optimizer.
+
+Hooks hold a weak reference to their owner, so a dropped wrapper stops intercepting.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from deft.errors import DeftError
+
+
+class StepListener(Protocol):
+    """The runtime's side: called right before and right after the optimizer's step."""
+
+    def _before_step(self) -> None: ...
+    def _after_step(self) -> None: ...
+
+
+class OptimizerBinding:
+    """Finds the module's one optimizer and calls ``listener._before_step/_after_step`` around its steps."""
+
+    def __init__(self, params: list[torch.Tensor], listener: StepListener,
+                 optimizer: torch.optim.Optimizer | None) -> None:
+        self._mine = {id(p) for p in params}
+        self._listener = weakref.ref(listener)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.internal = False  # deft's own step (an earlier due update): no interception
+        self._bound = optimizer is not None
+        self._handles: list[Any] = []
+        if optimizer is not None:
+            if not self._steps_mine(optimizer):
+                raise DeftError("the optimizer given to deft.DistributedDataParallel steps none of the module's "
+                                "trainable parameters")
+            self.optimizer = optimizer
+            self._handles += [optimizer.register_step_pre_hook(_hook(self, "pre", bound=True)),
+                              optimizer.register_step_post_hook(_hook(self, "post", bound=True))]
+        self._handles += [register_optimizer_step_pre_hook(_hook(self, "pre", bound=False)),
+                          register_optimizer_step_post_hook(_hook(self, "post", bound=False))]
+
+    def _steps_mine(self, opt: torch.optim.Optimizer) -> bool:
+        return any(id(p) in self._mine for g in opt.param_groups for p in g["params"])
+
+    def claims(self, opt: torch.optim.Optimizer) -> bool:
+        """Is ``opt`` the module's optimizer? Claims it the first time; a second optimizer over the
+        module's trainable parameters is an error."""
+        if self.optimizer is not None:
+            if opt is self.optimizer:
+                return True
+            if opt.param_groups is self.optimizer.param_groups:
+                return False  # a wrapper's inner optimizer (Lookahead-style), stepped inside the claimed one
+            if self._steps_mine(opt):
+                raise DeftError(f"a second optimizer ({type(opt).__name__}) steps parameters of a "
+                                "deft.DistributedDataParallel module, which already has one "
+                                f"({type(self.optimizer).__name__}); deft applies each update through one "
+                                "optimizer per module: use one optimizer with several param_groups")
+            return False
+        if not self._steps_mine(opt):
+            return False
+        self.optimizer = opt
+        return True
+
+    def fire(self, which: str, opt: torch.optim.Optimizer, bound: bool) -> None:
+        listener = self._listener()
+        if listener is None or self.internal:
+            return
+        if bound:
+            target = listener._before_step if which == "pre" else listener._after_step
+            target()
+        elif not self._bound:
+            # Global hooks: the pre hook claims (and checks for a second optimizer); the post hook
+            # only follows the claimed optimizer.
+            if which == "pre" and self.claims(opt):
+                listener._before_step()
+            elif which == "post" and opt is self.optimizer:
+                listener._after_step()
+        elif which == "pre":
+            self.claims(opt)  # bound: the global hook only checks for a second optimizer
+
+    def step_internally(self) -> None:
+        """Run ``optimizer.step()`` for an update the user's step does not apply (several due at once)."""
+        if self.optimizer is None:
+            raise DeftError("deft needs the optimizer to apply pending updates: pass optimizer= to "
+                            "deft.DistributedDataParallel or call optimizer.step() once before")
+        self.internal = True
+        try:
+            self.optimizer.step()
+        finally:
+            self.internal = False
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def _hook(binding: OptimizerBinding, which: str, bound: bool) -> Callable[[torch.optim.Optimizer, Any, Any], None]:
+    """The one hook factory: a weak reference to the binding, so a dropped wrapper stops intercepting."""
+    ref = weakref.ref(binding)
+
+    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        b = ref()
+        if b is not None:
+            b.fire(which, opt, bound)
+    return hook

@@ -1,0 +1,198 @@
+"""Planning in a live run: rank 0 decides, every rank installs the same schedule.
+
+* :func:`make_schedule` (rank 0): the schedule file if the config names one; else the no-delay plan
+  at ``epsilon == 0``; else the preserver's choice (:func:`deft.preserver.feedback.preserve`), or the
+  bare planner with the preserver off. A planner that cannot plan the measured profile degrades to
+  the no-delay plan, then to torch DDP's synchronous schedule; ``info`` says which and why.
+  Planning never ends a run.
+* :meth:`Planning.agree` (collective): rank 0's decision travels as JSON bytes on the control group;
+  any exception on rank 0 travels instead of the schedule, so every rank stops with the same clear
+  error rather than waiting for a broadcast that never comes. Every rank validates the schedule and
+  the ranks compare its digest.
+* :meth:`Planning.recheck` (collective, every ``recheck_every`` iterations while a preserver plan
+  runs): rank 0 re-evaluates it (:class:`deft.preserver.feedback.Recheck`) and re-plans when asked;
+  the new schedule waits in :attr:`Planning.pending` until the next cycle boundary, where the runtime
+  flushes and switches (all ranks at the same iteration).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from deft.config import DeftConfig
+from deft.errors import ContractError, DeftError
+from deft.preserver import feedback
+from deft.preserver.feedback import PreserveResult, Recheck, WalkStats
+from deft.profile import Profile
+from deft.runtime.control import ControlPlane
+from deft.schedule import Schedule, synchronous_schedule
+from deft.solver.plan import no_delay_plan, plan
+
+log = logging.getLogger("deft.runtime")
+
+
+# -- inputs given at construction -----------------------------------------------------------------
+def resolve_profile(profile: Profile | str | os.PathLike[str] | None, cfg: DeftConfig) -> Profile | None:
+    """A Profile, a profile file, the config's ``profile_path``, or None (deft measures one)."""
+    if isinstance(profile, Profile):
+        given = profile
+    elif profile is not None:
+        given = Profile.load(profile)
+    elif cfg.profile_path is not None:
+        given = Profile.load(cfg.profile_path)
+    else:
+        return None
+    unknown = [n for n in given.link_names if n not in cfg.link_names]
+    if unknown:
+        raise ContractError("profile", "links", f"link(s) {unknown} are not in the config's links "
+                            f"{list(cfg.link_names)}; name the config's links like the profile's")
+    return given
+
+
+def check_schedule_file(cfg: DeftConfig, module: nn.Module) -> None:
+    """``config.schedule_path`` must be a valid schedule over this model's trainable elements and the
+    config's links (rank 0 loads it again when planning; every rank that has the file checks here)."""
+    path = str(cfg.schedule_path)
+    sched = Schedule.load(path)
+    total = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    if sum(sched.bucket_numel) != total:
+        raise ContractError(path, "bucket_numel",
+                            f"the schedule's buckets hold {sum(sched.bucket_numel)} elements but the model has "
+                            f"{total} trainable elements (was it planned for another model?); plan one for this "
+                            "model or remove schedule_path from the config")
+    unknown = [n for n in sched.links if n not in cfg.link_names]
+    if unknown:
+        raise ContractError(path, "links", f"link(s) {unknown} are not in the config's links "
+                            f"{list(cfg.link_names)}; name the config's links like the schedule's")
+
+
+# -- rank 0's decision ----------------------------------------------------------------------------
+@dataclass
+class Decision:
+    """What rank 0 decided: the schedule, how (``info``), and the preserver's outcome if it ran."""
+
+    schedule: Schedule
+    info: dict[str, Any]
+    preserved: PreserveResult | None = None
+
+
+def make_schedule(cfg: DeftConfig, profile: Profile | None, stats: WalkStats | None,
+                  schedule_path: str | os.PathLike[str] | None) -> Decision:
+    """Rank 0 only: the schedule to run, degrading to simpler plans when planning fails."""
+    if schedule_path is not None:
+        return Decision(Schedule.load(schedule_path), {"source": str(schedule_path)})
+    assert profile is not None
+    try:
+        if cfg.epsilon == 0:
+            return Decision(no_delay_plan(profile, cfg), {"source": "no_delay_plan (epsilon = 0)"})
+        if cfg.preserver:
+            res = feedback.preserve(profile, cfg, stats, planner=plan, no_delay_planner=no_delay_plan)
+            return Decision(res.schedule, {"source": "preserver", "accepted": bool(res.accepted),
+                                           "tries": len(res.tries),
+                                           "stats": None if stats is None else stats.to_dict()}, res)
+        return Decision(plan(profile, cfg), {"source": "plan"})
+    except DeftError as e:
+        first = f"{type(e).__name__}: {e}"
+    log.warning("deft: planning failed (%s); falling back", first)
+    try:
+        return Decision(no_delay_plan(profile, cfg), {"source": "no_delay_plan (fallback)", "fallback": first})
+    except DeftError as e:
+        second = f"{type(e).__name__}: {e}"
+    log.warning("deft: no-delay planning failed too (%s); running torch DDP's synchronous schedule", second)
+    sched = synchronous_schedule(tuple(b.numel for b in profile.buckets), tuple(b.nbytes for b in profile.buckets),
+                                 (profile.link_names[0],))
+    return Decision(sched, {"source": "synchronous (fallback)", "fallback": [first, second]})
+
+
+# -- the collective side --------------------------------------------------------------------------
+@dataclass
+class Planning:
+    """Planning state of one run: given inputs, rank 0's re-check, the switch waiting for a boundary."""
+
+    config: DeftConfig
+    control: ControlPlane
+    given_profile: Profile | None
+    schedule_path: str | os.PathLike[str] | None
+    recheck_on: bool = False
+    pending: tuple[Schedule, dict[str, Any]] | None = None
+    _recheck: Recheck | None = field(default=None, repr=False)  # rank 0 only
+
+    @property
+    def measuring(self) -> bool:
+        """deft measures its own profile during warm-up (none given, no schedule file)."""
+        return self.given_profile is None and self.schedule_path is None
+
+    def agree(self, profile: Profile | None, stats: WalkStats | None, world: int) -> tuple[Schedule, dict[str, Any]]:
+        """Collective: rank 0 decides; every rank gets, validates and digest-checks the same schedule."""
+        cfg = self.config
+        doc: dict[str, Any] = {}
+        if self.control.rank == 0:
+            try:
+                decision = make_schedule(cfg, profile, stats, self.schedule_path)
+                info = dict(decision.info)
+                # Re-checks need live statistics, a profile to re-plan from, and the preserver's own plan.
+                wanted = (info.get("source") == "preserver" and cfg.preserver and cfg.epsilon > 0 and world >= 2
+                          and profile is not None and self.schedule_path is None and decision.preserved is not None)
+                if wanted:
+                    assert decision.preserved is not None
+                    self._recheck = Recheck(cfg, decision.preserved)
+                info["recheck"] = wanted
+                doc = {"schedule": decision.schedule.to_dict(), "info": info}
+            except Exception as e:  # tell the other ranks instead of leaving them waiting
+                log.exception("deft: rank 0 could not produce a schedule")
+                doc = {"error": f"{type(e).__name__}: {e}"}
+        doc = self.control.broadcast_json(doc, "schedule")
+        if "error" in doc:
+            raise DeftError(f"rank 0 could not produce a schedule: {doc['error']}")
+        schedule = Schedule.from_dict(doc["schedule"], "schedule broadcast by rank 0")
+        self.control.check_agreement("schedule", schedule.digest())
+        info = dict(doc.get("info", {}))
+        self.recheck_on = bool(info.get("recheck", False))
+        return schedule, info
+
+    def recheck(self, t: int, stats: WalkStats | None, stats_reason: str, running: Schedule,
+                profile: Profile | None) -> dict[str, Any]:
+        """Collective: the re-check at iteration ``t``; returns the record for ``plan_info["rechecks"]``.
+
+        A new schedule (different from the running one) is left in :attr:`pending`.
+        """
+        cfg = self.config
+        doc: dict[str, Any] = {}
+        if self.control.rank == 0:
+            try:
+                decision = None if self._recheck is None else self._recheck.check(t, stats)
+                if decision is not None:
+                    doc["check"] = {"ratio": decision.ratio, "replan": decision.replan, "reason": decision.reason}
+                    if decision.replan:
+                        assert profile is not None and self._recheck is not None
+                        res = feedback.preserve(profile, cfg, stats, planner=plan, no_delay_planner=no_delay_plan)
+                        self._recheck.reset(res)
+                        doc["schedule"] = res.schedule.to_dict()
+                        doc["info"] = {"source": "preserver (re-plan)", "accepted": bool(res.accepted),
+                                       "tries": len(res.tries), "reason": res.reason,
+                                       "stats": None if stats is None else stats.to_dict()}
+            except Exception as e:  # re-planning never ends a run: keep the running schedule
+                doc = {"error": f"{type(e).__name__}: {e}"}
+        doc = self.control.broadcast_json(doc, "re-check decision")
+        record: dict[str, Any] = {"iteration": t, "schedule": running.digest()}
+        if "error" in doc:
+            log.warning("deft: preserver re-check at iteration %d failed (%s); keeping the schedule", t, doc["error"])
+            record["error"] = doc["error"]
+        elif "check" not in doc:
+            record["skipped"] = f"no check: {stats_reason}" if stats is None else "nothing to check"
+        else:
+            record.update(doc["check"])
+        if "schedule" in doc:
+            schedule = Schedule.from_dict(doc["schedule"], "schedule re-planned and broadcast by rank 0")
+            self.control.check_agreement("schedule", schedule.digest())
+            record["new_schedule"] = schedule.digest()
+            if schedule.digest() == running.digest():
+                record["unchanged"] = True
+            else:
+                self.pending = (schedule, dict(doc.get("info", {})))
+        return record
