@@ -623,16 +623,19 @@ def _grad_hook(me: weakref.ref[DistributedDataParallel], index: int) -> Any:
 
 
 def _check_device_ids(device_ids: Any, output_device: Any, device: torch.device) -> None:
-    """torch DDP's single-device rule: ``device_ids`` is None or the one device the module is on."""
+    """torch DDP's single-device rule: ``device_ids`` is None for a CPU module, else the one device
+    the module is on (an int index or a device); ``output_device`` likewise."""
     if device_ids is None:
         return
+    if device.type == "cpu":
+        raise DeftError(f"device_ids must be None for a module on the CPU (as with torch DDP), got {device_ids!r}")
     if not isinstance(device_ids, (list, tuple)) or len(device_ids) != 1:
         raise DeftError(f"device_ids must be None or a list of the one device the module is on (torch DDP's "
                         f"single-device rule), got {device_ids!r}")
     for given in (device_ids[0], output_device):
         if given is None:
             continue
-        d = torch.device(given) if not isinstance(given, int) else torch.device(device.type, given)
+        d = torch.device(device.type, given) if isinstance(given, int) else torch.device(given)
         if d.type != device.type or (d.index is not None and device.index is not None and d.index != device.index):
             raise DeftError(f"device_ids/output_device name {d} but the module's parameters are on {device}; "
                             "move the module to that device first, as with torch DDP")
