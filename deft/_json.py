@@ -80,6 +80,12 @@ class Fields:
             raise self.error(key, f"expected a number >= {minimum}, got {v}")
         return float(v)
 
+    def bool(self, key: str, default: bool | None = None) -> bool:
+        v = self._get(key, default, default is None)
+        if not isinstance(v, bool):
+            raise self.error(key, f"expected true or false, got {v!r}")
+        return v
+
     def str(self, key: str, default: str | None = None, *, choices: tuple[str, ...] | None = None) -> str:
         v = self._get(key, default, default is None)
         if not isinstance(v, str):

@@ -65,10 +65,18 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class Update:
-    """One optimizer step: merges the gradients of ``positions`` and is applied after ``apply_after``."""
+    """One optimizer step: merges the gradients of ``positions`` and is applied after ``apply_after``.
+
+    ``finish_in_forward`` (then ``apply_after == last``): the update is applied in parts, without
+    staleness. At the step of ``last`` every parameter whose buckets are all sent in backward stages is
+    updated; the buckets listed in the forward stage of the next position (``origin == 1``) are waited
+    for, and their parameters updated, just before the module owning them runs its forward. Each
+    parameter thus gets exactly the update torch DDP would have applied before that forward.
+    """
 
     positions: tuple[int, ...]
     apply_after: int
+    finish_in_forward: bool = False
 
     @property
     def k(self) -> int:
@@ -163,6 +171,10 @@ class Schedule:
         for g, u in enumerate(self.updates):
             if list(u.positions) != list(range(u.positions[0], u.positions[0] + u.k)):
                 raise ContractError(source, f"updates[{g}].positions", "must be consecutive")
+            if u.finish_in_forward and u.apply_after != u.last:
+                raise ContractError(source, f"updates[{g}].apply_after",
+                                    f"an update finishing in the forward is lag-free: expected apply_after == "
+                                    f"{u.last} (its last position), got {u.apply_after}")
             if not u.last <= u.apply_after < u.last + c:
                 raise ContractError(source, f"updates[{g}].apply_after",
                                     f"expected in [{u.last}, {u.last + c}), got {u.apply_after}")
@@ -187,8 +199,12 @@ class Schedule:
                 if t.origin < (1 if sp.stage == "forward" else 0):
                     raise ContractError(source, f"{where}.origin",
                                         f"{sp.stage} stage needs origin >= {1 if sp.stage == 'forward' else 0}")
-                if t.origin >= c:
-                    raise ContractError(source, f"{where}.origin", f"expected < cycle ({c}), got {t.origin}")
+                # A forward stage may carry the group that ended with the same position one cycle
+                # back (a cycle-1 schedule sending in the next forward); a backward stage may not.
+                limit = c if sp.stage == "forward" else c - 1
+                if t.origin > limit:
+                    raise ContractError(source, f"{where}.origin", f"expected <= {limit} in the {sp.stage} "
+                                        f"stage of a cycle of {c}, got {t.origin}")
                 g = self.group_of(sp.position - t.origin)
                 if self.updates[g].last != (sp.position - t.origin) % c:
                     raise ContractError(source, f"{where}.origin",
@@ -202,10 +218,14 @@ class Schedule:
                 if (g, b) not in seen:
                     raise ContractError(source, "stages", f"bucket {b} of update group {g} is never sent")
             done = max(seen[(g, b)] for b in range(n))  # 2*origin + stage index of the last send
-            # Applied after the step of apply_after: needs the last send's stage at or before it.
-            if 2 * (u.apply_after - u.last) + 1 < done:
+            # Applied after the step of apply_after: needs the last send's stage at or before it; an
+            # update finishing in the forward may also send in the next position's forward stage.
+            allowed = 2 * (u.apply_after - u.last) + (2 if u.finish_in_forward else 1)
+            if allowed < done:
                 raise ContractError(source, f"updates[{g}].apply_after",
-                                    "applied before its last bucket is communicated")
+                                    "applied before its last bucket is communicated" + (
+                                        " (an update finishing in the forward may send in the next position's "
+                                        "forward stage, no later)" if u.finish_in_forward else ""))
 
     # -- JSON ----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -221,7 +241,9 @@ class Schedule:
                  "comms": [[t.bucket, t.origin, t.link] for t in s.comms]}
                 for s in self.stages
             ],
-            "updates": [{"positions": list(u.positions), "apply_after": u.apply_after} for u in self.updates],
+            # finish_in_forward only when set, so the digests of schedules without it stay as they were
+            "updates": [{"positions": list(u.positions), "apply_after": u.apply_after,
+                         **({"finish_in_forward": True} if u.finish_in_forward else {})} for u in self.updates],
             "predicted_iteration_s": self.predicted_iteration_s,
             "predicted_bubble_ratio": self.predicted_bubble_ratio,
             "profile_digest": self.profile_digest,
@@ -262,7 +284,8 @@ class Schedule:
             pos = uf.list("positions")
             if not pos or not all(_is_int(x) for x in pos):
                 raise uf.error("positions", "expected a non-empty list of integers")
-            updates.append(Update(positions=tuple(pos), apply_after=uf.int("apply_after", minimum=0)))
+            updates.append(Update(positions=tuple(pos), apply_after=uf.int("apply_after", minimum=0),
+                                  finish_in_forward=uf.bool("finish_in_forward", False)))
         sched = object.__new__(cls)
         for k, v in {
             "cycle": f.int("cycle", minimum=1), "links": tuple(links),

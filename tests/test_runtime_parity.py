@@ -15,10 +15,13 @@ micro-batches with ``no_sync()`` and gradient clipping.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
+from deft.schedule import CommTask, Schedule, StagePlan, Update
 from tests._dist import run_ranks, values
 
 STEPS = 20
@@ -51,8 +54,11 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(model: nn.Module, wrapped: nn.Module, opt: torch.optim.Optimizer, rank: int, branch: bool,
-           accum: bool) -> None:
+           accum: bool, finishing: list[bool] | None = None) -> None:
+    """``STEPS`` iterations with a learning-rate schedule stepped after every optimizer step;
+    ``finishing`` (deft only) records whether an update was left finishing in the next forward."""
     loss_fn = nn.CrossEntropyLoss()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.95)
     for step in range(STEPS):
         x, y = _batch(rank, step)
         use = branch and step % 3 == 1
@@ -65,6 +71,9 @@ def _train(model: nn.Module, wrapped: nn.Module, opt: torch.optim.Optimizer, ran
         if accum and isinstance(wrapped, nn.parallel.DistributedDataParallel):
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)  # deft: clip_grad_norm_on_update
         opt.step()
+        sched.step()
+        if finishing is not None:
+            finishing.append(any(u.finishing for u in wrapped.pending_updates))  # type: ignore[union-attr]
         opt.zero_grad()
 
 
@@ -74,7 +83,20 @@ def _make_opt(kind: str, params: object) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=0.01)  # type: ignore[arg-type]
 
 
-def parity_worker(rank: int, world: int, kind: str, branch: bool, accum: bool) -> dict[str, object]:
+def finish_in_forward_schedule(path: str, branch: bool) -> None:
+    """Cycle 1 on two links: buckets 1 and 2 (the input side) in backward, bucket 0 (the output side,
+    needed last by the next forward) in the next forward, the update applied module by module."""
+    total = sum(p.numel() for p in Net(branch).parameters() if p.requires_grad)
+    numel = (total // 3, total // 3, total - 2 * (total // 3))
+    P, S = "primary", "second"
+    Schedule(cycle=1, links=(P, S), bucket_numel=numel, bucket_nbytes=tuple(4 * n for n in numel),
+             stages=(StagePlan(0, "forward", (CommTask(0, 1, S),)),
+                     StagePlan(0, "backward", (CommTask(1, 0, P), CommTask(2, 0, S)))),
+             updates=(Update((0,), 0, finish_in_forward=True),)).save(path)
+
+
+def parity_worker(rank: int, world: int, kind: str, branch: bool, accum: bool,
+                  schedule_path: str | None = None) -> dict[str, object]:
     import deft
 
     torch.manual_seed(0)
@@ -84,11 +106,14 @@ def parity_worker(rank: int, world: int, kind: str, branch: bool, accum: bool) -
             for p in ours.parameters():
                 p.add_(1.0)
     opt = _make_opt(kind, ours.parameters())
-    ddp = deft.DistributedDataParallel(ours, config={"epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2,
-                                                     "bucket_cap_mb": 0.001})
+    cfg: dict[str, object] = {"epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2, "bucket_cap_mb": 0.001}
+    if schedule_path is not None:
+        cfg |= {"schedule_path": schedule_path, "links": [{"name": "primary"}, {"name": "second"}]}
+    ddp = deft.DistributedDataParallel(ours, config=cfg)
     if accum:
         ddp.clip_grad_norm_on_update(CLIP)
-    _train(ours, ddp, opt, rank, branch, accum)
+    finishing: list[bool] = []
+    _train(ours, ddp, opt, rank, branch, accum, finishing=finishing)
 
     torch.manual_seed(0)
     ref = Net(branch)
@@ -105,7 +130,8 @@ def parity_worker(rank: int, world: int, kind: str, branch: bool, accum: bool) -
         worst = max(worst, rel)
         assert rel < 1e-5, f"{n}: relative difference {rel}"
     return {"worst": worst, "schedule_cycle": ddp.schedule.cycle, "n_updates": len(ddp.update_log),
-            "plan": str(ddp.plan_info.get("source")), "last_norm": ddp.last_grad_norm,
+            "plan": str(ddp.plan_info.get("source")), "last_norm": ddp.last_grad_norm, "finishing": finishing,
+            "finish_in_forward": ddp.plan_info.get("finish_in_forward"),
             "params": [p.sum().item() for p in ours.parameters()]}
 
 
@@ -122,3 +148,29 @@ def test_epsilon_zero_matches_torch_ddp(kind: str, branch: bool, accum: bool) ->
     assert out[0]["params"] == out[1]["params"]  # identical on both ranks
     if accum:
         assert out[0]["last_norm"] > CLIP  # clipping really changed the update
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "branch", "accum"), [("sgd", False, False), ("adam", True, False),
+                                                       ("sgd", True, True)])
+def test_update_finishing_in_the_forward_matches_torch_ddp(kind: str, branch: bool, accum: bool,
+                                                           tmp_path: Path) -> None:
+    """Lag-free forward stage (Update.finish_in_forward): the output-side bucket's all-reduce runs into
+    the next forward and its parameters are updated just before their module's forward; parameters,
+    BatchNorm buffers and Adam moments evolve as under torch DDP (with a learning-rate scheduler that
+    steps between the update's two parts). With a global gradient clip the update cannot be split:
+    deft applies it whole at the step and says so."""
+    path = str(tmp_path / "finish_in_forward.json")
+    finish_in_forward_schedule(path, branch)
+    out = values(run_ranks(parity_worker, 2, (kind, branch, accum, path), timeout=120))
+    for v in out:
+        assert v["worst"] < 1e-5
+        assert v["n_updates"] == STEPS
+        if accum:
+            assert str(v["finish_in_forward"]).startswith("off") and "clip" in str(v["finish_in_forward"])
+            assert not any(v["finishing"])
+        else:
+            assert v["finish_in_forward"] is None
+            # planned after 1 warm-up iteration (a schedule file needs no profile): finishing from then on
+            assert v["finishing"] == [False] + [True] * (STEPS - 1)
+    assert out[0]["params"] == out[1]["params"]

@@ -68,6 +68,12 @@ PROFILE_BUCKET_CAP_MB = 1.0
 #: After planning, statistics run only in this many iterations before each preserver re-check.
 STATS_WINDOW = 32
 
+#: torch optimizers whose update of a parameter reads only that parameter, its gradient and its own state:
+#: an update finishing in the forward may apply them one module at a time (exact type, not subclasses).
+PER_PARAMETER_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                            torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
+                            torch.optim.Rprop, torch.optim.ASGD, torch.optim.Adadelta)
+
 _UNSUPPORTED = ("delay_all_reduce_named_params", "param_to_hook_all_reduce", "mixed_precision", "device_mesh",
                 "bucket_cap_mb_list")
 
@@ -182,16 +188,25 @@ class DistributedDataParallel(nn.Module):
         self._clip: tuple[float, float] | None = None
         self._step_open = False
         self.last_grad_norm: float | None = None
+        # Updates finishing in the forward: module pre-hooks, and the hyperparameters of the step that
+        # began the update (a learning-rate scheduler may have stepped since).
+        self._owned: dict[int, list[int]] = {}
+        self._fwd_hooks: list[Any] = []
+        self._finish_hparams: list[dict[str, Any]] = []
         self._install_warmup(list(reversed(range(len(self._params)))), t0=0)
 
         me = weakref.ref(self)
         self._hooks = [p.register_post_accumulate_grad_hook(_grad_hook(me, i)) for i, p in enumerate(self._params)]
         self._optim = OptimizerBinding(self._params, self, optimizer)
+        # Whoever reads the module's state_dict gets the parameters torch DDP would have.
+        self._hooks.append(module.register_state_dict_pre_hook(_state_dict_hook(me)))
 
     # -- public API ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
-            return self.module(*args, **kwargs)  # evaluation: no communication, nothing counted
+            out = self.module(*args, **kwargs)  # evaluation: no communication, nothing counted
+            self._finish_deferred()  # parameters of modules the evaluation did not run
+            return out
         if self._phase is Phase.BACKWARD_DONE:
             raise DeftError(f"the forward of a new iteration started before optimizer.step() of iteration "
                             f"{self._t}; deft runs forward, backward, optimizer.step() once per iteration, "
@@ -206,6 +221,7 @@ class DistributedDataParallel(nn.Module):
             self._begin_iteration()
             self._note_batch(args, kwargs)
         out = self.module(*args, **kwargs)
+        self._finish_deferred()  # parameters of modules this forward did not run
         if self._timer is not None:
             self._timer.end_forward(out)
         if self._fwd_ranges is not None:
@@ -254,6 +270,7 @@ class DistributedDataParallel(nn.Module):
         short merges the iterations it has; the schedule restarts its cycle at the next iteration.
         """
         self._require_idle("flush()")
+        self._finish_deferred()
         ex = self._executor
         if not ex.groups:
             return
@@ -291,9 +308,9 @@ class DistributedDataParallel(nn.Module):
 
     def close(self) -> None:
         """Remove deft's hooks from the parameters and the optimizer (the wrapper is unusable after)."""
-        for h in self._hooks:
+        for h in self._hooks + self._fwd_hooks:
             h.remove()
-        self._hooks = []
+        self._hooks, self._fwd_hooks = [], []
         self._optim.remove()
         if self._timer is not None:
             self._timer.close()
@@ -304,6 +321,7 @@ class DistributedDataParallel(nn.Module):
     def get_extra_state(self) -> dict[str, Any]:
         """deft's runtime state for ``state_dict()``: tensors and plain types only."""
         self._require_idle("deft's state can only be saved; saving")
+        self._finish_deferred()  # no collective: waits only for what every rank launched
         ex = self._executor
         ex.settle_all()  # in-flight buckets become reduced values; recorded as launched
         assert ex.schedule is not None and ex.layout is not None
@@ -396,11 +414,25 @@ class DistributedDataParallel(nn.Module):
             ex.end_backward()  # no backward, or one with no gradient for deft: unused parameters count as zero
             self._phase = Phase.BACKWARD_DONE
             self._close_bwd()
+        self._finish_deferred()  # an update finishing in a forward that did not run through deft
         lasts = ex.due(self._t)
-        updates = [ex.take_update(last) for last in lasts]
+        coupled = self._couples()
+        if coupled is not None and any(ex.groups[last].finish_in_forward for last in lasts) \
+                and "finish_in_forward" not in self.plan_info:
+            self.plan_info["finish_in_forward"] = f"off: whole updates applied at the step: {coupled}"
+            log.warning("deft: updates are applied whole at the step, not module by module in the forward: %s",
+                        coupled)
+        updates = [ex.take_update(last, whole=coupled is not None) for last in lasts]
+        if ex.deferred:
+            opt = self._optim.optimizer
+            assert opt is not None
+            self._finish_hparams = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         if self._stats is not None:
             assert ex.layout is not None
             for last, upd in zip(lasts, updates, strict=True):
+                if last in ex.groups:  # finishing in the next forward: no whole gradient at this step
+                    self._stats.drop(last)
+                    continue
                 self._stats.update(last, ex.layout, upd.grads, self._control.group, self.device)
         for upd in updates[:-1]:
             self._set_grads(upd.grads)
@@ -458,10 +490,66 @@ class DistributedDataParallel(nn.Module):
                 self._batch = int(a.shape[0])
                 return
 
+    # -- updates finishing in the forward (Update.finish_in_forward) -----------------------------
+    def _couples(self) -> str | None:
+        """Why an update cannot be applied one module at a time (None: it can)."""
+        if self._clip is not None:
+            return "clip_grad_norm_on_update couples all parameters (the norm is global)"
+        opt = self._optim.optimizer
+        if opt is not None and type(opt) not in PER_PARAMETER_OPTIMIZERS:
+            return (f"{type(opt).__name__} is not one of torch's per-parameter optimizers "
+                    f"({', '.join(o.__name__ for o in PER_PARAMETER_OPTIMIZERS)})")
+        return None
+
+    def _set_forward_hooks(self, on: bool) -> None:
+        for h in self._fwd_hooks:
+            h.remove()
+        self._fwd_hooks = []
+        if not on:
+            return
+        index = {id(p): i for i, p in enumerate(self._params)}
+        me = weakref.ref(self)
+        self._owned = {}
+        for m in self.module.modules():
+            own = [index[id(p)] for p in m.parameters(recurse=False) if id(p) in index]
+            if own:
+                self._owned[id(m)] = own
+                self._fwd_hooks.append(m.register_forward_pre_hook(_forward_pre_hook(me)))
+
+    def _before_module(self, m: nn.Module) -> None:
+        """Forward pre-hook: the module's deferred parameters get their update now."""
+        own = self._owned.get(id(m))
+        if own and self._executor.deferred:
+            self._apply_deferred(self._executor.finish(own))
+
+    def _finish_deferred(self) -> None:
+        if self._executor.deferred:
+            self._apply_deferred(self._executor.finish())
+
+    def _apply_deferred(self, grads: list[torch.Tensor | None]) -> None:
+        """One internal optimizer step over the parameters in ``grads`` (others ``None``: untouched), with
+        the hyperparameters of the step at which their update began."""
+        if all(g is None for g in grads):
+            return
+        opt = self._optim.optimizer
+        assert opt is not None
+        now = [{k: g[k] for k in snap} for g, snap in zip(opt.param_groups, self._finish_hparams, strict=True)]
+        try:
+            for g, snap in zip(opt.param_groups, self._finish_hparams, strict=True):
+                g.update(snap)
+            for p, gr in zip(self._params, grads, strict=True):
+                p.grad = gr
+            self._optim.step_internally()
+        finally:
+            for g, values in zip(opt.param_groups, now, strict=True):
+                g.update(values)
+            self._clear_grads()
+
     # -- layouts and schedules -------------------------------------------------------------------
     def _install(self, schedule: Schedule, layout: FlatLayout, t0: int) -> None:
         """The one way a schedule starts running: executor, trace ranges, statistics follow the layout."""
         self._executor.install(schedule, layout, t0)
+        self._set_forward_hooks(any(u.finish_in_forward for u in schedule.updates))
         if self._fwd_ranges is not None:
             self._fwd_ranges.set_layout(layout)
         self._mark_layout()
@@ -619,6 +707,22 @@ def _grad_hook(me: weakref.ref[DistributedDataParallel], index: int) -> Any:
         d = me()
         if d is not None:
             d._on_grad(index, p)
+    return hook
+
+
+def _forward_pre_hook(me: weakref.ref[DistributedDataParallel]) -> Any:
+    def hook(m: nn.Module, args: Any) -> None:
+        d = me()
+        if d is not None:
+            d._before_module(m)
+    return hook
+
+
+def _state_dict_hook(me: weakref.ref[DistributedDataParallel]) -> Any:
+    def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        d = me()
+        if d is not None:
+            d._finish_deferred()
     return hook
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,10 +66,13 @@ class GroupInstance:
     k: int
     iterations: list[int]
     buffers: dict[torch.dtype, torch.Tensor]
-    used: torch.Tensor  # int32, one count per trainable parameter
+    used_map: torch.Tensor  # int32, one count per trainable parameter
     launched: set[int] = field(default_factory=set)
     used_launched: bool = False
-    pending: list[Pending] = field(default_factory=list)
+    pending: dict[int, list[Pending]] = field(default_factory=dict)  # bucket (-1: used map) -> in flight
+    finish_in_forward: bool = False
+    deferred: set[int] | None = None  # finishing: parameters applied at the next forward, not yet applied
+    used: list[int] | None = None     # the all-reduced used map, once waited for (finishing groups)
 
     @property
     def complete(self) -> bool:
@@ -94,6 +97,7 @@ class PendingUpdate:
     iterations: tuple[int, ...]
     k: int
     buckets_sent: tuple[int, ...]
+    finishing: bool = False  # applied at its step except parameters that get it just before their forward
 
 
 class Executor:
@@ -169,8 +173,10 @@ class Executor:
         g = self.groups.get(last)
         if g is None:
             k = s.updates[s.group_of(self.position(t))].k
+            u = s.updates[s.group_of(self.position(t))]
             g = GroupInstance(last=last, k=k, iterations=[], buffers=self._buffers(),
-                              used=torch.zeros(len(self.params), dtype=torch.int32, device=self.device))
+                              used_map=torch.zeros(len(self.params), dtype=torch.int32, device=self.device),
+                              finish_in_forward=u.finish_in_forward)
             self.groups[last] = g
         g.iterations.append(t)
         self._start_stage("forward")
@@ -205,7 +211,7 @@ class Executor:
         lay.param_view(g.buffers, index).add_(grad.reshape(-1))
         if not self._touched[index]:
             self._touched[index] = True
-            g.used[index] += 1
+            g.used_map[index] += 1
         if final and not self._captured[index]:
             self._captured[index] = True
             self._param_complete(index)
@@ -228,6 +234,8 @@ class Executor:
         g = self.groups[self.group_last(self.t)]
         if g.complete and not g.used_launched:
             self._launch_used(g)
+        if g.complete and g.finish_in_forward:
+            self._launch_ahead(g)
 
     def next_unready(self) -> int | None:
         """The lowest bucket of this iteration whose gradient is not complete yet (None: all are)."""
@@ -250,9 +258,29 @@ class Executor:
         assert s is not None
         self._stage = stage
         self._queues = {n: deque() for n in s.links}
-        for task in s.stage(self.position(self.t), stage).comms:
+        p = self.position(self.t)
+        for task in s.stage(p, stage).comms:
+            if stage == "forward" and self._ahead(p, task):
+                continue  # launched at the end of its group's backward (_launch_ahead)
             self._queues[task.link].append(task)
         self._pump()
+
+    def _ahead(self, position: int, task: CommTask) -> bool:
+        """Is ``task`` (forward stage of ``position``) a send of an update finishing in the forward?"""
+        s = self.schedule
+        assert s is not None
+        return task.origin == 1 and s.updates[s.group_of(position - 1)].finish_in_forward
+
+    def _launch_ahead(self, g: GroupInstance) -> None:
+        """An update finishing in the forward: its next-forward sends go right after its backward, in
+        their listed order on each link (queued behind the backward stage's collectives there), so the
+        link does not idle through the optimizer step and the data loading."""
+        s = self.schedule
+        assert s is not None
+        nxt = self.position(g.last + 1)
+        for task in s.stage(nxt, "forward").comms:
+            if self._ahead(nxt, task) and task.bucket not in g.launched:
+                self._launch(task, task.link, origin=0)
 
     def _ready(self, task: CommTask) -> bool:
         if task.origin >= 1:
@@ -264,8 +292,8 @@ class Executor:
             while q and self._ready(q[0]):
                 self._launch(q.popleft(), name)
 
-    def _launch(self, task: CommTask, link_name: str) -> None:
-        last = self.t - task.origin
+    def _launch(self, task: CommTask, link_name: str, origin: int | None = None) -> None:
+        last = self.t - (task.origin if origin is None else origin)
         if last < self.t0:
             return  # belongs to the cycle before this schedule; already applied
         g = self.groups.get(last)
@@ -283,26 +311,27 @@ class Executor:
         nvtx.pop_range(tok)
         what = (f"all-reduce of bucket {task.bucket} of the update merging iterations {g.iterations} "
                 f"(launched in the {self._stage} stage of iteration {self.t})")
-        g.pending.extend(Pending(w, link_name, what) for w in works)
+        g.pending.setdefault(task.bucket, []).extend(Pending(w, link_name, what) for w in works)
         g.launched.add(task.bucket)
         if self.on_launch is not None:
             self.on_launch(task.bucket, link_name, views, works, t_start, last)
 
     def _launch_used(self, g: GroupInstance) -> None:
         link = self.links[self.primary]
-        w = link.all_reduce(g.used)
-        g.pending.append(Pending(w, self.primary, f"all-reduce of the used-parameter map of the update merging "
-                                                  f"iterations {g.iterations}"))
+        w = link.all_reduce(g.used_map)
+        g.pending.setdefault(-1, []).append(Pending(w, self.primary, "all-reduce of the used-parameter map of the "
+                                                    f"update merging iterations {g.iterations}"))
         g.used_launched = True
 
     # -- waiting and updates -------------------------------------------------------------------
     def wait(self, pending: Pending) -> None:
         wait_work(pending.work, pending.link, pending.what, self.rank, self.timeout_s)
 
-    def _settle(self, g: GroupInstance) -> None:
-        for p in g.pending:
-            self.wait(p)
-        g.pending.clear()
+    def _settle(self, g: GroupInstance, buckets: Iterable[int] | None = None) -> None:
+        """Wait for the collectives of ``buckets`` of ``g`` (default: all, the used map included)."""
+        for b in list(g.pending) if buckets is None else buckets:
+            for p in g.pending.pop(b, ()):
+                self.wait(p)
 
     def due(self, t: int) -> list[int]:
         """Last-iteration keys of the group instances whose update is applied after the step of ``t``."""
@@ -316,31 +345,90 @@ class Executor:
                 keys.append(last)
         return keys
 
-    def take_update(self, last: int) -> DueUpdate:
-        """Wait for group instance ``last``'s collectives and return its averaged gradients."""
-        g = self.groups.pop(last)
+    def take_update(self, last: int, whole: bool = False) -> DueUpdate:
+        """Wait for group instance ``last``'s collectives and return its averaged gradients.
+
+        A group finishing in the forward (and not ``whole``) returns only the parameters whose buckets
+        are all sent in backward stages; the others stay *deferred* (``None`` here) until
+        :meth:`finish` applies them just before their module's forward.
+        """
+        g = self.groups[last]
         assert self.layout is not None
         n = self.layout.n_buckets
         if len(g.launched) != n or not g.used_launched:
             raise DeftError(f"internal: the update merging iterations {g.iterations} is due but only "
                             f"{len(g.launched)} of {n} buckets were sent")
-        self._settle(g)
-        scale = 1.0 / (self.world * len(g.iterations))
-        grads: list[torch.Tensor | None] = []
-        used = g.used.tolist()  # one device sync, not one per parameter
-        for i, p in enumerate(self.params):
-            if used[i] == 0:
-                grads.append(None)
-            else:
-                grads.append(self.layout.param_view(g.buffers, i).view(p.shape).mul(scale))
-        self._release(g.buffers)
+        if not g.finish_in_forward or whole:
+            self.groups.pop(last)
+            self._settle(g)
+            grads = self._grads(g, range(len(self.params)))
+            self._release(g.buffers)
+            return DueUpdate(tuple(g.iterations), grads)
+        ahead = self._ahead_buckets(g)
+        now = [i for i in range(len(self.params)) if not any(b in ahead for b in self.layout.param_buckets[i])]
+        self._settle(g, [-1, *sorted({b for i in now for b in self.layout.param_buckets[i]})])
+        g.used = g.used_map.tolist()
+        deferred = set(range(len(self.params))) - set(now)
+        g.deferred = {i for i in deferred if g.used[i] > 0}  # unused parameters keep grad None anyway
+        grads = self._grads(g, now)
+        if not g.deferred:
+            self._close(g)
         return DueUpdate(tuple(g.iterations), grads)
+
+    def _ahead_buckets(self, g: GroupInstance) -> set[int]:
+        s = self.schedule
+        assert s is not None
+        nxt = self.position(g.last + 1)
+        return {t.bucket for t in s.stage(nxt, "forward").comms if self._ahead(nxt, t)}
+
+    def _grads(self, g: GroupInstance, indices: Iterable[int]) -> list[torch.Tensor | None]:
+        """Averaged gradients of ``indices`` (``None`` elsewhere, and where no rank used a parameter)."""
+        assert self.layout is not None
+        used = g.used if g.used is not None else g.used_map.tolist()  # one device sync, not one per parameter
+        scale = 1.0 / (self.world * len(g.iterations))
+        grads: list[torch.Tensor | None] = [None] * len(self.params)
+        for i in indices:
+            if used[i] > 0:
+                grads[i] = self.layout.param_view(g.buffers, i).view(self.params[i].shape).mul(scale)
+        return grads
+
+    def _close(self, g: GroupInstance) -> None:
+        self._settle(g)
+        self.groups.pop(g.last, None)
+        self._release(g.buffers)
+
+    @property
+    def deferred(self) -> set[int]:
+        """Parameters of updates finishing in the forward that are not applied yet."""
+        return {i for g in self.groups.values() if g.deferred for i in g.deferred}
+
+    def finish(self, indices: Iterable[int] | None = None) -> list[torch.Tensor | None]:
+        """Deferred parameters among ``indices`` (default: all): wait for their buckets, return their
+        averaged gradients (``None`` elsewhere) and forget them; a group whose last deferred parameter
+        is returned closes (its buffers are reused)."""
+        assert self.layout is not None
+        grads: list[torch.Tensor | None] = [None] * len(self.params)
+        for g in [g for g in self.groups.values() if g.deferred]:
+            assert g.deferred is not None
+            take = sorted(g.deferred if indices is None else g.deferred.intersection(indices))
+            if not take:
+                continue
+            self._settle(g, sorted({b for i in take for b in self.layout.param_buckets[i]}))
+            for i, gr in enumerate(self._grads(g, take)):
+                if gr is not None:
+                    grads[i] = gr
+            g.deferred.difference_update(take)
+            if not g.deferred:
+                self._close(g)
+        return grads
 
     def drain(self) -> list[DueUpdate]:
         """Send every bucket not yet sent (primary link, bucket order), wait, return all updates.
 
         Used by ``flush()``: every rank calls it at the same point, so the launch order matches.
         """
+        if any(g.deferred is not None for g in self.groups.values()):
+            raise DeftError("internal: drain() with an update still finishing: call finish() first")
         updates = []
         for last in sorted(self.groups):
             g = self.groups[last]
@@ -352,13 +440,14 @@ class Executor:
                     tok = nvtx.push_range("comm", b, max(self.t, 0), self.primary, last)
                     works = [link.all_reduce(v) for v in self.layout.bucket_views(g.buffers, b)]
                     nvtx.pop_range(tok)
-                    g.pending.extend(Pending(w, self.primary, f"flush all-reduce of bucket {b} of the update "
-                                                              f"merging iterations {g.iterations}") for w in works)
+                    g.pending.setdefault(b, []).extend(
+                        Pending(w, self.primary, f"flush all-reduce of bucket {b} of the update merging "
+                                                 f"iterations {g.iterations}") for w in works)
                     g.launched.add(b)
             if not g.used_launched:
                 self._launch_used(g)
         for last in sorted(self.groups):
-            updates.append(self.take_update(last))
+            updates.append(self.take_update(last, whole=True))
         return updates
 
     def settle_all(self) -> None:
@@ -368,7 +457,7 @@ class Executor:
 
     def pending(self) -> list[PendingUpdate]:
         """The queued update groups, oldest first."""
-        return [PendingUpdate(tuple(g.iterations), g.k, tuple(sorted(g.launched)))
+        return [PendingUpdate(tuple(g.iterations), g.k, tuple(sorted(g.launched)), g.deferred is not None)
                 for _, g in sorted(self.groups.items())]
 
     # -- buffers -------------------------------------------------------------------------------
@@ -393,8 +482,9 @@ class Executor:
             out.append({
                 "last": g.last, "k": g.k, "iterations": list(g.iterations),
                 "buffers": {str(d).removeprefix("torch."): b.detach().cpu().clone() for d, b in g.buffers.items()},
-                "used": g.used.detach().cpu().clone(), "launched": sorted(g.launched),
-                "used_launched": g.used_launched,
+                "used": g.used_map.detach().cpu().clone(), "launched": sorted(g.launched),
+                "used_launched": g.used_launched, "finish_in_forward": g.finish_in_forward,
+                "deferred": None if g.deferred is None else sorted(g.deferred),
             })
         return out
 
@@ -410,6 +500,10 @@ class Executor:
                     raise DeftError(f"{source}: pending gradient buffer {key} does not match this model")
                 b.copy_(saved[key])
             g = GroupInstance(last=int(st["last"]), k=int(st["k"]), iterations=[int(i) for i in st["iterations"]],
-                              buffers=bufs, used=st["used"].to(self.device, torch.int32).clone(),
-                              launched={int(b) for b in st["launched"]}, used_launched=bool(st["used_launched"]))
+                              buffers=bufs, used_map=st["used"].to(self.device, torch.int32).clone(),
+                              launched={int(b) for b in st["launched"]}, used_launched=bool(st["used_launched"]),
+                              finish_in_forward=bool(st.get("finish_in_forward", False)),
+                              deferred=None if st.get("deferred") is None else {int(i) for i in st["deferred"]})
+            if g.deferred is not None:
+                g.used = g.used_map.tolist()
             self.groups[g.last] = g

@@ -76,6 +76,10 @@ class GradStats:
             acc[1] += st.proj_a / k
             acc[2] += st.proj_b / k
 
+    def drop(self, key: int) -> None:
+        """Forget one group (its update is applied in parts; no whole gradient to measure)."""
+        self._acc.pop(key, None)
+
     def discard(self) -> None:
         """Forget every accumulated group (their updates are applied without an estimate)."""
         self._acc.clear()
