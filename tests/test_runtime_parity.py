@@ -142,8 +142,8 @@ def test_epsilon_zero_matches_torch_ddp(kind: str, branch: bool, accum: bool) ->
     out = values(run_ranks(parity_worker, 2, (kind, branch, accum), timeout=120))
     for v in out:
         assert v["worst"] < 1e-5
-        # no_delay_plan, or DDP's synchronous schedule if the planner cannot plan this tiny profile
-        assert v["schedule_cycle"] == 1 and ("no_delay" in v["plan"] or "synchronous" in v["plan"])
+        # the lag-free plan, or DDP's synchronous schedule if the planner cannot plan this tiny profile
+        assert v["schedule_cycle"] == 1 and ("lagfree_plan" in v["plan"] or "synchronous" in v["plan"])
         assert v["n_updates"] == STEPS  # one update per iteration, every iteration
     assert out[0]["params"] == out[1]["params"]  # identical on both ranks
     if accum:

@@ -422,7 +422,10 @@ class DistributedDataParallel(nn.Module):
             self.plan_info["finish_in_forward"] = f"off: whole updates applied at the step: {coupled}"
             log.warning("deft: updates are applied whole at the step, not module by module in the forward: %s",
                         coupled)
-        updates = [ex.take_update(last, whole=coupled is not None) for last in lasts]
+        # The preserver's statistics need the whole averaged gradient at the step: in their window
+        # (before each re-check) updates are applied whole.
+        measuring = self._stats is not None and self._stats_wanted()
+        updates = [ex.take_update(last, whole=coupled is not None or measuring) for last in lasts]
         if ex.deferred:
             opt = self._optim.optimizer
             assert opt is not None

@@ -1,7 +1,8 @@
 """Planning in a live run: rank 0 decides, every rank installs the same schedule.
 
-* :func:`make_schedule` (rank 0): the schedule file if the config names one; else the no-delay plan
-  at ``epsilon == 0``; else the preserver's choice (:func:`deft.preserver.feedback.preserve`), or the
+* :func:`make_schedule` (rank 0): the schedule file if the config names one; else the lag-free plan
+  (:func:`deft.solver.lagfree.lagfree_plan`: no delay, updates may finish in the next forward) at
+  ``epsilon == 0``; else the preserver's choice (:func:`deft.preserver.feedback.preserve`), or the
   bare planner with the preserver off. A planner that cannot plan the measured profile degrades to
   the no-delay plan, then to torch DDP's synchronous schedule; ``info`` says which and why.
   Planning never ends a run.
@@ -31,6 +32,7 @@ from deft.preserver.feedback import PreserveResult, Recheck, WalkStats
 from deft.profile import Profile
 from deft.runtime.control import ControlPlane
 from deft.schedule import Schedule, synchronous_schedule
+from deft.solver.lagfree import lagfree_plan
 from deft.solver.plan import no_delay_plan, plan
 
 log = logging.getLogger("deft.runtime")
@@ -89,9 +91,9 @@ def make_schedule(cfg: DeftConfig, profile: Profile | None, stats: WalkStats | N
     assert profile is not None
     try:
         if cfg.epsilon == 0:
-            return Decision(no_delay_plan(profile, cfg), {"source": "no_delay_plan (epsilon = 0)"})
+            return Decision(lagfree_plan(profile, cfg), {"source": "lagfree_plan (epsilon = 0)"})
         if cfg.preserver:
-            res = feedback.preserve(profile, cfg, stats, planner=plan, no_delay_planner=no_delay_plan)
+            res = feedback.preserve(profile, cfg, stats, planner=plan, no_delay_planner=lagfree_plan)
             return Decision(res.schedule, {"source": "preserver", "accepted": bool(res.accepted),
                                            "tries": len(res.tries),
                                            "stats": None if stats is None else stats.to_dict()}, res)
@@ -170,7 +172,7 @@ class Planning:
                     doc["check"] = {"ratio": decision.ratio, "replan": decision.replan, "reason": decision.reason}
                     if decision.replan:
                         assert profile is not None and self._recheck is not None
-                        res = feedback.preserve(profile, cfg, stats, planner=plan, no_delay_planner=no_delay_plan)
+                        res = feedback.preserve(profile, cfg, stats, planner=plan, no_delay_planner=lagfree_plan)
                         self._recheck.reset(res)
                         doc["schedule"] = res.schedule.to_dict()
                         doc["info"] = {"source": "preserver (re-plan)", "accepted": bool(res.accepted),

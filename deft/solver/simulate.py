@@ -456,32 +456,57 @@ def _usbyte_messages(profile: Profile, link: str, config: DeftConfig) -> list[_M
 
 
 def _schedule_engine(profile: Profile, schedule: Schedule, iterations: int) -> _Engine:
+    """The task graph of a cyclic schedule.
+
+    An update finishing in the forward (``Update.finish_in_forward``) is applied at its step for the
+    buckets sent in backward stages; its next-forward sends are launched right after its backward
+    (as the runtime does), and the next iteration's forward of each such bucket waits for its send:
+    the per-layer wait of a lag-free forward stage.
+    """
     eng = _Engine(profile.link_names)
     n, c = profile.n, schedule.cycle
     bwd_of: dict[int, list[int]] = {}
     comm_of: dict[tuple[int, int], int] = {}  # (group's last iteration, bucket) -> comm id
+    ahead: dict[tuple[int, int], int] = {}    # sends of updates finishing in the forward, by (last, bucket)
+
+    def finishing(position: int) -> bool:
+        return schedule.updates[schedule.group_of(position)].finish_in_forward
+
+    def add(task_link: str, bucket: int, last: int, t: int, label: str) -> int:
+        return eng.add_comm(_Comm(link=task_link, duration=profile.comm_time(bucket, task_link), bucket=bucket,
+                                  iteration=last, stage_iteration=t, label=label,
+                                  nbytes=profile.buckets[bucket].nbytes),
+                            grad_after=bwd_of[last][bucket])
+
     for t in range(iterations):
         p = t % c
         fwd, bwd = _iteration_tasks(eng, profile, t, {})
         bwd_of[t] = bwd
+        for b in range(n):  # the forward of bucket b (fwd lists n-1..0) waits for its finishing send
+            if (t - 1, b) in ahead:
+                eng.compute[fwd[n - 1 - b]].deps.append(ahead[(t - 1, b)])
         for stage, first in (("forward", fwd[0]), ("backward", bwd[0])):
             for task in schedule.stage(p, stage).comms:
                 last = t - task.origin
-                if last < 0:
-                    continue  # a group from before the simulation started: nothing to send
+                if last < 0 or (stage == "forward" and task.origin == 1 and finishing(p - 1)):
+                    continue  # before the simulation started, or launched after its group's backward
                 label = str(task.bucket) + (f"({task.origin})" if task.origin else "")
-                cid = eng.add_comm(_Comm(link=task.link, duration=profile.comm_time(task.bucket, task.link),
-                                         bucket=task.bucket, iteration=last, stage_iteration=t, label=label,
-                                         nbytes=profile.buckets[task.bucket].nbytes),
-                                   grad_after=bwd_of[last][task.bucket])
+                cid = add(task.link, task.bucket, last, t, label)
                 eng.compute[first].launches.append(cid)
                 comm_of[(last, task.bucket)] = cid
+        if finishing(p) and schedule.updates[schedule.group_of(p)].last == p:
+            marker = eng.add_compute(_Compute("launch", -1, t, 0.0))
+            for task in schedule.stage(p + 1, "forward").comms:
+                if task.origin == 1:
+                    cid = add(task.link, task.bucket, t, t + 1, f"{task.bucket}(f)")
+                    eng.compute[marker].launches.append(cid)
+                    ahead[(t, task.bucket)] = cid
         deps = []
         applied = False
         for g, back in schedule.updates_due(p):
             last = (t // c - back) * c + schedule.updates[g].last
             if last >= 0:
-                deps.extend(comm_of[(last, b)] for b in range(n))
+                deps.extend(comm_of[(last, b)] for b in range(n) if (last, b) not in ahead)
                 applied = True
         # "step": an optimizer step with no update due changes nothing and waits for nothing.
         eng.add_compute(_Compute("update" if applied else "step", -1, t, 0.0, deps=deps))
@@ -514,7 +539,8 @@ def _result(scheme: str, profile: Profile, eng: _Engine, cycle: int, warm: int, 
         second = (t1 - starts[warm + measured - half]) / half
         meta = {**meta, "converged": abs(first - second) <= 1e-6 * max(first, second, 1e-12)}
     events = [SimEvent("compute", x.kind, x.bucket, x.iteration, x.start, x.end,
-                       "" if x.kind in ("update", "step") else str(x.bucket), x.iteration) for x in eng.compute]
+                       "" if x.kind in ("update", "step", "launch") else str(x.bucket), x.iteration)
+              for x in eng.compute]
     events += [SimEvent(x.link, "comm", x.bucket, x.iteration, x.start, x.end, x.label, x.stage_iteration)
                for x in eng.comms if not math.isnan(x.start)]
     return SimResult(scheme=scheme, iteration_s=iteration_s, compute_bound_s=profile.forward_s + profile.backward_s,

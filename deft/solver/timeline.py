@@ -68,7 +68,7 @@ def draw_timeline(results: Mapping[str, SimResult] | Sequence[SimResult], path: 
             if f <= 0 or s >= (t1 - t0) * 1e3 or e.row not in y:
                 continue
             s, f = max(s, 0.0), min(f, (t1 - t0) * 1e3)
-            if e.kind in ("update", "step"):
+            if e.kind in ("update", "step", "launch"):
                 if e.kind == "update":
                     ax.plot([s, s], [y[e.row] - 0.4, y[e.row] + 0.4], color=UPDATE, lw=1.2, zorder=3)
                 continue
