@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python benchmarks/bench_ddp_vs_deft.py [--rate-mbit 250] [--iters 40] [--only torch,compute]
 
-Builds the testbed of DESIGN.md section 6 (2 hosts x 2 links, tbf-shaped at ``--rate-mbit``) and runs
+Builds the testbed of docs/DESIGN.md section 6 (2 hosts x 2 links, tbf-shaped at ``--rate-mbit``) and runs
 ``examples/train_cnn.py`` (4.4M-parameter CNN, digits, batch 32 per rank) with one rank per host:
 
 * ``compute``: each host trains alone (world size 1) at the same time: computation under the same

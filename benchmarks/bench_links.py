@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python benchmarks/bench_links.py [--rates 250,1000] [--iters 10]
 
-For each rate it builds the testbed of DESIGN.md section 6 (2 hosts x 2 links, tbf-shaped), runs
+For each rate it builds the testbed of docs/DESIGN.md section 6 (2 hosts x 2 links, tbf-shaped), runs
 ``python -m deft.profiler.links`` as one rank per host (rank 0 on host 0, default group on nic0, the
 second link's gloo group on nic1), and reports the fit per link and the 4 MB all-reduce alone and on
 both links at once. If the two links are really independent, both at once takes about as long as
@@ -169,7 +169,7 @@ def report(results: dict[float, dict[str, Any]], sizes: list[int]) -> str:
             lines.append(f"| {rate:g} | {name} | " + " | ".join(_ms(by.get(s)) for s in sizes) + " |")
     lines += ["", "Expected from the rate alone: a 2-rank ring all-reduce sends the whole buffer once per "
               "rank, so 4 MB takes 4 MiB x 8 / rate: 134 ms at 250 Mbit/s, 34 ms at 1 Gbit/s "
-              "(DESIGN.md section 6 measured 34 ms alone and 35 ms both at once at 1 Gbit/s)."]
+              "(docs/DESIGN.md section 6 measured 34 ms alone and 35 ms both at once at 1 Gbit/s)."]
     return "\n".join(lines)
 
 

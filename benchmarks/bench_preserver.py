@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python benchmarks/bench_preserver.py [--epochs 4] [--target 0.93] [--only torch,eps0.01]
 
-On the two-link testbed (DESIGN.md section 6: 2 hosts x 2 links, 250 Mbit/s), one rank per host,
+On the two-link testbed (docs/DESIGN.md section 6: 2 hosts x 2 links, 250 Mbit/s), one rank per host,
 ``examples/train_cnn.py`` (4.4M-parameter CNN on scikit-learn digits, same seed and data for all) is
 trained for ``--epochs`` epochs by: torch DDP; deft with epsilon = 0, 0.01, 0.05, 0.2; deft with the
 preserver disabled (default epsilon, nothing checks the schedule). The test accuracy is measured every

@@ -1,4 +1,4 @@
-"""The schedule: a cyclic plan of which bucket is all-reduced when, on which link (DESIGN.md section 3).
+"""The schedule: a cyclic plan of which bucket is all-reduced when, on which link (docs/DESIGN.md section 3).
 
 Vocabulary
 ----------

@@ -1,4 +1,4 @@
-"""The real multi-link testbed: N "hosts" x L links on one machine (DESIGN.md section 6).
+"""The real multi-link testbed: N "hosts" x L links on one machine (docs/DESIGN.md section 6).
 
 Each host is a Linux network namespace with one NIC per link, named ``nic0``, ``nic1``, ... in every
 host, so the same ``GLOO_SOCKET_IFNAME`` works on every rank. With two hosts each link is one veth

@@ -1,7 +1,7 @@
 """Models for the examples and benchmarks, defined here (no torchvision).
 
 :class:`DigitsCNN` is sized so that, at 250 Mbit/s between two CPU ranks, gradient communication
-dominates computation, as in DESIGN.md section 6 (a 4.4M-parameter CNN): 4.4 million parameters
+dominates computation, as in docs/DESIGN.md section 6 (a 4.4M-parameter CNN): 4.4 million parameters
 (17.6 MB of fp32 gradients; a 2-rank ring all-reduce sends that much per rank, ~0.56 s at 250 Mbit/s)
 spread over layers of very different sizes, so bucketing, partitioning and link assignment all have
 something to decide.
