@@ -57,6 +57,10 @@ class DeftConfig:
     preserver_max_tries: int = 10
     capacity_growth: float = 1.25
     recheck_every: int = 200
+    adapt: bool = True             # check the running schedule against measured time; re-plan (deft.runtime.adapt)
+    adapt_window: int = 6          # iterations measured per decision
+    adapt_max_replans: int = 2
+    adapt_tolerance: float = 0.10  # relative prediction error that is accepted
     s_star: float = 0.0
     timeout_s: float = 300.0
     profile_path: str | None = None
@@ -93,7 +97,11 @@ class DeftConfig:
                 raise bad(name, f"expected > 0, got {getattr(self, name)}")
         if not 0 <= self.solver_relative_gap < 1:
             raise bad("solver_relative_gap", f"expected in [0, 1), got {self.solver_relative_gap}")
-        for name in ("warmup_iters", "profile_iters", "preserver_max_tries", "recheck_every"):
+        if not 0 < self.adapt_tolerance < 1:
+            raise bad("adapt_tolerance", f"expected in (0, 1), got {self.adapt_tolerance}")
+        if self.adapt_max_replans < 0:
+            raise bad("adapt_max_replans", f"expected an integer >= 0, got {self.adapt_max_replans}")
+        for name in ("warmup_iters", "profile_iters", "preserver_max_tries", "recheck_every", "adapt_window"):
             if getattr(self, name) < (0 if name == "warmup_iters" else 1):
                 raise bad(name, f"expected a positive integer, got {getattr(self, name)}")
         if self.capacity_growth <= 1.0:

@@ -100,7 +100,7 @@ def recheck_worker(rank: int, world: int, force_at: int | None = None) -> dict[s
     model = Linear()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     ddp = deft.DistributedDataParallel(model, optimizer=opt, profile=comm_heavy_profile(), config={
-        "epsilon": 1.0, "warmup_iters": WARMUP, "recheck_every": RECHECK_EVERY, "timeout_s": 30,
+        "epsilon": 1.0, "warmup_iters": WARMUP, "recheck_every": RECHECK_EVERY, "timeout_s": 30, "adapt": False,
         "links": [{"name": "primary"}]})
     digests = []
     for t in range(ITERS):

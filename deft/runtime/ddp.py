@@ -33,6 +33,7 @@ import collections
 import contextlib
 import logging
 import os
+import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import replace
@@ -46,6 +47,7 @@ from deft.config import DeftConfig
 from deft.errors import DeftError
 from deft.profile import Profile
 from deft.profiler import nvtx
+from deft.runtime.adapt import Adapter, window_medians
 from deft.runtime.buckets import FlatLayout, ddp_like_bucket_numel
 from deft.runtime.checkpoint import RuntimeState
 from deft.runtime.control import ControlPlane, broadcast_state, digest
@@ -54,7 +56,7 @@ from deft.runtime.grad_stats import GradStats, walk_stats
 from deft.runtime.links import CommLink, make_control_group, make_links
 from deft.runtime.optimizer_hooks import OptimizerBinding
 from deft.runtime.phase import Phase
-from deft.runtime.planning import Planning, check_schedule_file, resolve_profile
+from deft.runtime.planning import Planning, check_schedule_file, make_schedule, resolve_profile
 from deft.runtime.tensors import tensors_in
 from deft.runtime.tracing import TRACE_DIR_ENV, ForwardRanges, TraceRecorder, profile_iters_from_env, recording
 from deft.runtime.warmup_timer import WarmupTimer
@@ -193,6 +195,14 @@ class DistributedDataParallel(nn.Module):
         self._owned: dict[int, list[int]] = {}
         self._fwd_hooks: list[Any] = []
         self._finish_hparams: list[dict[str, Any]] = []
+        # Closing the loop (deft.runtime.adapt): per-iteration times of the running schedule.
+        self._adapt_on = False
+        self._adapter: Adapter | None = None  # rank 0
+        self._last_walk: Any = None  # the preserver's statistics at the last plan (rank 0 re-plans with them)
+        self._fwd_start: float | None = None
+        self._bwd_start: float | None = None
+        self._iter_s: list[float] = []
+        self._bwd_s: list[float] = []
         self._install_warmup(list(reversed(range(len(self._params)))), t0=0)
 
         me = weakref.ref(self)
@@ -358,6 +368,11 @@ class DistributedDataParallel(nn.Module):
 
     def _begin_iteration(self) -> None:
         self._phase = Phase.FORWARD
+        if self._adapt_on:
+            now = time.perf_counter()
+            if self._fwd_start is not None:
+                self._iter_s.append(now - self._fwd_start)
+            self._fwd_start = now
         profiling = self._warm_end <= self._t < self._plan_at and not self._planned
         if profiling and self._timer is None:
             assert self._executor.layout is not None
@@ -385,6 +400,8 @@ class DistributedDataParallel(nn.Module):
             return
         if self._phase is Phase.FORWARD:
             self._phase = Phase.BACKWARD
+            if self._adapt_on:
+                self._bwd_start = time.perf_counter()
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
             if self._fwd_ranges is not None:
                 self._fwd_ranges.end()
@@ -398,6 +415,8 @@ class DistributedDataParallel(nn.Module):
 
     def _on_backward_end(self) -> None:
         if self._phase is Phase.BACKWARD:
+            if self._adapt_on and self._bwd_start is not None:
+                self._bwd_s.append(time.perf_counter() - self._bwd_start)
             self._executor.end_backward()
             self._phase = Phase.BACKWARD_DONE
         self._close_bwd()
@@ -471,9 +490,12 @@ class DistributedDataParallel(nn.Module):
             self._stats = GradStats.start(self.config, self.world)
         if not self._planned and self._t >= self._plan_at:
             self._plan()
-        elif self._planned and self._planning.recheck_on:
+            return
+        if self._planned and self._planning.recheck_on:
             self._maybe_recheck()
-            self._maybe_switch()
+        if self._adapt_on:
+            self._maybe_adapt()
+        self._maybe_switch()
 
     def _set_grads(self, grads: list[torch.Tensor | None]) -> None:
         for p, g in zip(self._params, grads, strict=True):
@@ -604,6 +626,7 @@ class DistributedDataParallel(nn.Module):
                 and self._planning.schedule_path is None:
             log.warning("deft: the preserver cannot test delayed updates (%s); it keeps the no-delay schedule",
                         stats_reason)
+        self._last_walk = stats
         schedule, info = self._planning.agree(profile, stats, self.world)
         if not self._planning.recheck_on:
             self._stats = None
@@ -612,6 +635,11 @@ class DistributedDataParallel(nn.Module):
         self._install(schedule, layout, self._t)
         self._planned = True
         self.plan_info = {**info, "t0": self._t, "stats_reason": stats_reason}
+        # Adapt deft's own plans (not a schedule file) when there is a profile to correct.
+        self._adapt_on = self.config.adapt and profile is not None and self._planning.schedule_path is None
+        if self._adapt_on:
+            self._adapter = Adapter(self.config) if self.rank == 0 else None
+            self._reset_window()
         log.info("deft: rank %d runs schedule %s from iteration %d (cycle %d, K=%s)", self.rank,
                  schedule.digest(), self._t, schedule.cycle, schedule.batch_sequence)
 
@@ -647,12 +675,59 @@ class DistributedDataParallel(nn.Module):
                             "re-planned schedule")
         old = self.schedule.digest()
         self._install(schedule, layout, self._t)
+        self._reset_window()
         self.plan_info.setdefault("switches", []).append({
             "iteration": self._t, "from": old, "to": schedule.digest(), "cycle": schedule.cycle,
             "batch_sequence": list(schedule.batch_sequence), "flushed_updates": len(self.update_log) - before,
             **info})
         log.info("deft: rank %d switches to re-planned schedule %s at iteration %d (K=%s)", self.rank,
                  schedule.digest(), self._t, schedule.batch_sequence)
+
+    # -- closing the loop (deft.runtime.adapt) ----------------------------------------------------
+    def _reset_window(self) -> None:
+        """Start a new measurement window at the next forward (the switch iteration itself is skipped)."""
+        self._fwd_start = self._bwd_start = None
+        self._iter_s, self._bwd_s = [], []
+
+    def _maybe_adapt(self) -> None:
+        """Collective, every ``adapt_window`` measured iterations: rank 0 compares the slowest rank's
+        median iteration with the prediction and may switch schedules (:class:`deft.runtime.adapt.Adapter`)."""
+        if self._planning.pending is not None or len(self._iter_s) < self.config.adapt_window:
+            return
+        measured, backward = self._control.max_rows([window_medians(self._iter_s, self._bwd_s)],
+                                                    "iteration times")[0]
+        self._reset_window()
+        doc: dict[str, Any] = {}
+        if self.rank == 0:
+            try:
+                assert self._adapter is not None and self.profile is not None
+                cfg = self.config
+
+                def replan(corrected: Profile) -> Schedule:
+                    return make_schedule(cfg, corrected, None if cfg.epsilon == 0 else self._last_walk, None).schedule
+
+                new, corrected, record = self._adapter.decide(self.schedule, self.profile, measured, backward, replan)
+                doc = {"record": record, "done": self._adapter.done}
+                if new is not None:
+                    doc["schedule"] = new.to_dict()
+                if corrected is not None:
+                    doc["profile"] = corrected.to_dict()
+            except Exception as e:  # adaptation never ends a run: keep the running schedule, stop adapting
+                log.exception("deft: adaptation failed")
+                doc = {"record": {"error": f"{type(e).__name__}: {e}"}, "done": True}
+        doc = self._control.broadcast_json(doc, "adaptation decision")
+        record = {"iteration": self._t, **doc["record"]}
+        if "profile" in doc:
+            self.profile = Profile.from_dict(doc["profile"], "profile corrected by rank 0")
+            out = os.environ.get("DEFT_PROFILE_OUT")
+            if out and self.rank == 0:  # `deft simulate` on it predicts what this run measures
+                self.profile.save(out)
+        if "schedule" in doc:
+            schedule = Schedule.from_dict(doc["schedule"], "schedule re-planned by rank 0")
+            self._control.check_agreement("schedule", schedule.digest())
+            self._planning.pending = (schedule, {"source": "adapt"})
+        self._adapt_on = not doc["done"]
+        self.plan_info.setdefault("adapt", []).append(record)
 
     # -- executor observers: warm-up timing, statistics, trace ranges ------------------------------
     def _bucket_ready(self, b: int) -> None:
