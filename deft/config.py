@@ -26,6 +26,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 CONFIG_ENV = "DEFT_CONFIG"
 LINK_BACKENDS = ("auto", "nccl", "gloo")
 SOLVERS = ("exact", "greedy")
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,9 @@ class DeftConfig:
     preserver_max_tries: int = 10
     capacity_growth: float = 1.25
     recheck_every: int = 200
+    compression: str = "none"      # "fp16" | "bf16" | "powersgd": torch's comm hook on every bucket
+    powersgd_rank: int = 4
+    powersgd_start_iter: int = 2   # plain all-reduce before (PowerSGD needs > 1 with error feedback)
     adapt: bool = True             # check the running schedule against measured time; re-plan (deft.runtime.adapt)
     adapt_window: int = 6          # iterations measured per decision
     adapt_max_replans: int = 2
@@ -97,6 +101,13 @@ class DeftConfig:
                 raise bad(name, f"expected > 0, got {getattr(self, name)}")
         if not 0 <= self.solver_relative_gap < 1:
             raise bad("solver_relative_gap", f"expected in [0, 1), got {self.solver_relative_gap}")
+        if self.compression not in COMPRESSIONS:
+            raise bad("compression", f"expected one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
+        if self.powersgd_rank < 1:
+            raise bad("powersgd_rank", f"expected an integer >= 1, got {self.powersgd_rank}")
+        if self.powersgd_start_iter < 2:
+            raise bad("powersgd_start_iter", f"expected an integer >= 2 (PowerSGD with error feedback and warm "
+                      f"start), got {self.powersgd_start_iter}")
         if not 0 < self.adapt_tolerance < 1:
             raise bad("adapt_tolerance", f"expected in (0, 1), got {self.adapt_tolerance}")
         if self.adapt_max_replans < 0:

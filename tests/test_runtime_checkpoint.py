@@ -31,9 +31,11 @@ def batch(rank: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
 
 
-def config(schedule_path: str) -> dict[str, object]:
+def config(schedule_path: str, compression: str = "none") -> dict[str, object]:
+    # PowerSGD at rank 1 compresses the 3x8 weight (whole in bucket 0); its error feedback, P/Q memories,
+    # iteration counter and random state must survive the checkpoint.
     return {"epsilon": 0.1, "warmup_iters": 1, "schedule_path": schedule_path, "timeout_s": 30,
-            "links": [{"name": "primary"}, {"name": "second"}]}
+            "links": [{"name": "primary"}, {"name": "second"}], "compression": compression, "powersgd_rank": 1}
 
 
 def train(ddp: nn.Module, opt: torch.optim.Optimizer, rank: int, start: int, stop: int) -> None:
@@ -44,13 +46,14 @@ def train(ddp: nn.Module, opt: torch.optim.Optimizer, rank: int, start: int, sto
         opt.zero_grad()
 
 
-def first_half_worker(rank: int, world: int, schedule_path: str, ckpt_dir: str) -> dict[str, object]:
+def first_half_worker(rank: int, world: int, schedule_path: str, ckpt_dir: str,
+                      compression: str = "none") -> dict[str, object]:
     import deft
 
     # The uninterrupted run.
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ddp = deft.DistributedDataParallel(model, optimizer=opt, config=config(schedule_path))
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, config=config(schedule_path, compression))
     train(ddp, opt, rank, 0, TOTAL)
     ddp.flush()
     full = {"params": [p.tolist() for p in model.parameters()], "log": [[t, list(i)] for t, i in ddp.update_log]}
@@ -59,14 +62,15 @@ def first_half_worker(rank: int, world: int, schedule_path: str, ckpt_dir: str) 
     # The run that stops after iteration STOP - 1, mid-cycle, with collectives in flight.
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ddp = deft.DistributedDataParallel(model, optimizer=opt, config=config(schedule_path))
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, config=config(schedule_path, compression))
     train(ddp, opt, rank, 0, STOP)
     groups = {u.iterations[-1]: (list(u.buckets_sent), list(u.iterations)) for u in ddp.pending_updates}
     torch.save({"ddp": ddp.state_dict(), "opt": opt.state_dict()}, Path(ckpt_dir) / f"rank{rank}.pt")
     return {"full": full, "pending_at_stop": {str(k): v for k, v in groups.items()}}
 
 
-def resume_worker(rank: int, world: int, schedule_path: str, ckpt_dir: str) -> dict[str, object]:
+def resume_worker(rank: int, world: int, schedule_path: str, ckpt_dir: str,
+                  compression: str = "none") -> dict[str, object]:
     import deft
 
     model = make_model()
@@ -74,7 +78,7 @@ def resume_worker(rank: int, world: int, schedule_path: str, ckpt_dir: str) -> d
         for p in model.parameters():
             p.mul_(-3.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ddp = deft.DistributedDataParallel(model, optimizer=opt, config=config(schedule_path))
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, config=config(schedule_path, compression))
     # Another rank's checkpoint holds that rank's local gradients: refused with a clear error.
     other = torch.load(Path(ckpt_dir) / f"rank{1 - rank}.pt", weights_only=True)
     try:
@@ -92,13 +96,14 @@ def resume_worker(rank: int, world: int, schedule_path: str, ckpt_dir: str) -> d
 
 
 @pytest.mark.slow
-def test_checkpoint_mid_cycle_resumes_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("compression", ["none", "powersgd"])
+def test_checkpoint_mid_cycle_resumes_exactly(tmp_path: Path, compression: str) -> None:
     sched = tmp_path / "schedule.json"
     delayed_schedule((30, 30, 23)).save(sched)
-    first = values(run_ranks(first_half_worker, 2, (str(sched), str(tmp_path)), timeout=120))
+    first = values(run_ranks(first_half_worker, 2, (str(sched), str(tmp_path), compression), timeout=120))
     # Iterations 5 and 6 form the pending group; two of its buckets were launched in iteration 6.
     assert first[0]["pending_at_stop"] == {"6": [[0, 1], [5, 6]]}
-    resumed = values(run_ranks(resume_worker, 2, (str(sched), str(tmp_path)), timeout=120))
+    resumed = values(run_ranks(resume_worker, 2, (str(sched), str(tmp_path), compression), timeout=120))
     for r in range(2):
         assert resumed[r]["log"] == first[r]["full"]["log"]
         assert resumed[r]["params"] == first[r]["full"]["params"]  # bit for bit

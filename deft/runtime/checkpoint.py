@@ -41,6 +41,7 @@ class RuntimeState:
     groups: list[dict[str, Any]]  # pending update groups (deft.runtime.executor.Executor.group_states)
     update_log: list[tuple[int, tuple[int, ...]]]
     plan_info: dict[str, Any] = field(default_factory=dict)
+    comm_hook: dict[str, Any] | None = None  # the comm hook's state (deft.runtime.comm_hooks)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -50,6 +51,7 @@ class RuntimeState:
             "schedule": json.dumps(self.schedule.to_dict()), "groups": self.groups,
             "update_log": [[t, list(its)] for t, its in self.update_log],
             "plan_info": json.dumps(self.plan_info, default=str),
+            "comm_hook": self.comm_hook,
         }
 
     @classmethod
@@ -70,7 +72,7 @@ class RuntimeState:
                    order_known=bool(state["order_known"]), order=[int(i) for i in state["order"].tolist()],
                    schedule=schedule, groups=list(state["groups"]),
                    update_log=[(int(t), tuple(int(i) for i in its)) for t, its in state["update_log"]],
-                   plan_info=json.loads(state.get("plan_info", "{}")))
+                   plan_info=json.loads(state.get("plan_info", "{}")), comm_hook=state.get("comm_hook"))
 
     def check_owner(self, rank: int, world: int) -> None:
         """Pending local gradients not yet communicated belong to the rank that saved them."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -23,11 +24,23 @@ import torch.distributed as dist
 
 from deft.errors import CommunicationError, ContractError
 
+#: What a comm hook may return: torch.futures.Future, or the C++ future of ``work.get_future()``.
+FUTURE_TYPES = (torch.futures.Future, torch._C.Future)
 
-def wait_work(work: Any, link: str, what: str, rank: int, timeout_s: float) -> None:
-    """Wait for one launched collective; a failure or ``timeout_s`` becomes a CommunicationError."""
+
+def wait_work(work: Any, link: str, what: str, rank: int, timeout_s: float) -> Any:
+    """Wait for one launched collective (a Work, or a comm hook's Future, whose value is returned); a
+    failure or ``timeout_s`` becomes a CommunicationError."""
     try:
+        if isinstance(work, FUTURE_TYPES):
+            deadline = time.monotonic() + timeout_s
+            while not work.done():  # a Future has no timed wait: poll, yielding the CPU
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"not done after {timeout_s:g} s")
+                time.sleep(1e-4)
+            return work.value()
         work.wait(timeout=timedelta(seconds=timeout_s))
+        return None
     except Exception as e:  # gloo/NCCL raise RuntimeError or DistBackendError
         raise CommunicationError(f"rank {rank}: {what} on link {link!r} failed or timed out after at most "
                                  f"{timeout_s:g} s: {e}. A peer rank probably died or stalled; check the other "

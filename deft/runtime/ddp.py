@@ -44,12 +44,13 @@ import torch.distributed as dist
 from torch import nn
 
 from deft.config import DeftConfig
-from deft.errors import DeftError
+from deft.errors import ContractError, DeftError
 from deft.profile import Profile
 from deft.profiler import nvtx
 from deft.runtime.adapt import Adapter, window_medians
 from deft.runtime.buckets import FlatLayout, ddp_like_bucket_numel
 from deft.runtime.checkpoint import RuntimeState
+from deft.runtime.comm_hooks import CommHook, from_config
 from deft.runtime.control import ControlPlane, broadcast_state, digest
 from deft.runtime.executor import Executor, Pending, PendingUpdate
 from deft.runtime.grad_stats import GradStats, walk_stats
@@ -158,6 +159,7 @@ class DistributedDataParallel(nn.Module):
         self._sync_buffers = self.broadcast_buffers if forward_sync_buffers is None else bool(forward_sync_buffers)
 
         self._executor = Executor(self._params, self._links, self.rank, self.world, cfg.timeout_s, self.device)
+        self._executor.comm_hook = from_config(cfg)
         self._executor.on_bucket_ready = self._bucket_ready
         self._executor.on_launch = self._launched
         self._planning = Planning(cfg, self._control, given_profile, cfg.schedule_path)
@@ -273,6 +275,24 @@ class DistributedDataParallel(nn.Module):
         """Collectives and bytes sent per link so far."""
         return {n: {"calls": lk.stats.calls, "bytes": lk.stats.bytes} for n, lk in self._links.items()}
 
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        """torch DDP's ``register_comm_hook``: ``hook(state, bucket) -> Future`` runs on every bucket deft
+        sends, on the scheduled link and stage (see :mod:`deft.runtime.comm_hooks`). torch's own hooks
+        work unchanged (fp16/bf16 compression, PowerSGD). Register it once, before training (and
+        before ``load_state_dict`` when resuming: the checkpoint restores the hook's state)."""
+        if not callable(hook):
+            raise DeftError(f"register_comm_hook: hook must be callable(state, bucket), got {type(hook).__name__}")
+        if self._executor.comm_hook is not None:
+            raise DeftError(f"register_comm_hook: a comm hook ({self._executor.comm_hook.name}) is already "
+                            "registered (from this call or the config's compression); one hook per model")
+        self._require_idle("register_comm_hook()")
+        self._executor.comm_hook = CommHook(state, hook, getattr(hook, "__name__", type(hook).__name__))
+
+    @property
+    def comm_hook(self) -> CommHook | None:
+        """The registered comm hook and its state (None: plain all-reduces)."""
+        return self._executor.comm_hook
+
     def flush(self) -> None:
         """Communicate and apply every pending update now (collective: every rank calls it).
 
@@ -338,7 +358,8 @@ class DistributedDataParallel(nn.Module):
         return RuntimeState(rank=self.rank, world=self.world, t=self._t, t0=ex.t0, planned=self._planned,
                             plan_at=self._plan_at, order_known=self._ready_order is not None,
                             order=list(ex.layout.order), schedule=ex.schedule, groups=ex.group_states(),
-                            update_log=list(self.update_log), plan_info=self.plan_info).to_dict()
+                            update_log=list(self.update_log), plan_info=self.plan_info,
+                            comm_hook=None if ex.comm_hook is None else ex.comm_hook.state_dict()).to_dict()
 
     def set_extra_state(self, state: Any) -> None:
         st = RuntimeState.from_dict(state)
@@ -358,6 +379,12 @@ class DistributedDataParallel(nn.Module):
             self._plan_at = self._t + (self._profile_iters if self._planning.measuring else 0)
         self.update_log = list(st.update_log)
         self.plan_info = st.plan_info
+        if st.comm_hook is not None:
+            if self._executor.comm_hook is None:
+                raise ContractError("deft checkpoint", "_extra_state.comm_hook",
+                                    "the checkpoint holds a comm hook's state but no hook is registered: call "
+                                    "ddp.register_comm_hook(...) before load_state_dict")
+            self._executor.comm_hook.load_state_dict(st.comm_hook, "deft checkpoint")
 
     # -- the iteration state machine (deft.runtime.phase) -----------------------------------------
     def _require_idle(self, what: str) -> None:

@@ -41,21 +41,25 @@ from typing import Any
 
 import torch
 
-from deft.errors import DeftError
+from deft.errors import CommunicationError, DeftError
 from deft.profiler import nvtx
 from deft.runtime.buckets import FlatLayout
-from deft.runtime.control import wait_work
+from deft.runtime.comm_hooks import CommHook, HookBucket, hook_result
+from deft.runtime.control import FUTURE_TYPES, wait_work
 from deft.runtime.links import CommLink
 from deft.schedule import CommTask, Schedule
 
 
 @dataclass
 class Pending:
-    """One launched collective and what it was, for error messages."""
+    """One launched collective (a Work, or a comm hook's Future) and what it was, for error messages.
+
+    ``post``: run once with the future's value after it completes (a hook's result into the buffer)."""
 
     work: Any
     link: str
     what: str
+    post: Callable[[Any], None] | None = None
 
 
 @dataclass
@@ -132,6 +136,8 @@ class Executor:
         # Trace ranges around each launch (deft.profiler.nvtx; free when no tool records). Off while
         # the warm-up timer labels its own timed launches instead.
         self.label_launches = True
+        self.comm_hook: CommHook | None = None  # deft.runtime.comm_hooks: torch's comm hooks on buckets
+        self._hook_tail: dict[str, Any] = {}  # per link and bucket: the last chained hook launch (_chained)
 
     # -- schedule ------------------------------------------------------------------------------
     def install(self, schedule: Schedule, layout: FlatLayout, t0: int) -> None:
@@ -302,30 +308,124 @@ class Executor:
                             f"iteration {last}, which is not complete")
         if task.bucket in g.launched:
             raise DeftError(f"internal: bucket {task.bucket} of the group ending at {last} sent twice")
-        assert self.layout is not None
-        link = self.links[link_name]
-        views = self.layout.bucket_views(g.buffers, task.bucket)
-        t_start = time.perf_counter()
-        tok = nvtx.push_range("comm", task.bucket, self.t, link_name, last) if self.label_launches else None
-        works = [link.all_reduce(v) for v in views]
-        nvtx.pop_range(tok)
         what = (f"all-reduce of bucket {task.bucket} of the update merging iterations {g.iterations} "
                 f"(launched in the {self._stage} stage of iteration {self.t})")
-        g.pending.setdefault(task.bucket, []).extend(Pending(w, link_name, what) for w in works)
-        g.launched.add(task.bucket)
+        t_start = time.perf_counter()
+        tok = nvtx.push_range("comm", task.bucket, self.t, link_name, last) if self.label_launches else None
+        views, works = self._send(g, task.bucket, link_name, what)
+        nvtx.pop_range(tok)
         if self.on_launch is not None:
             self.on_launch(task.bucket, link_name, views, works, t_start, last)
 
+    def _send(self, g: GroupInstance, b: int, link_name: str, what: str) -> tuple[list[torch.Tensor], list[Any]]:
+        """Launch bucket ``b`` of ``g`` on ``link_name``: one all-reduce per dtype segment, or the comm hook."""
+        assert self.layout is not None
+        link = self.links[link_name]
+        views = self.layout.bucket_views(g.buffers, b)
+        if self.comm_hook is None:
+            works = [link.all_reduce(v) for v in views]
+            g.pending.setdefault(b, []).extend(Pending(w, link_name, what) for w in works)
+        else:
+            fut = self._hooked(g, b, link_name, views, what)
+            works = [fut]
+            g.pending.setdefault(b, []).append(Pending(fut, link_name, what, post=_hook_post(views[0], self.world)))
+        g.launched.add(b)
+        return views, works
+
+    def _hooked(self, g: GroupInstance, b: int, link_name: str, views: list[torch.Tensor], what: str) -> Any:
+        """Call the comm hook on bucket ``b`` (one dtype), with the link's process group."""
+        assert self.layout is not None and self.comm_hook is not None
+        where = f"comm hook {self.comm_hook.name!r} on bucket {b} ({what}) on link {link_name!r}"
+        if len(views) != 1:
+            raise DeftError(f"{where}: the bucket mixes dtypes {[str(v.dtype) for v in views]}; comm hooks take "
+                            "one flat tensor per bucket: keep the model in one dtype or plan single-dtype buckets")
+        # The hook gets its own copy, as torch DDP's hooks get a standalone bucket tensor: hooks write
+        # into it and may even resize it (batched PowerSGD pads it to a square); the result is copied
+        # back into deft's buffer when it is waited for.
+        view = views[0].clone()
+        start = self.layout.segments[b][0].start if self.layout.segments[b] else 0
+        grads, params = [], []
+        for i in self.layout.bucket_params[b]:
+            s = self.layout.slots[i]
+            lo, hi = max(s.dtype_offset, start), min(s.dtype_offset + s.numel, start + view.numel())
+            piece = view[lo - start:hi - start]
+            whole = lo == s.dtype_offset and hi == s.dtype_offset + s.numel
+            grads.append(piece.view(self.params[i].shape) if whole else piece)
+            params.append(self.params[i])
+        bucket = HookBucket(b, view, grads, params, is_last=len(g.launched) + 1 == self.layout.n_buckets)
+        link = self.links[link_name]
+        link.stats.calls += 1
+        link.stats.bytes += view.numel() * view.element_size()
+        hook = self.comm_hook
+
+        def launch() -> Any:
+            try:
+                fut = hook.launch(link.group, bucket)
+            except Exception as e:
+                raise CommunicationError(f"rank {self.rank}: {where} raised {type(e).__name__}: {e}") from e
+            if not isinstance(fut, FUTURE_TYPES):
+                raise DeftError(f"{where} returned {type(fut).__name__}; a comm hook must return a "
+                                "torch.futures.Future whose value is the bucket's averaged gradient")
+            return fut
+        return self._chained([link_name, f"bucket {b}"], launch)
+
+    def _chained(self, keys: list[str], launch: Callable[[], Any]) -> torch.futures.Future:
+        """Run ``launch`` (which starts collectives and returns their Future) after every earlier chained
+        launch with one of the same ``keys`` (a link, a bucket) has completed.
+
+        A hook may start further collectives from its futures' callbacks (PowerSGD all-reduces P, then
+        Q when P is done). Two buckets' hooks in flight on one link would interleave those collectives
+        in a different order on different ranks, and the group's collectives would no longer match:
+        one hook in flight per link keeps every rank's sequence the same. A hook may also keep state
+        per bucket (PowerSGD's error feedback and P/Q memories, by ``bucket.index()``): one hook in
+        flight per bucket id makes the state evolve in launch order, the same in every run."""
+        outer: torch.futures.Future = torch.futures.Future()
+
+        def run(_: Any = None) -> None:
+            try:
+                inner = launch()
+            except Exception as e:
+                outer.set_exception(e)
+                return
+
+            def done(f: Any) -> None:
+                try:
+                    outer.set_result(f.value())
+                except Exception as e:
+                    outer.set_exception(e)
+            inner.add_done_callback(done)
+
+        tails = [t for t in (self._hook_tail.get(k) for k in keys) if t is not None]
+        for k in keys:
+            self._hook_tail[k] = outer
+        if not tails:
+            run()
+        elif len(tails) == 1:
+            tails[0].add_done_callback(run)
+        else:
+            torch.futures.collect_all(tails).add_done_callback(run)
+        return outer
+
     def _launch_used(self, g: GroupInstance) -> None:
         link = self.links[self.primary]
-        w = link.all_reduce(g.used_map)
+        if self.comm_hook is not None:  # the hooks' collectives on this link are chained: join the chain
+            w: Any = self._chained([self.primary], lambda: link.all_reduce(g.used_map).get_future())
+        else:
+            w = link.all_reduce(g.used_map)
         g.pending.setdefault(-1, []).append(Pending(w, self.primary, "all-reduce of the used-parameter map of the "
                                                     f"update merging iterations {g.iterations}"))
         g.used_launched = True
 
     # -- waiting and updates -------------------------------------------------------------------
     def wait(self, pending: Pending) -> None:
-        wait_work(pending.work, pending.link, pending.what, self.rank, self.timeout_s)
+        value = wait_work(pending.work, pending.link, pending.what, self.rank, self.timeout_s)
+        if pending.post is not None:
+            post, pending.post = pending.post, None  # once, even if waited for again
+            try:
+                post(value)
+            except Exception as e:
+                raise CommunicationError(f"rank {self.rank}: the comm hook's result for the {pending.what} on link "
+                                         f"{pending.link!r} is unusable: {e}") from e
 
     def _settle(self, g: GroupInstance, buckets: Iterable[int] | None = None) -> None:
         """Wait for the collectives of ``buckets`` of ``g`` (default: all, the used map included)."""
@@ -433,17 +533,13 @@ class Executor:
         for last in sorted(self.groups):
             g = self.groups[last]
             g.k = len(g.iterations)  # a group cut short merges the iterations it has
-            link = self.links[self.primary]
             assert self.layout is not None
             for b in range(self.layout.n_buckets):
                 if b not in g.launched:
                     tok = nvtx.push_range("comm", b, max(self.t, 0), self.primary, last)
-                    works = [link.all_reduce(v) for v in self.layout.bucket_views(g.buffers, b)]
+                    self._send(g, b, self.primary, f"flush all-reduce of bucket {b} of the update merging "
+                                                   f"iterations {g.iterations}")
                     nvtx.pop_range(tok)
-                    g.pending.setdefault(b, []).extend(
-                        Pending(w, self.primary, f"flush all-reduce of bucket {b} of the update merging "
-                                                 f"iterations {g.iterations}") for w in works)
-                    g.launched.add(b)
             if not g.used_launched:
                 self._launch_used(g)
         for last in sorted(self.groups):
@@ -507,3 +603,15 @@ class Executor:
             if g.deferred is not None:
                 g.used = g.used_map.tolist()
             self.groups[g.last] = g
+
+
+def _hook_post(view: torch.Tensor, world: int) -> Callable[[Any], None]:
+    """The hook's averaged result into the bucket's buffer, as a sum over ranks (module docstring)."""
+    def post(value: Any) -> None:
+        result = hook_result(value)
+        if result.numel() != view.numel():
+            raise ValueError(f"the result has {result.numel()} elements, the bucket {view.numel()}")
+        if result.data_ptr() != view.data_ptr():
+            view.copy_(result.reshape(-1))
+        view.mul_(world)
+    return post

@@ -1,0 +1,144 @@
+"""torch's comm hooks on deft's buckets (issue 11): the same parameters as torch DDP with the same hook.
+
+Two gloo ranks, epsilon 0, one link: the whole loop is trained under deft with
+``ddp.register_comm_hook(state, hook)`` and under ``torch.nn.parallel.DistributedDataParallel`` with
+the same hook; parameters must agree to 1e-5 relative. fp16/bf16 compression casts element by
+element, so deft's buckets need not be DDP's. PowerSGD keeps per-bucket state and draws its random
+start per bucket, so both runs use one bucket holding every parameter (deft: a schedule file; DDP:
+the model fits its first 1 MB bucket) and the same seed. A hook that returns something else than a
+Future, or whose future fails, stops training with an error naming the bucket and the link, with no
+update applied.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from deft.schedule import CommTask, Schedule, StagePlan, Update
+from tests._dist import run_ranks, values
+
+STEPS = 8
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 48), nn.Tanh(), nn.Linear(48, 40), nn.Tanh(), nn.Linear(40, 4))
+
+
+def batch(rank: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(97 * t + rank)
+    return torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)
+
+
+def one_bucket_schedule(path: str) -> None:
+    n = sum(p.numel() for p in make_model().parameters())
+    Schedule(cycle=1, links=("primary",), bucket_numel=(n,), bucket_nbytes=(4 * n,),
+             stages=(StagePlan(0, "forward"), StagePlan(0, "backward", (CommTask(0, 0, "primary"),))),
+             updates=(Update((0,), 0),)).save(path)
+
+
+def bf16_reference_hook(state, bucket):  # type: ignore[no-untyped-def]  # torch DDP rejects other annotations
+    """torch's bf16 hook under another name: torch DDP refuses ``bf16_compress_hook`` by name without
+    CUDA and NCCL, but the maths (cast to bf16 / world, all-reduce, cast back) runs anywhere."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks._compress_hook(torch.bfloat16, state, bucket)
+
+
+def make_hook(name: str, reference: bool = False) -> tuple[Any, Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name == "fp16":
+        return None, default_hooks.fp16_compress_hook
+    if name == "bf16":
+        return None, bf16_reference_hook if reference else default_hooks.bf16_compress_hook
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2,
+                                        use_error_feedback=True, warm_start=True, random_seed=7)
+    return state, powerSGD_hook.powerSGD_hook if name == "powersgd" else powerSGD_hook.batched_powerSGD_hook
+
+
+def train(model: nn.Module, wrapped: nn.Module, rank: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for t in range(STEPS):
+        x, y = batch(rank, t)
+        nn.functional.mse_loss(wrapped(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def parity_worker(rank: int, world: int, name: str, schedule_path: str) -> dict[str, Any]:
+    import deft
+
+    ours = make_model()
+    cfg: dict[str, Any] = {"epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2, "timeout_s": 30}
+    if name in ("powersgd", "batched_powersgd"):
+        cfg["schedule_path"] = schedule_path
+    ddp = deft.DistributedDataParallel(ours, config=cfg)
+    ddp.register_comm_hook(*make_hook(name))
+    train(ours, ddp, rank)
+    ddp.flush()
+
+    ref = make_model()
+    tddp = nn.parallel.DistributedDataParallel(ref)
+    tddp.register_comm_hook(*make_hook(name, reference=True))
+    train(ref, tddp, rank)
+    worst = max(((a - b).abs().max() / b.abs().max()).item()
+                for a, b in zip(ours.parameters(), ref.parameters(), strict=True))
+    moved = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), make_model().parameters(), strict=True))
+    return {"worst": worst, "moved": moved, "params": [p.sum().item() for p in ours.parameters()]}
+
+
+@pytest.mark.slow
+# torch 2.13's batched_powerSGD_hook fails by itself (its _orthogonalize asserts a 3-D batch, the
+# batched hook passes a 2-D matrix), under torch DDP as under deft: not comparable here.
+@pytest.mark.parametrize("name", ["fp16", "bf16", "powersgd"])
+def test_torch_hooks_match_torch_ddp(name: str, tmp_path: Path) -> None:
+    path = str(tmp_path / "one_bucket.json")
+    one_bucket_schedule(path)
+    a, b = values(run_ranks(parity_worker, 2, (name, path), timeout=120))
+    assert a["worst"] < 1e-5 and b["worst"] < 1e-5, (a["worst"], b["worst"])
+    assert a["moved"] > 1e-3  # training really moved the parameters
+    assert a["params"] == b["params"]
+
+
+def _returns_tensor(state: Any, bucket: Any) -> Any:
+    return bucket.buffer()
+
+
+def _fails(state: Any, bucket: Any) -> Any:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_exception(RuntimeError("codec exploded"))
+    return fut
+
+
+def bad_hook_worker(rank: int, world: int, kind: str) -> dict[str, Any]:
+    import deft
+
+    model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ddp = deft.DistributedDataParallel(model, config={"warmup_iters": 1, "timeout_s": 20})
+    ddp.register_comm_hook(None, _returns_tensor if kind == "tensor" else _fails)
+    error = None
+    try:
+        x, y = batch(rank, 0)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    except deft.DeftError as e:
+        error = str(e)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    return {"error": error, "unchanged": unchanged}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "says"), [("tensor", "returned Tensor"), ("fails", "codec exploded")])
+def test_bad_hooks_fail_clearly_and_apply_nothing(kind: str, says: str) -> None:
+    for v in values(run_ranks(bad_hook_worker, 2, (kind,), timeout=60)):
+        assert v["error"] is not None and says in v["error"], v["error"]
+        assert "bucket 0" in v["error"] and "'primary'" in v["error"]
+        assert v["unchanged"]
