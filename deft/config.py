@@ -58,6 +58,7 @@ class DeftConfig:
     preserver_max_tries: int = 10
     capacity_growth: float = 1.25
     recheck_every: int = 200
+    forward_updates: bool = True   # lag-free plans: updates may finish in the next forward (deft.solver.lagfree)
     compression: str = "none"      # "fp16" | "bf16" | "powersgd": torch's comm hook on every bucket
     powersgd_rank: int = 4
     powersgd_start_iter: int = 2   # plain all-reduce before (PowerSGD needs > 1 with error feedback)

@@ -11,6 +11,10 @@ all-reduced. Rules that keep the runtime's invariants:
   default hooks) gets the group of the link carrying the bucket; a state with a ``process_group``
   attribute (``PowerSGDState``) has it set to that group for the call. The hook's collectives then
   travel on the scheduled link, in the schedule's order on every rank.
+* **One bucket at a time.** Hooked buckets run one after another in launch order (the executor
+  chains them): a hook starts collectives from its futures' callbacks and shares its state across
+  buckets, so concurrent hooks would issue collectives in a different order on different ranks and
+  make two runs of the same training differ.
 * **Exactly once.** Each bucket of each update group is launched once, so the hook (and any error
   feedback it keeps per ``bucket.index()``, deft's bucket id) sees each gradient once; a merged
   update hands it the merged (summed) gradient of its iterations once, and deft divides by the

@@ -192,6 +192,11 @@ class DistributedDataParallel(nn.Module):
         self._clip: tuple[float, float] | None = None
         self._step_open = False
         self.last_grad_norm: float | None = None
+        # Gradients exposed in p.grad after backward: (parameter, tensor, version) to see changes.
+        self._exposed: list[tuple[torch.Tensor, torch.Tensor | None, int]] | None = None
+        self._exposed_partial = False
+        self._exposed_iterations: tuple[int, ...] | None = None
+        self._grads_touched = False  # code between backward() and step() modifies gradients
         # Updates finishing in the forward: module pre-hooks, and the hyperparameters of the step that
         # began the update (a learning-rate scheduler may have stepped since).
         self._owned: dict[int, list[int]] = {}
@@ -220,10 +225,12 @@ class DistributedDataParallel(nn.Module):
             self._finish_deferred()  # parameters of modules the evaluation did not run
             return out
         if self._phase is Phase.BACKWARD_DONE:
-            raise DeftError(f"the forward of a new iteration started before optimizer.step() of iteration "
-                            f"{self._t}; deft runs forward, backward, optimizer.step() once per iteration, "
-                            "with an optimizer over this module's parameters (wrap forwards that are not "
-                            "training, e.g. metrics, in torch.no_grad())")
+            if not self._exposed:
+                raise DeftError(f"the forward of a new iteration started before optimizer.step() of iteration "
+                                f"{self._t}; deft runs forward, backward, optimizer.step() once per iteration, "
+                                "with an optimizer over this module's parameters (wrap forwards that are not "
+                                "training, e.g. metrics, in torch.no_grad())")
+            self._skip_step()  # gradients were there and no step took them: a skipped step
         if self._phase is Phase.IDLE:
             # Buffers (e.g. BatchNorm statistics) follow rank 0 at the first forward of an iteration,
             # which is when torch DDP broadcasts them too (also with no_sync() micro-batches).
@@ -316,9 +323,10 @@ class DistributedDataParallel(nn.Module):
     def clip_grad_norm_on_update(self, max_norm: float | None, norm_type: float = 2.0) -> None:
         """Clip every update's averaged gradient to ``max_norm`` right before the optimizer applies it.
 
-        deft's replacement for calling ``torch.nn.utils.clip_grad_norm_`` between ``backward()`` and
-        ``step()`` (there ``p.grad`` is ``None`` under deft, so that call would clip nothing). A merged
-        update is clipped as one step's gradient, as with gradient accumulation. ``None`` turns it off;
+        Calling ``torch.nn.utils.clip_grad_norm_`` between ``backward()`` and ``step()`` works too (the
+        due update's gradient is in ``p.grad`` then, as with torch DDP); this variant also clips updates
+        deft applies outside the user's step (several due at once, ``flush()``). A merged update is
+        clipped as one step's gradient, as with gradient accumulation. ``None`` turns it off;
         ``last_grad_norm`` holds the norm before clipping of the last update.
         """
         if max_norm is not None and not max_norm > 0:
@@ -388,6 +396,8 @@ class DistributedDataParallel(nn.Module):
 
     # -- the iteration state machine (deft.runtime.phase) -----------------------------------------
     def _require_idle(self, what: str) -> None:
+        if self._phase is Phase.BACKWARD_DONE and self._exposed:
+            self._skip_step()  # the last step was skipped (GradScaler found inf/NaN): the iteration is over
         if self._phase is not Phase.IDLE:
             raise DeftError(f"{what} must be called between iterations (after optimizer.step()); iteration "
                             f"{self._t} is in its {self._phase} phase. A forward with gradients enabled starts "
@@ -446,20 +456,18 @@ class DistributedDataParallel(nn.Module):
                 self._bwd_s.append(time.perf_counter() - self._bwd_start)
             self._executor.end_backward()
             self._phase = Phase.BACKWARD_DONE
+            self._expose()
         self._close_bwd()
 
-    def _before_step(self) -> None:
-        """Before the user's ``optimizer.step()``: put the due update's averaged gradient in ``p.grad``."""
-        if self._phase is Phase.IDLE:
-            self._clear_grads()  # a step without an iteration changes nothing
-            self._step_open = False
+    def _expose(self) -> None:
+        """End of backward (or the step, if no backward ended): the due updates' averaged gradients go
+        into ``p.grad``, where torch DDP leaves them, so GradScaler, clipping and any code between
+        ``backward()`` and ``step()`` see them. Earlier updates due at the same step are applied
+        through internal steps; an update finishing in the forward exposes only its parameters whose
+        buckets were sent in backward (the rest are applied in the next forward)."""
+        if self._exposed is not None:
             return
-        self._step_open = True
         ex = self._executor
-        if self._phase in (Phase.FORWARD, Phase.BACKWARD):
-            ex.end_backward()  # no backward, or one with no gradient for deft: unused parameters count as zero
-            self._phase = Phase.BACKWARD_DONE
-            self._close_bwd()
         self._finish_deferred()  # an update finishing in a forward that did not run through deft
         lasts = ex.due(self._t)
         coupled = self._couples()
@@ -489,15 +497,59 @@ class DistributedDataParallel(nn.Module):
             self.update_log.append((self._t, upd.iterations))
         if updates:
             self._set_grads(updates[-1].grads)
-            self.update_log.append((self._t, updates[-1].iterations))
+            self._exposed_iterations = updates[-1].iterations  # logged when the step takes it
         else:
             self._clear_grads()
+        self._exposed = [(p, p.grad, p.grad._version) for p in self._params if p.grad is not None]
+        self._exposed_partial = bool(ex.deferred)
+
+    def _grads_changed(self) -> bool:
+        """Did code between backward() and step() modify the exposed gradients (GradScaler's unscale_,
+        clip_grad_norm_, ...)? In-place changes bump a tensor's version counter."""
+        return any(p.grad is not g or (g is not None and g._version != v) for p, g, v in self._exposed or ())
+
+    def _before_step(self) -> None:
+        """Before the user's ``optimizer.step()``: the due update's gradient is in ``p.grad``."""
+        if self._phase is Phase.IDLE:
+            self._clear_grads()  # a step without an iteration changes nothing
+            self._step_open = False
+            return
+        self._step_open = True
+        if self._phase in (Phase.FORWARD, Phase.BACKWARD):
+            self._executor.end_backward()  # no backward, or one without gradients for deft: unused = zero
+            self._phase = Phase.BACKWARD_DONE
+            self._close_bwd()
+        self._expose()
+        if self._grads_changed():
+            self._grads_touched = True
+            if self._exposed_partial:
+                raise DeftError("the gradients were modified between backward() and optimizer.step() (GradScaler's "
+                                "unscale_, clip_grad_norm_, ...), but this update finishes in the next forward and "
+                                "its other parameters cannot get the same change. deft switches to whole updates "
+                                "when it sees this during warm-up; here it appeared only after planning: set "
+                                "forward_updates = false in the config")
+
+    def _skip_step(self) -> None:
+        """A forward began after backward() without optimizer.step(): the step was skipped (GradScaler
+        found inf/NaN, or the loop chose to). As with torch DDP, the exposed update is dropped; updates
+        applied before it stay applied, other queued gradients stay queued."""
+        ex = self._executor
+        self._exposed_iterations = None  # dropped, not applied
+        if self._exposed:
+            ex.finish()  # its deferred part, if any, is dropped too
+        self.plan_info.setdefault("skipped_steps", []).append(self._t)
+        self._step_open = True
+        self._after_step()
 
     def _after_step(self) -> None:
         """After the user's ``optimizer.step()``: the iteration ends; warm-up, planning, re-checks follow."""
         if not self._step_open:
             return
         self._step_open = False
+        self._exposed = None
+        if self._exposed_iterations is not None:
+            self.update_log.append((self._t, self._exposed_iterations))
+            self._exposed_iterations = None
         self._clear_grads()
         self._phase = Phase.IDLE
         if self._timer is not None:
@@ -545,6 +597,9 @@ class DistributedDataParallel(nn.Module):
     # -- updates finishing in the forward (Update.finish_in_forward) -----------------------------
     def _couples(self) -> str | None:
         """Why an update cannot be applied one module at a time (None: it can)."""
+        if self._grads_touched:
+            return ("gradients are modified between backward() and step() (GradScaler's unscale_, "
+                    "clip_grad_norm_, ...): every parameter must see the change")
         if self._clip is not None:
             return "clip_grad_norm_on_update couples all parameters (the norm is global)"
         opt = self._optim.optimizer

@@ -137,7 +137,7 @@ class Executor:
         # the warm-up timer labels its own timed launches instead.
         self.label_launches = True
         self.comm_hook: CommHook | None = None  # deft.runtime.comm_hooks: torch's comm hooks on buckets
-        self._hook_tail: dict[str, Any] = {}  # per link and bucket: the last chained hook launch (_chained)
+        self._hook_tail: Any = None  # the last chained hook launch (_chained)
 
     # -- schedule ------------------------------------------------------------------------------
     def install(self, schedule: Schedule, layout: FlatLayout, t0: int) -> None:
@@ -367,18 +367,21 @@ class Executor:
                 raise DeftError(f"{where} returned {type(fut).__name__}; a comm hook must return a "
                                 "torch.futures.Future whose value is the bucket's averaged gradient")
             return fut
-        return self._chained([link_name, f"bucket {b}"], launch)
+        return self._chained(launch)
 
-    def _chained(self, keys: list[str], launch: Callable[[], Any]) -> torch.futures.Future:
-        """Run ``launch`` (which starts collectives and returns their Future) after every earlier chained
-        launch with one of the same ``keys`` (a link, a bucket) has completed.
+    def _chained(self, launch: Callable[[], Any]) -> torch.futures.Future:
+        """Run ``launch`` (which starts collectives and returns their Future) once every earlier chained
+        launch has completed: with a comm hook, one bucket is in flight at a time.
 
-        A hook may start further collectives from its futures' callbacks (PowerSGD all-reduces P, then
-        Q when P is done). Two buckets' hooks in flight on one link would interleave those collectives
-        in a different order on different ranks, and the group's collectives would no longer match:
-        one hook in flight per link keeps every rank's sequence the same. A hook may also keep state
-        per bucket (PowerSGD's error feedback and P/Q memories, by ``bucket.index()``): one hook in
-        flight per bucket id makes the state evolve in launch order, the same in every run."""
+        A hook may start collectives from its futures' callbacks (PowerSGD all-reduces P, then Q when P
+        is done), on gloo's threads: two hooks in flight on one link would interleave them in a
+        different order on different ranks, and the group's collectives would no longer match. A hook's
+        state is also shared by all buckets (PowerSGD's iteration counter decides whether to compress,
+        its random generator seeds each bucket's first Q): two hooks in flight, even on two links, would
+        read and change it in a racy order, and two runs of the same training would differ. So hooked
+        buckets (and, on the primary link, the used-parameter map) run one after another, in launch
+        order: every rank issues the same collectives in the same order, and runs are reproducible.
+        The links still overlap communication with computation; compression has made it small."""
         outer: torch.futures.Future = torch.futures.Future()
 
         def run(_: Any = None) -> None:
@@ -395,21 +398,17 @@ class Executor:
                     outer.set_exception(e)
             inner.add_done_callback(done)
 
-        tails = [t for t in (self._hook_tail.get(k) for k in keys) if t is not None]
-        for k in keys:
-            self._hook_tail[k] = outer
-        if not tails:
+        tail, self._hook_tail = self._hook_tail, outer
+        if tail is None:
             run()
-        elif len(tails) == 1:
-            tails[0].add_done_callback(run)
         else:
-            torch.futures.collect_all(tails).add_done_callback(run)
+            tail.add_done_callback(run)
         return outer
 
     def _launch_used(self, g: GroupInstance) -> None:
         link = self.links[self.primary]
         if self.comm_hook is not None:  # the hooks' collectives on this link are chained: join the chain
-            w: Any = self._chained([self.primary], lambda: link.all_reduce(g.used_map).get_future())
+            w: Any = self._chained(lambda: link.all_reduce(g.used_map).get_future())
         else:
             w = link.all_reduce(g.used_map)
         g.pending.setdefault(-1, []).append(Pending(w, self.primary, "all-reduce of the used-parameter map of the "

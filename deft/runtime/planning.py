@@ -90,10 +90,11 @@ def make_schedule(cfg: DeftConfig, profile: Profile | None, stats: WalkStats | N
         return Decision(Schedule.load(schedule_path), {"source": str(schedule_path)})
     assert profile is not None
     try:
+        base = lagfree_plan if cfg.forward_updates else no_delay_plan
         if cfg.epsilon == 0:
-            return Decision(lagfree_plan(profile, cfg), {"source": "lagfree_plan (epsilon = 0)"})
+            return Decision(base(profile, cfg), {"source": f"{base.__name__} (epsilon = 0)"})
         if cfg.preserver:
-            res = feedback.preserve(profile, cfg, stats, planner=plan, no_delay_planner=lagfree_plan)
+            res = feedback.preserve(profile, cfg, stats, planner=plan, no_delay_planner=base)
             return Decision(res.schedule, {"source": "preserver", "accepted": bool(res.accepted),
                                            "tries": len(res.tries),
                                            "stats": None if stats is None else stats.to_dict()}, res)
@@ -172,7 +173,8 @@ class Planning:
                     doc["check"] = {"ratio": decision.ratio, "replan": decision.replan, "reason": decision.reason}
                     if decision.replan:
                         assert profile is not None and self._recheck is not None
-                        res = feedback.preserve(profile, cfg, stats, planner=plan, no_delay_planner=lagfree_plan)
+                        res = feedback.preserve(profile, cfg, stats, planner=plan,
+                                                no_delay_planner=lagfree_plan if cfg.forward_updates else no_delay_plan)
                         self._recheck.reset(res)
                         doc["schedule"] = res.schedule.to_dict()
                         doc["info"] = {"source": "preserver (re-plan)", "accepted": bool(res.accepted),
