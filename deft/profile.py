@@ -23,6 +23,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from scipy.optimize import nnls
+
 from deft._json import Fields, read_json, write_json
 from deft.errors import ContractError
 
@@ -71,6 +74,62 @@ class Link:
 
     def time(self, nbytes: int) -> float:
         return self.alpha_s + self.beta_s_per_byte * nbytes
+
+
+@dataclass(frozen=True)
+class AlphaBetaFit:
+    """``T(nbytes) = alpha + beta * nbytes`` fitted to measured all-reduce times, and how well it fits."""
+
+    alpha: float
+    beta: float
+    r2: float          # share of the times' variance the line explains
+    rmse: float        # root-mean-square error, seconds
+    rel_rmse: float    # root-mean-square relative error
+    free_alpha: float  # the unconstrained weighted least-squares line (nan: one size only)
+    free_beta: float
+
+    @property
+    def constrained(self) -> bool:
+        """The free line had ``alpha < 0`` or ``beta < 0``: the non-negativity rule decided."""
+        return self.free_alpha < 0 or self.free_beta < 0
+
+
+def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float],
+                   weights: Sequence[float] | None = None, source: str = "<samples>") -> AlphaBetaFit:
+    """The one alpha-beta fit of deft: weighted least squares with ``alpha >= 0`` and ``beta >= 0``.
+
+    Minimizes ``sum_i w_i (alpha + beta b_i - T_i)^2`` over ``alpha, beta >= 0``
+    (``scipy.optimize.nnls`` on the rows scaled by ``sqrt(w_i)``). The non-negativity rule: a negative
+    intercept or slope is measurement noise (time cannot fall with size, nor be below zero at size 0),
+    so the constrained optimum is taken; it lies on the boundary (a line through the origin, or a flat
+    line at the weighted mean) when the free line leaves the feasible set. With a single distinct size
+    the line is not determined; nnls then returns its minimum-norm feasible answer.
+    """
+    b = np.asarray(nbytes, dtype=float)
+    t = np.asarray(seconds, dtype=float)
+    if b.shape != t.shape or b.ndim != 1 or len(b) == 0:
+        raise ContractError(source, "samples", f"expected equally many sizes and times (at least one), got "
+                            f"{len(b)} and {len(t)}")
+    if not (np.all(np.isfinite(t)) and np.all(t >= 0) and np.all(np.isfinite(b)) and np.all(b >= 0)):
+        raise ContractError(source, "samples", "sizes and times must be finite and >= 0")
+    w = np.ones_like(t) if weights is None else np.asarray(weights, dtype=float)
+    if w.shape != t.shape or not np.all(np.isfinite(w)) or np.any(w <= 0):
+        raise ContractError(source, "weights", "expected one finite positive weight per sample")
+    sw = np.sqrt(w)
+    scale = float(b.max()) or 1.0  # columns of similar magnitude: nnls is then well conditioned
+    design = np.column_stack([np.ones_like(b), b / scale]) * sw[:, None]
+    (alpha, beta_scaled), _ = nnls(design, t * sw)
+    beta = float(beta_scaled) / scale
+    free = (np.linalg.lstsq(design, t * sw, rcond=None)[0] if len(set(b.tolist())) >= 2
+            else np.array([math.nan, math.nan]))
+    pred = alpha + beta * b
+    ss_res = float(np.sum((t - pred) ** 2))
+    ss_tot = float(np.sum((t - t.mean()) ** 2))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
+    rel = (t - pred) / np.where(t > 0, t, 1.0)
+    return AlphaBetaFit(alpha=float(alpha), beta=beta, r2=r2, rmse=float(np.sqrt(ss_res / len(t))),
+                        rel_rmse=float(np.sqrt(np.mean(rel ** 2))), free_alpha=float(free[0]),
+                        free_beta=float(free[1]) / scale)
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from deft.errors import ContractError, DeftError
-from deft.profile import Link
+from deft.profile import Link, fit_alpha_beta
 
 DEFAULT_SIZES = tuple(2**k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB, x4 steps
 
@@ -91,10 +91,9 @@ class LinkFit:
 
 
 def fit(samples: Sequence[Sample], source: str = "<samples>", weight_power: float = 1.0) -> LinkFit:
-    """Weighted least-squares fit of ``T = alpha + beta * nbytes`` (weights ``T^-weight_power``), ``alpha >= 0``.
+    """Weighted least-squares fit of ``T = alpha + beta * nbytes`` (weights ``T^-weight_power``) with
+    ``alpha, beta >= 0``: :func:`deft.profile.fit_alpha_beta`, plus the checks of the samples.
 
-    With ``w_i = T_i^-p`` the normal equations are
-    ``[sum w, sum w b; sum w b, sum w b^2] [alpha; beta] = [sum w T; sum w b T]``.
     Raises :class:`ContractError` naming the sample when a time is not positive and finite, or when
     fewer than two distinct sizes make the line undetermined.
     """
@@ -109,32 +108,14 @@ def fit(samples: Sequence[Sample], source: str = "<samples>", weight_power: floa
             raise ContractError(source, f"samples[{i}].nbytes", f"expected >= 0, got {s.nbytes}")
     if len({s.nbytes for s in samples}) < 2:
         raise ContractError(source, "samples", "expected at least 2 distinct sizes to fit a line")
-    b = [float(s.nbytes) for s in samples]
     t = [s.seconds for s in samples]
-    w = [ti**-weight_power for ti in t]
-    sw = sum(w)
-    swb = sum(wi * bi for wi, bi in zip(w, b, strict=True))
-    swbb = sum(wi * bi * bi for wi, bi in zip(w, b, strict=True))
-    swt = sum(wi * ti for wi, ti in zip(w, t, strict=True))
-    swbt = sum(wi * bi * ti for wi, bi, ti in zip(w, b, t, strict=True))
-    det = sw * swbb - swb * swb
-    alpha = (swbb * swt - swb * swbt) / det
-    beta = (sw * swbt - swb * swt) / det
-    notes: list[str] = []
-    if beta < 0:
-        # time does not grow with size: latency-bound or noise; a flat line is the honest model
-        notes.append(f"beta fitted negative ({beta:.3g} s/B); clamped to 0 and alpha refitted as the weighted mean")
-        beta, alpha = 0.0, swt / sw
-    if alpha < 0:
-        notes.append(f"alpha fitted negative ({alpha:.3g} s); clamped to 0 and beta refitted through the origin")
-        alpha, beta = 0.0, swbt / swbb
-    pred = [alpha + beta * bi for bi in b]
-    t_bar = sum(t) / len(t)
-    ss_res = sum((ti - pi) ** 2 for ti, pi in zip(t, pred, strict=True))
-    ss_tot = sum((ti - t_bar) ** 2 for ti in t)
-    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
-    rmse = math.sqrt(ss_res / len(t))
-    rel_rmse = math.sqrt(sum(((ti - pi) / ti) ** 2 for ti, pi in zip(t, pred, strict=True)) / len(t))
+    f = fit_alpha_beta([s.nbytes for s in samples], t, [ti**-weight_power for ti in t], source)
+    notes = []  # the non-negativity rule of deft.profile.fit_alpha_beta, when it decided
+    if f.free_beta < 0:
+        notes.append(f"beta fitted negative ({f.free_beta:.3g} s/B); clamped to 0 (alpha {f.alpha:.3g} s)")
+    if f.free_alpha < 0:
+        notes.append(f"alpha fitted negative ({f.free_alpha:.3g} s); clamped to 0 (beta {f.beta:.3g} s/B)")
+    alpha, beta, r2, rmse, rel_rmse = f.alpha, f.beta, f.r2, f.rmse, f.rel_rmse
     return LinkFit(alpha_s=alpha, beta_s_per_byte=beta, r2=r2, rmse_s=rmse, n=len(samples), rel_rmse=rel_rmse,
                    notes=tuple(notes))
 
