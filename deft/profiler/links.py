@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from deft.errors import ContractError, DeftError
+from deft.netif import new_group_on_nic
 from deft.profile import Link, fit_alpha_beta
 
 DEFAULT_SIZES = tuple(2**k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB, x4 steps
@@ -278,20 +279,8 @@ def _mark_done(done: list[float], lock: Any, i: int, _fut: Any) -> None:
 
 
 def new_link_group(backend: str, ifname: str | None) -> Any:
-    """A process group over all ranks bound to NIC ``ifname`` (gloo reads GLOO_SOCKET_IFNAME at creation)."""
-    import torch.distributed as dist
-
-    var = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
-    old = os.environ.get(var)
-    try:
-        if ifname:
-            os.environ[var] = ifname
-        return dist.new_group(backend=backend)
-    finally:
-        if old is None:
-            os.environ.pop(var, None)
-        else:
-            os.environ[var] = old
+    """A process group over all ranks bound to NIC ``ifname`` (:func:`deft.netif.new_group_on_nic`)."""
+    return new_group_on_nic(backend, ifname)
 
 
 def main(argv: list[str] | None = None) -> int:

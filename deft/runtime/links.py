@@ -23,16 +23,15 @@ Counters (``calls``, ``bytes``) per link let tests and reports prove that each l
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from deft.config import DeftConfig, LinkConfig
+from deft.netif import new_group_on_nic
 
 
 @dataclass
@@ -68,21 +67,7 @@ def link_backend(cfg: LinkConfig, index: int, cuda: bool) -> str:
 
 
 def _new_group(backend: str, ifname: str | None, timeout_s: float, ranks: Sequence[int] | None) -> Any:
-    var = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
-    previous = os.environ.get(var)
-    if ifname:
-        os.environ[var] = ifname
-    try:
-        return dist.new_group(ranks=list(ranks) if ranks is not None else None, backend=backend,
-                              timeout=timedelta(seconds=timeout_s))
-    finally:
-        # NCCL creates its communicator lazily at the first collective and reads the variable then,
-        # so the NCCL link keeps it; gloo has bound its device inside new_group.
-        if ifname and backend != "nccl":
-            if previous is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = previous
+    return new_group_on_nic(backend, ifname, timeout_s, ranks)
 
 
 def make_control_group(config: DeftConfig, ranks: Sequence[int] | None) -> Any:

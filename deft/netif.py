@@ -1,0 +1,40 @@
+"""One process group bound to one NIC: the single place where ``*_SOCKET_IFNAME`` is set for a group.
+
+gloo reads ``GLOO_SOCKET_IFNAME`` when a group creates its transport device (inside
+``dist.new_group``; its ``pg_options`` are ignored for this), so the variable is set right before
+the call and restored right after. NCCL creates its communicator lazily, at the group's first
+collective, and reads ``NCCL_SOCKET_IFNAME`` then: for an NCCL group the variable is left set.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+
+def ifname_variable(backend: str) -> str:
+    return "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
+
+
+def new_group_on_nic(backend: str, ifname: str | None, timeout_s: float | None = None,
+                     ranks: Sequence[int] | None = None) -> Any:
+    """``dist.new_group`` over ``ranks`` (default: all) whose traffic uses NIC ``ifname`` (None: the default)."""
+    var = ifname_variable(backend)
+    previous = os.environ.get(var)
+    if ifname:
+        os.environ[var] = ifname
+    kwargs: dict[str, Any] = {"backend": backend, "ranks": list(ranks) if ranks is not None else None}
+    if timeout_s is not None:
+        kwargs["timeout"] = timedelta(seconds=timeout_s)
+    try:
+        return dist.new_group(**kwargs)
+    finally:
+        if ifname and backend != "nccl":
+            if previous is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = previous
