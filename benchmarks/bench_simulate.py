@@ -2,10 +2,12 @@
 
     .venv/bin/python benchmarks/bench_simulate.py [--out FILE]
 
-Tables: (1) every scheme on every profile in examples/profiles (iteration time, deft's speed-up over
-the scheme, bubbles, updates per iteration); (2) the ablations the paper runs (one link instead of two;
-``epsilon = 0``, i.e. no delayed update); (3) VGG-19 scaled to 8..1024 workers with the ring
-all-reduce model; (4) how long planning and simulating take.
+Tables: (1) VGG-19 as a user runs it: the planner's first plan (preserver off) and the default
+pipeline (preserver on) for stated walk statistics; (2) every scheme on every profile in
+examples/profiles (iteration time, deft's speed-up over the scheme, bubbles, updates per iteration;
+"deft" there is the planner's first plan); (3) the ablations the paper runs (one link instead of two;
+``epsilon = 0``, i.e. no delayed update); (4) VGG-19 scaled to 8..1024 workers with the ring
+all-reduce model; (5) how long planning and simulating take.
 """
 
 from __future__ import annotations
@@ -18,12 +20,23 @@ from pathlib import Path
 
 from deft.config import DeftConfig
 from deft.errors import ContractError, DeftError
+from deft.preserver.feedback import WalkStats
 from deft.profile import BucketTimes, Profile
-from deft.solver.simulate import SCHEMES, SimResult, simulate
+from deft.solver.cli import describe_stats, simulate_pipeline
+from deft.solver.compare import SCHEMES, simulate
+from deft.solver.simulate import SimResult
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ROOT / "examples" / "profiles"
 ORDER = ("ddp", "wfbp", "mgwfbp", "bytescheduler", "usbyte", "deft")
+# Walk statistics for the default pipeline: a run before it has measured them (None), then a gradient
+# from strong to weak against the loss (lr * mu = 0.05, 0.015, 0.005 at loss 2).
+PIPELINE_STATS: tuple[WalkStats | None, ...] = (
+    None,
+    WalkStats(loss=2.0, mu=1.0, sigma=20.0, lr=0.05, batch=512),
+    WalkStats(loss=2.0, mu=0.3, sigma=20.0, lr=0.05, batch=512),
+    WalkStats(loss=2.0, mu=0.1, sigma=20.0, lr=0.05, batch=512),
+)
 
 
 def single_link(profile: Profile) -> Profile:
@@ -57,6 +70,24 @@ def main(argv: list[str] | None = None) -> int:
     lines: list[str] = []
     emit = lines.append
 
+    vgg = Profile.load(PROFILES / "vgg19.json")
+    ddp = simulate(vgg, "ddp", cfg)
+    emit("### VGG-19 as a user runs it (simulated, 16 workers, default config: epsilon 0.01)\n")
+    emit("| deft as run | walk statistics | schedule | iteration ms | speed-up over DDP | updates/iter |")
+    emit("|---|---|---|---:|---:|---:|")
+    first = simulate(vgg, "deft", cfg)
+    sched = first.meta["schedule"]
+    emit(f"| preserver off (`preserver = false`): the planner's first plan | not used | cycle {sched.cycle}, "
+         f"K = {list(sched.batch_sequence)} ({sched.meta['mode']}) | {first.iteration_s * 1e3:.1f} | "
+         f"{(first.speedup_over(ddp) - 1) * 100:+.0f}% | {first.updates_per_iteration:.2f} |")
+    for stats in PIPELINE_STATS:
+        r, chosen = simulate_pipeline(vgg, cfg, stats)
+        s = chosen.schedule
+        emit(f"| default (preserver on) | {describe_stats(stats).split(' (')[0]} | cycle {s.cycle}, "
+             f"K = {list(s.batch_sequence)} ({s.meta['mode']}) | {r.iteration_s * 1e3:.1f} | "
+             f"{(r.speedup_over(ddp) - 1) * 100:+.0f}% | {r.updates_per_iteration:.2f} |")
+    emit(f"\nDDP: {ddp.iteration_s * 1e3:.1f} ms.\n")
+
     emit("### Every scheme on the reference profiles (simulated, 16 workers, epsilon 0.01)\n")
     emit("| model | scheme | iteration ms | deft speed-up over it | bubbles | updates/iter | link utilisation |")
     emit("|---|---|---:|---:|---:|---:|---|")
@@ -72,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in ORDER:
             r = res[s]
             util = ", ".join(f"{k} {v:.0%}" for k, v in r.link_utilization.items() if v > 0)
-            emit(f"| {p.model} ({p.source}) | {s} | {r.iteration_s * 1e3:.1f} | "
+            label = "deft (first plan, preserver off)" if s == "deft" else s
+            emit(f"| {p.model} ({p.source}) | {label} | {r.iteration_s * 1e3:.1f} | "
                  f"{(deft.speedup_over(r) - 1) * 100:+.0f}% | {r.bubble_ratio:.0%} | {r.updates_per_iteration:.2f} | "
                  f"{util} |")
         sched = deft.meta["schedule"]
@@ -82,7 +114,6 @@ def main(argv: list[str] | None = None) -> int:
     emit("\n### Ablations (VGG-19, 16 workers)\n")
     emit("| variant | iteration ms | vs compute bound | updates/iter | K |")
     emit("|---|---:|---:|---:|---|")
-    vgg = Profile.load(PROFILES / "vgg19.json")
     for label, prof, c in (("deft, nccl + gloo, epsilon 0.01", vgg, cfg),
                            ("deft, nccl only (no heterogeneous link)", single_link(vgg), cfg),
                            ("deft, epsilon 0 (no delayed update, two links)", vgg, DeftConfig(epsilon=0.0)),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 
 import pytest
 from hypothesis import given, settings
@@ -129,7 +130,6 @@ def test_mgwfbp_optimal_equals_brute_force_and_beats_paper(layers: tuple[list[fl
 
 def test_mgwfbp_paper_is_not_always_optimal() -> None:
     """Algorithm 1 decides layer by layer; some instances show a gap (the DP exists for a reason)."""
-    import random
 
     rng = random.Random(7)
     gaps = 0

@@ -80,6 +80,29 @@ def test_vgg19_split_meets_both_caps_and_keeps_order() -> None:
     assert part.buckets[pieces[0]].params == ("vgg.b4[0:6422784]",)
 
 
+def test_cap_is_the_smallest_knapsack_in_primary_link_units() -> None:
+    """Issue 14.4 / paper III.D: a bucket's time must stay under the smallest knapsack, "typically the
+    forward time divided by mu": with gloo 1.65x slower, its knapsack holds F / 1.65 of NCCL time.
+
+    By hand: F = 2 x 10 = 20 ms < B = 40 ms; the cap is 20 / 1.65 = 12.12 ms. Bucket 0 (15 ms on NCCL,
+    under F but over F / mu) is split into two 7.5 ms halves; bucket 1 (5 ms) stays whole.
+    """
+    links = (Link("nccl", "nccl"), Link("gloo", "gloo"))
+    buckets = tuple(Bucket(i, (f"l{i}.weight",), 1000, 4000) for i in range(2))
+    times = tuple(BucketTimes(10 * MS, 20 * MS, {"nccl": c * MS, "gloo": 1.65 * c * MS}) for c in (15.0, 5.0))
+    prof = Profile(buckets, times, links, 2, "synthetic")
+    assert default_capacity(prof) == pytest.approx(20 * MS / 1.65)
+    part = partition(prof, DeftConfig())
+    assert part.meta["partition"]["segments"] == [[[0, 0, 500]], [[0, 500, 1000]], [[1, 0, 1000]]]
+    assert [part.comm_time(i, "nccl") for i in range(3)] == pytest.approx([7.5 * MS, 7.5 * MS, 5 * MS])
+    assert [part.comm_time(i, "gloo") for i in range(3)] == pytest.approx([12.375 * MS, 12.375 * MS, 8.25 * MS])
+    # The primary link alone: its knapsack is the smallest, F = 20 ms; nothing to split.
+    one = Profile(buckets, tuple(BucketTimes(t.forward_s, t.backward_s, {"nccl": t.comm_s["nccl"]}) for t in times),
+                  links[:1], 2, "synthetic")
+    assert default_capacity(one) == pytest.approx(20 * MS)
+    assert partition(one, DeftConfig()) is one
+
+
 def test_time_cap_alone_splits_with_latency_paid_per_piece() -> None:
     # One bucket of 50 ms comm, capacity 12 ms, alpha 2 ms: pieces pay 2 ms + a share of 48 ms.
     prof = uniform(1, 50 * MS, alpha_s=2 * MS, numel=1000)

@@ -13,19 +13,18 @@ from deft.errors import ContractError
 from deft.profile import Bucket, BucketTimes, Link, Profile
 from deft.schedule import CommTask, Schedule, StagePlan, Update, synchronous_schedule
 from deft.solver.baselines import mgwfbp_merge, mgwfbp_time
+from deft.solver.compare import SCHEMES, simulate
 from deft.solver.simulate import (
-    SCHEMES,
+    BASELINES,
     fit_alpha_beta,
     link_model,
     message_time,
     scale_workers,
-    simulate,
     simulate_schedule,
     usbyte_plan_for,
 )
 
 PROFILES = Path(__file__).resolve().parents[1] / "examples" / "profiles"
-BASELINES = tuple(s for s in SCHEMES if s != "deft")
 
 
 def make_profile(fwd: list[float], bwd: list[float], comm: list[dict[str, float]], nbytes: list[int] | None = None,
@@ -97,8 +96,12 @@ def test_layerwise_dependency_lets_forward_start_early() -> None:
     # Stop-and-wait: bucket 1 overtakes as soon as a piece ends; bucket 0's last piece then delays
     # the next forward of bucket 0 by 0.2, so bucket 0 is ready at 3.2 instead of 3.
     (250_000, "0 0 1 1 1 1 0 0", 3.2, 6.8),
-    # Credit of two pieces: the piece queued behind the running one cannot be overtaken.
-    (500_000, "0 0 0 1 1 1 1 0", 3.0, 7.2),
+    # ByteScheduler's Algorithm 1 sends a piece only while the remaining credit is *greater* than its
+    # size: with a credit of exactly two pieces, 250 kB remain beside a running piece, not more, so
+    # this is stop-and-wait too.
+    (500_000, "0 0 1 1 1 1 0 0", 3.2, 6.8),
+    # A credit above two pieces: the piece queued behind the running one cannot be overtaken.
+    (500_001, "0 0 0 1 1 1 1 0", 3.0, 7.2),
     # Everything handed to the link's FIFO at once: no preemption, plain WFBP order.
     (10**9, "0 0 0 0 1 1 1 1", 3.0, 7.8),
 ])
@@ -117,14 +120,36 @@ def test_bytescheduler_priority_and_credit(credit: int, order: str, ready: float
     assert r.iteration_starts[t + 1] == pytest.approx(max(e.end_s for e in comms if e.bucket == 1))
 
 
+def test_mgwfbp_is_compared_as_its_paper_defines_it() -> None:
+    """Issue 14.4: the scheme named "mgwfbp" is MG-WFBP's Algorithm 1; the exact optimum of its timing
+    model is the named option ``extra.mgwfbp_method = "optimal"``.
+
+    Buckets 0 (output side), 1, 2: backward 0.5, 0.5 and 1 s (ready at 0.5, 1 and 2 s), 1 MB each, alpha
+    1 s, beta 1e-6 s/B: 2 s alone, 3 s for two merged; forward 0.1 s each.
+    Algorithm 1 from the output: bucket 0's all-reduce would start at 0.5 and bucket 1 is ready at 1.0,
+    1.0 - 0.5 < alpha: merge. Buckets 0+1 then start at 1.0; bucket 2 is ready at 2.0, 2.0 - 1.0 is not
+    < alpha: alone. So [1, 4] and [4, 6]: iteration 0.3 + 6 = 6.3 s. The optimum sends bucket 0 alone
+    at [0.5, 2.5] and 1+2 at [2.5, 5.5]: 5.8 s.
+    """
+    p = linear_profile([0.1] * 3, [0.5, 0.5, 1.0], [1_000_000] * 3, 1.0, 1e-6)
+    assert simulate(p, "mgwfbp").iteration_s == pytest.approx(6.3)
+    assert simulate(p, "mgwfbp", {"extra": {"mgwfbp_method": "optimal"}}).iteration_s == pytest.approx(5.8)
+
+
 def test_mgwfbp_and_usbyte_simulations_match_their_models() -> None:
     fwd, bwd = [0.5, 3.0, 1.0, 0.2], [4.0, 1.0, 0.5, 0.3]
     nbytes = [3_000_000, 2_000_000, 9_000_000, 500_000]
     p = linear_profile(fwd, bwd, nbytes, 0.3, 1e-6)
     # MG-WFBP indexes layers from the input: layer l = bucket n-1-l.
     back_l, size_l = bwd[::-1], [float(x) for x in nbytes[::-1]]
-    groups = mgwfbp_merge(back_l, size_l, 0.3, 1e-6, method="optimal")
-    assert simulate(p, "mgwfbp").iteration_s == pytest.approx(sum(fwd) + mgwfbp_time(back_l, size_l, 0.3, 1e-6, groups))
+    # Compared under MG-WFBP's name: its Algorithm 1; the exact optimum of its model is a named option.
+    for method in ("paper", "optimal"):
+        groups = mgwfbp_merge(back_l, size_l, 0.3, 1e-6, method=method)
+        cfg = {"extra": {"mgwfbp_method": method}}
+        assert simulate(p, "mgwfbp", cfg).iteration_s == pytest.approx(
+            sum(fwd) + mgwfbp_time(back_l, size_l, 0.3, 1e-6, groups))
+    paper = mgwfbp_merge(back_l, size_l, 0.3, 1e-6, method="paper")
+    assert simulate(p, "mgwfbp").iteration_s == pytest.approx(sum(fwd) + mgwfbp_time(back_l, size_l, 0.3, 1e-6, paper))
     plan = usbyte_plan_for(p, "a", DeftConfig(partition_numel=250_000))
     r = simulate(p, "usbyte", DeftConfig(partition_numel=250_000))
     assert r.iteration_s == pytest.approx(plan.iteration_s)

@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 
 from deft.cli import main
-from deft.schedule import Schedule
+from deft.config import DeftConfig
+from deft.preserver.feedback import WalkStats, preserve
+from deft.profile import Profile
+from deft.schedule import CommTask, Schedule, StagePlan, Update
+from deft.solver.cli import format_stages
+from deft.solver.compare import profile_for_schedule, simulate
+from deft.solver.simulate import simulate_schedule
 
 VGG19 = Path(__file__).resolve().parents[1] / "examples" / "profiles" / "vgg19.json"
 
@@ -18,7 +24,8 @@ def table_rows(out: str) -> dict[str, list[str]]:
     rows = {}
     for line in out.splitlines():
         parts = line.split()
-        if parts and parts[0] in ("ddp", "wfbp", "mgwfbp", "bytescheduler", "usbyte", "deft") and len(parts) >= 5:
+        names = ("ddp", "wfbp", "mgwfbp", "bytescheduler", "usbyte", "deft", "deft+preserver")
+        if parts and parts[0] in names and len(parts) >= 5:
             rows[parts[0]] = parts[1:]
     return rows
 
@@ -28,7 +35,7 @@ def test_simulate_prints_table_and_draws_picture(tmp_path: Path, capsys: pytest.
     assert main(["simulate", str(VGG19), "--png", str(png)]) == 0
     out = capsys.readouterr().out
     rows = table_rows(out)
-    assert set(rows) == {"ddp", "bytescheduler", "usbyte", "mgwfbp", "deft"}
+    assert set(rows) == {"ddp", "bytescheduler", "usbyte", "mgwfbp", "deft", "deft+preserver"}
     assert rows["ddp"][1] == "1.00x"
     deft_ms = float(rows["deft"][0])
     assert deft_ms == pytest.approx(130.285, rel=0.02)  # the compute bound: forward + backward
@@ -106,9 +113,6 @@ def test_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
 
 def test_format_stages_names_positions_within_the_cycle() -> None:
     """An update applied in the next cycle is named by its position there, never by ``apply_after``."""
-    from deft.schedule import CommTask, StagePlan, Update
-    from deft.solver.cli import format_stages
-
     sched = Schedule(
         cycle=2, links=("a",), bucket_numel=(1, 1), bucket_nbytes=(4, 4),
         stages=(StagePlan(0, "forward", (CommTask(1, 1, "a"),)), StagePlan(0, "backward", (CommTask(0, 0, "a"),)),
@@ -119,3 +123,39 @@ def test_format_stages_names_positions_within_the_cycle() -> None:
     assert "update 0: merges positions [0] (k=1), applied after position 1\n" in text + "\n"
     assert "update 1: merges positions [1] (k=1), applied after position 0 of the next cycle" in text
     assert "position 0 forward  1(1)@a" in text
+
+
+def test_simulate_reports_the_plan_and_the_default_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 14.5: the headline deft row is the planner's first plan with the preserver off; what a user
+    runs by default goes through the preserver, whose choice depends on the walk statistics. Both rows
+    are printed, each with its conditions stated."""
+    profile, config = Profile.load(VGG19), DeftConfig()
+    ddp_ms = simulate(profile, "ddp", config).iteration_s * 1e3
+
+    def expected(stats: WalkStats | None) -> tuple[float, float]:
+        chosen = preserve(profile, config, stats).schedule
+        r = simulate_schedule(profile_for_schedule(profile, chosen, config), chosen)
+        return r.iteration_s * 1e3, r.updates_per_iteration
+
+    # Without statistics (what a run has before it measures mu and sigma): the no-delay schedule.
+    assert main(["simulate", str(VGG19), "--schemes", "ddp,deft"]) == 0
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    assert float(rows["deft"][0]) == pytest.approx(130.285, rel=0.02)  # preserver off: the compute bound
+    ms, upd = expected(None)
+    assert float(rows["deft+preserver"][0]) == pytest.approx(ms, rel=1e-3) and upd == 1.0
+    assert float(rows["deft+preserver"][3]) == 1.0
+    assert float(rows["deft+preserver"][0]) < ddp_ms  # two links still beat DDP's one
+    assert "preserver off" in out and "statistics unknown" in out
+
+    stats = "loss=2.0,mu=0.3,sigma=20,lr=0.05,batch=512"
+    assert main(["simulate", str(VGG19), "--schemes", "ddp,deft", "--stats", stats]) == 0
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    ms, upd = expected(WalkStats(loss=2.0, mu=0.3, sigma=20.0, lr=0.05, batch=512))
+    assert float(rows["deft+preserver"][0]) == pytest.approx(ms, rel=1e-3)
+    assert float(rows["deft+preserver"][3]) == pytest.approx(upd, abs=0.005)
+    assert "loss 2, mu 0.3, sigma 20, lr 0.05, batch 512" in out
+
+    assert main(["simulate", str(VGG19), "--stats", "loss=2,mu=0.3"]) == 2
+    assert "--stats" in capsys.readouterr().err

@@ -1,10 +1,12 @@
 """The preserver's feedback loop (DeFT section IV.C.3): accept a schedule only if it converges like DDP.
 
 A schedule's cycle of ``N`` iterations applies ``m`` updates merging ``K = k_1..k_m`` iterations
-(:attr:`deft.schedule.Schedule.batch_sequence`). The Gaussian walk predicts the loss after the cycle
-for plain data parallelism (``N`` steps of batch ``B``) and for the schedule (``m`` steps of
-``k_i B``; only the updates applied within the cycle count, see :func:`applied_sequence`); their
-ratio (:func:`schedule_ratio`) must lie in ``[1 - epsilon, 1 + epsilon]``. Otherwise the knapsack
+(:attr:`deft.schedule.Schedule.batch_sequence`). The Gaussian walk predicts the loss after one period
+of the steady state (:func:`steady_period`: the cycle, or the shortest repeating part of its update
+pattern, so that a cycle written out twice is judged as itself) for plain data parallelism (``N``
+steps of batch ``B``) and for the schedule (``m`` steps of ``k_i B``; only the updates applied within
+the period count, see :func:`applied_sequence`); their ratio (:func:`schedule_ratio`) must lie in
+``[1 - epsilon, 1 + epsilon]``. Otherwise the knapsack
 capacity is multiplied by ``config.capacity_growth`` (more communication per stage, so fewer delayed
 updates) and the solver re-plans, at most ``config.preserver_max_tries`` times; if no try passes, deft
 falls back to the no-delay schedule. A ratio above ``1 + epsilon`` (the walk predicts the schedule *better*, which
@@ -62,6 +64,7 @@ from deft.config import DeftConfig
 from deft.errors import ContractError
 from deft.preserver.gaussian_walk import convergence_ratio, expected_next_loss
 from deft.schedule import Schedule
+from deft.solver.plan import accumulate_plan, no_delay_plan, plan
 
 if TYPE_CHECKING:  # pragma: no cover
     from deft.preserver.noise import NoiseEstimate
@@ -120,7 +123,7 @@ class Try:
     ratio: float | None
     accepted: bool
     applied: tuple[int, ...] = ()  # updates applied within the cycle (see applied_sequence)
-    window: int = 0  # the cycle length the ratio was taken over
+    window: int = 0  # the steady-state period the ratio was taken over (steady_period)
     kind: str = "deft"  # "deft" (the planner at a capacity), "accumulate" (lag-free merge) or "no_delay"
 
     def to_dict(self) -> dict[str, Any]:
@@ -149,11 +152,38 @@ def _json_float(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def applied_sequence(schedule: Schedule) -> tuple[int, ...]:
-    """Batch multiples of the updates a cycle applies *within* the cycle, in order.
+def steady_period(schedule: Schedule) -> int:
+    """The shortest ``p`` dividing the cycle with an update pattern that repeats every ``p`` iterations.
 
-    The paper compares ``N`` steps of ``B`` with the schedule's ``K`` over one cycle, which ignores
-    when an update lands. A delayed update applied after the cycle's last iteration
+    Shifting every update group (its positions and ``apply_after``) by ``p`` positions, modulo the
+    cycle, gives the same groups. A planner may write one steady state as a cycle of 3 or, unrolled,
+    of 6 (:mod:`deft.solver.plan`); both have period 3, so the preserver judges both alike.
+    """
+    n = schedule.cycle
+    pattern = {(u.positions, u.apply_after) for u in schedule.updates}
+    for p in range(1, n):
+        if n % p:
+            continue
+        shifted = set()
+        for positions, after in pattern:
+            moved = tuple(x + p for x in positions)
+            if moved[0] >= n:  # the group moves into the next cycle: write it in this one
+                moved, after = tuple(x - n for x in moved), after - n
+            if moved[-1] >= n:  # it would straddle the cycle boundary: no group of a p-periodic pattern does
+                break
+            shifted.add((moved, after + p))
+        else:
+            if shifted == pattern:
+                return p
+    return n
+
+
+def applied_sequence(schedule: Schedule) -> tuple[int, ...]:
+    """Batch multiples of the updates one steady-state period applies *within* the period, in order.
+
+    The period is :func:`steady_period` (the cycle unless it repeats a shorter pattern); the groups
+    are those of its first repetition. The paper compares ``N`` steps of ``B`` with the schedule's
+    ``K`` over one cycle, which ignores when an update lands. A delayed update applied after the cycle's last iteration
     (``apply_after >= cycle``) is stale: its gradient was computed ``apply_after - last`` iterations
     before it is applied, and for the whole of training the parameters lag that many steps behind
     plain data parallelism. We count the lag as progress missing from the window (the update lands
@@ -162,14 +192,16 @@ def applied_sequence(schedule: Schedule) -> tuple[int, ...]:
     measured accuracy does (benchmarks/RESULTS.md: one step of staleness with momentum 0.9 cost
     13-25 accuracy points in a 4-epoch run); it is 1 only when every update lands in its own cycle.
     """
-    return tuple(u.k for u in schedule.updates if u.apply_after < schedule.cycle)
+    p = steady_period(schedule)
+    return tuple(u.k for u in schedule.updates if u.positions[0] < p and u.apply_after < p)
 
 
 def schedule_ratio(schedule: Schedule, stats: WalkStats) -> float:
-    """``E_baseline / E_schedule`` over one cycle: ``cycle`` steps of ``B`` against the updates the
-    cycle applies within itself (:func:`applied_sequence`); 1.0 for a no-delay schedule."""
+    """``E_baseline / E_schedule`` over one steady-state period (:func:`steady_period`): that many steps
+    of ``B`` against the updates the period applies within itself (:func:`applied_sequence`); 1.0 for a
+    no-delay schedule. The same steady state written as a longer cycle gets the same ratio."""
     return convergence_ratio(stats.loss, stats.mu, stats.sigma, stats.lr, stats.batch,
-                             applied_sequence(schedule), stats.s_star, window=schedule.cycle)
+                             applied_sequence(schedule), stats.s_star, window=steady_period(schedule))
 
 
 def passes(k: tuple[int, ...], ratio: float, epsilon: float) -> bool:
@@ -177,12 +209,6 @@ def passes(k: tuple[int, ...], ratio: float, epsilon: float) -> bool:
     if epsilon == 0.0:
         return all(x == 1 for x in k) and ratio == 1.0
     return 1.0 - epsilon <= ratio <= 1.0 + epsilon
-
-
-def _default_planners() -> tuple[Planner, NoDelayPlanner]:
-    from deft.solver.plan import no_delay_plan, plan  # lazy: the solver may import the preserver
-
-    return plan, no_delay_plan
 
 
 def _checked(schedule: Any, who: str) -> Schedule:
@@ -235,15 +261,14 @@ def _best_merge(profile: Profile, config: DeftConfig, stats: WalkStats, accumula
     The walk's ratio falls as ``k`` grows (more progress merged away), so the search stops at the
     first ``k`` that fails.
     """
-    if accumulate_planner is None:
-        from deft.solver.plan import accumulate_plan as accumulate_planner  # lazy, like the planners
+    merge = accumulate_plan if accumulate_planner is None else accumulate_planner
     best = None
     for k in range(2, MAX_MERGE + 1):
-        s = _checked(accumulate_planner(profile, config, k), "accumulate_plan")
+        s = _checked(merge(profile, config, k), "accumulate_plan")
         ratio = schedule_ratio(s, stats)
         ok = passes(s.batch_sequence, ratio, config.epsilon)
         tries.append(Try(capacity_scale=None, k=s.batch_sequence, ratio=ratio, accepted=ok,
-                         applied=applied_sequence(s), window=s.cycle, kind="accumulate"))
+                         applied=applied_sequence(s), window=steady_period(s), kind="accumulate"))
         log.info("preserver: lag-free merge of %d iterations, ratio %.5f: %s", k, ratio,
                  "passes" if ok else "fails")
         if not ok:
@@ -264,13 +289,12 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
     * otherwise tries capacity scales ``capacity_growth ** i`` for ``i < preserver_max_tries`` and
       returns the first schedule that passes; if none does, the no-delay schedule.
 
-    ``planner`` and ``no_delay_planner`` default to :func:`deft.solver.plan.plan` and
-    :func:`deft.solver.plan.no_delay_plan`; tests inject their own.
+    ``planner``, ``no_delay_planner`` and ``accumulate_planner`` default to
+    :func:`deft.solver.plan.plan`, :func:`deft.solver.plan.no_delay_plan` and
+    :func:`deft.solver.plan.accumulate_plan`; tests inject their own.
     """
-    if planner is None or no_delay_planner is None:
-        default_plan, default_no_delay = _default_planners()
-        planner = planner or default_plan
-        no_delay_planner = no_delay_planner or default_no_delay
+    planner = planner or plan
+    no_delay_planner = no_delay_planner or no_delay_plan
     tries: list[Try] = []
 
     def no_delay(reason: str, accepted: bool, s: Schedule | None = None) -> PreserveResult:
@@ -279,7 +303,7 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
             raise ContractError("preserver", "no_delay_plan",
                                 f"expected a schedule without merged updates, got K = {s.batch_sequence}")
         tries.append(Try(capacity_scale=None, k=s.batch_sequence, ratio=1.0, accepted=accepted,
-                         applied=applied_sequence(s), window=s.cycle, kind="no_delay"))
+                         applied=applied_sequence(s), window=steady_period(s), kind="no_delay"))
         log.info("preserver: no-delay schedule (%s)", reason)
         return _finish(s, tries, accepted, config, stats, reason)
 
@@ -289,7 +313,7 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
         s = _checked(planner(profile, config, capacity_scale=1.0), "plan")
         ratio = None if stats is None else schedule_ratio(s, stats)
         tries.append(Try(capacity_scale=1.0, k=s.batch_sequence, ratio=ratio, accepted=True,
-                         applied=applied_sequence(s), window=s.cycle))
+                         applied=applied_sequence(s), window=steady_period(s)))
         log.info("preserver disabled: using the solver's schedule K=%s untested (ratio %s)",
                  s.batch_sequence, "unknown" if ratio is None else f"{ratio:.4f}")
         return _finish(s, tries, True, config, stats, "preserver disabled")
@@ -305,7 +329,7 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
         ratio = schedule_ratio(s, stats)
         ok = passes(k, ratio, config.epsilon)
         tries.append(Try(capacity_scale=scale, k=k, ratio=ratio, accepted=ok, applied=applied_sequence(s),
-                         window=s.cycle))
+                         window=steady_period(s)))
         log.info("preserver try %d/%d: capacity x%.4g, K=%s, ratio %.5f in [%.4g, %.4g]: %s",
                  i + 1, config.preserver_max_tries, scale, k, ratio, lo, hi, "accepted" if ok else "rejected")
         if ok:
@@ -357,12 +381,13 @@ class Recheck:
         """Start over with the outcome of a new :func:`preserve` call."""
         self.result = result
         chosen = result.schedule.batch_sequence
-        # Candidates that would be faster than the running schedule: every try before the accepted
-        # one (each later try had more capacity, hence no more delay), or all tries after a fallback.
-        tried = [t for t in result.tries if t.capacity_scale is not None]
-        if result.accepted and tried:
-            idx = max(i for i, t in enumerate(tried) if t.accepted)
-            tried = tried[:idx]
+        # Candidates that would be faster than the running schedule: every DeFT try before the accepted
+        # one (each later try had more capacity, hence no more delay), or every DeFT try when none was
+        # accepted (the no-delay fallback, or a lag-free merge taken because no DeFT try passed).
+        tried = [t for t in result.tries if t.kind == "deft"]
+        accepted = [i for i, t in enumerate(tried) if t.accepted]
+        if accepted:
+            tried = tried[:accepted[-1]]
         self._faster = [t for t in tried if (t.k, t.applied) != (chosen, applied_sequence(result.schedule))]
 
     def due(self, iteration: int) -> bool:

@@ -11,14 +11,16 @@ Cost model shared by all of them (MG-WFBP eq. 10, US-Byte eq. 1): one all-reduce
   backward-ready order are packed into buckets, a bucket closes once it reaches its cap (1 MiB for the
   first bucket, then ``bucket_cap_mb``, torch's ``_DEFAULT_FIRST_BUCKET_BYTES`` rule).
 * **MG-WFBP** (:func:`mgwfbp_merge`): merge consecutive layers so that the last all-reduce ends as early
-  as possible; ``method="paper"`` is Algorithm 1 of Shi et al., ``method="optimal"`` a dynamic program
-  over contiguous groups that is exactly optimal for the same timing model (:func:`mgwfbp_time`).
+  as possible; ``method="paper"`` is Algorithm 1 of Shi et al. (the one compared under MG-WFBP's name),
+  ``method="optimal"`` a dynamic program over contiguous groups that is exactly optimal for the same
+  timing model (:func:`mgwfbp_time`), a named option.
 * **ByteScheduler** (:func:`partition_sizes`): tensors cut into ``partition`` bytes, the input side
-  first (priority), at most ``credit`` bytes handed to the link at once; the queueing itself is dynamic
-  and lives in the simulator.
+  first (priority), a piece handed to the link only while the remaining credit exceeds its size (its
+  Algorithm 1, Peng et al.); the queueing itself is dynamic and lives in the simulator.
 * **US-Byte** (:func:`usbyte_phase1`, :func:`usbyte_priorities`, :func:`usbyte_plan`): Algorithms 1 and 2
-  of Zhou et al.: unequal-sized blocks (a variable number of basic blocks per all-reduce) during
-  backward, a greedy priority order for that phase, then sequential (input first) order afterwards.
+  of Gao et al. (US-Byte, IEEE TPDS 2023): unequal-sized blocks (a variable number of basic blocks per
+  all-reduce) during backward, a greedy priority order for that phase, then sequential (input first)
+  order afterwards.
 
 Indexing: MG-WFBP and US-Byte functions index layers from the input (``0``) to the output (``L-1``),
 as the brief of ``mgwfbp_merge`` asks; backward runs from ``L-1`` down to ``0``.

@@ -1,8 +1,11 @@
 """``deft simulate`` and ``deft plan``: the solver's command line (dispatched by :mod:`deft.cli`).
 
 * ``deft simulate PROFILE [--schemes ddp,bytescheduler,usbyte,mgwfbp,deft] [--png FILE] [--workers N]
-  [--config deft.toml]``: simulate each scheme on the profile, print a comparison table and draw the
-  timeline picture.
+  [--config deft.toml] [--stats loss=L,mu=M,sigma=S,lr=R,batch=B]``: simulate each scheme on the
+  profile, print a comparison table and draw the timeline picture. DeFT gets two rows: ``deft``, the
+  planner's first schedule (what a run with the preserver off uses), and ``deft+preserver``, what a run
+  with this config uses: the preserver's choice for the given walk statistics (without ``--stats``:
+  the statistics a run has before it measures them, i.e. none, and the no-delay schedule).
 * ``deft plan PROFILE [--out schedule.json] [--epsilon E] [--config deft.toml] [--workers N]
   [--png FILE]``: plan a DeFT schedule, print its cycle, batch-size sequence K and the all-reduces of
   every stage, compare it with the baselines in simulation, and write the schedule JSON.
@@ -15,14 +18,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Sequence
 from pathlib import Path
 
 from deft.config import DeftConfig
 from deft.errors import ContractError
+from deft.preserver.feedback import PreserveResult, WalkStats, preserve
 from deft.profile import Profile
 from deft.schedule import Schedule
-from deft.solver.simulate import SCHEMES, SimResult, plan_deft, scale_workers, simulate, simulate_schedule
+from deft.solver.compare import SCHEMES, plan_deft, profile_for_schedule, simulate
+from deft.solver.simulate import SimResult, scale_workers, simulate_schedule
+from deft.solver.timeline import draw_timeline
 
 DEFAULT_SCHEMES = ("ddp", "bytescheduler", "usbyte", "mgwfbp", "deft")
 
@@ -56,6 +61,9 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     if name == "simulate":
         parser.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
                             help=f"comma-separated, from {', '.join(SCHEMES)} (default: %(default)s)")
+        parser.add_argument("--stats", metavar="loss=L,mu=M,sigma=S,lr=R,batch=B",
+                            help="walk statistics for the deft+preserver row (s_star=X optional; default: "
+                                 "unknown, as before a run has measured them)")
     elif name == "plan":
         parser.add_argument("--out", default="schedule.json", metavar="FILE",
                             help="where to write the schedule JSON (default: %(default)s)")
@@ -92,6 +100,46 @@ def _schemes(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+_STATS_FIELDS = ("loss", "mu", "sigma", "lr", "batch")
+
+
+def parse_stats(text: str) -> WalkStats:
+    """``loss=2,mu=0.3,sigma=20,lr=0.05,batch=512`` (and optionally ``s_star=...``) as :class:`WalkStats`."""
+    expected = "expected loss=L,mu=M,sigma=S,lr=R,batch=B (s_star=X optional)"
+    values: dict[str, float] = {}
+    for part in text.split(","):
+        key, sep, raw = part.partition("=")
+        key = key.strip()
+        if not sep or key not in (*_STATS_FIELDS, "s_star") or key in values:
+            raise ContractError("command line", "--stats", f"{expected}; got {text!r}")
+        try:
+            values[key] = float(raw)
+        except ValueError:
+            raise ContractError("command line", "--stats", f"{key}: expected a number, got {raw!r}") from None
+    missing = [k for k in _STATS_FIELDS if k not in values]
+    if missing:
+        raise ContractError("command line", "--stats", f"{expected}; {', '.join(missing)} missing in {text!r}")
+    return WalkStats(**values)
+
+
+def describe_stats(stats: WalkStats | None) -> str:
+    if stats is None:
+        return ("statistics unknown (a run before it has measured mu and sigma; give them with "
+                "--stats loss=L,mu=M,sigma=S,lr=R,batch=B)")
+    text = ", ".join(f"{k} {getattr(stats, k):g}" for k in _STATS_FIELDS)
+    return f"walk statistics {text}" + (f", s_star {stats.s_star:g}" if stats.s_star else "")
+
+
+def simulate_pipeline(profile: Profile, config: DeftConfig,
+                      stats: WalkStats | None) -> tuple[SimResult, PreserveResult]:
+    """What a run with ``config`` uses for these statistics (:func:`deft.preserver.feedback.preserve`),
+    simulated on the (partitioned) profile it refers to; the result's ``meta["schedule"]`` is it."""
+    chosen = preserve(profile, config, stats)
+    planned = profile_for_schedule(profile, chosen.schedule, config)
+    res = simulate_schedule(planned, chosen.schedule, scheme="deft+preserver")
+    return dataclasses.replace(res, meta={**res.meta, "schedule": chosen.schedule, "profile": planned}), chosen
+
+
 def describe_profile(profile: Profile, path: str) -> str:
     links = ", ".join(k.name if k.name == k.backend else f"{k.name} ({k.backend})" for k in profile.links)
     compute = (profile.forward_s + profile.backward_s) * 1e3
@@ -120,8 +168,6 @@ def format_table(results: dict[str, SimResult], baseline: SimResult | None) -> s
 
 
 def _picture(results: dict[str, SimResult], png: str, title: str) -> None:
-    from deft.solver.timeline import draw_timeline  # matplotlib only when a picture is asked for
-
     out = draw_timeline(results, png, title=title)
     print(f"timeline picture: {out}")
 
@@ -129,16 +175,27 @@ def _picture(results: dict[str, SimResult], png: str, title: str) -> None:
 def _simulate(args: argparse.Namespace) -> int:
     profile, config = _load(args)
     schemes = _schemes(args.schemes)
+    stats = parse_stats(args.stats) if args.stats is not None else None
     results = {s: simulate(profile, s, config) for s in schemes}
+    chosen: PreserveResult | None = None
+    if "deft" in results and config.preserver:
+        results["deft+preserver"], chosen = simulate_pipeline(profile, config, stats)
     baseline = results.get("ddp") or simulate(profile, "ddp", config)
     print(describe_profile(profile, args.profile))
     print()
     print(format_table(results, baseline))
     if "deft" in results:
         sched: Schedule = results["deft"].meta["schedule"]
-        print(f"\ndeft: cycle {sched.cycle}, K = {list(sched.batch_sequence)}, "
-              f"{sched.n_buckets} buckets after partition; deft/compute bound = "
-              f"{results['deft'].iteration_s / results['deft'].compute_bound_s:.3f}")
+        print(f"\nrow deft: the planner's first schedule, preserver off (what a run with preserver = false "
+              f"uses): cycle {sched.cycle}, K = {list(sched.batch_sequence)}, {sched.n_buckets} buckets after "
+              f"partition; deft/compute bound = {results['deft'].iteration_s / results['deft'].compute_bound_s:.3f}")
+        if chosen is None:
+            print("row deft+preserver: none, this config disables the preserver (a run uses the deft row's schedule)")
+        else:
+            run = chosen.schedule
+            print(f"row deft+preserver: what a run with this config (preserver on, epsilon {config.epsilon:g}) "
+                  f"uses for {describe_stats(stats)}: cycle {run.cycle}, K = {list(run.batch_sequence)} "
+                  f"({run.meta.get('mode', 'deft')}); preserver: {chosen.reason}")
     if args.png:
         _picture(results, args.png, f"{profile.model or args.profile}: simulated steady-state iterations")
     return 0
@@ -172,7 +229,7 @@ def _plan(args: argparse.Namespace) -> int:
     if config.epsilon > 0:
         print("note: during training the preserver tests this plan against measured loss statistics and "
               "may re-plan with more capacity (fewer merged updates).")
-    results: dict[str, SimResult] = {s: simulate(profile, s, config) for s in DEFAULT_SCHEMES if s != "deft"}
+    results = {s: simulate(profile, s, config) for s in DEFAULT_SCHEMES if s != "deft"}
     results["deft"] = simulate_schedule(planned, schedule, scheme="deft")
     print()
     print(format_table(results, results["ddp"]))
@@ -184,10 +241,3 @@ def _plan(args: argparse.Namespace) -> int:
     if args.png:
         _picture(results, args.png, f"{profile.model or args.profile}: planned schedule vs baselines")
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run as ``python -m deft.solver.cli simulate ...`` (same as ``deft simulate ...``)."""
-    from deft.cli import main as deft_main
-
-    return deft_main(list(argv) if argv is not None else None)

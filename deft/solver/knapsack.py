@@ -32,14 +32,27 @@ Methods
 ``"exact"``: the greedy, improved by a local search (:func:`_improve`); if the LP bound
 (:func:`_lp_bound`) already certifies it within ``relative_gap`` it is returned, otherwise
 OR-Tools CP-SAT solves an integer model (floats scaled by powers of two, see
-:func:`_scaled_model`) warm-started from it, stopped by ``time_limit_s`` or when the
+:func:`_scaled_model`) warm-started from it, stopped by its ``work_limit`` or when the
 certified relative gap is at most ``relative_gap``. Trivial instances (nothing to choose,
-everything fits) never reach the solver. When CP-SAT finds no solution in time the local
-search's answer is returned with method ``"exact->greedy"``.
+everything fits) never reach the solver. When CP-SAT finds no solution within its work limit
+the local search's answer is returned with method ``"exact->greedy"``.
 
-``"greedy"``: the paper's heuristic: knapsacks by capacity ascending, items by value
-descending; fill the smallest knapsack first, each time with the largest remaining item that
-still fits. ``O(N log N + N*M)``.
+``"greedy"``: the paper's heuristic (DeFT III.C): "start with the backpack with smaller
+capacity, and try to prioritize placing the bucket with longer time". Capacities are compared
+in the units of the values (the primary link's time): knapsack ``j`` holds
+``c_j * sum_i v_i / sum_i w_ij`` of them, i.e. ``c_j / mu_j`` when link ``j`` is ``mu_j`` times
+slower (the paper's gloo knapsack, ``F / mu`` in NCCL units). Items by value descending; each
+knapsack takes the largest remaining item that still fits. ``O(N log N + N*M)``.
+
+Determinism
+-----------
+The answer is a function of the input alone, never of the machine's load: the local search is
+bounded by a count of the moves it scans, CP-SAT runs with one worker, a fixed seed and a
+*deterministic* time budget (``work_limit``, in CP-SAT's deterministic time units: about a second
+of one quiet core each, measured 1.5-3.5 s of wall time on the 2-core development machine). A
+wall-clock limit stays only as a safety net: if CP-SAT reaches ``wall_limit_s`` before its work
+budget (a badly overloaded machine), :func:`solve` raises :class:`SolverTimeout` rather than
+return an answer that depends on the load.
 """
 
 from __future__ import annotations
@@ -54,9 +67,9 @@ from fractions import Fraction
 
 import numpy as np
 
-from deft.errors import ContractError
+from deft.errors import ContractError, DeftError
 
-__all__ = ["METHODS", "KnapsackSolution", "solve"]
+__all__ = ["METHODS", "KnapsackSolution", "SolverTimeout", "default_wall_limit", "solve"]
 
 METHODS = ("exact", "greedy")
 
@@ -70,11 +83,22 @@ _WEIGHT_BITS = 30
 _VALUE_BITS = 40
 # CP-SAT workers. One worker was as fast as or faster than the 8-worker portfolio on the
 # DeFT-like instances of benchmarks/bench_knapsack.py (2 shared cores), leaves the cores to
-# training, and makes the search deterministic when it ends by the gap rather than the clock.
+# training, and (with a deterministic budget and a fixed seed) makes the search deterministic.
 _NUM_WORKERS = 1
+_RANDOM_SEED = 0
 # Largest array a local-search move type may scan (elements); beyond it (hundreds of items) the
 # 1-for-2 and exchange moves are skipped and CP-SAT does that work.
 _MOVE_CELLS = 1 << 18
+# The local search stops after scanning this many array elements in all (a deterministic bound on its
+# work, ~0.1-0.3 s of numpy on one core; instances of up to ~100 items converge far earlier).
+_SEARCH_CELLS = 1 << 26
+
+
+class SolverTimeout(DeftError, RuntimeError):
+    """CP-SAT hit the wall-clock safety limit before its deterministic work budget.
+
+    Raised instead of returning the solution found so far, which would depend on the machine's load.
+    """
 
 
 @dataclass(frozen=True)
@@ -86,7 +110,8 @@ class KnapsackSolution:
     bound: float  # proven upper bound on the optimum (== value up to model rounding when optimal)
     optimal: bool  # optimality proven
     method: str  # "exact" | "greedy" | "exact->greedy" (exact found nothing and fell back)
-    solve_s: float  # wall time of the whole solve() call, seconds
+    solve_s: float  # wall time of the whole solve() call, seconds (information only: never decides anything)
+    work: float = 0.0  # CP-SAT deterministic time spent (0 when CP-SAT was not needed)
 
     def items_in(self, j: int) -> list[int]:
         """Indices of the items packed into knapsack ``j``, ascending."""
@@ -119,15 +144,16 @@ def _number(x: object, field: str) -> float:
 
 def _validate(
     values: Sequence[float], weights: Sequence[Sequence[float]], capacities: Sequence[float],
-    method: str, time_limit_s: float, relative_gap: float,
+    method: str, work_limit: float, relative_gap: float, wall_limit_s: float | None,
 ) -> tuple[list[float], list[list[float]], list[float]]:
     if method not in METHODS:
         raise ContractError(_SOURCE, "method", f"expected one of {', '.join(METHODS)}, got {method!r}")
-    for name, x in (("time_limit_s", time_limit_s), ("relative_gap", relative_gap)):
+    limits = [("work_limit", work_limit), ("relative_gap", relative_gap)]
+    for name, x in [*limits, *([("wall_limit_s", wall_limit_s)] if wall_limit_s is not None else [])]:
         if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or x < 0:
             raise ContractError(_SOURCE, name, f"expected a finite number >= 0, got {x!r}")
-    if time_limit_s <= 0:
-        raise ContractError(_SOURCE, "time_limit_s", f"expected > 0, got {time_limit_s!r}")
+        if x == 0 and name != "relative_gap":
+            raise ContractError(_SOURCE, name, f"expected > 0, got {x!r}")
     for name, seq in (("values", values), ("weights", weights), ("capacities", capacities)):
         if not _is_sequence(seq):
             raise ContractError(_SOURCE, name, f"expected a sequence, got {type(seq).__name__}")
@@ -169,14 +195,30 @@ def _value(link_of: Sequence[int | None], v: list[float]) -> float:
 # greedy and the LP bound
 
 
+def knapsack_order(v: Sequence[float], w: Sequence[Sequence[float]], c: Sequence[float]) -> list[int]:
+    """Knapsacks from the smallest to the largest capacity in the units of the values (ties: index).
+
+    Knapsack ``j`` holds ``c_j * V / W_j`` value units, with ``V = sum_i v_i`` and ``W_j = sum_i w_ij``
+    over the items worth something: ``c_j / mu_j`` when every item weighs ``mu_j`` times its value
+    there (the paper's Problem 2). A knapsack no item weighs anything in is unbounded (last).
+    """
+    total = math.fsum(x for x in v if x > 0)
+
+    def size(j: int) -> float:
+        load = math.fsum(w[i][j] for i in range(len(v)) if v[i] > 0)
+        return c[j] * total / load if load > 0 else math.inf
+
+    return sorted(range(len(c)), key=lambda j: (size(j), j))
+
+
 def _greedy(v: list[float], w: list[list[float]], c: list[float], cand: list[list[int]]) -> list[int | None]:
-    """The paper's heuristic; ``cand[j]`` lists the items allowed in knapsack ``j``.
+    """The paper's heuristic (see the module docstring); ``cand[j]`` lists the items allowed in ``j``.
 
     Fits are tested in exact integer arithmetic, so the result is exactly feasible.
     """
     link_of: list[int | None] = [None] * len(v)
     rank = sorted(range(len(v)), key=lambda i: (-v[i], i))
-    for j in sorted(range(len(c)), key=lambda j: (c[j], j)):
+    for j in knapsack_order(v, w, c):
         allowed = set(cand[j])
         order = [i for i in rank if i in allowed]
         if not order:
@@ -255,14 +297,15 @@ def _by_ratio(items: list[int], v: list[float], v_int: list[int], wf: list[float
 
 def _improve(
     v: list[float], w: list[list[float]], c: list[float], cand: list[list[int]], link_of: list[int | None],
-    target: float, deadline: float,
+    target: float, max_cells: int = _SEARCH_CELLS,
 ) -> list[int | None]:
     """Local search from a feasible assignment: apply the best value-raising move until none is
     left. Moves (``a`` packed, ``b`` unpacked): insert ``b``; swap ``a`` out for ``b``; swap
     ``a`` out for two unpacked items; move ``a`` to another knapsack, optionally taking a
     packed item of that knapsack in exchange, and insert ``b`` into the room made. Moves are
     screened in floats and each applied one is checked exactly, so feasibility is kept. Stops
-    early once the value reaches ``target`` or the clock passes ``deadline``.
+    early once the value reaches ``target`` or the array elements scanned pass ``max_cells``
+    (a deterministic bound: the same input always stops at the same move).
 
     The greedy's result has no improving insert or 1-1 swap (it took the largest item that fit),
     so the 1-for-2 and cross-knapsack moves do the work. On value == weight instances this
@@ -277,8 +320,9 @@ def _improve(
         allowed[row, j] = True
     assign = np.array([-1 if k is None else k for k in link_of], dtype=np.int64)
     ninf = -np.inf
+    cells = 0
     for _ in range(4 * n):  # every move raises the value; the cap only bounds the cost
-        if math.fsum(value[assign >= 0]) >= target or time.perf_counter() >= deadline:
+        if math.fsum(value[assign >= 0]) >= target or cells >= max_cells:
             break
         best_gain = 0.0
         best_move: list[tuple[int, int]] = []  # (item, new knapsack or -1)
@@ -289,6 +333,7 @@ def _improve(
             if free.size == 0:
                 continue
             wf, vf, pj = weight[free, j], value[free], packed[j]
+            cells += free.size * (1 + pj.size * (1 + (free.size if pj.size * free.size**2 <= _MOVE_CELLS else 0)))
             fits = wf <= slack[j]
             if fits.any():
                 b = int(np.argmax(np.where(fits, vf, ninf)))
@@ -319,6 +364,7 @@ def _improve(
                 if not mov.any():
                     continue
                 pk = packed[k]
+                cells += pj.size * free.size * (1 + pk.size)
                 room_j = slack[j] + wp  # per a: room in j once a left
                 ok_k = mov & (weight[pj, k] <= slack[k])  # a alone fits into k
                 g = np.where(ok_k[:, None] & (wf[None, :] <= room_j[:, None]), vf[None, :], ninf)
@@ -391,10 +437,11 @@ def _scaled_model(v: list[float], w: list[list[float]], c: list[float], cand: li
 
 def _cp_sat(
     m: _IntModel, n: int, hint: list[int | None], cuts: list[tuple[int, list[int]]],
-    deadline: float, relative_gap: float, deterministic_budget: float = 1.0,
-) -> tuple[list[int | None] | None, int | None, bool]:
-    """Solve the integer model by ``deadline`` (a ``time.perf_counter()`` value); returns
-    (assignment or None, proven bound, proven optimal).
+    work: float, relative_gap: float, wall_s: float,
+) -> tuple[list[int | None] | None, int | None, bool, float]:
+    """Solve the integer model within ``work`` units of CP-SAT's deterministic time; returns
+    (assignment or None, proven bound, proven optimal, deterministic time spent). Raises
+    :class:`SolverTimeout` when the wall clock (``wall_s`` seconds) stops the search first.
 
     ``cuts`` lists (knapsack j, item set S) whose weights exceed capacity j exactly: at most
     ``|S| - 1`` of them may go into j (this removes only float-infeasible assignments).
@@ -427,19 +474,24 @@ def _cp_sat(
     model.maximize(cp_model.LinearExpr.weighted_sum(xs, obj_coef))
 
     solver = cp_model.CpSolver()
-    # what is left after importing OR-Tools (first call only) and building the model
-    solver.parameters.max_time_in_seconds = max(deadline - time.perf_counter(), 1e-3)
-    # A deterministic budget of the same size ends the search at the same point on every run (rank 0
-    # plans, but a plan that changes between runs of the same profile is hard to reason about); the
-    # wall-clock limit above stays as the hard cap on a loaded machine.
-    solver.parameters.max_deterministic_time = deterministic_budget
+    # Only deterministic limits decide where the search ends (same input, same answer, whatever the
+    # load); the wall clock is a safety net that raises instead of answering.
+    solver.parameters.max_deterministic_time = work
+    solver.parameters.max_time_in_seconds = wall_s
     solver.parameters.relative_gap_limit = relative_gap
     solver.parameters.num_workers = _NUM_WORKERS
+    solver.parameters.random_seed = _RANDOM_SEED
     status = solver.solve(model)
     if status == cp_model.MODEL_INVALID:  # a bug in this module, never the caller's input
         raise RuntimeError(f"knapsack: CP-SAT rejected the model: {model.validate()}")
+    spent = float(solver.deterministic_time)
+    if status != cp_model.OPTIMAL and spent < work and solver.wall_time >= wall_s:
+        raise SolverTimeout(
+            f"{_SOURCE}: CP-SAT ran {solver.wall_time:.1f} s of wall time (the safety limit, wall_limit_s = "
+            f"{wall_s:g}) after only {spent:.3g} of its {work:g} units of deterministic work; the machine is "
+            "too loaded to finish, and an answer cut short by the clock would depend on the load")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None, None, False
+        return None, None, False, spent
     link_of: list[int | None] = [None] * n
     for (i, j), x in zip(keys, xs, strict=True):
         if solver.boolean_value(x):
@@ -448,7 +500,7 @@ def _cp_sat(
     # CP-SAT reports both as doubles with some noise (~1e-4 at 2**40); the optimum of an integer
     # objective is an integer, so floor(bound + 0.5) still bounds it
     bound = max(math.floor(solver.best_objective_bound + 0.5), objective)
-    return link_of, bound, status == cp_model.OPTIMAL and bound <= objective
+    return link_of, bound, status == cp_model.OPTIMAL and bound <= objective, spent
 
 
 def _overfilled(link_of: Sequence[int | None], w: list[list[float]], c: list[float]) -> list[tuple[int, list[int]]]:
@@ -467,32 +519,44 @@ def _overfilled(link_of: Sequence[int | None], w: list[list[float]], c: list[flo
 # entry point
 
 
+def default_wall_limit(work_limit: float) -> float:
+    """The wall-clock safety net for a work budget: generous enough (60 s, or 60 s per unit of work)
+    that only a machine loaded far beyond normal reaches it."""
+    return 60.0 * max(1.0, work_limit)
+
+
 def solve(
     values: Sequence[float],
     weights: Sequence[Sequence[float]],
     capacities: Sequence[float],
     method: str = "exact",
-    time_limit_s: float = 1.0,
+    work_limit: float = 0.5,
     relative_gap: float = 1e-3,
+    *,
+    wall_limit_s: float | None = None,
 ) -> KnapsackSolution:
     """Solve the 0/1 multiple knapsack problem (see the module docstring for the guarantees).
 
-    ``weights[i][j]`` is item ``i``'s weight in knapsack ``j``. ``time_limit_s`` and
-    ``relative_gap`` apply to ``method="exact"``: the search stops when the certified gap
-    ``(bound - value) / value`` is at most ``relative_gap`` or the time is up. Raises
-    :class:`~deft.errors.ContractError` (a ``ValueError``) naming the bad argument and index.
+    ``weights[i][j]`` is item ``i``'s weight in knapsack ``j``. ``work_limit`` (CP-SAT deterministic
+    time units) and ``relative_gap`` apply to ``method="exact"``: the search stops when the
+    certified gap ``(bound - value) / value`` is at most ``relative_gap`` or the work budget is spent,
+    so the answer depends on the input only. ``wall_limit_s`` (default
+    :func:`default_wall_limit`) is a safety net: reaching it first raises :class:`SolverTimeout`.
+    Raises :class:`~deft.errors.ContractError` (a ``ValueError``) naming a bad argument and index.
     """
     t0 = time.perf_counter()
-    v, w, c = _validate(values, weights, capacities, method, time_limit_s, relative_gap)
+    v, w, c = _validate(values, weights, capacities, method, work_limit, relative_gap, wall_limit_s)
+    wall = default_wall_limit(work_limit) if wall_limit_s is None else float(wall_limit_s)
     n = len(v)
     # pre-filter: an item may go into knapsack j only if it is worth something and fits alone
     cand = [[i for i in range(n) if v[i] > 0 and w[i][j] <= c[j]] for j in range(len(c))]
+    spent = 0.0
 
     def done(link_of: list[int | None], bound: float, optimal: bool, how: str) -> KnapsackSolution:
         value = _value(link_of, v)
         return KnapsackSolution(
             link_of=tuple(link_of), value=value, bound=max(bound, value), optimal=optimal, method=how,
-            solve_s=time.perf_counter() - t0,
+            solve_s=time.perf_counter() - t0, work=spent,
         )
 
     greedy = _greedy(v, w, c, cand)
@@ -505,9 +569,7 @@ def solve(
     if sum(k is not None for k in greedy) == n_cand or g_value >= lp:
         # everything that can be packed is packed, or the greedy meets the LP bound
         return done(greedy, g_value, True, "exact")
-    deadline = t0 + time_limit_s
-    # spend at most a tenth of the budget on the local search: CP-SAT takes over from its result
-    start = _improve(v, w, c, cand, greedy, lp / (1 + relative_gap), t0 + 0.1 * time_limit_s)
+    start = _improve(v, w, c, cand, greedy, lp / (1 + relative_gap))
     s_value = _value(start, v)
     if lp - s_value <= relative_gap * s_value:
         # the LP bound already certifies the improved greedy within the requested gap: no search
@@ -516,7 +578,10 @@ def solve(
     model = _scaled_model(v, w, c, cand)
     cuts: list[tuple[int, list[int]]] = []
     while True:
-        link_of, bound_int, optimal = _cp_sat(model, n, start, cuts, deadline, relative_gap, time_limit_s)
+        left = work_limit - spent
+        link_of, bound_int, optimal, used = _cp_sat(model, n, start, cuts, left, relative_gap,
+                                                    max(wall - (time.perf_counter() - t0), 1e-3))
+        spent += used
         if link_of is None or bound_int is None:
             return done(start, lp, False, "exact->greedy")
         # the bound of the model with cuts is still a bound: the cuts remove only infeasible sets
@@ -524,7 +589,7 @@ def solve(
         bad = _overfilled(link_of, w, c)
         if not bad:
             break
-        if time.perf_counter() >= deadline:
+        if spent >= work_limit:
             return done(start, bound, False, "exact->greedy")
         # a near-exact fill that rounding let through: forbid that set in that knapsack, re-solve
         cuts.extend(bad)

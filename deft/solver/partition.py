@@ -26,8 +26,9 @@ Rules (each enforced on the result)
 1. Order and contiguity: the element ranges of the new buckets tile ``0 .. total numel`` in order,
    and ``sum numel``, ``sum nbytes``, ``sum forward_s`` and ``sum backward_s`` are unchanged.
 2. No bucket (split or fused) exceeds ``config.partition_numel`` elements.
-3. No bucket's communication time on the primary link exceeds ``capacity_s`` (default: the smaller
-   positive of the total forward and backward times, the smallest knapsack the planner uses).
+3. No bucket's communication time on the primary link exceeds ``capacity_s`` (default
+   :func:`default_capacity`: the smallest knapsack in primary-link time, as the paper states it,
+   "typically the forward time divided by mu").
    If even one element costs more than ``capacity_s`` (the latency ``alpha`` alone does), this is
    impossible and a :class:`~deft.errors.ContractError` names the link; with ``best_effort=True``
    (what the planner uses) such a bucket is split only as far as that helps (at most
@@ -51,7 +52,7 @@ from deft.config import DeftConfig
 from deft.errors import ContractError
 from deft.profile import Bucket, BucketTimes, Profile
 
-__all__ = ["BEST_EFFORT_MAX_PIECES", "default_capacity", "partition"]
+__all__ = ["BEST_EFFORT_MAX_PIECES", "default_capacity", "link_slowdowns", "partition"]
 
 _SOURCE = "partition"
 # Best effort never splits one bucket into more pieces than this (beyond the numel cap's count).
@@ -79,12 +80,33 @@ class _Piece:
     times: BucketTimes
 
 
+def link_slowdowns(profile: Profile) -> tuple[float, ...]:
+    """``mu_j`` per link: its total all-reduce time over the primary link's (the primary's is 1).
+
+    The paper's ``mu`` (gloo 1.65x slower than NCCL) is the second link's. A link without time to
+    compare with (the primary's total is 0) counts as 1.
+    """
+    primary = profile.link_names[0]
+    base = math.fsum(profile.comm_time(b, primary) for b in range(profile.n))
+    if base <= 0:
+        return tuple(1.0 for _ in profile.link_names)
+    return tuple(math.fsum(profile.comm_time(b, name) for b in range(profile.n)) / base for name in profile.link_names)
+
+
 def default_capacity(profile: Profile) -> float:
-    """The smallest stage knapsack: the smaller positive of total forward and backward time."""
+    """The smallest knapsack, in time on the primary link (paper III.D: "the smallest knapsack capacity
+    (typically the forward time divided by mu)").
+
+    A stage offers every link its computation time ``T`` (the smaller positive of the total forward and
+    backward times); link ``j`` carries ``T / mu_j`` of primary-link all-reduce time in it
+    (:func:`link_slowdowns`), so the smallest is ``T / max(1, max_j mu_j)``. A bucket under it fits
+    every knapsack of every stage alone.
+    """
     positive = [x for x in (profile.forward_s, profile.backward_s) if x > 0]
     if not positive:
         raise ContractError(_SOURCE, "profile.times", "forward_s and backward_s are all 0: no capacity to plan in")
-    return min(positive)
+    # (never 0: a link absurdly slower than the primary could underflow the quotient)
+    return max(min(positive) / max(1.0, *link_slowdowns(profile)), math.ulp(0.0))
 
 
 def partition(profile: Profile, config: DeftConfig, capacity_s: float | None = None, *,

@@ -57,11 +57,19 @@ Where this deviates from the paper, and why
   sent; the paper's partition simply assumes this never happens.
 * Buckets worth nothing (zero time on the primary link) are sent with the first opportunity on the
   primary link: the knapsack would never pick them, and a group with an unsent bucket never ends.
-* Degenerate case: if torch-DDP-style WFBP (:func:`no_delay_plan`) already hides everything except
-  the unavoidable tail of the last bucket, the plan is the no-delay plan (cycle 1, ``K = (1,)``); the
-  paper would still delay the last bucket to hide that tail, at the price of a stale update.
-* Budget: past ``EXACT_BUDGET_LIMITS * solver_time_limit_s`` of CP-SAT time in one plan, the
-  remaining knapsacks are solved greedily (``meta["exact_budget_exhausted"]``).
+* Enough capacity for no delay: if torch-DDP-style WFBP (:func:`no_delay_plan`) finishes every
+  all-reduce within the backward stage as scaled (``s*B``), the plan is the no-delay plan (cycle 1,
+  ``K = (1,)``): this is where the preserver's growing capacity ends. At ``s = 1`` that needs nothing
+  exposed at all; in particular the last bucket's tail is *not* a reason to stop: the planner offers
+  to delay it into the next forward, the paper's move for GPT-2 (Sec. V.B.3), and the preserver
+  decides whether that stale update is acceptable.
+* Budget and determinism: every knapsack's CP-SAT search is bounded by deterministic work, never by
+  the clock (:mod:`deft.solver.knapsack`), so the same profile and config give the same schedule,
+  byte for byte, on an idle or a busy machine. ``config.solver_time_limit_s`` is read as that
+  budget: ``WORK_PER_SECOND`` units of CP-SAT deterministic time per second. Past
+  ``EXACT_BUDGET_LIMITS`` such budgets spent in one plan, the remaining knapsacks are solved
+  greedily (``meta["exact_budget_exhausted"]``). The schedule's ``meta`` records the work spent
+  (``solver_work``), not wall time; :attr:`PlanResult.solve_s` has the wall time.
 * Cycle cap: if no repetition appears within ``4 * max_cycle`` iterations (or the unrolled cycle is
   longer than ``max_cycle``, or the coverage rate alone rules out a cycle that short), the plan runs
   ``max_cycle`` iterations from empty queues and *flushes* in the last backward (everything left is
@@ -86,17 +94,37 @@ from deft.profile import Profile
 from deft.schedule import CommTask, Schedule, StagePlan, Update, synchronous_schedule
 from deft.solver import knapsack
 from deft.solver.partition import default_capacity, partition
+from deft.solver.simulate import simulate_schedule
 
 __all__ = [
-    "CASE_FLUSH", "DEFAULT_MAX_CYCLE", "EXACT_BUDGET_LIMITS", "GroupRecord", "IterationRecord", "KnapsackRecord",
-    "Packing", "PlanResult", "RecursiveChoice", "Send", "accumulate_plan", "link_finish", "no_delay_plan", "plan",
-    "plan_trace", "recursive_knapsack", "repair_ready_order",
+    "CASE_FLUSH",
+    "DEFAULT_MAX_CYCLE",
+    "EXACT_BUDGET_LIMITS",
+    "WORK_PER_SECOND",
+    "GroupRecord",
+    "IterationRecord",
+    "KnapsackRecord",
+    "Packing",
+    "PlanResult",
+    "RecursiveChoice",
+    "Send",
+    "accumulate_plan",
+    "link_finish",
+    "no_delay_plan",
+    "plan",
+    "plan_trace",
+    "recursive_knapsack",
+    "repair_ready_order",
 ]
 
 CASE_FLUSH = 0  # backward "case" of the forced flush that closes a capped cycle (not a paper case)
 DEFAULT_MAX_CYCLE = 64
-# Total CP-SAT time of one plan, in units of the per-knapsack time limit, before the greedy takes over.
+# Total CP-SAT work of one plan, in units of the per-knapsack budget, before the greedy takes over.
 EXACT_BUDGET_LIMITS = 20
+# CP-SAT deterministic time granted per second of ``config.solver_time_limit_s``. One unit took 1.5-3.5 s
+# of wall time on the 2-core development machine (quiet to loaded), so the default 1 s budget is about
+# what the wall-clock limit used to allow on a quiet machine; the answer no longer depends on the load.
+WORK_PER_SECOND = 0.5
 # Iterations of the state machine searched for a repeating queue state, per iteration of max_cycle.
 _SEARCH_PER_CYCLE = 4
 _SOURCE = "plan"
@@ -181,6 +209,7 @@ class PlanResult:
     period: int  # period N of the queue states; schedule.cycle = N * unroll
     unroll: int
     mode: str  # "deft" | "no_delay" | "capped"
+    solve_s: float = 0.0  # wall time spent in knapsack solves (information only; not in the schedule)
 
 
 @dataclass(frozen=True)
@@ -337,12 +366,13 @@ class _Machine:
         self.cap_forward = max(scale * profile.forward_s, self.floor)
         self.end_backward = max(scale * profile.backward_s, self.floor)
         self.method = config.solver
-        self.exact_budget_s = EXACT_BUDGET_LIMITS * config.solver_time_limit_s
+        self.work_limit = WORK_PER_SECOND * config.solver_time_limit_s
+        self.exact_budget = EXACT_BUDGET_LIMITS * self.work_limit
         self.budget_exhausted = False
-        self.time_limit_s = config.solver_time_limit_s
         self.relative_gap = config.solver_relative_gap
         self._cache: dict[tuple[tuple[int, ...], tuple[float, ...]], Packing] = {}
-        self.solve_s = 0.0
+        self.solve_s = 0.0  # wall time, information only
+        self.work = 0.0  # CP-SAT deterministic time: decides when the exact budget is spent
         self.calls = 0
         self.reset()
 
@@ -353,24 +383,25 @@ class _Machine:
         self.groups: list[list[int]] = []
         self.complete: list[int | None] = []
 
-    # -- knapsack with a cache: the machine must be a deterministic function of the queue state,
-    #    and CP-SAT under a time limit with several workers need not return the same answer twice.
+    # -- knapsack with a cache: the machine is a deterministic function of the queue state, and a
+    #    repeated state must not cost a second search.
     def solve(self, items: tuple[int, ...], caps: tuple[float, ...]) -> Packing:
         key = (items, caps)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         method = self.method
-        if method == "exact" and self.solve_s > self.exact_budget_s:
+        if method == "exact" and self.work >= self.exact_budget:
             # A plan may need thousands of knapsacks; past the budget the greedy answers the rest.
             method = "greedy"
             self.budget_exhausted = True
         sol = knapsack.solve(
             [self.v[b] for b in items], [self.w[b] for b in items], list(caps),
-            method=method, time_limit_s=self.time_limit_s, relative_gap=self.relative_gap,
+            method=method, work_limit=self.work_limit, relative_gap=self.relative_gap,
         )
         self.calls += 1
         self.solve_s += sol.solve_s
+        self.work += sol.work
         assignment = {b: j for b, j in zip(items, sol.link_of, strict=True) if j is not None}
         # Worthless buckets (value = time on the primary link = 0): the knapsack never packs them,
         # and they cost nothing on the primary link, so they go there.
@@ -548,8 +579,6 @@ def _list_schedule(profile: Profile) -> tuple[tuple[str, ...], float]:
 
 
 def _with_predictions(profile: Profile, schedule: Schedule) -> Schedule:
-    from deft.solver.simulate import simulate_schedule  # lazy: simulate imports this module lazily too
-
     res = simulate_schedule(profile, schedule)
     return replace(schedule, predicted_iteration_s=float(res.iteration_s),
                    predicted_bubble_ratio=float(res.bubble_ratio))
@@ -564,7 +593,7 @@ def _no_delay(profile: Profile, cfg: DeftConfig, scale: float, capacity_s: float
     meta = {
         "planner": "deft.solver.plan", "mode": "no_delay", "reason": reason, "solver": cfg.solver,
         "capacity_scale": scale, "capacity_s": capacity_s, "cases": [[None, None]], "knapsack_calls": 0,
-        "optimal": True, "solve_s": 0.0, "wfbp_finish_s": finish, "backward_s": profile.backward_s,
+        "optimal": True, "solver_work": 0.0, "wfbp_finish_s": finish, "backward_s": profile.backward_s,
         "forward_s": profile.forward_s, "cycle_capped": False,
     }
     return _with_predictions(profile, replace(sched, profile_digest=profile.digest(), meta=meta))
@@ -626,13 +655,11 @@ def plan_trace(profile: Profile, config: DeftConfig | None = None, *, capacity_s
 
     if cfg.epsilon == 0:  # the config forbids any delayed update: only reorder and assign links
         return PlanResult(_no_delay(part, cfg, scale, cap, "epsilon == 0"), part, (), (), 0, 1, 1, "no_delay")
-    # Degenerate case: WFBP already hides all but the hard-dependency tail of the last bucket.
+    # Enough capacity: WFBP finishes within the (scaled) backward stage, so nothing needs a delay. The
+    # last bucket's tail alone never qualifies at s = 1 (the delayed tail is offered instead).
     _, finish = _list_schedule(part)
-    last = part.n - 1
-    tail = min(part.comm_time(last, name) for name in part.link_names)
-    floor = max(scale * part.backward_s, part.backward_s + tail)
-    if finish <= floor * (1 + _REL_TOL):
-        sched = _no_delay(part, cfg, scale, cap, "wfbp hides all communication but the last bucket's tail")
+    if finish <= scale * part.backward_s * (1 + _REL_TOL):
+        sched = _no_delay(part, cfg, scale, cap, "wfbp finishes within the backward stage's capacity")
         return PlanResult(sched, part, (), (), 0, 1, 1, "no_delay")
 
     m = _Machine(part, cfg, scale)
@@ -673,13 +700,14 @@ def plan_trace(profile: Profile, config: DeftConfig | None = None, *, capacity_s
             unroll = span // period + 1
             if period * unroll <= max_cycle:
                 sched = _emit(part, cfg, scale, cap, m, records, s, period, unroll, capped=False)
-                return PlanResult(sched, part, tuple(records), m.group_records(), s, period, unroll, "deft")
+                return PlanResult(sched, part, tuple(records), m.group_records(), s, period, unroll, "deft",
+                                  m.solve_s)
 
     # Capped: close a cycle of max_cycle iterations by flushing in its last backward.
     m.reset()
     records = [m.step(t, flush=(t == max_cycle - 1)) for t in range(max_cycle)]
     sched = _emit(part, cfg, scale, cap, m, records, 0, max_cycle, 1, capped=True)
-    return PlanResult(sched, part, tuple(records), m.group_records(), 0, max_cycle, 1, "capped")
+    return PlanResult(sched, part, tuple(records), m.group_records(), 0, max_cycle, 1, "capped", m.solve_s)
 
 
 def _emit(profile: Profile, cfg: DeftConfig, scale: float, capacity_s: float, m: _Machine,
@@ -709,7 +737,7 @@ def _emit(profile: Profile, cfg: DeftConfig, scale: float, capacity_s: float, m:
     meta: dict[str, Any] = {
         "planner": "deft.solver.plan", "mode": "capped" if capped else "deft", "solver": cfg.solver,
         "capacity_scale": scale, "capacity_s": capacity_s, "cases": cases, "cycle_start": s, "period": period,
-        "unroll": unroll, "cycle_capped": capped, "knapsack_calls": m.calls, "solve_s": m.solve_s,
+        "unroll": unroll, "cycle_capped": capped, "knapsack_calls": m.calls, "solver_work": m.work,
         "exact_budget_exhausted": m.budget_exhausted,
         "optimal": all(k.optimal for k in ks),
         "max_gap": max(((k.bound - k.value) / k.bound if k.bound > 0 else 0.0) for k in ks) if ks else 0.0,

@@ -1,4 +1,8 @@
-"""Discrete-event simulator: what each scheduling scheme does to an iteration (DESIGN.md section 4).
+"""Discrete-event simulator: what a scheduling scheme does to an iteration, scheme by scheme.
+
+This module is the engine and the baselines' adapters; it knows nothing of the DeFT planner. A DeFT
+:class:`~deft.schedule.Schedule` is simulated by :func:`simulate_schedule` whoever made it, and
+:mod:`deft.solver.compare` is the front end that plans DeFT and runs every scheme side by side.
 
 Model
 -----
@@ -8,14 +12,17 @@ Model
   dependencies are met.
 * One **queue per link**: all-reduces run one at a time. The schemes use two disciplines:
   *ordered* (a fixed launch order, each all-reduce waiting for its gradient and its predecessor, the way
-  NCCL streams and DeFT's schedules behave) and *priority + credit* (ByteScheduler: ready pieces wait in
-  a priority queue and are handed to the link's FIFO while fewer than ``credit`` bytes are in flight).
+  NCCL streams and DeFT's schedules behave) and *priority + credit* (ByteScheduler's Algorithm 1: ready
+  pieces wait in a priority queue; the highest-priority one is handed to the link's FIFO when the
+  remaining credit (credit minus the bytes in flight) is *greater* than its size. The paper's rule
+  waits forever for a piece at least as large as the whole credit; here such a piece goes when nothing
+  is in flight).
 * **Dependencies** (the true ones of each scheme):
   - ``ddp``, ``wfbp``, ``mgwfbp``: synchronous, the optimizer step waits for every all-reduce of the
     iteration (torch DDP's ``finalize_backward``), so the next forward waits for all of them;
   - ``bytescheduler``, ``usbyte``: synchronous per layer, the forward of bucket ``i`` in the next
     iteration waits for the all-reduce(s) of bucket ``i`` (ByteScheduler's dependency proxy);
-  - ``deft`` / any :class:`~deft.schedule.Schedule`: delayed update, the next forward waits for nothing;
+  - a :class:`~deft.schedule.Schedule` (DeFT): delayed update, the next forward waits for nothing;
     the optimizer step after position ``p`` waits for all all-reduces of the update groups due there.
     A stage's all-reduces are launched at the start of the stage (forward) or when their gradient is
     ready (backward, ``origin == 0``), in the schedule's order on each link.
@@ -29,8 +36,9 @@ Model
 
 Baseline knobs (``DeftConfig.extra``): ``bytescheduler_partition_numel`` and ``usbyte_partition_numel``
 (default ``partition_numel``, 6.5M elements as in the DeFT paper's comparison),
-``bytescheduler_credit_bytes`` (default two partitions, about ByteScheduler's tuned NCCL ratio) and
-``mgwfbp_method`` (``"optimal"``, default, or ``"paper"``).
+``bytescheduler_credit_bytes`` (default two partitions, about ByteScheduler's tuned NCCL ratio, its
+Table 1) and ``mgwfbp_method`` (``"paper"``, default: MG-WFBP's Algorithm 1; or ``"optimal"``: the
+exact optimum of its timing model, see :func:`deft.solver.baselines.mgwfbp_merge`).
 
 Scaling out (:func:`scale_workers`): ring all-reduce costs ``a = 2(N-1) alpha`` and
 ``b = 2(N-1)/N beta`` (MG-WFBP Table 2, the reduction term ``gamma`` folded into ``beta``). Assumption:
@@ -52,9 +60,10 @@ from deft.errors import ContractError
 from deft.profile import BucketTimes, Profile
 from deft.schedule import Schedule
 from deft.solver import baselines
-from deft.solver.partition import partition
 
-SCHEMES = ("ddp", "wfbp", "mgwfbp", "bytescheduler", "usbyte", "deft")
+#: The schemes simulated from the profile alone (each as its paper defines it); DeFT's schedules go
+#: through :func:`simulate_schedule`.
+BASELINES = ("ddp", "wfbp", "mgwfbp", "bytescheduler", "usbyte")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -275,7 +284,10 @@ class _Engine:
             for lk in self.links:
                 if lk in self.credit:
                     q = ready_q[lk]
-                    while q and (in_flight[lk] == 0 or in_flight[lk] + self.comms[q[0][1]].nbytes <= self.credit[lk]):
+                    # ByteScheduler's Algorithm 1, line 16: remaining credit > size (strictly); a piece
+                    # no smaller than the whole credit goes alone rather than never.
+                    while q and (in_flight[lk] == 0
+                                 or self.credit[lk] - in_flight[lk] > self.comms[q[0][1]].nbytes):
                         _, cid = heapq.heappop(q)
                         dispatch(cid)
                         progress = True
@@ -401,7 +413,7 @@ def _mgwfbp_messages(profile: Profile, link: str, config: DeftConfig) -> list[_M
     # MG-WFBP indexes layers from the input: layer l is bucket n-1-l.
     back = [profile.times[n - 1 - layer].backward_s for layer in range(n)]
     size = [float(profile.buckets[n - 1 - layer].nbytes) for layer in range(n)]
-    method = config.extra.get("mgwfbp_method", "optimal")
+    method = config.extra.get("mgwfbp_method", "paper")
     if method not in ("paper", "optimal"):
         raise ContractError("<config>", "extra.mgwfbp_method", f"expected 'paper' or 'optimal', got {method!r}")
     groups = baselines.mgwfbp_merge(back, size, alpha, beta, method=method)
@@ -578,62 +590,15 @@ def simulate_schedule(profile: Profile, schedule: Schedule, *, iterations: int =
                    {"batch_sequence": list(schedule.batch_sequence), "links": list(schedule.links)})
 
 
-def profile_for_schedule(profile: Profile, schedule: Schedule, config: DeftConfig) -> Profile:
-    """The profile whose buckets ``schedule`` refers to: ``profile`` itself or its DeFT partition.
+def simulate_baseline(profile: Profile, scheme: str, config: DeftConfig | str | dict[str, Any] | None = None, *,
+                      iterations: int = 24) -> SimResult:
+    """Steady-state iteration of baseline ``scheme`` (one of :data:`BASELINES`) on ``profile``.
 
-    The planner partitions buckets (section III.D) before planning; a schedule records only the bucket
-    sizes, so the partition is recomputed (with the capacity recorded in ``schedule.meta["capacity_s"]``
-    when the planner left one) and must reproduce them.
-    """
-    sizes = tuple(b.nbytes for b in profile.buckets)
-    if sizes == schedule.bucket_nbytes:
-        return profile
-    caps: list[float | None] = [None]
-    cap = schedule.meta.get("capacity_s")
-    if isinstance(cap, (int, float)) and not isinstance(cap, bool):
-        caps.insert(0, float(cap))
-    for c in caps:
-        parted = partition(profile, config, capacity_s=c, best_effort=True)
-        if tuple(b.nbytes for b in parted.buckets) == schedule.bucket_nbytes:
-            return parted
-    raise ContractError("<schedule>", "bucket_nbytes",
-                        f"the schedule's {schedule.n_buckets} buckets match neither the profile's {profile.n} "
-                        "nor its partition; was it planned on another profile?")
-
-
-def plan_deft(profile: Profile, config: DeftConfig) -> tuple[Schedule, Profile]:
-    """DeFT's schedule for ``profile`` and the partitioned profile it refers to.
-
-    ``epsilon == 0`` forbids delayed updates: the no-delay plan (cycle 1, links only). Otherwise the
-    solver's plan; the preserver's convergence test needs loss statistics from training, so offline
-    (here and in ``deft plan``) the solver's first plan is what the preserver would start from.
-    """
-    from deft.solver import plan as planner  # lazy: plan.py calls simulate_schedule
-
-    if config.epsilon == 0:
-        schedule = planner.no_delay_plan(profile, config)
-        return schedule, profile_for_schedule(profile, schedule, config)
-    result = planner.plan_trace(profile, config)
-    return result.schedule, result.profile
-
-
-def simulate(profile: Profile, scheme: str, config: DeftConfig | str | dict[str, Any] | None = None, *,
-             workers: int | None = None, iterations: int = 24) -> SimResult:
-    """Steady-state iteration of ``scheme`` on ``profile`` (see the module docstring for the model).
-
-    Baselines use the primary (first) link only, as their papers do; ``deft`` plans with
-    :func:`deft.solver.plan.plan` and uses every link of the profile. ``workers`` rescales the profile
-    with the ring all-reduce model first.
+    Baselines use the primary (first) link only, as their papers do (see the module docstring).
     """
     cfg = DeftConfig.resolve(config)
-    if scheme not in SCHEMES:
-        raise ContractError("<scheme>", "scheme", f"expected one of {', '.join(SCHEMES)}, got {scheme!r}")
-    if workers is not None:
-        profile = scale_workers(profile, workers)
-    if scheme == "deft":
-        schedule, planned = plan_deft(profile, cfg)
-        res = simulate_schedule(planned, schedule, iterations=iterations, scheme="deft")
-        return replace(res, meta={**res.meta, "schedule": schedule, "profile": planned})
+    if scheme not in BASELINES:
+        raise ContractError("<scheme>", "scheme", f"expected one of {', '.join(BASELINES)}, got {scheme!r}")
     link = profile.links[0].name
     meta: dict[str, Any] = {"link": link}
     credit = None
@@ -655,12 +620,3 @@ def simulate(profile: Profile, scheme: str, config: DeftConfig | str | dict[str,
     eng = _run_synchronous(profile, msgs, warm + measured + 1, barrier=barrier, credit=credit)
     eng.run()
     return _result(scheme, profile, eng, 1, warm, measured, 1.0, meta)
-
-
-def simulate_all(profile: Profile, schemes: Sequence[str] = SCHEMES, config: DeftConfig | None = None, *,
-                 workers: int | None = None, iterations: int = 24) -> dict[str, SimResult]:
-    """:func:`simulate` for several schemes on the same (rescaled) profile."""
-    cfg = DeftConfig.resolve(config)
-    if workers is not None:
-        profile = scale_workers(profile, workers)
-    return {s: simulate(profile, s, cfg, iterations=iterations) for s in schemes}

@@ -1,0 +1,96 @@
+"""DeFT next to the baselines: plan DeFT, simulate every scheme on the same profile.
+
+The front end of ``deft simulate`` and ``deft plan`` and of ``benchmarks/bench_simulate.py``. It joins
+the planner (:mod:`deft.solver.plan`) and the simulator (:mod:`deft.solver.simulate`), which know
+nothing of each other beyond the :class:`~deft.schedule.Schedule` they exchange.
+
+``deft`` here is the planner's first schedule (capacity scale 1), as the preserver would start from it
+or as a run with the preserver disabled uses it. What a run with the default preserver uses depends on
+the loss statistics measured in training; the command line composes that with
+:func:`deft.preserver.feedback.preserve` (the preserver sits above the solver).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from deft.config import DeftConfig
+from deft.errors import ContractError
+from deft.profile import Profile
+from deft.schedule import Schedule
+from deft.solver import plan as planner
+from deft.solver.partition import partition
+from deft.solver.simulate import BASELINES, SimResult, scale_workers, simulate_baseline, simulate_schedule
+
+__all__ = ["SCHEMES", "plan_deft", "profile_for_schedule", "simulate", "simulate_all"]
+
+SCHEMES = (*BASELINES, "deft")
+
+
+def profile_for_schedule(profile: Profile, schedule: Schedule, config: DeftConfig) -> Profile:
+    """The profile whose buckets ``schedule`` refers to: ``profile`` itself or its DeFT partition.
+
+    The planner partitions buckets (section III.D) before planning; a schedule records only the bucket
+    sizes, so the partition is recomputed (with the capacity recorded in ``schedule.meta["capacity_s"]``
+    when the planner left one) and must reproduce them.
+    """
+    sizes = tuple(b.nbytes for b in profile.buckets)
+    if sizes == schedule.bucket_nbytes:
+        return profile
+    caps: list[float | None] = [None]
+    cap = schedule.meta.get("capacity_s")
+    if isinstance(cap, (int, float)) and not isinstance(cap, bool):
+        caps.insert(0, float(cap))
+    for c in caps:
+        parted = partition(profile, config, capacity_s=c, best_effort=True)
+        if tuple(b.nbytes for b in parted.buckets) == schedule.bucket_nbytes:
+            return parted
+    raise ContractError("<schedule>", "bucket_nbytes",
+                        f"the schedule's {schedule.n_buckets} buckets match neither the profile's {profile.n} "
+                        "nor its partition; was it planned on another profile?")
+
+
+def plan_deft(profile: Profile, config: DeftConfig) -> tuple[Schedule, Profile]:
+    """DeFT's schedule for ``profile`` and the partitioned profile it refers to.
+
+    ``epsilon == 0`` forbids delayed updates: the no-delay plan (cycle 1, links only). Otherwise the
+    planner's first plan: the preserver's convergence test needs loss statistics from training, so
+    offline (here and in ``deft plan``) this is the plan it would start from, and the one a run with
+    the preserver disabled uses.
+    """
+    if config.epsilon == 0:
+        schedule = planner.no_delay_plan(profile, config)
+        return schedule, profile_for_schedule(profile, schedule, config)
+    result = planner.plan_trace(profile, config)
+    return result.schedule, result.profile
+
+
+def simulate(profile: Profile, scheme: str, config: DeftConfig | str | dict[str, Any] | None = None, *,
+             workers: int | None = None, iterations: int = 24) -> SimResult:
+    """Steady-state iteration of ``scheme`` on ``profile`` (the model: :mod:`deft.solver.simulate`).
+
+    Baselines use the primary (first) link only, as their papers do; ``deft`` plans with
+    :func:`plan_deft` and uses every link of the profile (the result's ``meta`` carries the schedule and
+    the partitioned profile). ``workers`` rescales the profile with the ring all-reduce model first.
+    """
+    cfg = DeftConfig.resolve(config)
+    if scheme not in SCHEMES:
+        raise ContractError("<scheme>", "scheme", f"expected one of {', '.join(SCHEMES)}, got {scheme!r}")
+    if workers is not None:
+        profile = scale_workers(profile, workers)
+    if scheme != "deft":
+        return simulate_baseline(profile, scheme, cfg, iterations=iterations)
+    schedule, planned = plan_deft(profile, cfg)
+    res = simulate_schedule(planned, schedule, iterations=iterations, scheme="deft")
+    return replace(res, meta={**res.meta, "schedule": schedule, "profile": planned})
+
+
+def simulate_all(profile: Profile, schemes: Sequence[str] = SCHEMES, config: DeftConfig | None = None, *,
+                 workers: int | None = None, iterations: int = 24) -> dict[str, SimResult]:
+    """:func:`simulate` for several schemes on the same (rescaled) profile."""
+    cfg = DeftConfig.resolve(config)
+    if workers is not None:
+        profile = scale_workers(profile, workers)
+    return {s: simulate(profile, s, cfg, iterations=iterations) for s in schemes}
