@@ -50,7 +50,7 @@ class DeftConfig:
     bucket_cap_mb: float = 25.0
     partition_numel: int = 6_500_000
     solver: str = "exact"
-    solver_time_limit_s: float = 1.0
+    solver_time_limit_s: float = 1.0   # a deterministic work budget per plan (CP-SAT units), not wall seconds
     solver_relative_gap: float = 1e-3
     warmup_iters: int = 3
     profile_iters: int = 5

@@ -16,9 +16,10 @@ import torch
 
 from deft import DeftConfig, Profile
 from deft.runtime.adapt import Adapter, calibrate, scaled
+from deft.solver.compare import profile_for_schedule
 from deft.solver.lagfree import lagfree_plan
 from deft.solver.plan import no_delay_plan
-from deft.solver.simulate import profile_for_schedule, simulate_schedule
+from deft.solver.simulate import simulate_schedule
 from tests._dist import run_ranks, values
 from tests.test_lagfree import three_buckets
 from tests.test_runtime_delayed import LR, MOMENTUM, Linear, closed_form, coefficients

@@ -75,7 +75,7 @@ def _timeline(profile: Profile, png: Path) -> list[str]:
     is missing instead of failing (the measured table above is the report's main content).
     """
     from deft.errors import DeftError
-    from deft.solver.simulate import simulate
+    from deft.solver.compare import simulate
     from deft.solver.timeline import draw_timeline
 
     results = {"ddp": simulate(profile, "ddp")}

@@ -32,8 +32,9 @@ from dataclasses import replace
 from deft.config import DeftConfig
 from deft.profile import Profile
 from deft.schedule import CommTask, Schedule, StagePlan, Update
+from deft.solver.compare import profile_for_schedule
 from deft.solver.plan import no_delay_plan
-from deft.solver.simulate import profile_for_schedule, simulate_schedule
+from deft.solver.simulate import simulate_schedule
 
 
 def _assign(profile: Profile, order: list[int], ready: list[float], free: dict[str, float]) -> list[CommTask]:
