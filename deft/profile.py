@@ -102,30 +102,47 @@ def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float],
     (``scipy.optimize.nnls`` on the rows scaled by ``sqrt(w_i)``). The non-negativity rule: a negative
     intercept or slope is measurement noise (time cannot fall with size, nor be below zero at size 0),
     so the constrained optimum is taken; it lies on the boundary (a line through the origin, or a flat
-    line at the weighted mean) when the free line leaves the feasible set. With a single distinct size
-    the line is not determined; nnls then returns its minimum-norm feasible answer.
+    line at the weighted mean) when the free line leaves the feasible set.
+
+    With a single distinct size ``b0`` every non-negative line through the weighted mean ``T0`` there
+    fits equally well; the rule then is the line through the origin, ``alpha = 0, beta = T0 / b0`` (all
+    of the time is transfer, so a piece of the bucket costs its share; the convention of the fits this
+    one replaces), or the flat line ``alpha = T0`` when ``b0 = 0``. ``free_alpha``/``free_beta`` are nan.
+
+    Raises :class:`ContractError` naming ``source`` and the first bad entry (``nbytes[i]``,
+    ``seconds[i]``, ``weights[i]``) or the mismatched lengths.
     """
     b = np.asarray(nbytes, dtype=float)
     t = np.asarray(seconds, dtype=float)
     if b.shape != t.shape or b.ndim != 1 or len(b) == 0:
         raise ContractError(source, "samples", f"expected equally many sizes and times (at least one), got "
                             f"{len(b)} and {len(t)}")
-    if not (np.all(np.isfinite(t)) and np.all(t >= 0) and np.all(np.isfinite(b)) and np.all(b >= 0)):
-        raise ContractError(source, "samples", "sizes and times must be finite and >= 0")
     w = np.ones_like(t) if weights is None else np.asarray(weights, dtype=float)
-    if w.shape != t.shape or not np.all(np.isfinite(w)) or np.any(w <= 0):
-        raise ContractError(source, "weights", "expected one finite positive weight per sample")
-    sw = np.sqrt(w)
-    scale = float(b.max()) or 1.0  # columns of similar magnitude: nnls is then well conditioned
-    design = np.column_stack([np.ones_like(b), b / scale]) * sw[:, None]
-    (alpha, beta_scaled), _ = nnls(design, t * sw)
-    beta = float(beta_scaled) / scale
-    free = (np.linalg.lstsq(design, t * sw, rcond=None)[0] if len(set(b.tolist())) >= 2
-            else np.array([math.nan, math.nan]))
+    if w.shape != t.shape:
+        raise ContractError(source, "weights", f"expected one weight per sample ({len(t)}), got {len(w)}")
+    for name, values, ok in (("nbytes", b, np.isfinite(b) & (b >= 0)), ("seconds", t, np.isfinite(t) & (t >= 0)),
+                             ("weights", w, np.isfinite(w) & (w > 0))):
+        if not ok.all():
+            i = int(np.flatnonzero(~ok)[0])
+            expected = "a finite weight > 0" if name == "weights" else "a finite number >= 0"
+            raise ContractError(source, f"{name}[{i}]", f"expected {expected}, got {values[i]}")
+    if len(set(b.tolist())) < 2:
+        b0, t0 = float(b[0]), float(np.sum(w * t) / np.sum(w))
+        alpha, beta = (0.0, t0 / b0) if b0 > 0 else (t0, 0.0)
+        free = np.array([math.nan, math.nan])
+        scale = 1.0
+    else:
+        sw = np.sqrt(w)
+        scale = float(b.max())  # columns of similar magnitude: nnls is then well conditioned
+        design = np.column_stack([np.ones_like(b), b / scale]) * sw[:, None]
+        (alpha, beta_scaled), _ = nnls(design, t * sw)
+        beta = float(beta_scaled) / scale
+        free = np.linalg.lstsq(design, t * sw, rcond=None)[0]
     pred = alpha + beta * b
     ss_res = float(np.sum((t - pred) ** 2))
     ss_tot = float(np.sum((t - t.mean()) ** 2))
-    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
+    exact = ss_res <= 1e-18 * float(np.sum(t**2))  # zero up to rounding in the solver
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if exact else 0.0)
     rel = (t - pred) / np.where(t > 0, t, 1.0)
     return AlphaBetaFit(alpha=float(alpha), beta=beta, r2=r2, rmse=float(np.sqrt(ss_res / len(t))),
                         rel_rmse=float(np.sqrt(np.mean(rel ** 2))), free_alpha=float(free[0]),

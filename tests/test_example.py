@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests._dist import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_cnn.py"
@@ -20,12 +21,6 @@ EXAMPLE = REPO / "examples" / "train_cnn.py"
 ITERS = 30
 SMALL = ["--width", "8", "--hidden", "64", "--max-iters", str(ITERS), "--eval-every", "15", "--batch-size", "32",
          "--lr", "0.05", "--skip-iters", "2", "--no-progress"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_example(tmp_path: Path, *extra: str) -> dict[str, Any]:

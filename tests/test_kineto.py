@@ -6,7 +6,6 @@ import gzip
 import json
 import math
 import os
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -15,33 +14,32 @@ import pytest
 
 from deft import Profile, TraceError
 from deft.profiler import kineto
+from tests._dist import free_port
+from tests._fixtures import fixture_path
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
-RESNET = FIXTURES / "kineto_ddp_resnet50_rank0.json.gz"
 # DDP's 5 buckets of ResNet-50 on this run, in backward (ready) order; they sum to ResNet-50's
 # 25,557,032 parameters, and bucket 0 is the fc layer (2048 * 1000 + 1000).
 RESNET_BUCKETS = [2049000, 7875584, 6563840, 6637568, 2431040]
 
 
-def needs_fixture() -> None:
-    if not RESNET.exists():
-        pytest.skip(f"real Kineto fixture not found at {RESNET}")
+@pytest.fixture(scope="module")
+def resnet_path() -> Path:
+    return fixture_path("kineto_ddp_resnet50_rank0.json.gz")
 
 
 @pytest.fixture(scope="module")
-def resnet() -> kineto.Trace:
-    needs_fixture()
-    return kineto.read_trace(RESNET)
+def resnet(resnet_path: Path) -> kineto.Trace:
+    return kineto.read_trace(resnet_path)
 
 
-def _raw_nccl_allreduce_kernels() -> dict[int, float]:
+def _raw_nccl_allreduce_kernels(path: Path) -> dict[int, float]:
     """External id -> duration (us) of the NCCL all-reduce kernels, read straight from the JSON."""
-    doc = json.loads(gzip.decompress(RESNET.read_bytes()))
+    doc = json.loads(gzip.decompress(path.read_bytes()))
     return {e["args"]["External id"]: e["dur"] for e in doc["traceEvents"]
             if e.get("cat") == "kernel" and e["name"].startswith("ncclKernel_AllReduce")}
 
 
-def test_resnet_steps_and_collectives(resnet: kineto.Trace) -> None:
+def test_resnet_steps_and_collectives(resnet: kineto.Trace, resnet_path: Path) -> None:
     assert [s.number for s in kineto.steps(resnet)] == [4, 5, 6]
     colls = kineto.collectives(resnet)
     allr = [c for c in colls if c.is_allreduce]
@@ -49,7 +47,7 @@ def test_resnet_steps_and_collectives(resnet: kineto.Trace) -> None:
     for step in (4, 5, 6):
         assert [c.numel for c in allr if c.step == step] == RESNET_BUCKETS
     assert sum(RESNET_BUCKETS) == 25_557_032
-    raw = _raw_nccl_allreduce_kernels()
+    raw = _raw_nccl_allreduce_kernels(resnet_path)
     for c in allr:
         assert c.comm_source == "gpu_kernel" and c.backend == "nccl"
         assert c.group == "0" and c.group_ranks == (0, 1) and c.dtype == "Float"
@@ -77,8 +75,8 @@ def test_resnet_bucket_segments_follow_fig8(resnet: kineto.Trace) -> None:
         assert sum(r.forward_s for r in rs) < step_s
 
 
-def test_resnet_profile(resnet: kineto.Trace, tmp_path: Path) -> None:
-    prof = kineto.load(RESNET)
+def test_resnet_profile(resnet: kineto.Trace, resnet_path: Path, tmp_path: Path) -> None:
+    prof = kineto.load(resnet_path)
     assert prof.source == "kineto" and prof.world_size == 2 and prof.n == 5
     assert [(k.name, k.backend) for k in prof.links] == [("primary", "nccl")]
     assert [b.numel for b in prof.buckets] == RESNET_BUCKETS
@@ -92,14 +90,13 @@ def test_resnet_profile(resnet: kineto.Trace, tmp_path: Path) -> None:
     assert prof.meta["steps_used"] == [4, 5, 6]
     prof.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == prof
-    assert kineto.load(RESNET, rank=0) == prof
+    assert kineto.load(resnet_path, rank=0) == prof
     with pytest.raises(TraceError, match="rank 1"):
-        kineto.load(RESNET, rank=1)
+        kineto.load(resnet_path, rank=1)
 
 
-def test_cli_prints_tables(capsys: pytest.CaptureFixture[str]) -> None:
-    needs_fixture()
-    assert kineto.main([str(RESNET)]) == 0
+def test_cli_prints_tables(resnet_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert kineto.main([str(resnet_path)]) == 0
     out = capsys.readouterr().out
     assert "2049000" in out and "gpu_kernel" in out and "CR=" in out
 
@@ -146,12 +143,6 @@ def test_missing_file(tmp_path: Path) -> None:
 
 
 # -- real CPU runs: torch DDP over gloo, and deft-style per-bucket ranges ------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _model():  # type: ignore[no-untyped-def]
     import torch.nn as nn
 
@@ -239,7 +230,7 @@ def cpu_traces(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("kineto_cpu")
     (out / "ddp").mkdir()
     (out / "deft").mkdir()
-    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
     return out
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 from deft.errors import ContractError
 from deft.profile import Link
 from deft.profiler.links import LinkFit, Sample, fit, to_link
+from tests._dist import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = [2**20, 2**21, 2**22, 2**23, 2**24, 2**25]
@@ -98,12 +98,6 @@ def test_to_link_carries_the_fit() -> None:
     link = to_link(f, "second", "gloo", "nic1")
     assert link == Link("second", "gloo", "nic1", 1e-4, 3e-8)
     assert link.time(1_000_000) == pytest.approx(f.predict(1_000_000))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.slow

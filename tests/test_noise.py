@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
+import torch
+import torch.multiprocessing as mp
+from sklearn import datasets
 
 from deft.errors import ContractError
 from deft.preserver.noise import (
@@ -34,6 +36,7 @@ from deft.preserver.noise import (
     local_stats,
     step_estimate,
 )
+from tests._dist import free_port
 
 
 @dataclass
@@ -158,17 +161,15 @@ def test_linear_regression_unbiased_and_sigma_consistent(ranks, batch, scale):
 
 
 def _digits_per_sample_gradients(train_steps: int) -> np.ndarray:
-    torch = pytest.importorskip("torch")
-    datasets = pytest.importorskip("sklearn.datasets")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: threads only add contention on a shared machine
     try:
-        return _digits_gradients(torch, datasets, train_steps)
+        return _digits_gradients(train_steps)
     finally:
         torch.set_num_threads(threads)
 
 
-def _digits_gradients(torch, datasets, train_steps: int) -> np.ndarray:
+def _digits_gradients(train_steps: int) -> np.ndarray:
     from torch.func import functional_call, grad, vmap
 
     torch.manual_seed(0)
@@ -303,7 +304,6 @@ def test_two_ranks_closed_form():
 
 
 def test_local_stats_and_direction_pair_match_numpy():
-    torch = pytest.importorskip("torch")
     rng = np.random.default_rng(3)
     sizes = (7, 1, 130)
     steps = [[rng.standard_normal(n) for n in sizes] for _ in range(5)]
@@ -375,10 +375,7 @@ def _gather_worker(rank: int, world: int, port: int, q) -> None:  # pragma: no c
 
 @pytest.mark.slow
 def test_all_gather_stats_three_ranks():
-    mp = pytest.importorskip("torch.multiprocessing")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_gather_worker, args=(r, 3, port, q)) for r in range(3)]
@@ -405,7 +402,6 @@ def test_all_gather_stats_three_ranks():
 def test_training_loop_recipe_with_autograd():
     """The module docstring's recipe, with gradients from loss.backward() on 4 simulated ranks of a
     torch linear model held at fixed weights, against the closed-form mu and sigma²."""
-    torch = pytest.importorskip("torch")
     lr = make(d=10, scale=3.0, s=0.5, seed=21)
     w_star = torch.zeros(10, dtype=torch.float64)
     w = torch.tensor(lr.delta, dtype=torch.float64, requires_grad=True)  # w - w* = δ

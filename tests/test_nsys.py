@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,9 +11,7 @@ import pytest
 from deft import Profile, TraceError
 from deft.profiler import nsys
 from deft.profiler.nvtx import RangeName, format_range_name, layout_name
-
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
-SENDRECV = FIXTURES / "nsys_2gpu_sendrecv.sqlite"
+from tests._fixtures import fixture_path
 
 # The schema of the tables deft reads, copied from the real export's sqlite_master (nsys 2026.2,
 # export schema 3.25.0), comments dropped.
@@ -41,62 +40,101 @@ SCHEMA = [
 ]
 
 
-def needs_fixture() -> None:
-    if not SENDRECV.exists():
-        pytest.skip(f"real nsys fixture not found at {SENDRECV}")
+@pytest.fixture(scope="module")
+def sendrecv() -> Path:
+    return fixture_path("nsys_2gpu_sendrecv.sqlite")
+
+
+@pytest.fixture(scope="module")
+def sql(sendrecv: Path) -> Iterator[sqlite3.Connection]:
+    """The fixture opened read-only: expected counts come from SQL on the tables, not from the parser."""
+    db = sqlite3.connect(f"file:{sendrecv}?mode=ro", uri=True)
+    try:
+        yield db
+    finally:
+        db.close()
+
+
+def one(db: sqlite3.Connection, query: str) -> int:
+    return int(db.execute(query).fetchone()[0])
+
+
+PID = "((globalPid >> 24) & 16777215)"  # nsys' GlobalId: pid in bits 24..47
+KERNEL_NAME = "(SELECT value FROM StringIds WHERE id = k.shortName)"
+NVTX_TEXT = "COALESCE(n.text, (SELECT value FROM StringIds WHERE id = n.textId))"
 
 
 # -- the real export --------------------------------------------------------------------------------------
-def test_fixture_summary() -> None:
-    needs_fixture()
-    s = nsys.summary(SENDRECV)
-    assert s["kernels"] == 4010 and s["devices"] == [0, 1]
-    assert set(s["gpu_processes"]) == {144, 145}
-    assert s["nccl_kernels"] == {"SendRecv": 66}
-    assert s["nvtx_ranges"] == 19118 and s["deft_ranges"] == 0
-    assert s["nsys_version"] == "2026.2.1.210"
+def test_fixture_summary(sendrecv: Path, sql: sqlite3.Connection) -> None:
+    s = nsys.summary(sendrecv)
+    assert s["kernels"] == one(sql, "SELECT COUNT(*) FROM CUPTI_ACTIVITY_KIND_KERNEL") == 4010
+    assert s["devices"] == [d for (d,) in sql.execute(
+        "SELECT DISTINCT deviceId FROM CUPTI_ACTIVITY_KIND_KERNEL ORDER BY deviceId")] == [0, 1]
+    assert set(s["gpu_processes"]) == {p for (p,) in sql.execute(
+        f"SELECT DISTINCT {PID} FROM CUPTI_ACTIVITY_KIND_KERNEL")} == {144, 145}
+    sendrecv_kernels = one(sql, f"SELECT COUNT(*) FROM CUPTI_ACTIVITY_KIND_KERNEL k "
+                                f"WHERE {KERNEL_NAME} LIKE 'ncclDevKernel_SendRecv%'")
+    all_nccl = one(sql, f"SELECT COUNT(*) FROM CUPTI_ACTIVITY_KIND_KERNEL k WHERE {KERNEL_NAME} LIKE 'nccl%'")
+    assert s["nccl_kernels"] == {"SendRecv": sendrecv_kernels} and sendrecv_kernels == all_nccl == 66
+    # the export has push/pop ranges only (eventType 59), all closed
+    assert s["nvtx_ranges"] == one(sql, "SELECT COUNT(*) FROM NVTX_EVENTS WHERE eventType IN (59, 60) "
+                                        "AND end IS NOT NULL") == 19118
+    assert s["deft_ranges"] == one(sql, f"SELECT COUNT(*) FROM NVTX_EVENTS n WHERE {NVTX_TEXT} LIKE 'deft/%'") == 0
+    assert s["nsys_version"] == sql.execute(
+        "SELECT value FROM META_DATA_EXPORT WHERE name = 'EXPORT_PRODUCT_VERSION'").fetchone()[0] == "2026.2.1.210"
 
 
-def test_fixture_kernels_join_their_launch_in_the_same_process() -> None:
-    needs_fixture()
-    ks = nsys.kernels(SENDRECV)
-    assert len(ks) == 4010
+def test_fixture_kernels_join_their_launch_in_the_same_process(sendrecv: Path, sql: sqlite3.Connection) -> None:
+    ks = nsys.kernels(sendrecv)
+    assert len(ks) == one(sql, "SELECT COUNT(*) FROM CUPTI_ACTIVITY_KIND_KERNEL")
     joined = [k for k in ks if k.launch_api is not None]
-    # 24 kernels were launched before the exported time window began
-    assert len(joined) == 3986
+    launched = one(sql, "SELECT COUNT(*) FROM CUPTI_ACTIVITY_KIND_KERNEL k WHERE EXISTS (SELECT 1 FROM "
+                        "CUPTI_ACTIVITY_KIND_RUNTIME r WHERE r.correlationId = k.correlationId AND "
+                        "((r.globalTid >> 24) & 16777215) = ((k.globalPid >> 24) & 16777215))")
+    # the others were launched before the exported window: their correlation id (increasing per process)
+    # is below that of their process's first recorded runtime call
+    before_window = one(sql, "SELECT COUNT(*) FROM CUPTI_ACTIVITY_KIND_KERNEL k WHERE k.correlationId < "
+                             "(SELECT MIN(correlationId) FROM CUPTI_ACTIVITY_KIND_RUNTIME r WHERE r.correlationId > 0 "
+                             "AND ((r.globalTid >> 24) & 16777215) = ((k.globalPid >> 24) & 16777215))")
+    assert len(joined) == launched == 3986 and len(ks) - launched == before_window == 24
     for k in joined:
         assert "Launch" in k.launch_api, k.launch_api
         assert k.launch_ns <= k.start_ns  # a kernel runs after its launch, never before
         assert k.launch_tid is not None
     nccl = [k for k in ks if k.nccl_op is not None]
     assert len(nccl) == 66 and all(k.name.startswith("ncclDevKernel_SendRecv") for k in nccl)
-    assert {(k.pid, k.device) for k in nccl} == {(144, 0), (145, 1)}
+    by_process = sorted(sql.execute(f"SELECT {PID}, deviceId, COUNT(*) FROM CUPTI_ACTIVITY_KIND_KERNEL k "
+                                    f"WHERE {KERNEL_NAME} LIKE 'nccl%' GROUP BY 1, 2"))
+    assert by_process == [(144, 0, 33), (145, 1, 33)]
+    assert sorted({(k.pid, k.device) for k in nccl}) == [(p, d) for p, d, _ in by_process]
 
 
-def test_fixture_nvtx_and_nccl_activity() -> None:
-    needs_fixture()
-    rs = nsys.nvtx_ranges(SENDRECV)
-    assert len(rs) == 19118 and all(r.text for r in rs)
+def test_fixture_nvtx_and_nccl_activity(sendrecv: Path, sql: sqlite3.Connection) -> None:
+    rs = nsys.nvtx_ranges(sendrecv)
+    assert len(rs) == one(sql, "SELECT COUNT(*) FROM NVTX_EVENTS WHERE eventType IN (34, 59, 60)") == 19118
+    assert all(r.text for r in rs)
     # NCCL's own ranges use registered strings (textId -> StringIds)
-    assert sum(1 for r in rs if r.text == "ncclSend") == 132
+    n_send = one(sql, f"SELECT COUNT(*) FROM NVTX_EVENTS n WHERE eventType IN (59, 60) AND {NVTX_TEXT} = 'ncclSend'")
+    assert sum(1 for r in rs if r.text == "ncclSend") == n_send == 132
     assert all(r.end_ns >= r.start_ns for r in rs)
-    act = nsys.nccl_activity(SENDRECV)
+    act = nsys.nccl_activity(sendrecv)
     assert sum(1 for a in act if a.source == "kernel") == 66
-    assert {a.op for a in act if a.source == "nvtx"} >= {"ncclSend", "ncclRecv", "ncclGroupStart"}
+    ops = {t for (t,) in sql.execute(f"SELECT DISTINCT {NVTX_TEXT} FROM NVTX_EVENTS n WHERE {NVTX_TEXT} LIKE 'nccl%'")}
+    assert {a.op for a in act if a.source == "nvtx"} == {t.split(",")[0] for t in ops}
+    assert {"ncclSend", "ncclRecv", "ncclGroupStart"} <= {t.split(",")[0] for t in ops}
 
 
-def test_fixture_load_says_what_is_missing() -> None:
-    needs_fixture()
+def test_fixture_load_says_what_is_missing(sendrecv: Path) -> None:
     with pytest.raises(TraceError) as ei:
-        nsys.load(SENDRECV)
+        nsys.load(sendrecv)
     msg = str(ei.value)
-    assert str(SENDRECV) in msg and "holds no deft bucket ranges" in msg
+    # the counts are the ones test_fixture_summary derives by SQL
+    assert str(sendrecv) in msg and "holds no deft bucket ranges" in msg
     assert "4010 kernels" in msg and "SendRecv x66" in msg and "19118 NVTX ranges" in msg
 
 
-def test_cli_on_fixture(capsys: pytest.CaptureFixture[str]) -> None:
-    needs_fixture()
-    assert nsys.main([str(SENDRECV), "--limit", "3"]) == 2
+def test_cli_on_fixture(sendrecv: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert nsys.main([str(sendrecv), "--limit", "3"]) == 2
     cap = capsys.readouterr()
     assert "nccl_kernels: {'SendRecv': 66}" in cap.out and "no deft bucket ranges" in cap.err
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deft.profiler import nvtx
+from deft.profiler import kineto, nvtx
 from deft.profiler.nvtx import RangeName, format_range_name, parse_layout_name, parse_range_name
 
 links = st.text(alphabet=st.characters(whitelist_categories=("Ll", "Lu", "Nd"), whitelist_characters="_-.:"),
@@ -90,9 +91,6 @@ def test_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_ranges_reach_torch_profiler_and_its_trace(tmp_path) -> None:
-    torch = pytest.importorskip("torch")
-    from deft.profiler import kineto
-
     before = nvtx.nvtx_enabled()
     nvtx.configure(False)  # record_function emission must not depend on NVTX
     try:
@@ -118,9 +116,16 @@ def test_ranges_reach_torch_profiler_and_its_trace(tmp_path) -> None:
     assert inner, "the range must enclose the work done inside it"
 
 
-def test_overhead_is_negligible_when_off() -> None:
-    cost = nvtx.measure_overhead(number=20_000)
-    assert cost["off_with_ns"] > 0 and cost["nvtx_on_with_ns"] > 0
-    # "nothing measurable": far below a microsecond-scale kernel launch even on a loaded 2-core box
-    assert cost["off_with_ns"] < 5_000
-    assert cost["off_push_pop_ns"] < 5_000
+def test_overhead_measurement_reports_every_case_and_restores_the_configuration() -> None:
+    # the figures themselves are a benchmark (benchmarks/results/profiler_runtime.md), not a test
+    before = nvtx.nvtx_enabled()
+    try:
+        for state in (False, True):
+            nvtx.configure(state)
+            cost = nvtx.measure_overhead(number=100)
+            assert nvtx.nvtx_enabled() is state
+            assert set(cost) == {"off_with_ns", "off_push_pop_ns", "nvtx_on_with_ns", "nvtx_on_push_pop_ns",
+                                 "empty_call_ns"}
+            assert all(v > 0 for v in cost.values()), cost
+    finally:
+        nvtx.configure(before)

@@ -10,22 +10,11 @@ from hypothesis import strategies as st
 
 from deft import Bucket, BucketTimes, ContractError, DeftConfig, Link, Profile
 from deft.solver.partition import BEST_EFFORT_MAX_PIECES, default_capacity, partition
+from tests._profiles import VGG_BWD_US, VGG_NUMEL, vgg19
 
 MS = 1e-3
 US = 1e-6
-# VGG-19, DeFT paper Table II (printed as ms, really microseconds). Paper bucket 1 is the input side,
-# our bucket 0 is the first ready in backward (output side): paper bucket 6.
-VGG_FWD_US = (103, 326, 1899, 4801, 28799, 1238)
-VGG_BWD_US = (162, 484, 2319, 4872, 12786, 72496)
-VGG_COMM_US = (8651, 31754, 178643, 15447, 11262, 1968)
-VGG_NUMEL = (4_097_000, 16_781_312, 102_764_544, 7_079_424, 7_079_424, 5_865_536)
-
-
-def vgg19(alpha_s: float = 0.0) -> Profile:
-    buckets = tuple(Bucket(i, (f"vgg.b{6 - i}",), VGG_NUMEL[i], 4 * VGG_NUMEL[i]) for i in range(6))
-    times = tuple(BucketTimes(VGG_FWD_US[i] * US, VGG_BWD_US[i] * US, {"nccl": VGG_COMM_US[i] * US})
-                  for i in range(6))
-    return Profile(buckets, times, (Link("nccl", "nccl", None, alpha_s, 0.0),), 16, "reference", model="vgg19")
+# VGG-19 (DeFT paper, Table II): tests/_profiles.py
 
 
 def uniform(n: int, comm_s: float, *, alpha_s: float = 0.0, numel: int = 1000, fwd_s: float = MS,

@@ -27,29 +27,12 @@ from deft.solver.plan import (
     repair_ready_order,
 )
 from deft.solver.simulate import simulate_schedule
+from tests._profiles import vgg19
 
 MS = 1e-3
 US = 1e-6
 GREEDY = DeftConfig(solver="greedy")
-# VGG-19, DeFT paper Table II (printed as ms, really microseconds; they sum to Table I's 37/93/258 ms).
-# Paper bucket 1 is the input side; our bucket 0 is the first ready in backward: paper bucket 6.
-VGG_FWD_US = (103, 326, 1899, 4801, 28799, 1238)
-VGG_BWD_US = (162, 484, 2319, 4872, 12786, 72496)
-VGG_COMM_US = (8651, 31754, 178643, 15447, 11262, 1968)
-VGG_NUMEL = (4_097_000, 16_781_312, 102_764_544, 7_079_424, 7_079_424, 5_865_536)
-GLOO_SLOWDOWN = 1.65  # the paper's mu: NCCL over gloo
-
-
-def vgg19(two_links: bool = False) -> Profile:
-    links = [Link("nccl", "nccl")] + ([Link("gloo", "gloo")] if two_links else [])
-    buckets = tuple(Bucket(i, (f"vgg.b{6 - i}",), VGG_NUMEL[i], 4 * VGG_NUMEL[i]) for i in range(6))
-    times = []
-    for i in range(6):
-        comm = {"nccl": VGG_COMM_US[i] * US}
-        if two_links:
-            comm["gloo"] = VGG_COMM_US[i] * US * GLOO_SLOWDOWN
-        times.append(BucketTimes(VGG_FWD_US[i] * US, VGG_BWD_US[i] * US, comm))
-    return Profile(buckets, tuple(times), tuple(links), 16, "reference", model="vgg19")
+# VGG-19 (DeFT paper, Table II): tests/_profiles.py
 
 
 def fig4() -> Profile:

@@ -83,9 +83,8 @@ def test_auto_without_nsys_is_torch(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     assert choose_backend("timing") == "timing"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", ["timing", "torch"])
-def test_end_to_end(backend: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def profile_end_to_end(backend: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Profile:
+    """Run deft-profile on the small script with 2 ranks; check what every backend must produce."""
     from deft.cli import main as deft_main
 
     out = tmp_path / "prof.json"
@@ -94,22 +93,34 @@ def test_end_to_end(backend: str, tmp_path: Path, capsys: pytest.CaptureFixture[
     captured = capsys.readouterr()
     assert rc == 0, captured.err[-3000:]
     prof = Profile.load(out)
-    assert prof.source == ("timing" if backend == "timing" else "kineto")
     assert prof.world_size == 2 and prof.n >= 2
     assert prof.link_names == ("primary",)
     assert all(t.forward_s > 0 and t.backward_s > 0 and t.comm_s["primary"] > 0 for t in prof.times)
     # real parameter names (from the timing profile of the same run, also for the trace backend)
     names = [n for b in prof.buckets for n in b.params]
     assert "classifier.7.weight" in names and len(names) == len(set(names))
-    if backend == "torch":
-        assert sorted(p.name for p in (tmp_path / "prof-traces").iterdir()) == ["rank0.json.gz", "rank1.json.gz"]
-        assert prof.meta["ranks"] == [0, 1] and len(prof.meta["steps_used"]) == 3
     report = (tmp_path / "prof.md").read_text()
     assert "| bucket | params | numel |" in report and "coverage rate CR" in report
     assert report.count("\n| ") >= prof.n + 3
     assert (tmp_path / "prof.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert deft_main(["plan", str(out), "--out", str(tmp_path / "schedule.json")]) == 0
     assert (tmp_path / "schedule.json").exists()
+    return prof
+
+
+@pytest.mark.slow
+def test_end_to_end_timing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prof = profile_end_to_end("timing", tmp_path, capsys)
+    assert prof.source == "timing" and prof.meta["profile_iterations"] == 3
+    assert list((tmp_path / "prof-traces").iterdir()) == []  # no trace backend, no traces
+
+
+@pytest.mark.slow
+def test_end_to_end_torch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prof = profile_end_to_end("torch", tmp_path, capsys)
+    assert prof.source == "kineto"
+    assert sorted(p.name for p in (tmp_path / "prof-traces").iterdir()) == ["rank0.json.gz", "rank1.json.gz"]
+    assert prof.meta["ranks"] == [0, 1] and len(prof.meta["steps_used"]) == 3
 
 
 def test_deft_dispatcher_imports_only_the_chosen_subcommand(monkeypatch: pytest.MonkeyPatch,

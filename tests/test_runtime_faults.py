@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests._dist import run_ranks
+from tests._dist import RankResult, run_ranks
 from tests.test_runtime_delayed import delayed_schedule
 
 
@@ -38,26 +38,36 @@ def fault_worker(rank: int, world: int, schedule_path: str, mode: str, timeout_s
         opt.zero_grad()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("mode", "timeout_s"), [("die", 10.0), ("stall", 3.0)])
-def test_peer_failure_gives_clear_error_within_timeout(tmp_path: Path, mode: str, timeout_s: float) -> None:
-    sched = tmp_path / "schedule.json"
-    delayed_schedule((30, 30, 23)).save(sched)
-    start = time.monotonic()
-    res = run_ranks(fault_worker, 2, (str(sched), mode, timeout_s), timeout=60)
-    elapsed = time.monotonic() - start
-    r0 = res[0]
+def first_error_line(results: list[RankResult]) -> str:
+    """Rank 0 ended (no hang up to run_ranks' limit) with a CommunicationError naming link, bucket, iteration."""
+    r0 = results[0]
     assert not r0.timed_out and r0.exitcode not in (0, None)
     assert r0.error is not None and r0.error.startswith("CommunicationError: rank 0: ")
     first = r0.error.splitlines()[0]
     assert "link 'primary'" in first or "link 'second'" in first
     assert "bucket" in first and "iteration" in first and "peer rank probably died or stalled" in first
-    if mode == "stall":
-        assert "timed out" in first.lower() or "timeout" in first.lower()
-        assert elapsed < timeout_s + 15
-    else:
-        assert res[1].exitcode == 3
-        assert elapsed < timeout_s + 10
+    return first
+
+
+@pytest.mark.slow
+def test_dead_peer_gives_clear_error(tmp_path: Path) -> None:
+    sched = tmp_path / "schedule.json"
+    delayed_schedule((30, 30, 23)).save(sched)
+    res = run_ranks(fault_worker, 2, (str(sched), "die", 10.0), timeout=60)
+    first_error_line(res)
+    assert res[1].exitcode == 3
+
+
+@pytest.mark.slow
+def test_stalled_peer_times_out_with_clear_error(tmp_path: Path) -> None:
+    # the staller sleeps timeout_s + 6 s and then carries on: without the link timeout rank 0's collective
+    # would complete late and no error would be raised, so the timeout error itself shows that the
+    # timeout fired first (no wall-clock assertion needed)
+    sched = tmp_path / "schedule.json"
+    delayed_schedule((30, 30, 23)).save(sched)
+    res = run_ranks(fault_worker, 2, (str(sched), "stall", 3.0), timeout=60)
+    first = first_error_line(res)
+    assert "timed out" in first.lower() or "timeout" in first.lower()
 
 
 def mismatch_worker(rank: int, world: int) -> None:

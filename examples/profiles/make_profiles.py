@@ -10,8 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from deft.profile import Bucket, BucketTimes, Link, Profile
-from deft.solver.simulate import fit_alpha_beta
+from deft.profile import Bucket, BucketTimes, Link, Profile, fit_alpha_beta
 
 HERE = Path(__file__).resolve().parent
 GLOO_SLOWDOWN = 1.65  # the paper's mu: NCCL is 1.59-1.69x faster than gloo above 4M elements (Fig. 6)
@@ -53,7 +52,8 @@ def vgg19() -> Profile:
     numel = [sum(sizes[p] for p in params) for _, params, *_ in buckets]
     nbytes = [4 * x for x in numel]
     comm = [c * 1e-6 for *_, c in buckets]
-    alpha, beta = fit_alpha_beta(nbytes, comm)
+    fit = fit_alpha_beta(nbytes, comm, source="VGG-19, Table II")
+    alpha, beta = fit.alpha, fit.beta
     links = (
         Link("nccl", "nccl", None, alpha, beta),
         Link("gloo", "gloo", None, alpha * GLOO_SLOWDOWN, beta * GLOO_SLOWDOWN),
