@@ -16,7 +16,6 @@ from deft.solver.baselines import mgwfbp_merge, mgwfbp_time
 from deft.solver.compare import SCHEMES, simulate
 from deft.solver.simulate import (
     BASELINES,
-    fit_alpha_beta,
     link_model,
     message_time,
     scale_workers,
@@ -285,11 +284,6 @@ def test_more_workers_never_faster_for_ddp() -> None:
     times = [simulate(p, "ddp", workers=n).iteration_s for n in (2, 16, 128, 1024)]
     assert times == sorted(times)
     assert simulate(p, "ddp", workers=16).iteration_s == pytest.approx(simulate(p, "ddp").iteration_s)
-
-
-def test_fit_alpha_beta() -> None:
-    assert fit_alpha_beta([1.0, 2.0, 3.0], [1.5, 2.5, 3.5]) == pytest.approx((0.5, 1.0))
-    assert fit_alpha_beta([1.0, 2.0], [0.5, 2.5]) == pytest.approx((0.0, 1.1))  # negative intercept
 
 
 # ------------------------------------------------------------------------------------------------- profiles

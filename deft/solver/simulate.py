@@ -57,7 +57,7 @@ from typing import Any
 
 from deft.config import DeftConfig
 from deft.errors import ContractError
-from deft.profile import BucketTimes, Profile
+from deft.profile import BucketTimes, Profile, fit_alpha_beta
 from deft.schedule import Schedule
 from deft.solver import baselines
 
@@ -120,24 +120,8 @@ def link_model(profile: Profile, link: str) -> tuple[float, float]:
         return lk.alpha_s, lk.beta_s_per_byte
     xs = [float(b.nbytes) for b in profile.buckets]
     ys = [profile.comm_time(b.id, link) for b in profile.buckets]
-    return fit_alpha_beta(xs, ys)
-
-
-def fit_alpha_beta(nbytes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
-    """Least-squares ``T = alpha + beta * nbytes`` with ``alpha, beta >= 0``."""
-    n = len(nbytes)
-    sx, sy = sum(nbytes), sum(times)
-    sxx = sum(x * x for x in nbytes)
-    sxy = sum(x * y for x, y in zip(nbytes, times, strict=False))
-    denom = n * sxx - sx * sx
-    if n >= 2 and denom > 0:
-        beta = (n * sxy - sx * sy) / denom
-        alpha = (sy - beta * sx) / n
-        if alpha >= 0 and beta >= 0:
-            return alpha, beta
-    if sxx > 0:
-        return 0.0, max(sxy / sxx, 0.0)
-    return (sy / n if n else 0.0), 0.0
+    fit = fit_alpha_beta(xs, ys, source=f"profile link {link!r}")
+    return fit.alpha, fit.beta
 
 
 def _startup(profile: Profile, link: str, alpha: float, bucket: int) -> tuple[float, float]:
