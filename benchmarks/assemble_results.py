@@ -19,6 +19,7 @@ ORDER = [
     "knapsack.md",
     "runtime.md",
     "profiler_runtime.md",
+    "profiling_cost.md",
     "profiler_fixtures.md",
     "preserver.md",
 ]

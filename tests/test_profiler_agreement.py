@@ -4,7 +4,9 @@ Two gloo ranks train a two-layer MLP whose buckets differ 64-fold in size (bucke
 output layer, 16 K elements; bucket 1: the 1024 x 1024 hidden layer, 1 M elements, 4 MB), with
 ``DEFT_TRACE_DIR`` set, so the profile iterations are both timed (:mod:`deft.runtime.warmup_timer`) and
 recorded by torch.profiler; :func:`deft.profiler.kineto.load` reads the traces of both ranks. Both
-sides reduce alike: median over the profile iterations, then maximum over ranks.
+sides reduce forward and backward alike: median over the profile iterations, then maximum over
+ranks; communication is compared iteration by iteration (the timer's profile derives link times
+from the stamps, see below).
 
 What each side measures, and the tolerance it justifies:
 
@@ -17,16 +19,24 @@ What each side measures, and the tolerance it justifies:
   10 % + 0.2 ms; at profile level 15 % + 0.3 ms (median and max are 1-Lipschitz, so paired
   agreement carries over, plus a margin for the iterations where buckets complete out of order and
   the range, named before the bucket is known, is charged to a neighbour).
-* **communication**: the timer times the scratch all-reduce from the Python launch to the end of
-  ``wait()`` on the training thread; the trace times the *same* collective on gloo's worker thread
-  (``gloo:all_reduce``, from dequeue to completion). The trace interval lies inside the timer's,
-  so ``kineto <= timing`` in every iteration up to clock slack (50 us; at profile level 5 % + 50 us:
-  median and maximum are monotone, so the containment carries over). The timer adds only the
-  launch and the wake-up of the waiting thread: 0.1-0.4 ms per collective on a quiet machine, but on
-  the shared 2-core test machine (two ranks, their gloo threads and other jobs) a wake-up can wait a
-  whole CFS scheduling period, several ms; so the median over iterations of ``timing - kineto``
-  must stay below 3 ms. The 4 MB bucket's all-reduce is several times the 64 KB one's, so giving
-  a bucket another bucket's (or link's) collective breaks the containment.
+* **communication**: the profile iterations send each bucket once, for real (labelled
+  ``deft/comm/primary/b{b}/...``, so the trace holds exactly one labelled all-reduce per bucket and
+  link). The timer's raw sample is that all-reduce from the Python launch to its completion, stamped
+  by a done-callback on the Work's future, which gloo's worker thread runs just before it closes its
+  ``gloo:all_reduce`` range; the trace times the *same* collective on that thread, from dequeue to
+  completion. The trace interval lies inside the timer's, so ``kineto <= timing``, up to clock slack
+  (50 us) and the moment between the callback and the range's end: microseconds, but on the shared
+  2-core test machine (two ranks, their gloo threads and other jobs) the thread can be preempted
+  right there, so the containment is asserted for the median over iterations (a typical iteration).
+  The same interval on both clocks, launch (the timer's clock read before the Python launch call,
+  the trace's ``c10d::allreduce_`` operator) to completion, must agree within 0.5 ms in the
+  least-disturbed iteration and within 6 ms in the median (a preempted launch call or a callback
+  waiting for the GIL costs a scheduling slice of several ms on that machine). The 4 MB bucket's
+  all-reduce is several times the 64 KB one's, so giving a bucket another bucket's collective breaks
+  the containment. The profile's direct comm time of a bucket comes from the iterations in which its
+  all-reduce was alone on the link (minimum over ranks of launch to completion, median over those
+  iterations; the others fall back to the link's fit); the test recomputes it from the raw launch
+  and completion stamps by a second method.
 * **forward**: the timer charges each module's exclusive time to its buckets in proportion to
   elements and spreads the rest (ReLU, glue) proportionally; the trace's ``deft/fwd`` ranges charge
   whole modules and the parameter-free ops after them to the bucket before. Both sum to the
@@ -36,6 +46,7 @@ What each side measures, and the tolerance it justifies:
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from pathlib import Path
@@ -82,7 +93,8 @@ def _worker(rank: int, world: int, trace_dir: str) -> dict[str, Any]:
         opt.zero_grad()
     prof = ddp.profile
     assert prof is not None
-    raw = [{"fwd": s["fwd"], "bwd": s["bwd"], "comm": s["comm"]["primary"]} for s in samples]
+    raw = [{"fwd": s["fwd"], "bwd": s["bwd"], "launch": s["launch"]["primary"], "comm": s["comm"]["primary"]}
+           for s in samples]
     return {"profile": prof.to_dict(), "samples": raw}
 
 
@@ -112,18 +124,16 @@ def test_timing_and_kineto_agree(tmp_path: Path) -> None:
 
     lines = [f"bucket {b}: fwd {tt.forward_s * 1e3:.3f}/{kt.forward_s * 1e3:.3f} "
              f"bwd {tt.backward_s * 1e3:.3f}/{kt.backward_s * 1e3:.3f} "
-             f"comm {tt.comm_s['primary'] * 1e3:.3f}/{kt.comm_s['primary'] * 1e3:.3f} ms (timing/kineto)"
+             f"comm {timing.comm_time(b, 'primary') * 1e3:.3f}/{kt.comm_s['primary'] * 1e3:.3f} ms (timing/kineto)"
              for b, (tt, kt) in enumerate(zip(timing.times, trace.times, strict=True))]
     msg = "\n".join(lines)
 
     # Profile level (median over iterations, max over ranks, on both sides).
     for tt, kt in zip(timing.times, trace.times, strict=True):
-        # the trace's comm interval lies inside the timer's every time; median and max are monotone
-        assert kt.comm_s["primary"] <= 1.05 * tt.comm_s["primary"] + 5e-5, msg
         assert abs(tt.backward_s - kt.backward_s) <= 0.15 * max(tt.backward_s, kt.backward_s) + 3e-4, msg
 
     # Iteration by iteration on each rank: the same intervals, paired.
-    fastest: dict[int, dict[int, float]] = {0: {}, 1: {}}
+    fastest: dict[int, float] = {}  # per bucket, over ranks and iterations
     for rank in (0, 1):
         rows = kineto.bucket_steps(kineto.read_trace(tmp_path / f"rank{rank}.json.gz"))
         its = sorted({r.step for r in rows})
@@ -134,8 +144,13 @@ def test_timing_and_kineto_agree(tmp_path: Path) -> None:
             d_comm = [s["comm"][b] - k.comm_s for s, k in pairs]
             where = f"rank {rank} bucket {b}: timing - kineto comm per iteration (ms) " \
                     f"{[round(d * 1e3, 3) for d in d_comm]}\n{msg}"
-            assert min(d_comm) >= -5e-5, where
-            assert _median(d_comm) <= 3e-3, where
+            assert _median(d_comm) >= -5e-5, where
+            # the same interval on both clocks: launch to completion
+            d_same = [s["comm"][b] - (k.comm_end_us - k.ready_us) * 1e-6 for s, k in pairs]
+            where = f"rank {rank} bucket {b}: timing - kineto launch to completion per iteration (ms) " \
+                    f"{[round(d * 1e3, 3) for d in d_same]}\n{msg}"
+            assert min(abs(d) for d in d_same) <= 5e-4, where
+            assert abs(_median(d_same)) <= 6e-3, where
             d_bwd = [abs(s["bwd"][b] - k.backward_s) for s, k in pairs]
             assert _median(d_bwd) <= 0.1 * _median([s["bwd"][b] for s, _ in pairs]) + 2e-4, \
                 f"rank {rank} bucket {b}: |timing - kineto| backward {d_bwd}\n{msg}"
@@ -143,10 +158,26 @@ def test_timing_and_kineto_agree(tmp_path: Path) -> None:
             fwd_it = [sum(s["fwd"]) for s, _ in pairs]
             assert _median(d_fwd) <= 0.2 * _median(fwd_it) + 3e-4, \
                 f"rank {rank} bucket {b}: |timing - kineto| forward {d_fwd}\n{msg}"
-            fastest[rank][b] = min(k.comm_s for _, k in pairs)
+            fastest[b] = min([fastest.get(b, math.inf), *(k.comm_s for _, k in pairs)])
+    # The profile's direct comm times, recomputed from the launch and completion stamps by a second
+    # method: bucket b was alone on the link in an iteration when on no rank another all-reduce's
+    # [launch, completion] interval meets its own; its time there is the minimum over ranks of its own
+    # interval; the profile holds the median over those iterations, and no direct time for a bucket
+    # never alone (bucket 0, launched first, is normally done before bucket 1's long backward ends).
+    alone: dict[int, list[float]] = {}
+    for i in range(ITERS):
+        spans = [[(lo, lo + c) for lo, c in zip(docs[r]["samples"][i]["launch"], docs[r]["samples"][i]["comm"],
+                                                strict=True)] for r in (0, 1)]
+        for b in range(n):
+            if all(x == b or sp[x][0] > sp[b][1] or sp[b][0] > sp[x][1] for sp in spans for x in range(n)):
+                alone.setdefault(b, []).append(min(sp[b][1] - sp[b][0] for sp in spans))
+    direct = {b: t.comm_s["primary"] for b, t in enumerate(timing.times) if "primary" in t.comm_s}
+    assert alone and direct == pytest.approx({b: _median(v) for b, v in alone.items()}, abs=1e-9), msg
     # The big bucket really costs more to send, so the containment above can tell buckets apart.
-    # Least-disturbed iteration (minimum): medians swing by ms with the machine's load.
-    big = max(range(n), key=lambda b: timing.buckets[b].numel)
-    small = min(range(n), key=lambda b: timing.buckets[b].numel)
-    for rank in (0, 1):
-        assert fastest[rank][big] > 2 * fastest[rank][small], f"rank {rank}: fastest comm {fastest[rank]}\n{msg}"
+    # Both are launched on an idle link: bucket 0 first in the backward, the big one after the long
+    # backward of its layer (a small bucket launched right behind the big one queues behind its bytes).
+    # Fastest over ranks and iterations: the rank that launched last waited for nobody, and the
+    # least-disturbed iteration (medians swing by ms with the machine's load).
+    big, small = max(range(n), key=lambda b: timing.buckets[b].numel), 0
+    assert 32 * timing.buckets[small].numel <= timing.buckets[big].numel
+    assert fastest[big] > 2 * fastest[small], f"fastest comm {fastest}\n{msg}"

@@ -414,8 +414,9 @@ class DistributedDataParallel(nn.Module):
         if profiling and self._timer is None:
             assert self._executor.layout is not None
             self._timer = WarmupTimer(self.module, self._params, self._executor.layout, self._links, self._cuda)
-        # The timer labels its timed launches; the real ones stay unlabelled meanwhile.
-        self._executor.label_launches = self._timer is None
+        if self._timer is not None and not self._executor.groups and self._executor.layout is not None:
+            # a profile iteration: the timer rotates the buckets over the links (no bucket sent twice)
+            self._executor.install(self._timer.schedule(), self._executor.layout, self._t)
         if self._tracer is not None and self._tracer.maybe_start(self._t):
             self._mark_layout()
         self._executor.begin_iteration(self._t)
@@ -829,7 +830,7 @@ class DistributedDataParallel(nn.Module):
     def _launched(self, b: int, link: str, views: list[torch.Tensor], works: list[Any], t_start: float,
                   group: int) -> None:
         if self._timer is not None:
-            self._timer.launched(b, link, views, works, t_start, self._wait_work, iteration=self._t, group=group)
+            self._timer.launched(b, link, works, t_start, self._wait_work)
 
     def _wait_work(self, work: Any, link: str, b: int) -> None:
         what = "profiling all-reduce" + (f" of bucket {b}" if b >= 0 else "")

@@ -2,9 +2,14 @@
 
 The runtime's own measurement when no profile is given (the profiler package parses richer ones
 from Kineto / Nsight traces). It lives in the runtime because it drives the live run: it hooks the
-module and launches collectives on the runtime's links. It runs during the *profile iterations* that follow the
-warm-up, while the runtime behaves like torch DDP with synchronous buckets:
+module, decides which link each bucket's real all-reduce takes in the *profile iterations* that follow
+the warm-up, and watches those all-reduces complete. Nothing is sent that training does not need
+and nothing is waited for early, so a profile iteration costs about what a torch DDP iteration does.
 
+* **links** (:func:`link_rotation`): in profile iteration ``j`` bucket ``b`` is all-reduced on link
+  ``(b + j) mod L`` (a synchronous schedule, :meth:`WarmupTimer.schedule`). Every link carries real
+  traffic at the same time as the others and as the compute, as it will under a plan; each bucket
+  is sent once per iteration, and over ``L`` iterations on every link.
 * **forward**: forward pre/post hooks on every module that owns trainable parameters measure its
   *exclusive* time (time inside nested owners is charged to them); a module's time is split over the
   buckets holding its parameters in proportion to element counts. The rest of the forward (modules
@@ -12,41 +17,172 @@ warm-up, while the runtime behaves like torch DDP with synchronous buckets:
   times sum to the measured forward.
 * **backward**: the backward starts when the gradient of the module output arrives (a tensor hook on
   the outputs); bucket ``b``'s backward time is the time from the previous bucket-ready event (or
-  backward start) to ``b``'s ready event, minus the time deft itself spent communicating in between.
-* **communication**: in profile iterations each bucket's all-reduce is waited for right away (which
-  brings the ranks in step), then a scratch copy of the bucket is all-reduced and timed once on every
-  link. Timing the real collective would include the ranks' compute skew (it completes only when the
-  slowest rank reaches the bucket). Timed collectives are serial, so profile iterations are slower
-  than training; that is the price of clean numbers.
+  backward start) to ``b``'s ready event, less deft's own launch calls in between. The collectives
+  launched before run beside it, so compute is measured under the communication that really runs
+  beside it (on this CPU testbed the gloo threads share the cores with the model).
+* **communication**: each launch records its launch time ``L`` (the executor's clock before the
+  call) and its completion time ``C``, stamped by a done-callback on the Work's future
+  (``Work.get_future().add_done_callback``): gloo marks the future complete on its worker thread the
+  moment the collective finishes, just before it closes its ``gloo:all_reduce`` profiler range.
+  (NCCL futures complete at launch, with stream semantics; on an NCCL link the timer waits for the
+  collective and synchronizes the device, so there it serializes as before.)
 
-Every quantity is the median over the profile iterations, then the *maximum over ranks*: in
-synchronous data parallelism a collective completes only when the slowest rank joins, and the next
-iteration waits for the slowest rank's computation, so the slowest rank sets the pace (and every rank
-ends up with the same profile). Each link's ``T(bytes) = alpha + beta * bytes`` is fitted by least
-squares over the buckets (non-negative), for the planner's re-partitioned buckets.
+Transfer times. A link is *busy* while any of its collectives is in flight (launched, not
+complete); a *busy period* (:func:`busy_periods`) is a maximal run of overlapping ``[L, C]``
+intervals. The link is work-conserving: measured on the testbed (250 Mbit/s), 13.6 MB, 1.2 MB and
+2 KB all-reduces launched at 0, 30 and 36 ms on one gloo group all completed by 520 ms (alone: 472,
+41 and 0.4 ms), so a busy period's length is the transfer time of its collectives together. Single
+collectives are not separable inside a period: gloo runs two collectives of a group at once and their
+bytes interleave on the socket (there the 1.2 MB one completed at 177 ms, the 2 KB one at 280 ms), so
+the interval between consecutive completions says little about one bucket. What is measured:
+
+* per iteration and link, the ranks' busy periods are joined (buckets in one period on any rank are
+  in one *group*, :func:`common_busy_groups`), and a group's time is the *minimum over ranks* of the
+  total length of that rank's periods inside it. A collective launched on an idle link waits there
+  for the slowest rank to reach it; the last rank to launch waits for nobody, so the minimum drops the
+  ranks' compute skew (a bucket launched on a busy link adds only link time on every rank);
+* each link's ``T = alpha * m + beta * B`` (``m`` collectives of ``B`` bytes in a group) is fitted by
+  non-negative least squares over every group it carried (:func:`fit_alpha_beta`), for the planner's
+  buckets and re-partitioned ones; a link that carried nothing gets the fit of all links' groups
+  (named in ``meta["unmeasured_links"]``);
+* a bucket that was alone in its group has a direct time on that link: the median over the
+  iterations in which it was alone. Any other bucket has no ``comm_s`` entry on that link and falls
+  back to the link's model (the ``Profile`` contract).
+
+Forward and backward reduce as the median over the profile iterations, then the *maximum over
+ranks* (in synchronous data parallelism the slowest rank sets the pace). Every rank gathers every
+rank's launch and completion times and computes the same profile.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
-import torch.distributed as dist
+from scipy.optimize import nnls
 from torch import nn
 
 from deft.profile import Bucket, BucketTimes, Link, Profile
-from deft.profiler import nvtx
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.control import ControlPlane
 from deft.runtime.links import CommLink
 from deft.runtime.tensors import tensors_in
+from deft.schedule import Schedule, synchronous_schedule
+
+MB = 1e6  # bytes per MB in the fit's scaled byte column
+
+
+def link_rotation(n_buckets: int, links: Sequence[str], j: int) -> tuple[str, ...]:
+    """Each bucket's link in profile iteration ``j``: bucket ``b`` on ``links[(b + j) % len(links)]``.
+
+    Every bucket is on exactly one link per iteration; over any ``len(links)`` consecutive
+    iterations every bucket has been on every link once, and within one iteration neighbouring
+    buckets are on different links (all links busy at once, beside the compute).
+    """
+    if not links:
+        raise ValueError("link_rotation: expected at least one link")
+    return tuple(links[(b + j) % len(links)] for b in range(n_buckets))
+
+
+def busy_periods(spans: Sequence[tuple[float, float]]) -> list[tuple[list[int], float]]:
+    """The busy periods of one link: maximal runs of overlapping (closed) ``[launch, completion]``
+    intervals, as ``(indices into spans, length)``, in time order. The lengths sum to the length of
+    the union of the intervals."""
+    out: list[tuple[list[int], float]] = []
+    start = end = -math.inf
+    for i in sorted(range(len(spans)), key=lambda i: spans[i]):
+        lo, hi = spans[i]
+        if out and lo <= end:
+            out[-1][0].append(i)
+            end = max(end, hi)
+        else:
+            if out:
+                out[-1] = (out[-1][0], end - start)
+            out.append(([i], 0.0))
+            start, end = lo, hi
+    if out:
+        out[-1] = (out[-1][0], end - start)
+    return out
+
+
+@dataclass(frozen=True)
+class BusyGroup:
+    """Buckets one link carried together in one iteration, and the seconds it was busy with them."""
+
+    buckets: tuple[int, ...]
+    seconds: float
+
+
+def common_busy_groups(per_rank: Sequence[Mapping[int, tuple[float, float]]]) -> list[BusyGroup]:
+    """Join the ranks' busy periods of one link in one iteration; each group's time, min over ranks.
+
+    ``per_rank[r]`` maps bucket -> ``(launch, completion)`` on rank ``r``'s clock. Two buckets are in
+    one group when they are in one busy period on *some* rank (the finest partition that every
+    rank's periods refine). A group's seconds: on each rank, the total length of that rank's periods
+    inside the group; then the minimum over ranks. A bucket missing on some rank (its collective
+    failed) takes its whole group out. Groups are returned in bucket order.
+    """
+    parent: dict[int, int] = {}
+
+    def find(b: int) -> int:
+        while parent[b] != b:
+            parent[b] = parent[parent[b]]
+            b = parent[b]
+        return b
+
+    periods = []
+    for spans in per_rank:
+        keys = list(spans)
+        for b in keys:
+            parent.setdefault(b, b)
+        rank_periods = [([keys[i] for i in idx], length) for idx, length in busy_periods([spans[b] for b in keys])]
+        for members, _ in rank_periods:
+            for b in members[1:]:
+                parent[find(b)] = find(members[0])
+        periods.append(rank_periods)
+    common = set.intersection(*(set(spans) for spans in per_rank)) if per_rank else set()
+    groups: dict[int, list[int]] = {}
+    for b in sorted(parent):
+        groups.setdefault(find(b), []).append(b)
+    out = []
+    for members in sorted(groups.values()):
+        if not set(members) <= common:
+            continue
+        root = find(members[0])
+        seconds = min(sum(length for ms, length in rank_periods if find(ms[0]) == root) for rank_periods in periods)
+        out.append(BusyGroup(tuple(members), seconds))
+    return out
+
+
+@dataclass
+class _Launch:
+    """One bucket's real all-reduce in a profile iteration; ``stamps`` get one completion per Work."""
+
+    bucket: int
+    link: str
+    launched: float
+    works: int
+    stamps: list[float] = field(default_factory=list)
+
+    @property
+    def completed(self) -> float | None:
+        return max(self.stamps) if len(self.stamps) == self.works else None
 
 
 class WarmupTimer:
-    """Collects one set of timings per profile iteration; :meth:`profile` reduces them."""
+    """Collects one set of timings per profile iteration; :meth:`profile` reduces them.
+
+    ``samples`` holds one dict per finished profile iteration: ``fwd`` and ``bwd`` (seconds per
+    bucket), and per link ``launch`` (``perf_counter`` at launch) and ``comm`` (launch to
+    completion), each a list per bucket with ``None`` where the bucket was not sent on that link in
+    that iteration.
+    """
 
     def __init__(self, module: nn.Module, params: Sequence[torch.Tensor], layout: FlatLayout,
                  links: dict[str, CommLink], cuda: bool) -> None:
@@ -56,6 +192,7 @@ class WarmupTimer:
         self.n = layout.n_buckets
         self.samples: list[dict[str, Any]] = []
         self._cur: dict[str, Any] | None = None
+        self._launches: list[_Launch] = []
         self._stack: list[list[Any]] = []
         self._mark = 0.0
         self._handles: list[Any] = []
@@ -89,11 +226,17 @@ class WarmupTimer:
             torch.cuda.synchronize()
         return time.perf_counter()
 
+    def schedule(self) -> Schedule:
+        """The synchronous schedule of the next profile iteration: buckets on :func:`link_rotation`'s links."""
+        names = tuple(self.links)
+        return synchronous_schedule(self.layout.bucket_numel, self.layout.bucket_nbytes(), names,
+                                    link_rotation(self.n, names, len(self.samples)))
+
     # -- forward -------------------------------------------------------------------------------
     def begin_iteration(self) -> None:
         self._cur = {"fwd": [0.0] * self.n, "bwd": [0.0] * self.n,
-                     "comm": {name: [0.0] * self.n for name in self.links},
                      "fwd_total": 0.0, "fwd_start": self._now(), "bwd_start": None}
+        self._launches = []
         self._stack.clear()
 
     def _pre(self, m: nn.Module, args: Any) -> None:
@@ -143,37 +286,30 @@ class WarmupTimer:
         cur["bwd"][b] += max(now - self._mark, 0.0)
         self._mark = now
 
-    def launched(self, b: int, link: str, views: list[torch.Tensor], works: list[Any], t_start: float,
-                 wait: Any, iteration: int = 0, group: int = 0) -> None:
-        """Bucket ``b`` was launched on ``link``: wait for it, then time one all-reduce per link.
+    def launched(self, b: int, link: str, works: Sequence[Any], t_start: float,
+                 wait: Callable[[Any, str, int], None]) -> None:
+        """Bucket ``b``'s real all-reduce went out on ``link`` at ``t_start``: stamp its completion.
 
-        The real collective cannot be timed itself: it completes only when the slowest rank reaches
-        this bucket, so its duration includes the ranks' compute skew. Once it has completed the ranks
-        are in step, and a scratch copy all-reduced on each link measures the link alone.
-
-        The timed launches carry the ``deft/comm/{link}/b{b}/g{group}/it{iteration}`` range (the
-        runtime leaves the real launch unlabelled in profile iterations), so a trace of the same
-        iterations holds exactly one labelled all-reduce per bucket and link: the measured one.
+        gloo: a done-callback on each Work's future stamps the time on gloo's worker thread; nothing
+        waits here. NCCL (its future completes at launch): ``wait`` for it, then synchronize.
         """
-        cur = self._cur
-        if cur is None:
+        if self._cur is None:
             return
-        for w in works:
-            wait(w, link, b)
-        for name, lk in self.links.items():
-            scratch = [v.clone() for v in views]
-            t0 = self._now()
-            tok = nvtx.push_range("comm", b, iteration, name, group)
-            scratch_works = [dist.all_reduce(s, group=lk.group, async_op=True) for s in scratch]
-            nvtx.pop_range(tok)
-            for w in scratch_works:
-                wait(w, name, b)
-            lk.stats.calls += len(scratch)
-            lk.stats.bytes += sum(s.numel() * s.element_size() for s in scratch)
-            cur["comm"][name][b] += self._now() - t0
-        self._mark = self._now()  # communication time is not backward time
+        rec = _Launch(b, link, t_start, len(works))
+        self._launches.append(rec)
+        if self.links[link].backend == "nccl":
+            for w in works:
+                wait(w, link, b)
+            done = self._now()
+            rec.stamps.extend(done for _ in works)
+        else:
+            for w in works:
+                # list.append is atomic: callbacks of one bucket's Works may run on different gloo threads
+                w.get_future().add_done_callback(lambda _f, s=rec.stamps: s.append(time.perf_counter()))
+        self._mark = self._now()  # deft's launch call is not backward time
 
     def end_iteration(self) -> None:
+        """After the step (which waited for every collective): complete the iteration's sample."""
         if self._cur is not None:
             # Forward time outside parameter-owning modules is spread like the attributed time.
             cur = self._cur
@@ -182,54 +318,86 @@ class WarmupTimer:
             weights = cur["fwd"] if attributed > 0 else [float(n) for n in self.layout.bucket_numel]
             wsum = sum(weights) or 1.0
             cur["fwd"] = [f + rest * w / wsum for f, w in zip(cur["fwd"], weights, strict=True)]
+            cur["launch"] = {name: [None] * self.n for name in self.links}
+            cur["comm"] = {name: [None] * self.n for name in self.links}
+            for r in self._launches:
+                done = r.completed
+                if done is not None:  # a failed collective stamps nothing
+                    cur["launch"][r.link][r.bucket] = r.launched
+                    cur["comm"][r.link][r.bucket] = done - r.launched
             self.samples.append(cur)
         self._cur = None
+        self._launches = []
 
     # -- reduction -----------------------------------------------------------------------------
     def profile(self, control: ControlPlane, world: int, link_backends: dict[str, str], model: str,
                 names: Sequence[str]) -> Profile:
-        """Median over iterations, max over ranks (collective on the control group)."""
+        """Reduce the samples (module docstring); collective on the control group."""
         if not self.samples:
             raise RuntimeError("internal: no profile iteration was timed")
         link_names = list(self.links)
-        rows = [[statistics.median(s["fwd"][b] for s in self.samples) for b in range(self.n)],
-                [statistics.median(s["bwd"][b] for s in self.samples) for b in range(self.n)]]
-        rows += [[statistics.median(s["comm"][k][b] for s in self.samples) for b in range(self.n)]
-                 for k in link_names]
-        t = control.max_rows(rows, "timing profile")
+        n = self.n
+        t = control.max_rows([[statistics.median(s["fwd"][b] for s in self.samples) for b in range(n)],
+                              [statistics.median(s["bwd"][b] for s in self.samples) for b in range(n)]],
+                             "timing profile")
         fwd, bwd = t[0], t[1]
-        comm = {k: t[2 + j] for j, k in enumerate(link_names)}
+        mine = [{k: [[b, lo, lo + c] for b, (lo, c) in enumerate(zip(s["launch"][k], s["comm"][k], strict=True))
+                     if lo is not None] for k in link_names} for s in self.samples]
+        every = [doc["iterations"] for doc in control.all_gather_json({"iterations": mine},
+                                                                      "all-reduce times of the profile iterations")]
         nbytes = self.layout.bucket_nbytes()
-        buckets = tuple(Bucket(id=b, params=tuple(names[i] for i in self.layout.bucket_params[b]),
-                               numel=self.layout.bucket_numel[b], nbytes=nbytes[b]) for b in range(self.n))
-        times = tuple(BucketTimes(forward_s=fwd[b], backward_s=bwd[b], comm_s={k: comm[k][b] for k in link_names})
-                      for b in range(self.n))
-        links = []
+        loads: dict[str, list[BusyGroup]] = {k: [] for k in link_names}
+        for i in range(len(self.samples)):
+            for k in link_names:
+                per_rank = [{int(b): (lo, hi) for b, lo, hi in its[i][k]} for its in every]
+                loads[k] += common_busy_groups(per_rank)
+        pooled = [g for k in link_names for g in loads[k]]
+        if not pooled:
+            raise RuntimeError("internal: no all-reduce of the profile iterations completed")
+        links, comm = [], []
         for k in link_names:
-            alpha, beta = fit_alpha_beta(nbytes, comm[k])
+            groups = loads[k] or pooled
+            alpha, beta = fit_alpha_beta([len(g.buckets) for g in groups],
+                                         [sum(nbytes[b] for b in g.buckets) for g in groups],
+                                         [g.seconds for g in groups])
             lk = self.links[k]
             links.append(Link(name=k, backend=link_backends[k], ifname=lk.ifname, alpha_s=alpha, beta_s_per_byte=beta))
+            alone: dict[int, list[float]] = {}
+            for g in loads[k]:
+                if len(g.buckets) == 1:
+                    alone.setdefault(g.buckets[0], []).append(g.seconds)
+            comm.append({b: statistics.median(v) for b, v in alone.items()})
+        buckets = tuple(Bucket(id=b, params=tuple(names[i] for i in self.layout.bucket_params[b]),
+                               numel=self.layout.bucket_numel[b], nbytes=nbytes[b]) for b in range(n))
+        times = tuple(BucketTimes(forward_s=fwd[b], backward_s=bwd[b],
+                                  comm_s={k: c[b] for k, c in zip(link_names, comm, strict=True) if b in c})
+                      for b in range(n))
+        meta: dict[str, Any] = {
+            "profile_iterations": len(self.samples),
+            "reduction": "forward/backward: median over iterations, max over ranks; comm: per link, the busy "
+                         "periods of the ranks joined into groups, each group's busy time the min over ranks; "
+                         "alpha/beta fitted over the groups; a bucket alone in its group: median of its times",
+            "busy_groups": {k: len(loads[k]) for k in link_names},
+            "buckets_measured_alone": {k: sorted(c) for k, c in zip(link_names, comm, strict=True)}}
+        unmeasured = [k for k in link_names if not loads[k]]
+        if unmeasured:
+            meta["unmeasured_links"] = unmeasured
         return Profile(buckets=buckets, times=times, links=tuple(links), world_size=world, source="timing",
-                       versions={"torch": torch.__version__}, model=model,
-                       meta={"profile_iterations": len(self.samples), "reduction": "median over iterations, "
-                             "max over ranks"})
+                       versions={"torch": torch.__version__}, model=model, meta=meta)
 
 
-def fit_alpha_beta(nbytes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
-    """Least-squares ``seconds = alpha + beta * nbytes`` with ``alpha, beta >= 0``."""
-    n = len(nbytes)
-    xs = [float(x) for x in nbytes]
-    mx, my = sum(xs) / n, sum(seconds) / n
-    var = sum((x - mx) ** 2 for x in xs)
-    if var > 0:
-        beta = sum((x - mx) * (y - my) for x, y in zip(xs, seconds, strict=True)) / var
-        alpha = my - beta * mx
-        if beta < 0:  # noise: all sizes cost the same
-            beta, alpha = 0.0, my
-        elif alpha < 0:  # through the origin instead
-            alpha, beta = 0.0, sum(x * y for x, y in zip(xs, seconds, strict=True)) / sum(x * x for x in xs)
-    else:
-        alpha, beta = 0.0, (my / mx if mx > 0 else 0.0)
+def fit_alpha_beta(counts: Sequence[int], nbytes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
+    """Non-negative least squares ``seconds ~ alpha * count + beta * nbytes`` (``scipy.optimize.nnls``).
+
+    Row ``i``: ``counts[i]`` collectives of ``nbytes[i]`` bytes in total took ``seconds[i]``
+    together (one collective: ``alpha + beta * nbytes``). The byte column is scaled to MB so both
+    columns are of order one. If nothing took any time the link still gets a model (``beta = 1e-12``).
+    """
+    if not (len(counts) == len(nbytes) == len(seconds)) or not counts:
+        raise ValueError("fit_alpha_beta: expected equally long, non-empty counts, nbytes and seconds")
+    design = np.column_stack([np.asarray(counts, dtype=float), np.asarray(nbytes, dtype=float) / MB])
+    (alpha, beta_mb), _ = nnls(design, np.asarray(seconds, dtype=float))
+    beta = float(beta_mb) / MB
     if alpha == 0 and beta == 0:
         beta = 1e-12  # a link must have a model; measured times were all zero
-    return alpha, beta
+    return float(alpha), beta

@@ -1,0 +1,144 @@
+"""The warm-up timer: its pure parts on hand timelines, its profile iterations on two real gloo links.
+
+* :func:`busy_periods`: maximal runs of overlapping ``[launch, completion]`` intervals of one link;
+  by hand, and for random timelines against a second method (the lengths sum to the measure of the
+  union of the intervals, every collective in exactly one period).
+* :func:`common_busy_groups`: the ranks' periods joined, each group's time the minimum over ranks
+  of that rank's busy time inside it; by hand.
+* :func:`fit_alpha_beta`: non-negative least squares ``T = alpha * m + beta * B``; recovers exact
+  data, and with a negative free intercept gives the line through the origin (worked by hand).
+* :func:`link_rotation`: each bucket on one link per iteration, on every link over ``L`` iterations.
+* Two ranks, two links (loopback gloo), each parameter its own bucket: in the warm-up only the
+  primary link carries traffic; in each profile iteration every bucket is sent exactly once (the
+  bytes over both links are the model's gradient bytes plus the used-parameter map, counted by hand),
+  and both links carry buckets; the measured profile models both links and every bucket.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from deft.runtime.warmup_timer import BusyGroup, busy_periods, common_busy_groups, fit_alpha_beta, link_rotation
+from tests._dist import run_ranks, values
+
+
+def test_busy_periods_by_hand() -> None:
+    # 0-10 and 2-15 overlap: one period of 15; 20-23 and 21-22 (inside it): one period of 3
+    assert busy_periods([(0.0, 10.0), (2.0, 15.0), (20.0, 23.0), (21.0, 22.0)]) == [([0, 1], 15.0), ([2, 3], 3.0)]
+    assert busy_periods([(1.0, 2.0), (0.0, 1.0)]) == [([1, 0], 2.0)]  # touching intervals: one period
+    assert busy_periods([]) == []
+
+
+def _union_length(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for lo, hi in sorted(spans):
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total
+
+
+@given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 300)), max_size=12))
+def test_busy_periods_cover_the_union(raw: list[tuple[int, int]]) -> None:
+    spans = [(float(lo), float(lo + dur)) for lo, dur in raw]
+    got = busy_periods(spans)
+    assert sorted(i for idx, _ in got for i in idx) == list(range(len(spans)))
+    assert sum(length for _, length in got) == pytest.approx(_union_length(spans))
+
+
+def test_common_busy_groups_join_the_ranks_periods() -> None:
+    # rank 0: {0} alone (10), {1, 2} together (12..30: 18); rank 1 (other clock): {0, 1} together
+    # (3..20.5: 17.5), {2} alone (9.2). Joined: one group {0, 1, 2}; busy 28 on rank 0, 26.7 on rank 1.
+    rank0 = {0: (0.0, 10.0), 1: (12.0, 20.0), 2: (15.0, 30.0)}
+    rank1 = {0: (3.0, 10.5), 1: (9.0, 20.5), 2: (21.0, 30.2)}
+    (g,) = common_busy_groups([rank0, rank1])
+    assert g.buckets == (0, 1, 2) and g.seconds == pytest.approx(26.7)
+    # separable on both ranks: each bucket its own group, the rank that launched last sets its time
+    got = common_busy_groups([{0: (0.0, 5.0), 1: (6.0, 9.0)}, {0: (1.0, 5.1), 1: (7.0, 9.2)}])
+    assert [x.buckets for x in got] == [(0,), (1,)]
+    assert [x.seconds for x in got] == pytest.approx([4.1, 2.2])
+    # bucket 1's collective failed on rank 1: its group is left out
+    assert common_busy_groups([{0: (0.0, 5.0), 1: (6.0, 9.0)}, {0: (1.0, 5.1)}]) == [BusyGroup((0,), 4.1)]
+
+
+def test_fit_alpha_beta() -> None:
+    alpha, beta = 1e-3, 3.4e-8  # 1 ms per collective, 235 Mbit/s
+    counts, nbytes = [1, 1, 2, 3], [100_000, 4_000_000, 2_000_000, 14_000_000]
+    seconds = [alpha * m + beta * b for m, b in zip(counts, nbytes, strict=True)]
+    assert fit_alpha_beta(counts, nbytes, seconds) == pytest.approx((alpha, beta), rel=1e-9)
+    # free fit through (1 MB, 0.5 s), (2 MB, 2.5 s): alpha = -1.5 s; with alpha = 0 the least-squares slope
+    # is (1 * 0.5 + 2 * 2.5) / (1 + 4) = 1.1 s per MB
+    assert fit_alpha_beta([1, 1], [1_000_000, 2_000_000], [0.5, 2.5]) == pytest.approx((0.0, 1.1e-6))
+    assert fit_alpha_beta([1], [10], [0.0]) == (0.0, 1e-12)  # nothing took time: still a model
+    with pytest.raises(ValueError, match="equally long"):
+        fit_alpha_beta([1, 2], [10], [0.1])
+
+
+def test_link_rotation() -> None:
+    assert link_rotation(5, ("p", "s"), 0) == ("p", "s", "p", "s", "p")
+    assert link_rotation(5, ("p", "s"), 1) == ("s", "p", "s", "p", "s")
+    assert link_rotation(4, ("a", "b", "c"), 2) == ("c", "a", "b", "c")
+    assert link_rotation(3, ("p",), 7) == ("p", "p", "p")
+    with pytest.raises(ValueError, match="at least one link"):
+        link_rotation(3, (), 0)
+
+
+# -- two ranks, two links -------------------------------------------------------------------------------
+WARMUP, PROFILE = 2, 2
+
+
+def two_link_worker(rank: int, world: int) -> dict[str, Any]:
+    import deft
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, config={
+        "warmup_iters": WARMUP, "profile_iters": PROFILE, "epsilon": 0.0, "bucket_cap_mb": 1e-6,
+        "timeout_s": 60, "links": [{"name": "primary"}, {"name": "second"}]})
+    g = torch.Generator().manual_seed(rank)
+    per_iteration = []
+    for _ in range(WARMUP + PROFILE):
+        before = ddp.link_stats
+        loss = ddp(torch.randn(32, 8, generator=g)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        after = ddp.link_stats
+        per_iteration.append({k: {f: after[k][f] - before[k][f] for f in ("calls", "bytes")} for k in after})
+    prof = ddp.profile
+    assert prof is not None
+    return {"per_iteration": per_iteration, "profile": prof.to_dict()}
+
+
+@pytest.mark.slow
+def test_profile_iterations_send_each_bucket_once_over_both_links() -> None:
+    from deft.profile import Profile
+
+    out = values(run_ranks(two_link_worker, 2, timeout=120))
+    grad_bytes = 4 * (8 * 16 + 16 + 16 * 4 + 4)  # fp32 gradients of the two Linear layers
+    used_map = 4 * 4  # one int32 per parameter, on the primary link
+    for doc in out:
+        its = doc["per_iteration"]
+        for t in range(WARMUP):  # torch DDP's behaviour: everything on the primary link
+            assert its[t]["second"] == {"calls": 0, "bytes": 0}, its
+            assert its[t]["primary"] == {"calls": 4 + 1, "bytes": grad_bytes + used_map}, its
+        for t in range(WARMUP, WARMUP + PROFILE):  # each bucket once; two on each link
+            assert its[t]["primary"]["calls"] + its[t]["second"]["calls"] == 4 + 1, its
+            assert its[t]["primary"]["bytes"] + its[t]["second"]["bytes"] == grad_bytes + used_map, its
+            assert its[t]["primary"]["calls"] == 2 + 1 and its[t]["second"]["calls"] == 2, its
+    assert out[0]["profile"] == out[1]["profile"]
+    prof = Profile.from_dict(out[0]["profile"])
+    assert prof.source == "timing" and prof.n == 4 and prof.link_names == ("primary", "second")
+    assert prof.meta["profile_iterations"] == PROFILE
+    for link in prof.links:  # a fitted model on each link, and a positive time for every bucket there
+        assert link.time(1_000_000) > 0
+        assert all(prof.comm_time(b, link.name) > 0 for b in range(prof.n))
+    # 2 buckets per link per iteration, in 1 or 2 busy groups each
+    assert all(PROFILE <= prof.meta["busy_groups"][k] <= 2 * PROFILE for k in ("primary", "second"))
