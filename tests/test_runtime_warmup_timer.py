@@ -5,7 +5,7 @@
   union of the intervals, every collective in exactly one period).
 * :func:`common_busy_groups`: the ranks' periods joined, each group's time the minimum over ranks
   of that rank's busy time inside it; by hand.
-* :func:`fit_alpha_beta`: non-negative least squares ``T = alpha * m + beta * B``; recovers exact
+* :func:`fit_group_alpha_beta`: non-negative least squares ``T = alpha * m + beta * B``; recovers exact
   data, and with a negative free intercept gives the line through the origin (worked by hand).
 * :func:`link_rotation`: each bucket on one link per iteration, on every link over ``L`` iterations.
 * Two ranks, two links (loopback gloo), each parameter its own bucket: in the warm-up only the
@@ -24,7 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from deft.runtime.warmup_timer import BusyGroup, busy_periods, common_busy_groups, fit_alpha_beta, link_rotation
+from deft.runtime.warmup_timer import BusyGroup, busy_periods, common_busy_groups, fit_group_alpha_beta, link_rotation
 from tests._dist import run_ranks, values
 
 
@@ -71,13 +71,13 @@ def test_fit_alpha_beta() -> None:
     alpha, beta = 1e-3, 3.4e-8  # 1 ms per collective, 235 Mbit/s
     counts, nbytes = [1, 1, 2, 3], [100_000, 4_000_000, 2_000_000, 14_000_000]
     seconds = [alpha * m + beta * b for m, b in zip(counts, nbytes, strict=True)]
-    assert fit_alpha_beta(counts, nbytes, seconds) == pytest.approx((alpha, beta), rel=1e-9)
+    assert fit_group_alpha_beta(counts, nbytes, seconds) == pytest.approx((alpha, beta), rel=1e-9)
     # free fit through (1 MB, 0.5 s), (2 MB, 2.5 s): alpha = -1.5 s; with alpha = 0 the least-squares slope
     # is (1 * 0.5 + 2 * 2.5) / (1 + 4) = 1.1 s per MB
-    assert fit_alpha_beta([1, 1], [1_000_000, 2_000_000], [0.5, 2.5]) == pytest.approx((0.0, 1.1e-6))
-    assert fit_alpha_beta([1], [10], [0.0]) == (0.0, 1e-12)  # nothing took time: still a model
+    assert fit_group_alpha_beta([1, 1], [1_000_000, 2_000_000], [0.5, 2.5]) == pytest.approx((0.0, 1.1e-6))
+    assert fit_group_alpha_beta([1], [10], [0.0]) == (0.0, 1e-12)  # nothing took time: still a model
     with pytest.raises(ValueError, match="equally long"):
-        fit_alpha_beta([1, 2], [10], [0.1])
+        fit_group_alpha_beta([1, 2], [10], [0.1])
 
 
 def test_link_rotation() -> None:

@@ -133,9 +133,6 @@ class Executor:
         # Observers for the warm-up timing (no cost when unset).
         self.on_bucket_ready: Callable[[int], None] | None = None
         self.on_launch: Callable[[int, str, list[torch.Tensor], list[Any], float, int], None] | None = None
-        # Trace ranges around each launch (deft.profiler.nvtx; free when no tool records). Off while
-        # the warm-up timer labels its own timed launches instead.
-        self.label_launches = True
         self.comm_hook: CommHook | None = None  # deft.runtime.comm_hooks: torch's comm hooks on buckets
         self._hook_tail: Any = None  # the last chained hook launch (_chained)
 
@@ -311,7 +308,7 @@ class Executor:
         what = (f"all-reduce of bucket {task.bucket} of the update merging iterations {g.iterations} "
                 f"(launched in the {self._stage} stage of iteration {self.t})")
         t_start = time.perf_counter()
-        tok = nvtx.push_range("comm", task.bucket, self.t, link_name, last) if self.label_launches else None
+        tok = nvtx.push_range("comm", task.bucket, self.t, link_name, last)
         views, works = self._send(g, task.bucket, link_name, what)
         nvtx.pop_range(tok)
         if self.on_launch is not None:

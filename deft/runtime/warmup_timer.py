@@ -42,7 +42,7 @@ the interval between consecutive completions says little about one bucket. What 
   for the slowest rank to reach it; the last rank to launch waits for nobody, so the minimum drops the
   ranks' compute skew (a bucket launched on a busy link adds only link time on every rank);
 * each link's ``T = alpha * m + beta * B`` (``m`` collectives of ``B`` bytes in a group) is fitted by
-  non-negative least squares over every group it carried (:func:`fit_alpha_beta`), for the planner's
+  non-negative least squares over every group it carried (:func:`fit_group_alpha_beta`), for the planner's
   buckets and re-partitioned ones; a link that carried nothing gets the fit of all links' groups
   (named in ``meta["unmeasured_links"]``);
 * a bucket that was alone in its group has a direct time on that link: the median over the
@@ -357,7 +357,7 @@ class WarmupTimer:
         links, comm = [], []
         for k in link_names:
             groups = loads[k] or pooled
-            alpha, beta = fit_alpha_beta([len(g.buckets) for g in groups],
+            alpha, beta = fit_group_alpha_beta([len(g.buckets) for g in groups],
                                          [sum(nbytes[b] for b in g.buckets) for g in groups],
                                          [g.seconds for g in groups])
             lk = self.links[k]
@@ -386,7 +386,7 @@ class WarmupTimer:
                        versions={"torch": torch.__version__}, model=model, meta=meta)
 
 
-def fit_alpha_beta(counts: Sequence[int], nbytes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
+def fit_group_alpha_beta(counts: Sequence[int], nbytes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
     """Non-negative least squares ``seconds ~ alpha * count + beta * nbytes`` (``scipy.optimize.nnls``).
 
     Row ``i``: ``counts[i]`` collectives of ``nbytes[i]`` bytes in total took ``seconds[i]``
@@ -394,7 +394,7 @@ def fit_alpha_beta(counts: Sequence[int], nbytes: Sequence[int], seconds: Sequen
     columns are of order one. If nothing took any time the link still gets a model (``beta = 1e-12``).
     """
     if not (len(counts) == len(nbytes) == len(seconds)) or not counts:
-        raise ValueError("fit_alpha_beta: expected equally long, non-empty counts, nbytes and seconds")
+        raise ValueError("fit_group_alpha_beta: expected equally long, non-empty counts, nbytes and seconds")
     design = np.column_stack([np.asarray(counts, dtype=float), np.asarray(nbytes, dtype=float) / MB])
     (alpha, beta_mb), _ = nnls(design, np.asarray(seconds, dtype=float))
     beta = float(beta_mb) / MB
