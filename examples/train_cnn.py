@@ -13,7 +13,9 @@ learning rate:
 * ``powersgd``: torch DDP + ``powerSGD_hook.powerSGD_hook`` with ``PowerSGDState(matrix_approximation_rank=
   --powersgd-rank (4), use_error_feedback=True, warm_start=True, start_powerSGD_iter=...)``. The start
   iteration defaults to 10 % of the run's iterations (at least 2), torch's recommended starting point
-  ("start with 10% of total training steps"; 2 is the least torch allows with error feedback).
+  ("start with 10% of total training steps"; 2 is the least torch allows with error feedback). DDP
+  keeps all gradients in one bucket here: with several, the hook's chained all-reduces can reach the
+  ranks in different orders (a crash on gloo; see ``wrap``).
 * ``accum2``: torch DDP + ``no_sync()`` over ``--accumulate`` (2) iterations: the first iteration's
   backward accumulates locally, the second all-reduces the sum; the optimizer steps every 2nd
   iteration on the mean gradient (loss divided by 2) with the **same learning rate**, so one update
@@ -187,7 +189,16 @@ def wrap(model: nn.Module, args: argparse.Namespace, total_iters: int) -> Wrappe
         info = {"epsilon": cfg.epsilon, "preserver": cfg.preserver,
                 "links": [dataclasses.asdict(lk) for lk in cfg.links]}
         return Wrapped(ddp, sgd, info, updates=lambda _steps: len(ddp.update_log))
-    ddp = nn.parallel.DistributedDataParallel(model)
+    if args.ddp == "powersgd":
+        # One DDP bucket. With several, torch's PowerSGD hook launches a bucket's second and third
+        # all-reduce (P, then Q) from the completion callback of the one before, while the autograd
+        # thread launches the next bucket's first all-reduce: the ranks can issue collectives in
+        # different orders, which gloo reports as "Received data size doesn't match expected size"
+        # (seen twice in two 88-iteration runs on the testbed with DDP's default buckets).
+        model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=max(25.0, 2 * model_mb))
+    else:
+        ddp = nn.parallel.DistributedDataParallel(model)
     if args.ddp == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -201,7 +212,8 @@ def wrap(model: nn.Module, args: argparse.Namespace, total_iters: int) -> Wrappe
                                        use_error_feedback=True, warm_start=True, start_powerSGD_iter=start)
         ddp.register_comm_hook(state, powersgd.powerSGD_hook)
         return Wrapped(ddp, sgd, {"hook": "powerSGD_hook", "matrix_approximation_rank": args.powersgd_rank,
-                                  "start_powerSGD_iter": start, "use_error_feedback": True, "warm_start": True})
+                                  "start_powerSGD_iter": start, "use_error_feedback": True, "warm_start": True,
+                                  "buckets": "one (see wrap())"})
     if args.ddp == "accum2":
         return Wrapped(ddp, sgd, {"accumulate": args.accumulate, "lr": args.lr}, accumulate=args.accumulate)
     if args.ddp == "localsgd":
