@@ -99,14 +99,14 @@ def run_one(tb: Testbed, name: str, rep: int, args: argparse.Namespace, out_dir:
             str(args.eval_every), "--skip-iters", str(args.skip_iters), "--batch-size", str(args.batch_size),
             "--lr", str(args.lr), "--seed", str(args.seed), "--json", json_arg]
     print(f"[bench_peers] {tb.rate_mbit:g} Mbit/s, repeat {rep}: {name} ({sch.label})", flush=True)
-    t0 = time.perf_counter()
+    t0, load = time.perf_counter(), os.getloadavg()[0]
     if args.live:
         run_live(tb, argv, timeout_s=args.timeout, label=name, config=config, alone=sch.alone)
     else:
         run_ranks(tb, [*argv, "--no-progress"], timeout_s=args.timeout, label=f"{name}@{tb.rate_mbit:g}",
                   config=config, alone=sch.alone)
     doc = json.loads((out_dir / f"{stem}.host0.json" if sch.alone else out).read_text(encoding="utf-8"))
-    doc["summary"].update(wall_s=time.perf_counter() - t0, rate_mbit=tb.rate_mbit, repeat=rep, name=name)
+    doc["summary"].update(wall_s=time.perf_counter() - t0, rate_mbit=tb.rate_mbit, repeat=rep, name=name, load=load)
     out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     return doc
 
@@ -182,6 +182,7 @@ class Row:
     updates_per_iter: float
     time_s: float
     plan: str
+    load: float | None  # the machine's 1-minute load average when the (first) run started
 
 
 def summarize(name: str, docs: list[dict[str, Any]]) -> Row:
@@ -200,7 +201,8 @@ def summarize(name: str, docs: list[dict[str, Any]]) -> Row:
                to_target=to, final_acc=statistics.median(d["summary"]["final_test_acc"] for d in docs),
                best_acc=statistics.median(d["summary"]["best_test_acc"] for d in docs),
                updates_per_iter=statistics.median(d["summary"]["updates_per_iter"] for d in docs),
-               time_s=statistics.median(d["summary"]["time_s"] for d in docs), plan=plan)
+               time_s=statistics.median(d["summary"]["time_s"] for d in docs), plan=plan,
+               load=docs[0]["summary"].get("load"))
 
 
 def _sec(v: float | None) -> str:
@@ -215,8 +217,8 @@ def table(rate: float, rows: list[Row], repeats: int) -> list[str]:
     base = next((r for r in rows if r.name == "torch"), None)
     lines = [f"### {rate:g} Mbit/s", "",
              "| scheme | iteration (ms) | vs torch DDP | time to 93% (s) | vs torch DDP | time to 95% (s) | "
-             "vs torch DDP | final accuracy | best | updates / iteration | time at the end (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "vs torch DDP | final accuracy | best | updates / iteration | time at the end (s) | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         spread = f" ({r.iter_spread[0] * 1e3:.0f}-{r.iter_spread[1] * 1e3:.0f})" if r.runs > 1 else ""
         cells = [f"{SCHEMES[r.name].label}", f"{r.iter_s * 1e3:.0f}{spread}",
@@ -225,7 +227,8 @@ def table(rate: float, rows: list[Row], repeats: int) -> list[str]:
             sec, n = r.to_target[t]
             note = f" ({n}/{r.runs} runs)" if repeats > 1 and n < r.runs else ""
             cells += [_sec(sec) + note, _ratio(base.to_target[t][0] if base else None, sec)]
-        cells += [f"{r.final_acc:.3f}", f"{r.best_acc:.3f}", f"{r.updates_per_iter:.3f}", f"{r.time_s:.1f}"]
+        cells += [f"{r.final_acc:.3f}", f"{r.best_acc:.3f}", f"{r.updates_per_iter:.3f}", f"{r.time_s:.1f}",
+                  "-" if r.load is None else f"{r.load:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     plans = [f"- {SCHEMES[r.name].label}: {r.plan}" for r in rows if r.plan]
     if plans:
@@ -296,6 +299,7 @@ def report(args: argparse.Namespace, docs: list[dict[str, Any]], names: list[str
              f"(1437 train / 360 test), batch {args.batch_size} per rank, 2 ranks (one per host), SGD lr {args.lr} "
              f"momentum 0.9, {args.epochs} epochs, seed {args.seed}; test accuracy every {args.eval_every} "
              f"iterations; {args.repeats} repeat(s), schemes interleaved.  ",
+             "Load: the machine's 1-minute load average when the run started (2 cores; '-': not recorded).  ",
              f"Iteration: mean over iterations {args.skip_iters + 1}..end. Time to an accuracy: seconds from the "
              "wrapper's construction (set-up, warm-up, deft's profiling and planning included), evaluation "
              "excluded. Ratios: torch DDP's figure / the scheme's (> 1: faster than torch DDP).", ""]

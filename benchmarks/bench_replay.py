@@ -183,26 +183,34 @@ def _measure(spec: dict[str, Any], dist: Any) -> dict[str, Any]:
     return {"comm_s": out}
 
 
-def _replay_model(torch: Any, forward_s: list[float], backward_s: list[float], numel: list[int]) -> Any:
+def _replay_model(torch: Any, forward_s: list[float], backward_s: list[float], numel: list[int],
+                  spent: list[float]) -> Any:
     """One parameter per bucket; bucket ``n-1`` computes first in forward, bucket ``0`` first in backward.
 
     Parameters are registered from bucket ``n-1`` to ``0``, so the reverse registration order torch
-    DDP assumes for its first iteration is the real ready order.
+    DDP assumes for its first iteration is the real ready order. ``spent[0]`` accumulates the wall
+    time the emulated compute really took (the sleeps, their wake-up delays, the gradient allocation).
     """
     from torch import nn
 
     class Sleep(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, x: Any, p: Any, fwd: float, bwd: float) -> Any:
+            t0 = time.perf_counter()
             ctx.bwd = bwd
             ctx.shape = p.shape
             time.sleep(fwd)
-            return x.clone()
+            out = x.clone()
+            spent[0] += time.perf_counter() - t0
+            return out
 
         @staticmethod
         def backward(ctx: Any, g: Any) -> Any:
+            t0 = time.perf_counter()
             time.sleep(ctx.bwd)
-            return g, torch.full(ctx.shape, 1e-3, dtype=g.dtype), None, None
+            grad = torch.full(ctx.shape, 1e-3, dtype=g.dtype)
+            spent[0] += time.perf_counter() - t0
+            return g, grad, None, None
 
     class Replay(nn.Module):
         def __init__(self) -> None:
@@ -220,7 +228,8 @@ def _replay_model(torch: Any, forward_s: list[float], backward_s: list[float], n
 
 
 def _train(spec: dict[str, Any], torch: Any, dist: Any) -> dict[str, Any]:
-    model = _replay_model(torch, spec["forward_s"], spec["backward_s"], [n // 4 for n in spec["nbytes"]])
+    spent = [0.0]
+    model = _replay_model(torch, spec["forward_s"], spec["backward_s"], [n // 4 for n in spec["nbytes"]], spent)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     is_deft = SCHEMES[spec["scheme"]].deft
     if is_deft:
@@ -232,9 +241,11 @@ def _train(spec: dict[str, Any], torch: Any, dist: Any) -> dict[str, Any]:
     else:
         ddp = model
     x = torch.ones(())
-    starts = []
+    starts, cpu, compute = [], [], []
     for _ in range(spec["iters"]):
         starts.append(time.perf_counter())
+        cpu.append(time.process_time())  # CPU seconds of the whole process: training thread and gloo threads
+        compute.append(spent[0])
         loss = ddp(x)
         loss.backward()
         if is_deft:
@@ -242,7 +253,9 @@ def _train(spec: dict[str, Any], torch: Any, dist: Any) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     starts.append(time.perf_counter())
-    doc: dict[str, Any] = {"starts": starts}
+    cpu.append(time.process_time())
+    compute.append(spent[0])
+    doc: dict[str, Any] = {"starts": starts, "cpu": cpu, "compute": compute}
     if is_deft:
         doc.update(schedule=ddp.schedule.to_dict(), plan_info=json.loads(json.dumps(ddp.plan_info, default=str)),
                    link_stats=ddp.link_stats, updates=len(ddp.update_log))
@@ -304,6 +317,7 @@ def run_profile(tb: Testbed, name: str, args: argparse.Namespace, names: list[st
                                     "config": str(config), "profile": str(prof_path), "out": str(out)}),
                         encoding="utf-8")
         print(f"[bench_replay] {name}: {scheme} ({sch.label})", flush=True)
+        load = os.getloadavg()[0]
         try:
             run_ranks(tb, [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec)],
                       timeout_s=args.timeout, label=f"{name}/{scheme}", config=config, alone=alone)
@@ -311,7 +325,7 @@ def run_profile(tb: Testbed, name: str, args: argparse.Namespace, names: list[st
             print(f"[bench_replay] {name}/{scheme} FAILED: {e}", flush=True)
             runs[scheme] = {"error": str(e).splitlines()[0]}
             continue
-        runs[scheme] = json.loads(Path(str(out).replace("{host}", "0")).read_text(encoding="utf-8"))
+        runs[scheme] = {**json.loads(Path(str(out).replace("{host}", "0")).read_text(encoding="utf-8")), "load": load}
     return {"name": name, "profile": prof.to_dict(), "target": tgt.__dict__, "second_rate_mbit": second_rate,
             "runs": runs}
 
@@ -324,29 +338,44 @@ class Row:
     iterations: int
     plan: str
     links: str
+    cpu_s: float | None = None  # CPU seconds per iteration of rank 0's process (all its threads)
+    compute_s: float | None = None  # wall seconds per iteration the emulated compute really took
+    load: float | None = None  # the machine's 1-minute load average when the run started
 
     @property
     def error(self) -> float:
         return self.measured_s / self.simulated_s - 1.0
 
 
+def per_iteration(run: dict[str, Any], key: str, skip: int, n: int) -> float | None:
+    """A cumulative counter's growth per iteration over the iteration-time window (None: not recorded)."""
+    c = run.get(key)
+    return None if not c else (c[skip + n] - c[skip]) / n
+
+
 def analyse(rec: dict[str, Any], args: argparse.Namespace) -> tuple[list[Row], dict[str, str]]:
     """Measured and simulated iteration time of every scheme that ran; failures by scheme."""
     prof = Profile.from_dict(rec["profile"], f"{rec['name']} replay profile")
     rows, failed = [], {}
+
+    def window(run: dict[str, Any], n: int) -> tuple[float | None, float | None]:
+        return per_iteration(run, "cpu", args.skip_iters, n), per_iteration(run, "compute", args.skip_iters, n)
+
     for scheme, run in rec["runs"].items():
         if "error" in run:
             failed[scheme] = run["error"]
             continue
+        load = run.get("load")
         if scheme == "compute":
             measured, n = steady_s(run["starts"], args.skip_iters, 1)
             rows.append(Row(scheme, measured, prof.forward_s + prof.backward_s, n, "forward + backward of the "
-                            "profile", "-"))
+                            "profile", "-", *window(run, n), load))
             continue
         if scheme == "ddp":
             sim = simulate(prof, "wfbp")
             measured, n = steady_s(run["starts"], args.skip_iters, 1)
-            rows.append(Row(scheme, measured, sim.iteration_s, n, "one all-reduce per bucket", "primary"))
+            rows.append(Row(scheme, measured, sim.iteration_s, n, "one all-reduce per bucket", "primary",
+                            *window(run, n), load))
             continue
         sched = Schedule.from_dict(run["schedule"], f"{rec['name']}/{scheme} schedule")
         cfg = DeftConfig.from_dict({"epsilon": SCHEMES[scheme].settings.get("epsilon", 0.01)})
@@ -356,7 +385,7 @@ def analyse(rec: dict[str, Any], args: argparse.Namespace) -> tuple[list[Row], d
         src = run.get("plan_info", {}).get("source", "?")
         plan = f"{src}: cycle {sched.cycle}, K = {list(sched.batch_sequence)}, {sched.n_buckets} buckets"
         used = ", ".join(f"{k} ({v['calls']})" for k, v in run.get("link_stats", {}).items())
-        rows.append(Row(scheme, measured, sim.iteration_s, n, plan, used))
+        rows.append(Row(scheme, measured, sim.iteration_s, n, plan, used, *window(run, n), load))
     return rows, failed
 
 
@@ -370,7 +399,11 @@ def report(args: argparse.Namespace, recs: list[dict[str, Any]], command: str) -
              f"{args.iters} iterations per run, steady state after {args.skip_iters} (whole cycles, time between "
              "forward starts, rank 0). Simulated: `deft.solver.simulate` on the measured profile "
              "(torch DDP as `wfbp`: one all-reduce per bucket, step after all; deft: `simulate_schedule` of the "
-             "schedule deft ran). Speedup = DDP's iteration / deft's; 'kept' = measured speedup / simulated.", ""]
+             "schedule deft ran). Speedup = DDP's iteration / deft's. Compute per iteration: wall time the emulated "
+             "forward and backward really took (sleeps, their wake-up delays, gradient allocation; the profile "
+             "says forward + backward). CPU per iteration: CPU time of rank 0's process "
+             "(training thread and gloo threads) over the same window. Load: the machine's 1-minute load average "
+             "when the run started (2 cores).", ""]
     verdicts = []
     for rec in recs:
         rows, failed = analyse(rec, args)
@@ -384,8 +417,9 @@ def report(args: argparse.Namespace, recs: list[dict[str, Any]], command: str) -
                   f"(shaped to {rec['second_rate_mbit']:.0f} Mbit/s, mu = {t['mu']:.2f}); coverage rate "
                   f"{prof.coverage_rate:.2f} (paper {t['reference_cr']:.2f}).", "",
                   "| scheme | measured (ms) | simulated (ms) | error | speedup measured | simulated | "
-                  "measured / simulated speedup | gain kept | schedule | link calls |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "measured / simulated speedup | gain kept | compute per iteration (ms) | CPU per iteration (ms) | "
+                  "load | schedule | link calls |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         ddp = next((r for r in rows if r.scheme == "ddp"), None)
         for r in rows:
             if ddp is not None and SCHEMES[r.scheme].deft:
@@ -397,10 +431,12 @@ def report(args: argparse.Namespace, recs: list[dict[str, Any]], command: str) -
                 sp = ["-"] * 4
                 if r.scheme == "ddp":
                     verdicts.append(Verdict(rec["name"], r.scheme, abs(r.error) <= 0.10, None))
+            cpu, comp, load = (("-" if v is None else f"{v * k:.{d}f}")
+                               for v, k, d in ((r.cpu_s, 1e3, 0), (r.compute_s, 1e3, 0), (r.load, 1, 1)))
             lines.append(f"| {SCHEMES[r.scheme].label} | {r.measured_s * 1e3:.0f} | {r.simulated_s * 1e3:.0f} | "
-                         f"{r.error:+.1%} | {' | '.join(sp)} | {r.plan} | {r.links} |")
+                         f"{r.error:+.1%} | {' | '.join(sp)} | {comp} | {cpu} | {load} | {r.plan} | {r.links} |")
         for scheme, why in failed.items():
-            lines.append(f"| {SCHEMES[scheme].label} | failed: {why} |" + " |" * 8)
+            lines.append(f"| {SCHEMES[scheme].label} | failed: {why} |" + " |" * 11)
         lines.append("")
     lines += targets_line(verdicts)
     return "\n".join(lines)
