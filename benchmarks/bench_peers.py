@@ -27,8 +27,13 @@ wrapper's construction (set-up, warm-up, deft's profiling and planning included;
 final and best accuracy, updates per iteration and the ratios to torch DDP. With ``--repeats`` > 1
 each figure is the median over the repeats. One accuracy-vs-time plot per rate
 (``benchmarks/peers_<rate>.png``); the tables go to ``benchmarks/results/peers.md`` (between the
-``peers`` markers; text outside them is kept). The testbeds are removed at the end, also on an error,
-Ctrl-C or SIGTERM.
+``peers`` markers; text outside them is kept), with the machine's load average at the start of each
+run. The testbeds are removed at the end, also on an error, Ctrl-C or SIGTERM.
+
+``--live`` lets rank 0 of each run write to the terminal (its progress bar) and prints only the tables;
+``--timeline FILE`` draws the schedule the first deft run really ran (simulated on the profile it
+measured) under torch DDP's simulation on the same profile. ``scripts/demo.sh`` is
+``--rates 250 --epochs 1 --schemes torch,deft --live --no-write --timeline out/deft_timeline.png``.
 """
 
 from __future__ import annotations

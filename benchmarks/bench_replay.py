@@ -1,7 +1,7 @@
 """Replay: the paper's profiles as sleeping models on the testbed, measured against the simulator.
 
     sudo .venv/bin/python benchmarks/bench_replay.py [--profiles vgg19,resnet101,gpt2] [--rate-mbit 250]
-                                                     [--scale 1.0] [--iters 40] [--schemes ddp,deft-eps0,deft]
+                                                     [--scale 1.0] [--iters 40] [--schemes ddp,deft-eps0]
 
 What it measures: the scheduler and the runtime, apart from this machine's CPU. For each reference
 profile of ``examples/profiles`` it builds a synthetic model with one parameter tensor per bucket;
@@ -27,19 +27,22 @@ Rescaling (the paper's coverage rate is kept):
   and every bucket's all-reduce time measured on each link alone (``deft.profiler.links.measure``,
   median of ``--comm-iters``, max over ranks) before the runs.
 
-Schemes: ``ddp`` torch DDP with one bucket per parameter (``bucket_cap_mb`` = 1 byte, so its
-all-reduces are the profile's buckets; simulated as ``wfbp``: the same messages, the optimizer step
-waiting for all of them, which is torch DDP); ``deft-eps0`` deft with epsilon = 0 (no delayed update)
-on both links; ``deft`` deft's default config (epsilon 0.01, preserver on) on both links;
-``deft-plan`` deft with the preserver off (the planner's DeFT schedule, delayed updates as planned).
-Every deft run is given the measured profile (``profile=``), so it plans on exactly what the
-simulator sees; the schedule it ran (``ddp.schedule``) is simulated with
+Schemes: ``compute`` the model alone on each host at once (no communication: checks the emulation itself
+against the profile's forward + backward); ``ddp`` torch DDP with one bucket per parameter
+(``bucket_cap_mb`` = 1 byte, so its all-reduces are the profile's buckets; simulated as ``wfbp``: the
+same messages, the optimizer step waiting for all of them, which is torch DDP); ``deft-eps0`` deft with
+epsilon = 0 (no delayed update) on both links; ``deft`` deft's default config (epsilon 0.01, preserver
+on) on both links; ``deft-plan`` deft with the preserver off (the planner's DeFT schedule, delayed
+updates as planned). Every deft run is given the measured profile (``profile=``), so it plans on exactly
+what the simulator sees; the schedule it ran (``ddp.schedule``) is simulated with
 :func:`deft.solver.simulate.simulate_schedule` on the profile that schedule refers to.
 
 Iteration time, measured and simulated alike: the time between forward starts, averaged over whole
-cycles after ``--skip-iters`` iterations (rank 0). Targets (issue 9): measured within 10 % of
-simulated for torch DDP and deft, deft's measured speedup over DDP at least 90 % of the simulated
-one. Results go to ``benchmarks/results/replay.md`` (between the ``replay`` markers).
+cycles after ``--skip-iters`` iterations (rank 0). Also recorded over the same window: the wall time the
+emulated compute really took (sleep wake-up delays show there) and the CPU time of rank 0's process
+(training and gloo threads), and the machine's load average when each run started. Targets (issue 9):
+measured within 10 % of simulated for torch DDP and deft, deft's measured speedup over DDP at least 90 %
+of the simulated one. Results go to ``benchmarks/results/replay.md`` (between the ``replay`` markers).
 """
 
 from __future__ import annotations
