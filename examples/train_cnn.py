@@ -1,31 +1,63 @@
-"""Train a 4.4M-parameter CNN on scikit-learn's digits with torch DDP or deft, data-parallel on CPU.
+"""Train a 4.4M-parameter CNN on scikit-learn's digits, data-parallel on CPU, with the scheme of your choice.
 
     torchrun --nproc-per-node 2 examples/train_cnn.py --ddp torch
     torchrun --nproc-per-node 2 examples/train_cnn.py --ddp deft [--epsilon 0.01] [--config deft.toml]
+    torchrun --nproc-per-node 2 examples/train_cnn.py --ddp fp16|powersgd|accum2|localsgd
+    python examples/train_cnn.py --compute-only          # one process, one rank's work, no communication
 
-The training loop is a plain torch DDP loop; ``--ddp deft`` changes only the line that wraps the
-model (plus the optional ``ddp.observe_loss(loss)`` that feeds deft's preserver). Without torchrun
-(no ``RANK`` in the environment) it runs as a single process.
+Schemes (``--ddp``), all with the same model, data, optimizer (SGD, ``--lr``, ``--momentum``) and
+learning rate:
+
+* ``torch``: ``torch.nn.parallel.DistributedDataParallel``.
+* ``fp16``: torch DDP + ``default_hooks.fp16_compress_hook`` (gradients all-reduced in float16).
+* ``powersgd``: torch DDP + ``powerSGD_hook.powerSGD_hook`` with ``PowerSGDState(matrix_approximation_rank=
+  --powersgd-rank (4), use_error_feedback=True, warm_start=True, start_powerSGD_iter=...)``. The start
+  iteration defaults to 10 % of the run's iterations (at least 2), torch's recommended starting point
+  ("start with 10% of total training steps"; 2 is the least torch allows with error feedback). DDP
+  keeps all gradients in one bucket here: with several, the hook's chained all-reduces can reach the
+  ranks in different orders (a crash on gloo; see ``wrap``).
+* ``accum2``: torch DDP + ``no_sync()`` over ``--accumulate`` (2) iterations: the first iteration's
+  backward accumulates locally, the second all-reduces the sum; the optimizer steps every 2nd
+  iteration on the mean gradient (loss divided by 2) with the **same learning rate**, so one update
+  covers 2 x batch per rank. ``updates / iteration`` = 0.5.
+* ``localsgd``: torch's post-local SGD: ``PostLocalSGDState(start_localSGD_iter=W,
+  post_local_gradient_allreduce=False)`` + ``post_localSGD_hook`` (gradients all-reduced globally for
+  the first W iterations, then not at all) and ``PostLocalSGDOptimizer(SGD, PeriodicModelAverager(
+  period=--localsgd-period (4), warmup_steps=W))`` (parameters averaged over all ranks every 4th step).
+  W defaults to 10 % of the run's iterations (at least 1). ``post_local_gradient_allreduce=False`` is
+  what torch's default (an all-reduce inside each machine) does with one rank per machine, as on the
+  testbed. Every iteration applies a local update; the test accuracy is rank 0's model.
+* ``deft``: ``deft.DistributedDataParallel`` (plus the optional ``ddp.observe_loss(loss)`` that feeds
+  deft's preserver); ``--epsilon``, ``--no-preserver`` and ``--config`` set its config.
+* ``--compute-only``: no wrapper, no process group: one process doing one rank's work (the shard a
+  rank of a ``--shards`` (2)-rank job trains on, same batch, same iterations per epoch). Run one per
+  host at the same time and it is the floor any scheme can reach.
+
+Without torchrun (no ``RANK`` in the environment) a ``--ddp`` run forms a job of one process.
 
 Data: the 1,797 8x8 digits that ship with scikit-learn, upsampled to 32x32 (bilinear), standardized
 with the training split's mean and std; the train/test split (80/20, stratified) is fixed by
 ``--seed``. Each rank trains on its shard (``DistributedSampler``); ``--batch-size`` is per rank.
 
-``--json FILE`` (rank 0) writes every iteration (train time, iteration time, loss, updates applied so
-far) and every evaluation (test accuracy and loss) for the benchmark scripts. Train time excludes
-evaluation. "Updates" counts optimizer steps that really changed the parameters: every iteration
-for torch DDP, ``len(ddp.update_log)`` for deft.
+Times: ``time_s`` is the time since the wrapper was constructed (its set-up, warm-up, profiling and
+planning included), evaluation excluded; ``train_s`` is the sum of iteration times. Each evaluation
+prints the test accuracy, ``time_s`` and the steady iteration time (the mean over the iterations since
+the last evaluation, those before ``--skip-iters`` left out). ``--json FILE`` (rank 0) writes every
+iteration and every evaluation (the (time, accuracy) points) and a summary. "Updates" counts optimizer
+steps that changed the parameters: ``len(ddp.update_log)`` for deft, the steps taken otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +71,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import DigitsCNN, num_parameters
 
 from deft.errors import DeftError
+
+SCHEMES = ("torch", "fp16", "powersgd", "accum2", "localsgd", "deft")
 
 
 def load_digits_split(seed: int, size: int = 32, test_fraction: float = 0.2
@@ -60,11 +94,22 @@ def load_digits_split(seed: int, size: int = 32, test_fraction: float = 0.2
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ddp", choices=("torch", "deft"), default="torch", help="which data-parallel wrapper")
+    ap.add_argument("--ddp", choices=SCHEMES, default=None,
+                    help="data-parallel scheme (default torch); see the module docstring")
+    ap.add_argument("--compute-only", action="store_true",
+                    help="one process, one rank's work, no wrapper and no communication (the floor)")
+    ap.add_argument("--shards", type=int, default=2, help="--compute-only: train on the shard of a job this large")
     ap.add_argument("--epsilon", type=float, default=None, help="deft's accuracy/speed knob (overrides config)")
     ap.add_argument("--no-preserver", action="store_true", help="deft: plan without the preserver's check")
     ap.add_argument("--config", default=os.environ.get("DEFT_CONFIG"),
                     help="deft TOML config (default: $DEFT_CONFIG, else deft's defaults)")
+    ap.add_argument("--powersgd-rank", type=int, default=4, help="powersgd: matrix_approximation_rank")
+    ap.add_argument("--powersgd-start", type=int, default=None,
+                    help="powersgd: start_powerSGD_iter (default 10%% of the iterations, at least 2)")
+    ap.add_argument("--accumulate", type=int, default=2, help="accum2: iterations per optimizer step")
+    ap.add_argument("--localsgd-period", type=int, default=4, help="localsgd: steps between model averages")
+    ap.add_argument("--localsgd-warmup", type=int, default=None,
+                    help="localsgd: iterations of global gradient all-reduce first (default 10%%, at least 1)")
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--max-iters", type=int, default=None, help="stop after this many iterations in total")
     ap.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -77,18 +122,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="iterations left out of the steady-state iteration time (warm-up, planning)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write per-iteration and per-evaluation records (rank 0)")
-    ap.add_argument("--no-progress", action="store_true", help="no tqdm bar (one line per epoch instead)")
+    ap.add_argument("--no-progress", action="store_true", help="no tqdm bar (one line per evaluation instead)")
     args = ap.parse_args(argv)
     for flag, value, low in (("--epochs", args.epochs, 1), ("--batch-size", args.batch_size, 1),
                              ("--max-iters", args.max_iters, 1), ("--width", args.width, 1),
                              ("--hidden", args.hidden, 1), ("--eval-every", args.eval_every, 0),
-                             ("--skip-iters", args.skip_iters, 0)):
+                             ("--skip-iters", args.skip_iters, 0), ("--shards", args.shards, 1),
+                             ("--powersgd-rank", args.powersgd_rank, 1), ("--powersgd-start", args.powersgd_start, 2),
+                             ("--accumulate", args.accumulate, 1), ("--localsgd-period", args.localsgd_period, 2),
+                             ("--localsgd-warmup", args.localsgd_warmup, 0)):
         if value is not None and value < low:
             ap.error(f"{flag}: expected an integer >= {low}, got {value}")
     if not args.lr > 0:
         ap.error(f"--lr: expected > 0, got {args.lr}")
     if args.config is not None and not Path(args.config).is_file():
         ap.error(f"--config: no such file {args.config} (from --config or $DEFT_CONFIG)")
+    if args.compute_only and args.ddp is not None:
+        ap.error(f"--compute-only runs no data-parallel scheme; drop --ddp {args.ddp}")
+    args.ddp = "compute" if args.compute_only else (args.ddp or "torch")
     return args
 
 
@@ -101,25 +152,84 @@ def init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def wrap(model: nn.Module, args: argparse.Namespace) -> tuple[nn.Module, dict[str, Any]]:
-    """The one line that differs between torch DDP and deft (plus reading deft's config)."""
-    if args.ddp == "torch":
-        return nn.parallel.DistributedDataParallel(model), {}
-    import deft
-
-    cfg = deft.DeftConfig.resolve(args.config)
-    if args.epsilon is not None:
-        cfg = dataclasses.replace(cfg, epsilon=args.epsilon)
-    if args.no_preserver:
-        cfg = dataclasses.replace(cfg, preserver=False)
-    info = {"epsilon": cfg.epsilon, "preserver": cfg.preserver,
-            "links": [dataclasses.asdict(lk) for lk in cfg.links]}
-    return deft.DistributedDataParallel(model, config=cfg), info
+def default_start(total_iters: int, least: int) -> int:
+    """10 % of the run's iterations, at least ``least``: torch's suggested start of PowerSGD/local SGD."""
+    return max(least, round(0.1 * total_iters))
 
 
-def updates_applied(ddp: nn.Module, iters_done: int) -> int:
-    log = getattr(ddp, "update_log", None)
-    return len(log) if log is not None else iters_done
+@dataclasses.dataclass
+class Wrapped:
+    """What a scheme hands the training loop: the model to call, the optimizer, how it steps.
+
+    ``accumulate``: iterations per optimizer step (``no_sync`` on all but the last of each group);
+    ``updates``: how many updates have been applied after ``steps`` optimizer steps.
+    """
+
+    ddp: nn.Module
+    optimizer: Any
+    info: dict[str, Any]
+    accumulate: int = 1
+    updates: Callable[[int], int] = lambda steps: steps
+
+
+def wrap(model: nn.Module, args: argparse.Namespace, total_iters: int) -> Wrapped:
+    """The lines that differ between the schemes: the wrapper, its hook, its optimizer."""
+    sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    if args.ddp == "compute":
+        return Wrapped(model, sgd, {"shards": args.shards})
+    if args.ddp == "deft":
+        import deft
+
+        cfg = deft.DeftConfig.resolve(args.config)
+        if args.epsilon is not None:
+            cfg = dataclasses.replace(cfg, epsilon=args.epsilon)
+        if args.no_preserver:
+            cfg = dataclasses.replace(cfg, preserver=False)
+        ddp = deft.DistributedDataParallel(model, optimizer=sgd, config=cfg)
+        info = {"epsilon": cfg.epsilon, "preserver": cfg.preserver,
+                "links": [dataclasses.asdict(lk) for lk in cfg.links]}
+        return Wrapped(ddp, sgd, info, updates=lambda _steps: len(ddp.update_log))
+    if args.ddp == "powersgd":
+        # One DDP bucket. With several, torch's PowerSGD hook launches a bucket's second and third
+        # all-reduce (P, then Q) from the completion callback of the one before, while the autograd
+        # thread launches the next bucket's first all-reduce: the ranks can issue collectives in
+        # different orders, which gloo reports as "Received data size doesn't match expected size"
+        # (seen twice in two 88-iteration runs on the testbed with DDP's default buckets).
+        model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=max(25.0, 2 * model_mb))
+    else:
+        ddp = nn.parallel.DistributedDataParallel(model)
+    if args.ddp == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return Wrapped(ddp, sgd, {"hook": "fp16_compress_hook"})
+    if args.ddp == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+        start = args.powersgd_start or default_start(total_iters, 2)
+        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
+                                       use_error_feedback=True, warm_start=True, start_powerSGD_iter=start)
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+        return Wrapped(ddp, sgd, {"hook": "powerSGD_hook", "matrix_approximation_rank": args.powersgd_rank,
+                                  "start_powerSGD_iter": start, "use_error_feedback": True, "warm_start": True,
+                                  "buckets": "one (see wrap())"})
+    if args.ddp == "accum2":
+        return Wrapped(ddp, sgd, {"accumulate": args.accumulate, "lr": args.lr}, accumulate=args.accumulate)
+    if args.ddp == "localsgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_local
+        from torch.distributed.algorithms.model_averaging import averagers
+        from torch.distributed.optim import PostLocalSGDOptimizer
+
+        warmup = args.localsgd_warmup if args.localsgd_warmup is not None else default_start(total_iters, 1)
+        state = post_local.PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=warmup,
+                                             post_local_gradient_allreduce=False)
+        ddp.register_comm_hook(state, post_local.post_localSGD_hook)
+        opt = PostLocalSGDOptimizer(optim=sgd, averager=averagers.PeriodicModelAverager(
+            period=args.localsgd_period, warmup_steps=warmup))
+        return Wrapped(ddp, opt, {"hook": "post_localSGD_hook", "period": args.localsgd_period,
+                                  "warmup_steps": warmup})
+    return Wrapped(ddp, sgd, {})
 
 
 @torch.no_grad()
@@ -136,7 +246,7 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 25
 
 
 def schedule_info(ddp: nn.Module) -> dict[str, Any]:
-    """What a deft wrapper reports about its running plan and its links (empty for torch DDP)."""
+    """What a deft wrapper reports about its running plan and its links (empty for the other schemes)."""
     if not hasattr(ddp, "update_log"):
         return {}
     info: dict[str, Any] = {}
@@ -146,88 +256,127 @@ def schedule_info(ddp: nn.Module) -> dict[str, Any]:
                     buckets=len(sched.bucket_numel), predicted_iteration_s=sched.predicted_iteration_s,
                     predicted_bubble_ratio=sched.predicted_bubble_ratio)
         info["meta"] = {k: v for k, v in sched.meta.items() if isinstance(v, (int, float, str, bool))}
+        info["schedule"] = sched.to_dict()  # the schedule that ran, for deft.solver.simulate_schedule
+        profile = getattr(ddp, "profile", None)
+        if profile is not None:
+            info["profile"] = profile.to_dict()  # the profile it was planned on
     except Exception as e:  # the summary must not fail the run; say what was missing instead
         info["error"] = f"{type(e).__name__}: {e}"
+    plan = getattr(ddp, "plan_info", None)
+    if isinstance(plan, dict):
+        info["plan_info"] = json.loads(json.dumps(plan, default=str))
     stats = getattr(ddp, "link_stats", None)
     if isinstance(stats, dict):
         info["link_stats"] = stats
     return info
 
 
+def steady_mean(iters: list[dict[str, Any]], skip: int) -> float:
+    """Mean iteration time after the first ``skip`` iterations (all of them if that leaves none).
+
+    The mean, not the median: accum2, localsgd and deft's merged updates alternate cheap and costly
+    iterations, and only the mean over whole periods is their cost per iteration.
+    """
+    rest = [r["iter_s"] for r in iters if r["iter"] > skip] or [r["iter_s"] for r in iters]
+    return statistics.fmean(rest)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    rank, world = init_distributed()
-    torch.manual_seed(args.seed)  # same initial model everywhere (both wrappers broadcast rank 0's anyway)
+    if args.ddp == "compute":
+        rank, world, replicas = 0, 1, args.shards
+    else:
+        rank, world = init_distributed()
+        replicas = world
+    barrier = dist.barrier if args.ddp != "compute" else (lambda: None)
+    torch.manual_seed(args.seed)  # same initial model everywhere (the wrappers broadcast rank 0's anyway)
     x_train, y_train, x_test, y_test = load_digits_split(args.seed)
     model = DigitsCNN(width=args.width, hidden=args.hidden)
-    try:
-        ddp, deft_info = wrap(model, args)
-    except DeftError as e:  # a bad config or --epsilon: one line naming the field, not a traceback
-        raise SystemExit(f"train_cnn.py: error: {e}") from None
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    torch.manual_seed(args.seed * 1000 + rank + 1)  # dropout differs per rank, as in any DDP job
 
-    sampler = DistributedSampler(TensorDataset(x_train, y_train), num_replicas=world, rank=rank, shuffle=True,
-                                 seed=args.seed, drop_last=True)
-    loader = DataLoader(TensorDataset(x_train, y_train), batch_size=args.batch_size, sampler=sampler,
-                        drop_last=True)
+    data = TensorDataset(x_train, y_train)
+    sampler = DistributedSampler(data, num_replicas=replicas, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
+    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     per_epoch = len(loader)
-    total = per_epoch * args.epochs if args.max_iters is None else min(args.max_iters, per_epoch * args.epochs)
     if per_epoch == 0:
         raise SystemExit(f"--batch-size {args.batch_size} is larger than a rank's shard ({len(sampler)} samples)")
+    total = per_epoch * args.epochs if args.max_iters is None else min(args.max_iters, per_epoch * args.epochs)
     eval_every = args.eval_every or per_epoch
-    if rank == 0:
-        print(f"[train_cnn] ddp={args.ddp} world={world} params={num_parameters(model):,} "
-              f"train={len(y_train)} test={len(y_test)} batch={args.batch_size}/rank iters/epoch={per_epoch} "
-              f"total iters={total} {json.dumps(deft_info) if deft_info else ''}", flush=True)
 
     from tqdm import tqdm
 
-    bar = tqdm(total=total, disable=rank != 0 or args.no_progress, unit="it", dynamic_ncols=True)
+    start = time.perf_counter()  # time_s counts from here: the wrapper's set-up is part of the run
+    try:
+        w = wrap(model, args, total)
+    except DeftError as e:  # a bad config or --epsilon: one line naming the field, not a traceback
+        raise SystemExit(f"train_cnn.py: error: {e}") from None
+    ddp, optimizer = w.ddp, w.optimizer
+    torch.manual_seed(args.seed * 1000 + rank + 1)  # dropout differs per rank, as in any DDP job
+    if rank == 0:
+        print(f"[train_cnn] ddp={args.ddp} world={world} params={num_parameters(model):,} "
+              f"train={len(y_train)} test={len(y_test)} batch={args.batch_size}/rank iters/epoch={per_epoch} "
+              f"total iters={total} {json.dumps(w.info) if w.info else ''}", flush=True)
+
+    bar = tqdm(total=total, disable=rank != 0 or args.no_progress, unit="it", dynamic_ncols=True,
+               desc=args.ddp)
     iters: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
-    train_s = 0.0
-    it = 0
-    start = time.perf_counter()
+    train_s = eval_s = 0.0
+    it = steps = 0
 
     def run_eval(epoch: int) -> None:
+        nonlocal eval_s
+        t_eval = time.perf_counter()
         flush = getattr(ddp, "flush", None)
         if callable(flush):
             flush()  # apply queued gradients so the test sees every iteration trained so far
         acc, test_loss = evaluate(model, x_test, y_test)
-        evals.append({"iter": it, "epoch": epoch, "train_s": train_s, "wall_s": time.perf_counter() - start,
-                      "test_acc": acc, "test_loss": test_loss, "updates": updates_applied(ddp, it)})
-        dist.barrier()  # ranks resume training together, so evaluation time stays out of iteration times
+        barrier()  # ranks resume training together, so evaluation time stays out of iteration times
+        now = time.perf_counter()
+        evals.append({"iter": it, "epoch": epoch, "time_s": t_eval - start - eval_s, "train_s": train_s,
+                      "wall_s": now - start, "test_acc": acc, "test_loss": test_loss,
+                      "updates": w.updates(steps)})
+        eval_s += now - t_eval
 
+    since_eval = 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         losses = []
         for x, y in loader:
+            group_start = (it // w.accumulate) * w.accumulate
+            group_len = min(w.accumulate, total - group_start)
+            sync = it + 1 == group_start + group_len  # the last iteration of its group steps
             t0 = time.perf_counter()
-            loss = F.cross_entropy(ddp(x), y)
-            loss.backward()
+            no_sync = ddp.no_sync() if not sync else contextlib.nullcontext()
+            with no_sync:
+                loss = F.cross_entropy(ddp(x), y)
+                (loss / group_len if group_len > 1 else loss).backward()
             if args.ddp == "deft":
                 ddp.observe_loss(loss)
-            optimizer.step()
-            optimizer.zero_grad()
+            if sync:
+                optimizer.step()
+                optimizer.zero_grad()
+                steps += 1
             dt = time.perf_counter() - t0
             train_s += dt
             it += 1
+            since_eval += 1
             losses.append(float(loss.detach()))
-            iters.append({"iter": it, "epoch": epoch, "train_s": train_s, "iter_s": dt, "loss": losses[-1],
-                          "updates": updates_applied(ddp, it)})
+            iters.append({"iter": it, "epoch": epoch, "time_s": time.perf_counter() - start - eval_s,
+                          "train_s": train_s, "iter_s": dt, "loss": losses[-1], "updates": w.updates(steps)})
             bar.update(1)
             bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.3f}", ms_per_it=f"{dt * 1e3:.0f}")
             if it % eval_every == 0 or it == total:
                 run_eval(epoch)
                 if rank == 0:
                     e = evals[-1]
+                    recent = iters[-since_eval:]
                     msg = (f"[train_cnn] epoch {epoch} iter {it}: loss {statistics.fmean(losses):.4f} "
-                           f"test acc {e['test_acc']:.4f} train time {train_s:.1f}s "
-                           f"iter {statistics.median(r['iter_s'] for r in iters[-len(losses):]) * 1e3:.0f} ms "
+                           f"test acc {e['test_acc']:.4f} time {e['time_s']:.1f}s "
+                           f"iter {steady_mean(recent, args.skip_iters) * 1e3:.0f} ms "
                            f"updates {e['updates']}")
                     bar.write(msg) if not bar.disable else print(msg, flush=True)
+                since_eval = 0
             if it >= total:
                 break
         if it >= total:
@@ -235,25 +384,29 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
 
     steady = [r["iter_s"] for r in iters[args.skip_iters:]] or [r["iter_s"] for r in iters]
+    updates = w.updates(steps)
     summary = {
         "ddp": args.ddp, "world_size": world, "params": num_parameters(model), "batch_size": args.batch_size,
-        "lr": args.lr, "epochs": args.epochs, "iters": it, "updates": updates_applied(ddp, it),
-        "updates_per_iter": updates_applied(ddp, it) / max(it, 1),
-        "iter_s_mean": statistics.fmean(steady), "iter_s_median": statistics.median(steady),
-        "skip_iters": args.skip_iters, "train_s": train_s, "final_test_acc": evals[-1]["test_acc"],
-        "final_test_loss": evals[-1]["test_loss"], **deft_info, "schedule": schedule_info(ddp),
-        "config": args.config, "seed": args.seed,
+        "lr": args.lr, "epochs": args.epochs, "iters": it, "updates": updates,
+        "updates_per_iter": updates / max(it, 1),
+        "iter_s_mean": steady_mean(iters, args.skip_iters), "iter_s_median": statistics.median(steady),
+        "skip_iters": args.skip_iters, "train_s": train_s, "time_s": evals[-1]["time_s"],
+        "final_test_acc": evals[-1]["test_acc"], "best_test_acc": max(e["test_acc"] for e in evals),
+        "final_test_loss": evals[-1]["test_loss"], "scheme": w.info, **(w.info if args.ddp == "deft" else {}),
+        "schedule": schedule_info(ddp), "config": args.config, "seed": args.seed,
     }
     if rank == 0:
-        print(f"[train_cnn] done: {it} iters, test acc {summary['final_test_acc']:.4f}, "
-              f"iteration {summary['iter_s_median'] * 1e3:.0f} ms median / {summary['iter_s_mean'] * 1e3:.0f} ms mean "
-              f"(after {min(args.skip_iters, it)} skipped), updates/iter {summary['updates_per_iter']:.3f}",
+        print(f"[train_cnn] done: {it} iters, test acc {summary['final_test_acc']:.4f} "
+              f"(best {summary['best_test_acc']:.4f}), time {summary['time_s']:.1f}s, "
+              f"iteration {summary['iter_s_mean'] * 1e3:.0f} ms mean / {summary['iter_s_median'] * 1e3:.0f} ms "
+              f"median (after {min(args.skip_iters, it)} skipped), updates/iter {summary['updates_per_iter']:.3f}",
               flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps({"summary": summary, "evals": evals, "iters": iters}, indent=1)
                                        + "\n", encoding="utf-8")
-    dist.barrier()
-    dist.destroy_process_group()
+    if args.ddp != "compute":
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 

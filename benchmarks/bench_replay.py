@@ -1,0 +1,547 @@
+"""Replay: the paper's profiles as sleeping models on the testbed, measured against the simulator.
+
+    sudo .venv/bin/python benchmarks/bench_replay.py [--profiles vgg19,resnet101,gpt2] [--rate-mbit 250]
+                                                     [--scale 1.0] [--iters 40] [--schemes ddp,deft-eps0]
+
+What it measures: the scheduler and the runtime, apart from this machine's CPU. For each reference
+profile of ``examples/profiles`` it builds a synthetic model with one parameter tensor per bucket;
+bucket ``i``'s forward and backward are an autograd function that sleeps the bucket's forward time
+and, in backward, its backward time, and returns a gradient of the parameter's shape. ``time.sleep``
+releases the CPU (and the GIL) as a GPU kernel would, so the gloo threads run undisturbed. The model
+runs on the testbed (2 hosts x 2 links) with torch DDP and with deft, and the measured iteration time
+is compared with :mod:`deft.solver.simulate` on the same profile.
+
+Rescaling (the paper's coverage rate is kept):
+
+* times: every forward, backward and all-reduce time of the profile is multiplied by ``--scale``
+  (1.0: the paper's milliseconds; an iteration is then a few hundred ms);
+* sizes: the profile was measured on 16 A100s at 40 Gbit/s, the testbed is 2 ranks at
+  ``--rate-mbit``. Bucket ``i`` gets ``nbytes_i = scale * T_i(primary) / beta`` bytes, ``beta`` the
+  2-rank ring all-reduce cost per byte at the link rate (8 / rate, plus ``--overhead`` for TCP/IP
+  headers, 7 % measured in ``results/testbed.md``), so its all-reduce takes about the scaled paper
+  time and compute/communication keep the paper's ratio;
+* second link: ``--second-link profile`` (default) shapes nic1 to ``rate / mu``, ``mu`` the profile's
+  second/primary communication ratio (1.65 for the reference profiles: the paper's gloo vs NCCL), by
+  replacing the tbf qdisc of nic1 in both hosts; ``same`` leaves it at the rate;
+* the profile given to deft and to the simulator is the one measured here: the scaled compute times
+  and every bucket's all-reduce time measured on each link alone (``deft.profiler.links.measure``,
+  median of ``--comm-iters``, max over ranks) before the runs.
+
+Schemes: ``compute`` the model alone on each host at once (no communication: checks the emulation itself
+against the profile's forward + backward); ``ddp`` torch DDP with one bucket per parameter
+(``bucket_cap_mb`` = 1 byte, so its all-reduces are the profile's buckets; simulated as ``wfbp``: the
+same messages, the optimizer step waiting for all of them, which is torch DDP); ``deft-eps0`` deft with
+epsilon = 0 (no delayed update) on both links; ``deft`` deft's default config (epsilon 0.01, preserver
+on) on both links; ``deft-plan`` deft with the preserver off (the planner's DeFT schedule, delayed
+updates as planned). Every deft run is given the measured profile (``profile=``), so it plans on exactly
+what the simulator sees; the schedule it ran (``ddp.schedule``) is simulated with
+:func:`deft.solver.simulate.simulate_schedule` on the profile that schedule refers to.
+
+Iteration time, measured and simulated alike: the time between forward starts, averaged over whole
+cycles after ``--skip-iters`` iterations (rank 0). Also recorded over the same window: the wall time the
+emulated compute really took (sleep wake-up delays show there) and the CPU time of rank 0's process
+(training and gloo threads), and the machine's load average when each run started. Targets (issue 9):
+measured within 10 % of simulated for torch DDP and deft, deft's measured speedup over DDP at least 90 %
+of the simulated one. Results go to ``benchmarks/results/replay.md`` (between the ``replay`` markers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_links import ROOT, command_line, handle_signals, machine, run_ranks, update_section
+
+from deft.config import DeftConfig
+from deft.profile import Bucket, BucketTimes, Link, Profile
+from deft.schedule import Schedule
+from deft.solver.simulate import fit_alpha_beta, profile_for_schedule, simulate, simulate_schedule
+from deft.testbed import Testbed
+
+PROFILES = ROOT / "examples" / "profiles"
+RESULTS = ROOT / "benchmarks" / "results" / "replay.md"
+HEADER = "# Replay: the paper's profiles on the testbed, measured against the simulator\n"
+LINKS = ("primary", "second")
+
+
+@dataclass(frozen=True)
+class Scheme:
+    label: str
+    settings: dict[str, Any]  # deft config settings; None for torch DDP
+    deft: bool = True
+
+
+SCHEMES: dict[str, Scheme] = {
+    "compute": Scheme("computation only (each host alone, no communication)", {}, deft=False),
+    "ddp": Scheme("torch DDP (one bucket per profile bucket)", {}, deft=False),
+    "deft-eps0": Scheme("deft, epsilon 0, two links", {"epsilon": 0.0}),
+    "deft": Scheme("deft default (epsilon 0.01, preserver), two links", {}),
+    "deft-plan": Scheme("deft, preserver off (the planner's schedule), two links", {"preserver": False}),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# The rescaled profile
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Target:
+    """What the replay model is built to be: per bucket compute (s) and size (bytes), the second
+    link's slow-down ``mu``; the comm times are measured on the testbed before the runs."""
+
+    name: str
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+    nbytes: tuple[int, ...]
+    paper_comm_s: tuple[float, ...]  # the reference's primary all-reduce times, scaled
+    mu: float
+    reference_cr: float
+
+
+def target_of(ref: Profile, name: str, scale: float, rate_mbit: float, overhead: float) -> Target:
+    """Scale every time by ``scale``; size bucket ``i`` so that its 2-rank all-reduce at the link rate
+    takes ``scale * T_i`` (ring all-reduce of 2 ranks: each rank sends the buffer once, 8 bits per byte,
+    ``overhead`` for headers); whole float32 elements, at least one."""
+    primary = ref.links[0].name
+    beta = 8.0 / (rate_mbit * 1e6) * (1.0 + overhead)
+    comm = [scale * ref.comm_time(b.id, primary) for b in ref.buckets]
+    nbytes = tuple(max(4, 4 * round(t / beta / 4)) for t in comm)
+    second = ref.links[1].name if len(ref.links) > 1 else primary
+    mu = ref.total_comm_s(second) / ref.total_comm_s(primary)
+    return Target(name=name, forward_s=tuple(scale * t.forward_s for t in ref.times),
+                  backward_s=tuple(scale * t.backward_s for t in ref.times), nbytes=nbytes,
+                  paper_comm_s=tuple(comm), mu=mu, reference_cr=ref.coverage_rate)
+
+
+def param_name(i: int) -> str:
+    return f"bucket{i}"
+
+
+def measured_profile(t: Target, comm: dict[str, list[float]], ifnames: dict[str, str]) -> Profile:
+    """The profile deft and the simulator get: the target's compute, the measured all-reduce times."""
+    links = []
+    for name in LINKS:
+        alpha, beta = fit_alpha_beta([float(n) for n in t.nbytes], comm[name])
+        links.append(Link(name=name, backend="gloo", ifname=ifnames[name], alpha_s=alpha, beta_s_per_byte=beta))
+    buckets = tuple(Bucket(id=i, params=(param_name(i),), numel=n // 4, nbytes=n) for i, n in enumerate(t.nbytes))
+    times = tuple(BucketTimes(forward_s=f, backward_s=b, comm_s={lk: comm[lk][i] for lk in LINKS})
+                  for i, (f, b) in enumerate(zip(t.forward_s, t.backward_s, strict=True)))
+    return Profile(buckets=buckets, times=times, links=tuple(links), world_size=2, source="synthetic",
+                   model=f"{t.name}-replay", meta={"replay_of": t.name, "mu": t.mu})
+
+
+# --------------------------------------------------------------------------------------------------
+# Worker (one per host, run inside the namespaces)
+# --------------------------------------------------------------------------------------------------
+def worker(spec_path: str) -> int:
+    import torch
+    import torch.distributed as dist
+
+    spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    try:
+        doc = _measure(spec, dist) if spec["job"] == "measure" else _train(spec, torch, dist)
+        if rank == 0:  # a compute-only job per host: each is its own rank 0
+            out = Path(spec["out"].replace("{host}", os.environ.get("GROUP_RANK", "0")))
+            out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def _second_group(dist: Any, ifname: str) -> Any:
+    """A gloo group bound to ``ifname`` (gloo reads GLOO_SOCKET_IFNAME when it creates the group)."""
+    previous = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    try:
+        return dist.new_group(backend="gloo")
+    finally:
+        if previous is None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = previous
+
+
+def _measure(spec: dict[str, Any], dist: Any) -> dict[str, Any]:
+    from deft.profiler.links import measure
+
+    groups = {"primary": None, "second": _second_group(dist, spec["ifnames"]["second"])}
+    sizes = spec["nbytes"]
+    out = {}
+    for name, group in groups.items():
+        samples = measure(group, sizes, iters=spec["iters"], warmup=2)
+        out[name] = [s.seconds for s in samples]
+    return {"comm_s": out}
+
+
+def _replay_model(torch: Any, forward_s: list[float], backward_s: list[float], numel: list[int],
+                  spent: list[float]) -> Any:
+    """One parameter per bucket; bucket ``n-1`` computes first in forward, bucket ``0`` first in backward.
+
+    Parameters are registered from bucket ``n-1`` to ``0``, so the reverse registration order torch
+    DDP assumes for its first iteration is the real ready order. ``spent[0]`` accumulates the wall
+    time the emulated compute really took (the sleeps, their wake-up delays, the gradient allocation).
+    """
+    from torch import nn
+
+    class Sleep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any, p: Any, fwd: float, bwd: float) -> Any:
+            t0 = time.perf_counter()
+            ctx.bwd = bwd
+            ctx.shape = p.shape
+            time.sleep(fwd)
+            out = x.clone()
+            spent[0] += time.perf_counter() - t0
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, g: Any) -> Any:
+            t0 = time.perf_counter()
+            time.sleep(ctx.bwd)
+            grad = torch.full(ctx.shape, 1e-3, dtype=g.dtype)
+            spent[0] += time.perf_counter() - t0
+            return g, grad, None, None
+
+    class Replay(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = len(numel)
+            for i in reversed(range(self.n)):
+                self.register_parameter(param_name(i), nn.Parameter(torch.zeros(numel[i])))
+
+        def forward(self, x: Any) -> Any:
+            for i in reversed(range(self.n)):
+                x = Sleep.apply(x, getattr(self, param_name(i)), forward_s[i], backward_s[i])
+            return x
+
+    return Replay()
+
+
+def _train(spec: dict[str, Any], torch: Any, dist: Any) -> dict[str, Any]:
+    spent = [0.0]
+    model = _replay_model(torch, spec["forward_s"], spec["backward_s"], [n // 4 for n in spec["nbytes"]], spent)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    is_deft = SCHEMES[spec["scheme"]].deft
+    if is_deft:
+        import deft
+
+        ddp = deft.DistributedDataParallel(model, optimizer=opt, config=spec["config"], profile=spec["profile"])
+    elif spec["scheme"] == "ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1 / 2**20)
+    else:
+        ddp = model
+    x = torch.ones(())
+    starts, cpu, compute = [], [], []
+    for _ in range(spec["iters"]):
+        starts.append(time.perf_counter())
+        cpu.append(time.process_time())  # CPU seconds of the whole process: training thread and gloo threads
+        compute.append(spent[0])
+        loss = ddp(x)
+        loss.backward()
+        if is_deft:
+            ddp.observe_loss(loss)
+        opt.step()
+        opt.zero_grad()
+    starts.append(time.perf_counter())
+    cpu.append(time.process_time())
+    compute.append(spent[0])
+    doc: dict[str, Any] = {"starts": starts, "cpu": cpu, "compute": compute}
+    if is_deft:
+        doc.update(schedule=ddp.schedule.to_dict(), plan_info=json.loads(json.dumps(ddp.plan_info, default=str)),
+                   link_stats=ddp.link_stats, updates=len(ddp.update_log))
+        ddp.flush()
+    return doc
+
+
+# --------------------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------------------
+def shape_second_link(tb: Testbed, rate_mbit: float) -> None:
+    """Re-shape link 1 (nic1) of every host to ``rate_mbit`` with the testbed's own tbf parameters."""
+    rate_bps = rate_mbit * 1e6 / 8
+    burst = max(16 * 1024, int(rate_bps * 1e-3))
+    limit = max(2 * 1024 * 1024, int(rate_bps * 0.2))
+    for h in range(tb.hosts):
+        subprocess.run(["tc", "-n", tb.host_ns(h), "qdisc", "replace", "dev", tb.ifname(1), "root", "handle", "1:",
+                        "tbf", "rate", f"{rate_mbit:g}mbit", "burst", str(burst), "limit", str(limit)],
+                       check=True, capture_output=True, text=True)
+
+
+def steady_s(starts: list[float], skip: int, cycle: int) -> tuple[float, int]:
+    """Mean time between forward starts over whole cycles after ``skip`` iterations; (seconds, iterations)."""
+    n = (len(starts) - 1 - skip) // cycle * cycle
+    if n < 1:
+        raise ValueError(f"no whole cycle of {cycle} iterations after skipping {skip} of {len(starts) - 1}")
+    return (starts[skip + n] - starts[skip]) / n, n
+
+
+def run_profile(tb: Testbed, name: str, args: argparse.Namespace, names: list[str], out_dir: Path
+                ) -> dict[str, Any]:
+    ref = Profile.load(PROFILES / f"{name}.json")
+    tgt = target_of(ref, name, args.scale, args.rate_mbit, args.overhead)
+    second_rate = args.rate_mbit / tgt.mu if args.second_link == "profile" else args.rate_mbit
+    shape_second_link(tb, second_rate)
+    print(f"[bench_replay] {name}: {len(tgt.nbytes)} buckets, {sum(tgt.nbytes) / 1e6:.2f} MB, compute "
+          f"{(sum(tgt.forward_s) + sum(tgt.backward_s)) * 1e3:.0f} ms; second link at {second_rate:.0f} Mbit/s",
+          flush=True)
+    ifnames = {lk: tb.ifname(i) for i, lk in enumerate(LINKS)}
+    base = {"nbytes": list(tgt.nbytes), "forward_s": list(tgt.forward_s), "backward_s": list(tgt.backward_s),
+            "ifnames": ifnames}
+    spec = out_dir / f"{name}.measure.spec.json"
+    spec.write_text(json.dumps({**base, "job": "measure", "iters": args.comm_iters,
+                                "out": str(out_dir / f"{name}.measure.json")}), encoding="utf-8")
+    run_ranks(tb, [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec)], timeout_s=args.timeout,
+              label=f"{name}/measure")
+    comm = json.loads((out_dir / f"{name}.measure.json").read_text(encoding="utf-8"))["comm_s"]
+    prof = measured_profile(tgt, comm, ifnames)
+    prof_path = out_dir / f"{name}.profile.json"
+    prof.save(prof_path)
+    runs: dict[str, Any] = {}
+    for scheme in names:
+        sch = SCHEMES[scheme]
+        config = tb.write_config(out_dir / f"{name}.{scheme}.toml", links=2, **sch.settings)
+        alone = scheme == "compute"
+        out = out_dir / (f"{name}.{scheme}.host{{host}}.json" if alone else f"{name}.{scheme}.json")
+        spec = out_dir / f"{name}.{scheme}.spec.json"
+        spec.write_text(json.dumps({**base, "job": "train", "scheme": scheme, "iters": args.iters,
+                                    "config": str(config), "profile": str(prof_path), "out": str(out)}),
+                        encoding="utf-8")
+        print(f"[bench_replay] {name}: {scheme} ({sch.label})", flush=True)
+        load = os.getloadavg()[0]
+        try:
+            run_ranks(tb, [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec)],
+                      timeout_s=args.timeout, label=f"{name}/{scheme}", config=config, alone=alone)
+        except RuntimeError as e:
+            print(f"[bench_replay] {name}/{scheme} FAILED: {e}", flush=True)
+            runs[scheme] = {"error": str(e).splitlines()[0]}
+            continue
+        runs[scheme] = {**json.loads(Path(str(out).replace("{host}", "0")).read_text(encoding="utf-8")), "load": load}
+    return {"name": name, "profile": prof.to_dict(), "target": tgt.__dict__, "second_rate_mbit": second_rate,
+            "runs": runs}
+
+
+@dataclass(frozen=True)
+class Row:
+    scheme: str
+    measured_s: float
+    simulated_s: float
+    iterations: int
+    plan: str
+    links: str
+    cpu_s: float | None = None  # CPU seconds per iteration of rank 0's process (all its threads)
+    compute_s: float | None = None  # wall seconds per iteration the emulated compute really took
+    load: float | None = None  # the machine's 1-minute load average when the run started
+
+    @property
+    def error(self) -> float:
+        return self.measured_s / self.simulated_s - 1.0
+
+
+def per_iteration(run: dict[str, Any], key: str, skip: int, n: int) -> float | None:
+    """A cumulative counter's growth per iteration over the iteration-time window (None: not recorded)."""
+    c = run.get(key)
+    return None if not c else (c[skip + n] - c[skip]) / n
+
+
+def analyse(rec: dict[str, Any], args: argparse.Namespace) -> tuple[list[Row], dict[str, str]]:
+    """Measured and simulated iteration time of every scheme that ran; failures by scheme."""
+    prof = Profile.from_dict(rec["profile"], f"{rec['name']} replay profile")
+    rows, failed = [], {}
+
+    def window(run: dict[str, Any], n: int) -> tuple[float | None, float | None]:
+        return per_iteration(run, "cpu", args.skip_iters, n), per_iteration(run, "compute", args.skip_iters, n)
+
+    for scheme, run in rec["runs"].items():
+        if "error" in run:
+            failed[scheme] = run["error"]
+            continue
+        load = run.get("load")
+        if scheme == "compute":
+            measured, n = steady_s(run["starts"], args.skip_iters, 1)
+            rows.append(Row(scheme, measured, prof.forward_s + prof.backward_s, n, "forward + backward of the "
+                            "profile", "-", *window(run, n), load))
+            continue
+        if scheme == "ddp":
+            sim = simulate(prof, "wfbp")
+            measured, n = steady_s(run["starts"], args.skip_iters, 1)
+            rows.append(Row(scheme, measured, sim.iteration_s, n, "one all-reduce per bucket", "primary",
+                            *window(run, n), load))
+            continue
+        sched = Schedule.from_dict(run["schedule"], f"{rec['name']}/{scheme} schedule")
+        cfg = DeftConfig.from_dict({"epsilon": SCHEMES[scheme].settings.get("epsilon", 0.01)})
+        planned = profile_for_schedule(prof, sched, cfg)
+        sim = simulate_schedule(planned, sched)
+        measured, n = steady_s(run["starts"], args.skip_iters, sched.cycle)
+        src = run.get("plan_info", {}).get("source", "?")
+        plan = f"{src}: cycle {sched.cycle}, K = {list(sched.batch_sequence)}, {sched.n_buckets} buckets"
+        used = ", ".join(f"{k} ({v['calls']})" for k, v in run.get("link_stats", {}).items())
+        rows.append(Row(scheme, measured, sim.iteration_s, n, plan, used, *window(run, n), load))
+    return rows, failed
+
+
+def report(args: argparse.Namespace, recs: list[dict[str, Any]], command: str) -> str:
+    lines = ["## Replay: measured vs simulated iteration time (`benchmarks/bench_replay.py`)", "",
+             f"Command: `{command}`  ",
+             f"Machine: {machine()}; {args.note}. Compute is emulated by sleeps (the CPU is free for gloo); "
+             "on this 2-core machine the gloo threads of both links still share the CPU with each other and "
+             "with whatever else runs.  ",
+             f"Testbed: 2 hosts x 2 links, nic0 at {args.rate_mbit:g} Mbit/s; times scaled by {args.scale:g}; "
+             f"{args.iters} iterations per run, steady state after {args.skip_iters} (whole cycles, time between "
+             "forward starts, rank 0). Simulated: `deft.solver.simulate` on the measured profile "
+             "(torch DDP as `wfbp`: one all-reduce per bucket, step after all; deft: `simulate_schedule` of the "
+             "schedule deft ran). Speedup = DDP's iteration / deft's. Compute per iteration: wall time the emulated "
+             "forward and backward really took (sleeps, their wake-up delays, gradient allocation; the profile "
+             "says forward + backward). CPU per iteration: CPU time of rank 0's process "
+             "(training thread and gloo threads) over the same window. Load: the machine's 1-minute load average "
+             "when the run started (2 cores).", ""]
+    verdicts = []
+    for rec in recs:
+        rows, failed = analyse(rec, args)
+        t = rec["target"]
+        prof = Profile.from_dict(rec["profile"])
+        lines += [f"### {rec['name']}", "",
+                  f"{prof.n} buckets, {sum(t['nbytes']) / 1e6:.2f} MB; compute {prof.forward_s * 1e3:.0f} + "
+                  f"{prof.backward_s * 1e3:.0f} ms (forward + backward); all-reduce of every bucket measured "
+                  f"{prof.total_comm_s('primary') * 1e3:.0f} ms on primary (paper, scaled: "
+                  f"{sum(t['paper_comm_s']) * 1e3:.0f} ms), {prof.total_comm_s('second') * 1e3:.0f} ms on second "
+                  f"(shaped to {rec['second_rate_mbit']:.0f} Mbit/s, mu = {t['mu']:.2f}); coverage rate "
+                  f"{prof.coverage_rate:.2f} (paper {t['reference_cr']:.2f}).", "",
+                  "| scheme | measured (ms) | simulated (ms) | error | speedup measured | simulated | "
+                  "measured / simulated speedup | gain kept | compute per iteration (ms) | CPU per iteration (ms) | "
+                  "load | schedule | link calls |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        ddp = next((r for r in rows if r.scheme == "ddp"), None)
+        for r in rows:
+            if ddp is not None and SCHEMES[r.scheme].deft:
+                sm, ss = ddp.measured_s / r.measured_s, ddp.simulated_s / r.simulated_s
+                gain = f"{(sm - 1) / (ss - 1):.0%}" if ss > 1.0001 else "-"
+                sp = [f"{sm:.2f}x", f"{ss:.2f}x", f"{sm / ss:.0%}", gain]
+                verdicts.append(Verdict(rec["name"], r.scheme, abs(r.error) <= 0.10, sm / ss >= 0.9))
+            else:
+                sp = ["-"] * 4
+                if r.scheme == "ddp":
+                    verdicts.append(Verdict(rec["name"], r.scheme, abs(r.error) <= 0.10, None))
+            cpu, comp, load = (("-" if v is None else f"{v * k:.{d}f}")
+                               for v, k, d in ((r.cpu_s, 1e3, 0), (r.compute_s, 1e3, 0), (r.load, 1, 1)))
+            lines.append(f"| {SCHEMES[r.scheme].label} | {r.measured_s * 1e3:.0f} | {r.simulated_s * 1e3:.0f} | "
+                         f"{r.error:+.1%} | {' | '.join(sp)} | {comp} | {cpu} | {load} | {r.plan} | {r.links} |")
+        for scheme, why in failed.items():
+            lines.append(f"| {SCHEMES[scheme].label} | failed: {why} |" + " |" * 11)
+        lines.append("")
+    lines += targets_line(verdicts)
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    profile: str
+    scheme: str
+    within_10: bool
+    speedup_90: bool | None  # None: not a deft run
+
+
+def targets_line(verdicts: list[Verdict]) -> list[str]:
+    """The issue's two targets, counted over the runs, naming the runs that miss them."""
+    if not verdicts:
+        return []
+
+    def missed(vs: list[Verdict], ok: list[bool]) -> str:
+        names = [f"{v.profile}/{v.scheme}" for v, good in zip(vs, ok, strict=True) if not good]
+        return f" (missed: {', '.join(names)})" if names else ""
+
+    deft_runs = [v for v in verdicts if v.speedup_90 is not None]
+    within = [v.within_10 for v in verdicts]
+    kept = [bool(v.speedup_90) for v in deft_runs]
+    return [f"Targets: measured within 10 % of simulated in {sum(within)} of {len(within)} torch DDP and deft runs"
+            f"{missed(verdicts, within)}; deft's measured speedup at least 90 % of the simulated one in "
+            f"{sum(kept)} of {len(kept)} deft runs{missed(deft_runs, kept)}. 'Gain kept' is the stricter "
+            "(measured speedup - 1) / (simulated speedup - 1).", ""]
+
+
+def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        return worker(sys.argv[2])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profiles", default="vgg19,resnet101,gpt2", help="names of examples/profiles/*.json")
+    ap.add_argument("--rate-mbit", type=float, default=250.0)
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every profile time by this")
+    ap.add_argument("--overhead", type=float, default=0.07, help="TCP/IP bytes on the wire per payload byte")
+    ap.add_argument("--second-link", choices=("profile", "same"), default="profile",
+                    help="profile: nic1 at rate / mu (the profile's slower second link); same: at the rate")
+    ap.add_argument("--schemes", default="compute,ddp,deft-eps0,deft,deft-plan", help=f"subset of {','.join(SCHEMES)}")
+    ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--skip-iters", type=int, default=12)
+    ap.add_argument("--comm-iters", type=int, default=5, help="all-reduces per bucket and link when measuring")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    ap.add_argument("--note", default="machine shared with other jobs during this run")
+    ap.add_argument("--save-runs", default=None, help="keep specs, profiles and records in this directory")
+    ap.add_argument("--from-runs", default=None, help="no runs: rebuild the report from a --save-runs directory")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    names = [n for n in args.schemes.split(",") if n]
+    unknown = [n for n in names if n not in SCHEMES]
+    if unknown:
+        ap.error(f"--schemes: unknown scheme {unknown[0]!r}; choose from {', '.join(SCHEMES)}")
+    profiles = [p for p in args.profiles.split(",") if p]
+    missing = [p for p in profiles if not (PROFILES / f"{p}.json").is_file()]
+    if missing:
+        ap.error(f"--profiles: no {PROFILES.relative_to(ROOT)}/{missing[0]}.json")
+    if not (args.rate_mbit > 0 and args.scale > 0 and args.overhead >= 0):
+        ap.error("--rate-mbit and --scale must be > 0, --overhead >= 0")
+    if args.iters <= args.skip_iters + 4:
+        ap.error(f"--iters ({args.iters}) must exceed --skip-iters ({args.skip_iters}) by more than 4")
+    handle_signals()
+    # the ranks import deft from this checkout, not from wherever the interpreter's deft is installed
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    if args.from_runs:
+        run_dir = Path(args.from_runs)
+        recs = [json.loads((run_dir / f"{p}.record.json").read_text(encoding="utf-8")) for p in profiles]
+        cmd = run_dir / "command.txt"
+        command = cmd.read_text(encoding="utf-8").strip() if cmd.exists() else command_line()
+    else:
+        command = command_line()
+        recs = []
+        with tempfile.TemporaryDirectory() as tmp, Testbed(hosts=2, links=2, rate_mbit=args.rate_mbit) as tb:
+            out_dir = Path(args.save_runs or tmp)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "command.txt").write_text(command + "\n", encoding="utf-8")
+            print(f"[bench_replay] testbed {tb.base} up: 2 hosts x 2 links at {args.rate_mbit:g} Mbit/s", flush=True)
+            for p in profiles:
+                t0 = time.perf_counter()
+                try:
+                    rec = run_profile(tb, p, args, names, out_dir)
+                except RuntimeError as e:
+                    print(f"[bench_replay] {p}: FAILED: {e}", flush=True)
+                    continue
+                (out_dir / f"{p}.record.json").write_text(json.dumps(rec, indent=1) + "\n", encoding="utf-8")
+                print(f"[bench_replay] {p}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+                recs.append(rec)
+    if not recs:
+        print("[bench_replay] nothing ran", flush=True)
+        return 1
+    text = report(args, recs, command)
+    print(text)
+    if not args.no_write:
+        if not RESULTS.exists():
+            RESULTS.write_text(HEADER, encoding="utf-8")
+        update_section("replay", text, RESULTS)
+        print(f"[bench_replay] wrote {RESULTS.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())

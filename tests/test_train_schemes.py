@@ -1,0 +1,108 @@
+"""The schemes of examples/train_cnn.py beyond plain torch DDP and deft: they run, and they step as documented.
+
+Expected numbers are derived by hand from the data set and the documented schedules:
+scikit-learn's digits have 1,797 images; the stratified 20 % test split holds 360, so 1,437 train; a
+2-rank ``DistributedSampler`` with ``drop_last`` gives each rank 718, i.e. 22 batches of 32 per epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "train_cnn.py"
+TINY = ["--width", "8", "--hidden", "64", "--batch-size", "32", "--lr", "0.05", "--skip-iters", "2", "--no-progress"]
+
+
+def env() -> dict[str, str]:
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}  # this checkout's deft
+    for var in ("RANK", "WORLD_SIZE", "DEFT_CONFIG"):
+        e.pop(var, None)
+    return e
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(argv: list[str], tmp_path: Path, timeout: float = 180) -> dict[str, Any]:
+    out = tmp_path / "run.json"
+    p = subprocess.run([*argv, "--json", str(out)], cwd=REPO, env=env(), capture_output=True, text=True,
+                       timeout=timeout, check=False)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_compute_only_is_one_rank_of_a_two_rank_job_without_communication(tmp_path: Path) -> None:
+    doc = run([sys.executable, str(EXAMPLE), "--compute-only", *TINY, "--epochs", "1", "--max-iters", "4",
+               "--eval-every", "4"], tmp_path)
+    s = doc["summary"]
+    assert s["ddp"] == "compute" and s["world_size"] == 1 and s["scheme"] == {"shards": 2}
+    assert s["iters"] == 4 and s["updates"] == 4
+    assert [r["updates"] for r in doc["iters"]] == [1, 2, 3, 4]
+    # time since start counts the set-up too, so it is never below the sum of iteration times
+    assert all(r["time_s"] >= r["train_s"] for r in doc["iters"])
+
+
+def test_compute_only_epoch_is_a_ranks_shard(tmp_path: Path) -> None:
+    """One epoch = 22 batches: 1,437 train images / 2 shards (drop_last) = 718 // 32."""
+    doc = run([sys.executable, str(EXAMPLE), "--compute-only", *TINY, "--epochs", "1"], tmp_path)
+    assert doc["summary"]["iters"] == 22
+    assert [e["iter"] for e in doc["evals"]] == [22]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--compute-only", "--ddp", "torch"], "--compute-only runs no data-parallel scheme; drop --ddp torch"),
+    (["--ddp", "localsgd", "--localsgd-period", "1"], "--localsgd-period: expected an integer >= 2, got 1"),
+    (["--ddp", "powersgd", "--powersgd-start", "1"], "--powersgd-start: expected an integer >= 2, got 1"),
+    (["--ddp", "accum2", "--accumulate", "0"], "--accumulate: expected an integer >= 1, got 0"),
+    (["--ddp", "bf16"], "--ddp: invalid choice: 'bf16'"),
+])
+def test_bad_scheme_arguments_name_the_flag(argv: list[str], message: str) -> None:
+    p = subprocess.run([sys.executable, str(EXAMPLE), *argv], capture_output=True, text=True, timeout=60,
+                       check=False, env=env())
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+ITERS = 12
+
+
+def torchrun(tmp_path: Path, *extra: str) -> dict[str, Any]:
+    return run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(free_port()), str(EXAMPLE), *TINY, "--max-iters", str(ITERS), "--eval-every", "6", *extra],
+               tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("scheme", "updates"), [
+    # accum2: a step at every 2nd iteration only
+    ("accum2", [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6]),
+    # localsgd: a (local) step every iteration; parameters are averaged every 4th step on top
+    ("localsgd", list(range(1, ITERS + 1))),
+    # powersgd: a step every iteration; compression from iteration 2 on (10 % of 12, at least 2)
+    ("powersgd", list(range(1, ITERS + 1))),
+])
+def test_torch_scheme_trains_and_steps_as_documented(tmp_path: Path, scheme: str, updates: list[int]) -> None:
+    doc = torchrun(tmp_path, "--ddp", scheme)
+    s = doc["summary"]
+    assert s["ddp"] == scheme and s["world_size"] == 2 and s["iters"] == ITERS
+    assert [r["updates"] for r in doc["iters"]] == updates
+    assert s["updates_per_iter"] == pytest.approx(updates[-1] / ITERS)
+    assert all(math.isfinite(r["loss"]) for r in doc["iters"])
+    first, last = doc["iters"][0]["loss"], sum(r["loss"] for r in doc["iters"][-3:]) / 3
+    assert last < first  # it learns
+    if scheme == "powersgd":
+        assert s["scheme"]["start_powerSGD_iter"] == 2 and s["scheme"]["matrix_approximation_rank"] == 4
+    if scheme == "localsgd":
+        assert s["scheme"]["period"] == 4 and s["scheme"]["warmup_steps"] == 1  # round(1.2) = 1
