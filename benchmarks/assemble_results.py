@@ -13,7 +13,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ORDER = [
     "summary.md",
+    "peers.md",
     "testbed.md",
+    "replay.md",
     "simulate.md",
     "planner.md",
     "knapsack.md",
@@ -22,6 +24,7 @@ ORDER = [
     "profiling_cost.md",
     "profiler_fixtures.md",
     "preserver.md",
+    "stability.md",
 ]
 
 
