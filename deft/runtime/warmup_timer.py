@@ -304,8 +304,10 @@ class WarmupTimer:
             rec.stamps.extend(done for _ in works)
         else:
             for w in works:
+                # A comm hook's launch is already a Future; a collective's is a Work with one.
+                fut = w.get_future() if hasattr(w, "get_future") else w
                 # list.append is atomic: callbacks of one bucket's Works may run on different gloo threads
-                w.get_future().add_done_callback(lambda _f, s=rec.stamps: s.append(time.perf_counter()))
+                fut.add_done_callback(lambda _f, s=rec.stamps: s.append(time.perf_counter()))
         self._mark = self._now()  # deft's launch call is not backward time
 
     def end_iteration(self) -> None:
