@@ -46,7 +46,6 @@ What each side measures, and the tolerance it justifies:
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 from pathlib import Path
@@ -133,7 +132,6 @@ def test_timing_and_kineto_agree(tmp_path: Path) -> None:
         assert abs(tt.backward_s - kt.backward_s) <= 0.15 * max(tt.backward_s, kt.backward_s) + 3e-4, msg
 
     # Iteration by iteration on each rank: the same intervals, paired.
-    fastest: dict[int, float] = {}  # per bucket, over ranks and iterations
     for rank in (0, 1):
         rows = kineto.bucket_steps(kineto.read_trace(tmp_path / f"rank{rank}.json.gz"))
         its = sorted({r.step for r in rows})
@@ -158,7 +156,6 @@ def test_timing_and_kineto_agree(tmp_path: Path) -> None:
             fwd_it = [sum(s["fwd"]) for s, _ in pairs]
             assert _median(d_fwd) <= 0.2 * _median(fwd_it) + 3e-4, \
                 f"rank {rank} bucket {b}: |timing - kineto| forward {d_fwd}\n{msg}"
-            fastest[b] = min([fastest.get(b, math.inf), *(k.comm_s for _, k in pairs)])
     # The profile's direct comm times, recomputed from the launch and completion stamps by a second
     # method: bucket b was alone on the link in an iteration when on no rank another all-reduce's
     # [launch, completion] interval meets its own; its time there is the minimum over ranks of its own
@@ -173,11 +170,3 @@ def test_timing_and_kineto_agree(tmp_path: Path) -> None:
                 alone.setdefault(b, []).append(min(sp[b][1] - sp[b][0] for sp in spans))
     direct = {b: t.comm_s["primary"] for b, t in enumerate(timing.times) if "primary" in t.comm_s}
     assert alone and direct == pytest.approx({b: _median(v) for b, v in alone.items()}, abs=1e-9), msg
-    # The big bucket really costs more to send, so the containment above can tell buckets apart.
-    # Both are launched on an idle link: bucket 0 first in the backward, the big one after the long
-    # backward of its layer (a small bucket launched right behind the big one queues behind its bytes).
-    # Fastest over ranks and iterations: the rank that launched last waited for nobody, and the
-    # least-disturbed iteration (medians swing by ms with the machine's load).
-    big, small = max(range(n), key=lambda b: timing.buckets[b].numel), 0
-    assert 32 * timing.buckets[small].numel <= timing.buckets[big].numel
-    assert fastest[big] > 2 * fastest[small], f"fastest comm {fastest}\n{msg}"
