@@ -63,9 +63,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_links import ROOT, command_line, handle_signals, machine, run_ranks, update_section
 
 from deft.config import DeftConfig
-from deft.profile import Bucket, BucketTimes, Link, Profile
+from deft.profile import Bucket, BucketTimes, Link, Profile, fit_alpha_beta
 from deft.schedule import Schedule
-from deft.solver.simulate import fit_alpha_beta, profile_for_schedule, simulate, simulate_schedule
+from deft.solver.compare import profile_for_schedule, simulate
+from deft.solver.simulate import simulate_schedule
 from deft.testbed import Testbed
 
 PROFILES = ROOT / "examples" / "profiles"
@@ -130,7 +131,8 @@ def measured_profile(t: Target, comm: dict[str, list[float]], ifnames: dict[str,
     """The profile deft and the simulator get: the target's compute, the measured all-reduce times."""
     links = []
     for name in LINKS:
-        alpha, beta = fit_alpha_beta([float(n) for n in t.nbytes], comm[name])
+        fit = fit_alpha_beta([float(n) for n in t.nbytes], comm[name], source=f"measured all-reduces on {name}")
+        alpha, beta = fit.alpha, fit.beta
         links.append(Link(name=name, backend="gloo", ifname=ifnames[name], alpha_s=alpha, beta_s_per_byte=beta))
     buckets = tuple(Bucket(id=i, params=(param_name(i),), numel=n // 4, nbytes=n) for i, n in enumerate(t.nbytes))
     times = tuple(BucketTimes(forward_s=f, backward_s=b, comm_s={lk: comm[lk][i] for lk in LINKS})
