@@ -75,6 +75,21 @@ def test_adapter_replans_then_keeps_the_fastest_and_stops() -> None:
     assert back.predicted_iteration_s == pytest.approx(0.112, rel=1e-3)
 
 
+def test_adapter_never_switches_to_a_plan_predicted_slower() -> None:
+    p = three_buckets()
+    cfg = DeftConfig()
+    lagfree = lagfree_plan(p, cfg)
+    ad = Adapter(cfg)
+    # Measured 112 ms: calibrated, the running plan is predicted 112 ms; a re-plan predicted at 150 ms
+    # on the corrected profile would be a step back.
+    slower = replace(no_delay_plan(p, cfg), predicted_iteration_s=0.150)
+    new, corrected, rec = ad.decide(lagfree, p, 0.112, p.backward_s, replan=lambda q: slower)
+    assert new is None and ad.done and "not predicted faster" in rec["decision"]
+    assert corrected is not None  # the profile is still corrected: `deft simulate` on it predicts 112 ms
+    assert simulate_schedule(profile_for_schedule(corrected, lagfree, cfg), lagfree).iteration_s == \
+        pytest.approx(0.112, rel=1e-3)
+
+
 def test_adapter_is_bounded() -> None:
     p = three_buckets()
     cfg = DeftConfig(adapt_max_replans=1)
