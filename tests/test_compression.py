@@ -83,7 +83,8 @@ def test_powersgd_plain_iterations_and_forgetting() -> None:
 def compressed_profile(codec: str = "fp16") -> Profile:
     """Two buckets on one link (alpha 0, 1 s per MB); times in seconds, easy to add by hand."""
     buckets = (Bucket(0, ("a",), 1000, 4000, wire_nbytes=2000), Bucket(1, ("b",), 500, 2000, wire_nbytes=1000))
-    times = (BucketTimes(1.0, 2.0, {"primary": 3.0}, codec_s=0.5), BucketTimes(1.0, 1.0, {"primary": 1.0}, codec_s=0.25))
+    times = (BucketTimes(1.0, 2.0, {"primary": 3.0}, codec_s=0.5),
+             BucketTimes(1.0, 1.0, {"primary": 1.0}, codec_s=0.25))
     return Profile(buckets, times, (Link("primary", "gloo", None, 0.0, 1e-6),), 2, "synthetic", codec=codec)
 
 
@@ -189,6 +190,22 @@ def test_delayed_schedule_pays_codec_on_the_compute_stream() -> None:
     res = simulate_schedule(prof, sched)
     assert res.iteration_s == pytest.approx(5.75)
     assert res.bubble_ratio == pytest.approx(0.0, abs=1e-9)
+
+
+def test_hooked_sends_on_two_links_run_one_at_a_time() -> None:
+    # Bucket 0 on primary, bucket 1 on second, both in backward, applied at the step. Compute as in the
+    # wfbp test; comm b0 [s+4.5, s+7.5]; comm b1 ready at s+5.75 but the chained hook sends it only after
+    # b0: [s+7.5, s+8.5]. Independent links would give s+7.5.
+    prof = compressed_profile()
+    second = Link("second", "gloo", None, 0.0, 1e-6)
+    times = tuple(BucketTimes(t.forward_s, t.backward_s, {**t.comm_s, "second": t.comm_s["primary"]}, t.codec_s)
+                  for t in prof.times)
+    two = Profile(prof.buckets, times, (*prof.links, second), 2, "synthetic", codec="fp16")
+    sched = Schedule(cycle=1, links=("primary", "second"), bucket_numel=(1000, 500), bucket_nbytes=(4000, 2000),
+                     stages=(StagePlan(0, "forward"),
+                             StagePlan(0, "backward", (CommTask(0, 0, "primary"), CommTask(1, 0, "second")))),
+                     updates=(Update((0,), 0),))
+    assert simulate_schedule(two, sched).iteration_s == pytest.approx(8.5)
 
 
 # -- the CLI ------------------------------------------------------------------------------------------

@@ -45,12 +45,12 @@ from torch import nn
 
 from deft.config import DeftConfig
 from deft.errors import ContractError, DeftError
+from deft.netif import new_group_on_nic
 from deft.profile import Profile
 from deft.profiler import nvtx
 from deft.runtime.adapt import Adapter, window_medians
 from deft.runtime.buckets import FlatLayout, ddp_like_bucket_numel
 from deft.runtime.checkpoint import RuntimeState
-from deft.netif import new_group_on_nic
 from deft.runtime.comm_hooks import CommHook, forget_buckets, from_config, plain_iterations, profile_codec
 from deft.runtime.control import ControlPlane, broadcast_state, digest
 from deft.runtime.executor import Executor, Pending, PendingUpdate

@@ -38,7 +38,10 @@ Model
   backward for a send of this iteration's gradient (``origin == 0``; in synchronous schemes after the
   message's last bucket, ``sum f_i codec_s(b_i)`` for a message of fractions), before the stage's
   compute for a send of an earlier group launched at a stage start, after the launch marker for a
-  lag-free update's sends. Without a codec no such task exists and nothing changes.
+  lag-free update's sends. The runtime runs hooked sends one at a time in launch order, on all links
+  together (``deft.runtime.executor``: a hook's state is shared by every bucket), so under a codec
+  the links' queues are *serial*: a send starts when no send is in flight on any link. Without a
+  codec no such task exists and nothing changes.
 * **Steady state**: iteration time is averaged over whole cycles after a warm-up, between forward
   starts; bubble ratio = compute idle time / window; link utilisation = busy time / window.
 
@@ -65,7 +68,7 @@ from typing import Any
 
 from deft.config import DeftConfig
 from deft.errors import ContractError
-from deft.profile import BucketTimes, Profile, fit_alpha_beta
+from deft.profile import Profile, fit_alpha_beta
 from deft.schedule import CommTask, Schedule
 from deft.solver import baselines
 
@@ -213,7 +216,8 @@ class _Comm:
 class _Engine:
     """Compute stream + one queue per link, advanced in time order (a plain discrete-event loop)."""
 
-    def __init__(self, links: Sequence[str], credit: dict[str, int] | None = None) -> None:
+    def __init__(self, links: Sequence[str], credit: dict[str, int] | None = None, serial: bool = False) -> None:
+        self.serial = serial  # one send in flight over all links (hooked sends are chained)
         self.compute: list[_Compute] = []
         self.comms: list[_Comm] = []
         self.links = list(links)
@@ -243,6 +247,7 @@ class _Engine:
         ci = 0  # next compute task
         compute_busy = False
         busy_until = {lk: 0.0 for lk in self.links}
+        busy_all = 0.0  # serial: the end of the last send on any link
         head = {lk: 0 for lk in self.links}  # ordered: next comm in launch order
         ready_q: dict[str, list[tuple[tuple[float, ...], int]]] = {lk: [] for lk in self.links}
         in_flight = {lk: 0 for lk in self.links}  # bytes handed to the link and not yet finished
@@ -258,10 +263,12 @@ class _Engine:
             return c.launched and c.grad_ready and math.isnan(c.start)
 
         def dispatch(cid: int) -> None:
+            nonlocal busy_all
             c = self.comms[cid]
-            c.start = max(now, busy_until[c.link])
+            c.start = max(now, busy_until[c.link], busy_all if self.serial else 0.0)
             c.end = c.start + c.duration
             busy_until[c.link] = c.end
+            busy_all = max(busy_all, c.end)
             in_flight[c.link] += c.nbytes
             push(c.end, "comm", cid)
 
@@ -386,13 +393,14 @@ def _run_synchronous(profile: Profile, messages: Sequence[_Message], iterations:
     ``barrier``: the optimizer step waits for all of them (DDP); otherwise the forward of each bucket in
     the next iteration waits for the messages containing it (ByteScheduler, US-Byte).
     """
-    eng = _Engine(profile.link_names, credit)
+    eng = _Engine(profile.link_names, credit, serial=profile.compressed)
     alpha = {lk: link_model(profile, lk)[0] for lk in profile.link_names}
     fwd_deps: dict[int, list[int]] = {}
     codecs = [(m.ready_bucket, _message_codec_s(profile, m.parts)) for m in messages]
     coded = [d > 0 for _, d in codecs]
     for t in range(iterations):
-        tasks = _iteration_tasks(eng, profile, t, fwd_deps, after=[c for c, on in zip(codecs, coded, strict=True) if on])
+        tasks = _iteration_tasks(eng, profile, t, fwd_deps,
+                                 after=[c for c, on in zip(codecs, coded, strict=True) if on])
         bwd = tasks.bwd
         codec_ids = {b: list(ids) for b, ids in tasks.after.items()}
         ids = []
@@ -497,7 +505,7 @@ def _schedule_engine(profile: Profile, schedule: Schedule, iterations: int) -> _
     (as the runtime does), and the next iteration's forward of each such bucket waits for its send:
     the per-layer wait of a lag-free forward stage.
     """
-    eng = _Engine(profile.link_names)
+    eng = _Engine(profile.link_names, serial=profile.compressed)
     n, c = profile.n, schedule.cycle
     bwd_of: dict[int, list[int]] = {}
     comm_of: dict[tuple[int, int], int] = {}  # (group's last iteration, bucket) -> comm id
