@@ -60,6 +60,46 @@ def test_batched_powersgd_pads_to_a_square() -> None:
     assert wire_nbytes(hook, MLP_SHAPES, 4) == 2 * 292 * 2 * 4
 
 
+def counted_worker(rank: int, world: int, name: str) -> list[int]:
+    """Bytes of every all-reduce torch's hook really issues for one bucket of MLP_SHAPES (one rank)."""
+    import torch.distributed as dist
+
+    from deft.runtime.comm_hooks import HookBucket
+
+    sizes: list[int] = []
+    real = dist.all_reduce
+
+    def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sizes.append(tensor.numel() * tensor.element_size())
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting  # type: ignore[assignment]  # this spawned process only
+    flat = torch.randn(85002)
+    grads, at = [], 0
+    for sh in MLP_SHAPES:
+        grads.append(flat[at:at + math.prod(sh)].view(sh))
+        at += math.prod(sh)
+    bucket = HookBucket(0, flat, grads, [torch.nn.Parameter(g.clone()) for g in grads], is_last=True)
+    if name == "fp16":
+        default_hooks.fp16_compress_hook(None, bucket).wait()
+    else:
+        hook = powersgd(4)
+        hook.state.iter = hook.state.start_powerSGD_iter  # the compressed path
+        powerSGD_hook.powerSGD_hook(hook.state, bucket).wait()
+    return sizes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fp16", "powersgd"])
+def test_wire_size_is_what_torchs_hook_all_reduces(name: str) -> None:
+    """A second method: count the bytes of the all-reduces torch's own hook issues (one rank)."""
+    [sizes] = values(run_ranks(counted_worker, 1, (name,), timeout=60))
+    hook = CommHook(None, default_hooks.fp16_compress_hook, "fp16") if name == "fp16" else powersgd(4)
+    assert sum(sizes) == wire_nbytes(hook, MLP_SHAPES, 4)
+    if name == "powersgd":  # uncompressed tensors (the biases), then P, then Q
+        assert sizes == [(256 + 256 + 10) * 4, (256 + 256 + 10) * 4 * 4, (64 + 256 + 256) * 4 * 4]
+
+
 def test_unknown_hook_has_no_wire_size() -> None:
     def my_hook(state: Any, bucket: Any) -> Any:
         raise AssertionError("not called")

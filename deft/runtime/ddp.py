@@ -303,8 +303,10 @@ class DistributedDataParallel(nn.Module):
     def _place_profile(self) -> None:
         """Warm-up ends (and the profile iterations begin) once the comm hook compresses: PowerSGD sends
         plainly for its first ``start_powerSGD_iter`` iterations, and a profile of those would plan the
-        steady state on uncompressed times (DESIGN.md, "Compression in the profile")."""
-        self._warm_end = max(1, self.config.warmup_iters, plain_iterations(self._executor.comm_hook))
+        steady state on uncompressed times (DESIGN.md, "Compression in the profile"). A given profile or
+        schedule is taken as it is: nothing is measured, so nothing waits."""
+        plain = plain_iterations(self._executor.comm_hook) if self._planning.measuring else 0
+        self._warm_end = max(1, self.config.warmup_iters, plain)
         self._plan_at = self._warm_end + (self._profile_iters if self._planning.measuring else 0)
 
     @property
