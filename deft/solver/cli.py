@@ -161,7 +161,8 @@ def describe_compression(profile: Profile) -> str:
     codec = sum(t.codec_s for t in profile.times)
     lines = [f"compression {profile.codec}: {wire / 2**20:.3f} MiB on the wire per iteration for "
              f"{nbytes / 2**20:.3f} MiB of gradient ({wire / nbytes if nbytes else 1.0:.3f}x); codec compute "
-             f"{codec * 1e3:.2f} ms per iteration (simulated on the compute stream, before each send)",
+             f"{codec * 1e3:.2f} ms per iteration (every scheme below is simulated with this codec: its compute on the "
+             "compute stream before each send, sends one at a time over all links)",
              "  bucket   gradient B    wire B   codec ms"]
     lines += [f"  {b.id:>6} {b.nbytes:>12} {b.wire:>9} {t.codec_s * 1e3:>10.3f}"
               for b, t in zip(profile.buckets[:SHOWN_BUCKETS], profile.times, strict=False)]
