@@ -16,7 +16,10 @@ one rank per host) for ``--epochs`` epochs with every scheme:
 * ``localsgd``: torch's post-local SGD (global gradient all-reduce for the first 10 % of the
   iterations, then local steps and a model average every 4th step);
 * ``deft-eps0``: deft with epsilon = 0 on nic0 only (reordering and re-bucketing, nothing delayed);
-* ``deft``: deft with its default config (epsilon 0.01, preserver on) on both links.
+* ``deft``: deft with its default config (epsilon 0.01, preserver on) on both links;
+* ``deft-fp16``, ``deft-powersgd``: the same with deft's ``compression`` knob (``--compression``):
+  torch's fp16 hook, or PowerSGD with the powersgd row's settings (rank 4, error feedback, warm
+  start, from 10 % of the iterations on), on deft's scheduled buckets.
 
 The runs are interleaved: for each repeat the scheme order is rotated by one, and each scheme runs
 at every rate before the next scheme starts, so a slow spell of the shared machine hits all alike.
@@ -81,6 +84,9 @@ SCHEMES: dict[str, Scheme] = {
     "localsgd": Scheme("torch post-local SGD (period 4)", ("--ddp", "localsgd")),
     "deft-eps0": Scheme("deft, epsilon 0, one link", ("--ddp", "deft", "--epsilon", "0")),
     "deft": Scheme("deft default, two links", ("--ddp", "deft"), links=2),
+    "deft-fp16": Scheme("deft default + fp16 hook, two links", ("--ddp", "deft", "--compression", "fp16"), links=2),
+    "deft-powersgd": Scheme("deft default + PowerSGD (rank 4), two links",
+                            ("--ddp", "deft", "--compression", "powersgd"), links=2),
 }
 
 
@@ -391,7 +397,10 @@ def main() -> int:
     text = report(args, docs, names, rates, failed, command, plots)
     print(text[text.index("### "):] if args.live else text)  # live: the tables, under the runs on screen
     if args.timeline:
-        first = next((d for d in docs if d["summary"]["ddp"] == "deft"), None)
+        # the plain deft row first: on a compressed profile "torch DDP" would be simulated with the codec
+        deft_runs = sorted((d for d in docs if d["summary"]["ddp"] == "deft"),
+                           key=lambda d: d["summary"].get("compression", "none") != "none")
+        first = deft_runs[0] if deft_runs else None
         print(deft_timeline(first, Path(args.timeline), first["summary"]["rate_mbit"]) if first
               else "no timeline: no deft run in this benchmark")
     if not args.no_write:

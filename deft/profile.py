@@ -6,10 +6,20 @@ Invariants
 * Bucket ``0`` is the first to become ready in backward (nearest the output); in forward the order
   is reversed: bucket ``n-1`` (nearest the input) is computed first.
 * Every link named in a ``BucketTimes.comm_s`` is one of ``links``; a bucket with no measured time on
-  a link falls back to that link's fitted model ``alpha + beta * nbytes``.
+  a link falls back to that link's fitted model ``alpha + beta * wire_nbytes``.
+* **Compression** (``Profile.codec``, e.g. ``"fp16"``, ``"powersgd (rank 4)"``; ``""``: none): a comm hook
+  encodes each bucket before its collectives and decodes after. ``Bucket.wire_nbytes`` is what the
+  codec puts on the wire for the bucket (``None``: the bucket's ``nbytes``, no codec); ``comm_s`` and the
+  links' alpha-beta are wire times (fitted over wire bytes); ``BucketTimes.codec_s`` is the codec's
+  encode + decode compute for one send of the bucket, which competes with the model's compute (the
+  simulator runs it on the compute stream before the send). ``wire_nbytes``/``codec_s`` only with a
+  ``codec``.
 
-The JSON form carries ``schema`` (this module's :data:`SCHEMA_VERSION`) and ``kind == "deft.profile"``;
-:meth:`Profile.load` rejects anything else with an error naming the file and the field.
+The JSON form carries ``schema`` and ``kind == "deft.profile"``; :meth:`Profile.load` rejects anything
+else with an error naming the file and the field. Schema 1: no compression; schema 2
+(:data:`SCHEMA_VERSION`) adds ``codec`` and per-bucket ``wire_nbytes``/``codec_s``. A profile without a
+codec is written as schema 1 (so its digest and older readers are unchanged); one with a codec as
+schema 2, which an older deft refuses instead of planning on uncompressed sizes.
 """
 
 from __future__ import annotations
@@ -29,7 +39,8 @@ from scipy.optimize import nnls
 from deft._json import Fields, read_json, write_json
 from deft.errors import ContractError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+SCHEMAS = (1, 2)  # schema 1: no compression fields
 SOURCES = ("timing", "kineto", "nsys", "reference", "synthetic")
 BACKENDS = ("nccl", "gloo")
 
@@ -47,6 +58,12 @@ class Bucket:
     params: tuple[str, ...]
     numel: int
     nbytes: int
+    wire_nbytes: int | None = None  # bytes the codec sends for it (None: nbytes, no compression)
+
+    @property
+    def wire(self) -> int:
+        """Bytes on the wire per send: ``wire_nbytes`` under a codec, else ``nbytes``."""
+        return self.nbytes if self.wire_nbytes is None else self.wire_nbytes
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,7 @@ class BucketTimes:
     forward_s: float
     backward_s: float
     comm_s: dict[str, float] = field(default_factory=dict)
+    codec_s: float = 0.0  # the codec's encode + decode compute per send (0: none)
 
 
 @dataclass(frozen=True)
@@ -161,6 +179,7 @@ class Profile:
     versions: dict[str, str] = field(default_factory=dict)
     model: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    codec: str = ""  # the comm hook compressing every send ("": none)
 
     def __post_init__(self) -> None:
         self.validate("<profile>")
@@ -185,7 +204,15 @@ class Profile:
         measured = self.times[bucket].comm_s.get(link)
         if measured is not None:
             return measured
-        return self.link(link).time(self.buckets[bucket].nbytes)
+        return self.link(link).time(self.buckets[bucket].wire)
+
+    def codec_time(self, bucket: int) -> float:
+        """The codec's compute for one send of ``bucket`` (0 without compression)."""
+        return self.times[bucket].codec_s
+
+    @property
+    def compressed(self) -> bool:
+        return bool(self.codec)
 
     @property
     def forward_s(self) -> float:
@@ -245,10 +272,21 @@ class Profile:
                 raise ContractError(source, f"buckets[{i}].id", f"expected {i} (ids are 0..n-1 in order), got {b.id}")
             if b.numel < 0 or b.nbytes < 0:
                 raise ContractError(source, f"buckets[{i}]", "numel and nbytes must be >= 0")
+            if b.wire_nbytes is not None:
+                if not self.codec:
+                    raise ContractError(source, f"buckets[{i}].wire_nbytes",
+                                        "given without a codec: say which compression produced it (codec)")
+                if b.wire_nbytes < 0:
+                    raise ContractError(source, f"buckets[{i}].wire_nbytes", f"expected >= 0, got {b.wire_nbytes}")
         for i, t in enumerate(self.times):
             if not _nonneg(t.forward_s) or not _nonneg(t.backward_s):
                 raise ContractError(source, f"times[{i}]", "forward_s and backward_s must be finite and >= 0, "
                                     f"got {t.forward_s} and {t.backward_s}")
+            if not _nonneg(t.codec_s):
+                raise ContractError(source, f"times[{i}].codec_s", f"expected a finite number >= 0, got {t.codec_s}")
+            if t.codec_s > 0 and not self.codec:
+                raise ContractError(source, f"buckets[{i}].codec_s",
+                                    "given without a codec: say which compression produced it (codec)")
             for name, v in t.comm_s.items():
                 if name not in names:
                     raise ContractError(source, f"times[{i}].comm_s.{name}", f"unknown link; links are {names}")
@@ -263,9 +301,9 @@ class Profile:
                     )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        doc = {
             "kind": "deft.profile",
-            "schema": SCHEMA_VERSION,
+            "schema": SCHEMA_VERSION if self.codec else 1,
             "model": self.model,
             "source": self.source,
             "world_size": self.world_size,
@@ -282,6 +320,12 @@ class Profile:
             ],
             "meta": self.meta,
         }
+        if self.codec:
+            doc["codec"] = self.codec
+            for bd, b, t in zip(doc["buckets"], self.buckets, self.times, strict=True):
+                bd["wire_nbytes"] = b.wire
+                bd["codec_s"] = t.codec_s
+        return doc
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any], source: str = "<dict>") -> Profile:
@@ -290,8 +334,13 @@ class Profile:
         if kind != "deft.profile":
             raise f.error("kind", f"expected 'deft.profile', got {kind!r}")
         schema = f.int("schema")
-        if schema != SCHEMA_VERSION:
-            raise f.error("schema", f"this deft reads schema {SCHEMA_VERSION}, file has {schema}")
+        if schema not in SCHEMAS:
+            raise f.error("schema", f"this deft reads schemas {', '.join(map(str, SCHEMAS))}, file has {schema}")
+        codec = f.str("codec", "") if schema >= 2 else ""
+        if schema < 2 and "codec" in doc:
+            raise f.error("codec", "compression fields need schema 2; this file says schema 1")
+        if schema >= 2 and not codec:
+            raise f.error("codec", "schema 2 carries compression: expected the codec's name (a non-empty string)")
         links = []
         for lf in f.items("links"):
             links.append(Link(
@@ -303,12 +352,18 @@ class Profile:
             params = bf.list("params", [])
             if not all(isinstance(p, str) for p in params):
                 raise bf.error("params", "expected a list of parameter names")
+            if not codec:
+                for key in ("wire_nbytes", "codec_s"):
+                    if key in bf.doc:
+                        raise bf.error(key, "a compression field in a profile without a codec (schema 2 and "
+                                       "'codec' carry compression)")
             buckets.append(Bucket(id=bf.int("id", minimum=0), params=tuple(params),
-                                  numel=bf.int("numel", minimum=0), nbytes=bf.int("nbytes", minimum=0)))
+                                  numel=bf.int("numel", minimum=0), nbytes=bf.int("nbytes", minimum=0),
+                                  wire_nbytes=bf.int("wire_nbytes", minimum=0) if codec else None))
             comm = bf.sub("comm_s") if "comm_s" in bf.doc else None
             comm_s = {k: comm.float(k) for k in comm.doc} if comm is not None else {}
             times.append(BucketTimes(forward_s=bf.float("forward_s"), backward_s=bf.float("backward_s"),
-                                     comm_s=comm_s))
+                                     comm_s=comm_s, codec_s=bf.float("codec_s", 0.0) if codec else 0.0))
         versions = f.dict("versions", {})
         prof = object.__new__(cls)
         object.__setattr__(prof, "buckets", tuple(buckets))
@@ -319,6 +374,7 @@ class Profile:
         object.__setattr__(prof, "versions", {str(k): str(v) for k, v in versions.items()})
         object.__setattr__(prof, "model", f.str("model", ""))
         object.__setattr__(prof, "meta", f.dict("meta", {}))
+        object.__setattr__(prof, "codec", codec)
         prof.validate(source)
         return prof
 

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/train_cnn.py --ddp torch
     torchrun --nproc-per-node 2 examples/train_cnn.py --ddp deft [--epsilon 0.01] [--config deft.toml]
+                                                             [--compression fp16|powersgd]
     torchrun --nproc-per-node 2 examples/train_cnn.py --ddp fp16|powersgd|accum2|localsgd
     python examples/train_cnn.py --compute-only          # one process, one rank's work, no communication
 
@@ -29,6 +30,10 @@ learning rate:
   testbed. Every iteration applies a local update; the test accuracy is rank 0's model.
 * ``deft``: ``deft.DistributedDataParallel`` (plus the optional ``ddp.observe_loss(loss)`` that feeds
   deft's preserver); ``--epsilon``, ``--no-preserver`` and ``--config`` set its config.
+  ``--compression fp16|powersgd`` sets deft's ``compression`` knob: torch's ``fp16_compress_hook``, or
+  ``powerSGD_hook`` with the powersgd scheme's settings (``--powersgd-rank`` (4), error feedback, warm
+  start, ``--powersgd-start`` defaulting to 10 % of the iterations), on deft's scheduled buckets; deft
+  profiles and plans on the compressed sizes and the codec's compute.
 * ``--compute-only``: no wrapper, no process group: one process doing one rank's work (the shard a
   rank of a ``--shards`` (2)-rank job trains on, same batch, same iterations per epoch). Run one per
   host at the same time and it is the floor any scheme can reach.
@@ -103,6 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-preserver", action="store_true", help="deft: plan without the preserver's check")
     ap.add_argument("--config", default=os.environ.get("DEFT_CONFIG"),
                     help="deft TOML config (default: $DEFT_CONFIG, else deft's defaults)")
+    ap.add_argument("--compression", choices=("none", "fp16", "powersgd"), default=None,
+                    help="deft: compress every bucket with torch's hook (config knob compression)")
     ap.add_argument("--powersgd-rank", type=int, default=4, help="powersgd: matrix_approximation_rank")
     ap.add_argument("--powersgd-start", type=int, default=None,
                     help="powersgd: start_powerSGD_iter (default 10%% of the iterations, at least 2)")
@@ -140,6 +147,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.compute_only and args.ddp is not None:
         ap.error(f"--compute-only runs no data-parallel scheme; drop --ddp {args.ddp}")
     args.ddp = "compute" if args.compute_only else (args.ddp or "torch")
+    if args.compression is not None and args.ddp != "deft":
+        ap.error(f"--compression is deft's knob; --ddp {args.ddp} has its own (use --ddp fp16|powersgd for torch DDP)")
     return args
 
 
@@ -185,9 +194,15 @@ def wrap(model: nn.Module, args: argparse.Namespace, total_iters: int) -> Wrappe
             cfg = dataclasses.replace(cfg, epsilon=args.epsilon)
         if args.no_preserver:
             cfg = dataclasses.replace(cfg, preserver=False)
+        if args.compression is not None:  # the same PowerSGD settings as the torch scheme
+            cfg = dataclasses.replace(cfg, compression=args.compression, powersgd_rank=args.powersgd_rank,
+                                      powersgd_start_iter=args.powersgd_start or default_start(total_iters, 2))
         ddp = deft.DistributedDataParallel(model, optimizer=sgd, config=cfg)
         info = {"epsilon": cfg.epsilon, "preserver": cfg.preserver,
-                "links": [dataclasses.asdict(lk) for lk in cfg.links]}
+                "links": [dataclasses.asdict(lk) for lk in cfg.links], "compression": cfg.compression}
+        if cfg.compression == "powersgd":
+            info.update(matrix_approximation_rank=cfg.powersgd_rank, start_powerSGD_iter=cfg.powersgd_start_iter,
+                        use_error_feedback=True, warm_start=True)
         return Wrapped(ddp, sgd, info, updates=lambda _steps: len(ddp.update_log))
     if args.ddp == "powersgd":
         # One DDP bucket. With several, torch's PowerSGD hook launches a bucket's second and third

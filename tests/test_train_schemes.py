@@ -68,6 +68,8 @@ def test_compute_only_epoch_is_a_ranks_shard(tmp_path: Path) -> None:
     (["--ddp", "powersgd", "--powersgd-start", "1"], "--powersgd-start: expected an integer >= 2, got 1"),
     (["--ddp", "accum2", "--accumulate", "0"], "--accumulate: expected an integer >= 1, got 0"),
     (["--ddp", "bf16"], "--ddp: invalid choice: 'bf16'"),
+    (["--ddp", "torch", "--compression", "fp16"], "--compression is deft's knob; --ddp torch has its own"),
+    (["--ddp", "deft", "--compression", "bf16"], "--compression: invalid choice: 'bf16'"),
 ])
 def test_bad_scheme_arguments_name_the_flag(argv: list[str], message: str) -> None:
     p = subprocess.run([sys.executable, str(EXAMPLE), *argv], capture_output=True, text=True, timeout=60,
@@ -106,3 +108,32 @@ def test_torch_scheme_trains_and_steps_as_documented(tmp_path: Path, scheme: str
         assert s["scheme"]["start_powerSGD_iter"] == 2 and s["scheme"]["matrix_approximation_rank"] == 4
     if scheme == "localsgd":
         assert s["scheme"]["period"] == 4 and s["scheme"]["warmup_steps"] == 1  # round(1.2) = 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("compression", "codec", "wire_ratio"), [
+    ("fp16", "fp16", 0.5),  # 2 of 4 bytes per element
+    # PowerSGD rank 4 on the TINY CNN: its profile says what went on the wire; far below half of it
+    ("powersgd", "powersgd (rank 4)", None),
+])
+def test_deft_with_compression_trains_on_a_compressed_profile(tmp_path: Path, compression: str, codec: str,
+                                                             wire_ratio: float | None) -> None:
+    # epsilon 0: the lag-free plan, one update per iteration (benchmarks run deft's default config)
+    doc = torchrun(tmp_path, "--ddp", "deft", "--compression", compression, "--epsilon", "0")
+    s = doc["summary"]
+    assert s["ddp"] == "deft" and s["iters"] == ITERS and s["compression"] == compression
+    assert [r["updates"] for r in doc["iters"]] == list(range(1, ITERS + 1))
+    assert all(math.isfinite(r["loss"]) for r in doc["iters"])
+    first, last = doc["iters"][0]["loss"], sum(r["loss"] for r in doc["iters"][-3:]) / 3
+    assert last < first  # it learns
+    prof = s["schedule"]["profile"]
+    assert prof["schema"] == 2 and prof["codec"] == codec
+    wire = sum(b["wire_nbytes"] for b in prof["buckets"])
+    nbytes = sum(b["nbytes"] for b in prof["buckets"])
+    if wire_ratio is not None:
+        assert wire == wire_ratio * nbytes
+    else:
+        # same settings as the torch powersgd scheme: compression from iteration 2 (10 % of 12, at least 2)
+        assert s["start_powerSGD_iter"] == 2 and s["matrix_approximation_rank"] == 4
+        assert wire < 0.25 * nbytes
+    assert all(b["codec_s"] > 0 for b in prof["buckets"])

@@ -49,9 +49,10 @@ SWITCH_GAIN = 0.03
 
 
 def scaled(profile: Profile, compute: float = 1.0, comm: float = 1.0) -> Profile:
-    """``profile`` with every compute time x ``compute`` and every all-reduce (and link model) x ``comm``."""
-    times = tuple(BucketTimes(t.forward_s * compute, t.backward_s * compute, {k: v * comm for k, v in t.comm_s.items()})
-                  for t in profile.times)
+    """``profile`` with every compute time (the codec's included) x ``compute`` and every all-reduce (and
+    link model) x ``comm``."""
+    times = tuple(BucketTimes(t.forward_s * compute, t.backward_s * compute, {k: v * comm for k, v in t.comm_s.items()},
+                              t.codec_s * compute) for t in profile.times)
     links = tuple(Link(lk.name, lk.backend, lk.ifname, lk.alpha_s * comm, lk.beta_s_per_byte * comm)
                   for lk in profile.links)
     return replace(profile, times=times, links=links)

@@ -32,11 +32,31 @@ all-reduced. Rules that keep the runtime's invariants:
 
 The config knob ``compression = "fp16" | "bf16" | "powersgd"`` (with ``powersgd_rank``,
 ``powersgd_start_iter``) registers the corresponding torch hook without code.
+
+What the profile learns of a hook (DESIGN.md, "Compression in the profile"):
+
+* **Bytes on the wire** (:func:`wire_nbytes`), from the hook's maths, for torch's hooks: fp16/bf16
+  send 2 bytes per element; PowerSGD views each gradient of ``n`` rows as an ``n x m`` matrix, sends
+  ``(n + m) r`` elements (``r = min(n, m, rank)``; P is ``n x r``, Q is ``m x r``) where
+  ``(n + m) r * min_compression_rate < n m`` and the whole tensor elsewhere (1-D tensors: ``m = 1``);
+  batched PowerSGD pads the bucket to a ``s x s`` square, ``s = ceil(sqrt(numel))``, and sends
+  ``2 s r`` elements. A user's hook: unknown (``None``), the bucket's own size is assumed.
+* **Codec compute** (:func:`time_codec`): the hook run on each bucket with a one-rank process group
+  (its collectives then move nothing), on a scratch copy of its state, timed from the call to its
+  future's completion: encode, the hook's own compute between its collectives, decode.
+* **When PowerSGD compresses** (:func:`plain_iterations`): PowerSGD all-reduces plainly until its
+  iteration counter reaches ``start_powerSGD_iter``; the runtime profiles only after that.
+* **Per-bucket memory** (:func:`forget_buckets`): PowerSGD keeps error feedback and warm-start P/Q per
+  bucket index; when the bucket layout changes (ready order, a planned partition, a re-plan) those
+  belong to other element ranges, so they are dropped (the hook starts them afresh; the residual not
+  yet fed back is lost once), as torch DDP's PowerSGD starts after DDP has rebuilt its buckets.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +67,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from deft.config import DeftConfig
 from deft.errors import ContractError, DeftError
+from deft.runtime.buckets import FlatLayout
 
 Hook = Callable[[Any, Any], torch.futures.Future]
 
@@ -163,3 +184,159 @@ def hook_result(value: Any) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"expected the future's value to be a tensor or [tensor], got {type(value).__name__}")
     return value
+
+
+@dataclass(frozen=True)
+class Codec:
+    """What a comm hook does to each bucket of the profiled layout: its name, the bytes it puts on the
+    wire (``wire_known``: from its maths, else the bucket's size) and its compute (``timed``: measured,
+    else 0)."""
+
+    name: str
+    wire_nbytes: tuple[int, ...]
+    codec_s: tuple[float, ...]
+    wire_known: bool = True
+    timed: bool = True
+
+
+def profile_codec(hook: CommHook, layout: FlatLayout, params: Sequence[torch.Tensor], group: Any,
+                  device: torch.device) -> Codec:
+    """This rank's :class:`Codec` for ``layout``: wire bytes from :func:`wire_nbytes`, compute from
+    :func:`time_codec` on random gradients on ``group`` (a one-rank group). A bucket mixing dtypes
+    cannot be hooked at all (the executor refuses it), so it is given its plain size and no compute."""
+    buffers = layout.new_buffers(device)
+    buckets, wire, known = [], [], True
+    for b in range(layout.n_buckets):
+        views = layout.bucket_views(buffers, b)
+        if len(views) != 1:
+            wire.append(sum(v.numel() * v.element_size() for v in views))
+            continue
+        view = views[0]
+        view.copy_(torch.randn(view.shape, generator=torch.Generator().manual_seed(b)).to(view.dtype))
+        hb = hook_bucket(layout, params, b, view, is_last=b == layout.n_buckets - 1)
+        size = wire_nbytes(hook, [tuple(g.shape) for g in hb.gradients()], view.element_size())
+        known &= size is not None
+        wire.append(size if size is not None else view.numel() * view.element_size())
+        buckets.append(hb)
+    seconds = time_codec(hook, group, buckets)
+    per_bucket = dict.fromkeys(range(layout.n_buckets), 0.0)
+    if seconds is not None:
+        per_bucket.update({hb.index(): sec for hb, sec in zip(buckets, seconds, strict=True)})
+    return Codec(codec_name(hook), tuple(wire), tuple(per_bucket[b] for b in range(layout.n_buckets)),
+                 wire_known=known, timed=seconds is not None)
+
+
+def hook_bucket(layout: FlatLayout, params: Sequence[torch.Tensor], b: int, view: torch.Tensor,
+                is_last: bool) -> HookBucket:
+    """Bucket ``b`` as the hook sees it: ``view`` (one dtype), its gradients shaped like their parameters
+    (a parameter split over buckets: its 1-D piece), the parameters."""
+    start = layout.segments[b][0].start if layout.segments[b] else 0
+    grads, owners = [], []
+    for i in layout.bucket_params[b]:
+        s = layout.slots[i]
+        lo, hi = max(s.dtype_offset, start), min(s.dtype_offset + s.numel, start + view.numel())
+        piece = view[lo - start:hi - start]
+        whole = lo == s.dtype_offset and hi == s.dtype_offset + s.numel
+        grads.append(piece.view(params[i].shape) if whole else piece)
+        owners.append(params[i])
+    return HookBucket(b, view, grads, owners, is_last=is_last)
+
+
+def codec_name(hook: CommHook) -> str:
+    """The codec's name in a profile: ``fp16``, ``bf16``, ``powersgd (rank r)``, else the hook's name."""
+    st = hook.state
+    if hook.hook is default_hooks.fp16_compress_hook:
+        return "fp16"
+    if hook.hook is default_hooks.bf16_compress_hook:
+        return "bf16"
+    if isinstance(st, powerSGD_hook.PowerSGDState):
+        if hook.hook is powerSGD_hook.powerSGD_hook:
+            return f"powersgd (rank {st.matrix_approximation_rank})"
+        if hook.hook is powerSGD_hook.batched_powerSGD_hook:
+            return f"batched_powersgd (rank {st.matrix_approximation_rank})"
+    return hook.name or "comm hook"
+
+
+def wire_nbytes(hook: CommHook, shapes: Sequence[Sequence[int]], element_size: int) -> int | None:
+    """Bytes the hook puts on the wire for one bucket whose gradients have ``shapes`` (module docstring).
+
+    ``None`` for a hook whose maths deft does not know. Summed over the hook's collectives, as each
+    carries its tensor through the same all-reduce (PowerSGD: the uncompressed tensors, P, then Q).
+    """
+    numel = sum(math.prod(sh) for sh in shapes)
+    if hook.hook in (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook):
+        return 2 * numel
+    st = hook.state
+    if not isinstance(st, powerSGD_hook.PowerSGDState):
+        return None
+    rank = st.matrix_approximation_rank
+    if hook.hook is powerSGD_hook.batched_powerSGD_hook:
+        side = math.ceil(math.sqrt(numel))
+        return 2 * side * rank * element_size
+    if hook.hook is not powerSGD_hook.powerSGD_hook:
+        return None
+    elements = 0
+    for sh in shapes:
+        size = math.prod(sh)
+        n = sh[0] if len(sh) else 1
+        m = size // n if n else 0
+        r = min(n, m, rank)
+        compressed = (n + m) * r
+        elements += compressed if compressed * st.min_compression_rate < size else size
+    return elements * element_size
+
+
+def plain_iterations(hook: CommHook | None) -> int:
+    """Iterations (one update each) the hook still sends uncompressed: PowerSGD's
+    ``start_powerSGD_iter - iter``; 0 for every other hook."""
+    st = None if hook is None else hook.state
+    if isinstance(st, powerSGD_hook.PowerSGDState):
+        return max(0, st.start_powerSGD_iter - st.iter)
+    return 0
+
+
+def forget_buckets(hook: CommHook | None) -> None:
+    """Drop the hook's per-bucket memory (the bucket layout changed; module docstring)."""
+    st = None if hook is None else hook.state
+    if isinstance(st, powerSGD_hook.PowerSGDState):
+        st.error_dict.clear()
+        st.p_memory_dict.clear()
+        st.q_memory_dict.clear()
+
+
+def scratch_state(hook: CommHook, group: Any) -> tuple[bool, Any]:
+    """A state for timing the codec alone on ``group``: ``(known, state)``; ``known`` is False for a
+    user's state that deft cannot copy (its codec is not timed)."""
+    st = hook.state
+    if st is None or isinstance(st, dist.ProcessGroup):
+        return True, group
+    if isinstance(st, powerSGD_hook.PowerSGDState):
+        fresh = powerSGD_hook.PowerSGDState(
+            process_group=group, matrix_approximation_rank=st.matrix_approximation_rank,
+            start_powerSGD_iter=st.start_powerSGD_iter, min_compression_rate=st.min_compression_rate,
+            use_error_feedback=st.use_error_feedback, warm_start=st.warm_start,
+            orthogonalization_epsilon=st.orthogonalization_epsilon, random_seed=0,
+            compression_stats_logging_frequency=10**9, batch_tensors_with_same_shape=st.batch_tensors_with_same_shape)
+        fresh.iter = fresh.start_powerSGD_iter  # on the compressed path
+        return True, fresh
+    return False, None
+
+
+def time_codec(hook: CommHook, group: Any, buckets: Sequence[HookBucket], repeats: int = 3) -> list[float] | None:
+    """Seconds of the hook's compute per bucket: the hook on ``group`` (one rank: its collectives move
+    nothing), from the call to its future's value, the median of ``repeats`` runs after one untimed
+    run (which allocates PowerSGD's memories); the buckets' buffers are overwritten.
+    ``None``: a state deft cannot copy (:func:`scratch_state`)."""
+    known, state = scratch_state(hook, group)
+    if not known:
+        return None
+    out = []
+    for bucket in buckets:
+        runs = []
+        for k in range(repeats + 1):
+            t0 = time.perf_counter()
+            hook_result(hook.hook(state, bucket).wait())
+            if k:
+                runs.append(time.perf_counter() - t0)
+        out.append(sorted(runs)[len(runs) // 2])
+    return out

@@ -45,12 +45,13 @@ from torch import nn
 
 from deft.config import DeftConfig
 from deft.errors import ContractError, DeftError
+from deft.netif import new_group_on_nic
 from deft.profile import Profile
 from deft.profiler import nvtx
 from deft.runtime.adapt import Adapter, window_medians
 from deft.runtime.buckets import FlatLayout, ddp_like_bucket_numel
 from deft.runtime.checkpoint import RuntimeState
-from deft.runtime.comm_hooks import CommHook, from_config
+from deft.runtime.comm_hooks import CommHook, forget_buckets, from_config, plain_iterations, profile_codec
 from deft.runtime.control import ControlPlane, broadcast_state, digest
 from deft.runtime.executor import Executor, Pending, PendingUpdate
 from deft.runtime.grad_stats import GradStats, walk_stats
@@ -60,7 +61,7 @@ from deft.runtime.phase import Phase
 from deft.runtime.planning import Planning, check_schedule_file, make_schedule, resolve_profile
 from deft.runtime.tensors import tensors_in
 from deft.runtime.tracing import TRACE_DIR_ENV, ForwardRanges, TraceRecorder, profile_iters_from_env, recording
-from deft.runtime.warmup_timer import WarmupTimer
+from deft.runtime.warmup_timer import Codec, WarmupTimer
 from deft.schedule import Schedule, synchronous_schedule
 
 log = logging.getLogger("deft.runtime")
@@ -162,10 +163,12 @@ class DistributedDataParallel(nn.Module):
         self._executor.comm_hook = from_config(cfg)
         self._executor.on_bucket_ready = self._bucket_ready
         self._executor.on_launch = self._launched
+        self._executor.on_hook_start = self._hook_started
+        self._ranks = ranks
+        self._solo: Any = None  # this rank's one-rank group, for timing a comm hook's codec
         self._planning = Planning(cfg, self._control, given_profile, cfg.schedule_path)
-        self._warm_end = max(1, cfg.warmup_iters)
         self._profile_iters = profile_iters_from_env(cfg.profile_iters)
-        self._plan_at = self._warm_end + (self._profile_iters if self._planning.measuring else 0)
+        self._place_profile()
         # Trace output: torch.profiler over the profile iterations (DEFT_TRACE_DIR), and forward
         # ranges only when some tool was asked for at construction (no forward hooks otherwise).
         trace_dir = os.environ.get(TRACE_DIR_ENV) or None
@@ -294,6 +297,17 @@ class DistributedDataParallel(nn.Module):
                             "registered (from this call or the config's compression); one hook per model")
         self._require_idle("register_comm_hook()")
         self._executor.comm_hook = CommHook(state, hook, getattr(hook, "__name__", type(hook).__name__))
+        if self._t <= self._warm_end and not self._planned:
+            self._place_profile()
+
+    def _place_profile(self) -> None:
+        """Warm-up ends (and the profile iterations begin) once the comm hook compresses: PowerSGD sends
+        plainly for its first ``start_powerSGD_iter`` iterations, and a profile of those would plan the
+        steady state on uncompressed times (DESIGN.md, "Compression in the profile"). A given profile or
+        schedule is taken as it is: nothing is measured, so nothing waits."""
+        plain = plain_iterations(self._executor.comm_hook) if self._planning.measuring else 0
+        self._warm_end = max(1, self.config.warmup_iters, plain)
+        self._plan_at = self._warm_end + (self._profile_iters if self._planning.measuring else 0)
 
     @property
     def comm_hook(self) -> CommHook | None:
@@ -656,6 +670,9 @@ class DistributedDataParallel(nn.Module):
     # -- layouts and schedules -------------------------------------------------------------------
     def _install(self, schedule: Schedule, layout: FlatLayout, t0: int) -> None:
         """The one way a schedule starts running: executor, trace ranges, statistics follow the layout."""
+        old = self._executor.layout
+        if old is not None and (old.bucket_params, old.bucket_numel) != (layout.bucket_params, layout.bucket_numel):
+            forget_buckets(self._executor.comm_hook)  # its per-bucket memory belongs to other element ranges
         self._executor.install(schedule, layout, t0)
         self._set_forward_hooks(any(u.finish_in_forward for u in schedule.updates))
         if self._fwd_ranges is not None:
@@ -697,7 +714,7 @@ class DistributedDataParallel(nn.Module):
             assert self._timer is not None
             backends = {n: lk.backend for n, lk in self._links.items()}
             profile = self._timer.profile(self._control, self.world, backends, type(self.module).__name__,
-                                          self._names)
+                                          self._names, self._profile_codec())
             self._timer.close()
             self._timer = None
             out = os.environ.get("DEFT_PROFILE_OUT")
@@ -826,6 +843,24 @@ class DistributedDataParallel(nn.Module):
             if g is not None and g.complete and ex.layout is not None:
                 k = len(g.iterations)
                 self._stats.bucket(g.last, b, ex.layout.bucket_views(g.buffers, b), (self._batch or 1) * k, k)
+
+    def _profile_codec(self) -> Codec | None:
+        """Collective: the comm hook's wire bytes and compute per bucket of the profiled layout (the
+        codec timed on one-rank groups, which every rank creates in the same order; max over ranks)."""
+        hook, layout = self._executor.comm_hook, self._executor.layout
+        if hook is None or layout is None:
+            return None
+        if self._solo is None:  # created once (dist.new_group is collective over the world)
+            ranks = list(self._ranks) if self._ranks is not None else list(range(dist.get_world_size()))
+            groups = [new_group_on_nic(self._primary.backend, None, self.config.timeout_s, [r]) for r in ranks]
+            self._solo = groups[ranks.index(dist.get_rank())]
+        codec = profile_codec(hook, layout, self._params, self._solo, self.device)
+        seconds = self._control.max_rows([list(codec.codec_s)], "comm hook codec times")[0]
+        return replace(codec, codec_s=tuple(seconds))
+
+    def _hook_started(self, b: int, t: float) -> None:
+        if self._timer is not None:
+            self._timer.hook_started(b, t)
 
     def _launched(self, b: int, link: str, views: list[torch.Tensor], works: list[Any], t_start: float,
                   group: int) -> None:

@@ -44,7 +44,7 @@ import torch
 from deft.errors import CommunicationError, DeftError
 from deft.profiler import nvtx
 from deft.runtime.buckets import FlatLayout
-from deft.runtime.comm_hooks import CommHook, HookBucket, hook_result
+from deft.runtime.comm_hooks import CommHook, hook_bucket, hook_result
 from deft.runtime.control import FUTURE_TYPES, wait_work
 from deft.runtime.links import CommLink
 from deft.schedule import CommTask, Schedule
@@ -134,6 +134,8 @@ class Executor:
         self.on_bucket_ready: Callable[[int], None] | None = None
         self.on_launch: Callable[[int, str, list[torch.Tensor], list[Any], float, int], None] | None = None
         self.comm_hook: CommHook | None = None  # deft.runtime.comm_hooks: torch's comm hooks on buckets
+        # A chained hooked send really starts (bucket, perf_counter); may run on a gloo thread.
+        self.on_hook_start: Callable[[int, float], None] | None = None
         self._hook_tail: Any = None  # the last chained hook launch (_chained)
 
     # -- schedule ------------------------------------------------------------------------------
@@ -340,22 +342,16 @@ class Executor:
         # into it and may even resize it (batched PowerSGD pads it to a square); the result is copied
         # back into deft's buffer when it is waited for.
         view = views[0].clone()
-        start = self.layout.segments[b][0].start if self.layout.segments[b] else 0
-        grads, params = [], []
-        for i in self.layout.bucket_params[b]:
-            s = self.layout.slots[i]
-            lo, hi = max(s.dtype_offset, start), min(s.dtype_offset + s.numel, start + view.numel())
-            piece = view[lo - start:hi - start]
-            whole = lo == s.dtype_offset and hi == s.dtype_offset + s.numel
-            grads.append(piece.view(self.params[i].shape) if whole else piece)
-            params.append(self.params[i])
-        bucket = HookBucket(b, view, grads, params, is_last=len(g.launched) + 1 == self.layout.n_buckets)
+        bucket = hook_bucket(self.layout, self.params, b, view, is_last=len(g.launched) + 1 == self.layout.n_buckets)
         link = self.links[link_name]
         link.stats.calls += 1
         link.stats.bytes += view.numel() * view.element_size()
         hook = self.comm_hook
+        started = self.on_hook_start
 
         def launch() -> Any:
+            if started is not None:
+                started(b, time.perf_counter())
             try:
                 fut = hook.launch(link.group, bucket)
             except Exception as e:

@@ -49,6 +49,15 @@ the interval between consecutive completions says little about one bucket. What 
   iterations in which it was alone. Any other bucket has no ``comm_s`` entry on that link and falls
   back to the link's model (the ``Profile`` contract).
 
+Compression (a comm hook, DESIGN.md "Compression in the profile"). Hooked sends run one at a time
+in launch order (the executor chains them), so a send's interval starts when the chain reaches it
+(:meth:`WarmupTimer.hook_started`), not at deft's launch call, and ends at the hook's future: the
+codec's encode, the hook's collectives and its decode, alone on the links. The codec's compute
+``codec_s[b]`` (timed apart, :func:`deft.runtime.comm_hooks.time_codec`) is taken out of each group's
+time (never below 0) and the links are fitted over *wire* bytes (the hook's compressed sizes, from its
+maths): ``comm_s`` and alpha-beta are then what the wire costs, and the profile carries
+``codec``, ``wire_nbytes`` and ``codec_s`` for the planner and the simulator.
+
 Forward and backward reduce as the median over the profile iterations, then the *maximum over
 ranks* (in synchronous data parallelism the slowest rank sets the pace). Every rank gathers every
 rank's launch and completion times and computes the same profile.
@@ -70,7 +79,8 @@ from torch import nn
 
 from deft.profile import Bucket, BucketTimes, Link, Profile
 from deft.runtime.buckets import FlatLayout
-from deft.runtime.control import ControlPlane
+from deft.runtime.comm_hooks import Codec
+from deft.runtime.control import FUTURE_TYPES, ControlPlane
 from deft.runtime.links import CommLink
 from deft.runtime.tensors import tensors_in
 from deft.schedule import Schedule, synchronous_schedule
@@ -193,6 +203,7 @@ class WarmupTimer:
         self.samples: list[dict[str, Any]] = []
         self._cur: dict[str, Any] | None = None
         self._launches: list[_Launch] = []
+        self._started: dict[int, float] = {}  # bucket -> when its chained hooked send really started
         self._stack: list[list[Any]] = []
         self._mark = 0.0
         self._handles: list[Any] = []
@@ -237,6 +248,7 @@ class WarmupTimer:
         self._cur = {"fwd": [0.0] * self.n, "bwd": [0.0] * self.n,
                      "fwd_total": 0.0, "fwd_start": self._now(), "bwd_start": None}
         self._launches = []
+        self._started = {}
         self._stack.clear()
 
     def _pre(self, m: nn.Module, args: Any) -> None:
@@ -286,6 +298,12 @@ class WarmupTimer:
         cur["bwd"][b] += max(now - self._mark, 0.0)
         self._mark = now
 
+    def hook_started(self, b: int, t: float) -> None:
+        """A hooked send of bucket ``b`` really started at ``t`` (it waited for the sends chained before
+        it); may be called on a gloo thread (one dict store)."""
+        if self._cur is not None:
+            self._started[b] = t
+
     def launched(self, b: int, link: str, works: Sequence[Any], t_start: float,
                  wait: Callable[[Any, str, int], None]) -> None:
         """Bucket ``b``'s real all-reduce went out on ``link`` at ``t_start``: stamp its completion.
@@ -304,9 +322,8 @@ class WarmupTimer:
             rec.stamps.extend(done for _ in works)
         else:
             for w in works:
-                # A comm hook's launch is already a Future; a collective's is a Work with one.
-                fut = w.get_future() if hasattr(w, "get_future") else w
                 # list.append is atomic: callbacks of one bucket's Works may run on different gloo threads
+                fut = w if isinstance(w, FUTURE_TYPES) else w.get_future()  # a comm hook's Future, or a Work
                 fut.add_done_callback(lambda _f, s=rec.stamps: s.append(time.perf_counter()))
         self._mark = self._now()  # deft's launch call is not backward time
 
@@ -325,16 +342,18 @@ class WarmupTimer:
             for r in self._launches:
                 done = r.completed
                 if done is not None:  # a failed collective stamps nothing
-                    cur["launch"][r.link][r.bucket] = r.launched
-                    cur["comm"][r.link][r.bucket] = done - r.launched
+                    start = max(r.launched, self._started.get(r.bucket, r.launched))
+                    cur["launch"][r.link][r.bucket] = start
+                    cur["comm"][r.link][r.bucket] = done - start
             self.samples.append(cur)
         self._cur = None
         self._launches = []
 
     # -- reduction -----------------------------------------------------------------------------
     def profile(self, control: ControlPlane, world: int, link_backends: dict[str, str], model: str,
-                names: Sequence[str]) -> Profile:
-        """Reduce the samples (module docstring); collective on the control group."""
+                names: Sequence[str], codec: Codec | None = None) -> Profile:
+        """Reduce the samples (module docstring); collective on the control group. ``codec``: the comm
+        hook's bytes on the wire and compute per bucket (None: no hook)."""
         if not self.samples:
             raise RuntimeError("internal: no profile iteration was timed")
         link_names = list(self.links)
@@ -347,12 +366,15 @@ class WarmupTimer:
                      if lo is not None] for k in link_names} for s in self.samples]
         every = [doc["iterations"] for doc in control.all_gather_json({"iterations": mine},
                                                                       "all-reduce times of the profile iterations")]
-        nbytes = self.layout.bucket_nbytes()
+        nbytes = list(self.layout.bucket_nbytes())
+        wire = list(codec.wire_nbytes) if codec is not None else nbytes
+        codec_s = list(codec.codec_s) if codec is not None else [0.0] * n
         loads: dict[str, list[BusyGroup]] = {k: [] for k in link_names}
         for i in range(len(self.samples)):
             for k in link_names:
                 per_rank = [{int(b): (lo, hi) for b, lo, hi in its[i][k]} for its in every]
-                loads[k] += common_busy_groups(per_rank)
+                loads[k] += [BusyGroup(g.buckets, max(0.0, g.seconds - sum(codec_s[b] for b in g.buckets)))
+                             for g in common_busy_groups(per_rank)]
         pooled = [g for k in link_names for g in loads[k]]
         if not pooled:
             raise RuntimeError("internal: no all-reduce of the profile iterations completed")
@@ -360,7 +382,7 @@ class WarmupTimer:
         for k in link_names:
             groups = loads[k] or pooled
             alpha, beta = fit_group_alpha_beta([len(g.buckets) for g in groups],
-                                         [sum(nbytes[b] for b in g.buckets) for g in groups],
+                                         [sum(wire[b] for b in g.buckets) for g in groups],
                                          [g.seconds for g in groups])
             lk = self.links[k]
             links.append(Link(name=k, backend=link_backends[k], ifname=lk.ifname, alpha_s=alpha, beta_s_per_byte=beta))
@@ -370,9 +392,11 @@ class WarmupTimer:
                     alone.setdefault(g.buckets[0], []).append(g.seconds)
             comm.append({b: statistics.median(v) for b, v in alone.items()})
         buckets = tuple(Bucket(id=b, params=tuple(names[i] for i in self.layout.bucket_params[b]),
-                               numel=self.layout.bucket_numel[b], nbytes=nbytes[b]) for b in range(n))
+                               numel=self.layout.bucket_numel[b], nbytes=nbytes[b],
+                               wire_nbytes=wire[b] if codec is not None else None) for b in range(n))
         times = tuple(BucketTimes(forward_s=fwd[b], backward_s=bwd[b],
-                                  comm_s={k: c[b] for k, c in zip(link_names, comm, strict=True) if b in c})
+                                  comm_s={k: c[b] for k, c in zip(link_names, comm, strict=True) if b in c},
+                                  codec_s=codec_s[b])
                       for b in range(n))
         meta: dict[str, Any] = {
             "profile_iterations": len(self.samples),
@@ -381,11 +405,17 @@ class WarmupTimer:
                          "alpha/beta fitted over the groups; a bucket alone in its group: median of its times",
             "busy_groups": {k: len(loads[k]) for k in link_names},
             "buckets_measured_alone": {k: sorted(c) for k, c in zip(link_names, comm, strict=True)}}
+        if codec is not None:
+            meta["codec"] = {"wire_nbytes": "the hook's maths" if codec.wire_known else
+                             "unknown for this hook: the bucket's size assumed",
+                             "codec_s": "timed on a one-rank group, max over ranks, taken out of the comm times"
+                             if codec.timed else "not timed (a hook state deft cannot copy): 0"}
         unmeasured = [k for k in link_names if not loads[k]]
         if unmeasured:
             meta["unmeasured_links"] = unmeasured
         return Profile(buckets=buckets, times=times, links=tuple(links), world_size=world, source="timing",
-                       versions={"torch": torch.__version__}, model=model, meta=meta)
+                       versions={"torch": torch.__version__}, model=model, meta=meta,
+                       codec=codec.name if codec is not None else "")
 
 
 def fit_group_alpha_beta(counts: Sequence[int], nbytes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:

@@ -147,7 +147,28 @@ def describe_profile(profile: Profile, path: str) -> str:
             f"{profile.world_size} workers, links {links}\n"
             f"forward {profile.forward_s * 1e3:.1f} ms + backward {profile.backward_s * 1e3:.1f} ms = compute bound "
             f"{compute:.1f} ms; all-reduce {profile.total_comm_s() * 1e3:.1f} ms "
-            f"on {profile.links[0].name} (coverage rate {profile.coverage_rate:.2f})")
+            f"on {profile.links[0].name} (coverage rate {profile.coverage_rate:.2f})"
+            + ("\n" + describe_compression(profile) if profile.compressed else ""))
+
+
+SHOWN_BUCKETS = 40  # per-bucket compression lines printed at most
+
+
+def describe_compression(profile: Profile) -> str:
+    """The codec, its total bytes on the wire against the gradient's, its compute, and one line per bucket."""
+    nbytes = sum(b.nbytes for b in profile.buckets)
+    wire = sum(b.wire for b in profile.buckets)
+    codec = sum(t.codec_s for t in profile.times)
+    lines = [f"compression {profile.codec}: {wire / 2**20:.3f} MiB on the wire per iteration for "
+             f"{nbytes / 2**20:.3f} MiB of gradient ({wire / nbytes if nbytes else 1.0:.3f}x); codec compute "
+             f"{codec * 1e3:.2f} ms per iteration (every scheme below is simulated with this codec: its compute on the "
+             "compute stream before each send, sends one at a time over all links)",
+             "  bucket   gradient B    wire B   codec ms"]
+    lines += [f"  {b.id:>6} {b.nbytes:>12} {b.wire:>9} {t.codec_s * 1e3:>10.3f}"
+              for b, t in zip(profile.buckets[:SHOWN_BUCKETS], profile.times, strict=False)]
+    if profile.n > SHOWN_BUCKETS:
+        lines.append(f"  ... {profile.n - SHOWN_BUCKETS} more buckets (all in the profile JSON)")
+    return "\n".join(lines)
 
 
 def format_table(results: dict[str, SimResult], baseline: SimResult | None) -> str:

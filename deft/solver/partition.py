@@ -18,6 +18,11 @@ holding the fraction ``f = numel_piece / numel_bucket`` of bucket ``b`` gets
   fitted latency (clamped to ``c``): every message pays the latency once, the rest scales with bytes.
   Links without a measured time keep using the link's fitted model on the piece's bytes.
 
+Under a codec (``Profile.codec``) a piece's wire bytes and codec compute are the same fraction ``f``
+of the bucket's (``wire_nbytes``, ``codec_s``): proportional, an approximation for PowerSGD, whose
+wire size depends on the matrix shapes a piece cuts; links without a measured time use the model on
+the piece's wire bytes.
+
 Fusing ``k`` consecutive buckets adds their compute times and, per link with measured times, their
 communication times minus ``(k - 1) * alpha`` (``k - 1`` fewer messages).
 
@@ -78,6 +83,7 @@ class _Piece:
     numel: int
     nbytes: int
     times: BucketTimes
+    wire: int  # bytes on the wire per send (== nbytes without a codec)
 
 
 def link_slowdowns(profile: Profile) -> tuple[float, ...]:
@@ -142,7 +148,8 @@ def partition(profile: Profile, config: DeftConfig, capacity_s: float | None = N
     if not changed:
         return profile
 
-    buckets = tuple(Bucket(i, p.params, p.numel, p.nbytes) for i, p in enumerate(fused))
+    buckets = tuple(Bucket(i, p.params, p.numel, p.nbytes, p.wire if profile.codec else None)
+                    for i, p in enumerate(fused))
     times = tuple(p.times for p in fused)
     meta = dict(profile.meta)
     meta["partition"] = {
@@ -209,7 +216,8 @@ def _piece_times(profile: Profile, b: int, frac: float) -> BucketTimes:
     for name, c in t.comm_s.items():
         alpha = min(profile.link(name).alpha_s, c)
         comm[name] = alpha + (c - alpha) * frac
-    return BucketTimes(forward_s=t.forward_s * frac, backward_s=t.backward_s * frac, comm_s=comm)
+    return BucketTimes(forward_s=t.forward_s * frac, backward_s=t.backward_s * frac, comm_s=comm,
+                       codec_s=t.codec_s * frac)
 
 
 def _piece_nbytes(bucket: Bucket, start: int, stop: int) -> int:
@@ -221,8 +229,15 @@ def _piece_nbytes(bucket: Bucket, start: int, stop: int) -> int:
     return bucket.nbytes * stop // bucket.numel - bucket.nbytes * start // bucket.numel
 
 
+def _piece_wire(bucket: Bucket, start: int, stop: int) -> int:
+    """Wire bytes of elements ``[start, stop)``: the same share of the bucket's, with exact sums."""
+    if bucket.numel == 0:
+        return bucket.wire
+    return bucket.wire * stop // bucket.numel - bucket.wire * start // bucket.numel
+
+
 def _comm_on(profile: Profile, times: BucketTimes, nbytes: int, link: str) -> float:
-    """What ``Profile.comm_time`` will say for a bucket with these times and bytes."""
+    """What ``Profile.comm_time`` will say for a bucket with these times and (wire) bytes."""
     measured = times.comm_s.get(link)
     return measured if measured is not None else profile.link(link).time(nbytes)
 
@@ -234,14 +249,15 @@ def _largest_piece_time(profile: Profile, b: int, parts: int) -> float:
     for start, stop in _bounds(bucket.numel, parts):
         frac = (stop - start) / bucket.numel if bucket.numel else 1.0
         t = _piece_times(profile, b, frac)
-        worst = max(worst, _comm_on(profile, t, _piece_nbytes(bucket, start, stop), primary))
+        worst = max(worst, _comm_on(profile, t, _piece_wire(bucket, start, stop), primary))
     return worst
 
 
 def _split(profile: Profile, b: int, parts: int, sizes: dict[str, int]) -> list[_Piece]:
     bucket = profile.buckets[b]
     if parts == 1:
-        return [_Piece((_Segment(b, 0, bucket.numel),), bucket.params, bucket.numel, bucket.nbytes, profile.times[b])]
+        return [_Piece((_Segment(b, 0, bucket.numel),), bucket.params, bucket.numel, bucket.nbytes, profile.times[b],
+                       bucket.wire)]
     out = []
     for start, stop in _bounds(bucket.numel, parts):
         frac = (stop - start) / bucket.numel
@@ -251,6 +267,7 @@ def _split(profile: Profile, b: int, parts: int, sizes: dict[str, int]) -> list[
             numel=stop - start,
             nbytes=_piece_nbytes(bucket, start, stop),
             times=_piece_times(profile, b, frac),
+            wire=_piece_wire(bucket, start, stop),
         ))
     return out
 
@@ -317,7 +334,7 @@ def _fuse(profile: Profile, pieces: list[_Piece], partition_numel: int, capacity
     out = [pieces[0]]
     for piece in pieces[1:]:
         cand = _merge(profile, out[-1], piece)
-        t = _comm_on(profile, cand.times, cand.nbytes, primary.name)
+        t = _comm_on(profile, cand.times, cand.wire, primary.name)
         # Relative slack: fused times are float sums, and "bandwidth part == alpha" must not hinge on ulps.
         if t - alpha <= alpha * (1 + 1e-9) and t <= capacity and cand.numel <= partition_numel:
             out[-1] = cand
@@ -329,8 +346,8 @@ def _fuse(profile: Profile, pieces: list[_Piece], partition_numel: int, capacity
 def _merge(profile: Profile, a: _Piece, b: _Piece) -> _Piece:
     comm: dict[str, float] = {}
     for name in set(a.times.comm_s) | set(b.times.comm_s):
-        ca = _comm_on(profile, a.times, a.nbytes, name)
-        cb = _comm_on(profile, b.times, b.nbytes, name)
+        ca = _comm_on(profile, a.times, a.wire, name)
+        cb = _comm_on(profile, b.times, b.wire, name)
         if name in a.times.comm_s and name in b.times.comm_s:
             comm[name] = ca + cb - min(profile.link(name).alpha_s, ca, cb)
         # else: one side is unmeasured; let the fused bucket fall back to the link model on its bytes
@@ -345,5 +362,7 @@ def _merge(profile: Profile, a: _Piece, b: _Piece) -> _Piece:
         params=a.params + b.params,
         numel=a.numel + b.numel,
         nbytes=a.nbytes + b.nbytes,
-        times=BucketTimes(a.times.forward_s + b.times.forward_s, a.times.backward_s + b.times.backward_s, comm),
+        times=BucketTimes(a.times.forward_s + b.times.forward_s, a.times.backward_s + b.times.backward_s, comm,
+                          a.times.codec_s + b.times.codec_s),
+        wire=a.wire + b.wire,
     )

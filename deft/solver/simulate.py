@@ -31,6 +31,17 @@ Model
   see :func:`link_model`). A message made of fractions ``f_i`` of buckets costs
   ``max_i a_i + sum_i f_i (T_i - a_i)``: fusing saves start-ups, partitioning pays more of them
   (MG-WFBP eq. 11).
+* **Compression** (a profile with a ``codec``): measured times and the links' models are wire times
+  (:attr:`deft.profile.Bucket.wire`), and every send of bucket ``b`` first runs a ``codec`` task of
+  ``codec_s(b)`` (the codec's encode + decode, charged up front) on the compute stream, where it
+  competes with the model's compute; the send waits for it. Where it sits: after bucket ``b``'s
+  backward for a send of this iteration's gradient (``origin == 0``; in synchronous schemes after the
+  message's last bucket, ``sum f_i codec_s(b_i)`` for a message of fractions), before the stage's
+  compute for a send of an earlier group launched at a stage start, after the launch marker for a
+  lag-free update's sends. The runtime runs hooked sends one at a time in launch order, on all links
+  together (``deft.runtime.executor``: a hook's state is shared by every bucket), so under a codec
+  the links' queues are *serial*: a send starts when no send is in flight on any link. Without a
+  codec no such task exists and nothing changes.
 * **Steady state**: iteration time is averaged over whole cycles after a warm-up, between forward
   starts; bubble ratio = compute idle time / window; link utilisation = busy time / window.
 
@@ -57,8 +68,8 @@ from typing import Any
 
 from deft.config import DeftConfig
 from deft.errors import ContractError
-from deft.profile import BucketTimes, Profile, fit_alpha_beta
-from deft.schedule import Schedule
+from deft.profile import Profile, fit_alpha_beta
+from deft.schedule import CommTask, Schedule
 from deft.solver import baselines
 
 #: The schemes simulated from the profile alone (each as its paper defines it); DeFT's schedules go
@@ -118,7 +129,7 @@ def link_model(profile: Profile, link: str) -> tuple[float, float]:
     lk = profile.link(link)
     if lk.alpha_s > 0 or lk.beta_s_per_byte > 0:
         return lk.alpha_s, lk.beta_s_per_byte
-    xs = [float(b.nbytes) for b in profile.buckets]
+    xs = [float(b.wire) for b in profile.buckets]
     ys = [profile.comm_time(b.id, link) for b in profile.buckets]
     fit = fit_alpha_beta(xs, ys, source=f"profile link {link!r}")
     return fit.alpha, fit.beta
@@ -165,7 +176,7 @@ def scale_workers(profile: Profile, workers: int) -> Profile:
             a, rest = _startup(profile, lk.name, models[lk.name][0], b.id)
             comm[lk.name] = a * f_start + rest * f_transfer
         t = profile.times[b.id]
-        times.append(BucketTimes(forward_s=t.forward_s, backward_s=t.backward_s, comm_s=comm))
+        times.append(replace(t, comm_s=comm))
     meta = dict(profile.meta)
     meta["rescaled_from_world_size"] = p
     return replace(profile, links=links, times=tuple(times), world_size=workers, meta=meta)
@@ -205,7 +216,8 @@ class _Comm:
 class _Engine:
     """Compute stream + one queue per link, advanced in time order (a plain discrete-event loop)."""
 
-    def __init__(self, links: Sequence[str], credit: dict[str, int] | None = None) -> None:
+    def __init__(self, links: Sequence[str], credit: dict[str, int] | None = None, serial: bool = False) -> None:
+        self.serial = serial  # one send in flight over all links (hooked sends are chained)
         self.compute: list[_Compute] = []
         self.comms: list[_Comm] = []
         self.links = list(links)
@@ -235,6 +247,7 @@ class _Engine:
         ci = 0  # next compute task
         compute_busy = False
         busy_until = {lk: 0.0 for lk in self.links}
+        busy_all = 0.0  # serial: the end of the last send on any link
         head = {lk: 0 for lk in self.links}  # ordered: next comm in launch order
         ready_q: dict[str, list[tuple[tuple[float, ...], int]]] = {lk: [] for lk in self.links}
         in_flight = {lk: 0 for lk in self.links}  # bytes handed to the link and not yet finished
@@ -250,10 +263,12 @@ class _Engine:
             return c.launched and c.grad_ready and math.isnan(c.start)
 
         def dispatch(cid: int) -> None:
+            nonlocal busy_all
             c = self.comms[cid]
-            c.start = max(now, busy_until[c.link])
+            c.start = max(now, busy_until[c.link], busy_all if self.serial else 0.0)
             c.end = c.start + c.duration
             busy_until[c.link] = c.end
+            busy_all = max(busy_all, c.end)
             in_flight[c.link] += c.nbytes
             push(c.end, "comm", cid)
 
@@ -336,14 +351,39 @@ class _Message:
         return max(b for b, _ in self.parts)  # the last of its buckets to finish backward
 
 
-def _iteration_tasks(eng: _Engine, profile: Profile, t: int,
-                     fwd_deps: dict[int, list[int]]) -> tuple[list[int], list[int]]:
-    """Forward (buckets n-1..0) and backward (0..n-1) compute tasks of iteration ``t``; their ids."""
+@dataclass
+class _Tasks:
+    """Compute task ids of one iteration: forward (buckets n-1..0), backward (0..n-1) and codec tasks."""
+
+    fwd: list[int]
+    bwd: list[int]
+    pre_fwd: list[int] = field(default_factory=list)   # codecs before the forward, in the order asked
+    pre_bwd: list[int] = field(default_factory=list)   # codecs between forward and backward
+    after: dict[int, list[int]] = field(default_factory=dict)  # bucket -> codecs right after its backward
+
+
+def _iteration_tasks(eng: _Engine, profile: Profile, t: int, fwd_deps: dict[int, list[int]], *,
+                     pre_fwd: Sequence[tuple[int, float]] = (), pre_bwd: Sequence[tuple[int, float]] = (),
+                     after: Sequence[tuple[int, float]] = ()) -> _Tasks:
+    """The compute tasks of iteration ``t`` in stream order: codecs ``pre_fwd``, forward, codecs
+    ``pre_bwd``, backward with each ``after`` codec ``(bucket, seconds)`` right after its bucket."""
     n = profile.n
-    fwd = [eng.add_compute(_Compute("forward", b, t, profile.times[b].forward_s, deps=list(fwd_deps.get(b, ()))))
-           for b in range(n - 1, -1, -1)]
-    bwd = [eng.add_compute(_Compute("backward", b, t, profile.times[b].backward_s)) for b in range(n)]
-    return fwd, bwd
+    tasks = _Tasks([], [])
+    tasks.pre_fwd = [eng.add_compute(_Compute("codec", b, t, d)) for b, d in pre_fwd]
+    tasks.fwd = [eng.add_compute(_Compute("forward", b, t, profile.times[b].forward_s,
+                                          deps=list(fwd_deps.get(b, ())))) for b in range(n - 1, -1, -1)]
+    tasks.pre_bwd = [eng.add_compute(_Compute("codec", b, t, d)) for b, d in pre_bwd]
+    for b in range(n):
+        tasks.bwd.append(eng.add_compute(_Compute("backward", b, t, profile.times[b].backward_s)))
+        for bb, d in after:
+            if bb == b:
+                tasks.after.setdefault(b, []).append(eng.add_compute(_Compute("codec", b, t, d)))
+    return tasks
+
+
+def _message_codec_s(profile: Profile, parts: Sequence[tuple[int, float]]) -> float:
+    """The codec's compute for one message of ``(bucket, fraction)`` parts: ``sum f_i codec_s(b_i)``."""
+    return sum(frac * profile.codec_time(b) for b, frac in parts)
 
 
 def _run_synchronous(profile: Profile, messages: Sequence[_Message], iterations: int, *, barrier: bool,
@@ -353,19 +393,25 @@ def _run_synchronous(profile: Profile, messages: Sequence[_Message], iterations:
     ``barrier``: the optimizer step waits for all of them (DDP); otherwise the forward of each bucket in
     the next iteration waits for the messages containing it (ByteScheduler, US-Byte).
     """
-    eng = _Engine(profile.link_names, credit)
+    eng = _Engine(profile.link_names, credit, serial=profile.compressed)
     alpha = {lk: link_model(profile, lk)[0] for lk in profile.link_names}
     fwd_deps: dict[int, list[int]] = {}
+    codecs = [(m.ready_bucket, _message_codec_s(profile, m.parts)) for m in messages]
+    coded = [d > 0 for _, d in codecs]
     for t in range(iterations):
-        _, bwd = _iteration_tasks(eng, profile, t, fwd_deps)
+        tasks = _iteration_tasks(eng, profile, t, fwd_deps,
+                                 after=[c for c, on in zip(codecs, coded, strict=True) if on])
+        bwd = tasks.bwd
+        codec_ids = {b: list(ids) for b, ids in tasks.after.items()}
         ids = []
-        for m in messages:
+        for m, on in zip(messages, coded, strict=True):
+            grad_after = codec_ids[m.ready_bucket].pop(0) if on else bwd[m.ready_bucket]
             label = "+".join(str(b) for b in sorted({b for b, _ in m.parts}))
             if any(f < 1.0 for _, f in m.parts):
                 label += "'"  # a piece of a partitioned bucket
             cid = eng.add_comm(_Comm(link=m.link, duration=message_time(profile, m.link, m.parts, alpha[m.link]),
                                      bucket=m.ready_bucket, iteration=t, stage_iteration=t, label=label,
-                                     nbytes=m.nbytes, priority=m.priority), grad_after=bwd[m.ready_bucket])
+                                     nbytes=m.nbytes, priority=m.priority), grad_after=grad_after)
             eng.comms[cid].launched = True
             ids.append(cid)
         fwd_deps = {}
@@ -459,7 +505,7 @@ def _schedule_engine(profile: Profile, schedule: Schedule, iterations: int) -> _
     (as the runtime does), and the next iteration's forward of each such bucket waits for its send:
     the per-layer wait of a lag-free forward stage.
     """
-    eng = _Engine(profile.link_names)
+    eng = _Engine(profile.link_names, serial=profile.compressed)
     n, c = profile.n, schedule.cycle
     bwd_of: dict[int, list[int]] = {}
     comm_of: dict[tuple[int, int], int] = {}  # (group's last iteration, bucket) -> comm id
@@ -468,33 +514,52 @@ def _schedule_engine(profile: Profile, schedule: Schedule, iterations: int) -> _
     def finishing(position: int) -> bool:
         return schedule.updates[schedule.group_of(position)].finish_in_forward
 
-    def add(task_link: str, bucket: int, last: int, t: int, label: str) -> int:
+    def add(task_link: str, bucket: int, last: int, t: int, label: str, after: int | None = None) -> int:
         return eng.add_comm(_Comm(link=task_link, duration=profile.comm_time(bucket, task_link), bucket=bucket,
                                   iteration=last, stage_iteration=t, label=label,
-                                  nbytes=profile.buckets[bucket].nbytes),
-                            grad_after=bwd_of[last][bucket])
+                                  nbytes=profile.buckets[bucket].wire),
+                            grad_after=bwd_of[last][bucket] if after is None else after)
+
+    def sent(position: int, stage: str) -> list[CommTask]:
+        return [task for task in schedule.stage(position, stage).comms
+                if not (stage == "forward" and task.origin == 1 and finishing(position - 1))]
+
+    def codec(tasks: Sequence[CommTask]) -> list[tuple[int, float]]:
+        return [(task.bucket, profile.codec_time(task.bucket)) for task in tasks if profile.codec_time(task.bucket) > 0]
 
     for t in range(iterations):
         p = t % c
-        fwd, bwd = _iteration_tasks(eng, profile, t, {})
+        # Sends that exist in this iteration (their group began after the simulation started).
+        fwd_sent = [task for task in sent(p, "forward") if t - task.origin >= 0]
+        bwd_sent = [task for task in sent(p, "backward") if t - task.origin >= 0]
+        tasks = _iteration_tasks(eng, profile, t, {}, pre_fwd=codec(fwd_sent),
+                                 pre_bwd=codec([task for task in bwd_sent if task.origin >= 1]),
+                                 after=codec([task for task in bwd_sent if task.origin == 0]))
+        fwd, bwd = tasks.fwd, tasks.bwd
         bwd_of[t] = bwd
+        pending = {"forward": list(tasks.pre_fwd), "backward": list(tasks.pre_bwd)}
+        after = {b: list(ids) for b, ids in tasks.after.items()}
         for b in range(n):  # the forward of bucket b (fwd lists n-1..0) waits for its finishing send
             if (t - 1, b) in ahead:
                 eng.compute[fwd[n - 1 - b]].deps.append(ahead[(t - 1, b)])
-        for stage, first in (("forward", fwd[0]), ("backward", bwd[0])):
-            for task in schedule.stage(p, stage).comms:
+        for stage, first, stage_sent in (("forward", fwd[0], fwd_sent), ("backward", bwd[0], bwd_sent)):
+            # (tasks not sent: before the simulation started, or launched after their group's backward)
+            for task in stage_sent:
                 last = t - task.origin
-                if last < 0 or (stage == "forward" and task.origin == 1 and finishing(p - 1)):
-                    continue  # before the simulation started, or launched after its group's backward
                 label = str(task.bucket) + (f"({task.origin})" if task.origin else "")
-                cid = add(task.link, task.bucket, last, t, label)
+                coded = profile.codec_time(task.bucket) > 0
+                encode = None if not coded else (after[task.bucket].pop(0) if task.origin == 0 and stage == "backward"
+                                                 else pending[stage].pop(0))
+                cid = add(task.link, task.bucket, last, t, label, encode)
                 eng.compute[first].launches.append(cid)
                 comm_of[(last, task.bucket)] = cid
         if finishing(p) and schedule.updates[schedule.group_of(p)].last == p:
             marker = eng.add_compute(_Compute("launch", -1, t, 0.0))
             for task in schedule.stage(p + 1, "forward").comms:
                 if task.origin == 1:
-                    cid = add(task.link, task.bucket, t, t + 1, f"{task.bucket}(f)")
+                    d = profile.codec_time(task.bucket)
+                    encode = eng.add_compute(_Compute("codec", task.bucket, t, d)) if d > 0 else None
+                    cid = add(task.link, task.bucket, t, t + 1, f"{task.bucket}(f)", encode)
                     eng.compute[marker].launches.append(cid)
                     ahead[(t, task.bucket)] = cid
         deps = []

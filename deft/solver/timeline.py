@@ -17,6 +17,7 @@ from deft.solver.simulate import SimResult
 FORWARD = "#9ecae1"
 BACKWARD = "#3182bd"
 UPDATE = "#d62728"
+CODEC = "#636363"  # a comm hook's encode/decode on the compute stream
 COMM = ("#fdae6b", "#a1d99b", "#bcbddc", "#fc9272", "#9e9ac8", "#fdd0a2", "#c7e9c0", "#dadaeb")
 
 
@@ -72,7 +73,7 @@ def draw_timeline(results: Mapping[str, SimResult] | Sequence[SimResult], path: 
                 if e.kind == "update":
                     ax.plot([s, s], [y[e.row] - 0.4, y[e.row] + 0.4], color=UPDATE, lw=1.2, zorder=3)
                 continue
-            color = {"forward": FORWARD, "backward": BACKWARD}.get(e.kind, COMM[e.bucket % len(COMM)])
+            color = {"forward": FORWARD, "backward": BACKWARD, "codec": CODEC}.get(e.kind, COMM[e.bucket % len(COMM)])
             ax.broken_barh([(s, f - s)], (y[e.row] - 0.35, 0.7), facecolors=color, edgecolors="black",
                            linewidth=0.4, zorder=2)
             if (f - s) > width_ms / 120:
@@ -91,6 +92,8 @@ def draw_timeline(results: Mapping[str, SimResult] | Sequence[SimResult], path: 
     handles = [Patch(color=FORWARD, label="forward"), Patch(color=BACKWARD, label="backward"),
                Patch(color=COMM[0], label="all-reduce (bucket; (k): k iterations old)"),
                Patch(color=UPDATE, label="optimizer step applying an update")]
+    if any(e.kind == "codec" for r in items for e in r.events):
+        handles.append(Patch(color=CODEC, label="codec (compression encode/decode)"))
     fig.legend(handles=handles, loc="upper right", ncol=4, fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, x=0.01, ha="left", fontsize=10)
