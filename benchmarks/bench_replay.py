@@ -290,9 +290,15 @@ def steady_s(starts: list[float], skip: int, cycle: int) -> tuple[float, int]:
     return (starts[skip + n] - starts[skip]) / n, n
 
 
+def profile_path(name: str) -> Path:
+    """A reference profile's name (``examples/profiles/<name>.json``), or the path of any profile file."""
+    return Path(name) if name.endswith(".json") else PROFILES / f"{name}.json"
+
+
 def run_profile(tb: Testbed, name: str, args: argparse.Namespace, names: list[str], out_dir: Path
                 ) -> dict[str, Any]:
-    ref = Profile.load(PROFILES / f"{name}.json")
+    ref = Profile.load(profile_path(name))
+    name = Path(name).stem
     tgt = target_of(ref, name, args.scale, args.rate_mbit, args.overhead)
     second_rate = args.rate_mbit / tgt.mu if args.second_link == "profile" else args.rate_mbit
     shape_second_link(tb, second_rate)
@@ -477,7 +483,8 @@ def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         return worker(sys.argv[2])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profiles", default="vgg19,resnet101,gpt2", help="names of examples/profiles/*.json")
+    ap.add_argument("--profiles", default="vgg19,resnet101,gpt2",
+                    help="names of examples/profiles/*.json, or paths of profile files (e.g. one deft measured)")
     ap.add_argument("--rate-mbit", type=float, default=250.0)
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every profile time by this")
     ap.add_argument("--overhead", type=float, default=0.07, help="TCP/IP bytes on the wire per payload byte")
@@ -498,9 +505,9 @@ def main() -> int:
     if unknown:
         ap.error(f"--schemes: unknown scheme {unknown[0]!r}; choose from {', '.join(SCHEMES)}")
     profiles = [p for p in args.profiles.split(",") if p]
-    missing = [p for p in profiles if not (PROFILES / f"{p}.json").is_file()]
+    missing = [p for p in profiles if not profile_path(p).is_file()]
     if missing:
-        ap.error(f"--profiles: no {PROFILES.relative_to(ROOT)}/{missing[0]}.json")
+        ap.error(f"--profiles: no file {profile_path(missing[0])}")
     if not (args.rate_mbit > 0 and args.scale > 0 and args.overhead >= 0):
         ap.error("--rate-mbit and --scale must be > 0, --overhead >= 0")
     if args.iters <= args.skip_iters + 4:
@@ -528,7 +535,7 @@ def main() -> int:
                 except RuntimeError as e:
                     print(f"[bench_replay] {p}: FAILED: {e}", flush=True)
                     continue
-                (out_dir / f"{p}.record.json").write_text(json.dumps(rec, indent=1) + "\n", encoding="utf-8")
+                (out_dir / f"{Path(p).stem}.record.json").write_text(json.dumps(rec, indent=1) + "\n", encoding="utf-8")
                 print(f"[bench_replay] {p}: done in {time.perf_counter() - t0:.0f} s", flush=True)
                 recs.append(rec)
     if not recs:
