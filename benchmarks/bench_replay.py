@@ -517,7 +517,7 @@ def main() -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     if args.from_runs:
         run_dir = Path(args.from_runs)
-        recs = [json.loads((run_dir / f"{p}.record.json").read_text(encoding="utf-8")) for p in profiles]
+        recs = [json.loads((run_dir / f"{Path(p).stem}.record.json").read_text(encoding="utf-8")) for p in profiles]
         cmd = run_dir / "command.txt"
         command = cmd.read_text(encoding="utf-8").strip() if cmd.exists() else command_line()
     else:
