@@ -104,7 +104,8 @@ def test_first_try_accepted_records_meta():
     res, fp = run([(1, 2, 1)], epsilon=0.01)
     ratio = convergence_ratio(1.0, 0.2, 5.0, 0.01, 256, (1, 2, 1))
     assert 0.99 < ratio < 1.0  # ~0.998: within the default tolerance
-    assert res.accepted and fp.scales == [1.0] and fp.no_delay_calls == 0
+    # the no-delay plan is asked once, for the comparison of predicted times (both unknown here: 0)
+    assert res.accepted and fp.scales == [1.0] and fp.no_delay_calls == 1
     assert res.schedule.batch_sequence == (1, 2, 1)
     rec = res.schedule.meta["preserver"]
     assert rec["ratio"] == pytest.approx(ratio) and rec["tries"] == 1 and rec["accepted"] is True
@@ -386,3 +387,23 @@ def test_ratio_and_decision_do_not_depend_on_unrolling_a_cycle() -> None:
             r1, r2 = schedule_ratio(sched, stats), schedule_ratio(longer, stats)
             assert abs(r1 - r2) <= 1e-12
             assert passes(sched.batch_sequence, r1, 0.01) == passes(longer.batch_sequence, r2, 0.01)
+
+
+def test_accepted_schedule_no_faster_than_no_delay_gives_way() -> None:
+    # The knapsack at a large capacity ends with K = [1] sending everything in backward (predicted 520
+    # ms, the testbed case), while the no-delay plan (lag-free forward stage) is predicted 460 ms: the
+    # preserver runs the no-delay plan. Faster DeFT schedules keep their place.
+    slow_k1 = dataclasses.replace(schedule_with((1,)), predicted_iteration_s=0.520, meta={"solver": "k1"})
+    nd = dataclasses.replace(schedule_with((1,)), predicted_iteration_s=0.460)
+
+    def slow_merge(p: Profile, c: DeftConfig, k: int) -> Schedule:  # lag-free merges, predicted slower
+        return dataclasses.replace(schedule_with((k,)), predicted_iteration_s=10.0)
+
+    res = preserve(profile(), DeftConfig(epsilon=0.01), STATS, planner=lambda p, c, capacity_scale=1.0: slow_k1,
+                   no_delay_planner=lambda p, c: nd, accumulate_planner=slow_merge)
+    assert res.accepted and res.schedule.predicted_iteration_s == 0.460 and "no faster" in res.reason
+    assert res.tries[-1].kind == "no_delay" and res.tries[-1].accepted
+    fast = dataclasses.replace(schedule_with((1, 2, 1)), predicted_iteration_s=0.300)
+    res = preserve(profile(), DeftConfig(epsilon=0.01), STATS, planner=lambda p, c, capacity_scale=1.0: fast,
+                   no_delay_planner=lambda p, c: nd, accumulate_planner=slow_merge)
+    assert res.accepted and res.schedule.batch_sequence == (1, 2, 1)

@@ -333,10 +333,18 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
         log.info("preserver try %d/%d: capacity x%.4g, K=%s, ratio %.5f in [%.4g, %.4g]: %s",
                  i + 1, config.preserver_max_tries, scale, k, ratio, lo, hi, "accepted" if ok else "rejected")
         if ok:
+            chosen, reason = s, f"ratio {ratio:.5f} within [{lo:.4g}, {hi:.4g}]"
             if merged is not None and _prefer_lag_free(merged, s):
-                return _finish(merged, tries, True, config, stats,
-                               f"lag-free merge K={merged.batch_sequence} preferred to stale K={k}")
-            return _finish(s, tries, True, config, stats, f"ratio {ratio:.5f} within [{lo:.4g}, {hi:.4g}]")
+                chosen, reason = merged, f"lag-free merge K={merged.batch_sequence} preferred to stale K={k}"
+            # The no-delay plan keeps torch DDP's parameters; a DeFT schedule that is not faster than it
+            # (the knapsack at a large capacity often ends with K = [1] without the lag-free forward
+            # stage) gains nothing for its risk: take the no-delay plan instead (when both are predicted).
+            nd = _checked(no_delay_planner(profile, config), "no_delay_plan")
+            if nd.digest() != chosen.digest() and 0 < nd.predicted_iteration_s <= chosen.predicted_iteration_s:
+                return no_delay(f"accepted K={chosen.batch_sequence} ({reason}) is predicted no faster "
+                                f"({chosen.predicted_iteration_s * 1e3:.1f} ms) than the no-delay plan "
+                                f"({nd.predicted_iteration_s * 1e3:.1f} ms)", accepted=True, s=nd)
+            return _finish(chosen, tries, True, config, stats, reason)
     nd = _checked(no_delay_planner(profile, config), "no_delay_plan")
     if merged is not None and merged.predicted_iteration_s < nd.predicted_iteration_s:
         return _finish(merged, tries, True, config, stats,
