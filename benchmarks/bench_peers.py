@@ -279,7 +279,9 @@ def deft_timeline(doc: dict[str, Any], path: Path, rate: float) -> str:
     from deft.config import DeftConfig
     from deft.profile import Profile
     from deft.schedule import Schedule
-    from deft.solver.simulate import profile_for_schedule, simulate, simulate_schedule
+    from deft.solver.compare import simulate
+    from deft.solver.partition import profile_for_schedule
+    from deft.solver.simulate import simulate_schedule
     from deft.solver.timeline import draw_timeline
 
     info = doc["summary"].get("schedule") or {}

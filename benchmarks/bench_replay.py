@@ -65,7 +65,8 @@ from bench_links import ROOT, command_line, handle_signals, machine, run_ranks, 
 from deft.config import DeftConfig
 from deft.profile import Bucket, BucketTimes, Link, Profile, fit_alpha_beta
 from deft.schedule import Schedule
-from deft.solver.compare import profile_for_schedule, simulate
+from deft.solver.compare import simulate
+from deft.solver.partition import profile_for_schedule
 from deft.solver.simulate import simulate_schedule
 from deft.testbed import Testbed
 

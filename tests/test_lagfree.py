@@ -18,8 +18,8 @@ import pytest
 
 from deft import Bucket, BucketTimes, DeftConfig, Link, Profile
 from deft.schedule import CommTask, Update
-from deft.solver.compare import profile_for_schedule
 from deft.solver.lagfree import candidate, lagfree_plan
+from deft.solver.partition import profile_for_schedule
 from deft.solver.plan import no_delay_plan
 from deft.solver.simulate import simulate_schedule
 

@@ -16,8 +16,8 @@ import torch
 
 from deft import DeftConfig, Profile
 from deft.runtime.adapt import Adapter, calibrate, scaled
-from deft.solver.compare import profile_for_schedule
 from deft.solver.lagfree import lagfree_plan
+from deft.solver.partition import profile_for_schedule
 from deft.solver.plan import no_delay_plan
 from deft.solver.simulate import simulate_schedule
 from tests._dist import run_ranks, values

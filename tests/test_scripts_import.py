@@ -33,3 +33,22 @@ def test_script_imports(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_scripts_found() -> None:
     assert {"bench_peers.py", "bench_replay.py", "train_cnn.py"} <= {p.name for p in SCRIPTS}
+
+
+def test_every_import_of_deft_resolves() -> None:
+    """``from deft.x import name`` anywhere (function-local imports too, which importing a script does
+    not run) names something that exists."""
+    import ast
+    import importlib
+
+    files = [*sorted((ROOT / "deft").rglob("*.py")), *sorted((ROOT / "tests").glob("*.py")), *SCRIPTS]
+    missing = []
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "deft":
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    submodule = f"{node.module}.{alias.name}"
+                    if not hasattr(module, alias.name) and importlib.util.find_spec(submodule) is None:
+                        missing.append(f"{f.relative_to(ROOT)}:{node.lineno}: {node.module}.{alias.name}")
+    assert not missing, "imports of names that do not exist:\n" + "\n".join(missing)

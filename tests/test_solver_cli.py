@@ -14,7 +14,8 @@ from deft.preserver.feedback import WalkStats, preserve
 from deft.profile import Profile
 from deft.schedule import CommTask, Schedule, StagePlan, Update
 from deft.solver.cli import format_stages
-from deft.solver.compare import profile_for_schedule, simulate
+from deft.solver.compare import simulate
+from deft.solver.partition import profile_for_schedule
 from deft.solver.simulate import simulate_schedule
 
 VGG19 = Path(__file__).resolve().parents[1] / "examples" / "profiles" / "vgg19.json"

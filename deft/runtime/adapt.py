@@ -40,7 +40,7 @@ from scipy.optimize import brentq
 from deft.config import DeftConfig
 from deft.profile import BucketTimes, Link, Profile
 from deft.schedule import Schedule
-from deft.solver.compare import profile_for_schedule
+from deft.solver.partition import profile_for_schedule
 from deft.solver.simulate import simulate_schedule
 
 F_RANGE = (0.05, 50.0)  # search interval of the communication factor

@@ -25,7 +25,8 @@ from deft.errors import ContractError
 from deft.preserver.feedback import PreserveResult, WalkStats, preserve
 from deft.profile import Profile
 from deft.schedule import Schedule
-from deft.solver.compare import SCHEMES, plan_deft, profile_for_schedule, simulate
+from deft.solver.compare import SCHEMES, plan_deft, simulate
+from deft.solver.partition import profile_for_schedule
 from deft.solver.simulate import SimResult, scale_workers, simulate_schedule
 from deft.solver.timeline import draw_timeline
 
@@ -231,7 +232,10 @@ def format_stages(schedule: Schedule) -> str:
     for g, u in enumerate(schedule.updates):
         when = (f"{u.apply_after - schedule.cycle} of the next cycle" if u.apply_after >= schedule.cycle
                 else f"{u.apply_after}")
-        lines.append(f"  update {g}: merges positions {list(u.positions)} (k={u.k}), applied after position {when}")
+        how = (" (lag-free: buckets sent in the next forward are applied per layer, just before that layer's "
+               "forward)") if u.finish_in_forward else ""
+        lines.append(f"  update {g}: merges positions {list(u.positions)} (k={u.k}), "
+                     f"applied after position {when}{how}")
     return "\n".join(lines)
 
 

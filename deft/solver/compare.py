@@ -21,47 +21,26 @@ from deft.errors import ContractError
 from deft.profile import Profile
 from deft.schedule import Schedule
 from deft.solver import plan as planner
-from deft.solver.partition import partition
+from deft.solver.lagfree import lagfree_plan
+from deft.solver.partition import profile_for_schedule
 from deft.solver.simulate import BASELINES, SimResult, scale_workers, simulate_baseline, simulate_schedule
 
-__all__ = ["SCHEMES", "plan_deft", "profile_for_schedule", "simulate", "simulate_all"]
+__all__ = ["SCHEMES", "plan_deft", "simulate", "simulate_all"]
 
 SCHEMES = (*BASELINES, "deft")
-
-
-def profile_for_schedule(profile: Profile, schedule: Schedule, config: DeftConfig) -> Profile:
-    """The profile whose buckets ``schedule`` refers to: ``profile`` itself or its DeFT partition.
-
-    The planner partitions buckets (section III.D) before planning; a schedule records only the bucket
-    sizes, so the partition is recomputed (with the capacity recorded in ``schedule.meta["capacity_s"]``
-    when the planner left one) and must reproduce them.
-    """
-    sizes = tuple(b.nbytes for b in profile.buckets)
-    if sizes == schedule.bucket_nbytes:
-        return profile
-    caps: list[float | None] = [None]
-    cap = schedule.meta.get("capacity_s")
-    if isinstance(cap, (int, float)) and not isinstance(cap, bool):
-        caps.insert(0, float(cap))
-    for c in caps:
-        parted = partition(profile, config, capacity_s=c, best_effort=True)
-        if tuple(b.nbytes for b in parted.buckets) == schedule.bucket_nbytes:
-            return parted
-    raise ContractError("<schedule>", "bucket_nbytes",
-                        f"the schedule's {schedule.n_buckets} buckets match neither the profile's {profile.n} "
-                        "nor its partition; was it planned on another profile?")
 
 
 def plan_deft(profile: Profile, config: DeftConfig) -> tuple[Schedule, Profile]:
     """DeFT's schedule for ``profile`` and the partitioned profile it refers to.
 
-    ``epsilon == 0`` forbids delayed updates: the no-delay plan (cycle 1, links only). Otherwise the
+    ``epsilon == 0`` forbids delayed updates: the no-delay plan (cycle 1, links only; the lag-free plan,
+    whose updates may finish in the next forward, when ``config.forward_updates``, as a run does). Otherwise the
     planner's first plan: the preserver's convergence test needs loss statistics from training, so
     offline (here and in ``deft plan``) this is the plan it would start from, and the one a run with
     the preserver disabled uses.
     """
     if config.epsilon == 0:
-        schedule = planner.no_delay_plan(profile, config)
+        schedule = (lagfree_plan if config.forward_updates else planner.no_delay_plan)(profile, config)
         return schedule, profile_for_schedule(profile, schedule, config)
     result = planner.plan_trace(profile, config)
     return result.schedule, result.profile

@@ -32,7 +32,7 @@ from dataclasses import replace
 from deft.config import DeftConfig
 from deft.profile import Profile
 from deft.schedule import CommTask, Schedule, StagePlan, Update
-from deft.solver.compare import profile_for_schedule
+from deft.solver.partition import profile_for_schedule
 from deft.solver.plan import no_delay_plan
 from deft.solver.simulate import simulate_schedule
 

@@ -56,6 +56,7 @@ from dataclasses import dataclass, replace
 from deft.config import DeftConfig
 from deft.errors import ContractError
 from deft.profile import Bucket, BucketTimes, Profile
+from deft.schedule import Schedule
 
 __all__ = ["BEST_EFFORT_MAX_PIECES", "default_capacity", "link_slowdowns", "partition"]
 
@@ -366,3 +367,26 @@ def _merge(profile: Profile, a: _Piece, b: _Piece) -> _Piece:
                           a.times.codec_s + b.times.codec_s),
         wire=a.wire + b.wire,
     )
+
+
+def profile_for_schedule(profile: Profile, schedule: Schedule, config: DeftConfig) -> Profile:
+    """The profile whose buckets ``schedule`` refers to: ``profile`` itself or its DeFT partition.
+
+    The planner partitions buckets (section III.D) before planning; a schedule records only the bucket
+    sizes, so the partition is recomputed (with the capacity recorded in ``schedule.meta["capacity_s"]``
+    when the planner left one) and must reproduce them.
+    """
+    sizes = tuple(b.nbytes for b in profile.buckets)
+    if sizes == schedule.bucket_nbytes:
+        return profile
+    caps: list[float | None] = [None]
+    cap = schedule.meta.get("capacity_s")
+    if isinstance(cap, (int, float)) and not isinstance(cap, bool):
+        caps.insert(0, float(cap))
+    for c in caps:
+        parted = partition(profile, config, capacity_s=c, best_effort=True)
+        if tuple(b.nbytes for b in parted.buckets) == schedule.bucket_nbytes:
+            return parted
+    raise ContractError("<schedule>", "bucket_nbytes",
+                        f"the schedule's {schedule.n_buckets} buckets match neither the profile's {profile.n} "
+                        "nor its partition; was it planned on another profile?")
