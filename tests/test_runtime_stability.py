@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -64,3 +66,48 @@ def test_adam_scale_is_the_median_inverse_root_second_moment() -> None:
     assert math.isclose(spec.step, 0.0005, rel_tol=1e-6)
     _, spec, _ = stability_inputs(opt, secant=10.0, calibrated=3.0, preconditioned=True)
     assert spec is not None and spec.scale == 1.0  # the calibrated value already includes D
+
+
+def _x(rank: int) -> torch.Tensor:
+    return torch.randn(16, 4, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def calibrate_worker(rank: int, world: int) -> dict[str, Any]:
+    import deft
+    from deft.profile import Bucket, BucketTimes, Link, Profile
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    prof = Profile((Bucket(0, ("weight",), 4, 16),), (BucketTimes(1e-3, 2e-3, {"primary": 5e-3}),),
+                   (Link("primary", "gloo", None, 5e-3, 0.0),), 2, "synthetic")
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, profile=prof, config={
+        "epsilon": 0.05, "warmup_iters": 6, "timeout_s": 30, "adapt": False, "links": [{"name": "primary"}]})
+    x0 = _x(rank)
+    record = ddp.calibrate(lambda: 0.5 * (ddp.module(x0) ** 2).mean(), tol=1e-6)
+    for t in range(8):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1000 * t + rank))
+        loss = 0.5 * (ddp(x) ** 2).mean() + (ddp.module.weight.sum() * 0.3)
+        loss.backward()
+        ddp.observe_loss(loss)
+        opt.step()
+        opt.zero_grad()
+    info = ddp.plan_info
+    return {"record": record, "curvature": (info.get("stats") or {}).get("curvature"),
+            "reason": info.get("stats_reason"), "try_log": info.get("try_log")}
+
+
+@pytest.mark.slow
+def test_calibrate_probes_on_rank_0_and_feeds_the_preserver() -> None:
+    from tests._dist import run_ranks, values
+
+    a, b = values(run_ranks(calibrate_worker, 2, timeout=120))
+    # Loss 1/2 mean((x w)^2) on rank 0's batch: the Hessian is X0^T X0 / n (by hand), its top
+    # eigenvalue computed here by numpy's dense solver, a second method.
+    x0 = _x(0).double().numpy()
+    expected = float(np.linalg.eigvalsh(x0.T @ x0 / len(x0))[-1])
+    assert a["record"]["value"] == pytest.approx(expected, rel=1e-5)
+    assert b["record"] == a["record"]  # rank 0's probe, broadcast
+    assert a["curvature"] == pytest.approx(expected, rel=1e-5) and b["curvature"] == a["curvature"]
+    assert "lanczos (calibrate)" in a["reason"]
+    assert a["try_log"] and all(t["stability"] is not None for t in a["try_log"] if t["kind"] != "no_delay")
