@@ -312,7 +312,8 @@ class SecantCurvature:
 
     Call :meth:`observe` once per iteration with the parameters at which the gradient was computed
     and that (averaged) gradient; iterations after which no update landed (the parameters did not
-    move) give no ratio. Memory: one copy of the parameters and one of the gradient.
+    move) give no ratio. Memory: one copy of the parameters and one of the gradient, on their device
+    (for a model that barely fits, that is two model-sized buffers more).
     """
 
     def __init__(self, window: int = 16) -> None:

@@ -273,6 +273,10 @@ class DistributedDataParallel(nn.Module):
         self._require_idle("calibrate()")
         if self.config.epsilon == 0 or not self.config.preserver or self.world < 2:
             return None
+        # Every rank: an update finishing in the forward is applied now, so the closure's forward (rank 0
+        # only) cannot trigger it on one rank. The forward changes batch-norm running statistics on
+        # rank 0; the next iteration's buffer broadcast (broadcast_buffers) gives them to every rank.
+        self._finish_deferred()
         doc: dict[str, Any] = {}
         if self.rank == 0:
             try:
