@@ -57,7 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from deft.config import DeftConfig
 from deft.preserver.curvature import SecantCurvature, adam_preconditioner, top_eigenvalue
-from deft.preserver.feedback import WalkStats, preserve, schedule_ratio
+from deft.preserver.feedback import WalkStats, applied_sequence, preserve, schedule_ratio, steady_period
+from deft.preserver.gaussian_walk import expected_loss_after
 from deft.preserver.noise import DirectionPair, NoiseEstimator, local_stats
 from deft.preserver.stability import Plan, applied_updates, check_stability
 from deft.profile import Bucket, BucketTimes, Link, Profile
@@ -546,15 +547,15 @@ def report_workload(res: dict[str, Any], plot_dir: Path) -> tuple[list[str], lis
               f"{res['ddp_iteration_s'] * 1e3:.1f} ms per iteration. Target: {unit} "
               f"{'>=' if w.metric == 'accuracy' else '<='} {target:.4f} "
               f"({'torch DDP final - 2 points' if w.metric == 'accuracy' else 'torch DDP final x 1.03'}).", ""]
-    lines += ["| setting | chosen schedule | ms/iteration (predicted) | predicted ratio | radius (edge) | "
-              "with Lanczos | final " + unit + " | vs torch DDP | iterations to target | predicted time to target | "
-              "decision vs measured |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| setting | chosen schedule | ms/iteration (predicted) | predicted ratio | progress kept | "
+              "radius (edge) | with Lanczos | final " + unit + " | vs torch DDP | iterations to target | "
+              "predicted time to target | decision vs measured |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ddp_time = None
     it = iters_to(w, ddp, target)
     if it is not None:
         ddp_time = it * res["ddp_iteration_s"]
-    lines.append(f"| torch DDP (emulated) | K=[1] | {res['ddp_iteration_s'] * 1e3:.1f} | 1 | | | "
+    lines.append(f"| torch DDP (emulated) | K=[1] | {res['ddp_iteration_s'] * 1e3:.1f} | 1 | 1 | | | "
                  f"{ddp['final_metric']:.4f} | | {it} | {'-' if ddp_time is None else f'{ddp_time:.1f} s'} | |")
     cases: list[tuple[bool, bool]] = []
     summary: dict[str, Any] = {"times": {}}
@@ -583,7 +584,10 @@ def report_workload(res: dict[str, Any], plot_dir: Path) -> tuple[list[str], lis
         else:
             verdict = "untested" + (" (lost)" if lost else "")
         lz = lanczos_verdict(warm, r["schedule"])
-        lines.append(f"| {dec['label']} | {r['describe']} | {r['iteration_s'] * 1e3:.1f} | {ratio} | {rad} | {lz} | "
+        pk = progress_retained(warm.stats, r["schedule"])
+        pk_s = "" if pk is None else f"{pk:.3f}"
+        lines.append(f"| {dec['label']} | {r['describe']} | {r['iteration_s'] * 1e3:.1f} | {ratio} | {pk_s} | {rad} | "
+                     f"{lz} | "
                      f"{r['final_metric']:.4f} | {diff_s} | {'-' if it is None else it} | "
                      f"{'-' if t_s is None else f'{t_s:.1f} s'} | {verdict} |")
         summary.setdefault("rows", []).append({"label": dec["label"], "epsilon": dec["epsilon"],
@@ -608,19 +612,35 @@ def report_workload(res: dict[str, Any], plot_dir: Path) -> tuple[list[str], lis
             lost = loses(w, r, ddp)
             cases.append((False, lost))
             why = "unstable" if tr.stability is not None and not tr.stability.stable else "walk ratio"
-            rej_rows.append(f"| {dec['label']} | {r['describe']} | {tr.ratio:.4f} | {why} | "
+            pk = progress_retained(warm.stats, r["schedule"])
+            rej_rows.append(f"| {dec['label']} | {r['describe']} | {tr.ratio:.4f} | "
+                            f"{'' if pk is None else f'{pk:.3f}'} | {why} | "
                             f"{lanczos_verdict(warm, r['schedule'])} | {r['final_metric']:.4f} | "
                             f"{'lost: match' if lost else 'kept accuracy: MISMATCH'} |")
     if rej_rows:
         lines += ["", "Schedules the preserver rejected, trained anyway:", "",
-                  "| setting | rejected schedule | ratio | rejected on | with Lanczos | final " + unit
+                  "| setting | rejected schedule | ratio | progress kept | rejected on | with Lanczos | final " + unit
                   + " | measured |",
-                  "|---|---|---|---|---|---|---|", *rej_rows]
+                  "|---|---|---|---|---|---|---|---|", *rej_rows]
     plot_path = plot_dir / f"preserver_validation_{w.name}.png"
     plot(res, target, plot_path)
     lines += ["", f"![{w.name}](../{plot_path.name})", ""]
     summary["ddp_time"] = ddp_time
     return lines, cases, summary
+
+
+def progress_retained(stats: WalkStats | None, s: Schedule) -> float | None:
+    """The walk's predicted loss *decrease* over one steady-state period, schedule over torch DDP:
+    ``(s - E_schedule) / (s - E_ddp)``; the preserver's ratio compares loss levels instead."""
+    if stats is None:
+        return None
+    period = steady_period(s)
+    applied = applied_sequence(s)
+    e_ddp = expected_loss_after(stats.loss, [stats.batch] * period, stats.mu, stats.sigma, stats.lr, stats.s_star)
+    e_s = expected_loss_after(stats.loss, [k * stats.batch for k in applied], stats.mu, stats.sigma, stats.lr,
+                              stats.s_star) if applied else stats.loss
+    drop = stats.loss - e_ddp
+    return 1.0 if drop <= 0 else (stats.loss - e_s) / drop
 
 
 def lanczos_verdict(warm: WarmState, s: Schedule) -> str:
