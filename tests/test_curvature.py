@@ -243,3 +243,23 @@ def test_debiased_secant_removes_the_batch_noise() -> None:
     assert sec.debiased(20.0) == 0.0  # more noise than difference: clipped at no curvature
     with pytest.raises(ContractError, match="noise_sq"):
         sec.debiased(-1.0)
+
+
+def test_attention_closure_runs_with_the_math_kernel() -> None:
+    # torch's fused CPU attention kernel has no double backward; top_eigenvalue must still work, and
+    # agree with the dense Hessian (torch.autograd.functional.hessian with the math kernel: a second method).
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 6, 8, dtype=torch.float64)
+    w0 = torch.randn(8, 8, dtype=torch.float64) * 0.3
+
+    def loss_of(w: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(x @ w, x, x, is_causal=True).pow(2).mean()
+
+    w = torch.nn.Parameter(w0.clone())
+    est = top_eigenvalue(lambda: loss_of(w), [w], tol=1e-8)
+    with sdpa_kernel(SDPBackend.MATH):
+        dense = torch.autograd.functional.hessian(loss_of, w0).reshape(64, 64)
+    assert est.value == pytest.approx(float(torch.linalg.eigvalsh(dense)[-1]), rel=1e-6)

@@ -223,13 +223,19 @@ def top_eigenvalue(closure: Callable[[], torch.Tensor], params: Sequence[torch.T
                    seed: int = 0, ncv: int | None = None) -> CurvatureEstimate:
     """The top Hessian eigenvalue of ``closure()`` (the loss at the current ``params``); see the module docstring.
 
-    ``closure`` is called once (one forward); every Hessian-vector product reuses its graph. Parameters
+    ``closure`` is called once (one forward, with torch's math attention kernel: the fused ones have
+    no double backward); every Hessian-vector product reuses its graph. Parameters
     are not changed (batch-norm running statistics are: the forward runs in the mode the model is in).
     ``tol``, ``maxiter``, ``seed``, ``ncv``: see :func:`top_eigenvalue_of`. With ``preconditioner`` (one
     positive tensor per parameter, e.g. :func:`adam_preconditioner`) it is the top eigenvalue of ``D^½ H D^½``.
     """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     t0 = time.perf_counter()
-    loss = closure()
+    # The fused attention kernels (flash, memory-efficient) have no double backward: the closure's
+    # forward runs with the math kernel, so every Hessian-vector product can differentiate through it.
+    with sdpa_kernel(SDPBackend.MATH):
+        loss = closure()
     op = hessian_operator(loss, params, preconditioner)
     lam, v = top_eigenvalue_of(op, method, tol, maxiter, seed, ncv)
     residual = float(np.linalg.norm(op.matvec(v) - lam * v)) / max(abs(lam), 1e-300)
