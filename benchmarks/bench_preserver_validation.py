@@ -696,6 +696,34 @@ def plot(res: dict[str, Any], target: float, path: Path) -> None:
     plt.close(fig)
 
 
+def write_report(command: str, seconds: float, all_cases: list[tuple[str, bool, bool]],
+                 summaries: dict[str, dict[str, Any]], body: list[str]) -> str:
+    """The markdown fragment (rewritten after every workload, so a late failure keeps the earlier ones)."""
+    matched = sum(1 for _, acc, ok in all_cases if ok)
+    head = ["# Preserver validation: decisions against measured accuracy (issue 12)", "",
+            f"Measured {time.strftime('%Y-%m-%d')} on the shared 2-core CPU box, one process, one thread "
+            f"(other engineers' jobs ran beside it: training seconds are not reported, only predicted time). "
+            f"Total {seconds:.0f} s.", "", "Command (repository root):", "", "```",
+            f".venv/bin/{command.replace('python ', 'python ', 1)}", "```", "",
+            "How (see the module docstring of benchmarks/bench_preserver_validation.py): two ranks emulated in one "
+            "process (two half-batch gradients, their mean is the all-reduced gradient); the preserver's statistics "
+            "gathered as the runtime gathers them during warm-up + profile iterations (noise from the two halves, "
+            "noise-debiased secant curvature, the optimizer's rule from the real optimizer); the decision is "
+            "`deft.runtime.planning.make_schedule` (real planner + preserver) on a profile of the workload at "
+            "250 Mbit/s x 2 links; every schedule any try produced is then trained from the same warm-up point with "
+            "its update timing emulated (no re-checks), evaluated as after `ddp.flush()`. Final metric: at the "
+            "workload's iteration count (as an epoch budget); a schedule short of the target there runs on (up to "
+            "the extension given per workload) only to time it. Time to target = iterations to target x the "
+            "simulator's predicted iteration time for that schedule (the planner's prediction; torch DDP: "
+            "`simulate_baseline('ddp')`): a prediction, not a measured wall time.", "",
+            f"**Decisions matching the measured outcome: {matched} of {len(all_cases)}** "
+            f"({100 * matched / max(1, len(all_cases)):.0f}%; accepted: kept within 1 point / 2% of torch DDP; "
+            "rejected: would have lost more).", ""]
+    text = "\n".join(head + targets(summaries, DeftConfig().epsilon) + [""] + body) + "\n"
+    RESULTS.write_text(text, encoding="utf-8")
+    return text
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="cnn,lm,mlp")
@@ -717,34 +745,14 @@ def main() -> int:
     command = "python benchmarks/bench_preserver_validation.py " + " ".join(sys.argv[1:])
     body, all_cases, summaries = [], [], {}
     t0 = time.perf_counter()
+    text = ""
     for name in names:
         res = run_workload(makers[name](), args, epsilons)
         lines, cases, summary = report_workload(res, ROOT / "benchmarks")
         body += lines
         all_cases += [(name, *c) for c in cases]
         summaries[name] = summary
-    matched = sum(1 for _, acc, ok in all_cases if ok)
-    head = ["# Preserver validation: decisions against measured accuracy (issue 12)", "",
-            f"Measured {time.strftime('%Y-%m-%d')} on the shared 2-core CPU box, one process, one thread "
-            f"(other engineers' jobs ran beside it: training seconds are not reported, only predicted time). "
-            f"Total {time.perf_counter() - t0:.0f} s.", "", "Command (repository root):", "", "```",
-            f".venv/bin/{command.replace('python ', 'python ', 1)}", "```", "",
-            "How (see the module docstring of benchmarks/bench_preserver_validation.py): two ranks emulated in one "
-            "process (two half-batch gradients, their mean is the all-reduced gradient); the preserver's statistics "
-            "gathered as the runtime gathers them during warm-up + profile iterations (noise from the two halves, "
-            "noise-debiased secant curvature, the optimizer's rule from the real optimizer); the decision is "
-            "`deft.runtime.planning.make_schedule` (real planner + preserver) on a profile of the workload at "
-            "250 Mbit/s x 2 links; every schedule any try produced is then trained from the same warm-up point with "
-            "its update timing emulated (no re-checks), evaluated as after `ddp.flush()`. Final metric: at the "
-            "workload's iteration count (as an epoch budget); a schedule short of the target there runs on (up to "
-            "the extension given per workload) only to time it. Time to target = iterations to target x the "
-            "simulator's predicted iteration time for that schedule (the planner's prediction; torch DDP: "
-            "`simulate_baseline('ddp')`): a prediction, not a measured wall time.", "",
-            f"**Decisions matching the measured outcome: {matched} of {len(all_cases)}** "
-            f"({100 * matched / max(1, len(all_cases)):.0f}%; accepted: kept within 1 point / 2% of torch DDP; "
-            "rejected: would have lost more).", ""]
-    text = "\n".join(head + targets(summaries, DeftConfig().epsilon) + [""] + body) + "\n"
-    RESULTS.write_text(text, encoding="utf-8")
+        text = write_report(command, time.perf_counter() - t0, all_cases, summaries, body)
     print(text)
     if args.json:
         args.json.write_text(json.dumps({"cases": all_cases}, indent=1))
