@@ -72,6 +72,7 @@ from deft.solver.simulate import simulate_baseline
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "preserver_validation.md"
+READING = "## What it says (written by hand"
 
 LINK_BPS = 250e6  # bits per second on each of two links
 LINK_ALPHA_S = 1e-3
@@ -613,18 +614,20 @@ def report_workload(res: dict[str, Any], plot_dir: Path) -> tuple[list[str], lis
             cases.append((False, lost))
             why = "unstable" if tr.stability is not None and not tr.stability.stable else "walk ratio"
             pk = progress_retained(warm.stats, r["schedule"])
-            rej_rows.append(f"| {dec['label']} | {r['describe']} | {tr.ratio:.4f} | "
+            it_r = iters_to(w, r, target)
+            t_r = "-" if it_r is None else f"{it_r * r['iteration_s']:.1f} s"
+            rej_rows.append(f"| {dec['label']} | {r['describe']} | {r['iteration_s'] * 1e3:.1f} | {tr.ratio:.4f} | "
                             f"{'' if pk is None else f'{pk:.3f}'} | {why} | "
-                            f"{lanczos_verdict(warm, r['schedule'])} | {r['final_metric']:.4f} | "
+                            f"{lanczos_verdict(warm, r['schedule'])} | {r['final_metric']:.4f} | {t_r} | "
                             f"{'lost: match' if lost else 'kept accuracy: MISMATCH'} |")
     if rej_rows:
         lines += ["", "Schedules the preserver rejected, trained anyway:", "",
-                  "| setting | rejected schedule | ratio | progress kept | rejected on | with Lanczos | final " + unit
-                  + " | measured |",
-                  "|---|---|---|---|---|---|---|---|", *rej_rows]
+                  "| setting | rejected schedule | ms/iteration (predicted) | ratio | progress kept | rejected on | "
+                  "with Lanczos | final " + unit + " | predicted time to target | measured |",
+                  "|---|---|---|---|---|---|---|---|---|---|", *rej_rows]
     plot_path = plot_dir / f"preserver_validation_{w.name}.png"
     plot(res, target, plot_path)
-    lines += ["", f"![{w.name}](../{plot_path.name})", ""]
+    lines += ["", f"![{w.name}]({plot_path.name})", ""]  # relative to benchmarks/RESULTS.md, like the others
     summary["ddp_time"] = ddp_time
     return lines, cases, summary
 
@@ -684,7 +687,8 @@ def plot(res: dict[str, Any], target: float, path: Path) -> None:
     for key, r in res["runs"].items():
         xs = [e["iteration"] * r["iteration_s"] for e in r["evals"]]
         ax.plot(xs, [e["metric"] for e in r["evals"]], marker="o", ms=3,
-                label=("torch DDP / " if key == res["ddp_key"] else "") + r["describe"],
+                label=r["describe"] + (" = torch DDP's parameters, at epsilon 0's iteration time"
+                                       if key == res["ddp_key"] else ""),
                 lw=2 if key == res["ddp_key"] else 1)
     ax.axhline(target, color="grey", ls=":", lw=1, label="target")
     ax.set_xlabel("predicted training time, s (simulator, 2 x 250 Mbit/s)")
@@ -720,6 +724,10 @@ def write_report(command: str, seconds: float, all_cases: list[tuple[str, bool, 
             f"({100 * matched / max(1, len(all_cases)):.0f}%; accepted: kept within 1 point / 2% of torch DDP; "
             "rejected: would have lost more).", ""]
     text = "\n".join(head + targets(summaries, DeftConfig().epsilon) + [""] + body) + "\n"
+    # A hand-written reading of the tables, if the fragment has one, is kept (it starts at READING).
+    old = RESULTS.read_text(encoding="utf-8") if RESULTS.exists() else ""
+    if READING in old:
+        text += "\n" + old[old.index(READING):]
     RESULTS.write_text(text, encoding="utf-8")
     return text
 
@@ -742,7 +750,7 @@ def main() -> int:
               "lm": lambda: lm_workload(args.seed, args.lm_iters),
               "mlp": lambda: mlp_workload(args.seed, args.mlp_iters)}
     names = args.only.split(",")
-    command = "python benchmarks/bench_preserver_validation.py " + " ".join(sys.argv[1:])
+    command = ("python benchmarks/bench_preserver_validation.py " + " ".join(sys.argv[1:])).strip()
     body, all_cases, summaries = [], [], {}
     t0 = time.perf_counter()
     text = ""
