@@ -388,7 +388,7 @@ def train_plan(w: Workload, seed: int, warm: WarmState, plan: Plan, target: floa
     model = w.make_model()
     model.load_state_dict(warm.model)
     opt = w.make_opt(model)
-    opt.load_state_dict(warm.opt)
+    opt.load_state_dict(copy.deepcopy(warm.opt))  # torch keeps the given state tensors: SGD would mutate them
     gen = torch.Generator()
     gen.set_state(warm.gen)
     hist: dict[int, list[torch.Tensor]] = {}
