@@ -25,6 +25,7 @@ ORDER = [
     "profiler_fixtures.md",
     "preserver.md",
     "stability.md",
+    "preserver_validation.md",
 ]
 
 

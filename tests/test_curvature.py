@@ -229,3 +229,37 @@ def test_bad_input_names_the_field() -> None:
     with pytest.raises(ContractError) as e:
         SecantCurvature(window=0)
     assert e.value.field == "window"
+
+
+def test_debiased_secant_removes_the_batch_noise() -> None:
+    # H = 3 I; the step moves x by 1 along e1 and the two batches' noises differ by 2 along e2, so
+    # |Δg|² = 3² + 2² = 13 and |Δx|² = 1 (by hand): raw ratio sqrt(13), debiased by 4: exactly 3.
+    sec = SecantCurvature()
+    x0, x1 = torch.zeros(2, dtype=torch.float64), torch.tensor([1.0, 0.0], dtype=torch.float64)
+    sec.observe([x0], [3.0 * x0 + torch.tensor([0.0, 1.0], dtype=torch.float64)])
+    sec.observe([x1], [3.0 * x1 + torch.tensor([0.0, -1.0], dtype=torch.float64)])
+    assert sec.value == pytest.approx(math.sqrt(13.0))
+    assert sec.debiased(4.0) == pytest.approx(3.0)
+    assert sec.debiased(20.0) == 0.0  # more noise than difference: clipped at no curvature
+    with pytest.raises(ContractError, match="noise_sq"):
+        sec.debiased(-1.0)
+
+
+def test_attention_closure_runs_with_the_math_kernel() -> None:
+    # torch's fused CPU attention kernel has no double backward; top_eigenvalue must still work, and
+    # agree with the dense Hessian (torch.autograd.functional.hessian with the math kernel: a second method).
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 6, 8, dtype=torch.float64)
+    w0 = torch.randn(8, 8, dtype=torch.float64) * 0.3
+
+    def loss_of(w: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(x @ w, x, x, is_causal=True).pow(2).mean()
+
+    w = torch.nn.Parameter(w0.clone())
+    est = top_eigenvalue(lambda: loss_of(w), [w], tol=1e-8)
+    with sdpa_kernel(SDPBackend.MATH):
+        dense = torch.autograd.functional.hessian(loss_of, w0).reshape(64, 64)
+    assert est.value == pytest.approx(float(torch.linalg.eigvalsh(dense)[-1]), rel=1e-6)

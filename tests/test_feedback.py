@@ -407,3 +407,68 @@ def test_accepted_schedule_no_faster_than_no_delay_gives_way() -> None:
     res = preserve(profile(), DeftConfig(epsilon=0.01), STATS, planner=lambda p, c, capacity_scale=1.0: fast,
                    no_delay_planner=lambda p, c: nd, accumulate_planner=slow_merge)
     assert res.accepted and res.schedule.batch_sequence == (1, 2, 1)
+
+
+def test_unstable_stale_schedule_is_rejected_whatever_its_ratio():
+    from deft.preserver.stability import OptimizerSpec
+
+    # SGD lr 0.02 momentum 0.9: one iteration late the edge is (1 - 0.9) / 0.02 = 5 (closed form in
+    # deft.preserver.stability); without delay 2 (1 + 0.9) / 0.02 = 190. Curvature 20 > 0.5 x 5.
+    spec = OptimizerSpec.sgd(0.02, momentum=0.9)
+    fp = FakePlanner([(1, 2, 1)], delayed=True)
+    stats = WalkStats(loss=1.0, mu=0.2, sigma=5.0, lr=0.01, batch=256, curvature=20.0, optimizer=spec)
+    res = preserve(profile(), DeftConfig(epsilon=0.2, preserver_max_tries=2), stats, planner=fp.plan,
+                   no_delay_planner=fp.no_delay)
+    deft_tries = [t for t in res.tries if t.kind == "deft"]
+    assert [t.accepted for t in deft_tries] == [False, False]
+    assert all(t.stability is not None and not t.stability.stable for t in deft_tries)
+    assert res.schedule.batch_sequence != (1, 2, 1)
+    logged = res.schedule.meta["preserver"]["log"]
+    assert [e["stability"]["stable"] for e in logged if e["kind"] == "deft"] == [False, False]
+    calm = dataclasses.replace(stats, curvature=1.0)  # below half of every edge: the walk decides
+    res = preserve(profile(), DeftConfig(epsilon=0.2, preserver_max_tries=2), calm,
+                   planner=FakePlanner([(1, 2, 1)], delayed=True).plan, no_delay_planner=fp.no_delay)
+    assert [t.accepted for t in res.tries if t.kind == "deft"] == [True]
+    with pytest.raises(ContractError, match="optimizer"):
+        WalkStats(loss=1.0, mu=0.2, sigma=5.0, lr=0.01, batch=256, curvature=20.0)
+
+
+def test_lag_free_merge_is_never_rejected_on_stability():
+    from deft.preserver.stability import OptimizerSpec
+
+    # Curvature 150 is beyond half of DDP's edge of 190, yet a lag-free merge has DDP's edge: kept.
+    spec = OptimizerSpec.sgd(0.02, momentum=0.9)
+    stats = WalkStats(loss=1.0, mu=0.2, sigma=5.0, lr=0.01, batch=256, curvature=150.0, optimizer=spec)
+    res = preserve(profile(), DeftConfig(epsilon=0.2, preserver_max_tries=1), stats,
+                   planner=FakePlanner([(2, 2)]).plan, no_delay_planner=FakePlanner([(1,)]).no_delay)
+    deft_try = next(t for t in res.tries if t.kind == "deft")
+    assert deft_try.accepted and deft_try.stability is not None and deft_try.stability.stable
+    assert deft_try.stability.radius < 1.0
+
+
+def test_disabled_preserver_records_but_does_not_enforce_stability():
+    from deft.preserver.stability import OptimizerSpec
+
+    spec = OptimizerSpec.sgd(0.02, momentum=0.9)
+    stats = WalkStats(loss=1.0, mu=0.2, sigma=5.0, lr=0.01, batch=256, curvature=20.0, optimizer=spec)
+    res = preserve(profile(), DeftConfig(epsilon=0.2, preserver=False), stats,
+                   planner=FakePlanner([(1, 2, 1)], delayed=True).plan)
+    assert res.schedule.batch_sequence == (1, 2, 1)
+    assert res.tries[0].stability is not None and not res.tries[0].stability.stable
+
+
+def test_recheck_replans_a_stale_schedule_that_became_unstable():
+    from deft.preserver.stability import OptimizerSpec
+
+    fp = FakePlanner([(1, 2, 1)], delayed=True)
+    config = DeftConfig(epsilon=0.2, recheck_every=10)
+    res = preserve(profile(), config, STATS, planner=fp.plan, no_delay_planner=fp.no_delay)
+    assert res.accepted and res.schedule.batch_sequence == (1, 2, 1)  # no curvature known: the walk decides
+    rc = Recheck(config, res)
+    spec = OptimizerSpec.sgd(0.02, momentum=0.9)
+    calm = dataclasses.replace(STATS, curvature=1.0, optimizer=spec)
+    d = rc.check(10, calm)
+    assert d is not None and not d.replan
+    sharp = dataclasses.replace(STATS, curvature=20.0, optimizer=spec)
+    d = rc.check(20, sharp)
+    assert d is not None and d.replan and "unstable" in d.reason

@@ -35,7 +35,8 @@ Secant (:class:`SecantCurvature`), without a loss closure
     eigenspace (which it tends to when the sharpest direction oscillates, i.e. near instability); with
     mini-batch gradients, the two batches' noise adds up to ``|e_t - e_{t-1}|`` to the numerator, an
     upward bias that grows as the step shrinks. :class:`SecantCurvature` reports the median over a
-    window. On the digits CNN it came out 2-3x below Lanczos (the steps do not follow the sharpest
+    window, raw (``value``) or with the noise's expectation ``2 tr(Σ) / B`` removed (``debiased``).
+    On the digits CNN it came out 2-3x below Lanczos (the steps do not follow the sharpest
     direction there): a screen when the margin is wide, not a measurement.
 
 Adam
@@ -222,13 +223,19 @@ def top_eigenvalue(closure: Callable[[], torch.Tensor], params: Sequence[torch.T
                    seed: int = 0, ncv: int | None = None) -> CurvatureEstimate:
     """The top Hessian eigenvalue of ``closure()`` (the loss at the current ``params``); see the module docstring.
 
-    ``closure`` is called once (one forward); every Hessian-vector product reuses its graph. Parameters
+    ``closure`` is called once (one forward, with torch's math attention kernel: the fused ones have
+    no double backward); every Hessian-vector product reuses its graph. Parameters
     are not changed (batch-norm running statistics are: the forward runs in the mode the model is in).
     ``tol``, ``maxiter``, ``seed``, ``ncv``: see :func:`top_eigenvalue_of`. With ``preconditioner`` (one
     positive tensor per parameter, e.g. :func:`adam_preconditioner`) it is the top eigenvalue of ``D^½ H D^½``.
     """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     t0 = time.perf_counter()
-    loss = closure()
+    # The fused attention kernels (flash, memory-efficient) have no double backward: the closure's
+    # forward runs with the math kernel, so every Hessian-vector product can differentiate through it.
+    with sdpa_kernel(SDPBackend.MATH):
+        loss = closure()
     op = hessian_operator(loss, params, preconditioner)
     lam, v = top_eigenvalue_of(op, method, tol, maxiter, seed, ncv)
     residual = float(np.linalg.norm(op.matvec(v) - lam * v)) / max(abs(lam), 1e-300)
@@ -284,6 +291,13 @@ def adam_scale(optimizer: Any, reduce: str = "median") -> float:
 def secant_curvature(grad_prev: Sequence[torch.Tensor], grad: Sequence[torch.Tensor],
                      params_prev: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> float | None:
     """``|g - g_prev| / |x - x_prev|`` (float64 sums); ``None`` when the parameters did not move."""
+    dg, dx = secant_sums(grad_prev, grad, params_prev, params)
+    return None if dx == 0.0 else math.sqrt(dg / dx)
+
+
+def secant_sums(grad_prev: Sequence[torch.Tensor], grad: Sequence[torch.Tensor],
+                params_prev: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> tuple[float, float]:
+    """``(|g - g_prev|², |x - x_prev|²)`` in float64."""
     import torch
 
     lens = {len(grad_prev), len(grad), len(params_prev), len(params)}
@@ -296,9 +310,7 @@ def secant_curvature(grad_prev: Sequence[torch.Tensor], grad: Sequence[torch.Ten
                                                    f"{tuple(c.shape)}, {tuple(d.shape)}")
         dg += float(torch.sum((b.detach().to(torch.float64) - a.detach().to(torch.float64)) ** 2))
         dx += float(torch.sum((d.detach().to(torch.float64) - c.detach().to(torch.float64)) ** 2))
-    if dx == 0.0:
-        return None
-    return math.sqrt(dg / dx)
+    return dg, dx
 
 
 class SecantCurvature:
@@ -306,13 +318,15 @@ class SecantCurvature:
 
     Call :meth:`observe` once per iteration with the parameters at which the gradient was computed
     and that (averaged) gradient; iterations after which no update landed (the parameters did not
-    move) give no ratio. Memory: one copy of the parameters and one of the gradient.
+    move) give no ratio. Memory: one copy of the parameters and one of the gradient, on their device
+    (for a model that barely fits, that is two model-sized buffers more).
     """
 
     def __init__(self, window: int = 16) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ContractError(_SOURCE, "window", f"expected an integer >= 1, got {window!r}")
         self.ratios: deque[float] = deque(maxlen=window)
+        self.sums: deque[tuple[float, float]] = deque(maxlen=window)  # (|Δg|², |Δx|²) per ratio
         self._prev: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def observe(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> float | None:
@@ -320,9 +334,11 @@ class SecantCurvature:
         cur = ([p.detach().clone() for p in params], [g.detach().clone() for g in grads])
         ratio = None
         if self._prev is not None:
-            ratio = secant_curvature(self._prev[1], cur[1], self._prev[0], cur[0])
-            if ratio is not None:
+            dg, dx = secant_sums(self._prev[1], cur[1], self._prev[0], cur[0])
+            if dx > 0.0:
+                ratio = math.sqrt(dg / dx)
                 self.ratios.append(ratio)
+                self.sums.append((dg, dx))
         if ratio is not None or self._prev is None:  # unmoved: keep the older pair (same point, its gradient)
             self._prev = cur
         return ratio
@@ -331,3 +347,18 @@ class SecantCurvature:
     def value(self) -> float | None:
         """Median of the window's ratios, ``None`` before the first."""
         return statistics.median(self.ratios) if self.ratios else None
+
+    def debiased(self, noise_sq: float) -> float | None:
+        """Median of ``sqrt(max(0, |Δg|² - noise_sq) / |Δx|²)``: the ratios with the mini-batch noise removed.
+
+        Two gradients of independent batches of ``B`` samples carry noises ``e, e'`` with
+        ``E|e - e'|² = 2 tr(Σ) / B`` (``Σ``: per-sample gradient covariance, :class:`NoiseEstimate.trace
+        <deft.preserver.noise.NoiseEstimate>`); pass that as ``noise_sq``. On a linear loss (no curvature)
+        the raw ratio is pure noise; this removes its expectation. ``None`` before the first ratio.
+        """
+        noise_sq = float(noise_sq)
+        if not math.isfinite(noise_sq) or noise_sq < 0.0:
+            raise ContractError(_SOURCE, "noise_sq", f"expected a finite number >= 0, got {noise_sq!r}")
+        if not self.sums:
+            return None
+        return statistics.median(math.sqrt(max(0.0, dg - noise_sq) / dx) for dg, dx in self.sums)

@@ -42,6 +42,16 @@ Measured (benchmarks/RESULTS.md, "What the accuracy knob does"; 4.4M-parameter C
 :func:`applied_sequence` and ``STALENESS_MARGIN``); preserver disabled: 0.672 in 38 s. The short,
 high-learning-rate run is harsh on stale updates; long runs with decaying learning rates are less so.
 
+Stability (issue 12)
+--------------------
+The walk sees only the batch sequence; it cannot tell a lag-free merge from a stale update. When
+:class:`WalkStats` carries the top Hessian eigenvalue and the optimizer's update rule, every try is
+also checked by :func:`deft.preserver.stability.check_stability`: a schedule whose delayed-update
+recurrence is unstable along the sharpest direction (curvature beyond ``margin`` x its stability
+edge) is rejected whatever its ratio (``_judge``); lag-free schedules have torch DDP's edge and are
+never rejected on these grounds. Each try records the radius, edge and verdict (``Try.stability``,
+``meta["preserver"]["log"]``); :class:`Recheck` re-plans when the running schedule becomes unstable.
+
 Statistics
 ----------
 :class:`WalkStats` carries the current loss, ``mu = |g|²``, ``sigma² = gᵀΣg`` (per sample), the
@@ -63,11 +73,13 @@ from typing import TYPE_CHECKING, Any
 from deft.config import DeftConfig
 from deft.errors import ContractError
 from deft.preserver.gaussian_walk import convergence_ratio, expected_next_loss
+from deft.preserver.stability import Plan, StabilityCheck, applied_updates, check_stability
 from deft.schedule import Schedule
 from deft.solver.plan import accumulate_plan, no_delay_plan, plan
 
 if TYPE_CHECKING:  # pragma: no cover
     from deft.preserver.noise import NoiseEstimate
+    from deft.preserver.stability import OptimizerSpec
     from deft.profile import Profile
 
 log = logging.getLogger("deft.preserver")
@@ -88,7 +100,12 @@ class WalkStats:
     * ``mu``, ``sigma``: from :class:`deft.preserver.noise.NoiseEstimator`;
     * ``lr``: the step size of plain SGD (the walk models ``w -= lr * g_B``; for momentum SGD the
       steady-state step is ``lr / (1 - momentum)``, the caller decides which to pass);
-    * ``batch``: the global batch of one iteration (all ranks).
+    * ``batch``: the global batch of one iteration (all ranks);
+    * ``curvature``, ``optimizer`` (optional, together): the top Hessian eigenvalue of the training loss
+      (:mod:`deft.preserver.curvature`) and the optimizer's update rule
+      (:meth:`deft.preserver.stability.OptimizerSpec.from_torch`). With both, a schedule whose update
+      recurrence is unstable along the sharpest direction (:func:`deft.preserver.stability.check_stability`)
+      is rejected whatever its walk ratio.
     """
 
     loss: float
@@ -97,10 +114,15 @@ class WalkStats:
     lr: float
     batch: float
     s_star: float = 0.0
+    curvature: float | None = None
+    optimizer: OptimizerSpec | None = None
 
     def __post_init__(self) -> None:
         # One evaluation validates every field with errors that name it.
         expected_next_loss(self.loss, self.mu, self.sigma, self.lr, self.batch, self.s_star)
+        if (self.curvature is None) != (self.optimizer is None):
+            raise ContractError("preserver", "curvature" if self.curvature is None else "optimizer",
+                                "curvature and optimizer are given together (the stability check needs both)")
 
     @classmethod
     def from_estimate(cls, loss: float, estimate: NoiseEstimate | None, lr: float, batch: float,
@@ -110,8 +132,14 @@ class WalkStats:
             return None
         return cls(loss=loss, mu=estimate.mu, sigma=estimate.sigma, lr=lr, batch=batch, s_star=s_star)
 
-    def to_dict(self) -> dict[str, float]:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def stability(self, schedule: Schedule | Plan) -> StabilityCheck | None:
+        """The schedule's stability along the sharpest direction; ``None`` without curvature."""
+        if self.curvature is None or self.optimizer is None:
+            return None
+        return check_stability(schedule, self.curvature, self.optimizer)
 
 
 @dataclass(frozen=True)
@@ -125,11 +153,14 @@ class Try:
     applied: tuple[int, ...] = ()  # updates applied within the cycle (see applied_sequence)
     window: int = 0  # the steady-state period the ratio was taken over (steady_period)
     kind: str = "deft"  # "deft" (the planner at a capacity), "accumulate" (lag-free merge) or "no_delay"
+    plan: Plan = ()  # when each update lands and how stale it is (deft.preserver.stability.applied_updates)
+    stability: StabilityCheck | None = None  # when the curvature was known
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "capacity_scale": self.capacity_scale, "k": list(self.k),
                 "applied": list(self.applied),
-                "window": self.window, "ratio": _json_float(self.ratio), "accepted": self.accepted}
+                "window": self.window, "ratio": _json_float(self.ratio), "accepted": self.accepted,
+                "stability": None if self.stability is None else self.stability.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -204,6 +235,16 @@ def schedule_ratio(schedule: Schedule, stats: WalkStats) -> float:
                              applied_sequence(schedule), stats.s_star, window=steady_period(schedule))
 
 
+def _judge(schedule: Schedule, stats: WalkStats, walk_ok: bool) -> tuple[bool, StabilityCheck | None]:
+    """The walk's verdict, overruled when the update recurrence is unstable along the sharpest direction
+    (only when the curvature is known; lag-free schedules never are: deft.preserver.stability)."""
+    chk = stats.stability(schedule)
+    if chk is not None and not chk.stable:
+        log.info("preserver: K=%s rejected as unstable: %s", schedule.batch_sequence, chk.reason)
+        return False, chk
+    return walk_ok, chk
+
+
 def passes(k: tuple[int, ...], ratio: float, epsilon: float) -> bool:
     """The acceptance test. ``epsilon == 0`` accepts only schedules without merged updates."""
     if epsilon == 0.0:
@@ -266,9 +307,10 @@ def _best_merge(profile: Profile, config: DeftConfig, stats: WalkStats, accumula
     for k in range(2, MAX_MERGE + 1):
         s = _checked(merge(profile, config, k), "accumulate_plan")
         ratio = schedule_ratio(s, stats)
-        ok = passes(s.batch_sequence, ratio, config.epsilon)
+        ok, chk = _judge(s, stats, passes(s.batch_sequence, ratio, config.epsilon))
         tries.append(Try(capacity_scale=None, k=s.batch_sequence, ratio=ratio, accepted=ok,
-                         applied=applied_sequence(s), window=steady_period(s), kind="accumulate"))
+                         applied=applied_sequence(s), window=steady_period(s), kind="accumulate",
+                         plan=applied_updates(s), stability=chk))
         log.info("preserver: lag-free merge of %d iterations, ratio %.5f: %s", k, ratio,
                  "passes" if ok else "fails")
         if not ok:
@@ -312,8 +354,10 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
     if not config.preserver:
         s = _checked(planner(profile, config, capacity_scale=1.0), "plan")
         ratio = None if stats is None else schedule_ratio(s, stats)
+        chk = None if stats is None else stats.stability(s)  # recorded, not enforced: nothing is checked
         tries.append(Try(capacity_scale=1.0, k=s.batch_sequence, ratio=ratio, accepted=True,
-                         applied=applied_sequence(s), window=steady_period(s)))
+                         applied=applied_sequence(s), window=steady_period(s), plan=applied_updates(s),
+                         stability=chk))
         log.info("preserver disabled: using the solver's schedule K=%s untested (ratio %s)",
                  s.batch_sequence, "unknown" if ratio is None else f"{ratio:.4f}")
         return _finish(s, tries, True, config, stats, "preserver disabled")
@@ -327,9 +371,9 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
         s = _checked(planner(profile, config, capacity_scale=scale), "plan")
         k = s.batch_sequence
         ratio = schedule_ratio(s, stats)
-        ok = passes(k, ratio, config.epsilon)
+        ok, chk = _judge(s, stats, passes(k, ratio, config.epsilon))
         tries.append(Try(capacity_scale=scale, k=k, ratio=ratio, accepted=ok, applied=applied_sequence(s),
-                         window=steady_period(s)))
+                         window=steady_period(s), plan=applied_updates(s), stability=chk))
         log.info("preserver try %d/%d: capacity x%.4g, K=%s, ratio %.5f in [%.4g, %.4g]: %s",
                  i + 1, config.preserver_max_tries, scale, k, ratio, lo, hi, "accepted" if ok else "rejected")
         if ok:
@@ -413,9 +457,15 @@ class Recheck:
         if not passes(k, ratio, eps):
             return self._decide(iteration, ratio, True,
                                 f"running schedule K={k} has ratio {ratio:.5f}, outside [{1 - eps:.4g}, {1 + eps:.4g}]")
+        chk = stats.stability(self.result.schedule)
+        if chk is not None and not chk.stable:
+            return self._decide(iteration, ratio, True, f"running schedule K={k} is unstable now: {chk.reason}")
         for cand in self._faster:
             r = convergence_ratio(stats.loss, stats.mu, stats.sigma, stats.lr, stats.batch, cand.applied,
                                   stats.s_star, window=cand.window or sum(cand.k))
+            cand_chk = stats.stability(cand.plan) if cand.plan else None
+            if cand_chk is not None and not cand_chk.stable:
+                continue  # still unstable along the sharpest direction
             if passes(cand.k, r, eps):
                 return self._decide(iteration, ratio, True,
                                     f"previously rejected K={cand.k} now has ratio {r:.5f}: a faster schedule may pass")

@@ -46,6 +46,7 @@ from torch import nn
 from deft.config import DeftConfig
 from deft.errors import ContractError, DeftError
 from deft.netif import new_group_on_nic
+from deft.preserver.curvature import adam_preconditioner, top_eigenvalue
 from deft.profile import Profile
 from deft.profiler import nvtx
 from deft.runtime.adapt import Adapter, window_medians
@@ -209,6 +210,7 @@ class DistributedDataParallel(nn.Module):
         self._adapt_on = False
         self._adapter: Adapter | None = None  # rank 0
         self._last_walk: Any = None  # the preserver's statistics at the last plan (rank 0 re-plans with them)
+        self._calibrated: dict[str, Any] | None = None  # rank 0's Lanczos probe (calibrate), on every rank
         self._fwd_start: float | None = None
         self._bwd_start: float | None = None
         self._iter_s: list[float] = []
@@ -257,6 +259,46 @@ class DistributedDataParallel(nn.Module):
     def observe_loss(self, loss: torch.Tensor | float) -> None:
         """Report this iteration's loss (optional; feeds the preserver's convergence statistics)."""
         self._losses.append(float(loss.detach().item()) if isinstance(loss, torch.Tensor) else float(loss))
+
+    def calibrate(self, closure: Any, *, tol: float = 0.05, ncv: int | None = 4, maxiter: int = 300
+                  ) -> dict[str, Any] | None:
+        """Optional, collective: measure the top Hessian eigenvalue for the preserver's stability check.
+
+        ``closure()`` returns the training loss of one global-batch-sized batch computed through
+        ``ddp.module`` (not ``ddp``: it is not a training iteration). Rank 0 runs Lanczos on
+        Hessian-vector products (:func:`deft.preserver.curvature.top_eigenvalue`; on the digits CNN
+        ~14 products, 16 s at ``tol=0.05, ncv=4``: benchmarks/results/stability.md) and broadcasts the
+        value; the next plan and re-check use it instead of the free secant estimate. Call it between
+        iterations, typically right before training and again before a re-check if the sharpness
+        grows. Does nothing (returns ``None``) when the preserver could not accept a stale schedule
+        (epsilon 0, preserver off, one rank). A failing probe is reported, not raised, on every rank.
+        """
+        self._require_idle("calibrate()")
+        if self.config.epsilon == 0 or not self.config.preserver or self.world < 2:
+            return None
+        # Every rank: an update finishing in the forward is applied now, so the closure's forward (rank 0
+        # only) cannot trigger it on one rank. The forward changes batch-norm running statistics on
+        # rank 0; the next iteration's buffer broadcast (broadcast_buffers) gives them to every rank.
+        self._finish_deferred()
+        doc: dict[str, Any] = {}
+        if self.rank == 0:
+            try:
+                opt = self._optim.optimizer
+                pre = None
+                if type(opt).__name__ in ("Adam", "AdamW") and opt is not None and opt.state:
+                    pre = adam_preconditioner(opt)  # exact for linearised Adam (scale 1 in the spec)
+                est = top_eigenvalue(closure, self._params, tol=tol, ncv=ncv, maxiter=maxiter, preconditioner=pre)
+                doc = {**est.to_dict(), "preconditioned": pre is not None}
+            except Exception as e:  # tell the other ranks; the secant estimate stays in use
+                log.exception("deft: calibrate() failed on rank 0")
+                doc = {"error": f"{type(e).__name__}: {e}"}
+        doc = self._control.broadcast_json(doc, "curvature probe")
+        self.plan_info.setdefault("calibrations", []).append({"iteration": self._t, **doc})
+        if "error" in doc:
+            log.warning("deft: curvature probe failed (%s); the preserver keeps the secant estimate", doc["error"])
+            return None
+        self._calibrated = doc
+        return doc
 
     @property
     def schedule(self) -> Schedule:
@@ -506,6 +548,8 @@ class DistributedDataParallel(nn.Module):
                     self._stats.drop(last)
                     continue
                 self._stats.update(last, ex.layout, upd.grads, self._control.group, self.device)
+                if upd.iterations == (self._t,):  # lag-free, one iteration: computed at the parameters now
+                    self._stats.observe_point(self._params, upd.grads)
         for upd in updates[:-1]:
             self._set_grads(upd.grads)
             self._optim.step_internally()
@@ -753,7 +797,8 @@ class DistributedDataParallel(nn.Module):
         return every <= STATS_WINDOW or (self._t % every) >= every - STATS_WINDOW
 
     def _walk_stats(self) -> tuple[Any, str]:
-        return walk_stats(self.config, self._control, self._losses, self._stats, self._optim.optimizer, self._batch)
+        return walk_stats(self.config, self._control, self._losses, self._stats, self._optim.optimizer, self._batch,
+                          self._calibrated)
 
     def _maybe_recheck(self) -> None:
         if self._t % self.config.recheck_every != 0 or self._planning.pending is not None:

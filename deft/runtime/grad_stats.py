@@ -1,5 +1,15 @@
 """The preserver's live statistics: gradient noise from the buffers deft all-reduces anyway, and the
-:class:`~deft.preserver.feedback.WalkStats` the preserver needs (loss, mu, sigma, learning rate, batch).
+:class:`~deft.preserver.feedback.WalkStats` the preserver needs (loss, mu, sigma, learning rate, batch,
+and for the stability check the top curvature and the optimizer's update rule).
+
+Curvature (:func:`stability_inputs`): a Lanczos probe when the user ran ``ddp.calibrate(closure)``,
+else the free secant estimate :class:`deft.preserver.curvature.SecantCurvature` (its median with the
+mini-batch noise ``2 tr(Σ) / B`` removed, ``debiased``) over the lag-free
+single-iteration updates this rank applies while statistics run (every warm-up and profile iteration):
+the averaged gradient and the parameters it was computed at, both identical on every rank, so no
+collective. It is biased low on the digits CNN (2-3x, benchmarks/results/stability.md), a screen, not
+a measurement. The optimizer's rule is :meth:`deft.preserver.stability.OptimizerSpec.from_torch`; for
+Adam/AdamW the step scale is the median of ``1 / (sqrt(v_hat) + eps)`` (:func:`adam_scale`).
 
 Runs before planning (warm-up and profile iterations) and, after it, in a window of iterations before
 each preserver re-check. Every collective here is on the control group and matched on every rank:
@@ -9,13 +19,17 @@ all ranks apply the same updates, so they call :meth:`GradStats.update` at the s
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any
 
 import torch
 
 from deft.config import DeftConfig
+from deft.errors import ContractError
+from deft.preserver.curvature import SecantCurvature, adam_scale
 from deft.preserver.feedback import WalkStats
 from deft.preserver.noise import DirectionPair, LocalStats, NoiseEstimator, all_gather_stats, local_stats
+from deft.preserver.stability import OptimizerSpec
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.control import ControlPlane
 
@@ -40,6 +54,7 @@ class GradStats:
     def __init__(self) -> None:
         self.noise = NoiseEstimator()
         self.directions = DirectionPair()
+        self.secant = SecantCurvature()
         self._first_piece: dict[int, int] = {}  # bucket -> index of its first piece in u_a, u_b
         self._acc: dict[int, list[Any]] = {}    # group key -> [sq, pa, pb, has_dirs, batch]
 
@@ -84,6 +99,13 @@ class GradStats:
         """Forget every accumulated group (their updates are applied without an estimate)."""
         self._acc.clear()
 
+    def observe_point(self, params: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+        """A lag-free single-iteration update: ``grads`` (the averaged gradient) was computed at ``params``
+        (the parameters now, before the step); feeds the secant curvature. Local, no collective."""
+        pairs = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
+        if pairs:
+            self.secant.observe([p for p, _ in pairs], [g for _, g in pairs])
+
     def update(self, key: int, layout: FlatLayout, grads: list[torch.Tensor | None], control: Any,
                device: torch.device) -> None:
         acc = self._acc.pop(key, None)
@@ -111,14 +133,43 @@ class GradStats:
         return self.noise.estimate
 
 
+def stability_inputs(optimizer: Any, secant: float | None, calibrated: float | None,
+                     preconditioned: bool = False) -> tuple[float | None, OptimizerSpec | None, str]:
+    """(curvature, optimizer rule, how) for :class:`WalkStats`; ``(None, None, why)`` when unknown.
+
+    The calibrated (Lanczos) value wins over the secant one. ``preconditioned``: the calibrated value
+    is Adam's preconditioned curvature (``D^1/2 H D^1/2``), so the spec's scale is 1; otherwise
+    Adam's scale is the median of ``1 / (sqrt(v_hat) + eps)``. ``how`` is ``"lanczos (calibrate)"``,
+    ``"secant"`` or the reason there is none (unsupported optimizer, no estimate yet).
+    """
+    if calibrated is not None:
+        lam, how = calibrated, "lanczos (calibrate)"
+    elif secant is not None:
+        lam, how = secant, "secant"
+    else:
+        return None, None, "no curvature estimate yet (no parameter move observed; ddp.calibrate not called)"
+    if optimizer is None:
+        return None, None, "optimizer unknown"
+    try:
+        scale = 1.0
+        if type(optimizer).__name__ in ("Adam", "AdamW") and not (calibrated is not None and preconditioned):
+            scale = adam_scale(optimizer, "median")
+        spec = OptimizerSpec.from_torch(optimizer, scale=scale)
+    except ContractError as e:
+        return None, None, f"stability not checked: {e}"
+    return float(lam), spec, how
+
+
 def walk_stats(config: DeftConfig, control: ControlPlane, losses: collections.deque[float],
                stats: GradStats | None, optimizer: torch.optim.Optimizer | None,
-               batch: int | None) -> tuple[WalkStats | None, str]:
+               batch: int | None, calibrated: dict[str, Any] | None = None) -> tuple[WalkStats | None, str]:
     """WalkStats for the preserver from the live statistics (collective on the control group), or None and why.
 
     ``loss``: the mean over ranks of the last observed loss; ``lr``: the optimizer's first group
     (for SGD with momentum the effective step ``lr / (1 - momentum)``);
-    ``batch``: ranks x the first dimension of the forward's first tensor argument.
+    ``batch``: ranks x the first dimension of the forward's first tensor argument;
+    ``curvature``/``optimizer``: :func:`stability_inputs` (``calibrated``: ``ddp.calibrate``'s record).
+    The reason string says how the curvature was obtained (or why there is none).
     """
     if config.epsilon == 0 or not config.preserver:
         return None, "not needed"
@@ -140,4 +191,11 @@ def walk_stats(config: DeftConfig, control: ControlPlane, losses: collections.de
         # step the walk must see, or a stale or merged update looks 1/(1 - momentum) times cheaper.
         lr = lr / (1.0 - momentum)
     walk = WalkStats.from_estimate(max(loss, config.s_star), estimate, lr, batch * control.world, config.s_star)
-    return walk, "estimated during warm-up"
+    # Secant with the two batches' gradient noise removed: E|e - e'|² = 2 tr(Σ) / B_global.
+    secant = None if stats is None else stats.secant.debiased(2.0 * estimate.trace / (batch * control.world))
+    lam, spec, how = stability_inputs(optimizer, secant,
+                                      None if calibrated is None else float(calibrated["value"]),
+                                      bool(calibrated and calibrated.get("preconditioned")))
+    if walk is not None and lam is not None:
+        walk = dataclasses.replace(walk, curvature=lam, optimizer=spec)
+    return walk, f"estimated during warm-up; curvature: {how}" + ("" if lam is None else f" {lam:.4g}")

@@ -96,8 +96,9 @@ def make_schedule(cfg: DeftConfig, profile: Profile | None, stats: WalkStats | N
         if cfg.preserver:
             res = feedback.preserve(profile, cfg, stats, planner=plan, no_delay_planner=base)
             return Decision(res.schedule, {"source": "preserver", "accepted": bool(res.accepted),
-                                           "tries": len(res.tries),
-                                           "stats": None if stats is None else stats.to_dict()}, res)
+                                           "tries": len(res.tries), "reason": res.reason,
+                                           "stats": None if stats is None else stats.to_dict(),
+                                           "try_log": [t.to_dict() for t in res.tries]}, res)
         return Decision(plan(profile, cfg), {"source": "plan"})
     except DeftError as e:
         first = f"{type(e).__name__}: {e}"
@@ -179,7 +180,8 @@ class Planning:
                         doc["schedule"] = res.schedule.to_dict()
                         doc["info"] = {"source": "preserver (re-plan)", "accepted": bool(res.accepted),
                                        "tries": len(res.tries), "reason": res.reason,
-                                       "stats": None if stats is None else stats.to_dict()}
+                                       "stats": None if stats is None else stats.to_dict(),
+                                       "try_log": [t.to_dict() for t in res.tries]}
             except Exception as e:  # re-planning never ends a run: keep the running schedule
                 doc = {"error": f"{type(e).__name__}: {e}"}
         doc = self.control.broadcast_json(doc, "re-check decision")
