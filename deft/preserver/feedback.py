@@ -282,7 +282,12 @@ def _finish(schedule: Schedule, tries: list[Try], accepted: bool, config: DeftCo
 #: cost none (benchmarks/RESULTS.md, update-timing check).
 STALENESS_MARGIN = 0.25
 #: Largest number of iterations a lag-free merge (:func:`deft.solver.plan.accumulate_plan`) may merge.
-MAX_MERGE = 8
+#: Measured (benchmarks/results/preserver_validation.md, at the same learning rate): merging 2 kept
+#: torch DDP's accuracy within a point (digits CNN +0.8; torch's no_sync x2 -0.8 on the testbed), while
+#: the walk accepted merges of 4 and 8 that lost 2.8 and 6.1 points (MLP) and 20% of validation loss
+#: (character LM). The walk cannot price them: its noise estimate after a few warm-up iterations is
+#: often sigma = 0, and then a merge of k looks like k steps of progress lost, not the ~1/sqrt(k).
+MAX_MERGE = 2
 
 
 def _is_stale(schedule: Schedule) -> bool:
