@@ -86,9 +86,12 @@ class Scheme:
 SCHEMES: dict[str, Scheme] = {
     "compute": Scheme("computation only (each host alone, no communication)", {}, deft=False),
     "ddp": Scheme("torch DDP (one bucket per profile bucket)", {}, deft=False),
-    "deft-eps0": Scheme("deft, epsilon 0, two links", {"epsilon": 0.0}),
-    "deft": Scheme("deft default (epsilon 0.01, preserver), two links", {}),
-    "deft-plan": Scheme("deft, preserver off (the planner's schedule), two links", {"preserver": False}),
+    # Adaptation off: the replay measures the schedule planned on the given profile against its
+    # simulation; a switch to a schedule planned on a corrected profile would measure something else.
+    "deft-eps0": Scheme("deft, epsilon 0, two links", {"epsilon": 0.0, "adapt": False}),
+    "deft": Scheme("deft default (epsilon 0.01, preserver), two links", {"adapt": False}),
+    "deft-plan": Scheme("deft, preserver off (the planner's schedule), two links",
+                        {"preserver": False, "adapt": False}),
 }
 
 
