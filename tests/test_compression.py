@@ -194,6 +194,15 @@ def test_partition_keeps_wire_and_codec_totals() -> None:
     assert parted.codec == "fp16"
 
 
+def test_partition_never_splits_a_tensor_under_powersgd() -> None:
+    # The same profile and caps that split it into 6 pieces under fp16: under PowerSGD a piece of a
+    # matrix would go uncompressed, so the 2 buckets stay whole (and too big for the cap of 250).
+    prof = compressed_profile()
+    psgd = Profile(prof.buckets, prof.times, prof.links, prof.world_size, prof.source, codec="powersgd (rank 4)")
+    parted = partition(psgd, DeftConfig(partition_numel=250), capacity_s=100.0)
+    assert [b.numel for b in parted.buckets] == [b.numel for b in prof.buckets]
+
+
 # -- the simulator ------------------------------------------------------------------------------------
 def test_wfbp_timeline_with_codec_by_hand() -> None:
     # One iteration from its forward start s: fwd b1 [s, s+1], fwd b0 [s+1, s+2], bwd b0 [s+2, s+4],
