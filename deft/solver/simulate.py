@@ -605,7 +605,8 @@ def _result(scheme: str, profile: Profile, eng: _Engine, cycle: int, warm: int, 
     events += [SimEvent(x.link, "comm", x.bucket, x.iteration, x.start, x.end, x.label, x.stage_iteration)
                for x in eng.comms if not math.isnan(x.start)]
     return SimResult(scheme=scheme, iteration_s=iteration_s, compute_bound_s=profile.forward_s + profile.backward_s,
-                     bubble_ratio=(span - busy) / span if span > 0 else 0.0,
+                     # max: busy may exceed the span by rounding (codec tasks end where the span ends)
+                     bubble_ratio=max(0.0, (span - busy) / span) if span > 0 else 0.0,
                      updates_per_iteration=updates_per_iteration, link_utilization=util,
                      events=tuple(events), window=(t0, t1), iteration_starts=tuple(starts), cycle=cycle,
                      meta=meta)
