@@ -46,27 +46,17 @@ from deft.preserver.stability import (
     OptimizerSpec,
     check_stability,
 )
-from deft.schedule import CommTask, Schedule, StagePlan, Update, synchronous_schedule
+from deft.schedule import synchronous_schedule, update_pattern_schedule
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "stability.md"
 
 
-def make_schedule(cycle: int, updates: list[tuple[tuple[int, ...], int]]) -> Schedule:
-    """A one-bucket schedule with the given update groups (bucket sent in the group's last backward)."""
-    backward = {u[0][-1]: (CommTask(bucket=0, origin=0, link="l0"),) for u in updates}
-    stages = []
-    for p in range(cycle):
-        stages += [StagePlan(p, "forward"), StagePlan(p, "backward", backward.get(p, ()))]
-    return Schedule(cycle=cycle, links=("l0",), bucket_numel=(1,), bucket_nbytes=(4,), stages=tuple(stages),
-                    updates=tuple(Update(positions=pos, apply_after=a) for pos, a in updates))
-
-
 SCHEDULES = {
     "no delay (torch DDP)": synchronous_schedule((1,), (4,), ("l0",)),
-    "K = [2], lag-free": make_schedule(2, [((0, 1), 1)]),
-    "K = [1, 1], one iteration late": make_schedule(2, [((0,), 1), ((1,), 2)]),
-    "K = [1, 2, 1], one iteration late": make_schedule(4, [((0,), 1), ((1, 2), 3), ((3,), 4)]),
+    "K = [2], lag-free": update_pattern_schedule(2, [((0, 1), 1)]),
+    "K = [1, 1], one iteration late": update_pattern_schedule(2, [((0,), 1), ((1,), 2)]),
+    "K = [1, 2, 1], one iteration late": update_pattern_schedule(4, [((0,), 1), ((1, 2), 3), ((3,), 4)]),
 }
 #: What the update-timing check measured for three of them (benchmarks/results/testbed.md).
 MEASURED = {

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -326,3 +327,16 @@ def synchronous_schedule(bucket_numel: tuple[int, ...], bucket_nbytes: tuple[int
     return Schedule(cycle=1, links=links, bucket_numel=bucket_numel, bucket_nbytes=bucket_nbytes,
                     stages=(StagePlan(0, "forward"), StagePlan(0, "backward", comms)),
                     updates=(Update(positions=(0,), apply_after=0),))
+
+
+def update_pattern_schedule(cycle: int, updates: Sequence[tuple[tuple[int, ...], int]],
+                            link: str = "l0") -> Schedule:
+    """The smallest schedule with a given update timing: one bucket (one element), one link, and the
+    update groups ``[(positions, apply_after), ...]``, each group's bucket sent in the backward of its
+    last position. What the preserver's stability maths reads of a schedule is exactly this timing."""
+    backward = {u[0][-1]: (CommTask(bucket=0, origin=0, link=link),) for u in updates}
+    stages: list[StagePlan] = []
+    for p in range(cycle):
+        stages += [StagePlan(p, "forward"), StagePlan(p, "backward", backward.get(p, ()))]
+    return Schedule(cycle=cycle, links=(link,), bucket_numel=(1,), bucket_nbytes=(4,), stages=tuple(stages),
+                    updates=tuple(Update(positions=pos, apply_after=a) for pos, a in updates))

@@ -34,24 +34,13 @@ from deft.preserver.stability import (
     stability_edge,
     transfer_matrix,
 )
-from deft.schedule import CommTask, Schedule, StagePlan, Update, synchronous_schedule
-
-
-def make_schedule(cycle: int, updates: list[tuple[tuple[int, ...], int]]) -> Schedule:
-    """A valid one-bucket schedule: each group's bucket is sent in the backward of its last position."""
-    backward = {u[0][-1]: (CommTask(bucket=0, origin=0, link="l0"),) for u in updates}
-    stages = []
-    for p in range(cycle):
-        stages += [StagePlan(p, "forward"), StagePlan(p, "backward", backward.get(p, ()))]
-    return Schedule(cycle=cycle, links=("l0",), bucket_numel=(1,), bucket_nbytes=(4,), stages=tuple(stages),
-                    updates=tuple(Update(positions=pos, apply_after=a) for pos, a in updates))
-
+from deft.schedule import Schedule, synchronous_schedule, update_pattern_schedule
 
 NO_DELAY = synchronous_schedule((1,), (4,), ("l0",))
-MERGED_2 = make_schedule(2, [((0, 1), 1)])  # K = [2], lag-free
-LATE_1 = make_schedule(2, [((0,), 1), ((1,), 2)])  # K = [1, 1], each update one iteration late
-LATE_121 = make_schedule(4, [((0,), 1), ((1, 2), 3), ((3,), 4)])  # K = [1, 2, 1], one iteration late
-LATE_2 = make_schedule(3, [((0,), 2), ((1,), 3), ((2,), 4)])  # K = [1, 1, 1], two iterations late
+MERGED_2 = update_pattern_schedule(2, [((0, 1), 1)])  # K = [2], lag-free
+LATE_1 = update_pattern_schedule(2, [((0,), 1), ((1,), 2)])  # K = [1, 1], each update one iteration late
+LATE_121 = update_pattern_schedule(4, [((0,), 1), ((1, 2), 3), ((3,), 4)])  # K = [1, 2, 1], one iteration late
+LATE_2 = update_pattern_schedule(3, [((0,), 2), ((1,), 3), ((2,), 4)])  # K = [1, 1, 1], two iterations late
 SCHEDULES = {"no delay": NO_DELAY, "K=[2]": MERGED_2, "late 1": LATE_1, "K=[1,2,1] late": LATE_121,
              "late 2": LATE_2}
 
