@@ -52,8 +52,12 @@ class DeftConfig:
     solver: str = "exact"
     solver_time_limit_s: float = 1.0   # a deterministic work budget per plan (CP-SAT units), not wall seconds
     solver_relative_gap: float = 1e-3
-    warmup_iters: int = 3
-    profile_iters: int = 5
+    # 1 + 3 iterations before planning (was 3 + 5): the warm-up timer measures the real all-reduces,
+    # rotated over the links, so 3 profile iterations see every bucket on every link of two; and every
+    # warm-up iteration runs at torch DDP's pace, which time to accuracy pays (benchmarks/results/peers.md:
+    # time to 93 % 1.42x -> 1.53x torch DDP at 250 Mbit/s, the same steady state).
+    warmup_iters: int = 1
+    profile_iters: int = 3
     preserver: bool = True
     preserver_max_tries: int = 10
     capacity_growth: float = 1.25
