@@ -241,20 +241,22 @@ def test_delayed_schedule_pays_codec_on_the_compute_stream() -> None:
     assert res.bubble_ratio == pytest.approx(0.0, abs=1e-9)
 
 
-def test_hooked_sends_on_two_links_run_one_at_a_time() -> None:
+@pytest.mark.parametrize(("codec", "expected"), [("powersgd (rank 4)", 8.5), ("fp16", 7.5)])
+def test_hooked_sends_on_two_links(codec: str, expected: float) -> None:
     # Bucket 0 on primary, bucket 1 on second, both in backward, applied at the step. Compute as in the
-    # wfbp test; comm b0 [s+4.5, s+7.5]; comm b1 ready at s+5.75 but the chained hook sends it only after
-    # b0: [s+7.5, s+8.5]. Independent links would give s+7.5.
+    # wfbp test; comm b0 [s+4.5, s+7.5]; comm b1 ready at s+5.75. PowerSGD's launches are chained: b1
+    # is sent only after b0, [s+7.5, s+8.5]. fp16's are not (one collective each, no shared state):
+    # b1 runs on its own link, [s+5.75, s+6.75], and the iteration ends with b0 at s+7.5.
     prof = compressed_profile()
     second = Link("second", "gloo", None, 0.0, 1e-6)
     times = tuple(BucketTimes(t.forward_s, t.backward_s, {**t.comm_s, "second": t.comm_s["primary"]}, t.codec_s)
                   for t in prof.times)
-    two = Profile(prof.buckets, times, (*prof.links, second), 2, "synthetic", codec="fp16")
+    two = Profile(prof.buckets, times, (*prof.links, second), 2, "synthetic", codec=codec)
     sched = Schedule(cycle=1, links=("primary", "second"), bucket_numel=(1000, 500), bucket_nbytes=(4000, 2000),
                      stages=(StagePlan(0, "forward"),
                              StagePlan(0, "backward", (CommTask(0, 0, "primary"), CommTask(1, 0, "second")))),
                      updates=(Update((0,), 0),))
-    assert simulate_schedule(two, sched).iteration_s == pytest.approx(8.5)
+    assert simulate_schedule(two, sched).iteration_s == pytest.approx(expected)
 
 
 # -- the CLI ------------------------------------------------------------------------------------------

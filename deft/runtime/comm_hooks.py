@@ -99,6 +99,11 @@ class HookBucket:
         self._buffer.copy_(tensor)
 
 
+#: torch's hooks that start one collective synchronously and keep no cross-bucket state (their codec
+#: names, ``fp16`` and ``bf16``, are :data:`deft.solver.simulate.PARALLEL_CODECS`).
+SINGLE_COLLECTIVE_HOOKS = (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook)
+
+
 @dataclass
 class CommHook:
     """A registered hook and its state."""
@@ -106,6 +111,15 @@ class CommHook:
     state: Any
     hook: Hook
     name: str
+
+    @property
+    def chained(self) -> bool:
+        """Whether launches must run one at a time (``Executor._chained``). torch's fp16/bf16/plain
+        all-reduce hooks start their one collective inside the call and keep no state between buckets,
+        so their launches on different links may overlap like plain all-reduces (same launch order on
+        every rank); any other hook (PowerSGD starts collectives from callbacks and shares state) is
+        chained. The simulator's ``serial`` links follow this (:func:`deft.solver.simulate.serial_codec`)."""
+        return self.hook not in SINGLE_COLLECTIVE_HOOKS
 
     def launch(self, group: Any, bucket: HookBucket) -> torch.futures.Future:
         """Call the hook with ``group`` as its process group; the Future it returns."""

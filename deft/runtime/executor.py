@@ -360,7 +360,7 @@ class Executor:
                 raise DeftError(f"{where} returned {type(fut).__name__}; a comm hook must return a "
                                 "torch.futures.Future whose value is the bucket's averaged gradient")
             return fut
-        return self._chained(launch)
+        return self._chained(launch) if hook.chained else launch()
 
     def _chained(self, launch: Callable[[], Any]) -> torch.futures.Future:
         """Run ``launch`` (which starts collectives and returns their Future) once every earlier chained
@@ -400,7 +400,7 @@ class Executor:
 
     def _launch_used(self, g: GroupInstance) -> None:
         link = self.links[self.primary]
-        if self.comm_hook is not None:  # the hooks' collectives on this link are chained: join the chain
+        if self.comm_hook is not None and self.comm_hook.chained:  # the hooks' collectives are chained: join
             w: Any = self._chained(lambda: link.all_reduce(g.used_map).get_future())
         else:
             w = link.all_reduce(g.used_map)

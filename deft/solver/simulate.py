@@ -39,9 +39,11 @@ Model
   message's last bucket, ``sum f_i codec_s(b_i)`` for a message of fractions), before the stage's
   compute for a send of an earlier group launched at a stage start, after the launch marker for a
   lag-free update's sends. The runtime runs hooked sends one at a time in launch order, on all links
-  together (``deft.runtime.executor``: a hook's state is shared by every bucket), so under a codec
-  the links' queues are *serial*: a send starts when no send is in flight on any link. Without a
-  codec no such task exists and nothing changes.
+  together (``deft.runtime.executor``: a hook's state is shared by every bucket), so under such a codec
+  the links' queues are *serial*: a send starts when no send is in flight on any link
+  (:func:`serial_codec`; fp16 and bf16 start one collective per send and share no state, so their
+  sends overlap across links as plain all-reduces do). Without a codec no such task exists and
+  nothing changes.
 * **Steady state**: iteration time is averaged over whole cycles after a warm-up, between forward
   starts; bubble ratio = compute idle time / window; link utilisation = busy time / window.
 
@@ -120,6 +122,15 @@ class SimResult:
 # --------------------------------------------------------------------------------------------------
 # Cost model helpers
 # --------------------------------------------------------------------------------------------------
+#: Codecs whose sends the runtime does not chain (``deft.runtime.comm_hooks.SINGLE_COLLECTIVE_HOOKS``).
+PARALLEL_CODECS = ("fp16", "bf16")
+
+
+def serial_codec(profile: Profile) -> bool:
+    """Whether the profile's codec makes the runtime send one bucket at a time over all links."""
+    return profile.compressed and profile.codec not in PARALLEL_CODECS
+
+
 def link_model(profile: Profile, link: str) -> tuple[float, float]:
     """``(alpha_s, beta_s_per_byte)`` of ``link``: the profile's fitted model, else a fit of the buckets.
 
@@ -393,7 +404,7 @@ def _run_synchronous(profile: Profile, messages: Sequence[_Message], iterations:
     ``barrier``: the optimizer step waits for all of them (DDP); otherwise the forward of each bucket in
     the next iteration waits for the messages containing it (ByteScheduler, US-Byte).
     """
-    eng = _Engine(profile.link_names, credit, serial=profile.compressed)
+    eng = _Engine(profile.link_names, credit, serial=serial_codec(profile))
     alpha = {lk: link_model(profile, lk)[0] for lk in profile.link_names}
     fwd_deps: dict[int, list[int]] = {}
     codecs = [(m.ready_bucket, _message_codec_s(profile, m.parts)) for m in messages]
@@ -505,7 +516,7 @@ def _schedule_engine(profile: Profile, schedule: Schedule, iterations: int) -> _
     (as the runtime does), and the next iteration's forward of each such bucket waits for its send:
     the per-layer wait of a lag-free forward stage.
     """
-    eng = _Engine(profile.link_names, serial=profile.compressed)
+    eng = _Engine(profile.link_names, serial=serial_codec(profile))
     n, c = profile.n, schedule.cycle
     bwd_of: dict[int, list[int]] = {}
     comm_of: dict[tuple[int, int], int] = {}  # (group's last iteration, bucket) -> comm id
