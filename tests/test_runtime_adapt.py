@@ -143,3 +143,21 @@ def test_adaptation_converges_and_keeps_every_gradient_exactly_once() -> None:
     assert len(records) <= 2 + 2  # at most max_replans re-plans, then one settling window (+ a return)
     assert sorted(t for _, its in a["log"] for t in its) == list(range(ITERS))  # each iteration once
     assert all(len(its) == 1 for _, its in a["log"])  # epsilon 0: one update per iteration throughout
+
+
+def test_corrected_profile_fits_the_running_schedule_on_a_partitioned_profile() -> None:
+    # VGG-19's 6 buckets are partitioned into 25 by the planner; after a correction that keeps the
+    # running schedule, the corrected profile must still describe that schedule's buckets (seen on the
+    # testbed: the timeline of the run failed with "9 buckets match neither the profile's 7 nor its
+    # partition"), and simulate it at the measured time.
+    vgg = Profile.load(VGG)
+    cfg = DeftConfig()
+    sched = lagfree_plan(vgg, cfg)
+    assert sched.n_buckets != vgg.n
+    measured = 1.4 * sched.predicted_iteration_s
+    slower = replace(sched, predicted_iteration_s=10.0)
+    new, corrected, _ = Adapter(cfg).decide(sched, vgg, measured, vgg.backward_s, replan=lambda q: slower)
+    assert new is None and corrected is not None
+    assert tuple(b.nbytes for b in corrected.buckets) == sched.bucket_nbytes
+    assert simulate_schedule(profile_for_schedule(corrected, sched, cfg), sched).iteration_s == \
+        pytest.approx(measured, rel=1e-3)

@@ -122,7 +122,11 @@ class Adapter:
             record["decision"] = f"{self.replans} re-plans made: settled"
             return None, None, record
         cal = calibrate(profile, running, cfg, measured_s, measured_backward_s)
-        corrected = scaled(profile, cal.compute, cal.comm)
+        # Corrected in the buckets the running schedule refers to (its partition of ``profile``): then the
+        # corrected profile and the running schedule always fit together (`deft simulate` on it, the
+        # timeline of the run, a later calibration), even when adaptation keeps that schedule; a
+        # re-plan partitions it again as any profile.
+        corrected = scaled(profile_for_schedule(profile, running, cfg), cal.compute, cal.comm)
         self.corrected = corrected
         record.update(compute_factor=cal.compute, comm_factor=cal.comm, calibrated_s=cal.predicted_s)
         self.replans += 1
