@@ -188,6 +188,27 @@ def test_secant_skips_iterations_without_a_move() -> None:
     assert sec.observe([y], [y * 3]) == pytest.approx(math.sqrt(((y * 3 - x * 3) ** 2).sum().item()) / 1.0)
 
 
+def test_secant_starts_over_when_the_used_tensors_change() -> None:
+    # An unused branch comes and goes: the tensors with a gradient differ between calls. Pairing them
+    # would compare different parameters (or fail on the count); the secant starts over instead.
+    sec = SecantCurvature()
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0])
+    assert sec.observe([a, b], [a, b], key=(0, 1)) is None
+    assert sec.observe([a + 1], [a * 2], key=(0,)) is None  # another set: no ratio, no error
+    assert sec.value is None
+    # the same set again, by hand: x (2, 3) -> (3, 4), g (2, 4) -> (5, 7): sqrt(9 + 9) / sqrt(1 + 1) = 3
+    assert sec.observe([a + 2], [a * 2 + 3], key=(0,)) == pytest.approx(math.sqrt(9 + 9) / math.sqrt(1 + 1))
+
+
+def test_hessian_of_a_loss_that_skips_a_parameter() -> None:
+    # loss = 3 w0² (w1 unused): H = diag(6, 0), as torch DDP's unused parameters get a zero gradient.
+    w0, w1 = torch.nn.Parameter(torch.tensor([1.0], dtype=torch.float64)), torch.nn.Parameter(torch.zeros(2))
+    op = hessian_operator(3 * (w0 ** 2).sum(), [w0, w1])
+    assert op.matvec(np.array([1.0, 1.0, 1.0])) == pytest.approx([6.0, 0.0, 0.0])
+    with pytest.raises(ContractError, match="depends on at least one"):
+        hessian_operator((torch.ones(1, requires_grad=True) * 2).sum(), [w0, w1])
+
+
 # -- Adam -----------------------------------------------------------------------------------------
 def test_adam_preconditioner_after_one_step() -> None:
     # After one step with gradient g: v = (1-β₂) g², bias-corrected v̂ = g², so D = 1 / (|g| + eps).

@@ -137,7 +137,11 @@ def hessian_operator(loss: torch.Tensor, params: Sequence[torch.Tensor],
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
         raise ContractError(_SOURCE, "loss", "expected a scalar loss tensor that still holds its autograd graph")
     sq = _sqrt_preconditioner(preconditioner, ps)
-    grads = torch.autograd.grad(loss, ps, create_graph=True)
+    # allow_unused: a parameter the loss does not reach (an unused branch) has a zero gradient and a
+    # zero row of H, as torch DDP's find_unused_parameters treats it.
+    grads = torch.autograd.grad(loss, ps, create_graph=True, allow_unused=True)
+    if all(g is None for g in grads):
+        raise ContractError(_SOURCE, "loss", "expected a loss that depends on at least one of the parameters")
     sizes = [p.numel() for p in ps]
     n = sum(sizes)
 
@@ -147,7 +151,7 @@ def hessian_operator(loss: torch.Tensor, params: Sequence[torch.Tensor],
                   for c, p in zip(torch.split(flat, sizes), ps, strict=True)]
         if sq is not None:
             pieces = [c * s for c, s in zip(pieces, sq, strict=True)]
-        dot = sum((g * c).sum() for g, c in zip(grads, pieces, strict=True))
+        dot = sum((g * c).sum() for g, c in zip(grads, pieces, strict=True) if g is not None)
         hv = torch.autograd.grad(dot, ps, retain_graph=True, allow_unused=True)
         out = [torch.zeros_like(p) if h is None else h for h, p in zip(hv, ps, strict=True)]
         if sq is not None:
@@ -328,11 +332,20 @@ class SecantCurvature:
         self.ratios: deque[float] = deque(maxlen=window)
         self.sums: deque[tuple[float, float]] = deque(maxlen=window)  # (|Δg|², |Δx|²) per ratio
         self._prev: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._prev_key: tuple[int, ...] | None = None
 
-    def observe(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> float | None:
-        """Record this iteration; returns the new ratio, or ``None`` (first call, or no move)."""
+    def observe(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                key: tuple[int, ...] | None = None) -> float | None:
+        """Record this iteration; returns the new ratio, or ``None`` (first call, or no move).
+
+        ``key`` names which tensors these are (e.g. the indices of the parameters that had a gradient):
+        when it differs from the previous call's, the two points are not comparable (an unused branch
+        came or went) and this call starts over instead of pairing different tensors."""
         cur = ([p.detach().clone() for p in params], [g.detach().clone() for g in grads])
         ratio = None
+        if self._prev is not None and key != self._prev_key:
+            self._prev = None
+        self._prev_key = key
         if self._prev is not None:
             dg, dx = secant_sums(self._prev[1], cur[1], self._prev[0], cur[0])
             if dx > 0.0:

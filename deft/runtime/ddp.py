@@ -548,7 +548,9 @@ class DistributedDataParallel(nn.Module):
                     self._stats.drop(last)
                     continue
                 self._stats.update(last, ex.layout, upd.grads, self._control.group, self.device)
-                if upd.iterations == (self._t,):  # lag-free, one iteration: computed at the parameters now
+                # lag-free, one iteration: computed at the parameters now (only while statistics are
+                # gathered: each observation copies the parameters and the gradient)
+                if upd.iterations == (self._t,) and self._stats_wanted():
                     self._stats.observe_point(self._params, upd.grads)
         for upd in updates[:-1]:
             self._set_grads(upd.grads)

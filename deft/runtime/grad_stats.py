@@ -102,9 +102,9 @@ class GradStats:
     def observe_point(self, params: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
         """A lag-free single-iteration update: ``grads`` (the averaged gradient) was computed at ``params``
         (the parameters now, before the step); feeds the secant curvature. Local, no collective."""
-        pairs = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
-        if pairs:
-            self.secant.observe([p for p, _ in pairs], [g for _, g in pairs])
+        used = tuple(i for i, g in enumerate(grads) if g is not None)
+        if used:
+            self.secant.observe([params[i] for i in used], [grads[i] for i in used], key=used)
 
     def update(self, key: int, layout: FlatLayout, grads: list[torch.Tensor | None], control: Any,
                device: torch.device) -> None:
