@@ -247,33 +247,41 @@ def top_eigenvalue(closure: Callable[[], torch.Tensor], params: Sequence[torch.T
                              residual=residual, seconds=time.perf_counter() - t0)
 
 
-def _adam_denominators(optimizer: Any) -> tuple[list[torch.Tensor], float]:
-    """(``1 / (√v̂ + eps)`` per parameter, the largest group lr) from a torch Adam/AdamW's state."""
+def _adam_denominators(optimizer: Any) -> tuple[dict[int, torch.Tensor], float]:
+    """(``id(p) -> 1 / (√v̂ + eps)`` for every parameter with a second moment, the largest group lr)
+    from a torch Adam/AdamW's state. A parameter that was never stepped (an unused branch) has none."""
     import torch
 
-    name = type(optimizer).__name__
-    if name not in ("Adam", "AdamW"):
-        raise ContractError("optimizer", "type", f"expected torch.optim.Adam or AdamW, got {name}")
-    out = []
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise ContractError("optimizer", "type", f"expected torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
+    out: dict[int, torch.Tensor] = {}
     for gi, group in enumerate(optimizer.param_groups):
         beta2, eps = group["betas"][1], group["eps"]
         if group.get("amsgrad"):
             raise ContractError("optimizer", f"param_groups[{gi}].amsgrad", "AMSGrad's max_exp_avg_sq is not modelled")
         for p in group["params"]:
             state = optimizer.state.get(p, {})
-            if "exp_avg_sq" not in state:
-                raise ContractError("optimizer", "state", "no second moment yet: take at least one optimizer step "
-                                                          "before reading Adam's effective step")
-            step = float(state["step"])
-            v_hat = state["exp_avg_sq"] / (1.0 - beta2 ** step)
-            out.append(1.0 / (v_hat.sqrt() + eps))
+            if "exp_avg_sq" in state:
+                v_hat = state["exp_avg_sq"] / (1.0 - beta2 ** float(state["step"]))
+                out[id(p)] = (1.0 / (v_hat.sqrt() + eps)).to(torch.float64)
+    if not out:
+        raise ContractError("optimizer", "state", "no second moment yet: take at least one optimizer step "
+                                                  "before reading Adam's effective step")
     lr = max(float(g["lr"]) for g in optimizer.param_groups)
-    return [t.to(torch.float64) for t in out], lr
+    return out, lr
 
 
-def adam_preconditioner(optimizer: Any) -> list[torch.Tensor]:
-    """``D = 1 / (√v̂ + eps)`` for every parameter of a torch Adam/AdamW, in ``param_groups`` order."""
-    return _adam_denominators(optimizer)[0]
+def adam_preconditioner(optimizer: Any, params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """``D = 1 / (√v̂ + eps)`` per parameter of a torch Adam/AdamW: for ``params`` in their order (what
+    :func:`hessian_operator` pairs it with), else in ``param_groups`` order. A parameter without a
+    second moment (never stepped) is an error naming its index: its effective step is unknown."""
+    d, _ = _adam_denominators(optimizer)
+    order = [p for g in optimizer.param_groups for p in g["params"]] if params is None else list(params)
+    missing = [i for i, p in enumerate(order) if id(p) not in d]
+    if missing:
+        raise ContractError("optimizer", "state", f"parameters {missing[:8]} have no second moment (never stepped by "
+                                                  "this optimizer): their effective step is unknown")
+    return [d[id(p)] for p in order]
 
 
 def adam_scale(optimizer: Any, reduce: str = "median") -> float:
@@ -288,7 +296,7 @@ def adam_scale(optimizer: Any, reduce: str = "median") -> float:
 
     if reduce not in ("median", "max"):
         raise ContractError(_SOURCE, "reduce", f"expected 'median' or 'max', got {reduce!r}")
-    flat = torch.cat([d.reshape(-1) for d in adam_preconditioner(optimizer)])
+    flat = torch.cat([d.reshape(-1) for d in _adam_denominators(optimizer)[0].values()])
     return float(flat.median() if reduce == "median" else flat.max())
 
 

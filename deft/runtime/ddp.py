@@ -271,9 +271,20 @@ class DistributedDataParallel(nn.Module):
         value; the next plan and re-check use it instead of the free secant estimate. Call it between
         iterations, typically right before training and again before a re-check if the sharpness
         grows. Does nothing (returns ``None``) when the preserver could not accept a stale schedule
-        (epsilon 0, preserver off, one rank). A failing probe is reported, not raised, on every rank.
+        (epsilon 0, preserver off, one rank). Bad arguments raise on every rank; a probe that fails on
+        rank 0 (e.g. Lanczos does not converge) is reported on every rank, not raised, and the secant
+        estimate stays in use. The other ranks wait for the probe up to ``config.timeout_s``.
         """
         self._require_idle("calibrate()")
+        # Argument errors are the caller's: raised on every rank before any collective.
+        if not callable(closure):
+            raise DeftError(f"calibrate(closure): expected a callable returning the loss, got {type(closure).__name__}")
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < 1:
+            raise DeftError(f"calibrate(tol=...): expected a relative tolerance in (0, 1), got {tol!r}")
+        if ncv is not None and (isinstance(ncv, bool) or not isinstance(ncv, int) or ncv < 3):
+            raise DeftError(f"calibrate(ncv=...): expected None or an integer >= 3 (Lanczos vectors), got {ncv!r}")
+        if isinstance(maxiter, bool) or not isinstance(maxiter, int) or maxiter < 1:
+            raise DeftError(f"calibrate(maxiter=...): expected an integer >= 1, got {maxiter!r}")
         if self.config.epsilon == 0 or not self.config.preserver or self.world < 2:
             return None
         # Every rank: an update finishing in the forward is applied now, so the closure's forward (rank 0
@@ -285,8 +296,8 @@ class DistributedDataParallel(nn.Module):
             try:
                 opt = self._optim.optimizer
                 pre = None
-                if type(opt).__name__ in ("Adam", "AdamW") and opt is not None and opt.state:
-                    pre = adam_preconditioner(opt)  # exact for linearised Adam (scale 1 in the spec)
+                if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and opt.state:
+                    pre = adam_preconditioner(opt, self._params)  # exact for linearised Adam (scale 1 in the spec)
                 est = top_eigenvalue(closure, self._params, tol=tol, ncv=ncv, maxiter=maxiter, preconditioner=pre)
                 doc = {**est.to_dict(), "preconditioned": pre is not None}
             except Exception as e:  # tell the other ranks; the secant estimate stays in use
