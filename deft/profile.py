@@ -33,9 +33,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from scipy.optimize import nnls
-
 from deft._json import Fields, read_json, write_json
 from deft.errors import ContractError
 
@@ -114,7 +111,9 @@ class AlphaBetaFit:
 
 def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float],
                    weights: Sequence[float] | None = None, source: str = "<samples>") -> AlphaBetaFit:
-    """The one alpha-beta fit of deft: weighted least squares with ``alpha >= 0`` and ``beta >= 0``.
+    """The alpha-beta fit of deft's (size, time) samples: weighted least squares with ``alpha >= 0`` and
+    ``beta >= 0``. (The warm-up timer fits groups of several collectives, ``count * alpha + bytes * beta``:
+    :func:`deft.runtime.warmup_timer.fit_group_alpha_beta`, the same model with a count column.)
 
     Minimizes ``sum_i w_i (alpha + beta b_i - T_i)^2`` over ``alpha, beta >= 0``
     (``scipy.optimize.nnls`` on the rows scaled by ``sqrt(w_i)``). The non-negativity rule: a negative
@@ -130,6 +129,10 @@ def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float],
     Raises :class:`ContractError` naming ``source`` and the first bad entry (``nbytes[i]``,
     ``seconds[i]``, ``weights[i]``) or the mismatched lengths.
     """
+    # Imported here: the contract module stays light to import (numpy + scipy cost ~0.5 s).
+    import numpy as np
+    from scipy.optimize import nnls
+
     b = np.asarray(nbytes, dtype=float)
     t = np.asarray(seconds, dtype=float)
     if b.shape != t.shape or b.ndim != 1 or len(b) == 0:

@@ -94,7 +94,6 @@ class Adapter:
     done: bool = False
     best: tuple[float, Schedule] | None = None   # fastest measured schedule so far
     tried: set[str] = field(default_factory=set)  # digests already run
-    corrected: Profile | None = None  # the last corrected profile
 
     def decide(self, running: Schedule, profile: Profile, measured_s: float, measured_backward_s: float,
                replan: Any) -> tuple[Schedule | None, Profile | None, dict[str, Any]]:
@@ -127,7 +126,6 @@ class Adapter:
         # timeline of the run, a later calibration), even when adaptation keeps that schedule; a
         # re-plan partitions it again as any profile.
         corrected = scaled(profile_for_schedule(profile, running, cfg), cal.compute, cal.comm)
-        self.corrected = corrected
         record.update(compute_factor=cal.compute, comm_factor=cal.comm, calibrated_s=cal.predicted_s)
         self.replans += 1
         new = replan(corrected)

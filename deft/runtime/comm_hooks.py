@@ -115,7 +115,7 @@ class CommHook:
     @property
     def chained(self) -> bool:
         """Whether launches must run one at a time (``Executor._chained``). torch's fp16/bf16/plain
-        all-reduce hooks start their one collective inside the call and keep no state between buckets,
+        hooks start their one collective inside the call and keep no state between buckets,
         so their launches on different links may overlap like plain all-reduces (same launch order on
         every rank); any other hook (PowerSGD starts collectives from callbacks and shares state) is
         chained. The simulator's ``serial`` links follow this (:func:`deft.solver.simulate.serial_codec`)."""
@@ -347,9 +347,14 @@ def time_codec(hook: CommHook, group: Any, buckets: Sequence[HookBucket], repeat
     out = []
     for bucket in buckets:
         runs = []
+        cuda = bucket.buffer().is_cuda  # a CUDA future's wait() orders streams only: synchronize to time the work
         for k in range(repeats + 1):
+            if cuda:
+                torch.cuda.synchronize(bucket.buffer().device)
             t0 = time.perf_counter()
             hook_result(hook.hook(state, bucket).wait())
+            if cuda:
+                torch.cuda.synchronize(bucket.buffer().device)
             if k:
                 runs.append(time.perf_counter() - t0)
         out.append(sorted(runs)[len(runs) // 2])

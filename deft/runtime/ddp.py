@@ -349,6 +349,11 @@ class DistributedDataParallel(nn.Module):
             raise DeftError(f"register_comm_hook: a comm hook ({self._executor.comm_hook.name}) is already "
                             "registered (from this call or the config's compression); one hook per model")
         self._require_idle("register_comm_hook()")
+        if self._planning.measuring and self._warm_end < self._t <= self._plan_at and not self._planned:
+            # the profile iterations so far ran without the hook: a profile mixing both would be wrong
+            raise DeftError(f"register_comm_hook: profiling began at iteration {self._warm_end} without a hook; "
+                            "register the hook before training starts (or before iteration "
+                            f"{self._warm_end}), as with torch DDP")
         self._executor.comm_hook = CommHook(state, hook, getattr(hook, "__name__", type(hook).__name__))
         if self._t <= self._warm_end and not self._planned:
             self._place_profile()
@@ -912,9 +917,19 @@ class DistributedDataParallel(nn.Module):
             ranks = list(self._ranks) if self._ranks is not None else list(range(dist.get_world_size()))
             groups = [new_group_on_nic(self._primary.backend, None, self.config.timeout_s, [r]) for r in ranks]
             self._solo = groups[ranks.index(dist.get_rank())]
-        codec = profile_codec(hook, layout, self._params, self._solo, self.device)
-        seconds = self._control.max_rows([list(codec.codec_s)], "comm hook codec times")[0]
-        return replace(codec, codec_s=tuple(seconds))
+        n = layout.n_buckets
+        try:
+            codec: Codec | None = profile_codec(hook, layout, self._params, self._solo, self.device)
+            assert codec is not None
+            row, error = [*codec.codec_s, 0.0], None
+        except Exception as e:  # every rank must leave the collective below: a flag, then the same error
+            codec, row, error = None, [0.0] * n + [1.0], f"{type(e).__name__}: {e}"
+        seconds = self._control.max_rows([row], "comm hook codec times")[0]
+        if seconds[-1] > 0:
+            raise DeftError(f"comm hook {hook.name!r} failed while deft timed its codec on a one-rank group"
+                            + (f" on this rank: {error}" if error else " on another rank (its log says why)"))
+        assert codec is not None
+        return replace(codec, codec_s=tuple(seconds[:-1]))
 
     def _hook_started(self, b: int, t: float) -> None:
         if self._timer is not None:
