@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from deft.schedule import CommTask, Schedule, StagePlan, Update
 from tests._dist import run_ranks, values
@@ -142,3 +143,27 @@ def test_bad_hooks_fail_clearly_and_apply_nothing(kind: str, says: str) -> None:
         assert v["error"] is not None and says in v["error"], v["error"]
         assert "bucket 0" in v["error"] and "'primary'" in v["error"]
         assert v["unchanged"]
+
+
+def late_hook_worker(rank: int, world: int) -> str | None:
+    import deft
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ddp = deft.DistributedDataParallel(model, config={"warmup_iters": 1, "profile_iters": 3, "timeout_s": 20})
+    for t in range(2):  # iteration 0 warms up, iteration 1 is the first profiled one (no hook)
+        x, y = batch(rank, t)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    try:
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    except deft.DeftError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow
+def test_hook_registered_after_profiling_began_is_refused() -> None:
+    for said in values(run_ranks(late_hook_worker, 2, (), timeout=60)):
+        assert said is not None and "profiling began at iteration 1" in said, said
