@@ -50,7 +50,10 @@ class DeftConfig:
     bucket_cap_mb: float = 25.0
     partition_numel: int = 6_500_000
     solver: str = "exact"
-    solver_time_limit_s: float = 1.0   # a deterministic work budget per plan (CP-SAT units), not wall seconds
+    # CP-SAT budget per knapsack solve, as deterministic work (x solver.plan.WORK_PER_SECOND units), not
+    # wall seconds: the same profile gives the same plan under any load; one plan spends at most
+    # solver.plan.EXACT_BUDGET_LIMITS such budgets before the greedy takes over
+    solver_time_limit_s: float = 1.0
     solver_relative_gap: float = 1e-3
     # 1 + 3 iterations before planning (was 3 + 5): the warm-up timer measures the real all-reduces,
     # rotated over the links, so 3 profile iterations see every bucket on every link of two; and every

@@ -38,6 +38,8 @@ from deft.errors import ContractError
 
 SCHEMA_VERSION = 2
 SCHEMAS = (1, 2)  # schema 1: no compression fields
+#: Codec names (``Profile.codec``) of torch's fp16/bf16 hooks: ``deft.runtime.comm_hooks`` names them so.
+ELEMENTWISE_CODECS = ("fp16", "bf16")
 SOURCES = ("timing", "kineto", "nsys", "reference", "synthetic")
 BACKENDS = ("nccl", "gloo")
 
@@ -216,6 +218,13 @@ class Profile:
     @property
     def compressed(self) -> bool:
         return bool(self.codec)
+
+    @property
+    def elementwise_codec(self) -> bool:
+        """A codec that treats every element alike and keeps no state between buckets (``fp16``, ``bf16``):
+        its buckets may be split anywhere and its sends overlap across links. Any other codec
+        (PowerSGD, an unknown hook) is sent one bucket at a time and its tensors are kept whole."""
+        return self.codec in ELEMENTWISE_CODECS
 
     @property
     def forward_s(self) -> float:

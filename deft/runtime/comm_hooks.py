@@ -100,7 +100,7 @@ class HookBucket:
 
 
 #: torch's hooks that start one collective synchronously and keep no cross-bucket state (their codec
-#: names, ``fp16`` and ``bf16``, are :data:`deft.solver.simulate.PARALLEL_CODECS`).
+#: names, ``fp16`` and ``bf16``, are :data:`deft.profile.ELEMENTWISE_CODECS`).
 SINGLE_COLLECTIVE_HOOKS = (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook)
 
 

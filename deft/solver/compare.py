@@ -12,7 +12,6 @@ the loss statistics measured in training; the command line composes that with
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -25,7 +24,7 @@ from deft.solver.lagfree import lagfree_plan
 from deft.solver.partition import profile_for_schedule
 from deft.solver.simulate import BASELINES, SimResult, scale_workers, simulate_baseline, simulate_schedule
 
-__all__ = ["SCHEMES", "plan_deft", "simulate", "simulate_all"]
+__all__ = ["SCHEMES", "plan_deft", "simulate"]
 
 SCHEMES = (*BASELINES, "deft")
 
@@ -64,12 +63,3 @@ def simulate(profile: Profile, scheme: str, config: DeftConfig | str | dict[str,
     schedule, planned = plan_deft(profile, cfg)
     res = simulate_schedule(planned, schedule, iterations=iterations, scheme="deft")
     return replace(res, meta={**res.meta, "schedule": schedule, "profile": planned})
-
-
-def simulate_all(profile: Profile, schemes: Sequence[str] = SCHEMES, config: DeftConfig | None = None, *,
-                 workers: int | None = None, iterations: int = 24) -> dict[str, SimResult]:
-    """:func:`simulate` for several schemes on the same (rescaled) profile."""
-    cfg = DeftConfig.resolve(config)
-    if workers is not None:
-        profile = scale_workers(profile, workers)
-    return {s: simulate(profile, s, cfg, iterations=iterations) for s in schemes}

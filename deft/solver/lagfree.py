@@ -80,6 +80,10 @@ def lagfree_plan(profile: Profile, config: DeftConfig | None = None) -> Schedule
         if res.iteration_s < best_s * (1 - 1e-9):
             best, best_s = replace(sched, predicted_iteration_s=float(res.iteration_s),
                                    predicted_bubble_ratio=float(res.bubble_ratio)), float(res.iteration_s)
+    if best is not base:  # the stored prediction at the simulator's default length, as every other plan's
+        res = simulate_schedule(part, best)
+        best = replace(best, predicted_iteration_s=float(res.iteration_s),
+                       predicted_bubble_ratio=float(res.bubble_ratio))
     forward_set = [t.bucket for t in best.stage(0, "forward").comms]
     meta = {**base.meta, "mode": "lag-free forward" if forward_set else "no_delay",
             "forward_set": sorted(forward_set), "no_delay_s": base.predicted_iteration_s,

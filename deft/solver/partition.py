@@ -170,12 +170,13 @@ def partition(profile: Profile, config: DeftConfig, capacity_s: float | None = N
 
 
 def keeps_tensors_whole(profile: Profile) -> bool:
-    """Under PowerSGD no bucket is split: the hook compresses each gradient *matrix* of a bucket to rank
-    ``r`` and sends a 1-D piece of a split parameter uncompressed (measured on the testbed: the digits
-    CNN's 17 MB fc weight cut into pieces made deft + PowerSGD send more than torch DDP + PowerSGD, 295
-    against 204 ms per iteration). The knapsack then treats an over-capacity bucket as the planner's
-    bubble, as for ``best_effort``; fusing whole buckets keeps their matrices whole and is still done."""
-    return profile.codec is not None and "powersgd" in profile.codec
+    """Under a codec that is not element-wise (PowerSGD, an unknown hook) no bucket is split: PowerSGD
+    compresses each gradient *matrix* of a bucket to rank ``r`` and sends a 1-D piece of a split
+    parameter uncompressed (measured on the testbed: the digits CNN's 17 MB fc weight cut into pieces
+    made deft + PowerSGD send more than torch DDP + PowerSGD, 295 against 204 ms per iteration). The
+    knapsack then treats an over-capacity bucket as the planner's bubble, as for ``best_effort``;
+    fusing whole buckets keeps their matrices whole and is still done."""
+    return profile.compressed and not profile.elementwise_codec
 
 
 def _split_count(profile: Profile, b: int, partition_numel: int, capacity: float, best_effort: bool) -> int:

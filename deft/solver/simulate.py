@@ -122,13 +122,10 @@ class SimResult:
 # --------------------------------------------------------------------------------------------------
 # Cost model helpers
 # --------------------------------------------------------------------------------------------------
-#: Codecs whose sends the runtime does not chain (``deft.runtime.comm_hooks.SINGLE_COLLECTIVE_HOOKS``).
-PARALLEL_CODECS = ("fp16", "bf16")
-
-
 def serial_codec(profile: Profile) -> bool:
-    """Whether the profile's codec makes the runtime send one bucket at a time over all links."""
-    return profile.compressed and profile.codec not in PARALLEL_CODECS
+    """Whether the profile's codec makes the runtime send one bucket at a time over all links
+    (every codec but an element-wise one: :attr:`deft.profile.Profile.elementwise_codec`)."""
+    return profile.compressed and not profile.elementwise_codec
 
 
 def link_model(profile: Profile, link: str) -> tuple[float, float]:
