@@ -294,7 +294,7 @@ def _is_stale(schedule: Schedule) -> bool:
     return any(u.apply_after >= schedule.cycle or u.apply_after != u.last for u in schedule.updates)
 
 
-def _prefer_lag_free(lag_free: Schedule, candidate: Schedule) -> bool:
+def prefer_lag_free(lag_free: Schedule, candidate: Schedule) -> bool:
     if not _is_stale(candidate):
         return lag_free.predicted_iteration_s < candidate.predicted_iteration_s
     return candidate.predicted_iteration_s >= (1.0 - STALENESS_MARGIN) * lag_free.predicted_iteration_s
@@ -383,7 +383,7 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
                  i + 1, config.preserver_max_tries, scale, k, ratio, lo, hi, "accepted" if ok else "rejected")
         if ok:
             chosen, reason = s, f"ratio {ratio:.5f} within [{lo:.4g}, {hi:.4g}]"
-            if merged is not None and _prefer_lag_free(merged, s):
+            if merged is not None and prefer_lag_free(merged, s):
                 chosen, reason = merged, f"lag-free merge K={merged.batch_sequence} preferred to stale K={k}"
             # The no-delay plan keeps torch DDP's parameters; a DeFT schedule that is not faster than it
             # (the knapsack at a large capacity often ends with K = [1] without the lag-free forward
