@@ -156,6 +156,9 @@ def test_simulate_reports_the_plan_and_the_default_pipeline(capsys: pytest.Captu
     ms, upd = expected(WalkStats(loss=2.0, mu=0.3, sigma=20.0, lr=0.05, batch=512))
     assert float(rows["deft+preserver"][0]) == pytest.approx(ms, rel=1e-3)
     assert float(rows["deft+preserver"][3]) == pytest.approx(upd, abs=0.005)
+    # The statistics change the choice: lr * mu = 0.015 against a loss of 2 makes a merge of two
+    # iterations pass at epsilon 0.01 (one update per two iterations), where no statistics gave 1.00.
+    assert float(rows["deft+preserver"][3]) == pytest.approx(0.5, abs=0.005)
     assert "loss 2, mu 0.3, sigma 20, lr 0.05, batch 512" in out
 
     assert main(["simulate", str(VGG19), "--stats", "loss=2,mu=0.3"]) == 2
