@@ -350,3 +350,13 @@ def test_bad_plans_and_arguments() -> None:
     with pytest.raises(ContractError) as e:
         schedule_radius(NO_DELAY, float("inf"), GD)
     assert e.value.field == "lam"
+
+
+@pytest.mark.parametrize(("make", "field"), [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, maximize=True), "maximize"),
+    (lambda ps: torch.optim.Adam(ps, lr=0.1, amsgrad=True), "amsgrad"),
+])
+def test_optimizers_the_recurrence_does_not_model_are_refused(make: object, field: str) -> None:
+    opt = make([torch.nn.Parameter(torch.zeros(2))])  # type: ignore[operator]
+    with pytest.raises(ContractError, match=rf"param_groups\[0\]\.{field}"):
+        OptimizerSpec.from_torch(opt)

@@ -228,6 +228,10 @@ class OptimizerSpec:
                     raise ContractError("optimizer", f"param_groups[{i}].{key}",
                                         f"differs from param_groups[0] ({g.get(key)!r} vs {first.get(key)!r}); "
                                         "build an OptimizerSpec by hand")
+        for key, why in (("maximize", "ascends the loss: the recurrence here is for descent"),
+                         ("amsgrad", "AMSGrad's max of second moments is not modelled")):
+            if first.get(key):
+                raise ContractError("optimizer", f"param_groups[0].{key}", f"{why}; build an OptimizerSpec by hand")
         lr = max(float(g["lr"]) for g in groups)
         if name == "SGD":
             return cls.sgd(lr, first["momentum"], first["dampening"], bool(first["nesterov"]), first["weight_decay"])

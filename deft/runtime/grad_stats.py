@@ -152,7 +152,8 @@ def stability_inputs(optimizer: Any, secant: float | None, calibrated: float | N
         return None, None, "optimizer unknown"
     try:
         scale = 1.0
-        if type(optimizer).__name__ in ("Adam", "AdamW") and not (calibrated is not None and preconditioned):
+        adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+        if adam and not (calibrated is not None and preconditioned):
             scale = adam_scale(optimizer, "median")
         spec = OptimizerSpec.from_torch(optimizer, scale=scale)
     except ContractError as e:
