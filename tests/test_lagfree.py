@@ -19,6 +19,7 @@ from dataclasses import replace
 import pytest
 
 from deft import Bucket, BucketTimes, DeftConfig, Link, Profile
+from deft.errors import ContractError
 from deft.schedule import CommTask, Schedule, StagePlan, Update
 from deft.solver.lagfree import candidate, deadline_first, lagfree_plan, needed_deferred
 from deft.solver.partition import forward_gates, profile_for_schedule
@@ -168,3 +169,10 @@ def test_a_module_waits_for_every_piece_of_its_parameter() -> None:
     assert one.iteration_starts[1:3] == pytest.approx((75 * MS, 150 * MS))
     two = simulate_schedule(two_pieces(("a", "b")), sched)
     assert two.iteration_starts[1:3] == pytest.approx((45 * MS, 110 * MS))
+
+
+@pytest.mark.parametrize("warmup", [0, True, 1.5])
+def test_simulate_schedule_rejects_a_bad_warmup(warmup: object) -> None:
+    p = three_buckets()
+    with pytest.raises(ContractError, match=r"warmup: expected an integer >= 1"):
+        simulate_schedule(p, no_delay_plan(p, DeftConfig()), warmup=warmup)  # type: ignore[arg-type]

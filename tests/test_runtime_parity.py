@@ -87,21 +87,22 @@ def finish_in_forward_schedule(path: str, branch: bool, early: bool = False) -> 
     """Cycle 1 on two links: buckets 1 and 2 (the input side) in backward, bucket 0 (the output side,
     needed last by the next forward) in the next forward, the update applied module by module.
 
-    ``early``: bucket 0 is sent first in the backward on the primary link (ahead of the used map
-    there) and deferred (``Update.deferred``), bucket 1 in the next forward: both applied module by
-    module."""
+    ``early``: every bucket is sent in the backward, bucket 0 first on the primary link (ahead of the
+    used map there); buckets 0 and 1 are deferred (``Update.deferred``): waited for and applied module
+    by module in the next forward. Nothing is sent in a forward stage, so an update is left finishing
+    after the step only if the runtime honours ``deferred``."""
     total = sum(p.numel() for p in Net(branch).parameters() if p.requires_grad)
     numel = (total // 3, total // 3, total - 2 * (total // 3))
     P, S = "primary", "second"
     if early:
-        stages = (StagePlan(0, "forward", (CommTask(1, 1, S),)),
-                  StagePlan(0, "backward", (CommTask(0, 0, P), CommTask(2, 0, S))))
+        stages = (StagePlan(0, "forward"),
+                  StagePlan(0, "backward", (CommTask(0, 0, P), CommTask(1, 0, S), CommTask(2, 0, S))))
     else:
         stages = (StagePlan(0, "forward", (CommTask(0, 1, S),)),
                   StagePlan(0, "backward", (CommTask(1, 0, P), CommTask(2, 0, S))))
     Schedule(cycle=1, links=(P, S), bucket_numel=numel, bucket_nbytes=tuple(4 * n for n in numel),
              stages=stages,
-             updates=(Update((0,), 0, finish_in_forward=True, deferred=(0,) if early else ()),)).save(path)
+             updates=(Update((0,), 0, finish_in_forward=True, deferred=(0, 1) if early else ()),)).save(path)
 
 
 def parity_worker(rank: int, world: int, kind: str, branch: bool, accum: bool,
