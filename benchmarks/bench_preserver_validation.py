@@ -12,8 +12,12 @@ One process, one thread, on the shared 2-core CPU (other engineers' jobs run bes
    mean gradient feed :class:`~deft.preserver.noise.NoiseEstimator` and
    :class:`~deft.preserver.noise.DirectionPair`; the mean gradient and the parameters it was computed
    at feed the secant curvature, debiased by ``2 tr(Σ) / B``; the optimizer's rule comes from
-   :func:`deft.runtime.grad_stats.stability_inputs`; the walk's ``lr`` is adjusted for momentum as
-   :func:`deft.runtime.grad_stats.walk_stats` does.
+   :func:`deft.runtime.grad_stats.stability_inputs`; the walk's metric and ``lr`` are the runtime's
+   :func:`deft.preserver.noise.walk_geometry` (SGD: ``lr / (1 - momentum)``, Euclidean; Adam: its
+   ``lr``, with both halves' gradients scaled by ``sqrt(P)`` from the optimizer's state before each
+   step, as :meth:`deft.runtime.grad_stats.GradStats.refresh` does; the raw ``tr Σ`` for the secant's
+   noise correction beside it). The gradient bookkeeping itself is this file's (the runtime's needs
+   a process group); the maths it calls is the runtime's.
 3. **The decision is the runtime's**: :func:`deft.runtime.planning.make_schedule` (the real planner and
    :func:`deft.preserver.feedback.preserve`) on a profile of the workload (see :func:`measure_profile`)
    at 250 Mbit/s on each of two links.
@@ -21,7 +25,9 @@ One process, one thread, on the shared 2-core CPU (other engineers' jobs run bes
    emulated: iteration ``t`` at cycle position ``p`` computes its gradient at the current parameters;
    after it, the updates :func:`deft.preserver.stability.applied_updates` lists for ``p`` are applied
    (each the mean of the gradients it merges, ``lags`` iterations old) through the real optimizer;
-   evaluations see every pending gradient applied (``flush``, on a copy). No re-checks (the decision
+   evaluations see every pending gradient applied (``flush``, on a copy). With ``merge_lr_scaling``
+   set (the rows "merge lr ..."), each merged update's step runs inside the runtime's
+   :func:`deft.runtime.optimizer_hooks.merged_lr` (lr x k or x sqrt k). No re-checks (the decision
    at planning time is the one judged). torch DDP is the no-delay schedule (same parameters as
    epsilon 0). The final metric is taken at the workload's iteration count; a schedule that has not
    reached the target there runs on, up to ``extend`` x that count, only to time it.
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import itertools
 import json
 import math
@@ -58,11 +65,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from deft.config import DeftConfig
 from deft.preserver.curvature import SecantCurvature, adam_preconditioner, top_eigenvalue
 from deft.preserver.feedback import WalkStats, applied_sequence, preserve, schedule_ratio, steady_period
-from deft.preserver.gaussian_walk import expected_loss_after
-from deft.preserver.noise import DirectionPair, NoiseEstimator, local_stats
+from deft.preserver.gaussian_walk import expected_loss_after, merge_lr_factor
+from deft.preserver.noise import DirectionPair, LocalStats, NoiseEstimator, local_stats, walk_geometry
 from deft.preserver.stability import Plan, applied_updates, check_stability
 from deft.profile import Bucket, BucketTimes, Link, Profile
 from deft.runtime.grad_stats import stability_inputs
+from deft.runtime.optimizer_hooks import merged_lr
 from deft.runtime.planning import make_schedule
 from deft.schedule import Schedule
 from deft.solver.lagfree import lagfree_plan
@@ -87,6 +95,7 @@ class Workload:
     title: str
     make_model: Callable[[], nn.Module]
     make_opt: Callable[[nn.Module], torch.optim.Optimizer]
+    merge_lr: str  # the merge_lr_scaling of the extra row ("linear" for SGD, "sqrt" for Adam)
     batch: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]  # one global batch
     loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
     evaluate: Callable[[nn.Module], tuple[float, float]]  # (metric, loss); metric: accuracy or val loss
@@ -120,7 +129,7 @@ def cnn_workload(seed: int, iters: int) -> Workload:
         return x_tr[idx], y_tr[idx]
 
     return Workload("cnn", "digits CNN (examples/models.py DigitsCNN, 4.4M parameters)", DigitsCNN,
-                    lambda m: torch.optim.SGD(m.parameters(), lr=0.02, momentum=0.9), batch,
+                    lambda m: torch.optim.SGD(m.parameters(), lr=0.02, momentum=0.9), "linear", batch,
                     lambda m, x, y: F.cross_entropy(m(x), y), _accuracy_eval(x_te, y_te), iters, 11, gb, "accuracy",
                     "scikit-learn digits at 32x32, SGD lr 0.02 momentum 0.9 (examples/train_cnn.py's), global batch 64",
                     extend=1.5)
@@ -154,7 +163,7 @@ def mlp_workload(seed: int, iters: int) -> Workload:
         return x_tr[idx], y_tr[idx]
 
     return Workload("mlp", "MLP on scikit-learn digits (8x8 pixels, 64-256-256-10)", DigitsMLP,
-                    lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True), batch,
+                    lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True), "linear", batch,
                     lambda m, x, y: F.cross_entropy(m(x), y), _accuracy_eval(x_te, y_te), iters, 10, gb, "accuracy",
                     "SGD lr 0.05, Nesterov momentum 0.9, global batch 32", extend=4.0)
 
@@ -216,7 +225,7 @@ def lm_workload(seed: int, iters: int) -> Workload:
     return Workload("lm", f"character-level transformer LM on Python's stdlib sources ({len(data) // 1000} kB)",
                     lambda: CharLM(ctx), lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, betas=(0.9, 0.99),
                                                                      weight_decay=0.01),
-                    batch, loss_fn, ev, iters, 25, gb, "loss",
+                    "sqrt", batch, loss_fn, ev, iters, 25, gb, "loss",
                     "2 pre-norm layers, d 64, 4 heads, context 64 bytes, AdamW lr 3e-3 betas (0.9, 0.99) "
                     "weight decay 0.01, global batch 32 sequences; metric: validation loss (64 held-out windows)")
 
@@ -317,41 +326,54 @@ class WarmState:
     lanczos: dict[str, Any] | None = None  # what ddp.calibrate would measure here (value, spec, hvps, seconds)
 
 
+def _sq(ts: list[torch.Tensor]) -> float:
+    return sum(float(torch.dot(t.reshape(-1).double(), t.reshape(-1).double())) for t in ts)
+
+
 def warm_up(w: Workload, seed: int, n: int, probe: bool = True) -> WarmState:
     """``n`` synchronous iterations gathering the runtime's statistics; the state to branch from."""
     torch.manual_seed(seed)
     model = w.make_model()
     opt = w.make_opt(model)
     gen = torch.Generator().manual_seed(seed)
-    noise, dirs, secant = NoiseEstimator(), DirectionPair(), SecantCurvature()
+    noise, raw, dirs, secant = NoiseEstimator(), NoiseEstimator(), DirectionPair(), SecantCurvature()
+    params = list(model.parameters())
+    metric = "euclidean"
     loss = math.nan
     for _ in range(n):
         x, y = w.batch(gen)
         per, loss = grads_of(w, model, x, y)
         g = mean_of(per)
+        secant.observe(params, g)
+        geo = walk_geometry(opt, params)  # the runtime's GradStats.refresh: the metric before this step
+        if geo.metric != metric:  # Adam's first step done: restart in its metric, as GradStats does
+            noise, raw, dirs, metric = NoiseEstimator(), NoiseEstimator(), DirectionPair(), geo.metric
+        half = len(x) // WORLD
+        if geo.roots is not None:
+            raw.update([LocalStats(_sq(gr), None, None, half) for gr in per], _sq(g))
+            per_w = [[t * r for t, r in zip(gr, geo.roots, strict=True)] for gr in per]
+            g_w = [t * r for t, r in zip(g, geo.roots, strict=True)]
+        else:
+            per_w, g_w = per, g
         pair = dirs.get()
-        locs = [local_stats(gr, pair, len(x) // WORLD) for gr in per]
-        noise.update(locs, sum(float(torch.dot(t.reshape(-1).double(), t.reshape(-1).double())) for t in g),
-                     dirs.dot() if pair is not None else None)
-        dirs.observe([t.reshape(-1) for t in g])
-        secant.observe(list(model.parameters()), g)
+        locs = [local_stats([t.reshape(-1) for t in gr], pair, half) for gr in per_w]
+        noise.update(locs, _sq(g_w), dirs.dot() if pair is not None else None)
+        dirs.observe([t.reshape(-1) for t in g_w])
         apply(model, opt, g)
     est = noise.estimate
-    group = opt.param_groups[0]
-    lr = float(group["lr"])
-    mom = float(group.get("momentum", 0.0) or 0.0)
-    if isinstance(opt, torch.optim.SGD) and 0 < mom < 1:
-        lr /= 1.0 - mom
+    geo = walk_geometry(opt, with_roots=False)
+    assert geo.lr is not None and geo.metric == metric
     cfg = DeftConfig()
-    stats = WalkStats.from_estimate(max(loss, cfg.s_star), est, lr, w.global_batch, cfg.s_star)
+    stats = WalkStats.from_estimate(max(loss, cfg.s_star), est, geo.lr, w.global_batch, cfg.s_star, metric=metric)
     lam = None
     reason = "no noise estimate"
     if stats is not None and est is not None:
-        sec = secant.debiased(2.0 * est.trace / w.global_batch)
+        trace = (raw.estimate if metric != "euclidean" else est).trace
+        sec = secant.debiased(2.0 * trace / w.global_batch)
         lam, spec, how = stability_inputs(opt, sec, None)
         reason = how
         if lam is not None:
-            stats = WalkStats(stats.loss, stats.mu, stats.sigma, stats.lr, stats.batch, stats.s_star, lam, spec)
+            stats = dataclasses.replace(stats, curvature=lam, optimizer=spec)
     warm = WarmState(copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), gen.get_state(), stats,
                      reason, lam, secant.value, n)
     if probe:
@@ -369,19 +391,20 @@ def warm_up(w: Workload, seed: int, n: int, probe: bool = True) -> WarmState:
 
 
 def _flushed_copy(w: Workload, model: nn.Module, opt: torch.optim.Optimizer,
-                  hist: dict[int, list[torch.Tensor]]) -> nn.Module:
+                  hist: dict[int, list[torch.Tensor]], merge_lr: str = "none") -> nn.Module:
     """The model as evaluation after ``ddp.flush()`` sees it: every pending gradient applied (on a copy)."""
     if not hist:
         return model
     m2 = copy.deepcopy(model)
     o2 = w.make_opt(m2)
     o2.load_state_dict(opt.state_dict())
-    apply(m2, o2, mean_of(list(hist.values())))
+    with merged_lr(o2, len(hist), merge_lr):  # ddp.flush steps a cut-short merge like a merge of that many
+        apply(m2, o2, mean_of(list(hist.values())))
     return m2
 
 
 def train_plan(w: Workload, seed: int, warm: WarmState, plan: Plan, target: float | None = None,
-               extend: float = 1.0) -> dict[str, Any]:
+               extend: float = 1.0, merge_lr: str = "none") -> dict[str, Any]:
     """From the warm-up state, run ``plan``'s update timing to ``w.iters`` (the final metric is taken
     there), then on, up to ``extend x w.iters``, only until ``target`` is reached (time to target)."""
     torch.manual_seed(seed + 7)
@@ -409,11 +432,12 @@ def train_plan(w: Workload, seed: int, warm: WarmState, plan: Plan, target: floa
         for u in plan[(t - warm.t) % n]:
             its = [t - lag for lag in u.lags if t - lag >= warm.t]  # earlier ones were applied in warm-up
             if its:
-                apply(model, opt, mean_of([hist[i] for i in its]))
+                with merged_lr(opt, len(its), merge_lr):  # the runtime's step of a merged update
+                    apply(model, opt, mean_of([hist[i] for i in its]))
                 for i in its:
                     hist.pop(i, None)
         if (t + 1) % w.eval_every == 0 or t + 1 == w.iters:
-            metric, vloss = w.evaluate(_flushed_copy(w, model, opt, hist))
+            metric, vloss = w.evaluate(_flushed_copy(w, model, opt, hist, merge_lr))
             evals.append({"iteration": t + 1, "metric": metric, "loss": vloss})
             if t + 1 == w.iters:
                 final = evals[-1]
@@ -424,15 +448,20 @@ def train_plan(w: Workload, seed: int, warm: WarmState, plan: Plan, target: floa
             "seconds": time.perf_counter() - t0, "diverged": diverged}
 
 
-def plan_key(plan: Plan) -> str:
-    return json.dumps([[list(u.lags) for u in due] for due in plan])
+def plan_key(plan: Plan, merge_lr: str = "none") -> str:
+    """One trained run per update timing, and per lr scaling when the plan merges."""
+    key = json.dumps([[list(u.lags) for u in due] for due in plan])
+    merges = any(len(u.lags) > 1 for due in plan for u in due)
+    return key + (f" lr:{merge_lr}" if merges and merge_lr != "none" else "")
 
 
-def describe(s: Schedule) -> str:
+def describe(s: Schedule, merge_lr: str = "none") -> str:
     stale = max((u.apply_after - u.last for u in s.updates), default=0)
     kind = "no delay" if all(k == 1 for k in s.batch_sequence) and stale == 0 else \
         ("lag-free merge" if stale == 0 else f"stale by {stale}")
-    return f"K={list(s.batch_sequence)} ({kind})"
+    scaled = merge_lr != "none" and any(k > 1 for k in s.batch_sequence)
+    lr = f", lr x {'k' if merge_lr == 'linear' else 'sqrt k'}" if scaled else ""
+    return f"K={list(s.batch_sequence)} ({kind}{lr})"
 
 
 # -- one workload ---------------------------------------------------------------------------------
@@ -449,44 +478,47 @@ def run_workload(w: Workload, args: argparse.Namespace, epsilons: list[float]) -
          DeftConfig.resolve({"epsilon": e, "links": links})) for e in epsilons]
     configs.append(("preserver off",
                     DeftConfig.resolve({"epsilon": cfg0.epsilon, "preserver": False, "links": links})))
+    configs.append((f"epsilon {cfg0.epsilon:g}, merge lr {w.merge_lr}",
+                    DeftConfig.resolve({"epsilon": cfg0.epsilon, "merge_lr_scaling": w.merge_lr, "links": links})))
     decisions = []
     nd = no_delay_plan(prof, configs[0][1])
     ddp_key = plan_key(applied_updates(nd))
-    candidates: dict[str, Schedule] = {ddp_key: nd}
-    tried_schedules: list[Schedule] = []
+    candidates: dict[str, tuple[Schedule, str]] = {ddp_key: (nd, "none")}
+    tried_schedules: list[tuple[Schedule, str]] = []
 
-    def recording(fn: Callable[..., Schedule]) -> Callable[..., Schedule]:
+    def recording(fn: Callable[..., Schedule], merge_lr: str) -> Callable[..., Schedule]:
         def wrapped(*a: Any, **kw: Any) -> Schedule:
             sched = fn(*a, **kw)
-            tried_schedules.append(sched)
+            tried_schedules.append((sched, merge_lr))
             return sched
         return wrapped
 
     for label, cfg in configs:
         if cfg.preserver and cfg.epsilon > 0:  # make_schedule's call, with planners that record each try
             base = lagfree_plan if cfg.forward_updates else no_delay_plan
-            res = preserve(prof, cfg, warm.stats, planner=recording(deft_plan), no_delay_planner=recording(base),
-                           accumulate_planner=recording(accumulate_plan))
+            ml = cfg.merge_lr_scaling
+            res = preserve(prof, cfg, warm.stats, planner=recording(deft_plan, ml),
+                           no_delay_planner=recording(base, ml), accumulate_planner=recording(accumulate_plan, ml))
             sched, tries = res.schedule, list(res.tries)
         else:
             sched, tries = make_schedule(cfg, prof, warm.stats, None).schedule, []
         decisions.append({"label": label, "epsilon": cfg.epsilon, "preserver": cfg.preserver, "schedule": sched,
-                          "tries": tries})
-        candidates.setdefault(plan_key(applied_updates(sched)), sched)
-    for sched in tried_schedules:
-        candidates.setdefault(plan_key(applied_updates(sched)), sched)
+                          "tries": tries, "merge_lr": cfg.merge_lr_scaling})
+        candidates.setdefault(plan_key(applied_updates(sched), cfg.merge_lr_scaling), (sched, cfg.merge_lr_scaling))
+    for sched, ml in tried_schedules:
+        candidates.setdefault(plan_key(applied_updates(sched), ml), (sched, ml))
     if len(candidates) > args.max_schedules:
         say(f"{len(candidates)} distinct schedules; training the first {args.max_schedules} (chosen ones first)")
     runs: dict[str, dict[str, Any]] = {}
     target = None
-    for key, s in list(candidates.items())[:args.max_schedules]:  # torch DDP's (no delay) first: the target
-        r = train_plan(w, args.seed, warm, applied_updates(s), target, w.extend)
+    for key, (s, ml) in list(candidates.items())[:args.max_schedules]:  # torch DDP's (no delay) first: the target
+        r = train_plan(w, args.seed, warm, applied_updates(s), target, w.extend, ml)
         if target is None:
             target = target_of(w, r)
         r["schedule"] = s
-        r["describe"] = describe(s)
+        r["describe"] = describe(s, ml)
         r["iteration_s"] = s.predicted_iteration_s  # deft.solver.simulate on the partitioned profile
-        r["ratio"] = None if warm.stats is None else schedule_ratio(s, warm.stats)
+        r["ratio"] = None if warm.stats is None else schedule_ratio(s, warm.stats, ml)
         chk = None if warm.stats is None else warm.stats.stability(s)
         r["stability"] = chk
         runs[key] = r
@@ -531,7 +563,8 @@ def report_workload(res: dict[str, Any], plot_dir: Path) -> tuple[list[str], lis
     st = warm.stats
     lines.append(f"Statistics after {warm.t} synchronous iterations: " + (
         "none" if st is None else
-        f"loss {st.loss:.3f}, mu {st.mu:.4g}, sigma {st.sigma:.4g}, walk lr {st.lr:.4g}, batch {st.batch:g}; "
+        f"loss {st.loss:.3f}, mu {st.mu:.4g}, sigma {st.sigma:.4g} ({st.metric} metric), walk lr {st.lr:.4g}, "
+        f"batch {st.batch:g}; "
         f"curvature {warm.reason}" + (f" {warm.curvature:.4g}" if warm.curvature is not None else "")
         + (f" (raw secant {warm.secant_raw:.4g})" if warm.secant_raw is not None else "")))
     if warm.lanczos is not None:
@@ -561,7 +594,7 @@ def report_workload(res: dict[str, Any], plot_dir: Path) -> tuple[list[str], lis
     cases: list[tuple[bool, bool]] = []
     summary: dict[str, Any] = {"times": {}}
     for dec in res["decisions"]:
-        key = plan_key(applied_updates(dec["schedule"]))
+        key = plan_key(applied_updates(dec["schedule"]), dec["merge_lr"])
         r = runs.get(key)
         if r is None:
             lines.append(f"| {dec['label']} | {describe(dec['schedule'])} | | | not trained | | | | |")
@@ -585,13 +618,14 @@ def report_workload(res: dict[str, Any], plot_dir: Path) -> tuple[list[str], lis
         else:
             verdict = "untested" + (" (lost)" if lost else "")
         lz = lanczos_verdict(warm, r["schedule"])
-        pk = progress_retained(warm.stats, r["schedule"])
+        pk = progress_retained(warm.stats, r["schedule"], dec["merge_lr"])
         pk_s = "" if pk is None else f"{pk:.3f}"
         lines.append(f"| {dec['label']} | {r['describe']} | {r['iteration_s'] * 1e3:.1f} | {ratio} | {pk_s} | {rad} | "
                      f"{lz} | "
                      f"{r['final_metric']:.4f} | {diff_s} | {'-' if it is None else it} | "
                      f"{'-' if t_s is None else f'{t_s:.1f} s'} | {verdict} |")
         summary.setdefault("rows", []).append({"label": dec["label"], "epsilon": dec["epsilon"],
+                                               "merge_lr": dec["merge_lr"],
                                                "preserver": dec["preserver"], "lost": lost, "time": t_s,
                                                "iteration_s": r["iteration_s"], "describe": r["describe"],
                                                "diff": diff_s})
@@ -601,11 +635,11 @@ def report_workload(res: dict[str, Any], plot_dir: Path) -> tuple[list[str], lis
     for dec in res["decisions"]:
         if not dec["preserver"] or dec["epsilon"] == 0:
             continue
-        chosen = plan_key(applied_updates(dec["schedule"]))
+        chosen = plan_key(applied_updates(dec["schedule"]), dec["merge_lr"])
         for tr in dec["tries"]:
             if tr.accepted or tr.kind == "no_delay":
                 continue
-            key = plan_key(tr.plan)
+            key = plan_key(tr.plan, dec["merge_lr"])
             if key == chosen or key not in runs or (dec["label"], key) in seen:
                 continue
             seen.add((dec["label"], key))
@@ -613,7 +647,7 @@ def report_workload(res: dict[str, Any], plot_dir: Path) -> tuple[list[str], lis
             lost = loses(w, r, ddp)
             cases.append((False, lost))
             why = "unstable" if tr.stability is not None and not tr.stability.stable else "walk ratio"
-            pk = progress_retained(warm.stats, r["schedule"])
+            pk = progress_retained(warm.stats, r["schedule"], dec["merge_lr"])
             it_r = iters_to(w, r, target)
             t_r = "-" if it_r is None else f"{it_r * r['iteration_s']:.1f} s"
             rej_rows.append(f"| {dec['label']} | {r['describe']} | {r['iteration_s'] * 1e3:.1f} | {tr.ratio:.4f} | "
@@ -632,7 +666,7 @@ def report_workload(res: dict[str, Any], plot_dir: Path) -> tuple[list[str], lis
     return lines, cases, summary
 
 
-def progress_retained(stats: WalkStats | None, s: Schedule) -> float | None:
+def progress_retained(stats: WalkStats | None, s: Schedule, merge_lr: str = "none") -> float | None:
     """The walk's predicted loss *decrease* over one steady-state period, schedule over torch DDP:
     ``(s - E_schedule) / (s - E_ddp)``; the preserver's ratio compares loss levels instead."""
     if stats is None:
@@ -640,7 +674,8 @@ def progress_retained(stats: WalkStats | None, s: Schedule) -> float | None:
     period = steady_period(s)
     applied = applied_sequence(s)
     e_ddp = expected_loss_after(stats.loss, [stats.batch] * period, stats.mu, stats.sigma, stats.lr, stats.s_star)
-    e_s = expected_loss_after(stats.loss, [k * stats.batch for k in applied], stats.mu, stats.sigma, stats.lr,
+    e_s = expected_loss_after(stats.loss, [k * stats.batch for k in applied], stats.mu, stats.sigma,
+                              [stats.lr * merge_lr_factor(k, merge_lr) for k in applied],
                               stats.s_star) if applied else stats.loss
     drop = stats.loss - e_ddp
     return 1.0 if drop <= 0 else (stats.loss - e_s) / drop
@@ -658,12 +693,12 @@ def targets(summaries: dict[str, dict[str, Any]], default_eps: float) -> list[st
     out = ["## The issue's targets", ""]
     for name, sm in summaries.items():
         rows = sm.get("rows", [])
-        dflt = [r for r in rows if r["preserver"] and r["epsilon"] == default_eps]
+        dflt = [r for r in rows if r["preserver"] and r["epsilon"] == default_eps and r["merge_lr"] == "none"]
         eps0 = next((r for r in rows if r["epsilon"] == 0), None)
         faster = [r for r in rows if r["preserver"] and r["epsilon"] > 0 and not r["describe"].endswith("(no delay)")
                   and r["time"] is not None and eps0 is not None and eps0["time"] is not None
                   and r["time"] < eps0["time"]]
-        eps_rows = sorted((r for r in rows if r["preserver"]), key=lambda r: r["epsilon"])
+        eps_rows = sorted((r for r in rows if r["preserver"] and r["merge_lr"] == "none"), key=lambda r: r["epsilon"])
         mono = all(b["iteration_s"] <= a["iteration_s"] * (1 + 1e-9) for a, b in itertools.pairwise(eps_rows))
         lost = any(r["lost"] for r in dflt)
         out.append(f"- **{name}**: default epsilon "

@@ -27,6 +27,10 @@ CONFIG_ENV = "DEFT_CONFIG"
 LINK_BACKENDS = ("auto", "nccl", "gloo")
 SOLVERS = ("exact", "greedy")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+#: How a merged update of ``k`` iterations scales the learning rate of its one optimizer step:
+#: ``"none"`` (the same lr: k times fewer steps of the same size), ``"linear"`` (``k * lr``, Goyal et
+#: al.'s rule for SGD) or ``"sqrt"`` (``sqrt(k) * lr``, the usual rule for Adam). Off by default.
+MERGE_LR_SCALINGS = ("none", "linear", "sqrt")
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,9 @@ class DeftConfig:
     adapt_max_replans: int = 2
     adapt_tolerance: float = 0.10  # relative prediction error that is accepted
     s_star: float = 0.0
+    # A merged update of k iterations steps with lr x 1, k or sqrt(k) (MERGE_LR_SCALINGS; the preserver's walk
+    # prices the same factor). Off by default: measured in benchmarks/results/preserver_validation.md.
+    merge_lr_scaling: str = "none"
     timeout_s: float = 300.0
     profile_path: str | None = None
     schedule_path: str | None = None
@@ -109,6 +116,9 @@ class DeftConfig:
                 raise bad(name, f"expected > 0, got {getattr(self, name)}")
         if not 0 <= self.solver_relative_gap < 1:
             raise bad("solver_relative_gap", f"expected in [0, 1), got {self.solver_relative_gap}")
+        if self.merge_lr_scaling not in MERGE_LR_SCALINGS:
+            raise bad("merge_lr_scaling", f"expected one of {', '.join(MERGE_LR_SCALINGS)}, "
+                      f"got {self.merge_lr_scaling!r}")
         if self.compression not in COMPRESSIONS:
             raise bad("compression", f"expected one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
         if self.powersgd_rank < 1:

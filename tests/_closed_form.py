@@ -16,8 +16,10 @@ import torch
 
 def sgd_replay(update_log: Sequence[Sequence[object]], world: int, shapes: Mapping[str, tuple[int, ...]],
                coeffs: Callable[[int, int], Mapping[str, torch.Tensor]], lr: float, momentum: float,
-               used: Callable[[str, int, int], bool] = lambda n, r, t: True) -> dict[str, torch.Tensor]:
-    """Parameters (float64, starting at zero) after replaying every logged update in order."""
+               used: Callable[[str, int, int], bool] = lambda n, r, t: True,
+               lr_factor: Callable[[int], float] = lambda k: 1.0) -> dict[str, torch.Tensor]:
+    """Parameters (float64, starting at zero) after replaying every logged update in order; an update
+    merging ``k`` iterations steps with ``lr * lr_factor(k)`` (deft's ``merge_lr_scaling``)."""
     w = {n: torch.zeros(shape, dtype=torch.float64) for n, shape in shapes.items()}
     buf: dict[str, torch.Tensor] = {}
     for _, its in update_log:
@@ -28,5 +30,5 @@ def sgd_replay(update_log: Sequence[Sequence[object]], world: int, shapes: Mappi
                 continue
             g = sum(coeffs(r, t)[n].double() for r, t in users) / (world * len(its))
             buf[n] = g if n not in buf else momentum * buf[n] + g
-            w[n] -= lr * buf[n]
+            w[n] -= lr * lr_factor(len(its)) * buf[n]
     return w

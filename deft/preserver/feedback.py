@@ -54,7 +54,8 @@ never rejected on these grounds. Each try records the radius, edge and verdict (
 
 Statistics
 ----------
-:class:`WalkStats` carries the current loss, ``mu = |g|²``, ``sigma² = gᵀΣg`` (per sample), the
+:class:`WalkStats` carries the current loss, ``mu = |g|²``, ``sigma² = gᵀΣg`` (per sample; for Adam in
+its preconditioned metric, ``gᵀPg`` and ``gᵀPΣPg``: :mod:`deft.preserver.gaussian_walk`), the
 learning rate and the batch of one iteration *across all ranks* (ranks x per-rank batch), since the
 all-reduced update averages that many samples. ``mu`` and ``sigma`` come from
 :mod:`deft.preserver.noise`; while they are unknown (before training, or with one rank) the preserver
@@ -73,6 +74,7 @@ from typing import TYPE_CHECKING, Any
 from deft.config import DeftConfig
 from deft.errors import ContractError
 from deft.preserver.gaussian_walk import convergence_ratio, expected_next_loss
+from deft.preserver.noise import WALK_METRICS
 from deft.preserver.stability import Plan, StabilityCheck, applied_updates, check_stability
 from deft.schedule import Schedule
 from deft.solver.plan import accumulate_plan, no_delay_plan, plan
@@ -97,9 +99,12 @@ class WalkStats:
     """The walk's inputs at the current point of training (see the module docstring).
 
     * ``loss``: a smoothed training loss (one batch's loss is itself noisy), ``>= s_star``;
-    * ``mu``, ``sigma``: from :class:`deft.preserver.noise.NoiseEstimator`;
-    * ``lr``: the step size of plain SGD (the walk models ``w -= lr * g_B``; for momentum SGD the
-      steady-state step is ``lr / (1 - momentum)``, the caller decides which to pass);
+    * ``mu``, ``sigma``: from :class:`deft.preserver.noise.NoiseEstimator`, in the optimizer's metric
+      (``metric``: ``"euclidean"`` for SGD, ``"adam"``: measured on gradients scaled by Adam's
+      ``sqrt(P)``; :mod:`deft.preserver.gaussian_walk`, "The walk in the optimizer's geometry");
+    * ``lr``: the step size of plain SGD in that metric (the walk models ``z -= lr * g_B``; for momentum
+      SGD the steady-state step is ``lr / (1 - momentum)``, for Adam the raw ``lr``:
+      :func:`deft.preserver.noise.walk_geometry` decides);
     * ``batch``: the global batch of one iteration (all ranks);
     * ``curvature``, ``optimizer`` (optional, together): the top Hessian eigenvalue of the training loss
       (:mod:`deft.preserver.curvature`) and the optimizer's update rule
@@ -116,21 +121,26 @@ class WalkStats:
     s_star: float = 0.0
     curvature: float | None = None
     optimizer: OptimizerSpec | None = None
+    metric: str = "euclidean"
 
     def __post_init__(self) -> None:
         # One evaluation validates every field with errors that name it.
         expected_next_loss(self.loss, self.mu, self.sigma, self.lr, self.batch, self.s_star)
+        if self.metric not in WALK_METRICS:
+            raise ContractError("preserver", "metric",
+                                f"expected one of {', '.join(WALK_METRICS)}, got {self.metric!r}")
         if (self.curvature is None) != (self.optimizer is None):
             raise ContractError("preserver", "curvature" if self.curvature is None else "optimizer",
                                 "curvature and optimizer are given together (the stability check needs both)")
 
     @classmethod
     def from_estimate(cls, loss: float, estimate: NoiseEstimate | None, lr: float, batch: float,
-                      s_star: float = 0.0) -> WalkStats | None:
+                      s_star: float = 0.0, metric: str = "euclidean") -> WalkStats | None:
         """From a :class:`deft.preserver.noise.NoiseEstimate`; ``None`` while mu or sigma is unknown."""
         if estimate is None or estimate.sigma is None:
             return None
-        return cls(loss=loss, mu=estimate.mu, sigma=estimate.sigma, lr=lr, batch=batch, s_star=s_star)
+        return cls(loss=loss, mu=estimate.mu, sigma=estimate.sigma, lr=lr, batch=batch, s_star=s_star,
+                   metric=metric)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -227,12 +237,14 @@ def applied_sequence(schedule: Schedule) -> tuple[int, ...]:
     return tuple(u.k for u in schedule.updates if u.positions[0] < p and u.apply_after < p)
 
 
-def schedule_ratio(schedule: Schedule, stats: WalkStats) -> float:
+def schedule_ratio(schedule: Schedule, stats: WalkStats, merge_lr_scaling: str = "none") -> float:
     """``E_baseline / E_schedule`` over one steady-state period (:func:`steady_period`): that many steps
     of ``B`` against the updates the period applies within itself (:func:`applied_sequence`); 1.0 for a
-    no-delay schedule. The same steady state written as a longer cycle gets the same ratio."""
+    no-delay schedule. The same steady state written as a longer cycle gets the same ratio. A merged
+    update steps with ``lr`` times the factor of ``merge_lr_scaling`` (``config.merge_lr_scaling``)."""
     return convergence_ratio(stats.loss, stats.mu, stats.sigma, stats.lr, stats.batch,
-                             applied_sequence(schedule), stats.s_star, window=steady_period(schedule))
+                             applied_sequence(schedule), stats.s_star, window=steady_period(schedule),
+                             merge_lr_scaling=merge_lr_scaling)
 
 
 def _judge(schedule: Schedule, stats: WalkStats, walk_ok: bool) -> tuple[bool, StabilityCheck | None]:
@@ -311,7 +323,7 @@ def _best_merge(profile: Profile, config: DeftConfig, stats: WalkStats, accumula
     best = None
     for k in range(2, MAX_MERGE + 1):
         s = _checked(merge(profile, config, k), "accumulate_plan")
-        ratio = schedule_ratio(s, stats)
+        ratio = schedule_ratio(s, stats, config.merge_lr_scaling)
         ok, chk = _judge(s, stats, passes(s.batch_sequence, ratio, config.epsilon))
         tries.append(Try(capacity_scale=None, k=s.batch_sequence, ratio=ratio, accepted=ok,
                          applied=applied_sequence(s), window=steady_period(s), kind="accumulate",
@@ -358,7 +370,7 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
         return no_delay("epsilon = 0: no delayed update allowed", accepted=True)
     if not config.preserver:
         s = _checked(planner(profile, config, capacity_scale=1.0), "plan")
-        ratio = None if stats is None else schedule_ratio(s, stats)
+        ratio = None if stats is None else schedule_ratio(s, stats, config.merge_lr_scaling)
         chk = None if stats is None else stats.stability(s)  # recorded, not enforced: nothing is checked
         tries.append(Try(capacity_scale=1.0, k=s.batch_sequence, ratio=ratio, accepted=True,
                          applied=applied_sequence(s), window=steady_period(s), plan=applied_updates(s),
@@ -375,7 +387,7 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
         scale = config.capacity_growth ** i
         s = _checked(planner(profile, config, capacity_scale=scale), "plan")
         k = s.batch_sequence
-        ratio = schedule_ratio(s, stats)
+        ratio = schedule_ratio(s, stats, config.merge_lr_scaling)
         ok, chk = _judge(s, stats, passes(k, ratio, config.epsilon))
         tries.append(Try(capacity_scale=scale, k=k, ratio=ratio, accepted=ok, applied=applied_sequence(s),
                          window=steady_period(s), plan=applied_updates(s), stability=chk))
@@ -456,7 +468,7 @@ class Recheck:
             return None
         eps = self.config.epsilon
         k = self.result.schedule.batch_sequence
-        ratio = schedule_ratio(self.result.schedule, stats)
+        ratio = schedule_ratio(self.result.schedule, stats, self.config.merge_lr_scaling)
         if self.result.stats_were_unknown:
             return self._decide(iteration, ratio, True, "mu and sigma are known now: delayed updates can be tested")
         if not passes(k, ratio, eps):
@@ -467,7 +479,8 @@ class Recheck:
             return self._decide(iteration, ratio, True, f"running schedule K={k} is unstable now: {chk.reason}")
         for cand in self._faster:
             r = convergence_ratio(stats.loss, stats.mu, stats.sigma, stats.lr, stats.batch, cand.applied,
-                                  stats.s_star, window=cand.window or sum(cand.k))
+                                  stats.s_star, window=cand.window or sum(cand.k),
+                                  merge_lr_scaling=self.config.merge_lr_scaling)
             cand_chk = stats.stability(cand.plan) if cand.plan else None
             if cand_chk is not None and not cand_chk.stable:
                 continue  # still unstable along the sharpest direction

@@ -27,7 +27,36 @@ Invariants
 * ``E[s_{t+1}]`` never increases with ``B``: the folded-normal mean grows with its scale
   (``d/dtau = 2 φ(a) >= 0``) and ``tau`` falls with ``B``.
 * A merged update of ``k`` iterations averages their gradients (like gradient accumulation), so it is
-  ONE step of batch ``k B`` with the same ``lr``: ``k`` times less noise, but one step's progress.
+  ONE step of batch ``k B``: ``k`` times less noise, but one step's progress. Its learning rate is
+  ``lr * f(k)`` with ``f`` from ``config.merge_lr_scaling`` (:func:`merge_lr_factor`: 1 by default,
+  ``k`` for "linear", ``sqrt k`` for "sqrt"); the runtime steps with the same factor.
+
+The walk in the optimizer's geometry
+------------------------------------
+The formula above is for plain SGD, ``w -= lr g_B``. The walk's one coordinate is the loss; what an
+optimizer changes is the loss decrease per unit ``lr``, so ``mu``, ``sigma`` and ``lr`` must be those
+of the step the optimizer really takes:
+
+* **SGD with momentum** ``m`` (heavy ball or Nesterov): in steady state one gradient moves ``w`` by
+  ``lr / (1 - m)`` in total (``sum_j m^j``), so the walk's ``lr`` is ``lr / (1 - m)``; ``mu = |g|²``,
+  ``sigma² = gᵀ Σ g`` (the Euclidean metric).
+* **Adam / AdamW**: the step is preconditioned, ``w -= lr P m̂`` with ``P = diag(1 / (sqrt(v̂) + eps))``
+  (``v̂``: the bias-corrected ``exp_avg_sq``). In the coordinates ``z = P^(-1/2) w`` it is plain SGD
+  with the same ``lr``: the gradient there is ``P^(1/2) g``, a step ``z -= lr P^(1/2) g_B`` is
+  ``w -= lr P g_B``. So the walk runs in that metric: the first-order loss decrease per unit ``lr`` is
+  ``Δ = gᵀ P g_B``, with::
+
+      mu_P = gᵀ P g = |P^(1/2) g|²,    sigma_P² = gᵀ P Σ P g = (P^(1/2) g)ᵀ (P^(1/2) Σ P^(1/2)) (P^(1/2) g)
+
+  i.e. the same estimators (:mod:`deft.preserver.noise`) applied to the gradients scaled elementwise
+  by ``sqrt(P)`` (:func:`deft.preserver.noise.walk_geometry`). The first moment ``m̂`` is an
+  exponential average whose weights sum to 1 (bias-corrected), so in steady state ``m̂ = g`` and one
+  gradient moves ``z`` by ``lr`` in total: no momentum factor (unlike heavy-ball SGD). ``P`` is taken
+  from the optimizer's state before the step (``v̂`` of the previous step: ``beta2`` is close to 1).
+  Weight decay is not part of the walk. Measured (character LM, AdamW lr 3e-3, after 4 warm-up
+  iterations at loss 4.28; benchmarks/results/preserver_validation.md): the Euclidean walk with the raw
+  ``lr`` had ``mu = 2.3``, so ``lr mu = 0.007`` per step and a merge of two looked free (ratio 0.998)
+  while it lost 6.5% of validation loss; in Adam's metric ``mu_P = 350`` (151x), ratio 0.67: rejected.
 """
 
 from __future__ import annotations
@@ -36,6 +65,7 @@ import math
 import numbers
 from collections.abc import Sequence
 
+from deft.config import MERGE_LR_SCALINGS
 from deft.errors import ContractError
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -105,7 +135,8 @@ def _per_step(name: str, value: float | Sequence[float], n: int) -> list[float]:
 
 
 def expected_trajectory(s0: float, batches: Sequence[float], mu: float | Sequence[float],
-                        sigma: float | Sequence[float], lr: float, s_star: float = 0.0) -> list[float]:
+                        sigma: float | Sequence[float], lr: float | Sequence[float],
+                        s_star: float = 0.0) -> list[float]:
     """Expected losses ``[s0, E_1, ..., E_n]`` over steps of the given batch sizes.
 
     This iterates expectations, as the paper does: step ``t+1`` starts from ``E[s_t]`` instead of
@@ -113,7 +144,7 @@ def expected_trajectory(s0: float, batches: Sequence[float], mu: float | Sequenc
     one-step mean is convex in ``s_t`` (it is ``E|s_t - c - lr Δ|``), so by Jensen the plug-in value
     of the second step is a lower bound of the walk's true mean. The error is of the order of the
     rebound term: negligible while ``s_t - S*`` is many ``tau`` above ``lr mu``, large near ``S*``.
-    ``mu`` and ``sigma`` are constants or one value per step.
+    ``mu``, ``sigma`` and ``lr`` are constants or one value per step.
     """
     if not _is_sequence(batches):
         raise ContractError(_SOURCE, "batches", f"expected a sequence of batch sizes, got {batches!r}")
@@ -121,21 +152,37 @@ def expected_trajectory(s0: float, batches: Sequence[float], mu: float | Sequenc
         raise ContractError(_SOURCE, "batches", "expected at least one step, got an empty sequence")
     mus = _per_step("mu", mu, len(batches))
     sigmas = _per_step("sigma", sigma, len(batches))
+    lrs = _per_step("lr", lr, len(batches))
     s, s_star = _check_loss(s0, s_star, "s0")
     out = [s]
-    for b, m_, sg in zip(batches, mus, sigmas, strict=True):
-        s = expected_next_loss(s, m_, sg, lr, b, s_star)
+    for b, m_, sg, lr_ in zip(batches, mus, sigmas, lrs, strict=True):
+        s = expected_next_loss(s, m_, sg, lr_, b, s_star)
         out.append(s)
     return out
 
 
 def expected_loss_after(s0: float, batches: Sequence[float], mu: float | Sequence[float],
-                        sigma: float | Sequence[float], lr: float, s_star: float = 0.0) -> float:
+                        sigma: float | Sequence[float], lr: float | Sequence[float], s_star: float = 0.0) -> float:
     """Expected loss after the steps of ``batches`` (the last entry of :func:`expected_trajectory`).
 
     Iterating the expectation is the paper's approximation (see :func:`expected_trajectory`).
     """
     return expected_trajectory(s0, batches, mu, sigma, lr, s_star)[-1]
+
+
+def merge_lr_factor(k: int, scaling: str = "none") -> float:
+    """The learning-rate factor of a merged update of ``k`` iterations: 1 (``"none"``), ``k``
+    (``"linear"``) or ``sqrt k`` (``"sqrt"``); 1 for ``k == 1`` whatever the scaling."""
+    if scaling not in MERGE_LR_SCALINGS:
+        raise ContractError(_SOURCE, "merge_lr_scaling", f"expected one of {', '.join(MERGE_LR_SCALINGS)}, "
+                                                         f"got {scaling!r}")
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise ContractError(_SOURCE, "k", f"expected a positive integer, got {k!r}")
+    if scaling == "linear":
+        return float(k)
+    if scaling == "sqrt":
+        return math.sqrt(k)
+    return 1.0
 
 
 def _check_k_sequence(k_sequence: Sequence[int]) -> tuple[int, ...]:
@@ -151,11 +198,13 @@ def _check_k_sequence(k_sequence: Sequence[int]) -> tuple[int, ...]:
 
 
 def convergence_ratio(s: float, mu: float, sigma: float, lr: float, batch: float,
-                      k_sequence: Sequence[int], s_star: float = 0.0, *, window: int | None = None) -> float:
+                      k_sequence: Sequence[int], s_star: float = 0.0, *, window: int | None = None,
+                      merge_lr_scaling: str = "none") -> float:
     """The preserver's test statistic ``E_baseline / E_schedule`` over a cycle of ``N = sum(k)`` iterations.
 
     Baseline ``O_B``: ``N`` steps of batch ``batch``. Schedule ``O_D``: ``m = len(k)`` steps of batch
-    ``k_i * batch`` (a merged update averages its ``k_i`` gradients: one step, same ``lr``). Both
+    ``k_i * batch`` (a merged update averages its ``k_i`` gradients: one step, with learning rate
+    ``lr * merge_lr_factor(k_i, merge_lr_scaling)``, the same ``lr`` by default). Both
     start from loss ``s`` with the same ``mu`` and ``sigma`` (the cycle is short against the drift of
     the statistics). A ratio below 1 means the schedule is expected to end the cycle at a higher loss
     (Table V: 0.1922 / 0.1935 = 0.993). All ``k == 1`` gives exactly 1; when both expectations are
@@ -173,7 +222,9 @@ def convergence_ratio(s: float, mu: float, sigma: float, lr: float, batch: float
                                or window < max(1, sum(ks))):
         raise ContractError(_SOURCE, "window", f"expected an integer >= sum(k_sequence) and >= 1, got {window!r}")
     e_base = expected_loss_after(s, [batch] * n, mu, sigma, lr, s_star)
-    e_sched = expected_loss_after(s, [k * batch for k in ks], mu, sigma, lr, s_star) if ks else float(s)
+    lr = _check_finite("lr", lr, minimum=0.0, strict=True)
+    lrs = [lr * merge_lr_factor(k, merge_lr_scaling) for k in ks]
+    e_sched = expected_loss_after(s, [k * batch for k in ks], mu, sigma, lrs, s_star) if ks else float(s)
     if e_base == e_sched:
         return 1.0
     if e_sched == 0.0:

@@ -69,7 +69,20 @@ Per update (under delayed updates: per update group, whose parts then hold ``k b
     pair.observe(averaged_pieces)                                         # only after update()
     stats = WalkStats.from_estimate(smoothed_loss, est.estimate, lr, world_size * batch_per_rank)
 
-Everything except :class:`DirectionPair`, :func:`local_stats` and :func:`all_gather_stats` is torch-free.
+In the optimizer's metric
+-------------------------
+For Adam/AdamW the walk needs ``mu_P = gᵀ P g`` and ``sigma_P² = gᵀ P Σ P g`` with Adam's
+preconditioner ``P = diag(1 / (sqrt(v̂) + eps))`` (:mod:`deft.preserver.gaussian_walk`, "The walk in the
+optimizer's geometry"). Everything above holds for any fixed linear map of the gradients: scaling every
+rank's local gradient (and so their average) elementwise by ``r = sqrt(P)`` gives ``g_r -> r g_r``,
+``g -> r g``, ``Σ -> R Σ R`` (``R = diag r``), hence ``|r g|² = mu_P`` and
+``(r g)ᵀ (R Σ R) (r g) = sigma_P²``: the same estimators on scaled gradients, with the directions
+(:class:`DirectionPair`) fed the scaled averages too. :func:`walk_geometry` gives ``r`` per parameter
+(``None`` for SGD: the Euclidean metric, ``r = 1``) and the walk's ``lr``. The scaled ``tr(R Σ R)`` is
+not the raw ``tr Σ`` (the secant curvature's noise correction needs the raw one).
+
+Everything except :class:`DirectionPair`, :func:`local_stats`, :func:`all_gather_stats` and
+:func:`walk_geometry` is torch-free.
 """
 
 from __future__ import annotations
@@ -86,6 +99,24 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 _SOURCE = "noise statistics"
+#: The metrics the walk's statistics are measured in: plain gradients, or Adam-preconditioned ones.
+WALK_METRICS = ("euclidean", "adam")
+
+
+@dataclass(frozen=True)
+class WalkGeometry:
+    """How the walk sees the optimizer's step (module docstring, "In the optimizer's metric").
+
+    ``metric``: one of :data:`WALK_METRICS`; ``lr``: the walk's learning rate (SGD with momentum ``m``:
+    ``lr / (1 - m)``; Adam: ``lr``; ``None`` when the optimizer is unknown or its ``lr`` is not
+    positive); ``roots``: per parameter, ``sqrt(P)`` to scale its gradient by (``None``: Euclidean).
+    ``why``: a sentence for logs when ``lr`` is ``None`` or the metric fell back to Euclidean.
+    """
+
+    metric: str
+    lr: float | None
+    roots: list[torch.Tensor] | None = None
+    why: str = ""
 
 
 @dataclass(frozen=True)
@@ -392,3 +423,55 @@ def all_gather_stats(local: LocalStats, group: Any = None) -> list[LocalStats]:
     missing = any(math.isnan(r[1]) or math.isnan(r[2]) for r in rows)
     return [LocalStats(sq_norm=r[0], proj_a=None if missing else r[1], proj_b=None if missing else r[2],
                        batch=round(r[3])) for r in rows]
+
+
+def walk_geometry(optimizer: Any, params: Sequence[torch.Tensor] | None = None, *,
+                  with_roots: bool = True) -> WalkGeometry:
+    """The walk's metric and learning rate for ``optimizer`` (the first param group's ``lr``).
+
+    * SGD (any other optimizer is treated alike): Euclidean; ``lr / (1 - momentum)`` with momentum in
+      ``(0, 1)`` (heavy ball and Nesterov: in steady state one gradient moves the parameters that far).
+    * Adam/AdamW: ``roots[i] = sqrt(1 / (sqrt(v̂_i) + eps))`` for ``params`` (default: ``param_groups``
+      order) from the optimizer's ``exp_avg_sq`` and ``step`` (bias-corrected), float32 on the
+      parameter's device; ``lr`` unchanged (the bias-corrected first moment's weights sum to 1). A
+      parameter never stepped (no second moment: it never had a gradient) gets 0, i.e. no
+      contribution. Before the first step (no second moment at all) the metric is Euclidean and
+      ``why`` says so; callers that accumulate statistics restart them when the metric changes.
+
+    ``with_roots=False`` gives the metric and ``lr`` without building ``roots`` (a copy of the model).
+    """
+    import torch
+
+    if optimizer is None:
+        return WalkGeometry("euclidean", None, None, "optimizer unknown")
+    group = optimizer.param_groups[0]
+    lr = float(group.get("lr", 0.0))
+    if not lr > 0.0:
+        return WalkGeometry("euclidean", None, None, f"learning rate {lr} is not positive")
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        order = [p for g in optimizer.param_groups for p in g["params"]] if params is None else list(params)
+        where = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        roots: list[torch.Tensor] = []
+        seen = False
+        if not with_roots:
+            seen = any(("max_exp_avg_sq" if g.get("amsgrad") else "exp_avg_sq") in optimizer.state.get(p, {})
+                       for g in optimizer.param_groups for p in g["params"])
+            order = []
+        for p in order:
+            state = optimizer.state.get(p, {})
+            g = where.get(id(p))
+            key = "max_exp_avg_sq" if g is not None and g.get("amsgrad") else "exp_avg_sq"  # AMSGrad's denominator
+            if g is None or key not in state:
+                roots.append(torch.zeros_like(p, dtype=torch.float32))
+                continue
+            seen = True
+            beta2, eps = g["betas"][1], g["eps"]
+            v_hat = state[key].detach().to(torch.float32) / (1.0 - beta2 ** float(state["step"]))
+            roots.append((1.0 / (v_hat.sqrt() + eps)).sqrt())
+        if not seen:
+            return WalkGeometry("euclidean", lr, None, "Adam has no second moment before its first step")
+        return WalkGeometry("adam", lr, roots if with_roots else None)
+    momentum = float(group.get("momentum", 0.0) or 0.0)
+    if isinstance(optimizer, torch.optim.SGD) and 0.0 < momentum < 1.0:
+        lr = lr / (1.0 - momentum)
+    return WalkGeometry("euclidean", lr)

@@ -47,6 +47,7 @@ from deft.config import DeftConfig
 from deft.errors import ContractError, DeftError
 from deft.netif import new_group_on_nic
 from deft.preserver.curvature import adam_preconditioner, top_eigenvalue
+from deft.preserver.gaussian_walk import merge_lr_factor
 from deft.profile import Profile
 from deft.profiler import nvtx
 from deft.runtime.adapt import Adapter, window_medians
@@ -57,7 +58,7 @@ from deft.runtime.control import ControlPlane, broadcast_state, digest
 from deft.runtime.executor import Executor, Pending, PendingUpdate
 from deft.runtime.grad_stats import GradStats, walk_stats
 from deft.runtime.links import CommLink, make_control_group, make_links
-from deft.runtime.optimizer_hooks import OptimizerBinding
+from deft.runtime.optimizer_hooks import OptimizerBinding, merged_lr, restore_lr, scale_lr
 from deft.runtime.phase import Phase
 from deft.runtime.planning import Planning, check_schedule_file, make_schedule, resolve_profile
 from deft.runtime.tensors import tensors_in
@@ -200,6 +201,7 @@ class DistributedDataParallel(nn.Module):
         self._exposed: list[tuple[torch.Tensor, torch.Tensor | None, int]] | None = None
         self._exposed_partial = False
         self._exposed_iterations: tuple[int, ...] | None = None
+        self._lr_saved: list[Any] | None = None  # the param groups' lr while a merged update's step runs scaled
         self._grads_touched = False  # code between backward() and step() modifies gradients
         # Updates finishing in the forward: module pre-hooks, and the hyperparameters of the step that
         # began the update (a learning-rate scheduler may have stepped since).
@@ -387,7 +389,7 @@ class DistributedDataParallel(nn.Module):
             self._stats.discard()  # groups cut short: no clean per-group statistics
         for upd in ex.drain():
             self._set_grads(upd.grads)
-            self._optim.step_internally()
+            self._step_merged(len(upd.iterations))
             self.update_log.append((self._t - 1, upd.iterations))
         self._clear_grads()
         ex.t0 = self._t
@@ -556,7 +558,9 @@ class DistributedDataParallel(nn.Module):
         if ex.deferred:
             opt = self._optim.optimizer
             assert opt is not None
-            self._finish_hparams = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+            factor = merge_lr_factor(len(updates[-1].iterations), self.config.merge_lr_scaling)
+            self._finish_hparams = [{k: (v * factor if k == "lr" else v) for k, v in g.items() if k != "params"}
+                                    for g in opt.param_groups]
         if self._stats is not None:
             assert ex.layout is not None
             for last, upd in zip(lasts, updates, strict=True):
@@ -570,7 +574,7 @@ class DistributedDataParallel(nn.Module):
                     self._stats.observe_point(self._params, upd.grads)
         for upd in updates[:-1]:
             self._set_grads(upd.grads)
-            self._optim.step_internally()
+            self._step_merged(len(upd.iterations))
             self.update_log.append((self._t, upd.iterations))
         if updates:
             self._set_grads(updates[-1].grads)
@@ -605,6 +609,11 @@ class DistributedDataParallel(nn.Module):
                                 "its other parameters cannot get the same change. deft switches to whole updates "
                                 "when it sees this during warm-up; here it appeared only after planning: set "
                                 "forward_updates = false in the config")
+        # The user's step applies the exposed update: a merge of k iterations steps with the lr scaled
+        # (config.merge_lr_scaling), restored in _after_step before any LR scheduler runs.
+        if self._exposed_iterations is not None and self._optim.optimizer is not None:
+            self._lr_saved = scale_lr(self._optim.optimizer, merge_lr_factor(len(self._exposed_iterations),
+                                                                             self.config.merge_lr_scaling))
 
     def _skip_step(self) -> None:
         """A forward began after backward() without optimizer.step(): the step was skipped (GradScaler
@@ -620,6 +629,9 @@ class DistributedDataParallel(nn.Module):
 
     def _after_step(self) -> None:
         """After the user's ``optimizer.step()``: the iteration ends; warm-up, planning, re-checks follow."""
+        if self._lr_saved is not None and self._optim.optimizer is not None:
+            restore_lr(self._optim.optimizer, self._lr_saved)
+            self._lr_saved = None
         if not self._step_open:
             return
         self._step_open = False
@@ -652,6 +664,15 @@ class DistributedDataParallel(nn.Module):
         if self._adapt_on:
             self._maybe_adapt()
         self._maybe_switch()
+
+    def _step_merged(self, k: int) -> None:
+        """deft's own optimizer step for an update merging ``k`` iterations (lr scaled by the config)."""
+        opt = self._optim.optimizer
+        if opt is None:
+            self._optim.step_internally()  # raises the error that names the missing optimizer
+            return
+        with merged_lr(opt, k, self.config.merge_lr_scaling):
+            self._optim.step_internally()
 
     def _set_grads(self, grads: list[torch.Tensor | None]) -> None:
         for p, g in zip(self._params, grads, strict=True):
@@ -904,6 +925,7 @@ class DistributedDataParallel(nn.Module):
             ex = self._executor
             g = ex.groups.get(ex.group_last(self._t))
             if g is not None and g.complete and ex.layout is not None:
+                self._stats.refresh(ex.layout, self._params, self._optim.optimizer)
                 k = len(g.iterations)
                 self._stats.bucket(g.last, b, ex.layout.bucket_views(g.buffers, b), (self._batch or 1) * k, k)
 

@@ -11,6 +11,14 @@ collective. It is biased low on the digits CNN (2-3x, benchmarks/results/stabili
 a measurement. The optimizer's rule is :meth:`deft.preserver.stability.OptimizerSpec.from_torch`; for
 Adam/AdamW the step scale is the median of ``1 / (sqrt(v_hat) + eps)`` (:func:`adam_scale`).
 
+The walk's metric (:func:`deft.preserver.noise.walk_geometry`): for Adam/AdamW, ``mu`` and ``sigma``
+are measured on the gradients scaled elementwise by ``sqrt(P)``, ``P = 1 / (sqrt(v_hat) + eps)`` from
+the optimizer's state before the step being measured (:meth:`GradStats.refresh`, once per applied
+update), so that ``mu = gᵀ P g`` and ``sigma² = gᵀ P Σ P g`` (deft.preserver.gaussian_walk, "The walk
+in the optimizer's geometry"); the raw ``tr Σ`` the secant's noise correction needs is estimated
+beside them (one more all-gather of four scalars per update, Adam only). Before Adam's first step the
+metric is Euclidean; the estimates restart when it becomes Adam's, so they never mix metrics.
+
 Runs before planning (warm-up and profile iterations) and, after it, in a window of iterations before
 each preserver re-check. Every collective here is on the control group and matched on every rank:
 all ranks apply the same updates, so they call :meth:`GradStats.update` at the same points.
@@ -28,7 +36,15 @@ from deft.config import DeftConfig
 from deft.errors import ContractError
 from deft.preserver.curvature import SecantCurvature, adam_scale
 from deft.preserver.feedback import WalkStats
-from deft.preserver.noise import DirectionPair, LocalStats, NoiseEstimator, all_gather_stats, local_stats
+from deft.preserver.noise import (
+    DirectionPair,
+    LocalStats,
+    NoiseEstimator,
+    WalkGeometry,
+    all_gather_stats,
+    local_stats,
+    walk_geometry,
+)
 from deft.preserver.stability import OptimizerSpec
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.control import ControlPlane
@@ -52,11 +68,16 @@ class GradStats:
     """
 
     def __init__(self) -> None:
-        self.noise = NoiseEstimator()
+        self.noise = NoiseEstimator()  # in the walk's metric (self.geometry.metric)
+        self.raw = NoiseEstimator()    # Euclidean, while the walk's metric is not: the raw tr Σ
         self.directions = DirectionPair()
         self.secant = SecantCurvature()
+        self.geometry = WalkGeometry("euclidean", None)
+        self._layout: FlatLayout | None = None
+        self._scale: dict[torch.dtype, torch.Tensor] | None = None  # sqrt(P) per dtype, layout order
+        self._fresh = False  # the metric was read from the optimizer since the last applied update
         self._first_piece: dict[int, int] = {}  # bucket -> index of its first piece in u_a, u_b
-        self._acc: dict[int, list[Any]] = {}    # group key -> [sq, pa, pb, has_dirs, batch]
+        self._acc: dict[int, list[Any]] = {}    # group key -> [sq, pa, pb, has_dirs, batch, raw_sq]
 
     @classmethod
     def start(cls, cfg: DeftConfig, world: int) -> GradStats | None:
@@ -70,6 +91,28 @@ class GradStats:
         self.directions = DirectionPair()
         self._first_piece = {}
         self._acc.clear()
+        self._fresh = False
+
+    def refresh(self, layout: FlatLayout, params: list[torch.Tensor], optimizer: Any) -> None:
+        """Before a group's buckets are measured: the walk's metric from the optimizer's state now (read
+        once per applied update). A change of metric (Adam's first step) restarts the estimates."""
+        if self._fresh and self._layout is layout:
+            return
+        self._fresh, self._layout = True, layout
+        geo = walk_geometry(optimizer, params)
+        if geo.metric != self.geometry.metric:
+            self.noise, self.raw = NoiseEstimator(), NoiseEstimator()
+            self.on_layout()
+            self._fresh = True
+        self.geometry = geo
+        self._scale = None
+        if geo.roots is not None:
+            scale = {d: torch.zeros(n, dtype=torch.float32, device=geo.roots[0].device)
+                     for d, n in layout.dtype_numel.items()}
+            for i, r in enumerate(geo.roots):
+                slot = layout.slots[i]
+                scale[slot.dtype][slot.dtype_offset:slot.dtype_offset + slot.numel] = r.reshape(-1)
+            self._scale = scale
 
     def _dirs_of(self, first: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         pair = self.directions.get()
@@ -81,7 +124,10 @@ class GradStats:
         return a[first:first + n], b[first:first + n]
 
     def bucket(self, key: int, b: int, views: list[torch.Tensor], batch: int, k: int) -> None:
-        acc = self._acc.setdefault(key, [0.0, 0.0, 0.0, True, batch])
+        acc = self._acc.setdefault(key, [0.0, 0.0, 0.0, True, batch, 0.0])
+        if self._scale is not None and self._layout is not None:
+            acc[5] += local_stats(views, None, batch).sq_norm / (k * k)
+            views = [v.float() * r for v, r in zip(views, self._layout.bucket_views(self._scale, b), strict=True)]
         dirs = self._dirs_of(self._first_piece.get(b, 0), len(views))
         st = local_stats(views, dirs, batch)
         acc[0] += st.sq_norm / (k * k)
@@ -93,10 +139,12 @@ class GradStats:
 
     def drop(self, key: int) -> None:
         """Forget one group (its update is applied in parts; no whole gradient to measure)."""
+        self._fresh = False
         self._acc.pop(key, None)
 
     def discard(self) -> None:
         """Forget every accumulated group (their updates are applied without an estimate)."""
+        self._fresh = False
         self._acc.clear()
 
     def observe_point(self, params: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
@@ -108,15 +156,22 @@ class GradStats:
 
     def update(self, key: int, layout: FlatLayout, grads: list[torch.Tensor | None], control: Any,
                device: torch.device) -> None:
+        self._fresh = False  # an update is applied next: the optimizer's state (Adam's v) moves on
         acc = self._acc.pop(key, None)
         if acc is None:  # the same on every rank: bucket() ran for the same groups everywhere
             return
-        sq, pa, pb, has_dirs, batch = acc
+        sq, pa, pb, has_dirs, batch, raw_sq = acc
         mean = {d: torch.zeros(n, dtype=torch.float32, device=device) for d, n in layout.dtype_numel.items()}
         for i, gr in enumerate(grads):
             if gr is not None:
                 s = layout.slots[i]
                 mean[s.dtype][s.dtype_offset:s.dtype_offset + s.numel] = gr.reshape(-1).float()
+        if self._scale is not None:
+            raw_mean_sq = sum(float(torch.dot(v.double(), v.double())) for v in mean.values())
+            self.raw.update(all_gather_stats(LocalStats(sq_norm=raw_sq, proj_a=None, proj_b=None, batch=batch),
+                                             control), raw_mean_sq)
+            for d, v in mean.items():
+                v.mul_(self._scale[d].to(v.device))
         pieces: list[torch.Tensor] = []
         self._first_piece = {}
         for b in range(layout.n_buckets):
@@ -131,6 +186,11 @@ class GradStats:
 
     def estimate(self) -> Any:
         return self.noise.estimate
+
+    def raw_trace(self) -> float | None:
+        """``tr Σ`` of the plain gradients (the secant's noise correction), ``None`` while unknown."""
+        est = self.raw.estimate if self.geometry.metric != "euclidean" else self.noise.estimate
+        return None if est is None else est.trace
 
 
 def stability_inputs(optimizer: Any, secant: float | None, calibrated: float | None,
@@ -166,8 +226,9 @@ def walk_stats(config: DeftConfig, control: ControlPlane, losses: collections.de
                batch: int | None, calibrated: dict[str, Any] | None = None) -> tuple[WalkStats | None, str]:
     """WalkStats for the preserver from the live statistics (collective on the control group), or None and why.
 
-    ``loss``: the mean over ranks of the last observed loss; ``lr``: the optimizer's first group
-    (for SGD with momentum the effective step ``lr / (1 - momentum)``);
+    ``loss``: the mean over ranks of the last observed loss; ``lr`` and ``metric``:
+    :func:`deft.preserver.noise.walk_geometry` (for SGD with momentum the effective step
+    ``lr / (1 - momentum)``; for Adam the raw ``lr`` in its preconditioned metric);
     ``batch``: ranks x the first dimension of the forward's first tensor argument;
     ``curvature``/``optimizer``: :func:`stability_inputs` (``calibrated``: ``ddp.calibrate``'s record).
     The reason string says how the curvature was obtained (or why there is none).
@@ -182,18 +243,21 @@ def walk_stats(config: DeftConfig, control: ControlPlane, losses: collections.de
         return None, f"gradient noise not estimated yet ({estimate})"
     if optimizer is None or batch is None:
         return None, "optimizer or batch size unknown"
-    group = optimizer.param_groups[0]
-    lr = float(group.get("lr", 0.0))
-    if lr <= 0:
-        return None, f"learning rate {lr} is not positive"
-    momentum = float(group.get("momentum", 0.0) or 0.0)
-    if isinstance(optimizer, torch.optim.SGD) and 0.0 < momentum < 1.0:
-        # Heavy-ball SGD moves lr / (1 - momentum) per unit gradient in steady state: that is the
-        # step the walk must see, or a stale or merged update looks 1/(1 - momentum) times cheaper.
-        lr = lr / (1.0 - momentum)
-    walk = WalkStats.from_estimate(max(loss, config.s_star), estimate, lr, batch * control.world, config.s_star)
-    # Secant with the two batches' gradient noise removed: E|e - e'|² = 2 tr(Σ) / B_global.
-    secant = None if stats is None else stats.secant.debiased(2.0 * estimate.trace / (batch * control.world))
+    # Heavy-ball SGD moves lr / (1 - momentum) per unit gradient in steady state: that is the step the
+    # walk must see, or a stale or merged update looks 1/(1 - momentum) times cheaper; Adam's walk runs
+    # in its preconditioned metric with its lr (deft.preserver.noise.walk_geometry).
+    geo = walk_geometry(optimizer, with_roots=False)
+    if geo.lr is None:
+        return None, geo.why
+    measured = stats.geometry.metric if stats is not None else "euclidean"
+    if geo.metric != measured:
+        return None, (f"gradient noise measured in the {measured} metric, the optimizer's is {geo.metric} "
+                      "(not re-measured yet)")
+    walk = WalkStats.from_estimate(max(loss, config.s_star), estimate, geo.lr, batch * control.world, config.s_star,
+                                   metric=geo.metric)
+    # Secant with the two batches' gradient noise removed: E|e - e'|² = 2 tr(Σ) / B_global (raw tr Σ).
+    trace = None if stats is None else stats.raw_trace()
+    secant = None if stats is None or trace is None else stats.secant.debiased(2.0 * trace / (batch * control.world))
     lam, spec, how = stability_inputs(optimizer, secant,
                                       None if calibrated is None else float(calibrated["value"]),
                                       bool(calibrated and calibrated.get("preconditioned")))

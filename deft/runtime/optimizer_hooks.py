@@ -13,18 +13,25 @@ module's parameters, which would silently never see a gradient (one optimizer pe
 ``param_groups`` (Lookahead-style) is the same optimizer.
 
 Hooks hold a weak reference to their owner, so a dropped wrapper stops intercepting.
+
+Merged updates (``config.merge_lr_scaling``): the one optimizer step that applies an update merging
+``k`` iterations runs with every param group's ``lr`` multiplied by ``1``, ``k`` or ``sqrt k``
+(:func:`scale_lr` before, :func:`restore_lr` right after, in the step's pre and post hooks), so an LR
+scheduler stepping after ``optimizer.step()`` sees and sets its own values.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from deft.errors import DeftError
+from deft.preserver.gaussian_walk import merge_lr_factor
 
 
 class StepListener(Protocol):
@@ -120,3 +127,37 @@ def _hook(binding: OptimizerBinding, which: str, bound: bool) -> Callable[[torch
         if b is not None:
             b.fire(which, opt, bound)
     return hook
+
+
+# -- learning-rate scaling of merged updates (config.merge_lr_scaling) -----------------------------
+def scale_lr(optimizer: torch.optim.Optimizer, factor: float) -> list[Any] | None:
+    """Multiply every param group's ``lr`` by ``factor`` for one step; returns the previous values for
+    :func:`restore_lr` (``None`` when ``factor == 1``: nothing changed). The group's ``lr`` objects are
+    replaced, not mutated (a tensor ``lr`` stays the user's tensor), so restoring gives back exactly what
+    an LR scheduler set."""
+    if factor == 1.0:
+        return None
+    saved = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = g["lr"] * factor
+    return saved
+
+
+def restore_lr(optimizer: torch.optim.Optimizer, saved: list[Any] | None) -> None:
+    """Undo :func:`scale_lr`."""
+    if saved is None:
+        return
+    for g, lr in zip(optimizer.param_groups, saved, strict=True):
+        g["lr"] = lr
+
+
+@contextmanager
+def merged_lr(optimizer: torch.optim.Optimizer, k: int, scaling: str) -> Iterator[float]:
+    """One optimizer step of a merged update of ``k`` iterations: ``lr`` times
+    :func:`deft.preserver.gaussian_walk.merge_lr_factor` ``(k, scaling)`` inside, restored after."""
+    factor = merge_lr_factor(k, scaling)
+    saved = scale_lr(optimizer, factor)
+    try:
+        yield factor
+    finally:
+        restore_lr(optimizer, saved)
