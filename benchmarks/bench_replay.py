@@ -11,6 +11,12 @@ releases the CPU (and the GIL) as a GPU kernel would, so the gloo threads run un
 runs on the testbed (2 hosts x 2 links) with torch DDP and with deft, and the measured iteration time
 is compared with :mod:`deft.solver.simulate` on the same profile.
 
+Each bucket is one module owning one parameter, so deft's per-module forward pre-hooks (an update
+finishing in the forward) wait for one bucket each, as the simulator assumes. Each run also records
+the wall time of every iteration's forward, backward and step (``phases``) and the forward's sleeps
+(``fwd_compute``); the measurement job also times every bucket on both links at once
+(``concurrent_s``: how much the two links' gloo threads slow each other).
+
 Rescaling (the paper's coverage rate is kept):
 
 * times: every forward, backward and all-reduce time of the profile is multiplied by ``--scale``
@@ -127,8 +133,12 @@ def target_of(ref: Profile, name: str, scale: float, rate_mbit: float, overhead:
                   paper_comm_s=tuple(comm), mu=mu, reference_cr=ref.coverage_rate)
 
 
-def param_name(i: int) -> str:
+def module_name(i: int) -> str:
     return f"bucket{i}"
+
+
+def param_name(i: int) -> str:
+    return f"{module_name(i)}.weight"
 
 
 def measured_profile(t: Target, comm: dict[str, list[float]], ifnames: dict[str, str]) -> Profile:
@@ -181,7 +191,7 @@ def _second_group(dist: Any, ifname: str) -> Any:
 
 
 def _measure(spec: dict[str, Any], dist: Any) -> dict[str, Any]:
-    from deft.profiler.links import measure
+    from deft.profiler.links import measure, measure_concurrent
 
     groups = {"primary": None, "second": _second_group(dist, spec["ifnames"]["second"])}
     sizes = spec["nbytes"]
@@ -189,7 +199,10 @@ def _measure(spec: dict[str, Any], dist: Any) -> dict[str, Any]:
     for name, group in groups.items():
         samples = measure(group, sizes, iters=spec["iters"], warmup=2)
         out[name] = [s.seconds for s in samples]
-    return {"comm_s": out}
+    # The same sizes on both links at once (as deft sends): each link's time from the common launch.
+    both, _ = measure_concurrent(list(groups.values()), sizes, iters=spec["iters"], warmup=2)
+    return {"comm_s": out, "concurrent_s": {name: [s.seconds for s in samples]
+                                            for name, samples in zip(groups, both, strict=True)}}
 
 
 def _replay_model(torch: Any, forward_s: list[float], backward_s: list[float], numel: list[int],
@@ -198,7 +211,8 @@ def _replay_model(torch: Any, forward_s: list[float], backward_s: list[float], n
 
     Parameters are registered from bucket ``n-1`` to ``0``, so the reverse registration order torch
     DDP assumes for its first iteration is the real ready order. ``spent[0]`` accumulates the wall
-    time the emulated compute really took (the sleeps, their wake-up delays, the gradient allocation).
+    time the emulated compute really took (the sleeps, their wake-up delays, the gradient allocation),
+    ``spent[1]`` the forward's part of it.
     """
     from torch import nn
 
@@ -211,6 +225,7 @@ def _replay_model(torch: Any, forward_s: list[float], backward_s: list[float], n
             time.sleep(fwd)
             out = x.clone()
             spent[0] += time.perf_counter() - t0
+            spent[1] += time.perf_counter() - t0
             return out
 
         @staticmethod
@@ -221,23 +236,35 @@ def _replay_model(torch: Any, forward_s: list[float], backward_s: list[float], n
             spent[0] += time.perf_counter() - t0
             return g, grad, None, None
 
+    class Layer(nn.Module):
+        """Bucket ``i``: one module owning its one parameter, so that deft's per-module forward pre-hook
+        (an update finishing in the forward) waits for this bucket alone, as the simulator assumes."""
+
+        def __init__(self, i: int) -> None:
+            super().__init__()
+            self.i = i
+            self.weight = nn.Parameter(torch.zeros(numel[i]))
+
+        def forward(self, x: Any) -> Any:
+            return Sleep.apply(x, self.weight, forward_s[self.i], backward_s[self.i])
+
     class Replay(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.n = len(numel)
             for i in reversed(range(self.n)):
-                self.register_parameter(param_name(i), nn.Parameter(torch.zeros(numel[i])))
+                self.add_module(module_name(i), Layer(i))
 
         def forward(self, x: Any) -> Any:
             for i in reversed(range(self.n)):
-                x = Sleep.apply(x, getattr(self, param_name(i)), forward_s[i], backward_s[i])
+                x = getattr(self, module_name(i))(x)
             return x
 
     return Replay()
 
 
 def _train(spec: dict[str, Any], torch: Any, dist: Any) -> dict[str, Any]:
-    spent = [0.0]
+    spent = [0.0, 0.0]
     model = _replay_model(torch, spec["forward_s"], spec["backward_s"], [n // 4 for n in spec["nbytes"]], spent)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     is_deft = SCHEMES[spec["scheme"]].deft
@@ -250,21 +277,29 @@ def _train(spec: dict[str, Any], torch: Any, dist: Any) -> dict[str, Any]:
     else:
         ddp = model
     x = torch.ones(())
-    starts, cpu, compute = [], [], []
+    starts, cpu, compute, fwd_compute = [], [], [], []
+    phases: list[list[float]] = []  # wall seconds of each iteration's forward, backward, step
     for _ in range(spec["iters"]):
         starts.append(time.perf_counter())
         cpu.append(time.process_time())  # CPU seconds of the whole process: training thread and gloo threads
         compute.append(spent[0])
+        fwd_compute.append(spent[1])
+        t0 = time.perf_counter()
         loss = ddp(x)
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         if is_deft:
             ddp.observe_loss(loss)
         opt.step()
         opt.zero_grad()
+        phases.append([t1 - t0, t2 - t1, time.perf_counter() - t2])
     starts.append(time.perf_counter())
     cpu.append(time.process_time())
     compute.append(spent[0])
-    doc: dict[str, Any] = {"starts": starts, "cpu": cpu, "compute": compute}
+    fwd_compute.append(spent[1])
+    doc: dict[str, Any] = {"starts": starts, "cpu": cpu, "compute": compute, "fwd_compute": fwd_compute,
+                           "phases": phases}
     if is_deft:
         doc.update(schedule=ddp.schedule.to_dict(), plan_info=json.loads(json.dumps(ddp.plan_info, default=str)),
                    link_stats=ddp.link_stats, updates=len(ddp.update_log))
@@ -317,7 +352,12 @@ def run_profile(tb: Testbed, name: str, args: argparse.Namespace, names: list[st
                                 "out": str(out_dir / f"{name}.measure.json")}), encoding="utf-8")
     run_ranks(tb, [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec)], timeout_s=args.timeout,
               label=f"{name}/measure")
-    comm = json.loads((out_dir / f"{name}.measure.json").read_text(encoding="utf-8"))["comm_s"]
+    measured = json.loads((out_dir / f"{name}.measure.json").read_text(encoding="utf-8"))
+    comm = measured["comm_s"]
+    for lk, times in measured.get("concurrent_s", {}).items():
+        alone = sum(comm[lk])
+        print(f"[bench_replay] {name}: all buckets on {lk}: {alone * 1e3:.0f} ms alone, {sum(times) * 1e3:.0f} ms "
+              f"with the other link busy ({sum(times) / alone:.2f}x)", flush=True)
     prof = measured_profile(tgt, comm, ifnames)
     prof_path = out_dir / f"{name}.profile.json"
     prof.save(prof_path)
@@ -342,7 +382,7 @@ def run_profile(tb: Testbed, name: str, args: argparse.Namespace, names: list[st
             continue
         runs[scheme] = {**json.loads(Path(str(out).replace("{host}", "0")).read_text(encoding="utf-8")), "load": load}
     return {"name": name, "profile": prof.to_dict(), "target": tgt.__dict__, "second_rate_mbit": second_rate,
-            "runs": runs}
+            "concurrent_s": measured.get("concurrent_s"), "runs": runs}
 
 
 @dataclass(frozen=True)

@@ -73,11 +73,19 @@ class Update:
     updated; the buckets listed in the forward stage of the next position (``origin == 1``) are waited
     for, and their parameters updated, just before the module owning them runs its forward. Each
     parameter thus gets exactly the update torch DDP would have applied before that forward.
+
+    ``deferred`` (only with ``finish_in_forward``): buckets sent in the backward stage of ``last``
+    (``origin == 0``, launched as soon as their gradient is ready, in their link's listed order) whose
+    parameters are nonetheless *not* waited for at the step but, like the next forward stage's sends,
+    just before their module's forward. The step waits for every other bucket. So the set of buckets
+    applied in the forward is ``deferred`` plus the next position's forward-stage sends of the group;
+    ``deferred`` lets the links start them early in the backward instead of after it.
     """
 
     positions: tuple[int, ...]
     apply_after: int
     finish_in_forward: bool = False
+    deferred: tuple[int, ...] = ()
 
     @property
     def k(self) -> int:
@@ -176,6 +184,12 @@ class Schedule:
                 raise ContractError(source, f"updates[{g}].apply_after",
                                     f"an update finishing in the forward is lag-free: expected apply_after == "
                                     f"{u.last} (its last position), got {u.apply_after}")
+            if u.deferred and not u.finish_in_forward:
+                raise ContractError(source, f"updates[{g}].deferred",
+                                    "only an update finishing in the forward (finish_in_forward) defers buckets")
+            if not all(_is_int(b) and 0 <= b < n for b in u.deferred) or list(u.deferred) != sorted(set(u.deferred)):
+                raise ContractError(source, f"updates[{g}].deferred",
+                                    f"expected increasing distinct bucket ids in 0..{n - 1}, got {list(u.deferred)}")
             if not u.last <= u.apply_after < u.last + c:
                 raise ContractError(source, f"updates[{g}].apply_after",
                                     f"expected in [{u.last}, {u.last + c}), got {u.apply_after}")
@@ -218,6 +232,11 @@ class Schedule:
             for b in range(n):
                 if (g, b) not in seen:
                     raise ContractError(source, "stages", f"bucket {b} of update group {g} is never sent")
+            for b in u.deferred:
+                if seen[(g, b)] != 1:  # 2 * origin 0 + backward
+                    raise ContractError(source, f"updates[{g}].deferred",
+                                        f"deferred bucket {b} must be sent in the backward stage of position "
+                                        f"{u.last} with origin 0 (the forward stage's sends are deferred anyway)")
             done = max(seen[(g, b)] for b in range(n))  # 2*origin + stage index of the last send
             # Applied after the step of apply_after: needs the last send's stage at or before it; an
             # update finishing in the forward may also send in the next position's forward stage.
@@ -244,7 +263,8 @@ class Schedule:
             ],
             # finish_in_forward only when set, so the digests of schedules without it stay as they were
             "updates": [{"positions": list(u.positions), "apply_after": u.apply_after,
-                         **({"finish_in_forward": True} if u.finish_in_forward else {})} for u in self.updates],
+                         **({"finish_in_forward": True} if u.finish_in_forward else {}),
+                         **({"deferred": list(u.deferred)} if u.deferred else {})} for u in self.updates],
             "predicted_iteration_s": self.predicted_iteration_s,
             "predicted_bubble_ratio": self.predicted_bubble_ratio,
             "profile_digest": self.profile_digest,
@@ -285,8 +305,11 @@ class Schedule:
             pos = uf.list("positions")
             if not pos or not all(_is_int(x) for x in pos):
                 raise uf.error("positions", "expected a non-empty list of integers")
+            deferred = uf.list("deferred", [])
+            if not all(_is_int(x) for x in deferred):
+                raise uf.error("deferred", f"expected a list of bucket ids, got {deferred!r}")
             updates.append(Update(positions=tuple(pos), apply_after=uf.int("apply_after", minimum=0),
-                                  finish_in_forward=uf.bool("finish_in_forward", False)))
+                                  finish_in_forward=uf.bool("finish_in_forward", False), deferred=tuple(deferred)))
         sched = object.__new__(cls)
         for k, v in {
             "cycle": f.int("cycle", minimum=1), "links": tuple(links),

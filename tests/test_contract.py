@@ -309,3 +309,44 @@ def test_config_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("DEFT_CONFIG", str(tmp_path / "missing.toml"))
     with pytest.raises(ContractError, match=r"missing\.toml"):
         DeftConfig.resolve(None)
+
+
+def lagfree_schedule(deferred: tuple[int, ...] = (0,), finishing: bool = True) -> Schedule:
+    """Cycle 1, three buckets on one link: 0 and 1 sent in backward, 2 in the next forward."""
+    return Schedule(cycle=1, links=("a",), bucket_numel=(1, 1, 1), bucket_nbytes=(4, 4, 4),
+                    stages=(StagePlan(0, "forward", (CommTask(2, 1, "a"),)),
+                            StagePlan(0, "backward", (CommTask(0, 0, "a"), CommTask(1, 0, "a")))),
+                    updates=(Update((0,), 0, finish_in_forward=finishing, deferred=deferred),))
+
+
+def test_schedule_deferred_round_trip(tmp_path: Path) -> None:
+    s = lagfree_schedule((0, 1))
+    s.save(tmp_path / "s.json")
+    assert Schedule.load(tmp_path / "s.json").updates[0].deferred == (0, 1)
+    # absent when empty, so the digests of schedules without it are unchanged
+    assert "deferred" not in lagfree_schedule(()).to_dict()["updates"][0]
+    assert lagfree_schedule(()).digest() != s.digest()
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: lagfree_schedule((0,), finishing=False), r"updates\[0\]\.deferred: only an update finishing"),
+        (lambda: lagfree_schedule((2,)), r"deferred bucket 2 must be sent in the backward stage"),
+        (lambda: lagfree_schedule((3,)), r"expected increasing distinct bucket ids in 0\.\.2, got \[3\]"),
+        (lambda: lagfree_schedule((1, 0)), r"increasing distinct"),
+        (lambda: lagfree_schedule((0, 0)), r"increasing distinct"),
+    ],
+)
+def test_schedule_deferred_rejected(build, message: str) -> None:
+    with pytest.raises(ContractError, match=message):
+        build()
+
+
+def test_schedule_deferred_file_must_hold_integers(tmp_path: Path) -> None:
+    doc = lagfree_schedule().to_dict()
+    doc["updates"][0]["deferred"] = [True]
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ContractError, match=r"updates\[0\]\.deferred"):
+        Schedule.load(path)

@@ -14,12 +14,15 @@ an iteration, forward F2 0-10, F1 10-20, F0 20-30, backward B0 30-40, B1 40-50, 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from deft import Bucket, BucketTimes, DeftConfig, Link, Profile
-from deft.schedule import CommTask, Update
-from deft.solver.lagfree import candidate, lagfree_plan
-from deft.solver.partition import profile_for_schedule
+from deft.errors import ContractError
+from deft.schedule import CommTask, Schedule, StagePlan, Update
+from deft.solver.lagfree import candidate, deadline_first, lagfree_plan, needed_deferred
+from deft.solver.partition import forward_gates, profile_for_schedule
 from deft.solver.plan import no_delay_plan
 from deft.solver.simulate import simulate_schedule
 
@@ -44,13 +47,80 @@ def test_hand_timelines() -> None:
     assert simulate_schedule(part, candidate(part, 1, base)).iteration_s == pytest.approx(90 * MS)
 
 
-def test_planner_picks_the_fastest_lag_free_plan() -> None:
+def five_pieces() -> Profile:
+    """``three_buckets`` with buckets 0 and 1 cut in halves (the link's fitted latency is 0: every
+    bucket has the same size, so the fit goes through the origin and a half costs half): pieces
+    0, 1 of bucket 0 (5 + 5 ms compute, 12.5 ms all-reduce), 2, 3 of bucket 1 (5 + 5, 10) and 4 = bucket 2
+    (10 + 10, 5)."""
+    spec = ((500, 5, 12.5), (500, 5, 12.5), (500, 5, 10), (500, 5, 10), (1000, 10, 5))
+    buckets = tuple(Bucket(i, (f"piece{i}",), n, 4 * n) for i, (n, _, _) in enumerate(spec))
+    times = tuple(BucketTimes(c * MS, c * MS, {"net": a * MS}) for _, c, a in spec)
+    return Profile(buckets, times, (Link("net", "gloo"),), 2, "synthetic", model="five")
+
+
+def early_five() -> Schedule:
+    """Every piece sent in the backward in the order 0, 2, 4, 3, 1; pieces 1, 3, 4 deferred."""
+    p = five_pieces()
+    order = tuple(CommTask(b, 0, "net") for b in (0, 2, 4, 3, 1))
+    return Schedule(cycle=1, links=("net",), bucket_numel=tuple(b.numel for b in p.buckets),
+                    bucket_nbytes=tuple(b.nbytes for b in p.buckets),
+                    stages=(StagePlan(0, "forward"), StagePlan(0, "backward", order)),
+                    updates=(Update((0,), 0, finish_in_forward=True, deferred=(1, 3, 4)),))
+
+
+def test_early_sends_hand_timeline() -> None:
+    """Times from a forward start (F4 0-10, F3 .. F0 5 ms each to 30, B0 .. B3 5 ms each to 50, B4 50-60).
+    First iteration: c0 35-47.5, c2 47.5-57.5, c4 60-65, c3 65-75, c1 75-87.5; the step waits for c0
+    and c2 only (60). Next forward: F4 waits for c4 (65-75), F3 for c3 (75-80), F2 80-85, F1 waits for
+    c1 (87.5-92.5), F0 92.5-97.5, backward 97.5-127.5; c0 102.5-115, c2 115-125, c4 127.5-132.5,
+    c3 132.5-142.5, c1 142.5-155: F4 starts at 132.5, 67.5 ms after the previous 65, and the pattern
+    repeats (every send ends the same 67.5 ms later)."""
+    res = simulate_schedule(five_pieces(), early_five())
+    assert res.iteration_s == pytest.approx(67.5 * MS)
+    assert res.iteration_starts[1:3] == pytest.approx((65 * MS, 132.5 * MS))
+    # Without the deferral the step waits for c1 (87.5): F4 starts at 87.5, not 65.
+    whole = replace(early_five(), updates=(Update((0,), 0),))
+    assert simulate_schedule(five_pieces(), whole).iteration_starts[1] == pytest.approx(87.5 * MS)
+
+
+def test_deadline_first_by_hand() -> None:
+    """Ready times from the backward start: 5, 10, 15, 20, 30. At 5 only piece 0 (link busy to 17.5);
+    at 17.5 pieces 1 and 2 are ready and 2 is needed first (to 27.5); at 27.5 pieces 1 and 3: 3 (to
+    37.5); at 37.5 pieces 1 and 4: 4 first, then 1."""
+    assert [t.bucket for t in deadline_first(five_pieces())] == [0, 2, 3, 4, 1]
+
+
+def test_deadline_first_two_links_by_hand() -> None:
+    """Ready 10, 20, 30 ms; link a 25, 20, 5 ms, link b 30, 10, 10 ms. Bucket 0 ends at 35 on a, 40 on b:
+    a. Bucket 1 at 20: a would end at 55, b at 30: b. Bucket 2 at 30: a ends at 40, b at 40: a tie, the
+    first link (a)."""
+    comm = ({"a": 25 * MS, "b": 30 * MS}, {"a": 20 * MS, "b": 10 * MS}, {"a": 5 * MS, "b": 10 * MS})
+    buckets = tuple(Bucket(i, (f"layer{i}",), 1000, 4000) for i in range(3))
+    times = tuple(BucketTimes(10 * MS, 10 * MS, comm[i]) for i in range(3))
+    p = Profile(buckets, times, (Link("a", "gloo"), Link("b", "gloo")), 2, "synthetic", model="two links")
+    assert deadline_first(p) == [CommTask(0, 0, "a"), CommTask(1, 0, "b"), CommTask(2, 0, "a")]
+
+
+def test_only_buckets_in_flight_at_the_step_are_deferred() -> None:
+    """In the hand timeline c0 and c2 end before the step (57.5 and 125 against 60 and 127.5), c4, c3
+    and c1 after it."""
+    every = replace(early_five(), updates=(Update((0,), 0, finish_in_forward=True, deferred=(0, 1, 2, 3, 4)),))
+    assert needed_deferred(five_pieces(), every) == (1, 3, 4)
+
+
+def test_planner_sends_early_when_it_is_faster() -> None:
+    """On ``three_buckets`` the best hand plan of the forward-set family takes 80 ms; the planner also
+    tries the partition at half the capacity (30 ms: buckets 0 and 1 exceed 15 ms and are halved,
+    giving ``five_pieces``) and finds the 67.5 ms early-send plan of the hand timeline above."""
     sched = lagfree_plan(three_buckets(), DeftConfig())
-    assert sched.predicted_iteration_s == pytest.approx(80 * MS)
-    assert sched.meta["forward_set"] == [0]
-    assert sched.updates == (Update((0,), 0, finish_in_forward=True),)
-    assert sched.stage(0, "forward").comms == (CommTask(0, 1, "net"),)
+    assert sched.predicted_iteration_s == pytest.approx(67.5 * MS)
+    assert sched.bucket_numel == (500, 500, 500, 500, 1000)
+    assert [t.bucket for t in sched.stage(0, "backward").comms] == [0, 2, 4, 3, 1]
+    assert sched.updates == (Update((0,), 0, finish_in_forward=True, deferred=(1, 3, 4)),)
     assert sched.batch_sequence == (1,)  # one update per iteration: what epsilon == 0 allows
+    # the simulator finds the partition again from the schedule (the capacity is in its meta)
+    part = profile_for_schedule(three_buckets(), sched, DeftConfig())
+    assert simulate_schedule(part, sched).iteration_s == pytest.approx(67.5 * MS)
 
 
 def test_forward_waits_only_for_its_own_bucket() -> None:
@@ -64,3 +134,45 @@ def test_forward_waits_only_for_its_own_bucket() -> None:
         assert fwd[(t, 1)].start_s == pytest.approx(fwd[(t, 2)].end_s)          # no wait for F1
         assert fwd[(t, 0)].start_s == pytest.approx(c0[t - 1].end_s)            # F0 waits for c0
         assert fwd[(t, 0)].start_s - fwd[(t, 1)].end_s == pytest.approx(5 * MS)
+
+
+def two_pieces(names: tuple[str, str]) -> Profile:
+    """Two buckets of ``names``, one link, 10 ms forward and backward each, all-reduces 30 and 5 ms."""
+    buckets = tuple(Bucket(i, (names[i],), 1, 4) for i in range(2))
+    times = (BucketTimes(10 * MS, 10 * MS, {"net": 30 * MS}), BucketTimes(10 * MS, 10 * MS, {"net": 5 * MS}))
+    return Profile(buckets, times, (Link("net", "gloo"),), 2, "synthetic", model="pieces")
+
+
+def test_forward_gates_by_hand() -> None:
+    buckets = tuple(Bucket(i, names, 1, 4) for i, names in enumerate(
+        [("head.bias",), ("fc.weight[0:5]",), ("fc.weight[5:9]", "fc.bias"), ("conv.weight",), ("a|b[0:3]",),
+         ("b[3:7]",)]))
+    times = tuple(BucketTimes(MS, MS, {"net": MS}) for _ in buckets)
+    p = Profile(buckets, times, (Link("net", "gloo"),), 2, "synthetic", model="gates")
+    assert forward_gates(p) == (0, 2, 2, 3, 5, 5)
+
+
+def test_a_module_waits_for_every_piece_of_its_parameter() -> None:
+    """Both buckets sent in backward (1 then 0) and deferred. F1 0-10, F0 10-20, B0 20-30, B1 30-40;
+    c1 40-45, c0 45-75 (listed after c1); the step at 40 waits for nothing.
+
+    * Pieces of one parameter ``w``: its module runs when bucket 1's forward does, after c1 and c0:
+      F1 75-85, F0 85-95, B0, B1 to 115, c1 115-120, c0 120-150: forwards start at 75, 150.
+    * Two parameters: F1 waits for c1 only (45-55), F0 for c0 (75-85), B0, B1 to 105, c1 105-110,
+      c0 110-140: forwards start at 45, 110.
+    """
+    order = (CommTask(1, 0, "net"), CommTask(0, 0, "net"))
+    sched = Schedule(cycle=1, links=("net",), bucket_numel=(1, 1), bucket_nbytes=(4, 4),
+                     stages=(StagePlan(0, "forward"), StagePlan(0, "backward", order)),
+                     updates=(Update((0,), 0, finish_in_forward=True, deferred=(0, 1)),))
+    one = simulate_schedule(two_pieces(("w[1:2]", "w[0:1]")), sched)
+    assert one.iteration_starts[1:3] == pytest.approx((75 * MS, 150 * MS))
+    two = simulate_schedule(two_pieces(("a", "b")), sched)
+    assert two.iteration_starts[1:3] == pytest.approx((45 * MS, 110 * MS))
+
+
+@pytest.mark.parametrize("warmup", [0, True, 1.5])
+def test_simulate_schedule_rejects_a_bad_warmup(warmup: object) -> None:
+    p = three_buckets()
+    with pytest.raises(ContractError, match=r"warmup: expected an integer >= 1"):
+        simulate_schedule(p, no_delay_plan(p, DeftConfig()), warmup=warmup)  # type: ignore[arg-type]

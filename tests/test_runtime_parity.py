@@ -83,16 +83,26 @@ def _make_opt(kind: str, params: object) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=0.01)  # type: ignore[arg-type]
 
 
-def finish_in_forward_schedule(path: str, branch: bool) -> None:
+def finish_in_forward_schedule(path: str, branch: bool, early: bool = False) -> None:
     """Cycle 1 on two links: buckets 1 and 2 (the input side) in backward, bucket 0 (the output side,
-    needed last by the next forward) in the next forward, the update applied module by module."""
+    needed last by the next forward) in the next forward, the update applied module by module.
+
+    ``early``: every bucket is sent in the backward, bucket 0 first on the primary link (ahead of the
+    used map there); buckets 0 and 1 are deferred (``Update.deferred``): waited for and applied module
+    by module in the next forward. Nothing is sent in a forward stage, so an update is left finishing
+    after the step only if the runtime honours ``deferred``."""
     total = sum(p.numel() for p in Net(branch).parameters() if p.requires_grad)
     numel = (total // 3, total // 3, total - 2 * (total // 3))
     P, S = "primary", "second"
+    if early:
+        stages = (StagePlan(0, "forward"),
+                  StagePlan(0, "backward", (CommTask(0, 0, P), CommTask(1, 0, S), CommTask(2, 0, S))))
+    else:
+        stages = (StagePlan(0, "forward", (CommTask(0, 1, S),)),
+                  StagePlan(0, "backward", (CommTask(1, 0, P), CommTask(2, 0, S))))
     Schedule(cycle=1, links=(P, S), bucket_numel=numel, bucket_nbytes=tuple(4 * n for n in numel),
-             stages=(StagePlan(0, "forward", (CommTask(0, 1, S),)),
-                     StagePlan(0, "backward", (CommTask(1, 0, P), CommTask(2, 0, S)))),
-             updates=(Update((0,), 0, finish_in_forward=True),)).save(path)
+             stages=stages,
+             updates=(Update((0,), 0, finish_in_forward=True, deferred=(0, 1) if early else ()),)).save(path)
 
 
 def parity_worker(rank: int, world: int, kind: str, branch: bool, accum: bool,
@@ -152,9 +162,10 @@ def test_epsilon_zero_matches_torch_ddp(kind: str, branch: bool, accum: bool) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("kind", "branch", "accum"), [("sgd", False, False), ("adam", True, False),
-                                                       ("sgd", True, True)])
-def test_update_finishing_in_the_forward_matches_torch_ddp(kind: str, branch: bool, accum: bool,
+@pytest.mark.parametrize(("kind", "branch", "accum", "early"),
+                         [("sgd", False, False, False), ("adam", True, False, False), ("sgd", True, True, False),
+                          ("sgd", False, False, True), ("adam", True, False, True)])
+def test_update_finishing_in_the_forward_matches_torch_ddp(kind: str, branch: bool, accum: bool, early: bool,
                                                            tmp_path: Path) -> None:
     """Lag-free forward stage (Update.finish_in_forward): the output-side bucket's all-reduce runs into
     the next forward and its parameters are updated just before their module's forward; parameters,
@@ -162,7 +173,7 @@ def test_update_finishing_in_the_forward_matches_torch_ddp(kind: str, branch: bo
     steps between the update's two parts). With a global gradient clip the update cannot be split:
     deft applies it whole at the step and says so."""
     path = str(tmp_path / "finish_in_forward.json")
-    finish_in_forward_schedule(path, branch)
+    finish_in_forward_schedule(path, branch, early)
     out = values(run_ranks(parity_worker, 2, (kind, branch, accum, path), timeout=120))
     for v in out:
         assert v["worst"] < 1e-5

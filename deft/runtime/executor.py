@@ -20,15 +20,21 @@ order everywhere):
   bucket, and whatever remains is launched; a group instance that ends with ``t`` also launches the
   all-reduce of its *used map* (how many iterations each parameter got a gradient, torch DDP's
   ``find_unused_parameters`` bookkeeping) on the primary link, so that a parameter no rank used in any
-  merged iteration keeps ``grad = None`` as under torch DDP.
+  merged iteration keeps ``grad = None`` as under torch DDP;
+* an update finishing in the forward (``Update.finish_in_forward``) then launches its next forward
+  stage's sends (behind the backward's on each link). At its step only the parameters outside those
+  buckets and outside ``Update.deferred`` (buckets sent in the backward, waited for later) are waited
+  for and applied; the rest are waited for and applied in :meth:`Executor.finish`, called just before
+  their module's forward. When every parameter got a gradient on this rank the step does not wait for
+  the used map either (it cannot say "unused" for any of them).
 
 A task whose group instance ends before ``t0`` (the cycle that ran before this schedule) is skipped, as
 is its update: those gradients were applied by the previous schedule.
 
-Waiting happens only in :meth:`Executor.take_update` (and :meth:`Executor.drain`), i.e. where the
-update's averaged gradient is needed, and in :meth:`Executor.settle_all` before a checkpoint. Every
-wait is bounded by ``timeout_s`` and a failure becomes a :class:`~deft.errors.CommunicationError`
-naming this rank, the link and the collective.
+Waiting happens only in :meth:`Executor.take_update`, :meth:`Executor.finish` (and
+:meth:`Executor.drain`), i.e. where the update's averaged gradient is needed, and in
+:meth:`Executor.settle_all` before a checkpoint. Every wait is bounded by ``timeout_s`` and a failure
+becomes a :class:`~deft.errors.CommunicationError` naming this rank, the link and the collective.
 """
 
 from __future__ import annotations
@@ -77,6 +83,7 @@ class GroupInstance:
     finish_in_forward: bool = False
     deferred: set[int] | None = None  # finishing: parameters applied at the next forward, not yet applied
     used: list[int] | None = None     # the all-reduced used map, once waited for (finishing groups)
+    all_used_locally: bool = False    # finishing: every parameter got a gradient on this rank (then on some rank)
 
     @property
     def complete(self) -> bool:
@@ -402,6 +409,8 @@ class Executor:
 
     def _launch_used(self, g: GroupInstance) -> None:
         link = self.links[self.primary]
+        if g.finish_in_forward:  # read before the all-reduce writes into it (one device sync)
+            g.all_used_locally = bool((g.used_map > 0).all())
         if self.comm_hook is not None and self.comm_hook.chained:  # the hooks' collectives are chained: join
             w: Any = self._chained(lambda: link.all_reduce(g.used_map).get_future())
         else:
@@ -460,8 +469,16 @@ class Executor:
             return DueUpdate(tuple(g.iterations), grads)
         ahead = self._ahead_buckets(g)
         now = [i for i in range(len(self.params)) if not any(b in ahead for b in self.layout.param_buckets[i])]
-        self._settle(g, [-1, *sorted({b for i in now for b in self.layout.param_buckets[i]})])
-        g.used = g.used_map.tolist()
+        now_buckets = sorted({b for i in now for b in self.layout.param_buckets[i]})
+        if g.all_used_locally:
+            # Every parameter got a gradient here, so some rank used it: the all-reduced used map says
+            # nothing new and is not waited for now. It is queued on the primary link behind that link's
+            # deferred sends (Update.deferred); waiting for it would wait for them at the step.
+            self._settle(g, now_buckets)
+            g.used = [1] * len(self.params)
+        else:
+            self._settle(g, [-1, *now_buckets])
+            g.used = g.used_map.tolist()
         deferred = set(range(len(self.params))) - set(now)
         g.deferred = {i for i in deferred if g.used[i] > 0}  # unused parameters keep grad None anyway
         grads = self._grads(g, now)
@@ -470,10 +487,13 @@ class Executor:
         return DueUpdate(tuple(g.iterations), grads)
 
     def _ahead_buckets(self, g: GroupInstance) -> set[int]:
+        """Buckets of ``g`` applied in the next forward: its next forward stage's sends and the buckets
+        it sent in backward but defers (``Update.deferred``)."""
         s = self.schedule
         assert s is not None
         nxt = self.position(g.last + 1)
-        return {t.bucket for t in s.stage(nxt, "forward").comms if self._ahead(nxt, t)}
+        deferred = set(s.updates[s.group_of(self.position(g.last))].deferred)
+        return deferred | {t.bucket for t in s.stage(nxt, "forward").comms if self._ahead(nxt, t)}
 
     def _grads(self, g: GroupInstance, indices: Iterable[int]) -> list[torch.Tensor | None]:
         """Averaged gradients of ``indices`` (``None`` elsewhere, and where no rank used a parameter)."""

@@ -21,9 +21,10 @@ and nothing is waited for early, so a profile iteration costs about what a torch
   launched before run beside it, so compute is measured under the communication that really runs
   beside it (on this CPU testbed the gloo threads share the cores with the model).
 * **communication**: each launch records its launch time ``L`` (the executor's clock before the
-  call) and its completion time ``C``, stamped by a done-callback on the Work's future
-  (``Work.get_future().add_done_callback``): gloo marks the future complete on its worker thread the
-  moment the collective finishes, just before it closes its ``gloo:all_reduce`` profiler range.
+  call) and its completion time ``C``, stamped by a callback on the Work's future
+  (``Work.get_future().then``, waited for before the sample is read): gloo marks the future
+  complete on its worker thread the moment the collective finishes, just before it closes its
+  ``gloo:all_reduce`` profiler range.
   (NCCL futures complete at launch, with stream semantics; on an NCCL link the timer waits for the
   collective and synchronizes the device, so there it serializes as before.)
 
@@ -65,6 +66,7 @@ rank's launch and completion times and computes the same profile.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -170,6 +172,12 @@ def common_busy_groups(per_rank: Sequence[Mapping[int, tuple[float, float]]]) ->
     return out
 
 
+def _stamp(fut: Any, stamps: list[float]) -> None:
+    """Append the completion time of ``fut``; a failed collective (``value`` raises) stamps nothing."""
+    fut.value()
+    stamps.append(time.perf_counter())
+
+
 @dataclass
 class _Launch:
     """One bucket's real all-reduce in a profile iteration; ``stamps`` get one completion per Work."""
@@ -179,6 +187,7 @@ class _Launch:
     launched: float
     works: int
     stamps: list[float] = field(default_factory=list)
+    stamped: list[Any] = field(default_factory=list)  # the stamping callbacks' own futures (``then``)
 
     @property
     def completed(self) -> float | None:
@@ -322,9 +331,11 @@ class WarmupTimer:
             rec.stamps.extend(done for _ in works)
         else:
             for w in works:
-                # list.append is atomic: callbacks of one bucket's Works may run on different gloo threads
+                # list.append is atomic: callbacks of one bucket's Works may run on different gloo threads.
+                # ``then`` (not a bare done-callback): the step's wait returns once the collective is
+                # marked complete, possibly before its callbacks ran; end_iteration waits for these.
                 fut = w if isinstance(w, FUTURE_TYPES) else w.get_future()  # a comm hook's Future, or a Work
-                fut.add_done_callback(lambda _f, s=rec.stamps: s.append(time.perf_counter()))
+                rec.stamped.append(fut.then(lambda f, s=rec.stamps: _stamp(f, s)))
         self._mark = self._now()  # deft's launch call is not backward time
 
     def end_iteration(self) -> None:
@@ -340,6 +351,9 @@ class WarmupTimer:
             cur["launch"] = {name: [None] * self.n for name in self.links}
             cur["comm"] = {name: [None] * self.n for name in self.links}
             for r in self._launches:
+                for f in r.stamped:  # the collectives are complete (the step waited): their stamps follow
+                    with contextlib.suppress(Exception):  # a failed collective is reported by the step
+                        f.wait()
                 done = r.completed
                 if done is not None:  # a failed collective stamps nothing
                     start = max(r.launched, self._started.get(r.bucket, r.launched))

@@ -232,8 +232,9 @@ def format_stages(schedule: Schedule) -> str:
     for g, u in enumerate(schedule.updates):
         when = (f"{u.apply_after - schedule.cycle} of the next cycle" if u.apply_after >= schedule.cycle
                 else f"{u.apply_after}")
-        how = (" (lag-free: buckets sent in the next forward are applied per layer, just before that layer's "
-               "forward)") if u.finish_in_forward else ""
+        how = (" (lag-free: buckets sent in the next forward" + (f" and buckets {list(u.deferred)} sent in "
+                                                                  "backward" if u.deferred else "")
+               + " are applied per layer, just before that layer's forward)") if u.finish_in_forward else ""
         lines.append(f"  update {g}: merges positions {list(u.positions)} (k={u.k}), "
                      f"applied after position {when}{how}")
     return "\n".join(lines)

@@ -73,6 +73,7 @@ from deft.errors import ContractError
 from deft.profile import Profile, fit_alpha_beta
 from deft.schedule import CommTask, Schedule
 from deft.solver import baselines
+from deft.solver.partition import forward_gates
 
 #: The schemes simulated from the profile alone (each as its paper defines it); DeFT's schedules go
 #: through :func:`simulate_schedule`.
@@ -511,16 +512,23 @@ def _schedule_engine(profile: Profile, schedule: Schedule, iterations: int) -> _
     An update finishing in the forward (``Update.finish_in_forward``) is applied at its step for the
     buckets sent in backward stages; its next-forward sends are launched right after its backward
     (as the runtime does), and the next iteration's forward of each such bucket waits for its send:
-    the per-layer wait of a lag-free forward stage.
+    the per-layer wait of a lag-free forward stage. Its ``deferred`` buckets are sent in the backward
+    stage like any other, but the step does not wait for them; the next forward of each does. The
+    runtime waits in a module's forward pre-hook, so a bucket holding a piece of a parameter is waited
+    for by the forward of the first bucket holding that parameter (:func:`forward_gates`).
     """
     eng = _Engine(profile.link_names, serial=serial_codec(profile))
     n, c = profile.n, schedule.cycle
+    gate = forward_gates(profile)
     bwd_of: dict[int, list[int]] = {}
     comm_of: dict[tuple[int, int], int] = {}  # (group's last iteration, bucket) -> comm id
     ahead: dict[tuple[int, int], int] = {}    # sends of updates finishing in the forward, by (last, bucket)
 
     def finishing(position: int) -> bool:
         return schedule.updates[schedule.group_of(position)].finish_in_forward
+
+    def deferred(position: int) -> tuple[int, ...]:
+        return schedule.updates[schedule.group_of(position)].deferred
 
     def add(task_link: str, bucket: int, last: int, t: int, label: str, after: int | None = None) -> int:
         return eng.add_comm(_Comm(link=task_link, duration=profile.comm_time(bucket, task_link), bucket=bucket,
@@ -547,9 +555,9 @@ def _schedule_engine(profile: Profile, schedule: Schedule, iterations: int) -> _
         bwd_of[t] = bwd
         pending = {"forward": list(tasks.pre_fwd), "backward": list(tasks.pre_bwd)}
         after = {b: list(ids) for b, ids in tasks.after.items()}
-        for b in range(n):  # the forward of bucket b (fwd lists n-1..0) waits for its finishing send
+        for b in range(n):  # the forward of bucket b's module (fwd lists n-1..0) waits for its finishing send
             if (t - 1, b) in ahead:
-                eng.compute[fwd[n - 1 - b]].deps.append(ahead[(t - 1, b)])
+                eng.compute[fwd[n - 1 - gate[b]]].deps.append(ahead[(t - 1, b)])
         for stage, first, stage_sent in (("forward", fwd[0], fwd_sent), ("backward", bwd[0], bwd_sent)):
             # (tasks not sent: before the simulation started, or launched after their group's backward)
             for task in stage_sent:
@@ -561,6 +569,8 @@ def _schedule_engine(profile: Profile, schedule: Schedule, iterations: int) -> _
                 cid = add(task.link, task.bucket, last, t, label, encode)
                 eng.compute[first].launches.append(cid)
                 comm_of[(last, task.bucket)] = cid
+                if stage == "backward" and task.origin == 0 and task.bucket in deferred(p):
+                    ahead[(last, task.bucket)] = cid  # sent now, waited for by the next forward
         if finishing(p) and schedule.updates[schedule.group_of(p)].last == p:
             marker = eng.add_compute(_Compute("launch", -1, t, 0.0))
             for task in schedule.stage(p + 1, "forward").comms:
@@ -628,11 +638,16 @@ def _window(cycle: int, iterations: int) -> tuple[int, int]:
 
 
 def simulate_schedule(profile: Profile, schedule: Schedule, *, iterations: int = 24,
-                      scheme: str = "schedule") -> SimResult:
+                      scheme: str = "schedule", warmup: int | None = None) -> SimResult:
     """Simulate a DeFT :class:`Schedule` (delayed updates, every link it names) on ``profile``.
 
     ``profile`` must be the one the schedule was planned on (same buckets, after any partition).
+    ``warmup``: iterations simulated before the measured window (rounded up to whole cycles; default
+    at least 16 iterations and 4 cycles). A search that compares many cycle-1 candidates may take
+    fewer; the result's ``meta["converged"]`` says whether the two halves of the window agreed.
     """
+    if warmup is not None and (isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1):
+        raise ContractError("<simulate>", "warmup", f"expected an integer >= 1, got {warmup!r}")
     if schedule.n_buckets != profile.n or tuple(b.nbytes for b in profile.buckets) != schedule.bucket_nbytes:
         raise ContractError("<schedule>", "bucket_nbytes",
                             f"the schedule has {schedule.n_buckets} buckets of other sizes than the profile's "
@@ -642,6 +657,8 @@ def simulate_schedule(profile: Profile, schedule: Schedule, *, iterations: int =
         raise ContractError("<schedule>", "links", f"links {missing} are not in the profile "
                             f"(profile links: {', '.join(profile.link_names)})")
     warm, measured = _window(schedule.cycle, iterations)
+    if warmup is not None:
+        warm = math.ceil(warmup / schedule.cycle) * schedule.cycle
     eng = _schedule_engine(profile, schedule, warm + measured + 1)
     eng.run()
     return _result(scheme, profile, eng, schedule.cycle, warm, measured, schedule.updates_per_iteration,
