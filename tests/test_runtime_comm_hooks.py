@@ -207,3 +207,36 @@ def test_in_place_hooks_leave_the_average_in_deft_buffer() -> None:
         for name, r in v.items():
             assert r["in_place"] and r["same"] and r["numel"], (name, r)
             assert r["mean"] == pytest.approx(1.5, rel=1e-5), (name, r)
+
+
+def warmup_layout_worker(rank: int, world: int, compression: str) -> list[int]:
+    """The profile's buckets (the warm-up layout) of a 1.6 MB MLP under ``compression``."""
+    import deft
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 600), nn.ReLU(), nn.Linear(600, 600), nn.ReLU(), nn.Linear(600, 10))
+    ddp = deft.DistributedDataParallel(model, config={
+        "compression": compression, "powersgd_start_iter": 2, "warmup_iters": 1, "profile_iters": 2,
+        "timeout_s": 30, "epsilon": 0.0})
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        x, y = torch.randn(8, 64, generator=g), torch.randint(0, 10, (8,), generator=g)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    ddp.flush()
+    assert ddp.profile is not None
+    return [b.numel for b in ddp.profile.buckets]
+
+
+@pytest.mark.slow
+def test_chained_hooks_warm_up_and_profile_on_torch_sized_buckets() -> None:
+    # Ready order: layer 3 (6000 + 10), layer 2 (360000 + 600), layer 1 (38400 + 600) elements, float32.
+    # torch DDP's first bucket holds up to 1 MB: 6010 + 600 (bias 2) = 6610; weight 2 (1.44 MB) opens the
+    # next. fp16 (not chained): 1 MB buckets from there: [360000] alone (it exceeds the cap), then
+    # 600 + 38400 = 39000. PowerSGD (chained): bucket_cap_mb = 25 MB: 360000 + 600 + 38400 = 399000.
+    fp16 = values(run_ranks(warmup_layout_worker, 2, ("fp16",), timeout=120))
+    psgd = values(run_ranks(warmup_layout_worker, 2, ("powersgd",), timeout=120))
+    assert fp16[0] == fp16[1] == [6610, 360000, 39000]
+    assert psgd[0] == psgd[1] == [6610, 399000]
