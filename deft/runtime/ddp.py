@@ -754,9 +754,10 @@ class DistributedDataParallel(nn.Module):
         at a time over all links and each pays the hook's collectives (PowerSGD: three) and its per-call
         compute, so the warm-up iterations (PowerSGD's plain ones included) and the profile iterations
         would pay that once per 1 MB bucket: measured on the testbed (digits CNN, 250 Mbit/s), deft +
-        PowerSGD's warm-up iterations took 950-1250 ms on 1 MB buckets against torch's 780-900 ms, and
-        its first compressed ones 540-1200 ms against 210-350. The planner may still fuse these buckets
-        (it never splits a tensor under PowerSGD); a smaller ``bucket_cap_mb`` gives it finer ones."""
+        PowerSGD's first compressed iterations (profile, planning) took 390-1110 ms on 1 MB buckets
+        against torch's 210-360, and their per-bucket times were too noisy to choose a bucket count.
+        The planner may still fuse these buckets (it never splits a tensor under PowerSGD); a smaller
+        ``bucket_cap_mb`` gives it finer ones."""
         hook = self._executor.comm_hook
         serial = hook is not None and hook.chained
         cap = self.config.bucket_cap_mb if serial else min(self.config.bucket_cap_mb, PROFILE_BUCKET_CAP_MB)
