@@ -15,7 +15,16 @@ import pytest
 import torch
 
 from deft import DeftConfig, Profile
-from deft.runtime.adapt import Adapter, calibrate, scaled
+from deft.runtime.adapt import (
+    SWITCH_GAIN,
+    Adapter,
+    Synchronous,
+    SynchronousClock,
+    calibrate,
+    plan_digest,
+    scaled,
+)
+from deft.schedule import synchronous_schedule
 from deft.solver.lagfree import lagfree_plan
 from deft.solver.partition import profile_for_schedule
 from deft.solver.plan import no_delay_plan
@@ -161,3 +170,145 @@ def test_corrected_profile_fits_the_running_schedule_on_a_partitioned_profile() 
     assert tuple(b.nbytes for b in corrected.buckets) == sched.bucket_nbytes
     assert simulate_schedule(profile_for_schedule(corrected, sched, cfg), sched).iteration_s == \
         pytest.approx(measured, rel=1e-3)
+
+
+# -- the warm-up's synchronous schedule as a measured candidate ---------------------------------------
+def warmup_candidate(p: Profile, measured_s: float) -> Synchronous:
+    """torch DDP's schedule on ``p``'s buckets, measured at ``measured_s``."""
+    sync = synchronous_schedule(tuple(b.numel for b in p.buckets), tuple(b.nbytes for b in p.buckets), ("net",))
+    return Synchronous(sync, measured_s)
+
+
+def test_a_plan_measured_slower_than_the_warm_up_goes_back_to_it_and_stops() -> None:
+    p = three_buckets()
+    cfg = DeftConfig()
+    lagfree = lagfree_plan(p, cfg)
+    warm = warmup_candidate(p, 0.100)
+    ad = Adapter(cfg, synchronous=warm)
+    # 110 ms > (1 + 3 %) x 100 ms: back to the warm-up's schedule at once, no calibration, no re-plan
+    new, corrected, rec = ad.decide(lagfree, p, 0.110, p.backward_s, replan=lambda q: pytest.fail("no re-plan"))
+    assert new is not None and corrected is None and ad.done
+    assert plan_digest(new) == plan_digest(warm.schedule)
+    assert new.predicted_iteration_s == 0.100  # its measured time
+    assert (rec["measured_s"], rec["synchronous_s"]) == (0.110, 0.100)
+    assert "synchronous" in rec["decision"] and "back" in rec["decision"]
+
+
+def test_a_plan_within_switch_gain_of_the_warm_up_keeps_adapting() -> None:
+    p = three_buckets()
+    cfg = DeftConfig()
+    lagfree = lagfree_plan(p, cfg)
+    measured = 1.05 * lagfree.predicted_iteration_s  # within tolerance of its prediction
+    ad = Adapter(cfg, synchronous=warmup_candidate(p, measured / (1 + SWITCH_GAIN) + 1e-6))
+    new, _, rec = ad.decide(lagfree, p, measured, p.backward_s, replan=lambda q: pytest.fail("within tolerance"))
+    assert new is None and ad.done and "within tolerance" in rec["decision"]
+    assert rec["synchronous_s"] == pytest.approx(measured / (1 + SWITCH_GAIN) + 1e-6)
+
+
+def test_the_warm_up_schedule_itself_is_not_switched_to_again() -> None:
+    p = three_buckets()
+    cfg = DeftConfig()
+    warm = warmup_candidate(p, 0.050)
+    running = replace(warm.schedule, predicted_iteration_s=0.088)  # the planner chose torch DDP's schedule
+    ad = Adapter(cfg, synchronous=warm)
+    new, _, rec = ad.decide(running, p, 0.090, p.backward_s, replan=lambda q: pytest.fail("within tolerance"))
+    assert new is None and "within tolerance" in rec["decision"]
+
+
+def test_after_a_replan_the_fastest_of_plans_and_warm_up_wins() -> None:
+    p = three_buckets()
+    cfg = DeftConfig()
+    lagfree, plain = lagfree_plan(p, cfg), no_delay_plan(p, cfg)
+    # Window 1: the lag-free plan measures 101 ms, far off its prediction but within 3 % of the
+    # warm-up's 100 ms: calibrated and re-planned as before.
+    warm = warmup_candidate(p, 0.100)
+    ad = Adapter(cfg, synchronous=warm)
+    new, _, _ = ad.decide(lagfree, p, 0.101, p.backward_s, replan=lambda q: plain)
+    assert new is plain and not ad.done
+    # Window 2: the re-plan measures 130 ms; the warm-up (100 ms) beats the lag-free plan (101 ms).
+    back, _, rec = ad.decide(plain, p, 0.130, p.backward_s, replan=lambda q: pytest.fail("stopped"))
+    assert back is not None and ad.done and plan_digest(back) == plan_digest(warm.schedule)
+    assert (rec["measured_s"], rec["synchronous_s"]) == (0.130, 0.100)
+    # Had the lag-free plan measured 95 ms, it (not the warm-up) is the one to go back to.
+    ad = Adapter(cfg, synchronous=warmup_candidate(p, 0.100))
+    ad.decide(lagfree, p, 0.095, p.backward_s, replan=lambda q: plain)
+    back, _, rec = ad.decide(plain, p, 0.130, p.backward_s, replan=lambda q: pytest.fail("stopped"))
+    assert back is not None and plan_digest(back) == plan_digest(lagfree) and back.predicted_iteration_s == 0.095
+
+
+def test_synchronous_clock_counts_only_its_iterations_less_deft_s_own_work() -> None:
+    clock = SynchronousClock()
+    # forwards of iterations 0..5 at these times; iterations 2..4 count; planning took 0.5 s in 4
+    starts = [0.0, 1.0, 1.5, 2.1, 2.8, 4.0]
+    for t, now in enumerate(starts):
+        clock.forward(t, now, first=2, end=5)
+        if t == 4:
+            clock.exclude(0.5)
+    assert clock.seconds == pytest.approx([0.6, 0.7, 0.7])  # 2.1-1.5, 2.8-2.1, 4.0-2.8-0.5
+    assert clock.median() == pytest.approx(0.7)
+    assert SynchronousClock().median() == 0.0  # nothing counted: no candidate
+
+
+def test_synchronous_clock_skips_a_gap_in_the_iterations() -> None:
+    clock = SynchronousClock()
+    clock.forward(3, 0.0, first=0, end=10)
+    clock.forward(5, 1.0, first=0, end=10)  # iteration 4's start was never seen (a resumed run)
+    clock.forward(6, 1.25, first=0, end=10)
+    assert clock.seconds == [0.25]
+
+
+SLOW_S = 0.05  # what the test's "machine" adds to every iteration of a schedule other than the warm-up's
+SYNC_ITERS = 40
+
+
+def warmup_back_worker(rank: int, world: int) -> dict[str, Any]:
+    import time
+
+    import deft
+
+    model = Linear()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    # A given profile: the warm-up iterations 1..3 count (module docstring of deft.runtime.adapt). Its
+    # three buckets differ from the warm-up's layout (all parameters in one bucket), so the plan does.
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, profile=comm_heavy_profile(), config={
+        "epsilon": 0.0, "warmup_iters": 4, "timeout_s": 30, "adapt_window": 3, "adapt_max_replans": 2,
+        "links": [{"name": "primary"}]})
+    warm: str | None = None
+    digests = []
+    for t in range(SYNC_ITERS):
+        ddp(coefficients(rank, t)).backward()
+        opt.step()
+        opt.zero_grad()
+        if t == 0:
+            warm = plan_digest(ddp.schedule)  # the warm-up schedule on the observed ready order
+        elif plan_digest(ddp.schedule) != warm:
+            time.sleep(SLOW_S)  # deterministic stand-in for the CPU contention the simulator misses
+        digests.append(plan_digest(ddp.schedule))
+    ddp.flush()
+    log = [[t, list(its)] for t, its in ddp.update_log]
+    expect = closed_form(log, world)
+    for n, p in model.named_parameters():
+        atol, rtol = (1e-5, 0.0) if p.dtype == torch.float32 else (2e-2, 2.0 ** -7)
+        torch.testing.assert_close(p.detach().double(), expect[n], rtol=rtol, atol=atol)
+    return {"log": log, "digests": digests, "warm": warm, "adapt": ddp.plan_info.get("adapt", []),
+            "switches": ddp.plan_info.get("switches", []),
+            "params": {n: p.double().tolist() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.slow
+def test_a_plan_slower_than_the_warm_up_ends_on_the_warm_up_schedule() -> None:
+    a, b = values(run_ranks(warmup_back_worker, 2, timeout=120))
+    assert a["digests"] == b["digests"] and a["log"] == b["log"] and a["params"] == b["params"]
+    assert a["adapt"] == b["adapt"] and a["switches"] == b["switches"]
+    assert a["digests"][4] != a["warm"]  # the plan ran from iteration 4, on another schedule
+    records = a["adapt"]
+    last = records[-1]
+    assert "synchronous" in last["decision"] and "back" in last["decision"]
+    assert last["measured_s"] > (1 + SWITCH_GAIN) * last["synchronous_s"] > 0
+    assert last["measured_s"] >= SLOW_S  # the planned schedule's iterations carried the sleep
+    switch = a["switches"][-1]
+    assert switch["source"] == "adapt" and switch["layout"] == "warm-up"
+    assert a["digests"][-1] == a["warm"]  # the run ends on the warm-up's schedule, on its layout
+    assert a["digests"][switch["iteration"]:] == [a["warm"]] * (SYNC_ITERS - switch["iteration"])
+    assert sorted(t for _, its in a["log"] for t in its) == list(range(SYNC_ITERS))  # each iteration once
+    assert all(len(its) == 1 for _, its in a["log"])  # epsilon 0: torch DDP's updates throughout

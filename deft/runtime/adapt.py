@@ -25,23 +25,59 @@ gets the slowest rank's medians (one max-reduction of two numbers) and decides:
    running schedule again, or after ``adapt_max_replans`` re-plans. It never oscillates: a schedule
    abandoned once is never tried again, and a stop is final.
 
-At ``epsilon == 0`` every candidate is a lag-free plan and every switch flushes, so the parameters
-stay torch DDP's. Each decision is recorded in ``plan_info["adapt"]``.
+4. **Never slower than the warm-up**: the synchronous schedule deft warmed up and profiled with
+   (torch DDP's: every bucket all-reduced in its own backward, one update per iteration, on the
+   warm-up's bucket layout) is a measured candidate too (:class:`Synchronous`). When the running
+   schedule measures more than ``SWITCH_GAIN`` slower than it (and it is the fastest measured so
+   far), every rank switches back to it at a cycle boundary, on the layout it was measured on, the
+   record carries both times (``measured_s``, ``synchronous_s``), and adaptation stops. The
+   simulator does not model the CPU contention between a comm hook's compute on the gloo threads and
+   the model (measured on the 2-core testbed: deft + PowerSGD planned 5-7 buckets at 238-267 ms where
+   the warm-up's buckets ran 219-236 ms), so a plan can lose to the warm-up in ways no calibration of
+   two factors sees.
+
+   Which iterations count (:class:`SynchronousClock`): forward to next forward, the time deft spends
+   planning taken out of the last. When deft measures its profile, the profile iterations
+   ``warm_end <= t < plan_at``; the warm-up iterations before them are left out: iteration 0 runs
+   another bucket layout (the ready order is not known yet) on cold caches, a comm hook's plain
+   iterations cost something else (PowerSGD sends its first ``start_powerSGD_iter`` uncompressed),
+   its first compressed iteration is slow (PowerSGD allocates its memories there; torch DDP +
+   PowerSGD measured 342 ms against 200-210 after), and with several links the warm-up runs every
+   bucket on the first link while the profile iterations rotate them over the links
+   (:func:`deft.runtime.warmup_timer.link_rotation`). The profile iterations run the warm-up timer; its
+   overhead was measured within the noise (digits CNN + PowerSGD from iteration 2, ``warmup_iters``
+   6, 2 ranks on the 2 shared cores of this machine, forward start to step end, one link: warm-up
+   iterations 3-7 465-692 ms, median 600; profile iterations 535 and 556 ms; two links: warm-up
+   370-448 ms, median 390; profile iterations 285, 399, 481 ms; ``torchrun --nproc-per-node 2
+   examples/train_cnn.py --ddp deft --compression powersgd --powersgd-start 2 --max-iters 30`` with
+   ``warmup_iters = 6``, ``profile_iters = 3`` (4 with two links), ``adapt = false``, ``epsilon = 0``;
+   load average 2-4.6 from other jobs), so they count. The candidate is the
+   first profile iteration's schedule (:func:`synchronous_candidate`: bucket ``b`` on link
+   ``b mod L``) and its time the median over the rotations (the same work in each: every bucket sent
+   once). With a given profile (no profile iterations) the warm-up iterations ``1 <= t < warm_end``
+   count (none with the default ``warmup_iters`` 1: then there is no candidate). The figure is each
+   rank's median, maximum over ranks, taken with the first window's (no extra collective).
+
+At ``epsilon == 0`` every candidate is a lag-free plan or the synchronous schedule and every switch
+flushes, so the parameters stay torch DDP's. Each decision is recorded in ``plan_info["adapt"]``.
 """
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scipy.optimize import brentq
 
 from deft.config import DeftConfig
 from deft.profile import BucketTimes, Link, Profile
-from deft.schedule import Schedule
+from deft.schedule import Schedule, synchronous_schedule
 from deft.solver.partition import profile_for_schedule
 from deft.solver.simulate import simulate_schedule
+
+if TYPE_CHECKING:
+    from deft.runtime.buckets import FlatLayout
 
 F_RANGE = (0.05, 50.0)  # search interval of the communication factor
 #: A re-planned schedule is tried only when predicted at least this much faster than the running one.
@@ -94,6 +130,7 @@ class Adapter:
     done: bool = False
     best: tuple[float, Schedule] | None = None   # fastest measured schedule so far
     tried: set[str] = field(default_factory=set)  # digests already run
+    synchronous: Synchronous | None = None        # the warm-up's schedule and its measured time (step 4)
 
     def decide(self, running: Schedule, profile: Profile, measured_s: float, measured_backward_s: float,
                replan: Any) -> tuple[Schedule | None, Profile | None, dict[str, Any]]:
@@ -105,6 +142,16 @@ class Adapter:
         record: dict[str, Any] = {"schedule": running.digest(), "predicted_s": predicted, "measured_s": measured_s,
                                   "error": error}
         self.tried.add(running.digest())
+        sync = self.synchronous
+        if sync is not None:
+            record["synchronous_s"] = sync.measured_s
+            fastest = self.best is None or sync.measured_s <= self.best[0]
+            if (fastest and measured_s > (1.0 + SWITCH_GAIN) * sync.measured_s
+                    and plan_digest(running) != plan_digest(sync.schedule)):
+                self.done = True
+                record["decision"] = (f"slower than the warm-up's synchronous schedule {sync.schedule.digest()} "
+                                      f"({measured_s * 1e3:.1f} ms against {sync.measured_s * 1e3:.1f} ms): back to it")
+                return replace(sync.schedule, predicted_iteration_s=sync.measured_s), None, record
         if self.best is not None and measured_s > self.best[0] and self.best[1].digest() != running.digest():
             self.done = True
             record["decision"] = f"slower than {self.best[1].digest()} ({self.best[0] * 1e3:.1f} ms): back to it"
@@ -145,7 +192,54 @@ class Adapter:
         return new, corrected, record
 
 
+def plan_digest(schedule: Schedule) -> str:
+    """The digest of what a schedule does (its prediction left out)."""
+    return replace(schedule, predicted_iteration_s=0.0).digest()
+
+
 def window_medians(iteration_s: list[float], backward_s: list[float]) -> list[float]:
     """This rank's medians of one window (the max over ranks is taken by the caller)."""
     return [statistics.median(iteration_s) if iteration_s else 0.0,
             statistics.median(backward_s) if backward_s else 0.0]
+
+
+# -- the warm-up's synchronous schedule as a measured candidate (module docstring, step 4) -------------
+@dataclass(frozen=True)
+class Synchronous:
+    """The synchronous schedule deft warmed up with, on the warm-up's bucket layout, and its measured
+    iteration time (slowest rank's median over the counted iterations)."""
+
+    schedule: Schedule
+    measured_s: float
+
+
+def synchronous_candidate(layout: FlatLayout, links: tuple[str, ...]) -> Schedule:
+    """The schedule the counted iterations ran: every bucket of ``layout`` in its own backward, bucket
+    ``b`` on ``links[b mod L]`` (the first profile iteration's links; all on the first with one link)."""
+    n = layout.n_buckets
+    return synchronous_schedule(layout.bucket_numel, layout.bucket_nbytes(), links,
+                                tuple(links[b % len(links)] for b in range(n)))
+
+
+@dataclass
+class SynchronousClock:
+    """Forward-to-forward times of the iterations ``first <= t < end`` (module docstring, step 4), less
+    the time deft spent on its own work in them (:meth:`exclude`: planning)."""
+
+    seconds: list[float] = field(default_factory=list)
+    start: tuple[int, float] | None = None  # (iteration, its forward start)
+    excluded_s: float = 0.0
+
+    def forward(self, t: int, now: float, first: int, end: int) -> None:
+        """Iteration ``t`` begins at ``now``: iteration ``t - 1``, if it counts, lasted until now."""
+        if self.start is not None and self.start[0] == t - 1 and first <= t - 1 < end:
+            self.seconds.append(now - self.start[1] - self.excluded_s)
+        self.start, self.excluded_s = (t, now), 0.0
+
+    def exclude(self, seconds: float) -> None:
+        """``seconds`` of the running iteration were deft's own work, not the schedule's."""
+        self.excluded_s += seconds
+
+    def median(self) -> float:
+        """This rank's median (0.0: nothing counted; the max over ranks is taken by the caller)."""
+        return statistics.median(self.seconds) if self.seconds else 0.0

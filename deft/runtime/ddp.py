@@ -50,7 +50,14 @@ from deft.preserver.curvature import adam_preconditioner, top_eigenvalue
 from deft.preserver.gaussian_walk import merge_lr_factor
 from deft.profile import Profile
 from deft.profiler import nvtx
-from deft.runtime.adapt import Adapter, window_medians
+from deft.runtime.adapt import (
+    Adapter,
+    Synchronous,
+    SynchronousClock,
+    plan_digest,
+    synchronous_candidate,
+    window_medians,
+)
 from deft.runtime.buckets import FlatLayout, ddp_like_bucket_numel
 from deft.runtime.checkpoint import RuntimeState
 from deft.runtime.comm_hooks import CommHook, forget_buckets, from_config, plain_iterations, profile_codec
@@ -217,6 +224,10 @@ class DistributedDataParallel(nn.Module):
         self._bwd_start: float | None = None
         self._iter_s: list[float] = []
         self._bwd_s: list[float] = []
+        # The warm-up's synchronous schedule, a measured candidate (deft.runtime.adapt, step 4).
+        self._sync_clock = SynchronousClock()
+        self._sync_candidate: Schedule | None = None
+        self._warm_layout: FlatLayout | None = None
         self._install_warmup(list(reversed(range(len(self._params)))), t0=0)
 
         me = weakref.ref(self)
@@ -482,8 +493,10 @@ class DistributedDataParallel(nn.Module):
 
     def _begin_iteration(self) -> None:
         self._phase = Phase.FORWARD
+        now = time.perf_counter()
+        if self.config.adapt:
+            self._sync_clock.forward(self._t, now, self._warm_end if self._planning.measuring else 1, self._plan_at)
         if self._adapt_on:
-            now = time.perf_counter()
             if self._fwd_start is not None:
                 self._iter_s.append(now - self._fwd_start)
             self._fwd_start = now
@@ -807,6 +820,7 @@ class DistributedDataParallel(nn.Module):
 
     def _plan(self) -> None:
         """Collective: measure (or take) a profile, rank 0 plans, every rank installs the same schedule."""
+        started = time.perf_counter()
         profile = self._planning.given_profile
         if self._planning.measuring:
             assert self._timer is not None
@@ -830,6 +844,7 @@ class DistributedDataParallel(nn.Module):
             self._stats = None
         layout = FlatLayout(self._order_for(profile), self._names, self._params, schedule.bucket_numel,
                             str(self._planning.schedule_path or "schedule"))
+        self._warm_layout = self._executor.layout
         self._install(schedule, layout, self._t)
         self._planned = True
         self.plan_info = {**info, "t0": self._t, "stats_reason": stats_reason}
@@ -838,6 +853,10 @@ class DistributedDataParallel(nn.Module):
         if self._adapt_on:
             self._adapter = Adapter(self.config) if self.rank == 0 else None
             self._reset_window()
+            assert self._warm_layout is not None
+            links = tuple(self._links) if self._planning.measuring else (self._primary.name,)
+            self._sync_candidate = synchronous_candidate(self._warm_layout, links)
+        self._sync_clock.exclude(time.perf_counter() - started)  # planning is deft's, not the schedule's
         log.info("deft: rank %d runs schedule %s from iteration %d (cycle %d, K=%s)", self.rank,
                  schedule.digest(), self._t, schedule.cycle, schedule.batch_sequence)
 
@@ -870,8 +889,11 @@ class DistributedDataParallel(nn.Module):
         self._planning.pending = None
         before = len(self.update_log)
         self.flush()
-        layout = FlatLayout(self._order_for(self.profile), self._names, self._params, schedule.bucket_numel,
-                            "re-planned schedule")
+        if info.get("layout") == "warm-up" and self._warm_layout is not None:
+            layout = self._warm_layout  # the warm-up's schedule on the layout it was measured on
+        else:
+            layout = FlatLayout(self._order_for(self.profile), self._names, self._params, schedule.bucket_numel,
+                                "re-planned schedule")
         old = self.schedule.digest()
         self._install(schedule, layout, self._t)
         self._reset_window()
@@ -893,14 +915,16 @@ class DistributedDataParallel(nn.Module):
         median iteration with the prediction and may switch schedules (:class:`deft.runtime.adapt.Adapter`)."""
         if self._planning.pending is not None or len(self._iter_s) < self.config.adapt_window:
             return
-        measured, backward = self._control.max_rows([window_medians(self._iter_s, self._bwd_s)],
-                                                    "iteration times")[0]
+        measured, backward, synchronous_s = self._control.max_rows(
+            [[*window_medians(self._iter_s, self._bwd_s), self._sync_clock.median()]], "iteration times")[0]
         self._reset_window()
         doc: dict[str, Any] = {}
         if self.rank == 0:
             try:
                 assert self._adapter is not None and self.profile is not None
                 cfg = self.config
+                if self._adapter.synchronous is None and self._sync_candidate is not None and synchronous_s > 0:
+                    self._adapter.synchronous = Synchronous(self._sync_candidate, synchronous_s)
 
                 def replan(corrected: Profile) -> Schedule:
                     return make_schedule(cfg, corrected, None if cfg.epsilon == 0 else self._last_walk, None).schedule
@@ -924,7 +948,8 @@ class DistributedDataParallel(nn.Module):
         if "schedule" in doc:
             schedule = Schedule.from_dict(doc["schedule"], "schedule re-planned by rank 0")
             self._control.check_agreement("schedule", schedule.digest())
-            self._planning.pending = (schedule, {"source": "adapt"})
+            back = self._sync_candidate is not None and plan_digest(schedule) == plan_digest(self._sync_candidate)
+            self._planning.pending = (schedule, {"source": "adapt", **({"layout": "warm-up"} if back else {})})
         self._adapt_on = not doc["done"]
         self.plan_info.setdefault("adapt", []).append(record)
 
