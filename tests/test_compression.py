@@ -301,7 +301,8 @@ def test_powersgd_is_profiled_compressed() -> None:
     a, b = values(run_ranks(powersgd_worker, 2, (), timeout=120))
     assert a["codec"] == "powersgd (rank 4)"
     assert a["nbytes"] == 85002 * 4 and a["wire"] == 4914 * 4  # test_powersgd_wire_size_by_hand
-    # PowerSGD compresses from iteration 5: warm-up runs to 5, then 3 profile iterations, planned at 8
-    assert a["t0"] == 8
+    # PowerSGD compresses from iteration 5 (0-based): plain iterations 0..4, one compressed warm-up
+    # iteration (5; warmup_iters = 1 counts from there), 3 profile iterations (6, 7, 8), planned at 9
+    assert a["t0"] == 9
     assert all(c > 0 for c in a["codec_s"]) and a["finite"]
     assert a["codec_s"] == b["codec_s"]  # max over ranks: every rank plans on the same profile

@@ -167,3 +167,76 @@ def late_hook_worker(rank: int, world: int) -> str | None:
 def test_hook_registered_after_profiling_began_is_refused() -> None:
     for said in values(run_ranks(late_hook_worker, 2, (), timeout=60)):
         assert said is not None and "profiling began at iteration 1" in said, said
+
+
+def in_place_worker(rank: int, world: int) -> dict[str, Any]:
+    """torch's hooks that deft hands its own buffer (comm_hooks.IN_PLACE_HOOKS): where each leaves its result."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    from deft.runtime.comm_hooks import IN_PLACE_HOOKS, CommHook, HookBucket, hook_result
+
+    model = make_model()
+    params = list(model.parameters())
+    out: dict[str, Any] = {}
+    for hook in IN_PLACE_HOOKS:
+        state = None if hook is not powerSGD_hook.powerSGD_hook else powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2, random_seed=7)
+        if state is not None:
+            state.iter = 2  # on the compressed path
+        n = sum(p.numel() for p in params)
+        buffer = torch.full((n,), float(rank + 1))
+        grads, offset = [], 0
+        for p in params:
+            grads.append(buffer[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        ch = CommHook(state, hook, hook.__name__)
+        result = hook_result(ch.launch(dist.group.WORLD, HookBucket(0, buffer, grads, params, is_last=True)).wait())
+        out[hook.__name__] = {"in_place": ch.in_place, "same": result.data_ptr() == buffer.data_ptr(),
+                              "numel": buffer.numel() == n, "mean": buffer.mean().item()}
+    return out
+
+
+@pytest.mark.slow
+def test_in_place_hooks_leave_the_average_in_deft_buffer() -> None:
+    # Every rank's bucket holds rank + 1: the average over 2 ranks is 1.5 everywhere. fp16 and bf16 hold
+    # 1.5 exactly; PowerSGD's rank-1 approximation of a constant matrix is that constant (it has rank 1),
+    # and the 1-D biases go uncompressed, so its mean is 1.5 up to float rounding.
+    for v in values(run_ranks(in_place_worker, 2, (), timeout=60)):
+        assert set(v) == {"fp16_compress_hook", "bf16_compress_hook", "powerSGD_hook"}
+        for name, r in v.items():
+            assert r["in_place"] and r["same"] and r["numel"], (name, r)
+            assert r["mean"] == pytest.approx(1.5, rel=1e-5), (name, r)
+
+
+def warmup_layout_worker(rank: int, world: int, compression: str) -> list[int]:
+    """The profile's buckets (the warm-up layout) of a 1.6 MB MLP under ``compression``."""
+    import deft
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 600), nn.ReLU(), nn.Linear(600, 600), nn.ReLU(), nn.Linear(600, 10))
+    ddp = deft.DistributedDataParallel(model, config={
+        "compression": compression, "powersgd_start_iter": 2, "warmup_iters": 1, "profile_iters": 2,
+        "timeout_s": 30, "epsilon": 0.0})
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        x, y = torch.randn(8, 64, generator=g), torch.randint(0, 10, (8,), generator=g)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    ddp.flush()
+    assert ddp.profile is not None
+    return [b.numel for b in ddp.profile.buckets]
+
+
+@pytest.mark.slow
+def test_chained_hooks_warm_up_and_profile_on_torch_sized_buckets() -> None:
+    # Ready order: layer 3 (6000 + 10), layer 2 (360000 + 600), layer 1 (38400 + 600) elements, float32.
+    # torch DDP's first bucket holds up to 1 MB: 6010 + 600 (bias 2) = 6610; weight 2 (1.44 MB) opens the
+    # next. fp16 (not chained): 1 MB buckets from there: [360000] alone (it exceeds the cap), then
+    # 600 + 38400 = 39000. PowerSGD (chained): bucket_cap_mb = 25 MB: 360000 + 600 + 38400 = 399000.
+    fp16 = values(run_ranks(warmup_layout_worker, 2, ("fp16",), timeout=120))
+    psgd = values(run_ranks(warmup_layout_worker, 2, ("powersgd",), timeout=120))
+    assert fp16[0] == fp16[1] == [6610, 360000, 39000]
+    assert psgd[0] == psgd[1] == [6610, 399000]

@@ -45,7 +45,8 @@ What the profile learns of a hook (DESIGN.md, "Compression in the profile"):
   (its collectives then move nothing), on a scratch copy of its state, timed from the call to its
   future's completion: encode, the hook's own compute between its collectives, decode.
 * **When PowerSGD compresses** (:func:`plain_iterations`): PowerSGD all-reduces plainly until its
-  iteration counter reaches ``start_powerSGD_iter``; the runtime profiles only after that.
+  iteration counter reaches ``start_powerSGD_iter``; the runtime warms up ``warmup_iters`` compressed
+  iterations after that, then profiles.
 * **Per-bucket memory** (:func:`forget_buckets`): PowerSGD keeps error feedback and warm-start P/Q per
   bucket index; when the bucket layout changes (ready order, a planned partition, a re-plan) those
   belong to other element ranges, so they are dropped (the hook starts them afresh; the residual not
@@ -103,6 +104,12 @@ class HookBucket:
 #: names, ``fp16`` and ``bf16``, are :data:`deft.profile.ELEMENTWISE_CODECS`).
 SINGLE_COLLECTIVE_HOOKS = (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook)
 
+#: torch's hooks that write their result into the bucket's own buffer (and its gradient views) and
+#: never resize it, as an in-place all-reduce does: deft hands them its buffer itself, no copy.
+#: (``batched_powerSGD_hook`` pads the buffer to a square in place, and a user's hook may do anything:
+#: those get a copy.)
+IN_PLACE_HOOKS = (*SINGLE_COLLECTIVE_HOOKS, powerSGD_hook.powerSGD_hook)
+
 
 @dataclass
 class CommHook:
@@ -120,6 +127,13 @@ class CommHook:
         every rank); any other hook (PowerSGD starts collectives from callbacks and shares state) is
         chained. The simulator's ``serial`` links follow this (:func:`deft.solver.simulate.serial_codec`)."""
         return self.hook not in SINGLE_COLLECTIVE_HOOKS
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the hook may be given deft's own bucket buffer (:data:`IN_PLACE_HOOKS`): it leaves its
+        averaged result there, as a plain in-place all-reduce does, so deft neither copies the bucket
+        before the call nor the result back after it."""
+        return self.hook in IN_PLACE_HOOKS
 
     def launch(self, group: Any, bucket: HookBucket) -> torch.futures.Future:
         """Call the hook with ``group`` as its process group; the Future it returns."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -33,11 +33,8 @@ def wait_work(work: Any, link: str, what: str, rank: int, timeout_s: float) -> A
     failure or ``timeout_s`` becomes a CommunicationError."""
     try:
         if isinstance(work, FUTURE_TYPES):
-            deadline = time.monotonic() + timeout_s
-            while not work.done():  # a Future has no timed wait: poll, yielding the CPU
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"not done after {timeout_s:g} s")
-                time.sleep(1e-4)
+            if not work.done() and not future_done_event(work).wait(timeout_s):
+                raise TimeoutError(f"not done after {timeout_s:g} s")
             return work.value()
         work.wait(timeout=timedelta(seconds=timeout_s))
         return None
@@ -45,6 +42,18 @@ def wait_work(work: Any, link: str, what: str, rank: int, timeout_s: float) -> A
         raise CommunicationError(f"rank {rank}: {what} on link {link!r} failed or timed out after at most "
                                  f"{timeout_s:g} s: {e}. A peer rank probably died or stalled; check the other "
                                  "ranks' logs.") from None
+
+
+def future_done_event(fut: Any) -> threading.Event:
+    """An Event set when ``fut`` completes (at once if it has), so a wait on it blocks with a timeout.
+
+    A torch Future has no timed wait. Polling ``done()`` with short sleeps woke the waiting thread
+    thousands of times a second to take the GIL, which the comm hook's own callbacks (PowerSGD
+    compresses on gloo's threads) and the model's compute need on a CPU host; the done-callback wakes
+    it once. The callback runs on the thread that completes the future, or here if it is done."""
+    event = threading.Event()
+    fut.add_done_callback(lambda _: event.set())
+    return event
 
 
 def digest(doc: Any) -> str:

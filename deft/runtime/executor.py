@@ -345,10 +345,12 @@ class Executor:
         if len(views) != 1:
             raise DeftError(f"{where}: the bucket mixes dtypes {[str(v.dtype) for v in views]}; comm hooks take "
                             "one flat tensor per bucket: keep the model in one dtype or plan single-dtype buckets")
-        # The hook gets its own copy, as torch DDP's hooks get a standalone bucket tensor: hooks write
-        # into it and may even resize it (batched PowerSGD pads it to a square); the result is copied
-        # back into deft's buffer when it is waited for.
-        view = views[0].clone()
+        # torch's in-place hooks (CommHook.in_place) get deft's buffer itself, as a plain all-reduce
+        # does: their result is left there (_hook_post then copies nothing). Any other hook gets its own
+        # copy, as torch DDP's hooks get a standalone bucket tensor: hooks write into it and may even
+        # resize it (batched PowerSGD pads it to a square); the result is copied back into deft's
+        # buffer when it is waited for.
+        view = views[0] if self.comm_hook.in_place else views[0].clone()
         bucket = hook_bucket(self.layout, self.params, b, view, is_last=len(g.launched) + 1 == self.layout.n_buckets)
         link = self.links[link_name]
         link.stats.calls += 1
