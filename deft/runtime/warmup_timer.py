@@ -60,8 +60,12 @@ the interval between consecutive completions says little about one bucket. What 
   parabola in ``beta``, so clamping at 0 gives the constrained minimum). The two-parameter fit
   (:func:`fit_group_alpha_beta`, NNLS) found ``alpha = 0`` on the testbed's second link: the busy
   groups are megabytes each, so the intercept drowns in their noise, and the planner then split
-  buckets into pieces that cost nothing per message (a 25-piece plan measured 18.8 % over its
-  prediction). A link that carried nothing gets ``beta`` from all links' groups (named in
+  buckets into pieces that cost nothing per message. (A 25-piece plan that measured 18.8 % over its
+  prediction was blamed on this; re-measured, the piece count's effect on the testbed is within the
+  run-to-run noise: ``benchmarks/results/replay.md``.) Pieces queued back to back on a busy link pay
+  less than an idle link's start-up (the link pipelines them: ``benchmarks/bench_split_cost.py``
+  measured at most a few tenths of a ms per extra piece), so the probed ``alpha`` charged per piece
+  is an upper bound. A link that carried nothing gets ``beta`` from all links' groups (named in
   ``meta["unmeasured_links"]``); ``meta["alpha_probe"]`` records the probe;
 * a bucket that was alone in its group has a direct time on that link: the median over the
   iterations in which it was alone. Any other bucket has no ``comm_s`` entry on that link and falls
