@@ -31,16 +31,27 @@ Rescaling (the paper's coverage rate is kept):
   replacing the tbf qdisc of nic1 in both hosts; ``same`` leaves it at the rate;
 * the profile given to deft and to the simulator is the one measured here: the scaled compute times
   and every bucket's all-reduce time measured on each link alone (``deft.profiler.links.measure``,
-  median of ``--comm-iters``, max over ranks) before the runs.
+  median of ``--comm-iters``, max over ranks) before the runs. Each link's model (what a piece of a
+  split bucket pays) has the per-message start-up ``alpha`` the runtime's warm-up timer measures
+  (:func:`deft.runtime.warmup_timer.probe_alpha`: one-element all-reduces, median, max over ranks)
+  and ``beta`` fitted with it fixed (:func:`~deft.runtime.warmup_timer.fit_group_beta`); the
+  ``-fit`` scheme gets the same comm times with the two-parameter fit instead
+  (:func:`deft.profile.fit_alpha_beta`, what the replay used before, which can find ``alpha = 0``),
+  for a before/after within one run.
 
 Schemes: ``compute`` the model alone on each host at once (no communication: checks the emulation itself
 against the profile's forward + backward); ``ddp`` torch DDP with one bucket per parameter
 (``bucket_cap_mb`` = 1 byte, so its all-reduces are the profile's buckets; simulated as ``wfbp``: the
 same messages, the optimizer step waiting for all of them, which is torch DDP); ``deft-eps0`` deft with
-epsilon = 0 (no delayed update) on both links; ``deft`` deft's default config (epsilon 0.01, preserver
-on) on both links; ``deft-plan`` deft with the preserver off (the planner's DeFT schedule, delayed
-updates as planned). Every deft run is given the measured profile (``profile=``), so it plans on exactly
-what the simulator sees; the schedule it ran (``ddp.schedule``) is simulated with
+epsilon = 0 (no delayed update) on both links; ``deft-eps0-fit`` the same with the fitted-alpha profile;
+``deft-eps0-self`` the same given no profile: deft times itself in its profile iterations (the warm-up
+timer: what a user gets), plans on that, and its schedule is simulated on the profile deft measured
+(``ddp.profile``); ``deft-eps0-fine`` the lag-free plan on the finest partition alone (half the
+no-delay plan's capacity: many pieces, each paying the start-up), planned here and given to deft as its
+schedule file; ``deft`` deft's default config (epsilon 0.01, preserver on) on both links;
+``deft-plan`` deft with the preserver off (the planner's DeFT schedule, delayed updates as planned).
+Every other deft run is given the measured profile (``profile=``), so it plans on exactly what the
+simulator sees; the schedule it ran (``ddp.schedule``) is simulated with
 :func:`deft.solver.simulate.simulate_schedule` on the profile that schedule refers to.
 
 Iteration time, measured and simulated alike: the time between forward starts, averaged over whole
@@ -69,9 +80,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_links import ROOT, command_line, handle_signals, machine, run_ranks, update_section
 
 from deft.config import DeftConfig
+from deft.errors import ContractError
 from deft.profile import Bucket, BucketTimes, Link, Profile, fit_alpha_beta
+from deft.runtime.warmup_timer import fit_group_beta
 from deft.schedule import Schedule
 from deft.solver.compare import simulate
+from deft.solver.lagfree import lagfree_plan
 from deft.solver.partition import profile_for_schedule
 from deft.solver.simulate import simulate_schedule
 from deft.testbed import Testbed
@@ -87,6 +101,8 @@ class Scheme:
     label: str
     settings: dict[str, Any]  # deft config settings; None for torch DDP
     deft: bool = True
+    profile: str = "probe"  # deft's profile: probe (measured alpha), fit (fitted alpha), self (deft times itself)
+    scales: tuple[float, ...] | None = None  # a lag-free plan on only these partitions, given as deft's schedule
 
 
 SCHEMES: dict[str, Scheme] = {
@@ -95,6 +111,12 @@ SCHEMES: dict[str, Scheme] = {
     # Adaptation off: the replay measures the schedule planned on the given profile against its
     # simulation; a switch to a schedule planned on a corrected profile would measure something else.
     "deft-eps0": Scheme("deft, epsilon 0, two links", {"epsilon": 0.0, "adapt": False}),
+    "deft-eps0-fit": Scheme("deft, epsilon 0, two links, fitted alpha (before)", {"epsilon": 0.0, "adapt": False},
+                            profile="fit"),
+    "deft-eps0-self": Scheme("deft, epsilon 0, two links, its own warm-up profile", {"epsilon": 0.0, "adapt": False},
+                             profile="self"),
+    "deft-eps0-fine": Scheme("deft, epsilon 0, two links, lag-free plan on the finest partition (x0.5)",
+                             {"epsilon": 0.0, "adapt": False}, scales=(0.5,)),
     "deft": Scheme("deft default (epsilon 0.01, preserver), two links", {"adapt": False}),
     "deft-plan": Scheme("deft, preserver off (the planner's schedule), two links",
                         {"preserver": False, "adapt": False}),
@@ -141,13 +163,19 @@ def param_name(i: int) -> str:
     return f"{module_name(i)}.weight"
 
 
-def measured_profile(t: Target, comm: dict[str, list[float]], ifnames: dict[str, str]) -> Profile:
-    """The profile deft and the simulator get: the target's compute, the measured all-reduce times."""
+def measured_profile(t: Target, comm: dict[str, list[float]], ifnames: dict[str, str],
+                     alpha: dict[str, float] | None = None) -> Profile:
+    """The profile deft and the simulator get: the target's compute, the measured all-reduce times;
+    each link's ``alpha`` the probed one with ``beta`` fitted to it, or (``alpha=None``) both fitted."""
     links = []
     for name in LINKS:
-        fit = fit_alpha_beta([float(n) for n in t.nbytes], comm[name], source=f"measured all-reduces on {name}")
-        alpha, beta = fit.alpha, fit.beta
-        links.append(Link(name=name, backend="gloo", ifname=ifnames[name], alpha_s=alpha, beta_s_per_byte=beta))
+        if alpha is not None:
+            a = alpha[name]
+            beta = fit_group_beta([1] * len(t.nbytes), list(t.nbytes), comm[name], a)
+        else:
+            fit = fit_alpha_beta([float(n) for n in t.nbytes], comm[name], source=f"measured all-reduces on {name}")
+            a, beta = fit.alpha, fit.beta
+        links.append(Link(name=name, backend="gloo", ifname=ifnames[name], alpha_s=a, beta_s_per_byte=beta))
     buckets = tuple(Bucket(id=i, params=(param_name(i),), numel=n // 4, nbytes=n) for i, n in enumerate(t.nbytes))
     times = tuple(BucketTimes(forward_s=f, backward_s=b, comm_s={lk: comm[lk][i] for lk in LINKS})
                   for i, (f, b) in enumerate(zip(t.forward_s, t.backward_s, strict=True)))
@@ -191,18 +219,26 @@ def _second_group(dist: Any, ifname: str) -> Any:
 
 
 def _measure(spec: dict[str, Any], dist: Any) -> dict[str, Any]:
+    import torch
+
     from deft.profiler.links import measure, measure_concurrent
+    from deft.runtime.links import CommLink
+    from deft.runtime.warmup_timer import probe_alpha
 
     groups = {"primary": None, "second": _second_group(dist, spec["ifnames"]["second"])}
     sizes = spec["nbytes"]
+    # the runtime's own start-up probe (median per rank), then max over ranks as the runtime's control plane
+    probed = probe_alpha({k: CommLink(k, "gloo", None, g) for k, g in groups.items()}, cuda=False)
+    alpha = torch.tensor([probed[k] for k in groups], dtype=torch.float64)
+    dist.all_reduce(alpha, op=dist.ReduceOp.MAX)
     out = {}
     for name, group in groups.items():
         samples = measure(group, sizes, iters=spec["iters"], warmup=2)
         out[name] = [s.seconds for s in samples]
     # The same sizes on both links at once (as deft sends): each link's time from the common launch.
     both, _ = measure_concurrent(list(groups.values()), sizes, iters=spec["iters"], warmup=2)
-    return {"comm_s": out, "concurrent_s": {name: [s.seconds for s in samples]
-                                            for name, samples in zip(groups, both, strict=True)}}
+    return {"comm_s": out, "alpha_s": dict(zip(groups, alpha.tolist(), strict=True)),
+            "concurrent_s": {name: [s.seconds for s in samples] for name, samples in zip(groups, both, strict=True)}}
 
 
 def _replay_model(torch: Any, forward_s: list[float], backward_s: list[float], numel: list[int],
@@ -272,6 +308,7 @@ def _train(spec: dict[str, Any], torch: Any, dist: Any) -> dict[str, Any]:
         import deft
 
         ddp = deft.DistributedDataParallel(model, optimizer=opt, config=spec["config"], profile=spec["profile"])
+        own = spec["profile"] is None
     elif spec["scheme"] == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1 / 2**20)
     else:
@@ -303,6 +340,8 @@ def _train(spec: dict[str, Any], torch: Any, dist: Any) -> dict[str, Any]:
     if is_deft:
         doc.update(schedule=ddp.schedule.to_dict(), plan_info=json.loads(json.dumps(ddp.plan_info, default=str)),
                    link_stats=ddp.link_stats, updates=len(ddp.update_log))
+        if own and ddp.profile is not None:  # deft timed itself: the profile it planned on
+            doc["profile"] = ddp.profile.to_dict()
         ddp.flush()
     return doc
 
@@ -358,18 +397,29 @@ def run_profile(tb: Testbed, name: str, args: argparse.Namespace, names: list[st
         alone = sum(comm[lk])
         print(f"[bench_replay] {name}: all buckets on {lk}: {alone * 1e3:.0f} ms alone, {sum(times) * 1e3:.0f} ms "
               f"with the other link busy ({sum(times) / alone:.2f}x)", flush=True)
-    prof = measured_profile(tgt, comm, ifnames)
-    prof_path = out_dir / f"{name}.profile.json"
-    prof.save(prof_path)
+    alpha = measured["alpha_s"]
+    prof = measured_profile(tgt, comm, ifnames, alpha)
+    fitted = measured_profile(tgt, comm, ifnames)
+    print(f"[bench_replay] {name}: alpha probed " + ", ".join(f"{k} {alpha[k] * 1e3:.3f} ms" for k in LINKS)
+          + "; fitted " + ", ".join(f"{lk.name} {lk.alpha_s * 1e3:.3f} ms" for lk in fitted.links), flush=True)
+    paths = {"probe": out_dir / f"{name}.profile.json", "fit": out_dir / f"{name}.profile-fit.json"}
+    prof.save(paths["probe"])
+    fitted.save(paths["fit"])
     runs: dict[str, Any] = {}
     for scheme in names:
         sch = SCHEMES[scheme]
-        config = tb.write_config(out_dir / f"{name}.{scheme}.toml", links=2, **sch.settings)
+        settings = dict(sch.settings)
+        if sch.scales is not None:  # a forced partition: planned here, run as deft's schedule file
+            forced = out_dir / f"{name}.{scheme}.schedule.json"
+            lagfree_plan(prof, DeftConfig.from_dict({"epsilon": 0.0}), scales=sch.scales).save(forced)
+            settings["schedule_path"] = str(forced)
+        config = tb.write_config(out_dir / f"{name}.{scheme}.toml", links=2, **settings)
         alone = scheme == "compute"
         out = out_dir / (f"{name}.{scheme}.host{{host}}.json" if alone else f"{name}.{scheme}.json")
         spec = out_dir / f"{name}.{scheme}.spec.json"
         spec.write_text(json.dumps({**base, "job": "train", "scheme": scheme, "iters": args.iters,
-                                    "config": str(config), "profile": str(prof_path), "out": str(out)}),
+                                    "config": str(config), "out": str(out),
+                                    "profile": str(paths[sch.profile]) if sch.profile in paths else None}),
                         encoding="utf-8")
         print(f"[bench_replay] {name}: {scheme} ({sch.label})", flush=True)
         load = os.getloadavg()[0]
@@ -381,7 +431,8 @@ def run_profile(tb: Testbed, name: str, args: argparse.Namespace, names: list[st
             runs[scheme] = {"error": str(e).splitlines()[0]}
             continue
         runs[scheme] = {**json.loads(Path(str(out).replace("{host}", "0")).read_text(encoding="utf-8")), "load": load}
-    return {"name": name, "profile": prof.to_dict(), "target": tgt.__dict__, "second_rate_mbit": second_rate,
+    return {"name": name, "profile": prof.to_dict(), "profile_fit": fitted.to_dict(), "alpha_probed": alpha,
+            "target": tgt.__dict__, "second_rate_mbit": second_rate,
             "concurrent_s": measured.get("concurrent_s"), "runs": runs}
 
 
@@ -434,11 +485,19 @@ def analyse(rec: dict[str, Any], args: argparse.Namespace) -> tuple[list[Row], d
             continue
         sched = Schedule.from_dict(run["schedule"], f"{rec['name']}/{scheme} schedule")
         cfg = DeftConfig.from_dict({"epsilon": SCHEMES[scheme].settings.get("epsilon", 0.01)})
-        planned = profile_for_schedule(prof, sched, cfg)
+        given = {"fit": rec.get("profile_fit"), "self": run.get("profile")}.get(SCHEMES[scheme].profile)
+        base = prof if given is None else Profile.from_dict(given, f"{rec['name']}/{scheme} profile")
+        planned = profile_for_schedule(base, sched, cfg)
         sim = simulate_schedule(planned, sched)
         measured, n = steady_s(run["starts"], args.skip_iters, sched.cycle)
         src = run.get("plan_info", {}).get("source", "?")
-        plan = f"{src}: cycle {sched.cycle}, K = {list(sched.batch_sequence)}, {sched.n_buckets} buckets"
+        alphas = "/".join(f"{lk.alpha_s * 1e3:.2f}" for lk in base.links)
+        plan = (f"{src}: cycle {sched.cycle}, K = {list(sched.batch_sequence)}, {sched.n_buckets} buckets "
+                f"(alpha {alphas} ms)")
+        if SCHEMES[scheme].scales is not None and rec.get("profile_fit") is not None:
+            with contextlib.suppress(ContractError):  # the fitted profile may partition to other sizes
+                fit = profile_for_schedule(Profile.from_dict(rec["profile_fit"]), sched, cfg)
+                plan += f"; the fitted-alpha profile predicts {simulate_schedule(fit, sched).iteration_s * 1e3:.0f} ms"
         used = ", ".join(f"{k} ({v['calls']})" for k, v in run.get("link_stats", {}).items())
         rows.append(Row(scheme, measured, sim.iteration_s, n, plan, used, *window(run, n), load))
     return rows, failed

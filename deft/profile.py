@@ -114,8 +114,9 @@ class AlphaBetaFit:
 def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float],
                    weights: Sequence[float] | None = None, source: str = "<samples>") -> AlphaBetaFit:
     """The alpha-beta fit of deft's (size, time) samples: weighted least squares with ``alpha >= 0`` and
-    ``beta >= 0``. (The warm-up timer fits groups of several collectives, ``count * alpha + bytes * beta``:
-    :func:`deft.runtime.warmup_timer.fit_group_alpha_beta`, the same model with a count column.)
+    ``beta >= 0``. (The warm-up timer models groups of several collectives, ``count * alpha + bytes * beta``,
+    with ``alpha`` measured by one-element all-reduces and ``beta`` fitted with it fixed:
+    :func:`deft.runtime.warmup_timer.fit_group_beta`.)
 
     Minimizes ``sum_i w_i (alpha + beta b_i - T_i)^2`` over ``alpha, beta >= 0``
     (``scipy.optimize.nnls`` on the rows scaled by ``sqrt(w_i)``). The non-negativity rule: a negative

@@ -176,3 +176,9 @@ def test_simulate_schedule_rejects_a_bad_warmup(warmup: object) -> None:
     p = three_buckets()
     with pytest.raises(ContractError, match=r"warmup: expected an integer >= 1"):
         simulate_schedule(p, no_delay_plan(p, DeftConfig()), warmup=warmup)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [(), (0.0,), (1.0, -2.0), (float("inf"),)])
+def test_partition_scales_must_be_positive_multiples(bad: tuple[float, ...]) -> None:
+    with pytest.raises(ContractError, match="scales"):
+        lagfree_plan(three_buckets(), DeftConfig(epsilon=0.0), scales=bad)

@@ -7,11 +7,15 @@
   of that rank's busy time inside it; by hand.
 * :func:`fit_group_alpha_beta`: non-negative least squares ``T = alpha * m + beta * B``; recovers exact
   data, and with a negative free intercept gives the line through the origin (worked by hand).
+* :func:`fit_group_beta`: the one-parameter least squares with the measured ``alpha`` fixed; worked by
+  hand (exact data, noisy data, start-ups that already exceed a group's time).
 * :func:`link_rotation`: each bucket on one link per iteration, on every link over ``L`` iterations.
 * Two ranks, two links (loopback gloo), each parameter its own bucket: in the warm-up only the
   primary link carries traffic; in each profile iteration every bucket is sent exactly once (the
   bytes over both links are the model's gradient bytes plus the used-parameter map, counted by hand),
-  and both links carry buckets; the measured profile models both links and every bucket.
+  and both links carry buckets; the measured profile models both links and every bucket, and each
+  link's ``alpha`` is the probe's (one-element all-reduces: positive on a real link), the same on both
+  ranks; the probe does not count as link traffic.
 """
 
 from __future__ import annotations
@@ -24,7 +28,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from deft.runtime.warmup_timer import BusyGroup, busy_periods, common_busy_groups, fit_group_alpha_beta, link_rotation
+from deft.runtime.warmup_timer import (
+    PROBE_REPEATS,
+    PROBE_WARMUP,
+    BusyGroup,
+    busy_periods,
+    common_busy_groups,
+    fit_group_alpha_beta,
+    fit_group_beta,
+    link_rotation,
+)
 from tests._dist import run_ranks, values
 
 
@@ -80,6 +93,24 @@ def test_fit_alpha_beta() -> None:
         fit_group_alpha_beta([1, 2], [10], [0.1])
 
 
+def test_fit_beta_with_alpha_fixed_by_hand() -> None:
+    # alpha = 1 ms measured; groups (1 collective, 1 MB, 11 ms) and (2, 3 MB, 32 ms): less the start-ups
+    # 10 and 30 ms, exactly 10 ms per MB: beta = (1 * 0.010 + 3 * 0.030) / (1 + 9) = 0.010 s per MB
+    assert fit_group_beta([1, 2], [1_000_000, 3_000_000], [0.011, 0.032], 1e-3) == pytest.approx(1e-8, rel=1e-12)
+    # noisy: alpha = 2 ms, (1, 1 MB, 12 ms) and (1, 2 MB, 20 ms) -> 10 and 18 ms left:
+    # beta = (1 * 0.010 + 2 * 0.018) / (1 + 4) = 0.0092 s per MB
+    assert fit_group_beta([1, 1], [1_000_000, 2_000_000], [0.012, 0.020], 2e-3) == pytest.approx(9.2e-9, rel=1e-12)
+    # the same data with the two-parameter NNLS: the free line through both points, alpha = 4 ms, 8 ms per MB
+    assert fit_group_alpha_beta([1, 1], [1_000_000, 2_000_000], [0.012, 0.020]) == pytest.approx((4e-3, 8e-9))
+    # the start-up alone (50 ms) exceeds the 10 ms the group took: beta clamps to 0, alpha carries the model
+    assert fit_group_beta([1], [1_000_000], [0.010], 0.05) == 0.0
+    assert fit_group_beta([1], [10], [0.0], 0.0) == 1e-12  # nothing took time: still a model
+    with pytest.raises(ValueError, match="equally long"):
+        fit_group_beta([1, 2], [10], [0.1], 0.0)
+    with pytest.raises(ValueError, match="alpha >= 0"):
+        fit_group_beta([1], [10], [0.1], -1e-3)
+
+
 def test_link_rotation() -> None:
     assert link_rotation(5, ("p", "s"), 0) == ("p", "s", "p", "s", "p")
     assert link_rotation(5, ("p", "s"), 1) == ("s", "p", "s", "p", "s")
@@ -129,7 +160,8 @@ def test_profile_iterations_send_each_bucket_once_over_both_links() -> None:
         for t in range(WARMUP):  # torch DDP's behaviour: everything on the primary link
             assert its[t]["second"] == {"calls": 0, "bytes": 0}, its
             assert its[t]["primary"] == {"calls": 4 + 1, "bytes": grad_bytes + used_map}, its
-        for t in range(WARMUP, WARMUP + PROFILE):  # each bucket once; two on each link
+        # each bucket once; two on each link (planning, with the alpha probe, runs in the last one's step)
+        for t in range(WARMUP, WARMUP + PROFILE):
             assert its[t]["primary"]["calls"] + its[t]["second"]["calls"] == 4 + 1, its
             assert its[t]["primary"]["bytes"] + its[t]["second"]["bytes"] == grad_bytes + used_map, its
             assert its[t]["primary"]["calls"] == 2 + 1 and its[t]["second"]["calls"] == 2, its
@@ -140,5 +172,10 @@ def test_profile_iterations_send_each_bucket_once_over_both_links() -> None:
     for link in prof.links:  # a fitted model on each link, and a positive time for every bucket there
         assert link.time(1_000_000) > 0
         assert all(prof.comm_time(b, link.name) > 0 for b in range(prof.n))
+    probe = prof.meta["alpha_probe"]
+    assert (probe["warmup"], probe["repeats"]) == (PROBE_WARMUP, PROBE_REPEATS)
+    for link in prof.links:  # the measured start-up, agreed by the ranks (the profiles are equal, above)
+        assert link.alpha_s > 0
+        assert link.alpha_s == probe["alpha_s"][link.name]
     # 2 buckets per link per iteration, in 1 or 2 busy groups each
     assert all(PROFILE <= prof.meta["busy_groups"][k] <= 2 * PROFILE for k in ("primary", "second"))

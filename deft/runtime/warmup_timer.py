@@ -42,10 +42,31 @@ the interval between consecutive completions says little about one bucket. What 
   total length of that rank's periods inside it. A collective launched on an idle link waits there
   for the slowest rank to reach it; the last rank to launch waits for nobody, so the minimum drops the
   ranks' compute skew (a bucket launched on a busy link adds only link time on every rank);
-* each link's ``T = alpha * m + beta * B`` (``m`` collectives of ``B`` bytes in a group) is fitted by
-  non-negative least squares over every group it carried (:func:`fit_group_alpha_beta`), for the planner's
-  buckets and re-partitioned ones; a link that carried nothing gets the fit of all links' groups
-  (named in ``meta["unmeasured_links"]``);
+* each link's model is ``T = alpha * m + beta * B`` (``m`` collectives of ``B`` bytes in a group), for
+  the planner's buckets and the pieces it cuts them into (each piece pays ``alpha`` once,
+  :mod:`deft.solver.partition`). ``alpha``, the per-message start-up, is *measured*, not fitted
+  (:func:`probe_alpha`): right after the last profile iteration (every link idle: the synchronous
+  step waited for its collectives) each rank runs ``PROBE_WARMUP + PROBE_REPEATS`` synchronous
+  all-reduces of one element on each link, in link order (collectives: every rank issues the same
+  calls in the same order on each link's group); a link's ``alpha`` is the median of the timed ones,
+  then the *maximum over ranks* (the control plane). A one-element message is all start-up (4 bytes:
+  0.13 us at 250 Mbit/s). Then ``beta`` is the one-parameter least-squares fit with ``alpha`` fixed
+  (:func:`fit_group_beta`)::
+
+      minimize_{beta >= 0}  sum_i (T_i - alpha m_i - beta B_i)^2
+      =>  beta = max(0, sum_i B_i (T_i - alpha m_i) / sum_i B_i^2)
+
+  (the derivative ``-2 sum_i B_i (T_i - alpha m_i - beta B_i)`` vanishes there; the objective is a
+  parabola in ``beta``, so clamping at 0 gives the constrained minimum). The two-parameter fit
+  (:func:`fit_group_alpha_beta`, NNLS) found ``alpha = 0`` on the testbed's second link: the busy
+  groups are megabytes each, so the intercept drowns in their noise, and the planner then split
+  buckets into pieces that cost nothing per message. (A 25-piece plan that measured 18.8 % over its
+  prediction was blamed on this; re-measured, the piece count's effect on the testbed is within the
+  run-to-run noise: ``benchmarks/results/replay.md``.) Pieces queued back to back on a busy link pay
+  less than an idle link's start-up (the link pipelines them: ``benchmarks/bench_split_cost.py``
+  measured at most a few tenths of a ms per extra piece), so the probed ``alpha`` charged per piece
+  is an upper bound. A link that carried nothing gets ``beta`` from all links' groups (named in
+  ``meta["unmeasured_links"]``); ``meta["alpha_probe"]`` records the probe;
 * a bucket that was alone in its group has a direct time on that link: the median over the
   iterations in which it was alone. Any other bucket has no ``comm_s`` entry on that link and falls
   back to the link's model (the ``Profile`` contract).
@@ -76,6 +97,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from scipy.optimize import nnls
 from torch import nn
 
@@ -88,6 +110,8 @@ from deft.runtime.tensors import tensors_in
 from deft.schedule import Schedule, synchronous_schedule
 
 MB = 1e6  # bytes per MB in the fit's scaled byte column
+#: Untimed, then timed one-element all-reduces per link in :func:`probe_alpha` (median of the timed ones).
+PROBE_WARMUP, PROBE_REPEATS = 2, 9
 
 
 def link_rotation(n_buckets: int, links: Sequence[str], j: int) -> tuple[str, ...]:
@@ -392,12 +416,16 @@ class WarmupTimer:
         pooled = [g for k in link_names for g in loads[k]]
         if not pooled:
             raise RuntimeError("internal: no all-reduce of the profile iterations completed")
+        mine_alpha = probe_alpha(self.links, self.cuda)
+        alphas = dict(zip(link_names, control.max_rows([[mine_alpha[k] for k in link_names]],
+                                                       "per-message start-up (one-element all-reduces)")[0],
+                          strict=True))
         links, comm = [], []
         for k in link_names:
             groups = loads[k] or pooled
-            alpha, beta = fit_group_alpha_beta([len(g.buckets) for g in groups],
-                                         [sum(wire[b] for b in g.buckets) for g in groups],
-                                         [g.seconds for g in groups])
+            alpha = alphas[k]
+            beta = fit_group_beta([len(g.buckets) for g in groups], [sum(wire[b] for b in g.buckets) for g in groups],
+                                  [g.seconds for g in groups], alpha)
             lk = self.links[k]
             links.append(Link(name=k, backend=link_backends[k], ifname=lk.ifname, alpha_s=alpha, beta_s_per_byte=beta))
             alone: dict[int, list[float]] = {}
@@ -416,7 +444,10 @@ class WarmupTimer:
             "profile_iterations": len(self.samples),
             "reduction": "forward/backward: median over iterations, max over ranks; comm: per link, the busy "
                          "periods of the ranks joined into groups, each group's busy time the min over ranks; "
-                         "alpha/beta fitted over the groups; a bucket alone in its group: median of its times",
+                         "alpha: one-element all-reduces, median, max over ranks; beta fitted over the groups "
+                         "with alpha fixed; a bucket alone in its group: median of its times",
+            "alpha_probe": {"warmup": PROBE_WARMUP, "repeats": PROBE_REPEATS,
+                            "alpha_s": {k: alphas[k] for k in link_names}},
             "busy_groups": {k: len(loads[k]) for k in link_names},
             "buckets_measured_alone": {k: sorted(c) for k, c in zip(link_names, comm, strict=True)}}
         if codec is not None:
@@ -447,3 +478,52 @@ def fit_group_alpha_beta(counts: Sequence[int], nbytes: Sequence[int], seconds: 
     if alpha == 0 and beta == 0:
         beta = 1e-12  # a link must have a model; measured times were all zero
     return float(alpha), beta
+
+
+def probe_alpha(links: Mapping[str, CommLink], cuda: bool, repeats: int = PROBE_REPEATS,
+                warmup: int = PROBE_WARMUP) -> dict[str, float]:
+    """This rank's per-message start-up of each link: the median time of ``repeats`` synchronous
+    all-reduces of one element (after ``warmup`` untimed ones), link after link in ``links`` order.
+
+    Collective on every link: every rank must call it at the same point with the same links. The
+    links must be idle (nothing in flight), else the probe queues behind their traffic. The calls go
+    to the groups directly: the links' traffic counters count training's all-reduces only. NCCL links
+    use a device tensor and synchronize the device before reading the clock.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"probe_alpha: expected repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    out: dict[str, float] = {}
+    for name, lk in links.items():
+        on_device = lk.backend == "nccl"
+        t = torch.zeros(1, device="cuda" if on_device else "cpu")
+        times = []
+        for i in range(warmup + repeats):
+            t0 = time.perf_counter()
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=lk.group, async_op=True).wait()
+            if on_device and cuda:
+                torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times)
+    return out
+
+
+def fit_group_beta(counts: Sequence[int], nbytes: Sequence[int], seconds: Sequence[float], alpha: float) -> float:
+    """Least-squares ``beta >= 0`` of ``seconds ~ alpha * count + beta * nbytes`` with ``alpha`` fixed
+    (module docstring): ``max(0, sum B_i (T_i - alpha m_i) / sum B_i^2)``.
+
+    Row ``i``: ``counts[i]`` collectives of ``nbytes[i]`` bytes in total took ``seconds[i]``. When no
+    row has bytes, or every time is already paid by the start-ups and ``alpha`` is 0 too, the link
+    still gets a model (``beta = 1e-12``).
+    """
+    if not (len(counts) == len(nbytes) == len(seconds)) or not counts:
+        raise ValueError("fit_group_beta: expected equally long, non-empty counts, nbytes and seconds")
+    if not (math.isfinite(alpha) and alpha >= 0):
+        raise ValueError(f"fit_group_beta: expected a finite alpha >= 0, got {alpha!r}")
+    b = np.asarray(nbytes, dtype=float) / MB
+    rest = np.asarray(seconds, dtype=float) - alpha * np.asarray(counts, dtype=float)
+    den = float(b @ b)
+    beta = max(0.0, float(b @ rest) / den) / MB if den > 0 else 0.0
+    if beta == 0 and alpha == 0:
+        beta = 1e-12  # a link must have a model; measured times were all zero
+    return beta

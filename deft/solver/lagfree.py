@@ -33,9 +33,12 @@ after 62 ms of backward must be sent before the next forward reaches them; see
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import replace
 
 from deft.config import DeftConfig
+from deft.errors import ContractError
 from deft.profile import Profile
 from deft.schedule import CommTask, Schedule, StagePlan, Update
 from deft.solver.partition import partition, profile_for_schedule
@@ -178,11 +181,14 @@ def _template(part: Profile, base: Schedule, capacity_s: float) -> Schedule:
                    updates=(Update((0,), 0),), meta={**base.meta, "capacity_s": capacity_s})
 
 
-def lagfree_plan(profile: Profile, config: DeftConfig | None = None) -> Schedule:
+def lagfree_plan(profile: Profile, config: DeftConfig | None = None,
+                 scales: Sequence[float] = PARTITION_SCALES) -> Schedule:
     """The fastest lag-free plan (module docstring): the no-delay plan, one finishing in the forward
     with the forward set launched after the backward, or one sending every bucket in the backward
-    (earliest deadline first, improved by :func:`local_search`, on a few partitions) that defers the
-    buckets still in flight at the step."""
+    (earliest deadline first, improved by :func:`local_search`, on the partitions ``scales``, multiples
+    of the no-delay plan's capacity) that defers the buckets still in flight at the step."""
+    if not scales or not all(math.isfinite(x) and x > 0 for x in scales):
+        raise ContractError("lagfree_plan", "scales", f"expected finite capacity multiples > 0, got {list(scales)}")
     cfg = DeftConfig.resolve(config)
     base = no_delay_plan(profile, cfg)
     part = profile_for_schedule(profile, base, cfg)
@@ -200,7 +206,7 @@ def lagfree_plan(profile: Profile, config: DeftConfig | None = None) -> Schedule
     best_part = part
     capacity = base.meta.get("capacity_s")
     seen: set[tuple[int, ...]] = set()
-    for scale in PARTITION_SCALES if isinstance(capacity, float) and capacity > 0 else (1.0,):
+    for scale in scales if isinstance(capacity, float) and capacity > 0 else (1.0,):
         if scale == 1.0:
             p_s, tmpl = part, base
         else:
