@@ -114,6 +114,26 @@ def test_adapter_is_bounded() -> None:
 ITERS = 30
 
 
+def comm_heavy_ddp(deft: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, warmup_iters: int) -> Any:
+    """deft on one link with the comm-heavy profile given, epsilon 0, adaptation every 3 iterations."""
+    return deft.DistributedDataParallel(model, optimizer=opt, profile=comm_heavy_profile(), config={
+        "epsilon": 0.0, "warmup_iters": warmup_iters, "timeout_s": 30, "adapt_window": 3,
+        "adapt_max_replans": 2, "links": [{"name": "primary"}]})
+
+
+def checked_result(ddp: Any, model: torch.nn.Module, world: int) -> dict[str, Any]:
+    """Flush, check the parameters against the closed form of the update log (torch DDP's maths, each
+    iteration applied exactly once), and return what the ranks compare."""
+    ddp.flush()
+    log = [[t, list(its)] for t, its in ddp.update_log]
+    expect = closed_form(log, world)
+    for n, p in model.named_parameters():
+        atol, rtol = (1e-5, 0.0) if p.dtype == torch.float32 else (2e-2, 2.0 ** -7)
+        torch.testing.assert_close(p.detach().double(), expect[n], rtol=rtol, atol=atol)
+    return {"log": log, "adapt": ddp.plan_info.get("adapt", []), "switches": ddp.plan_info.get("switches", []),
+            "params": {n: p.double().tolist() for n, p in model.named_parameters()}}
+
+
 def adapt_worker(rank: int, world: int) -> dict[str, Any]:
     import deft
 
@@ -121,24 +141,14 @@ def adapt_worker(rank: int, world: int) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     # The given profile claims all-reduces of 6 ms per bucket; on loopback they take far less, so the
     # first window is far off the prediction and the loop calibrates and re-plans.
-    ddp = deft.DistributedDataParallel(model, optimizer=opt, profile=comm_heavy_profile(), config={
-        "epsilon": 0.0, "warmup_iters": 1, "timeout_s": 30, "adapt_window": 3, "adapt_max_replans": 2,
-        "links": [{"name": "primary"}]})
+    ddp = comm_heavy_ddp(deft, model, opt, warmup_iters=1)
     digests = []
     for t in range(ITERS):
         ddp(coefficients(rank, t)).backward()
         opt.step()
         opt.zero_grad()
         digests.append(ddp.schedule.digest())
-    ddp.flush()
-    log = [[t, list(its)] for t, its in ddp.update_log]
-    expect = closed_form(log, world)
-    for n, p in model.named_parameters():
-        atol, rtol = (1e-5, 0.0) if p.dtype == torch.float32 else (2e-2, 2.0 ** -7)
-        torch.testing.assert_close(p.detach().double(), expect[n], rtol=rtol, atol=atol)
-    return {"log": log, "digests": digests, "adapt": ddp.plan_info.get("adapt", []),
-            "switches": ddp.plan_info.get("switches", []),
-            "params": {n: p.double().tolist() for n, p in model.named_parameters()}}
+    return {**checked_result(ddp, model, world), "digests": digests}
 
 
 @pytest.mark.slow
@@ -270,9 +280,7 @@ def warmup_back_worker(rank: int, world: int) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     # A given profile: the warm-up iterations 1..3 count (module docstring of deft.runtime.adapt). Its
     # three buckets differ from the warm-up's layout (all parameters in one bucket), so the plan does.
-    ddp = deft.DistributedDataParallel(model, optimizer=opt, profile=comm_heavy_profile(), config={
-        "epsilon": 0.0, "warmup_iters": 4, "timeout_s": 30, "adapt_window": 3, "adapt_max_replans": 2,
-        "links": [{"name": "primary"}]})
+    ddp = comm_heavy_ddp(deft, model, opt, warmup_iters=4)
     warm: str | None = None
     digests = []
     for t in range(SYNC_ITERS):
@@ -284,15 +292,7 @@ def warmup_back_worker(rank: int, world: int) -> dict[str, Any]:
         elif plan_digest(ddp.schedule) != warm:
             time.sleep(SLOW_S)  # deterministic stand-in for the CPU contention the simulator misses
         digests.append(plan_digest(ddp.schedule))
-    ddp.flush()
-    log = [[t, list(its)] for t, its in ddp.update_log]
-    expect = closed_form(log, world)
-    for n, p in model.named_parameters():
-        atol, rtol = (1e-5, 0.0) if p.dtype == torch.float32 else (2e-2, 2.0 ** -7)
-        torch.testing.assert_close(p.detach().double(), expect[n], rtol=rtol, atol=atol)
-    return {"log": log, "digests": digests, "warm": warm, "adapt": ddp.plan_info.get("adapt", []),
-            "switches": ddp.plan_info.get("switches", []),
-            "params": {n: p.double().tolist() for n, p in model.named_parameters()}}
+    return {**checked_result(ddp, model, world), "digests": digests, "warm": warm}
 
 
 @pytest.mark.slow
