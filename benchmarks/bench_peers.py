@@ -277,6 +277,7 @@ def deft_timeline(doc: dict[str, Any], path: Path, rate: float) -> str:
     """Draw the schedule a deft run really ran (simulated on the profile it measured) under torch DDP's
     simulation on the same profile; returns one line comparing measured and predicted iteration time."""
     from deft.config import DeftConfig
+    from deft.errors import DeftError
     from deft.profile import Profile
     from deft.schedule import Schedule
     from deft.solver.compare import simulate
@@ -290,7 +291,12 @@ def deft_timeline(doc: dict[str, Any], path: Path, rate: float) -> str:
     sched = Schedule.from_dict(info["schedule"], "schedule deft ran")
     prof = Profile.from_dict(info["profile"], "profile deft measured")
     cfg = DeftConfig.from_dict({"epsilon": doc["summary"].get("epsilon", 0.01)})
-    ran = simulate_schedule(profile_for_schedule(prof, sched, cfg), sched, scheme="deft")
+    try:
+        planned = profile_for_schedule(prof, sched, cfg)
+    except DeftError as e:  # adaptation went back to a schedule planned on another partition of the buckets
+        return (f"no timeline: the schedule deft ended on ({sched.n_buckets} buckets) does not fit the profile "
+                f"it recorded last ({prof.n} buckets): {e}")
+    ran = simulate_schedule(planned, sched, scheme="deft")
     ddp = simulate(prof, "ddp", cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     draw_timeline({"torch DDP": ddp, "deft (the schedule it ran)": ran}, path,

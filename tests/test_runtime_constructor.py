@@ -4,7 +4,8 @@ One gloo rank in a fresh process: torch DDP's positional order (``module, device
 dim, broadcast_buffers, ...``) and keyword arguments are accepted; deft's own arguments are
 keyword-only, and passing the optimizer where torch puts ``device_ids`` is a clear error; arguments
 deft cannot honour raise naming them. With one rank and ``epsilon = 0`` a step applies the plain
-gradient, so the parameters equal those of the same model trained without any wrapper.
+gradient, so the parameters equal those of the same model trained without any wrapper (after
+``ddp.flush()``: a lag-free plan applies an update of the last iteration just before the next forward).
 """
 
 from __future__ import annotations
@@ -23,13 +24,16 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
 
 
-def _train(model: nn.Module, forward: Any, steps: int = 3) -> list[list[float]]:
+def _train(model: nn.Module, forward: Any, finish: Any, steps: int = 3) -> list[list[float]]:
+    """``steps`` SGD steps through ``forward``, then ``finish()`` (deft: ``flush``, which applies an update a
+    lag-free plan leaves for the next forward), then the parameters."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for t in range(steps):
         x = torch.arange(12, dtype=torch.float32).reshape(3, 4) / (t + 1)
         forward(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
+    finish()
     return [p.detach().reshape(-1).tolist() for p in model.parameters()]
 
 
@@ -43,16 +47,16 @@ def constructor_worker(rank: int, world: int) -> dict[str, Any]:
     # here the keyword keeps the test short).
     m = _model()
     ddp = deft.DistributedDataParallel(m, None, None, 0, True, config=cfg)
-    out["positional"] = _train(m, ddp)
+    out["positional"] = _train(m, ddp, ddp.flush)
     ddp.close()
     m = _model()
     ddp = deft.DistributedDataParallel(m, device_ids=None, output_device=None, broadcast_buffers=False,
                                        bucket_cap_mb=25, find_unused_parameters=True, gradient_as_bucket_view=True,
                                        static_graph=False, config=cfg)
-    out["keywords"] = _train(m, ddp)
+    out["keywords"] = _train(m, ddp, ddp.flush)
     ddp.close()
     m = _model()
-    out["plain"] = _train(m, m)
+    out["plain"] = _train(m, m, lambda: None)
 
     errors = {}
     for name, kwargs in {"optimizer_positional": {"device_ids": torch.optim.SGD(_model().parameters(), lr=0.1)},
