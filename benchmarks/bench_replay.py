@@ -14,7 +14,8 @@ is compared with :mod:`deft.solver.simulate` on the same profile.
 Each bucket is one module owning one parameter, so deft's per-module forward pre-hooks (an update
 finishing in the forward) wait for one bucket each, as the simulator assumes. Each run also records
 the wall time of every iteration's forward, backward and step (``phases``) and the forward's sleeps
-(``fwd_compute``); the measurement job also times every bucket on both links at once
+(``fwd_compute``), and a deft run every collective its links launched (``comms``: link, bytes, launch
+and completion ``perf_counter`` times); the measurement job also times every bucket on both links at once
 (``concurrent_s``: how much the two links' gloo threads slow each other).
 
 Rescaling (the paper's coverage rate is kept):
@@ -299,14 +300,36 @@ def _replay_model(torch: Any, forward_s: list[float], backward_s: list[float], n
     return Replay()
 
 
+def _trace_comms(comms: list[list[Any]]) -> None:
+    """Record every all-reduce deft's links launch: ``[link, bytes, launched, completed]`` (perf_counter
+    seconds; completed when its future's callback runs on a gloo thread)."""
+    from deft.runtime.links import CommLink
+
+    launch = CommLink.all_reduce
+
+    def traced(self: CommLink, tensor: Any) -> Any:
+        row = [self.name, tensor.numel() * tensor.element_size(), time.perf_counter(), None]
+        comms.append(row)
+        work = launch(self, tensor)
+
+        def done(_: Any) -> None:
+            row[3] = time.perf_counter()
+        work.get_future().add_done_callback(done)
+        return work
+
+    CommLink.all_reduce = traced  # type: ignore[method-assign]
+
+
 def _train(spec: dict[str, Any], torch: Any, dist: Any) -> dict[str, Any]:
     spent = [0.0, 0.0]
     model = _replay_model(torch, spec["forward_s"], spec["backward_s"], [n // 4 for n in spec["nbytes"]], spent)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     is_deft = SCHEMES[spec["scheme"]].deft
+    comms: list[list[Any]] = []  # deft: every collective's [link, bytes, launched, completed] (perf_counter)
     if is_deft:
         import deft
 
+        _trace_comms(comms)
         ddp = deft.DistributedDataParallel(model, optimizer=opt, config=spec["config"], profile=spec["profile"])
         own = spec["profile"] is None
     elif spec["scheme"] == "ddp":
@@ -339,7 +362,7 @@ def _train(spec: dict[str, Any], torch: Any, dist: Any) -> dict[str, Any]:
                            "phases": phases}
     if is_deft:
         doc.update(schedule=ddp.schedule.to_dict(), plan_info=json.loads(json.dumps(ddp.plan_info, default=str)),
-                   link_stats=ddp.link_stats, updates=len(ddp.update_log))
+                   link_stats=ddp.link_stats, updates=len(ddp.update_log), comms=comms)
         if own and ddp.profile is not None:  # deft timed itself: the profile it planned on
             doc["profile"] = ddp.profile.to_dict()
         ddp.flush()

@@ -28,6 +28,7 @@ import hashlib
 import itertools
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -236,9 +237,35 @@ class Profile:
         return sum(t.backward_s for t in self.times)
 
     @property
+    def gradient_ready(self) -> tuple[int, ...]:
+        """``ready[b]``: the bucket at the end of whose backward bucket ``b``'s gradient is complete.
+
+        A parameter's gradient appears at once, when its layer's backward ends (torch accumulates it
+        whole; the runtime's bucket is ready when all its parameters are). A parameter cut into pieces
+        (``"fc.weight[0:100]"``, ``"fc.weight[100:200]"``: the partition's names) spans consecutive
+        buckets whose ``backward_s`` split its layer's backward in proportion to size, so that layer's
+        backward ends with the last of them (the highest id: the backward runs buckets ``0 .. n-1``).
+        So ``ready[b]`` is the highest bucket sharing a parameter with ``b`` (by base name; a name
+        ``"a|b[lo:hi]"``, a range of several parameters' concatenation, holds each of them) directly, not
+        through a third parameter: ``a[0:10]`` in bucket 0 and ``a[10:20], c[0:5]`` in bucket 1 make
+        bucket 0 ready after bucket 1, not after ``c``'s bucket 2. Invariants: ``ready[b] >= b``, and
+        ``ready`` is non-decreasing (a shared parameter's buckets are consecutive).
+        """
+        names = [_base_names(b.params) for b in self.buckets]
+        ready = list(range(self.n))
+        for b in range(self.n):
+            nxt = b + 1
+            while nxt < self.n and names[b] & names[nxt]:
+                ready[b] = nxt
+                nxt += 1
+        return tuple(ready)
+
+    @property
     def ready_s(self) -> tuple[float, ...]:
-        """When each bucket's gradient is ready, from the start of backward: ``R_i = B_0 + ... + B_i``."""
-        return tuple(itertools.accumulate(t.backward_s for t in self.times))
+        """When each bucket's gradient is ready, from the start of backward: ``R_i = B_0 + ... + B_r``
+        with ``r = gradient_ready[i]`` (``r == i`` unless bucket ``i`` holds a piece of a cut parameter)."""
+        cum = tuple(itertools.accumulate(t.backward_s for t in self.times))
+        return tuple(cum[r] for r in self.gradient_ready)
 
     def total_comm_s(self, link: str | None = None) -> float:
         """Total all-reduce time of all buckets on ``link`` (default: the first, primary link)."""
@@ -401,3 +428,15 @@ class Profile:
     def digest(self) -> str:
         """Stable hash of the content (sha256 of canonical JSON), used to tie a schedule to its profile."""
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+_PARAM_RANGE = re.compile(r"^(.*)\[(\d+):(\d+)\]$")
+
+
+def _base_names(params: Sequence[str]) -> set[str]:
+    """The parameters a bucket's names refer to: ``"w[0:5]"`` is ``w``; ``"a|b[0:3]"`` is ``a`` and ``b``."""
+    out: set[str] = set()
+    for name in params:
+        m = _PARAM_RANGE.match(name)
+        out.update((m.group(1) if m else name).split("|"))
+    return out

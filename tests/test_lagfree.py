@@ -110,17 +110,29 @@ def test_only_buckets_in_flight_at_the_step_are_deferred() -> None:
 
 def test_planner_sends_early_when_it_is_faster() -> None:
     """On ``three_buckets`` the best hand plan of the forward-set family takes 80 ms; the planner also
-    tries the partition at half the capacity (30 ms: buckets 0 and 1 exceed 15 ms and are halved,
-    giving ``five_pieces``) and finds the 67.5 ms early-send plan of the hand timeline above."""
+    tries the partition at half the capacity (30 ms: buckets 0 and 1 exceed 15 ms and are halved into
+    the sizes and times of ``five_pieces``, but pieces 0, 1 are halves of ``layer2`` and 2, 3 of
+    ``layer1``: a half's gradient appears with its layer's, at the end of the second half's backward)
+    and finds an early-send plan at 70 ms: order 1, 3, 4, 2, 0 (the planner's ready times are the
+    layers' too, so the two halves of a layer tie), everything but piece 1 deferred.
+
+    Its timeline: F4 0-10, F3 .. F0 5 ms each to 30, B0 .. B3 5 ms each to 50, B4 50-60; pieces 0, 1
+    ready at 40, 2, 3 at 50, 4 at 60: c1 40-52.5, c3 52.5-62.5, c4 62.5-67.5, c2 67.5-77.5, c0 77.5-90;
+    the step at 60 (c1 ended; c3 is in flight, so it is deferred too). F4 waits for c4 (67.5-77.5), F3
+    for c2 and c3 (77.5-82.5), F2 82.5-87.5, F1 for c0 and c1 (90-95), F0 95-100, backward 100-130;
+    c1 110-122.5, c3 122.5-132.5, c4 132.5-137.5: F4 starts at 137.5, then at 207.5 (c0 now ends at
+    160 while F1 is ready at 157.5: F1 160-165, backward 170-200, c4 ends 207.5): 70 ms."""
     sched = lagfree_plan(three_buckets(), DeftConfig())
-    assert sched.predicted_iteration_s == pytest.approx(67.5 * MS)
+    assert sched.predicted_iteration_s == pytest.approx(70 * MS)
     assert sched.bucket_numel == (500, 500, 500, 500, 1000)
-    assert [t.bucket for t in sched.stage(0, "backward").comms] == [0, 2, 4, 3, 1]
-    assert sched.updates == (Update((0,), 0, finish_in_forward=True, deferred=(1, 3, 4)),)
+    assert [t.bucket for t in sched.stage(0, "backward").comms] == [1, 3, 4, 2, 0]
+    assert sched.updates == (Update((0,), 0, finish_in_forward=True, deferred=(0, 2, 3, 4)),)
     assert sched.batch_sequence == (1,)  # one update per iteration: what epsilon == 0 allows
     # the simulator finds the partition again from the schedule (the capacity is in its meta)
     part = profile_for_schedule(three_buckets(), sched, DeftConfig())
-    assert simulate_schedule(part, sched).iteration_s == pytest.approx(67.5 * MS)
+    res = simulate_schedule(part, sched)
+    assert res.iteration_s == pytest.approx(70 * MS)
+    assert res.iteration_starts[1:4] == pytest.approx((67.5 * MS, 137.5 * MS, 207.5 * MS))
 
 
 def test_forward_waits_only_for_its_own_bucket() -> None:
@@ -182,3 +194,37 @@ def test_simulate_schedule_rejects_a_bad_warmup(warmup: object) -> None:
 def test_partition_scales_must_be_positive_multiples(bad: tuple[float, ...]) -> None:
     with pytest.raises(ContractError, match="scales"):
         lagfree_plan(three_buckets(), DeftConfig(epsilon=0.0), scales=bad)
+
+
+def test_gradient_ready_by_hand() -> None:
+    """A bucket's gradient is complete with its parameters': at the backward of the last bucket holding a
+    piece of any of them (directly: not through a third parameter), unlike the forward's gate, which
+    follows the run of shared parameters to its first bucket in the forward."""
+    def profile(names: list[tuple[str, ...]]) -> Profile:
+        buckets = tuple(Bucket(i, n, 1, 4) for i, n in enumerate(names))
+        times = tuple(BucketTimes(MS, MS, {"net": MS}) for _ in buckets)
+        return Profile(buckets, times, (Link("net", "gloo"),), 2, "synthetic", model="ready")
+
+    gates = profile([("head.bias",), ("fc.weight[0:5]",), ("fc.weight[5:9]", "fc.bias"), ("conv.weight",),
+                     ("a|b[0:3]",), ("b[3:7]",)])
+    assert gates.gradient_ready == (0, 2, 2, 3, 5, 5)
+    assert gates.ready_s == pytest.approx([x * MS for x in (1, 3, 3, 4, 6, 6)])
+    chain = profile([("a[0:10]",), ("a[10:20]", "c[0:5]"), ("c[5:10]",), ("d",)])
+    assert chain.gradient_ready == (1, 2, 2, 3)
+    assert forward_gates(chain) == (2, 2, 2, 3)
+
+
+def test_a_piece_is_sent_when_its_whole_parameter_has_its_gradient() -> None:
+    """No delay, both buckets sent in backward (0 then 1), the step waits for both. F1 0-10, F0 10-20,
+    B0 20-30, B1 30-40; all-reduces 30 and 5 ms.
+
+    * Two parameters: c0 30-60, c1 60-65, step at 65: 65 ms per iteration.
+    * Pieces of one parameter ``w`` (its layer's backward is B0 + B1, its gradient appears at 40):
+      c0 40-70, c1 70-75, step at 75: 75 ms per iteration.
+    """
+    order = (CommTask(0, 0, "net"), CommTask(1, 0, "net"))
+    sched = Schedule(cycle=1, links=("net",), bucket_numel=(1, 1), bucket_nbytes=(4, 4),
+                     stages=(StagePlan(0, "forward"), StagePlan(0, "backward", order)),
+                     updates=(Update((0,), 0),))
+    assert simulate_schedule(two_pieces(("a", "b")), sched).iteration_s == pytest.approx(65 * MS)
+    assert simulate_schedule(two_pieces(("w[0:1]", "w[1:2]")), sched).iteration_s == pytest.approx(75 * MS)

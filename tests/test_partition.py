@@ -112,16 +112,17 @@ def test_simulated_pieces_pay_the_start_up_each(alpha_ms: float) -> None:
     # One bucket: forward 1 ms, backward 1 ms, all-reduce measured 10 ms, start-up alpha. Capacity 6 ms:
     # each piece pays alpha and half the rest: with alpha = 2 ms, two pieces of 2 + 8 / 2 = 6 ms (one
     # piece of 10 ms is over the cap); with alpha = 0 (the fit the runtime used to find), two of 5 ms.
-    # Sent on one link in their own backward: piece 0 ready after 0.5 ms of backward, piece 1 after 1 ms;
-    # the link runs them back to back from 0.5 ms: the iteration is 1 + 0.5 + 2 * (alpha + (10 - alpha) / 2)
-    # = 13.5 ms with alpha = 2 ms (more than the unsplit bucket's 1 + 1 + 10), 11.5 ms with alpha = 0.
+    # Sent on one link in their own backward: both are pieces of one parameter, whose gradient appears
+    # at the end of its layer's 1 ms backward (not piece 0 after its 0.5 ms share); the link runs them
+    # back to back from 1 ms: the iteration is 1 + 1 + 2 * (alpha + (10 - alpha) / 2) = 14 ms with
+    # alpha = 2 ms (more than the unsplit bucket's 1 + 1 + 10), 12 ms with alpha = 0.
     prof = uniform(1, 10 * MS, alpha_s=alpha_ms * MS, numel=1000, fwd_s=MS, bwd_s=MS)
     part = partition(prof, DeftConfig(), capacity_s=6 * MS)
     assert part.n == 2
     sched = synchronous_schedule(tuple(b.numel for b in part.buckets), tuple(b.nbytes for b in part.buckets),
                                  ("nccl",))
     piece_ms = alpha_ms + (10 - alpha_ms) / 2
-    assert simulate_schedule(part, sched).iteration_s == pytest.approx((1.5 + 2 * piece_ms) * MS)
+    assert simulate_schedule(part, sched).iteration_s == pytest.approx((2 + 2 * piece_ms) * MS)
     # the schedule refers to the partition (its sizes and capacity): the same piece times are recovered
     again = profile_for_schedule(prof, replace(sched, meta={"capacity_s": 6 * MS}), DeftConfig())
     assert [again.comm_time(b, "nccl") for b in range(2)] == pytest.approx([piece_ms * MS] * 2)

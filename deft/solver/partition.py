@@ -12,8 +12,12 @@ the new buckets are contiguous element ranges of the concatenation of the old on
 holding the fraction ``f = numel_piece / numel_bucket`` of bucket ``b`` gets
 
 * ``forward_s = f * forward_s(b)`` and ``backward_s = f * backward_s(b)`` (compute split in
-  proportion to size; the real gradient of one layer appears at once, so the pieces' intermediate
-  ready times are the same approximation the paper makes);
+  proportion to size). The gradient of one parameter appears at once, when its layer's backward
+  ends, so the simulator makes a send of a piece of a cut parameter wait for the backward of the
+  parameter's last piece (:attr:`deft.profile.Profile.gradient_ready`), as the runtime does and
+  the planners do (``Profile.ready_s``); the paper's model (each piece
+  ready after its own share of the backward) let a piece go up to ``(k - 1) / k`` of the layer's
+  backward too early (measured in ``benchmarks/results/replay.md``, 2026-11-23);
 * on each link with a *measured* time ``c``: ``alpha + (c - alpha) * f`` with ``alpha`` the link's
   fitted latency (clamped to ``c``): every message pays the latency once, the rest scales with bytes.
   Links without a measured time keep using the link's fitted model on the piece's bytes.

@@ -34,8 +34,9 @@ Model
 * **Compression** (a profile with a ``codec``): measured times and the links' models are wire times
   (:attr:`deft.profile.Bucket.wire`), and every send of bucket ``b`` first runs a ``codec`` task of
   ``codec_s(b)`` (the codec's encode + decode, charged up front) on the compute stream, where it
-  competes with the model's compute; the send waits for it. Where it sits: after bucket ``b``'s
-  backward for a send of this iteration's gradient (``origin == 0``; in synchronous schemes after the
+  competes with the model's compute; the send waits for it. Where it sits: after the backward that
+  completes ``b``'s gradient (``b``'s own, or that of the last piece of a parameter ``b`` cuts) for a
+  send of this iteration's gradient (``origin == 0``; in synchronous schemes after the
   message's last bucket, ``sum f_i codec_s(b_i)`` for a message of fractions), before the stage's
   compute for a send of an earlier group launched at a stage start, after the launch marker for a
   lag-free update's sends. The runtime runs hooked sends one at a time in launch order, on all links
@@ -515,11 +516,16 @@ def _schedule_engine(profile: Profile, schedule: Schedule, iterations: int) -> _
     the per-layer wait of a lag-free forward stage. Its ``deferred`` buckets are sent in the backward
     stage like any other, but the step does not wait for them; the next forward of each does. The
     runtime waits in a module's forward pre-hook, so a bucket holding a piece of a parameter is waited
-    for by the forward of the first bucket holding that parameter (:func:`forward_gates`).
+    for by the forward of the first bucket holding that parameter (:func:`forward_gates`). Likewise a
+    bucket's gradient is complete when its parameters' are: a send of this iteration's gradient of a
+    piece of a cut parameter waits for the backward of the parameter's last piece
+    (:attr:`~deft.profile.Profile.gradient_ready`, where the layer's backward ends), not for its own
+    share of it.
     """
     eng = _Engine(profile.link_names, serial=serial_codec(profile))
     n, c = profile.n, schedule.cycle
     gate = forward_gates(profile)
+    ready = profile.gradient_ready
     bwd_of: dict[int, list[int]] = {}
     comm_of: dict[tuple[int, int], int] = {}  # (group's last iteration, bucket) -> comm id
     ahead: dict[tuple[int, int], int] = {}    # sends of updates finishing in the forward, by (last, bucket)
@@ -534,7 +540,7 @@ def _schedule_engine(profile: Profile, schedule: Schedule, iterations: int) -> _
         return eng.add_comm(_Comm(link=task_link, duration=profile.comm_time(bucket, task_link), bucket=bucket,
                                   iteration=last, stage_iteration=t, label=label,
                                   nbytes=profile.buckets[bucket].wire),
-                            grad_after=bwd_of[last][bucket] if after is None else after)
+                            grad_after=bwd_of[last][ready[bucket]] if after is None else after)
 
     def sent(position: int, stage: str) -> list[CommTask]:
         return [task for task in schedule.stage(position, stage).comms
@@ -548,9 +554,11 @@ def _schedule_engine(profile: Profile, schedule: Schedule, iterations: int) -> _
         # Sends that exist in this iteration (their group began after the simulation started).
         fwd_sent = [task for task in sent(p, "forward") if t - task.origin >= 0]
         bwd_sent = [task for task in sent(p, "backward") if t - task.origin >= 0]
+        # a send of this iteration's gradient is encoded once its bucket's gradient is complete
+        now_sent = [task for task in bwd_sent if task.origin == 0]
         tasks = _iteration_tasks(eng, profile, t, {}, pre_fwd=codec(fwd_sent),
                                  pre_bwd=codec([task for task in bwd_sent if task.origin >= 1]),
-                                 after=codec([task for task in bwd_sent if task.origin == 0]))
+                                 after=[(ready[b], d) for b, d in codec(now_sent)])
         fwd, bwd = tasks.fwd, tasks.bwd
         bwd_of[t] = bwd
         pending = {"forward": list(tasks.pre_fwd), "backward": list(tasks.pre_bwd)}
@@ -564,8 +572,8 @@ def _schedule_engine(profile: Profile, schedule: Schedule, iterations: int) -> _
                 last = t - task.origin
                 label = str(task.bucket) + (f"({task.origin})" if task.origin else "")
                 coded = profile.codec_time(task.bucket) > 0
-                encode = None if not coded else (after[task.bucket].pop(0) if task.origin == 0 and stage == "backward"
-                                                 else pending[stage].pop(0))
+                now = task.origin == 0 and stage == "backward"
+                encode = None if not coded else (after[ready[task.bucket]].pop(0) if now else pending[stage].pop(0))
                 cid = add(task.link, task.bucket, last, t, label, encode)
                 eng.compute[first].launches.append(cid)
                 comm_of[(last, task.bucket)] = cid
