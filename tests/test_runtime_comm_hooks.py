@@ -240,3 +240,35 @@ def test_chained_hooks_warm_up_and_profile_on_torch_sized_buckets() -> None:
     psgd = values(run_ranks(warmup_layout_worker, 2, ("powersgd",), timeout=120))
     assert fp16[0] == fp16[1] == [6610, 360000, 39000]
     assert psgd[0] == psgd[1] == [6610, 399000]
+
+
+def _rng_around_codec_timing(rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from deft.config import DeftConfig
+    from deft.runtime.comm_hooks import HookBucket, from_config, time_codec
+
+    hook = from_config(DeftConfig(compression="powersgd", powersgd_rank=2))
+    assert hook is not None
+    param = torch.zeros(64, 32)
+    buffer = torch.randn(64 * 32, generator=torch.Generator().manual_seed(1))
+    bucket = HookBucket(0, buffer, [buffer.view(64, 32)], [param], is_last=True)
+    torch.manual_seed(7)
+    without = torch.rand(6).tolist()
+    torch.manual_seed(7)
+    seconds = time_codec(hook, dist.group.WORLD, [bucket])
+    after = torch.rand(6).tolist()
+    st = hook.state
+    return {"without": without, "after": after, "timed": seconds is not None and len(seconds) == 1,
+            "iter": st.iter, "memories": len(st.p_memory_dict) + len(st.q_memory_dict) + len(st.error_dict)}
+
+
+def test_codec_timing_leaves_the_global_rng_and_the_hook_state_alone() -> None:
+    """PowerSGD reseeds torch's generator to draw its first Q; the codec timing runs on a scratch state
+    and must not move the training's random stream (dropout, shuffling) nor the registered state."""
+    (res,) = run_ranks(_rng_around_codec_timing, world=1, timeout=120)
+    assert res.ok, res.error
+    v = res.value
+    assert v["timed"]
+    assert v["after"] == v["without"]
+    assert v["iter"] == 0 and v["memories"] == 0

@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from deft.errors import ContractError
+from deft.preserver.float64 import sq_dist64
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -309,9 +310,7 @@ def secant_curvature(grad_prev: Sequence[torch.Tensor], grad: Sequence[torch.Ten
 
 def secant_sums(grad_prev: Sequence[torch.Tensor], grad: Sequence[torch.Tensor],
                 params_prev: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> tuple[float, float]:
-    """``(|g - g_prev|², |x - x_prev|²)`` in float64."""
-    import torch
-
+    """``(|g - g_prev|², |x - x_prev|²)`` in float64 (:func:`deft.preserver.float64.sq_dist64`)."""
     lens = {len(grad_prev), len(grad), len(params_prev), len(params)}
     if len(lens) != 1:
         raise ContractError(_SOURCE, "secant", f"expected as many gradient as parameter tensors, got {sorted(lens)}")
@@ -320,8 +319,8 @@ def secant_sums(grad_prev: Sequence[torch.Tensor], grad: Sequence[torch.Tensor],
         if a.shape != b.shape or c.shape != d.shape or a.numel() != c.numel():
             raise ContractError(_SOURCE, "secant", f"mismatched tensor shapes {tuple(a.shape)}, {tuple(b.shape)}, "
                                                    f"{tuple(c.shape)}, {tuple(d.shape)}")
-        dg += float(torch.sum((b.detach().to(torch.float64) - a.detach().to(torch.float64)) ** 2))
-        dx += float(torch.sum((d.detach().to(torch.float64) - c.detach().to(torch.float64)) ** 2))
+        dg += float(sq_dist64(a, b))
+        dx += float(sq_dist64(c, d))
     return dg, dx
 
 
@@ -349,19 +348,22 @@ class SecantCurvature:
         ``key`` names which tensors these are (e.g. the indices of the parameters that had a gradient):
         when it differs from the previous call's, the two points are not comparable (an unused branch
         came or went) and this call starts over instead of pairing different tensors."""
-        cur = ([p.detach().clone() for p in params], [g.detach().clone() for g in grads])
         ratio = None
         if self._prev is not None and key != self._prev_key:
             self._prev = None
         self._prev_key = key
         if self._prev is not None:
-            dg, dx = secant_sums(self._prev[1], cur[1], self._prev[0], cur[0])
+            dg, dx = secant_sums(self._prev[1], grads, self._prev[0], params)
             if dx > 0.0:
                 ratio = math.sqrt(dg / dx)
                 self.ratios.append(ratio)
                 self.sums.append((dg, dx))
-        if ratio is not None or self._prev is None:  # unmoved: keep the older pair (same point, its gradient)
-            self._prev = cur
+        if self._prev is None:
+            self._prev = ([p.detach().clone() for p in params], [g.detach().clone() for g in grads])
+        elif ratio is not None:  # the copies are overwritten in place (no new model-sized allocation)
+            for kept, now in zip((*self._prev[0], *self._prev[1]), (*params, *grads), strict=True):
+                kept.copy_(now.detach())
+        # unmoved: keep the older pair (same point, its gradient)
         return ratio
 
     @property

@@ -94,6 +94,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from deft.errors import ContractError
+from deft.preserver.float64 import dot64
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -362,12 +363,10 @@ class DirectionPair:
 
     def dot(self) -> float | None:
         """``u_a · u_b`` (float64 accumulation), ``None`` before both directions exist."""
-        import torch
-
         pair = self.get()
         if pair is None:
             return None
-        return math.fsum(torch.dot(x.to(torch.float64), y.to(torch.float64)).item() for x, y in zip(*pair, strict=True))
+        return math.fsum(float(dot64(x, y)) for x, y in zip(*pair, strict=True))
 
 
 def local_stats(grads: Sequence[torch.Tensor],
@@ -377,10 +376,8 @@ def local_stats(grads: Sequence[torch.Tensor],
 
     ``directions`` is ``(u_a, u_b)`` with pieces of the same sizes (:meth:`DirectionPair.get`) or
     ``None``. Call it before the all-reduce overwrites the local gradients. Sums are accumulated in
-    float64.
+    float64 (:func:`deft.preserver.float64.dot64`).
     """
-    import torch
-
     sq = 0.0
     proj = [0.0, 0.0]
     if directions is not None:
@@ -389,15 +386,14 @@ def local_stats(grads: Sequence[torch.Tensor],
                 raise ContractError(_SOURCE, f"directions[{j}]",
                                     f"expected {len(grads)} pieces like grads, got {len(d)}")
     for i, g in enumerate(grads):
-        g64 = g.detach().reshape(-1).to(torch.float64)
-        sq += torch.dot(g64, g64).item()
+        sq += float(dot64(g))
         if directions is not None:
             for j, d in enumerate(directions):
                 u = d[i]
                 if u.numel() != g.numel():
                     raise ContractError(_SOURCE, f"directions[{j}][{i}]",
                                         f"expected {g.numel()} elements like grads[{i}], got {u.numel()}")
-                proj[j] += torch.dot(g64, u.detach().reshape(-1).to(device=g64.device, dtype=torch.float64)).item()
+                proj[j] += float(dot64(g, u))
     if directions is None:
         return LocalStats(sq_norm=sq, proj_a=None, proj_b=None, batch=batch)
     return LocalStats(sq_norm=sq, proj_a=proj[0], proj_b=proj[1], batch=batch)

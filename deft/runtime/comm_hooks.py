@@ -354,10 +354,22 @@ def time_codec(hook: CommHook, group: Any, buckets: Sequence[HookBucket], repeat
     """Seconds of the hook's compute per bucket: the hook on ``group`` (one rank: its collectives move
     nothing), from the call to its future's value, the median of ``repeats`` runs after one untimed
     run (which allocates PowerSGD's memories); the buckets' buffers are overwritten.
-    ``None``: a state deft cannot copy (:func:`scratch_state`)."""
+    ``None``: a state deft cannot copy (:func:`scratch_state`).
+
+    The training's random streams are left as they were: PowerSGD draws its initial Q by calling
+    ``torch.manual_seed`` inside ``torch.random.fork_rng(devices=[])``, which restores the CPU
+    generator but not the CUDA ones that ``manual_seed`` also reseeds, so the timing runs inside a
+    fork of the CPU generator and of every initialized CUDA device's (dropout and data order then
+    draw the same numbers with and without the codec timing)."""
     known, state = scratch_state(hook, group)
     if not known:
         return None
+    cuda_devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda_devices):
+        return _time_buckets(hook, state, buckets, repeats)
+
+
+def _time_buckets(hook: CommHook, state: Any, buckets: Sequence[HookBucket], repeats: int) -> list[float]:
     out = []
     for bucket in buckets:
         runs = []

@@ -36,6 +36,7 @@ from deft.config import DeftConfig
 from deft.errors import ContractError
 from deft.preserver.curvature import SecantCurvature, adam_scale
 from deft.preserver.feedback import WalkStats
+from deft.preserver.float64 import dot64
 from deft.preserver.noise import (
     DirectionPair,
     LocalStats,
@@ -167,7 +168,7 @@ class GradStats:
                 s = layout.slots[i]
                 mean[s.dtype][s.dtype_offset:s.dtype_offset + s.numel] = gr.reshape(-1).float()
         if self._scale is not None:
-            raw_mean_sq = sum(float(torch.dot(v.double(), v.double())) for v in mean.values())
+            raw_mean_sq = sum(float(dot64(v)) for v in mean.values())
             self.raw.update(all_gather_stats(LocalStats(sq_norm=raw_sq, proj_a=None, proj_b=None, batch=batch),
                                              control), raw_mean_sq)
             for d, v in mean.items():
@@ -177,7 +178,7 @@ class GradStats:
         for b in range(layout.n_buckets):
             self._first_piece[b] = len(pieces)
             pieces += [mean[s.dtype][s.start:s.end] for s in layout.segments[b] if s.end > s.start]
-        mean_sq = sum(float(torch.dot(v.double(), v.double())) for v in mean.values())
+        mean_sq = sum(float(dot64(v)) for v in mean.values())
         dot = self.directions.dot() if has_dirs else None
         local = LocalStats(sq_norm=sq, proj_a=pa if has_dirs else None, proj_b=pb if has_dirs else None,
                                 batch=batch)
