@@ -325,7 +325,7 @@ class Profile:
             if not _nonneg(t.codec_s):
                 raise ContractError(source, f"times[{i}].codec_s", f"expected a finite number >= 0, got {t.codec_s}")
             if t.codec_s > 0 and not self.codec:
-                raise ContractError(source, f"buckets[{i}].codec_s",
+                raise ContractError(source, f"times[{i}].codec_s",
                                     "given without a codec: say which compression produced it (codec)")
             for name, v in t.comm_s.items():
                 if name not in names:

@@ -287,6 +287,9 @@ def test_config_unreadable_file_names_it(tmp_path: Path, content: bytes | None) 
         (lambda p: replace(p, times=(replace(p.times[0], comm_s={"nccl": float("nan")}), *p.times[1:])),
          "times[0].comm_s.nccl"),
         (lambda p: replace(p, links=(replace(p.links[0], beta_s_per_byte=float("nan")), p.links[1])), "links[0]"),
+        # validate() names the dataclass field: BucketTimes live in ``times`` (JSON keeps them per bucket)
+        (lambda p: replace(p, times=(replace(p.times[0], codec_s=float("nan")), *p.times[1:])), "times[0].codec_s"),
+        (lambda p: replace(p, times=(*p.times[:1], replace(p.times[1], codec_s=0.5), p.times[2])), "times[1].codec_s"),
     ],
 )
 def test_profile_built_in_code_rejects_non_finite_times(build, field: str) -> None:
