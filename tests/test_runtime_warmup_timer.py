@@ -5,8 +5,6 @@
   union of the intervals, every collective in exactly one period).
 * :func:`common_busy_groups`: the ranks' periods joined, each group's time the minimum over ranks
   of that rank's busy time inside it; by hand.
-* :func:`fit_group_alpha_beta`: non-negative least squares ``T = alpha * m + beta * B``; recovers exact
-  data, and with a negative free intercept gives the line through the origin (worked by hand).
 * :func:`fit_group_beta`: the one-parameter least squares with the measured ``alpha`` fixed; worked by
   hand (exact data, noisy data, start-ups that already exceed a group's time).
 * :func:`link_rotation`: each bucket on one link per iteration, on every link over ``L`` iterations.
@@ -34,7 +32,6 @@ from deft.runtime.warmup_timer import (
     BusyGroup,
     busy_periods,
     common_busy_groups,
-    fit_group_alpha_beta,
     fit_group_beta,
     link_rotation,
 )
@@ -80,19 +77,6 @@ def test_common_busy_groups_join_the_ranks_periods() -> None:
     assert common_busy_groups([{0: (0.0, 5.0), 1: (6.0, 9.0)}, {0: (1.0, 5.1)}]) == [BusyGroup((0,), 4.1)]
 
 
-def test_fit_alpha_beta() -> None:
-    alpha, beta = 1e-3, 3.4e-8  # 1 ms per collective, 235 Mbit/s
-    counts, nbytes = [1, 1, 2, 3], [100_000, 4_000_000, 2_000_000, 14_000_000]
-    seconds = [alpha * m + beta * b for m, b in zip(counts, nbytes, strict=True)]
-    assert fit_group_alpha_beta(counts, nbytes, seconds) == pytest.approx((alpha, beta), rel=1e-9)
-    # free fit through (1 MB, 0.5 s), (2 MB, 2.5 s): alpha = -1.5 s; with alpha = 0 the least-squares slope
-    # is (1 * 0.5 + 2 * 2.5) / (1 + 4) = 1.1 s per MB
-    assert fit_group_alpha_beta([1, 1], [1_000_000, 2_000_000], [0.5, 2.5]) == pytest.approx((0.0, 1.1e-6))
-    assert fit_group_alpha_beta([1], [10], [0.0]) == (0.0, 1e-12)  # nothing took time: still a model
-    with pytest.raises(ValueError, match="equally long"):
-        fit_group_alpha_beta([1, 2], [10], [0.1])
-
-
 def test_fit_beta_with_alpha_fixed_by_hand() -> None:
     # alpha = 1 ms measured; groups (1 collective, 1 MB, 11 ms) and (2, 3 MB, 32 ms): less the start-ups
     # 10 and 30 ms, exactly 10 ms per MB: beta = (1 * 0.010 + 3 * 0.030) / (1 + 9) = 0.010 s per MB
@@ -100,8 +84,6 @@ def test_fit_beta_with_alpha_fixed_by_hand() -> None:
     # noisy: alpha = 2 ms, (1, 1 MB, 12 ms) and (1, 2 MB, 20 ms) -> 10 and 18 ms left:
     # beta = (1 * 0.010 + 2 * 0.018) / (1 + 4) = 0.0092 s per MB
     assert fit_group_beta([1, 1], [1_000_000, 2_000_000], [0.012, 0.020], 2e-3) == pytest.approx(9.2e-9, rel=1e-12)
-    # the same data with the two-parameter NNLS: the free line through both points, alpha = 4 ms, 8 ms per MB
-    assert fit_group_alpha_beta([1, 1], [1_000_000, 2_000_000], [0.012, 0.020]) == pytest.approx((4e-3, 8e-9))
     # the start-up alone (50 ms) exceeds the 10 ms the group took: beta clamps to 0, alpha carries the model
     assert fit_group_beta([1], [1_000_000], [0.010], 0.05) == 0.0
     assert fit_group_beta([1], [10], [0.0], 0.0) == 1e-12  # nothing took time: still a model

@@ -58,7 +58,7 @@ the interval between consecutive completions says little about one bucket. What 
 
   (the derivative ``-2 sum_i B_i (T_i - alpha m_i - beta B_i)`` vanishes there; the objective is a
   parabola in ``beta``, so clamping at 0 gives the constrained minimum). The two-parameter fit
-  (:func:`fit_group_alpha_beta`, NNLS) found ``alpha = 0`` on the testbed's second link: the busy
+  (NNLS over both; removed as unused) found ``alpha = 0`` on the testbed's second link: the busy
   groups are megabytes each, so the intercept drowns in their noise, and the planner then split
   buckets into pieces that cost nothing per message. (A 25-piece plan that measured 18.8 % over its
   prediction was blamed on this; re-measured, the piece count's effect on the testbed is within the
@@ -98,7 +98,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from scipy.optimize import nnls
 from torch import nn
 
 from deft.profile import Bucket, BucketTimes, Link, Profile
@@ -461,23 +460,6 @@ class WarmupTimer:
         return Profile(buckets=buckets, times=times, links=tuple(links), world_size=world, source="timing",
                        versions={"torch": torch.__version__}, model=model, meta=meta,
                        codec=codec.name if codec is not None else "")
-
-
-def fit_group_alpha_beta(counts: Sequence[int], nbytes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
-    """Non-negative least squares ``seconds ~ alpha * count + beta * nbytes`` (``scipy.optimize.nnls``).
-
-    Row ``i``: ``counts[i]`` collectives of ``nbytes[i]`` bytes in total took ``seconds[i]``
-    together (one collective: ``alpha + beta * nbytes``). The byte column is scaled to MB so both
-    columns are of order one. If nothing took any time the link still gets a model (``beta = 1e-12``).
-    """
-    if not (len(counts) == len(nbytes) == len(seconds)) or not counts:
-        raise ValueError("fit_group_alpha_beta: expected equally long, non-empty counts, nbytes and seconds")
-    design = np.column_stack([np.asarray(counts, dtype=float), np.asarray(nbytes, dtype=float) / MB])
-    (alpha, beta_mb), _ = nnls(design, np.asarray(seconds, dtype=float))
-    beta = float(beta_mb) / MB
-    if alpha == 0 and beta == 0:
-        beta = 1e-12  # a link must have a model; measured times were all zero
-    return float(alpha), beta
 
 
 def probe_alpha(links: Mapping[str, CommLink], cuda: bool, repeats: int = PROBE_REPEATS,
