@@ -251,7 +251,7 @@ class Profile:
         bucket 0 ready after bucket 1, not after ``c``'s bucket 2. Invariants: ``ready[b] >= b``, and
         ``ready`` is non-decreasing (a shared parameter's buckets are consecutive).
         """
-        names = [_base_names(b.params) for b in self.buckets]
+        names = [base_names(b.params) for b in self.buckets]
         ready = list(range(self.n))
         for b in range(self.n):
             nxt = b + 1
@@ -430,13 +430,15 @@ class Profile:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-_PARAM_RANGE = re.compile(r"^(.*)\[(\d+):(\d+)\]$")
+#: A bucket's name for an element range of a parameter (or of ``"a|b"``, several parameters'
+#: concatenation), as the partition writes it: ``"fc.weight[100:200]"``; groups: base, lo, hi.
+PARAM_RANGE = re.compile(r"^(.*)\[(\d+):(\d+)\]$")
 
 
-def _base_names(params: Sequence[str]) -> set[str]:
+def base_names(params: Sequence[str]) -> set[str]:
     """The parameters a bucket's names refer to: ``"w[0:5]"`` is ``w``; ``"a|b[0:3]"`` is ``a`` and ``b``."""
     out: set[str] = set()
     for name in params:
-        m = _PARAM_RANGE.match(name)
+        m = PARAM_RANGE.match(name)
         out.update((m.group(1) if m else name).split("|"))
     return out

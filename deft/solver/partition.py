@@ -55,12 +55,11 @@ bucket, the ``[old bucket, start, stop)`` element segments it is made of.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, replace
 
 from deft.config import DeftConfig
 from deft.errors import ContractError
-from deft.profile import Bucket, BucketTimes, Profile
+from deft.profile import PARAM_RANGE, Bucket, BucketTimes, Profile, base_names
 from deft.schedule import Schedule
 
 __all__ = ["BEST_EFFORT_MAX_PIECES", "default_capacity", "forward_gates", "link_slowdowns", "partition"]
@@ -68,7 +67,6 @@ __all__ = ["BEST_EFFORT_MAX_PIECES", "default_capacity", "forward_gates", "link_
 _SOURCE = "partition"
 # Best effort never splits one bucket into more pieces than this (beyond the numel cap's count).
 BEST_EFFORT_MAX_PIECES = 64
-_RANGE = re.compile(r"^(.*)\[(\d+):(\d+)\]$")
 
 
 @dataclass(frozen=True)
@@ -300,7 +298,7 @@ def _param_sizes(profile: Profile) -> dict[str, int]:
 def _size_of(name: str, sizes: dict[str, int]) -> int | None:
     if name in sizes:
         return sizes[name]
-    m = _RANGE.match(name)
+    m = PARAM_RANGE.match(name)
     return int(m.group(3)) - int(m.group(2)) if m else None
 
 
@@ -338,14 +336,7 @@ def forward_gates(profile: Profile) -> tuple[int, ...]:
     run ``lo..hi`` with ``gate = hi`` for each; a bucket sharing none is its own gate. A name
     ``"a|b[lo:hi]"`` (a range of several parameters' concatenation) shares with every one of them.
     """
-    def bases(bucket: Bucket) -> set[str]:
-        out: set[str] = set()
-        for name in bucket.params:
-            m = _RANGE.match(name)
-            out.update((m.group(1) if m else name).split("|"))
-        return out
-
-    names = [bases(b) for b in profile.buckets]
+    names = [base_names(b.params) for b in profile.buckets]
     gates = list(range(profile.n))
     for b in range(profile.n - 2, -1, -1):
         if names[b] & names[b + 1]:
@@ -355,7 +346,7 @@ def forward_gates(profile: Profile) -> tuple[int, ...]:
 
 def _sub_range(name: str, lo: int, hi: int) -> str:
     """``name[lo:hi]``, composing with a range the name already carries (re-partitioned profiles)."""
-    m = _RANGE.match(name)
+    m = PARAM_RANGE.match(name)
     if m:
         base = int(m.group(2))
         return f"{m.group(1)}[{base + lo}:{base + hi}]"
