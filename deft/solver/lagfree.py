@@ -228,7 +228,7 @@ def lagfree_plan(profile: Profile, config: DeftConfig | None = None,
         if res.iteration_s < best_s * (1 - 1e-9):
             best, best_s, best_part = sched, float(res.iteration_s), p_s
             mode = f"lag-free forward, early sends (partition x{scale:g})"
-    if mode.startswith("lag-free forward, early"):
+    if best.updates[0].deferred:  # an early-send plan (candidate() and no_delay_plan defer nothing)
         best = early_schedule(best, list(best.stage(0, "backward").comms), needed_deferred(best_part, best))
     if best is not base:  # the stored prediction at the simulator's default length, as every other plan's
         res = simulate_schedule(best_part, best)
