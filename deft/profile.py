@@ -251,7 +251,7 @@ class Profile:
         bucket 0 ready after bucket 1, not after ``c``'s bucket 2. Invariants: ``ready[b] >= b``, and
         ``ready`` is non-decreasing (a shared parameter's buckets are consecutive).
         """
-        names = [base_names(b.params) for b in self.buckets]
+        names = [_base_names(b.params) for b in self.buckets]
         ready = list(range(self.n))
         for b in range(self.n):
             nxt = b + 1
@@ -259,6 +259,24 @@ class Profile:
                 ready[b] = nxt
                 nxt += 1
         return tuple(ready)
+
+    @property
+    def forward_gates(self) -> tuple[int, ...]:
+        """``gate[b]``: the bucket whose forward is the first to need bucket ``b``'s parameters.
+
+        A parameter cut into pieces (``"fc.weight[0:100]"``, ``"fc.weight[100:200]"``) spans consecutive
+        buckets, and its module runs its forward once, when the first of them (the highest id: the
+        forward runs buckets ``n-1 .. 0``) does. So the buckets sharing a parameter (transitively, unlike
+        :attr:`gradient_ready`) form a run ``lo..hi`` with ``gate = hi`` for each; a bucket sharing none
+        is its own gate. A name ``"a|b[lo:hi]"`` (a range of several parameters' concatenation) shares
+        with every one of them.
+        """
+        names = [_base_names(b.params) for b in self.buckets]
+        gates = list(range(self.n))
+        for b in range(self.n - 2, -1, -1):
+            if names[b] & names[b + 1]:
+                gates[b] = gates[b + 1]
+        return tuple(gates)
 
     @property
     def ready_s(self) -> tuple[float, ...]:
@@ -435,7 +453,7 @@ class Profile:
 PARAM_RANGE = re.compile(r"^(.*)\[(\d+):(\d+)\]$")
 
 
-def base_names(params: Sequence[str]) -> set[str]:
+def _base_names(params: Sequence[str]) -> set[str]:
     """The parameters a bucket's names refer to: ``"w[0:5]"`` is ``w``; ``"a|b[0:3]"`` is ``a`` and ``b``."""
     out: set[str] = set()
     for name in params:

@@ -22,7 +22,7 @@ from deft import Bucket, BucketTimes, DeftConfig, Link, Profile
 from deft.errors import ContractError
 from deft.schedule import CommTask, Schedule, StagePlan, Update
 from deft.solver.lagfree import candidate, deadline_first, lagfree_plan, needed_deferred
-from deft.solver.partition import forward_gates, profile_for_schedule
+from deft.solver.partition import profile_for_schedule
 from deft.solver.plan import no_delay_plan
 from deft.solver.simulate import simulate_schedule
 
@@ -161,7 +161,7 @@ def test_forward_gates_by_hand() -> None:
          ("b[3:7]",)]))
     times = tuple(BucketTimes(MS, MS, {"net": MS}) for _ in buckets)
     p = Profile(buckets, times, (Link("net", "gloo"),), 2, "synthetic", model="gates")
-    assert forward_gates(p) == (0, 2, 2, 3, 5, 5)
+    assert p.forward_gates == (0, 2, 2, 3, 5, 5)
 
 
 def test_a_module_waits_for_every_piece_of_its_parameter() -> None:
@@ -211,7 +211,7 @@ def test_gradient_ready_by_hand() -> None:
     assert gates.ready_s == pytest.approx([x * MS for x in (1, 3, 3, 4, 6, 6)])
     chain = profile([("a[0:10]",), ("a[10:20]", "c[0:5]"), ("c[5:10]",), ("d",)])
     assert chain.gradient_ready == (1, 2, 2, 3)
-    assert forward_gates(chain) == (2, 2, 2, 3)
+    assert chain.forward_gates == (2, 2, 2, 3)
 
 
 def test_a_piece_is_sent_when_its_whole_parameter_has_its_gradient() -> None:

@@ -59,10 +59,10 @@ from dataclasses import dataclass, replace
 
 from deft.config import DeftConfig
 from deft.errors import ContractError
-from deft.profile import PARAM_RANGE, Bucket, BucketTimes, Profile, base_names
+from deft.profile import PARAM_RANGE, Bucket, BucketTimes, Profile
 from deft.schedule import Schedule
 
-__all__ = ["BEST_EFFORT_MAX_PIECES", "default_capacity", "forward_gates", "link_slowdowns", "partition"]
+__all__ = ["BEST_EFFORT_MAX_PIECES", "default_capacity", "link_slowdowns", "partition"]
 
 _SOURCE = "partition"
 # Best effort never splits one bucket into more pieces than this (beyond the numel cap's count).
@@ -325,23 +325,6 @@ def _range_names(bucket: Bucket, start: int, stop: int, sizes: dict[str, int]) -
             names.append(p if (lo, hi) == (offset, offset + size) else _sub_range(p, lo - offset, hi - offset))
         offset += size
     return tuple(names)
-
-
-def forward_gates(profile: Profile) -> tuple[int, ...]:
-    """``gate[b]``: the bucket whose forward is the first to need bucket ``b``'s parameters.
-
-    A parameter cut into pieces (``"fc.weight[0:100]"``, ``"fc.weight[100:200]"``) spans consecutive
-    buckets, and its module runs its forward once, when the first of them (the highest id: the
-    forward runs buckets ``n-1 .. 0``) does. So the buckets sharing a parameter (transitively) form a
-    run ``lo..hi`` with ``gate = hi`` for each; a bucket sharing none is its own gate. A name
-    ``"a|b[lo:hi]"`` (a range of several parameters' concatenation) shares with every one of them.
-    """
-    names = [base_names(b.params) for b in profile.buckets]
-    gates = list(range(profile.n))
-    for b in range(profile.n - 2, -1, -1):
-        if names[b] & names[b + 1]:
-            gates[b] = gates[b + 1]
-    return tuple(gates)
 
 
 def _sub_range(name: str, lo: int, hi: int) -> str:

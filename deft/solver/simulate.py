@@ -74,7 +74,6 @@ from deft.errors import ContractError
 from deft.profile import Profile, fit_alpha_beta
 from deft.schedule import CommTask, Schedule
 from deft.solver import baselines
-from deft.solver.partition import forward_gates
 
 #: The schemes simulated from the profile alone (each as its paper defines it); DeFT's schedules go
 #: through :func:`simulate_schedule`.
@@ -516,15 +515,15 @@ def _schedule_engine(profile: Profile, schedule: Schedule, iterations: int) -> _
     the per-layer wait of a lag-free forward stage. Its ``deferred`` buckets are sent in the backward
     stage like any other, but the step does not wait for them; the next forward of each does. The
     runtime waits in a module's forward pre-hook, so a bucket holding a piece of a parameter is waited
-    for by the forward of the first bucket holding that parameter (:func:`forward_gates`). Likewise a
-    bucket's gradient is complete when its parameters' are: a send of this iteration's gradient of a
-    piece of a cut parameter waits for the backward of the parameter's last piece
-    (:attr:`~deft.profile.Profile.gradient_ready`, where the layer's backward ends), not for its own
-    share of it.
+    for by the forward of the first bucket holding that parameter
+    (:attr:`~deft.profile.Profile.forward_gates`). Likewise a bucket's gradient is complete when its
+    parameters' are: a send of this iteration's gradient of a piece of a cut parameter waits for the
+    backward of the parameter's last piece (:attr:`~deft.profile.Profile.gradient_ready`, where the
+    layer's backward ends), not for its own share of it.
     """
     eng = _Engine(profile.link_names, serial=serial_codec(profile))
     n, c = profile.n, schedule.cycle
-    gate = forward_gates(profile)
+    gate = profile.forward_gates
     ready = profile.gradient_ready
     bwd_of: dict[int, list[int]] = {}
     comm_of: dict[tuple[int, int], int] = {}  # (group's last iteration, bucket) -> comm id
