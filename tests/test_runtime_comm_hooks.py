@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from deft.schedule import CommTask, Schedule, StagePlan, Update
-from tests._dist import run_ranks, values
+from tests._dist import run_ranks, train_steps, values
 
 STEPS = 8
 
@@ -219,12 +219,7 @@ def warmup_layout_worker(rank: int, world: int, compression: str) -> list[int]:
         "compression": compression, "powersgd_start_iter": 2, "warmup_iters": 1, "profile_iters": 2,
         "timeout_s": 30, "epsilon": 0.0})
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(6):
-        x, y = torch.randn(8, 64, generator=g), torch.randint(0, 10, (8,), generator=g)
-        nn.functional.cross_entropy(ddp(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(ddp, opt, rank, iters=6, batch=8)
     ddp.flush()
     assert ddp.profile is not None
     return [b.numel for b in ddp.profile.buckets]
