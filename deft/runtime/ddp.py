@@ -989,7 +989,8 @@ class DistributedDataParallel(nn.Module):
         seconds = self._control.max_rows([row], "comm hook codec times")[0]
         if seconds[-1] > 0:
             raise DeftError(f"comm hook {hook.name!r} failed while deft timed its codec on a one-rank group"
-                            + (f" on this rank: {error}" if error else " on another rank (its log says why)"))
+                            + (f" on rank {self.rank}: {error}" if error else
+                               f" on a rank other than {self.rank} (its error says which bucket and why)"))
         assert codec is not None
         return replace(codec, codec_s=tuple(seconds[:-1]))
 
