@@ -132,3 +132,19 @@ def values(results: list[RankResult]) -> list[Any]:
                         for r in bad)
         raise AssertionError(f"ranks failed:\n{msg}")
     return [r.value for r in results]
+
+
+def train_steps(ddp: Any, opt: Any, rank: int, iters: int, batch: int, features: int = 64,
+                classes: int = 10) -> None:
+    """``iters`` plain training iterations of a classifier wrapped in ``ddp``: each rank draws its own
+    batches (``batch`` x ``features`` normal inputs, labels in ``range(classes)``) from a generator
+    seeded with its rank; cross-entropy, backward, ``opt.step()``, ``opt.zero_grad()``."""
+    import torch
+    from torch import nn
+
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(iters):
+        x, y = torch.randn(batch, features, generator=g), torch.randint(0, classes, (batch,), generator=g)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()

@@ -25,7 +25,7 @@ from deft.runtime.comm_hooks import CommHook, forget_buckets, plain_iterations, 
 from deft.schedule import CommTask, Schedule, StagePlan, Update
 from deft.solver.partition import partition
 from deft.solver.simulate import simulate_baseline, simulate_schedule
-from tests._dist import run_ranks, values
+from tests._dist import run_ranks, train_steps, values
 
 # The MLP of the 2-rank test: Linear(64, 256), Linear(256, 256), Linear(256, 10), weights and biases.
 MLP_SHAPES = [(256, 64), (256,), (256, 256), (256,), (10, 256), (10,)]
@@ -282,12 +282,7 @@ def powersgd_worker(rank: int, world: int) -> dict[str, Any]:
         "compression": "powersgd", "powersgd_rank": 4, "powersgd_start_iter": 5, "warmup_iters": 1,
         "profile_iters": 3, "timeout_s": 30, "epsilon": 0.0})
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(10):
-        x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
-        nn.functional.cross_entropy(ddp(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(ddp, opt, rank, iters=10, batch=32)
     ddp.flush()
     p = ddp.profile
     assert p is not None

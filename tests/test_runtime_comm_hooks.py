@@ -17,11 +17,12 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from deft.schedule import CommTask, Schedule, StagePlan, Update
-from tests._dist import run_ranks, values
+from tests._dist import run_ranks, train_steps, values
 
 STEPS = 8
 
@@ -145,6 +146,40 @@ def test_bad_hooks_fail_clearly_and_apply_nothing(kind: str, says: str) -> None:
         assert v["unchanged"]
 
 
+def _fails_alone_on_rank_1(state: Any, bucket: Any) -> Any:
+    """An averaging hook that raises on rank 1 when its group has one rank (deft's codec timing)."""
+    if dist.get_rank() == 1 and state.size() == 1:
+        raise ValueError("needs a peer")
+    buf = bucket.buffer().div_(state.size())
+    return dist.all_reduce(buf, group=state, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def codec_timing_failure_worker(rank: int, world: int) -> str | None:
+    import deft
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ddp = deft.DistributedDataParallel(model, config={"warmup_iters": 1, "profile_iters": 2, "timeout_s": 20})
+    ddp.register_comm_hook(None, _fails_alone_on_rank_1)
+    try:
+        for t in range(4):
+            x, y = batch(rank, t)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    except deft.DeftError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow
+def test_hook_failing_in_codec_timing_names_hook_rank_and_bucket_on_every_rank() -> None:
+    a, b = values(run_ranks(codec_timing_failure_worker, 2, (), timeout=60))
+    head = "comm hook '_fails_alone_on_rank_1' failed while deft timed its codec on a one-rank group"
+    assert a is not None and a.startswith(head) and "on a rank other than 0" in a, a
+    assert b is not None and b.startswith(head + " on rank 1: RuntimeError: bucket ") and "needs a peer" in b, b
+
+
 def late_hook_worker(rank: int, world: int) -> str | None:
     import deft
 
@@ -219,12 +254,7 @@ def warmup_layout_worker(rank: int, world: int, compression: str) -> list[int]:
         "compression": compression, "powersgd_start_iter": 2, "warmup_iters": 1, "profile_iters": 2,
         "timeout_s": 30, "epsilon": 0.0})
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(6):
-        x, y = torch.randn(8, 64, generator=g), torch.randint(0, 10, (8,), generator=g)
-        nn.functional.cross_entropy(ddp(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(ddp, opt, rank, iters=6, batch=8)
     ddp.flush()
     assert ddp.profile is not None
     return [b.numel for b in ddp.profile.buckets]

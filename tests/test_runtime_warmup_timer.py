@@ -34,6 +34,7 @@ from deft.runtime.warmup_timer import (
     common_busy_groups,
     fit_group_beta,
     link_rotation,
+    probe_alpha,
 )
 from tests._dist import run_ranks, values
 
@@ -161,3 +162,27 @@ def test_profile_iterations_send_each_bucket_once_over_both_links() -> None:
         assert link.alpha_s == probe["alpha_s"][link.name]
     # 2 buckets per link per iteration, in 1 or 2 busy groups each
     assert all(PROFILE <= prof.meta["busy_groups"][k] <= 2 * PROFILE for k in ("primary", "second"))
+
+
+def probe_dead_peer_worker(rank: int, world: int) -> str:
+    """Rank 1 never joins the alpha probe (a stalled peer); rank 0's error is what a user reads."""
+    import time
+
+    import torch.distributed as dist
+
+    from deft.errors import CommunicationError
+    from deft.runtime.links import CommLink
+
+    lk = CommLink("wire", "gloo", None, dist.new_group(backend="gloo"))
+    if rank == 1:
+        time.sleep(4.0)
+        return ""
+    with pytest.raises(CommunicationError) as err:
+        probe_alpha({"wire": lk}, False, rank, 1.0)
+    return str(err.value)
+
+
+@pytest.mark.slow
+def test_alpha_probe_names_rank_link_and_probe_when_a_peer_stalls() -> None:
+    msg = values(run_ranks(probe_dead_peer_worker, 2, (), timeout=60))[0]
+    assert msg.startswith("rank 0: alpha probe (one-element all-reduce 1 of ") and "on link 'wire'" in msg, msg

@@ -378,7 +378,11 @@ def _time_buckets(hook: CommHook, state: Any, buckets: Sequence[HookBucket], rep
             if cuda:
                 torch.cuda.synchronize(bucket.buffer().device)
             t0 = time.perf_counter()
-            hook_result(hook.hook(state, bucket).wait())
+            try:
+                hook_result(hook.hook(state, bucket).wait())
+            except Exception as e:  # name the bucket: the caller names the hook and the rank
+                raise RuntimeError(f"bucket {bucket.index()} ({bucket.buffer().numel()} elements): "
+                                   f"{type(e).__name__}: {e}") from e
             if cuda:
                 torch.cuda.synchronize(bucket.buffer().device)
             if k:

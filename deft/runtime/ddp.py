@@ -45,7 +45,6 @@ from torch import nn
 
 from deft.config import DeftConfig
 from deft.errors import ContractError, DeftError
-from deft.netif import new_group_on_nic
 from deft.preserver.curvature import adam_preconditioner, top_eigenvalue
 from deft.preserver.gaussian_walk import merge_lr_factor
 from deft.profile import Profile
@@ -64,7 +63,7 @@ from deft.runtime.comm_hooks import CommHook, forget_buckets, from_config, plain
 from deft.runtime.control import ControlPlane, broadcast_state, digest
 from deft.runtime.executor import Executor, Pending, PendingUpdate
 from deft.runtime.grad_stats import GradStats, walk_stats
-from deft.runtime.links import CommLink, make_control_group, make_links
+from deft.runtime.links import CommLink, make_control_group, make_links, make_solo_group
 from deft.runtime.optimizer_hooks import OptimizerBinding, merged_lr, restore_lr, scale_lr
 from deft.runtime.phase import Phase
 from deft.runtime.planning import Planning, check_schedule_file, make_schedule, resolve_profile
@@ -976,9 +975,7 @@ class DistributedDataParallel(nn.Module):
         if hook is None or layout is None:
             return None
         if self._solo is None:  # created once (dist.new_group is collective over the world)
-            ranks = list(self._ranks) if self._ranks is not None else list(range(dist.get_world_size()))
-            groups = [new_group_on_nic(self._primary.backend, None, self.config.timeout_s, [r]) for r in ranks]
-            self._solo = groups[ranks.index(dist.get_rank())]
+            self._solo = make_solo_group(self._primary.backend, self.config.timeout_s, self._ranks)
         n = layout.n_buckets
         try:
             codec: Codec | None = profile_codec(hook, layout, self._params, self._solo, self.device)
@@ -989,7 +986,8 @@ class DistributedDataParallel(nn.Module):
         seconds = self._control.max_rows([row], "comm hook codec times")[0]
         if seconds[-1] > 0:
             raise DeftError(f"comm hook {hook.name!r} failed while deft timed its codec on a one-rank group"
-                            + (f" on this rank: {error}" if error else " on another rank (its log says why)"))
+                            + (f" on rank {self.rank}: {error}" if error else
+                               f" on a rank other than {self.rank} (its error says which bucket and why)"))
         assert codec is not None
         return replace(codec, codec_s=tuple(seconds[:-1]))
 

@@ -82,3 +82,12 @@ def make_links(config: DeftConfig, cuda: bool, ranks: Sequence[int] | None) -> d
         links[lk.name] = CommLink(lk.name, backend, lk.ifname,
                                   _new_group(backend, lk.ifname, config.timeout_s, ranks))
     return links
+
+
+def make_solo_group(backend: str, timeout_s: float, ranks: Sequence[int] | None) -> Any:
+    """This rank's one-rank group on ``backend`` (a comm hook run on it moves nothing: its codec is
+    timed alone). Collective over the world: ``dist.new_group`` is, so every rank creates every rank's
+    group, in the order of ``ranks`` (``None``: the whole world), and keeps its own."""
+    members = list(ranks) if ranks is not None else list(range(dist.get_world_size()))
+    groups = [_new_group(backend, None, timeout_s, [r]) for r in members]
+    return groups[members.index(dist.get_rank())]

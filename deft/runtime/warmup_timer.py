@@ -103,7 +103,7 @@ from torch import nn
 from deft.profile import Bucket, BucketTimes, Link, Profile
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.comm_hooks import Codec
-from deft.runtime.control import FUTURE_TYPES, ControlPlane
+from deft.runtime.control import FUTURE_TYPES, ControlPlane, wait_work
 from deft.runtime.links import CommLink
 from deft.runtime.tensors import tensors_in
 from deft.schedule import Schedule, synchronous_schedule
@@ -415,7 +415,7 @@ class WarmupTimer:
         pooled = [g for k in link_names for g in loads[k]]
         if not pooled:
             raise RuntimeError("internal: no all-reduce of the profile iterations completed")
-        mine_alpha = probe_alpha(self.links, self.cuda)
+        mine_alpha = probe_alpha(self.links, self.cuda, control.rank, control.timeout_s)
         alphas = dict(zip(link_names, control.max_rows([[mine_alpha[k] for k in link_names]],
                                                        "per-message start-up (one-element all-reduces)")[0],
                           strict=True))
@@ -462,15 +462,17 @@ class WarmupTimer:
                        codec=codec.name if codec is not None else "")
 
 
-def probe_alpha(links: Mapping[str, CommLink], cuda: bool, repeats: int = PROBE_REPEATS,
-                warmup: int = PROBE_WARMUP) -> dict[str, float]:
+def probe_alpha(links: Mapping[str, CommLink], cuda: bool, rank: int, timeout_s: float,
+                repeats: int = PROBE_REPEATS, warmup: int = PROBE_WARMUP) -> dict[str, float]:
     """This rank's per-message start-up of each link: the median time of ``repeats`` synchronous
     all-reduces of one element (after ``warmup`` untimed ones), link after link in ``links`` order.
 
     Collective on every link: every rank must call it at the same point with the same links. The
     links must be idle (nothing in flight), else the probe queues behind their traffic. The calls go
     to the groups directly: the links' traffic counters count training's all-reduces only. NCCL links
-    use a device tensor and synchronize the device before reading the clock.
+    use a device tensor and synchronize the device before reading the clock. A probe that fails or
+    is not done after ``timeout_s`` (a dead or stalled peer) raises a
+    :class:`~deft.errors.CommunicationError` naming ``rank`` (this rank), the link and the probe.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"probe_alpha: expected repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
@@ -481,7 +483,9 @@ def probe_alpha(links: Mapping[str, CommLink], cuda: bool, repeats: int = PROBE_
         times = []
         for i in range(warmup + repeats):
             t0 = time.perf_counter()
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=lk.group, async_op=True).wait()
+            work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=lk.group, async_op=True)
+            wait_work(work, name, f"alpha probe (one-element all-reduce {i + 1} of {warmup + repeats})", rank,
+                      timeout_s)
             if on_device and cuda:
                 torch.cuda.synchronize()
             if i >= warmup:
