@@ -4,17 +4,20 @@
 
 Builds the testbed of DESIGN.md section 6 (2 hosts x 2 links, tbf-shaped at ``--rate-mbit``) and runs
 ``examples/train_cnn.py`` with torch DDP (nic0) and with deft (default config: epsilon 0.01, both
-links), alternately, ``--repeats`` times each. deft's default config has 3 warm-up iterations and 5
-profile iterations; planning runs inside the step of iteration 8 (``plan_at = 8``). Iteration times
-are ``train_cnn.py``'s (forward + backward + ``optimizer.step()``, rank 0).
+links), alternately, ``--repeats`` times each. deft's default config has ``W = warmup_iters`` warm-up
+iterations and ``P = profile_iters`` profile iterations (``DeftConfig``'s defaults, read at import: ``WARMUP``
+and ``PLAN_AT = W + P`` below; 1 + 3 since 2026-11-23, 3 + 5 before); planning runs inside the step of
+iteration ``PLAN_AT``. Iteration times are ``train_cnn.py``'s (forward + backward + ``optimizer.step()``,
+rank 0).
 
 Reported, per repeat:
 
-* ``T``: torch DDP's median iteration over iterations ``plan_at + 1 .. --iters`` (the reference);
-* each deft profile iteration (4..8; 8 also holds the planning) in units of ``T``
-  (target: <= 1.3 for the profile iterations 4..7; iteration 8 is reported apart with its planning);
-* the extra cost of the whole warm-up + profiling + planning phase: sum over iterations 1..8 of deft
-  minus the same sum for torch DDP, in units of ``T`` (target: <= 2);
+* ``T``: torch DDP's median iteration over iterations ``PLAN_AT + 1 .. --iters`` (the reference);
+* each deft profile iteration (``W + 1 .. PLAN_AT``; ``PLAN_AT`` also holds the planning) in units of
+  ``T`` (target: <= 1.3 for the profile iterations before ``PLAN_AT``; ``PLAN_AT`` is reported apart
+  with its planning);
+* the extra cost of the whole warm-up + profiling + planning phase: sum over iterations 1..``PLAN_AT``
+  of deft minus the same sum for torch DDP, in units of ``T`` (target: <= 2);
 * the profile deft measured (``DEFT_PROFILE_OUT``): each link's fitted alpha and beta (for comparison,
   ``benchmarks/bench_links.py`` measured 34 ns/B on each link alone at 250 Mbit/s), and the plan's
   predicted iteration time against deft's measured steady-state median.

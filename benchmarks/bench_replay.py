@@ -206,27 +206,15 @@ def worker(spec_path: str) -> int:
     return 0
 
 
-def _second_group(dist: Any, ifname: str) -> Any:
-    """A gloo group bound to ``ifname`` (gloo reads GLOO_SOCKET_IFNAME when it creates the group)."""
-    previous = os.environ.get("GLOO_SOCKET_IFNAME")
-    os.environ["GLOO_SOCKET_IFNAME"] = ifname
-    try:
-        return dist.new_group(backend="gloo")
-    finally:
-        if previous is None:
-            os.environ.pop("GLOO_SOCKET_IFNAME", None)
-        else:
-            os.environ["GLOO_SOCKET_IFNAME"] = previous
-
-
 def _measure(spec: dict[str, Any], dist: Any) -> dict[str, Any]:
     import torch
 
+    from deft.netif import new_group_on_nic
     from deft.profiler.links import measure, measure_concurrent
     from deft.runtime.links import CommLink
     from deft.runtime.warmup_timer import probe_alpha
 
-    groups = {"primary": None, "second": _second_group(dist, spec["ifnames"]["second"])}
+    groups = {"primary": None, "second": new_group_on_nic("gloo", spec["ifnames"]["second"])}
     sizes = spec["nbytes"]
     # the runtime's own start-up probe (median per rank), then max over ranks as the runtime's control plane
     probed = probe_alpha({k: CommLink(k, "gloo", None, g) for k, g in groups.items()}, cuda=False)

@@ -31,18 +31,13 @@ def worker(spec: dict) -> None:
     import torch
     import torch.distributed as dist
 
+    from deft.netif import new_group_on_nic
     from deft.runtime.links import CommLink
     from deft.runtime.warmup_timer import probe_alpha
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    previous = os.environ.get("GLOO_SOCKET_IFNAME")
-    os.environ["GLOO_SOCKET_IFNAME"] = spec["second_ifname"]
-    second = dist.new_group(backend="gloo")
-    if previous is None:
-        os.environ.pop("GLOO_SOCKET_IFNAME", None)
-    else:
-        os.environ["GLOO_SOCKET_IFNAME"] = previous
+    second = new_group_on_nic("gloo", spec["second_ifname"])
     rows: dict[str, list[float]] = {}
     for name, group in (("primary", None), ("second", second)):
         row = [probe_alpha({name: CommLink(name, "gloo", None, group)}, cuda=False)[name]]

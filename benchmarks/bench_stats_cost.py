@@ -9,6 +9,7 @@ They run on every warm-up and profile iteration (under PowerSGD also on each pla
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -28,7 +29,7 @@ def median_ms(f: Callable[[], object], repeats: int = 7) -> float:
         t0 = time.perf_counter()
         f()
         runs.append(time.perf_counter() - t0)
-    return sorted(runs)[repeats // 2] * 1e3
+    return statistics.median(runs) * 1e3
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ import torch
 
 from deft.config import DeftConfig
 from deft.errors import ContractError
+from deft.preserver.curvature import adam_denominator
 from deft.preserver.feedback import WalkStats, passes, preserve, schedule_ratio
 from deft.preserver.gaussian_walk import convergence_ratio, merge_lr_factor
 from deft.preserver.noise import local_stats, step_estimate, walk_geometry
@@ -119,6 +120,26 @@ def test_adam_walk_rejects_a_merge_of_two_the_euclidean_walk_accepted() -> None:
     assert preserve(profile(), cfg, euclid, **kw).schedule.batch_sequence == (2,)
     res = preserve(profile(), cfg, adam, **kw)
     assert res.schedule.batch_sequence == (1,) and not res.accepted
+
+
+def test_amsgrad_roots_use_the_running_maximum_of_the_second_moment() -> None:
+    """AMSGrad steps with ``max_exp_avg_sq``: after a gradient of 3 then 0 (betas (0.9, 0.99)), the
+    plain second moment is 0.99 * 0.01 * 9 = 0.0891 but its running maximum stays 0.09; both bias-
+    corrected by 1 - 0.99². The walk's roots and Adam's preconditioner (one formula) use the maximum."""
+    w = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.Adam([w], lr=0.1, betas=(0.9, 0.99), amsgrad=True)
+    for grad in (3.0, 0.0):
+        w.grad = torch.tensor([grad])
+        opt.step()
+    geo = walk_geometry(opt)
+    assert geo.metric == "adam" and geo.roots is not None
+    bc2 = 1 - 0.99**2
+    expected = 1 / (math.sqrt(0.09 / bc2) + 1e-8)
+    assert (geo.roots[0] ** 2).item() == pytest.approx(expected, rel=1e-6)
+    assert (geo.roots[0] ** 2).item() != pytest.approx(1 / (math.sqrt(0.0891 / bc2) + 1e-8), rel=1e-4)
+    group, state = opt.param_groups[0], opt.state[w]
+    assert adam_denominator(group, state, torch.float64).item() == pytest.approx(expected, rel=1e-6)
+    assert adam_denominator(group, {}) is None  # never stepped
 
 
 def test_walk_stats_metric_is_validated() -> None:

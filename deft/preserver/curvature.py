@@ -248,6 +248,24 @@ def top_eigenvalue(closure: Callable[[], torch.Tensor], params: Sequence[torch.T
                              residual=residual, seconds=time.perf_counter() - t0)
 
 
+def adam_denominator(group: dict[str, Any], state: dict[str, Any],
+                     dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """Adam's per-coordinate step ``1 / (√v̂ + eps)`` for one parameter, from its torch Adam/AdamW
+    ``group`` and ``state``: ``v̂ = v / (1 - beta2^step)``, the bias-corrected second moment, with
+    ``v`` the state's ``exp_avg_sq`` (``max_exp_avg_sq`` when the group has ``amsgrad``: AMSGrad's
+    denominator), converted to ``dtype`` first (None: its own). ``None`` for a parameter never stepped
+    (no second moment). The one place this formula is written (:func:`adam_preconditioner`,
+    :func:`deft.preserver.noise.walk_geometry`)."""
+    key = "max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq"
+    if key not in state:
+        return None
+    v = state[key].detach()
+    if dtype is not None:
+        v = v.to(dtype)
+    v_hat = v / (1.0 - group["betas"][1] ** float(state["step"]))
+    return 1.0 / (v_hat.sqrt() + group["eps"])
+
+
 def _adam_denominators(optimizer: Any) -> tuple[dict[int, torch.Tensor], float]:
     """(``id(p) -> 1 / (√v̂ + eps)`` for every parameter with a second moment, the largest group lr)
     from a torch Adam/AdamW's state. A parameter that was never stepped (an unused branch) has none."""
@@ -257,14 +275,12 @@ def _adam_denominators(optimizer: Any) -> tuple[dict[int, torch.Tensor], float]:
         raise ContractError("optimizer", "type", f"expected torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
     out: dict[int, torch.Tensor] = {}
     for gi, group in enumerate(optimizer.param_groups):
-        beta2, eps = group["betas"][1], group["eps"]
         if group.get("amsgrad"):
             raise ContractError("optimizer", f"param_groups[{gi}].amsgrad", "AMSGrad's max_exp_avg_sq is not modelled")
         for p in group["params"]:
-            state = optimizer.state.get(p, {})
-            if "exp_avg_sq" in state:
-                v_hat = state["exp_avg_sq"] / (1.0 - beta2 ** float(state["step"]))
-                out[id(p)] = (1.0 / (v_hat.sqrt() + eps)).to(torch.float64)
+            d = adam_denominator(group, optimizer.state.get(p, {}))
+            if d is not None:
+                out[id(p)] = d.to(torch.float64)
     if not out:
         raise ContractError("optimizer", "state", "no second moment yet: take at least one optimizer step "
                                                   "before reading Adam's effective step")

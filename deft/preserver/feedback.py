@@ -307,6 +307,10 @@ def _is_stale(schedule: Schedule) -> bool:
 
 
 def prefer_lag_free(lag_free: Schedule, candidate: Schedule) -> bool:
+    """Whether the lag-free merge ``lag_free`` is taken over an accepted ``candidate``: against a fresh
+    candidate when strictly faster; against a stale one (an update applied after its cycle, or not
+    right after its last iteration) unless the candidate is predicted more than
+    :data:`STALENESS_MARGIN` faster, i.e. ``t_candidate >= (1 - STALENESS_MARGIN) t_lag_free``."""
     if not _is_stale(candidate):
         return lag_free.predicted_iteration_s < candidate.predicted_iteration_s
     return candidate.predicted_iteration_s >= (1.0 - STALENESS_MARGIN) * lag_free.predicted_iteration_s

@@ -18,6 +18,10 @@ element is converted exactly (float32/float16/bfloat16 -> float64 is exact), the
 order of the final float64 additions differs (per chunk, then the chunks' sums), a relative change
 of the order of float64's rounding (1e-16), not of the statistics' maths. A tensor of at most
 ``CHUNK`` elements is summed in one call, as before.
+
+Invariant: the scratch buffers are module state shared by every caller on a device, so two threads
+must not sum on the same device at once (deft calls these from the training thread only:
+``deft.runtime.grad_stats``); a result is a fresh 0-d tensor, never a view of the scratch.
 """
 
 from __future__ import annotations

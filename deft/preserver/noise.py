@@ -94,6 +94,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from deft.errors import ContractError
+from deft.preserver.curvature import adam_denominator
 from deft.preserver.float64 import dot64
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -454,16 +455,13 @@ def walk_geometry(optimizer: Any, params: Sequence[torch.Tensor] | None = None, 
                        for g in optimizer.param_groups for p in g["params"])
             order = []
         for p in order:
-            state = optimizer.state.get(p, {})
             g = where.get(id(p))
-            key = "max_exp_avg_sq" if g is not None and g.get("amsgrad") else "exp_avg_sq"  # AMSGrad's denominator
-            if g is None or key not in state:
+            d = None if g is None else adam_denominator(g, optimizer.state.get(p, {}), torch.float32)
+            if d is None:
                 roots.append(torch.zeros_like(p, dtype=torch.float32))
                 continue
             seen = True
-            beta2, eps = g["betas"][1], g["eps"]
-            v_hat = state[key].detach().to(torch.float32) / (1.0 - beta2 ** float(state["step"]))
-            roots.append((1.0 / (v_hat.sqrt() + eps)).sqrt())
+            roots.append(d.sqrt())
         if not seen:
             return WalkGeometry("euclidean", lr, None, "Adam has no second moment before its first step")
         return WalkGeometry("adam", lr, roots if with_roots else None)
