@@ -108,6 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-preserver", action="store_true", help="deft: plan without the preserver's check")
     ap.add_argument("--config", default=os.environ.get("DEFT_CONFIG"),
                     help="deft TOML config (default: $DEFT_CONFIG, else deft's defaults)")
+    # The codecs that have a torch DDP peer scheme here (--ddp fp16 / powersgd), so every deft run has its
+    # side-by-side comparison; bf16 works in deft (config compression = "bf16") but has no peer here.
     ap.add_argument("--compression", choices=("none", "fp16", "powersgd"), default=None,
                     help="deft: compress every bucket with torch's hook (config knob compression)")
     ap.add_argument("--powersgd-rank", type=int, default=4, help="powersgd: matrix_approximation_rank")
