@@ -301,3 +301,91 @@ def test_powersgd_is_profiled_compressed() -> None:
     assert a["t0"] == 9
     assert all(c > 0 for c in a["codec_s"]) and a["finite"]
     assert a["codec_s"] == b["codec_s"]  # max over ranks: every rank plans on the same profile
+
+
+# -- PowerSGD's memory across a layout change ---------------------------------------------------------
+def _powersgd_round(state: Any, layout: Any, params: list[torch.Tensor],
+                    grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One iteration of torch's powerSGD_hook over every bucket of ``layout`` (one rank); per-parameter results."""
+    from deft.runtime.comm_hooks import hook_bucket
+
+    buffers = layout.new_buffers(torch.device("cpu"))
+    for i, g in enumerate(grads):
+        layout.param_view(buffers, i).copy_(g.reshape(-1))
+    for b in range(layout.n_buckets):
+        [view] = layout.bucket_views(buffers, b)
+        bucket = hook_bucket(layout, params, b, view, is_last=b == layout.n_buckets - 1)
+        powerSGD_hook.powerSGD_hook(state, bucket).wait()
+    return [layout.param_view(buffers, i).clone() for i in range(len(params))]
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Any:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_powersgd_memory_follows_its_elements_to_a_new_layout(one_rank_group: Any) -> None:
+    """After a re-layout, carried memory makes PowerSGD compress exactly as if the buckets had not changed.
+
+    Second method: a reference state that stays on the first layout. Per-tensor PowerSGD's maths does not
+    depend on bucket boundaries once the error residual and Q follow their elements, so iteration 2 on
+    the new layout must give the reference's per-parameter results; dropping the memory must not."""
+    from deft.runtime.buckets import FlatLayout
+    from deft.runtime.comm_hooks import carry_buckets
+
+    torch.manual_seed(0)
+    params = [torch.zeros(sh) for sh in MLP_SHAPES]
+    names = [f"p{i}" for i in range(len(params))]
+    sizes = [math.prod(sh) for sh in MLP_SHAPES]
+    before = FlatLayout(range(6), names, params, [sizes[0] + sizes[1], sum(sizes[2:])])
+    # Another order (output side first) and other cuts, one of them alone around the 256x256 weight.
+    after = FlatLayout([4, 5, 2, 3, 0, 1], names, params,
+                       [sizes[4] + sizes[5], sizes[2], sizes[3] + sizes[0] + sizes[1]])
+
+    def state() -> Any:
+        return powerSGD_hook.PowerSGDState(process_group=one_rank_group, matrix_approximation_rank=2,
+                                           start_powerSGD_iter=2, use_error_feedback=True, warm_start=True,
+                                           random_seed=0)
+
+    reference, carried, dropped = state(), state(), state()
+    for st in (reference, carried, dropped):
+        st.iter = st.start_powerSGD_iter  # the compressed path from the first call
+    first = [torch.randn(sh) for sh in MLP_SHAPES]
+    second = [torch.randn(sh) for sh in MLP_SHAPES]
+    for st in (reference, carried, dropped):
+        _powersgd_round(st, before, params, first)
+    carry_buckets(CommHook(carried, powerSGD_hook.powerSGD_hook, "powersgd"), before, after, params)
+    forget_buckets(CommHook(dropped, powerSGD_hook.powerSGD_hook, "powersgd"))
+    want = _powersgd_round(reference, before, params, second)
+    got = _powersgd_round(carried, after, params, second)
+    lost = _powersgd_round(dropped, after, params, second)
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    # Rank 2 of a 256x64 gradient keeps little of it: the residual fed back is large, so dropping it shows.
+    assert max((a - b).abs().max().item() for a, b in zip(want, lost, strict=True)) > 1e-2
+    # And the memory keeps following: a third iteration, still on the new layout, against the reference.
+    third = [torch.randn(sh) for sh in MLP_SHAPES]
+    for w, g in zip(_powersgd_round(reference, before, params, third), _powersgd_round(carried, after, params, third),
+                    strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_batched_powersgd_memory_is_dropped_on_a_new_layout() -> None:
+    from deft.runtime.buckets import FlatLayout
+    from deft.runtime.comm_hooks import carry_buckets
+
+    params = [torch.zeros(sh) for sh in MLP_SHAPES]
+    names = [f"p{i}" for i in range(len(params))]
+    total = sum(math.prod(sh) for sh in MLP_SHAPES)
+    one = FlatLayout(range(6), names, params, [total])
+    hook = CommHook(powersgd(2).state, powerSGD_hook.batched_powerSGD_hook, "batched")
+    hook.state.error_dict[0] = torch.ones(292 * 292)
+    hook.state.q_memory_dict[0] = torch.ones(292 * 2)
+    carry_buckets(hook, one, FlatLayout(range(6), names, params, [1000, total - 1000]), params)
+    assert hook.state.error_dict == {} and hook.state.q_memory_dict == {}

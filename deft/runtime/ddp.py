@@ -59,7 +59,7 @@ from deft.runtime.adapt import (
 )
 from deft.runtime.buckets import FlatLayout, ddp_like_bucket_numel
 from deft.runtime.checkpoint import RuntimeState
-from deft.runtime.comm_hooks import CommHook, forget_buckets, from_config, plain_iterations, profile_codec
+from deft.runtime.comm_hooks import CommHook, carry_buckets, from_config, plain_iterations, profile_codec
 from deft.runtime.control import ControlPlane, broadcast_state, digest
 from deft.runtime.executor import Executor, Pending, PendingUpdate
 from deft.runtime.grad_stats import GradStats, walk_stats
@@ -770,7 +770,7 @@ class DistributedDataParallel(nn.Module):
         """The one way a schedule starts running: executor, trace ranges, statistics follow the layout."""
         old = self._executor.layout
         if old is not None and (old.bucket_params, old.bucket_numel) != (layout.bucket_params, layout.bucket_numel):
-            forget_buckets(self._executor.comm_hook)  # its per-bucket memory belongs to other element ranges
+            carry_buckets(self._executor.comm_hook, old, layout, self._params)  # memory follows its elements
         self._executor.install(schedule, layout, t0)
         self._set_forward_hooks(any(u.finish_in_forward for u in schedule.updates))
         if self._fwd_ranges is not None:
