@@ -73,6 +73,10 @@ class DeftConfig:
     compression: str = "none"      # "fp16" | "bf16" | "powersgd": torch's comm hook on every bucket
     powersgd_rank: int = 4
     powersgd_start_iter: int = 2   # plain all-reduce before (PowerSGD needs > 1 with error feedback)
+    # Iterations training goes on with the warm-up's synchronous schedule while rank 0 plans (and, when
+    # adapting, re-plans) in a background thread; the switch happens that many iterations later on every
+    # rank. 0: plan inside the iteration that ends the profile, as before (deft.runtime.planning).
+    plan_lag_iters: int = 2
     adapt: bool = True             # check the running schedule against measured time; re-plan (deft.runtime.adapt)
     adapt_window: int = 6          # iterations measured per decision
     adapt_max_replans: int = 2
@@ -130,9 +134,11 @@ class DeftConfig:
             raise bad("adapt_tolerance", f"expected in (0, 1), got {self.adapt_tolerance}")
         if self.adapt_max_replans < 0:
             raise bad("adapt_max_replans", f"expected an integer >= 0, got {self.adapt_max_replans}")
-        for name in ("warmup_iters", "profile_iters", "preserver_max_tries", "recheck_every", "adapt_window"):
-            if getattr(self, name) < (0 if name == "warmup_iters" else 1):
-                raise bad(name, f"expected a positive integer, got {getattr(self, name)}")
+        for name in ("warmup_iters", "profile_iters", "preserver_max_tries", "recheck_every", "adapt_window",
+                     "plan_lag_iters"):
+            low = 0 if name in ("warmup_iters", "plan_lag_iters") else 1
+            if getattr(self, name) < low:
+                raise bad(name, f"expected an integer >= {low}, got {getattr(self, name)}")
         if self.capacity_growth <= 1.0:
             raise bad("capacity_growth", f"expected > 1, got {self.capacity_growth}")
 

@@ -292,7 +292,7 @@ def warmup_back_worker(rank: int, world: int) -> dict[str, Any]:
         elif plan_digest(ddp.schedule) != warm:
             time.sleep(SLOW_S)  # deterministic stand-in for the CPU contention the simulator misses
         digests.append(plan_digest(ddp.schedule))
-    return {**checked_result(ddp, model, world), "digests": digests, "warm": warm}
+    return {**checked_result(ddp, model, world), "digests": digests, "warm": warm, "t0": ddp.plan_info["t0"]}
 
 
 @pytest.mark.slow
@@ -300,7 +300,9 @@ def test_a_plan_slower_than_the_warm_up_ends_on_the_warm_up_schedule() -> None:
     a, b = values(run_ranks(warmup_back_worker, 2, timeout=120))
     assert a["digests"] == b["digests"] and a["log"] == b["log"] and a["params"] == b["params"]
     assert a["adapt"] == b["adapt"] and a["switches"] == b["switches"]
-    assert a["digests"][4] != a["warm"]  # the plan ran from iteration 4, on another schedule
+    # Planned after the 4 warm-up iterations, in the background for plan_lag_iters (2, the default):
+    # the plan ran from iteration 6, on another schedule.
+    assert a["t0"] == 4 + 2 and a["digests"][a["t0"]] != a["warm"]
     records = a["adapt"]
     last = records[-1]
     assert "synchronous" in last["decision"] and "back" in last["decision"]

@@ -58,7 +58,11 @@ def test_warmup_profile_plan_and_run(tmp_path: Path) -> None:
     assert merged == list(range(ITERS))  # every iteration applied exactly once
     plan = out[0]["plan"]
     # The reason also says how the curvature for the stability check was obtained (no calibrate: secant).
-    assert plan["t0"] == 6 and plan["stats_reason"].startswith("estimated during warm-up; curvature: secant"), plan
+    # Warm-up 3 + profile 3 iterations, then 2 more (plan_lag_iters, the default) while rank 0 planned in
+    # the background; the plan runs from iteration 8 on both ranks.
+    assert plan["t0"] == 3 + 3 + 2 and plan["background"]["lag_iters"] == 2, plan
+    assert plan["background"]["plan_s"] > 0 and out[1]["plan"]["background"]["plan_s"] == 0  # rank 0 planned
+    assert plan["stats_reason"].startswith("estimated during warm-up; curvature: secant"), plan
     # The preserver's choice, or a fallback when the planner cannot plan this (timing-noisy) profile.
     assert plan["source"] == "preserver" or "fallback" in plan["source"], plan
     prof = Profile.load(tmp_path / "profile.json")

@@ -101,7 +101,8 @@ def recheck_worker(rank: int, world: int, force_at: int | None = None) -> dict[s
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     ddp = deft.DistributedDataParallel(model, optimizer=opt, profile=comm_heavy_profile(), config={
         "epsilon": 1.0, "warmup_iters": WARMUP, "recheck_every": RECHECK_EVERY, "timeout_s": 30, "adapt": False,
-        "links": [{"name": "primary"}]})
+        # planned inside iteration WARMUP - 1 (not in the background): the iteration numbers below count on it
+        "plan_lag_iters": 0, "links": [{"name": "primary"}]})
     digests = []
     for t in range(ITERS):
         loss = ddp(coefficients(rank, t))

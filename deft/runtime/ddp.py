@@ -35,7 +35,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -66,7 +66,13 @@ from deft.runtime.grad_stats import GradStats, walk_stats
 from deft.runtime.links import CommLink, make_control_group, make_links, make_solo_group
 from deft.runtime.optimizer_hooks import OptimizerBinding, merged_lr, restore_lr, scale_lr
 from deft.runtime.phase import Phase
-from deft.runtime.planning import Planning, check_schedule_file, make_schedule, resolve_profile
+from deft.runtime.planning import (
+    Background,
+    Planning,
+    check_schedule_file,
+    make_schedule,
+    resolve_profile,
+)
 from deft.runtime.tensors import tensors_in
 from deft.runtime.tracing import TRACE_DIR_ENV, ForwardRanges, TraceRecorder, profile_iters_from_env, recording
 from deft.runtime.warmup_timer import Codec, WarmupTimer
@@ -227,6 +233,13 @@ class DistributedDataParallel(nn.Module):
         self._sync_clock = SynchronousClock()
         self._sync_candidate: Schedule | None = None
         self._warm_layout: FlatLayout | None = None
+        # Planning in the background (config.plan_lag_iters; deft.runtime.planning.Background): the
+        # iteration at which the plan, or the adaptation's decision, is collected and installed.
+        self._plan_due: int | None = None
+        self._plan_started = 0.0
+        self._stats_reason = ""
+        self._adapt_due: int | None = None
+        self._adapt_job: Background | None = None  # rank 0
         self._install_warmup(list(reversed(range(len(self._params)))), t0=0)
 
         me = weakref.ref(self)
@@ -462,6 +475,10 @@ class DistributedDataParallel(nn.Module):
         st.check_owner(self.rank, self.world)
         layout = FlatLayout(st.order, self._names, self._params, st.schedule.bucket_numel, "deft checkpoint: schedule")
         self._executor.groups.clear()
+        # A decision in flight belongs to the run being replaced: its thread ends unheard.
+        self._plan_due = self._adapt_due = None
+        self._adapt_job = None
+        self._planning.discard()
         self._install(st.schedule, layout, st.t0)
         self._executor.restore_groups(st.groups, "deft checkpoint")
         self._t = st.t
@@ -671,8 +688,11 @@ class DistributedDataParallel(nn.Module):
             self._adopt_ready_order()
         if not self._planned and self._stats is None:
             self._stats = GradStats.start(self.config, self.world)
-        if not self._planned and self._t >= self._plan_at:
+        if not self._planned and self._plan_due is None and self._t >= self._plan_at:
             self._plan()
+            return
+        if not self._planned and self._plan_due is not None and self._t >= self._plan_due:
+            self._finish_plan()
             return
         if self._planned and self._planning.recheck_on:
             self._maybe_recheck()
@@ -838,7 +858,33 @@ class DistributedDataParallel(nn.Module):
             log.warning("deft: the preserver cannot test delayed updates (%s); it keeps the no-delay schedule",
                         stats_reason)
         self._last_walk = stats
+        self._stats_reason = stats_reason
+        lag = self.config.plan_lag_iters
+        if lag > 0 and self._executor.layout is not None and self._planning.schedule_path is None:
+            # Rank 0 plans in a thread; every rank trains on with the synchronous schedule of the first
+            # profile iteration and switches lag iterations from now (deft.runtime.planning).
+            self._planning.start(profile, stats, self.world)
+            self._plan_due = self._t + lag
+            links = tuple(self._links) if self._planning.measuring else (self._primary.name,)
+            self._executor.install(synchronous_candidate(self._executor.layout, links), self._executor.layout,
+                                   self._t)
+            self._sync_clock.exclude(time.perf_counter() - started)
+            return
+        self._plan_started = started
         schedule, info = self._planning.agree(profile, stats, self.world)
+        self._install_plan(schedule, info, {})
+
+    def _finish_plan(self) -> None:
+        """Collective: collect the plan :meth:`_plan` began in the background and install it."""
+        self._plan_due = None
+        self._plan_started = time.perf_counter()
+        schedule, info, timing = self._planning.finish()
+        self._install_plan(schedule, info, {"background": {"lag_iters": self.config.plan_lag_iters,
+                                                           **{k: round(v, 4) for k, v in timing.items()}}})
+
+    def _install_plan(self, schedule: Schedule, info: dict[str, Any], extra: dict[str, Any]) -> None:
+        """Every rank: run the agreed plan from this iteration on (the end of :meth:`_plan`)."""
+        started, stats_reason, profile = self._plan_started, self._stats_reason, self.profile
         if not self._planning.recheck_on:
             self._stats = None
         layout = FlatLayout(self._order_for(profile), self._names, self._params, schedule.bucket_numel,
@@ -846,7 +892,7 @@ class DistributedDataParallel(nn.Module):
         self._warm_layout = self._executor.layout
         self._install(schedule, layout, self._t)
         self._planned = True
-        self.plan_info = {**info, "t0": self._t, "stats_reason": stats_reason}
+        self.plan_info = {**info, "t0": self._t, "stats_reason": stats_reason, **extra}
         # Adapt deft's own plans (not a schedule file) when there is a profile to correct.
         self._adapt_on = self.config.adapt and profile is not None and self._planning.schedule_path is None
         if self._adapt_on:
@@ -864,7 +910,7 @@ class DistributedDataParallel(nn.Module):
         """Gather statistics now? Always before planning; after it, only in the window of iterations
         before each re-check (the estimator's EMA forgets older steps anyway)."""
         if not self._planned:
-            return True
+            return self._plan_due is None  # the plan in flight was made from the statistics so far
         every = self.config.recheck_every
         return every <= STATS_WINDOW or (self._t % every) >= every - STATS_WINDOW
 
@@ -911,32 +957,69 @@ class DistributedDataParallel(nn.Module):
 
     def _maybe_adapt(self) -> None:
         """Collective, every ``adapt_window`` measured iterations: rank 0 compares the slowest rank's
-        median iteration with the prediction and may switch schedules (:class:`deft.runtime.adapt.Adapter`)."""
+        median iteration with the prediction and may switch schedules (:class:`deft.runtime.adapt.Adapter`).
+        With ``plan_lag_iters`` > 0 rank 0 decides (and re-plans) in a background thread and every rank
+        collects the decision that many iterations later (:meth:`_finish_adapt`)."""
+        if self._adapt_due is not None:
+            if self._t >= self._adapt_due:
+                self._finish_adapt()
+            return
         if self._planning.pending is not None or len(self._iter_s) < self.config.adapt_window:
             return
         measured, backward, synchronous_s = self._control.max_rows(
             [[*window_medians(self._iter_s, self._bwd_s), self._sync_clock.median()]], "iteration times")[0]
         self._reset_window()
-        doc: dict[str, Any] = {}
+        decide = None
         if self.rank == 0:
+            assert self._adapter is not None
+            if self._adapter.synchronous is None and self._sync_candidate is not None and synchronous_s > 0:
+                self._adapter.synchronous = Synchronous(self._sync_candidate, synchronous_s)
+            decide = self._adapt_decision(self._adapter, self.schedule, self.profile, measured, backward,
+                                          self._last_walk)
+        lag = self.config.plan_lag_iters
+        if lag > 0:
+            self._adapt_job = None if decide is None else Background(decide, "deft-adapter")
+            self._adapt_due = self._t + lag
+            return
+        self._apply_adapt(decide() if decide is not None else {})
+
+    def _adapt_decision(self, adapter: Adapter, running: Schedule, profile: Profile | None, measured: float,
+                        backward: float, walk: Any) -> Callable[[], dict[str, Any]]:
+        """Rank 0's decision as a function of its inputs only (it may run on a background thread)."""
+        cfg = self.config
+
+        def decide() -> dict[str, Any]:
             try:
-                assert self._adapter is not None and self.profile is not None
-                cfg = self.config
-                if self._adapter.synchronous is None and self._sync_candidate is not None and synchronous_s > 0:
-                    self._adapter.synchronous = Synchronous(self._sync_candidate, synchronous_s)
+                assert profile is not None
 
                 def replan(corrected: Profile) -> Schedule:
-                    return make_schedule(cfg, corrected, None if cfg.epsilon == 0 else self._last_walk, None).schedule
+                    return make_schedule(cfg, corrected, None if cfg.epsilon == 0 else walk, None).schedule
 
-                new, corrected, record = self._adapter.decide(self.schedule, self.profile, measured, backward, replan)
-                doc = {"record": record, "done": self._adapter.done}
+                new, corrected, record = adapter.decide(running, profile, measured, backward, replan)
+                doc: dict[str, Any] = {"record": record, "done": adapter.done}
                 if new is not None:
                     doc["schedule"] = new.to_dict()
                 if corrected is not None:
                     doc["profile"] = corrected.to_dict()
+                return doc
             except Exception as e:  # adaptation never ends a run: keep the running schedule, stop adapting
                 log.exception("deft: adaptation failed")
-                doc = {"record": {"error": f"{type(e).__name__}: {e}"}, "done": True}
+                return {"record": {"error": f"{type(e).__name__}: {e}"}, "done": True}
+        return decide
+
+    def _finish_adapt(self) -> None:
+        """Collective: collect the decision :meth:`_maybe_adapt` began in the background and apply it."""
+        job, self._adapt_job, self._adapt_due = self._adapt_job, None, None
+        doc: dict[str, Any] = {}
+        if job is not None:
+            doc, waited = job.result()
+            doc = {**doc, "record": {**doc.get("record", {}), "background": {
+                "lag_iters": self.config.plan_lag_iters, "plan_s": round(job.seconds, 4),
+                "waited_s": round(waited, 4)}}}
+        self._apply_adapt(doc)
+
+    def _apply_adapt(self, doc: dict[str, Any]) -> None:
+        """Collective: rank 0's adaptation decision to every rank; a new schedule waits for a boundary."""
         doc = self._control.broadcast_json(doc, "adaptation decision")
         record = {"iteration": self._t, **doc["record"]}
         if "profile" in doc:
@@ -948,7 +1031,10 @@ class DistributedDataParallel(nn.Module):
             schedule = Schedule.from_dict(doc["schedule"], "schedule re-planned by rank 0")
             self._control.check_agreement("schedule", schedule.digest())
             back = self._sync_candidate is not None and plan_digest(schedule) == plan_digest(self._sync_candidate)
-            self._planning.pending = (schedule, {"source": "adapt", **({"layout": "warm-up"} if back else {})})
+            if self._planning.pending is None:  # a re-check's re-plan, made during the lag, goes first
+                self._planning.pending = (schedule, {"source": "adapt", **({"layout": "warm-up"} if back else {})})
+            else:
+                record["superseded"] = "a re-check's re-planned schedule was already waiting"
         self._adapt_on = not doc["done"]
         self.plan_info.setdefault("adapt", []).append(record)
 

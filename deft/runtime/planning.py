@@ -14,12 +14,24 @@
   runs): rank 0 re-evaluates it (:class:`deft.preserver.feedback.Recheck`) and re-plans when asked;
   the new schedule waits in :attr:`Planning.pending` until the next cycle boundary, where the runtime
   flushes and switches (all ranks at the same iteration).
+* **Planning in the background** (``config.plan_lag_iters`` > 0): :meth:`Planning.start` runs rank 0's
+  decision in a :class:`Background` thread while every rank trains on with the warm-up's synchronous
+  schedule; :meth:`Planning.finish`, ``plan_lag_iters`` iterations later, is the same collective as
+  :meth:`Planning.agree` (rank 0 waits for its thread if it has not finished). The iteration that
+  switches is fixed in advance, so every rank switches at the same one whatever the planner's speed.
+  Why: the planner (knapsack tries, the lag-free search's simulations) took 0.9 s in the planning
+  iteration and 1.9 s in the adaptation's re-plan of the digits CNN on the testbed (benchmarks/results/
+  peers.md), time that training waited for; a synchronous iteration at 250 Mbit/s spends most of its
+  time waiting for the link with the GIL released, which the planner's thread can use.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +125,35 @@ def make_schedule(cfg: DeftConfig, profile: Profile | None, stats: WalkStats | N
     return Decision(sched, {"source": "synchronous (fallback)", "fallback": [first, second]})
 
 
+class Background:
+    """``fn()`` on a daemon thread; :meth:`result` waits for it. An exception in ``fn`` is returned as
+    ``{"error": "..."}`` (the decisions are JSON documents that carry their own errors), so a failed
+    background decision travels to the other ranks like a failed synchronous one."""
+
+    def __init__(self, fn: Callable[[], dict[str, Any]], name: str) -> None:
+        self._fn = fn
+        self._doc: dict[str, Any] | None = None
+        self.seconds = 0.0  # how long fn ran
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._doc = self._fn()
+        except Exception as e:  # carried to every rank, never lost in a thread
+            log.exception("deft: background planning failed")
+            self._doc = {"error": f"{type(e).__name__}: {e}"}
+        self.seconds = time.perf_counter() - t0
+
+    def result(self) -> tuple[dict[str, Any], float]:
+        """The document and the seconds the caller waited for it (0 when it was ready)."""
+        t0 = time.perf_counter()
+        self._thread.join()
+        assert self._doc is not None
+        return self._doc, time.perf_counter() - t0
+
+
 # -- the collective side --------------------------------------------------------------------------
 @dataclass
 class Planning:
@@ -125,6 +166,7 @@ class Planning:
     recheck_on: bool = False
     pending: tuple[Schedule, dict[str, Any]] | None = None
     _recheck: Recheck | None = field(default=None, repr=False)  # rank 0 only
+    _job: Background | None = field(default=None, repr=False)  # rank 0's decision in flight (start/finish)
 
     @property
     def measuring(self) -> bool:
@@ -133,23 +175,51 @@ class Planning:
 
     def agree(self, profile: Profile | None, stats: WalkStats | None, world: int) -> tuple[Schedule, dict[str, Any]]:
         """Collective: rank 0 decides; every rank gets, validates and digest-checks the same schedule."""
-        cfg = self.config
+        return self._receive(self._decide(profile, stats, world) if self.control.rank == 0 else {})
+
+    def start(self, profile: Profile | None, stats: WalkStats | None, world: int) -> None:
+        """Not collective: rank 0 starts deciding in the background; :meth:`finish` collects it."""
+        self._job = Background(lambda: self._decide(profile, stats, world), "deft-planner") \
+            if self.control.rank == 0 else None
+
+    def discard(self) -> None:
+        """Forget a decision in flight (a checkpoint was loaded): its thread ends unheard."""
+        self._job = None
+
+    def finish(self) -> tuple[Schedule, dict[str, Any], dict[str, float]]:
+        """Collective: :meth:`agree` for the decision :meth:`start` began; also rank 0's planning seconds
+        and how long the caller waited for them (``{"plan_s", "waited_s"}``, zeros on other ranks)."""
+        job, self._job = self._job, None
+        timing = {"plan_s": 0.0, "waited_s": 0.0}
         doc: dict[str, Any] = {}
-        if self.control.rank == 0:
-            try:
-                decision = make_schedule(cfg, profile, stats, self.schedule_path)
-                info = dict(decision.info)
-                # Re-checks need live statistics, a profile to re-plan from, and the preserver's own plan.
-                wanted = (info.get("source") == "preserver" and cfg.preserver and cfg.epsilon > 0 and world >= 2
-                          and profile is not None and self.schedule_path is None and decision.preserved is not None)
-                if wanted:
-                    assert decision.preserved is not None
-                    self._recheck = Recheck(cfg, decision.preserved)
-                info["recheck"] = wanted
-                doc = {"schedule": decision.schedule.to_dict(), "info": info}
-            except Exception as e:  # tell the other ranks instead of leaving them waiting
-                log.exception("deft: rank 0 could not produce a schedule")
-                doc = {"error": f"{type(e).__name__}: {e}"}
+        if job is not None:
+            doc, waited = job.result()
+            timing = {"plan_s": job.seconds, "waited_s": waited}
+        schedule, info = self._receive(doc)
+        return schedule, info, timing
+
+    def _decide(self, profile: Profile | None, stats: WalkStats | None, world: int) -> dict[str, Any]:
+        """Rank 0's decision as the JSON document :meth:`_receive` broadcasts."""
+        cfg = self.config
+        doc: dict[str, Any]
+        try:
+            decision = make_schedule(cfg, profile, stats, self.schedule_path)
+            info = dict(decision.info)
+            # Re-checks need live statistics, a profile to re-plan from, and the preserver's own plan.
+            wanted = (info.get("source") == "preserver" and cfg.preserver and cfg.epsilon > 0 and world >= 2
+                      and profile is not None and self.schedule_path is None and decision.preserved is not None)
+            if wanted:
+                assert decision.preserved is not None
+                self._recheck = Recheck(cfg, decision.preserved)
+            info["recheck"] = wanted
+            doc = {"schedule": decision.schedule.to_dict(), "info": info}
+        except Exception as e:  # tell the other ranks instead of leaving them waiting
+            log.exception("deft: rank 0 could not produce a schedule")
+            doc = {"error": f"{type(e).__name__}: {e}"}
+        return doc
+
+    def _receive(self, doc: dict[str, Any]) -> tuple[Schedule, dict[str, Any]]:
+        """Collective: rank 0's ``doc`` to every rank, validated and digest-checked."""
         doc = self.control.broadcast_json(doc, "schedule")
         if "error" in doc:
             raise DeftError(f"rank 0 could not produce a schedule: {doc['error']}")

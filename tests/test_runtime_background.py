@@ -1,0 +1,46 @@
+"""Planning in the background (config.plan_lag_iters; deft.runtime.planning.Background).
+
+The collective side (every rank switches at the same iteration, rank 0's planning seconds recorded)
+is checked end to end in tests/test_runtime_planned.py and tests/test_runtime_adapt.py; here the
+thread wrapper's contract: the document comes back, an exception comes back as a document.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from deft.config import DeftConfig
+from deft.errors import ContractError
+from deft.runtime.planning import Background
+
+
+def test_background_returns_the_document_computed_on_another_thread() -> None:
+    release = threading.Event()
+    seen: list[str] = []
+
+    def decide() -> dict[str, object]:
+        seen.append(threading.current_thread().name)
+        release.wait(10)
+        return {"schedule": "s"}
+
+    job = Background(decide, "deft-planner-test")
+    release.set()  # decide() is waiting on another thread while this one goes on
+    doc, waited = job.result()
+    assert doc == {"schedule": "s"} and seen == ["deft-planner-test"]
+    assert waited >= 0 and job.seconds > 0
+
+
+def test_an_exception_in_the_background_comes_back_as_an_error_document() -> None:
+    def decide() -> dict[str, object]:
+        raise ValueError("the knapsack is on fire")
+
+    doc, _ = Background(decide, "deft-planner-test").result()
+    assert doc == {"error": "ValueError: the knapsack is on fire"}
+
+
+def test_plan_lag_iters_is_validated() -> None:
+    assert DeftConfig(plan_lag_iters=0).plan_lag_iters == 0  # 0: plan inside the iteration, as before
+    with pytest.raises(ContractError, match=r"plan_lag_iters.*expected an integer >= 0, got -1"):
+        DeftConfig(plan_lag_iters=-1)
