@@ -369,9 +369,9 @@ def warm_up(w: Workload, seed: int, n: int, probe: bool = True) -> WarmState:
     reason = "no noise estimate"
     if stats is not None and est is not None:
         trace = (raw.estimate if metric != "euclidean" else est).trace
-        sec = secant.debiased(2.0 * trace / w.global_batch)
+        sec, kind = secant.screen(2.0 * trace / w.global_batch)  # as deft.runtime.grad_stats.walk_stats
         lam, spec, how = stability_inputs(opt, sec, None)
-        reason = how
+        reason = how if not kind.startswith("raw") else f"{how} ({kind})"
         if lam is not None:
             stats = dataclasses.replace(stats, curvature=lam, optimizer=spec)
     warm = WarmState(copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), gen.get_state(), stats,
