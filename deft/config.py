@@ -73,10 +73,10 @@ class DeftConfig:
     compression: str = "none"      # "fp16" | "bf16" | "powersgd": torch's comm hook on every bucket
     powersgd_rank: int = 4
     powersgd_start_iter: int = 2   # plain all-reduce before (PowerSGD needs > 1 with error feedback)
-    # Iterations training goes on with the warm-up's synchronous schedule while rank 0 plans (and, when
-    # adapting, re-plans) in a background thread; the switch happens that many iterations later on every
-    # rank. 0: plan inside the iteration that ends the profile, as before (deft.runtime.planning).
-    plan_lag_iters: int = 2
+    # Rank 0 plans (and, when adapting, re-plans) in a background thread while training goes on; every rank
+    # switches at the first iteration boundary where rank 0's thread is done, after at most this many
+    # iterations. 0: plan inside the iteration that ends the profile, as before (deft.runtime.planning).
+    plan_lag_iters: int = 3
     adapt: bool = True             # check the running schedule against measured time; re-plan (deft.runtime.adapt)
     adapt_window: int = 6          # iterations measured per decision
     adapt_max_replans: int = 2

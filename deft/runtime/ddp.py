@@ -691,7 +691,7 @@ class DistributedDataParallel(nn.Module):
         if not self._planned and self._plan_due is None and self._t >= self._plan_at:
             self._plan()
             return
-        if not self._planned and self._plan_due is not None and self._t >= self._plan_due:
+        if not self._planned and self._plan_due is not None and self._job_ready(self._plan_due, self._planning.job):
             self._finish_plan()
             return
         if self._planned and self._planning.recheck_on:
@@ -862,7 +862,8 @@ class DistributedDataParallel(nn.Module):
         lag = self.config.plan_lag_iters
         if lag > 0 and self._executor.layout is not None and self._planning.schedule_path is None:
             # Rank 0 plans in a thread; every rank trains on with the synchronous schedule of the first
-            # profile iteration and switches lag iterations from now (deft.runtime.planning).
+            # profile iteration and switches when it is done, at most lag iterations from now
+            # (deft.runtime.planning).
             self._planning.start(profile, stats, self.world)
             self._plan_due = self._t + lag
             links = tuple(self._links) if self._planning.measuring else (self._primary.name,)
@@ -873,6 +874,15 @@ class DistributedDataParallel(nn.Module):
         self._plan_started = started
         schedule, info = self._planning.agree(profile, stats, self.world)
         self._install_plan(schedule, info, {})
+
+    def _job_ready(self, due: int, job: Background | None) -> bool:
+        """Collective while a background decision is in flight: collect it at this iteration boundary?
+        At ``due`` (the ``plan_lag_iters`` limit) yes; before, when rank 0's thread is done (rank 0's
+        word, broadcast, so every rank answers alike)."""
+        if self._t >= due:
+            return True
+        done = int(job is not None and job.done()) if self.rank == 0 else 0
+        return bool(self._control.broadcast_ints([done], "background planning state")[0])
 
     def _finish_plan(self) -> None:
         """Collective: collect the plan :meth:`_plan` began in the background and install it."""
@@ -961,7 +971,7 @@ class DistributedDataParallel(nn.Module):
         With ``plan_lag_iters`` > 0 rank 0 decides (and re-plans) in a background thread and every rank
         collects the decision that many iterations later (:meth:`_finish_adapt`)."""
         if self._adapt_due is not None:
-            if self._t >= self._adapt_due:
+            if self._job_ready(self._adapt_due, self._adapt_job):
                 self._finish_adapt()
             return
         if self._planning.pending is not None or len(self._iter_s) < self.config.adapt_window:

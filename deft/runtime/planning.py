@@ -16,9 +16,10 @@
   flushes and switches (all ranks at the same iteration).
 * **Planning in the background** (``config.plan_lag_iters`` > 0): :meth:`Planning.start` runs rank 0's
   decision in a :class:`Background` thread while every rank trains on with the warm-up's synchronous
-  schedule; :meth:`Planning.finish`, ``plan_lag_iters`` iterations later, is the same collective as
-  :meth:`Planning.agree` (rank 0 waits for its thread if it has not finished). The iteration that
-  switches is fixed in advance, so every rank switches at the same one whatever the planner's speed.
+  schedule. At the end of each following iteration rank 0 broadcasts whether its thread is done (one
+  integer on the control group); :meth:`Planning.finish`, the same collective as :meth:`Planning.agree`,
+  runs at the first iteration where it is, or after ``plan_lag_iters`` iterations at the latest (rank 0
+  then waits for its thread). Every rank follows rank 0's word, so all switch at the same iteration.
   Why: the planner (knapsack tries, the lag-free search's simulations) took 0.9 s in the planning
   iteration and 1.9 s in the adaptation's re-plan of the digits CNN on the testbed (benchmarks/results/
   peers.md), time that training waited for; a synchronous iteration at 250 Mbit/s spends most of its
@@ -146,6 +147,9 @@ class Background:
             self._doc = {"error": f"{type(e).__name__}: {e}"}
         self.seconds = time.perf_counter() - t0
 
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
     def result(self) -> tuple[dict[str, Any], float]:
         """The document and the seconds the caller waited for it (0 when it was ready)."""
         t0 = time.perf_counter()
@@ -181,6 +185,11 @@ class Planning:
         """Not collective: rank 0 starts deciding in the background; :meth:`finish` collects it."""
         self._job = Background(lambda: self._decide(profile, stats, world), "deft-planner") \
             if self.control.rank == 0 else None
+
+    @property
+    def job(self) -> Background | None:
+        """Rank 0's decision in flight (:meth:`start`), None elsewhere and when there is none."""
+        return self._job
 
     def discard(self) -> None:
         """Forget a decision in flight (a checkpoint was loaded): its thread ends unheard."""
