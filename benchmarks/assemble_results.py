@@ -27,6 +27,7 @@ ORDER = [
     "preserver.md",
     "stability.md",
     "preserver_validation.md",
+    "preserver_validation_seed1.md",
 ]
 
 
