@@ -84,3 +84,39 @@ def test_mismatched_config_names_the_rank() -> None:
         first = r.error.splitlines()[0]
         assert first.startswith(f"ContractError: rank {r.rank}: config: rank(s) [1] differ from rank 0"), first
         assert "epsilon: rank 0 has 0.01, rank 1 has 0.05" in first, first
+
+
+def planner_failure_worker(rank: int, world: int, lag: int) -> str:
+    """Rank 0's planner raises; every rank must stop with rank 0's error, whether rank 0 planned in the
+    step (lag 0) or on its background thread (the default)."""
+    import deft
+    import deft.runtime.planning as planning
+    from deft.errors import DeftError
+
+    if rank == 0:
+        def exploding(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("the knapsack is on fire")
+
+        planning.make_schedule = exploding  # type: ignore[assignment]  # this spawned process only
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ddp = deft.DistributedDataParallel(model, config={
+        "epsilon": 0.1, "warmup_iters": 1, "profile_iters": 1, "plan_lag_iters": lag, "timeout_s": 30,
+        "links": [{"name": "primary"}]})
+    try:
+        for _ in range(10):
+            ddp(torch.randn(4, 6)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    except DeftError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lag", [0, 3])
+def test_a_planner_failure_on_rank_0_stops_every_rank_with_its_error(lag: int) -> None:
+    from tests._dist import values
+
+    a, b = values(run_ranks(planner_failure_worker, 2, (lag,), timeout=90))
+    assert a == b == "rank 0 could not produce a schedule: RuntimeError: the knapsack is on fire"
