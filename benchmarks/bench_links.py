@@ -121,6 +121,19 @@ def command_line() -> str:
                                                                          *sys.argv[1:]])
 
 
+def recorded_command(run_dir: Path, default: str) -> str:
+    """The command that made the saved runs in ``run_dir`` (its command.txt), else ``default``."""
+    cmd = run_dir / "command.txt"
+    return cmd.read_text(encoding="utf-8").strip() if cmd.exists() else default
+
+
+def runs_dir(path: Path, command: str) -> Path:
+    """``path`` created, with ``command`` recorded in its command.txt (what :func:`recorded_command` reads)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "command.txt").write_text(command + "\n", encoding="utf-8")
+    return path
+
+
 def machine() -> str:
     import os
     import platform

@@ -55,7 +55,17 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_links import PORT, ROOT, command_line, handle_signals, machine, run_ranks, update_section
+from bench_links import (
+    PORT,
+    ROOT,
+    command_line,
+    handle_signals,
+    machine,
+    recorded_command,
+    run_ranks,
+    runs_dir,
+    update_section,
+)
 
 from deft.testbed import Testbed, TestbedError
 
@@ -379,14 +389,11 @@ def main() -> int:
         docs = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(run_dir.glob("*.r*.json"))
                 if ".host" not in p.name]
         docs = [d for d in docs if d["summary"]["name"] in names and d["summary"]["rate_mbit"] in rates]
-        cmd = run_dir / "command.txt"
-        command = cmd.read_text(encoding="utf-8").strip() if cmd.exists() else command_line()
+        command = recorded_command(run_dir, command_line())
     else:
         command = command_line()
         with tempfile.TemporaryDirectory() as tmp:
-            out_dir = Path(args.save_runs or tmp)
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "command.txt").write_text(command + "\n", encoding="utf-8")
+            out_dir = runs_dir(Path(args.save_runs or tmp), command)
             try:
                 docs = run_all(args, names, rates, out_dir, failed)
             except TestbedError as e:  # not root, no iproute2, no namespaces: one line, not a traceback

@@ -69,7 +69,7 @@ import numpy as np
 from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_links import machine
+from bench_links import machine, recorded_command, runs_dir
 from bench_peers import SCHEMES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -463,8 +463,7 @@ def main() -> int:
     try:
         if args.from_runs:
             run_dir = Path(args.from_runs)
-            cmd = run_dir / "command.txt"
-            command = cmd.read_text(encoding="utf-8").strip() if cmd.exists() else command_line()
+            command = recorded_command(run_dir, command_line())
             made = max((run_path(run_dir, n, s).stat().st_mtime for n in schemes for s in seeds
                         if run_path(run_dir, n, s).exists()), default=None)
             when = "" if made is None else f" (newest run file {datetime.date.fromtimestamp(made).isoformat()})"
@@ -473,9 +472,7 @@ def main() -> int:
         else:
             command = command_line()
             with tempfile.TemporaryDirectory() as tmp:
-                run_dir = Path(args.save_runs or tmp)
-                run_dir.mkdir(parents=True, exist_ok=True)
-                (run_dir / "command.txt").write_text(command + "\n", encoding="utf-8")
+                run_dir = runs_dir(Path(args.save_runs or tmp), command)
                 train(schemes, seeds, args.epochs, args.eval_every, run_dir, args.timeout)
                 runs = load_runs(run_dir, schemes, seeds)
     except SeedRunError as e:
