@@ -108,3 +108,58 @@ def test_checkpoint_mid_cycle_resumes_exactly(tmp_path: Path, compression: str) 
         assert resumed[r]["log"] == first[r]["full"]["log"]
         assert resumed[r]["params"] == first[r]["full"]["params"]  # bit for bit
     assert resumed[0]["params"] == resumed[1]["params"]
+
+
+# -- a checkpoint while rank 0 plans in the background -----------------------------------------------
+LAG_TOTAL, LAG_STOP = 14, 4
+
+
+def lag_worker(rank: int, world: int) -> dict[str, object]:
+    """Measured profile, epsilon 0; rank 0's planner is slowed (1 s) so that the checkpoint after
+    iteration 3 falls while it plans in the background (warm-up 1 + profile 2: planning began after
+    iteration 2). The resumed run profiles and plans again; whatever runs, epsilon 0 is torch DDP's maths."""
+    import time
+
+    import deft
+    import deft.runtime.planning as planning
+
+    if rank == 0:
+        slow = planning.make_schedule
+
+        def slowed(*args: object, **kwargs: object) -> object:
+            time.sleep(1.0)
+            return slow(*args, **kwargs)
+
+        planning.make_schedule = slowed  # type: ignore[assignment]  # this spawned process only
+    cfg = {"epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2, "plan_lag_iters": 3, "timeout_s": 30,
+           "links": [{"name": "primary"}, {"name": "second"}]}
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, config=cfg)
+    train(ddp, opt, rank, 0, LAG_STOP)
+    in_flight = "t0" not in ddp.plan_info  # no plan installed yet: the checkpoint falls in the lag
+    state = {"ddp": ddp.state_dict(), "opt": opt.state_dict()}
+    model2 = make_model()
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    ddp2 = deft.DistributedDataParallel(model2, optimizer=opt2, config=cfg)
+    ddp2.load_state_dict(state["ddp"])
+    opt2.load_state_dict(state["opt"])
+    train(ddp2, opt2, rank, LAG_STOP, LAG_TOTAL)
+    ddp2.flush()
+    ref = make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    train(nn.parallel.DistributedDataParallel(ref), ref_opt, rank, 0, LAG_TOTAL)
+    worst = max((a - b).abs().max().item() for a, b in zip(model2.parameters(), ref.parameters(), strict=True))
+    return {"in_flight": in_flight, "worst": worst, "t0": ddp2.plan_info.get("t0"),
+            "log": [[t, list(i)] for t, i in ddp2.update_log]}
+
+
+@pytest.mark.slow
+def test_a_checkpoint_taken_while_rank_0_plans_resumes_to_torch_ddps_parameters() -> None:
+    a, b = values(run_ranks(lag_worker, 2, timeout=120))
+    assert a["in_flight"] and b["in_flight"]
+    assert a["worst"] < 1e-5 and b["worst"] < 1e-5
+    # Resumed at 4: profiled again (warm-up counted as done: 2 profile iterations, 4 and 5), planned in
+    # the background from 6, the slowed planner collected at the latest 3 iterations later.
+    assert a["t0"] == b["t0"] and 6 < a["t0"] <= 9
+    assert sorted(t for _, its in a["log"] for t in its) == list(range(LAG_TOTAL))  # each iteration once
