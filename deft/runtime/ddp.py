@@ -986,7 +986,8 @@ class DistributedDataParallel(nn.Module):
         """Collective, every ``adapt_window`` measured iterations: rank 0 compares the slowest rank's
         median iteration with the prediction and may switch schedules (:class:`deft.runtime.adapt.Adapter`).
         With ``plan_lag_iters`` > 0 rank 0 decides (and re-plans) in a background thread and every rank
-        collects the decision that many iterations later (:meth:`_finish_adapt`)."""
+        collects the decision at the first iteration boundary where it is done, that many iterations
+        later at the latest (:meth:`_finish_adapt`)."""
         if self._adapt_due is not None:
             if self._job_ready(self._adapt_due, self._adapt_job):
                 self._finish_adapt()
@@ -1048,6 +1049,7 @@ class DistributedDataParallel(nn.Module):
     def _apply_adapt(self, doc: dict[str, Any]) -> None:
         """Collective: rank 0's adaptation decision to every rank; a new schedule waits for a boundary."""
         doc = self._control.broadcast_json(doc, "adaptation decision")
+        self._reset_window()  # the iterations beside the planner's thread are not the schedule's own
         record = {"iteration": self._t, **doc["record"]}
         if "profile" in doc:
             self.profile = Profile.from_dict(doc["profile"], "profile corrected by rank 0")
