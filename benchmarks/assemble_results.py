@@ -28,6 +28,7 @@ ORDER = [
     "stability.md",
     "preserver_validation.md",
     "preserver_validation_seed1.md",
+    "preserver_validation_seed2.md",
 ]
 
 
