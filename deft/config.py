@@ -76,7 +76,11 @@ class DeftConfig:
     # Rank 0 plans (and, when adapting, re-plans) in a background thread while training goes on; every rank
     # switches at the first iteration boundary where rank 0's thread is done, after at most this many
     # iterations. 0: plan inside the iteration that ends the profile, as before (deft.runtime.planning).
-    plan_lag_iters: int = 3
+    plan_lag_iters: int = 6
+    # The planner thread's nice value (Linux; 0: the training's own priority): it should use the CPU the
+    # training leaves idle. Measured on the testbed (2 cores): 10 took deft default to 93 % in 22.7-24.6 s
+    # against 24.0-25.5 s at 0 (benchmarks/results/peers.md).
+    planner_nice: int = 10
     adapt: bool = True             # check the running schedule against measured time; re-plan (deft.runtime.adapt)
     adapt_window: int = 6          # iterations measured per decision
     adapt_max_replans: int = 2
@@ -139,6 +143,8 @@ class DeftConfig:
             low = 0 if name in ("warmup_iters", "plan_lag_iters") else 1
             if getattr(self, name) < low:
                 raise bad(name, f"expected an integer >= {low}, got {getattr(self, name)}")
+        if not 0 <= self.planner_nice <= 19:
+            raise bad("planner_nice", f"expected an integer in [0, 19] (a nice value), got {self.planner_nice}")
         if self.capacity_growth <= 1.0:
             raise bad("capacity_growth", f"expected > 1, got {self.capacity_growth}")
 

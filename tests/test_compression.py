@@ -282,7 +282,7 @@ def powersgd_worker(rank: int, world: int) -> dict[str, Any]:
         "compression": "powersgd", "powersgd_rank": 4, "powersgd_start_iter": 5, "warmup_iters": 1,
         "profile_iters": 3, "timeout_s": 30, "epsilon": 0.0})
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    train_steps(ddp, opt, rank, iters=13, batch=32)
+    train_steps(ddp, opt, rank, iters=16, batch=32)
     ddp.flush()
     p = ddp.profile
     assert p is not None
@@ -299,8 +299,8 @@ def test_powersgd_is_profiled_compressed() -> None:
     # PowerSGD compresses from iteration 5 (0-based): plain iterations 0..4, one compressed warm-up
     # iteration (5; warmup_iters = 1 counts from there), 3 profile iterations (6, 7, 8), planned from
     # iteration 9 in the background: the plan runs from the first boundary where rank 0 is done, at
-    # most plan_lag_iters (3, the default) later
-    assert 9 < a["t0"] <= 9 + 3 and a["t0"] == b["t0"]
+    # most plan_lag_iters (6, the default) later
+    assert 9 < a["t0"] <= 9 + 6 and a["t0"] == b["t0"]
     assert all(c > 0 for c in a["codec_s"]) and a["finite"]
     assert a["codec_s"] == b["codec_s"]  # max over ranks: every rank plans on the same profile
 

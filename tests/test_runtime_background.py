@@ -7,6 +7,8 @@ thread wrapper's contract: the document comes back, an exception comes back as a
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
 import pytest
@@ -44,3 +46,20 @@ def test_plan_lag_iters_is_validated() -> None:
     assert DeftConfig(plan_lag_iters=0).plan_lag_iters == 0  # 0: plan inside the iteration, as before
     with pytest.raises(ContractError, match=r"plan_lag_iters.*expected an integer >= 0, got -1"):
         DeftConfig(plan_lag_iters=-1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread priorities are set on Linux only")
+def test_the_planner_thread_runs_at_its_nice_value_and_the_caller_keeps_its_own() -> None:
+    def nice_here() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    mine = nice_here()
+    doc, _ = Background(lambda: {"nice": nice_here()}, "deft-planner-test", nice=5).result()
+    assert doc == {"nice": 5}  # setpriority sets the thread's value (it does not add to the caller's)
+    assert nice_here() == mine
+
+
+def test_planner_nice_is_validated() -> None:
+    assert DeftConfig().planner_nice == 10
+    with pytest.raises(ContractError, match=r"planner_nice.*expected an integer in \[0, 19\]"):
+        DeftConfig(planner_nice=20)

@@ -85,7 +85,7 @@ def calibrate_worker(rank: int, world: int) -> dict[str, Any]:
         "epsilon": 0.05, "warmup_iters": 6, "timeout_s": 30, "adapt": False, "links": [{"name": "primary"}]})
     x0 = _x(rank)
     record = ddp.calibrate(lambda: 0.5 * (ddp.module(x0) ** 2).mean(), tol=1e-6)
-    for t in range(6 + 3):  # warm-up, then at most plan_lag_iters (3) while rank 0 plans in the background
+    for t in range(6 + 6):  # warm-up, then at most plan_lag_iters (6) while rank 0 plans in the background
         x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1000 * t + rank))
         loss = 0.5 * (ddp(x) ** 2).mean() + (ddp.module.weight.sum() * 0.3)
         loss.backward()

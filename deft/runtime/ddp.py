@@ -1006,7 +1006,7 @@ class DistributedDataParallel(nn.Module):
                                           self._last_walk)
         lag = self.config.plan_lag_iters
         if lag > 0:
-            self._adapt_job = None if decide is None else Background(decide, "deft-adapter")
+            self._adapt_job = None if decide is None else Background(decide, "deft-adapter", self.config.planner_nice)
             self._adapt_due = self._t + lag
             return
         self._apply_adapt(decide() if decide is not None else {})

@@ -20,6 +20,8 @@
   integer on the control group); :meth:`Planning.finish`, the same collective as :meth:`Planning.agree`,
   runs at the first iteration where it is, or after ``plan_lag_iters`` iterations at the latest (rank 0
   then waits for its thread). Every rank follows rank 0's word, so all switch at the same iteration.
+  The thread runs at a lower CPU priority (``config.planner_nice``, Linux), so that it takes the CPU
+  the training leaves idle rather than the model's.
   Why: the planner (knapsack tries, the lag-free search's simulations) took 0.9 s in the planning
   iteration and 1.9 s in the adaptation's re-plan of the digits CNN on the testbed (benchmarks/results/
   peers.md), time that training waited for; a synchronous iteration at 250 Mbit/s spends most of its
@@ -28,8 +30,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -131,8 +135,9 @@ class Background:
     ``{"error": "..."}`` (the decisions are JSON documents that carry their own errors), so a failed
     background decision travels to the other ranks like a failed synchronous one."""
 
-    def __init__(self, fn: Callable[[], dict[str, Any]], name: str) -> None:
+    def __init__(self, fn: Callable[[], dict[str, Any]], name: str, nice: int = 0) -> None:
         self._fn = fn
+        self._nice = nice
         self._doc: dict[str, Any] | None = None
         self.seconds = 0.0  # how long fn ran
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -140,6 +145,11 @@ class Background:
 
     def _run(self) -> None:
         t0 = time.perf_counter()
+        if self._nice and sys.platform.startswith("linux"):
+            # Linux schedules threads as tasks: a thread id given to setpriority changes only this thread
+            # (and the solver threads it starts). Elsewhere a thread id is no process id: left alone.
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
         try:
             self._doc = self._fn()
         except Exception as e:  # carried to every rank, never lost in a thread
@@ -183,8 +193,8 @@ class Planning:
 
     def start(self, profile: Profile | None, stats: WalkStats | None, world: int) -> None:
         """Not collective: rank 0 starts deciding in the background; :meth:`finish` collects it."""
-        self._job = Background(lambda: self._decide(profile, stats, world), "deft-planner") \
-            if self.control.rank == 0 else None
+        self._job = Background(lambda: self._decide(profile, stats, world), "deft-planner",
+                               self.config.planner_nice) if self.control.rank == 0 else None
 
     @property
     def job(self) -> Background | None:
