@@ -312,13 +312,20 @@ def wire_nbytes(hook: CommHook, shapes: Sequence[Sequence[int]], element_size: i
         return None
     elements = 0
     for sh in shapes:
-        size = math.prod(sh)
-        n = sh[0] if len(sh) else 1
-        m = size // n if n else 0
-        r = min(n, m, rank)
-        compressed = (n + m) * r
-        elements += compressed if compressed * st.min_compression_rate < size else size
+        n, m, r = powersgd_matrix(sh, st)
+        elements += (n + m) * r if r else math.prod(sh)
     return elements * element_size
+
+
+def powersgd_matrix(shape: Sequence[int], st: powerSGD_hook.PowerSGDState) -> tuple[int, int, int]:
+    """How torch's ``powerSGD_hook`` treats a gradient of ``shape``: viewed as ``n x m``
+    (``n = shape[0]``), compressed at rank ``r = min(n, m, rank)`` when ``(n + m) r *
+    min_compression_rate < n m``; ``r == 0`` means sent whole. P is ``n x r``, Q is ``m x r``."""
+    size = math.prod(shape)
+    n = shape[0] if len(shape) else 1
+    m = size // n if n else 0
+    r = min(n, m, st.matrix_approximation_rank)
+    return n, m, (r if (n + m) * r * st.min_compression_rate < size else 0)
 
 
 def plain_iterations(hook: CommHook | None) -> int:
@@ -343,17 +350,14 @@ def _compressed_q(shapes: Sequence[torch.Size], st: powerSGD_hook.PowerSGDState)
     """Where torch's ``powerSGD_hook`` keeps each compressed tensor's ``Q`` in a bucket's
     ``q_memory_dict`` entry: ``(position in the bucket's gradients, offset, length)``.
 
-    The hook views every gradient as ``n x (numel / n)``, compresses it when
-    ``(n + m) r * min_compression_rate < n m`` (``r = min(n, m, rank)``), groups the compressed ones by
-    matrix shape in order of first appearance, and lays their ``Q`` (``m x r`` each) out group by
-    group; a batched group is one ``(batch, m, r)`` block, so tensor ``j`` of a group is still at
-    ``j m r`` past the group's start, as in the unbatched layout."""
+    The hook views every gradient as ``n x (numel / n)``, compresses some (:func:`powersgd_matrix`),
+    groups the compressed ones by matrix shape in order of first appearance, and lays their ``Q``
+    (``m x r`` each) out group by group; a batched group is one ``(batch, m, r)`` block, so tensor
+    ``j`` of a group is still at ``j m r`` past the group's start, as in the unbatched layout."""
     groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for pos, sh in enumerate(shapes):
-        n = sh[0] if len(sh) else 1
-        m = math.prod(sh) // n if n else 0
-        r = min(n, m, st.matrix_approximation_rank)
-        if (n + m) * r * st.min_compression_rate < n * m:
+        n, m, r = powersgd_matrix(sh, st)
+        if r:
             groups.setdefault((n, m), []).append((pos, m * r))
     out, at = [], 0
     for members in groups.values():
@@ -367,11 +371,8 @@ def _p_length(shapes: Sequence[torch.Size], st: powerSGD_hook.PowerSGDState) -> 
     """Elements of a bucket's ``p_memory_dict`` entry: ``n r`` per compressed tensor."""
     total = 0
     for sh in shapes:
-        n = sh[0] if len(sh) else 1
-        m = math.prod(sh) // n if n else 0
-        r = min(n, m, st.matrix_approximation_rank)
-        if (n + m) * r * st.min_compression_rate < n * m:
-            total += n * r
+        n, _, r = powersgd_matrix(sh, st)
+        total += n * r
     return total
 
 
