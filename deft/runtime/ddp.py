@@ -488,7 +488,10 @@ class DistributedDataParallel(nn.Module):
         st.check_owner(self.rank, self.world)
         layout = FlatLayout(st.order, self._names, self._params, st.schedule.bucket_numel, "deft checkpoint: schedule")
         self._executor.groups.clear()
-        # A decision in flight belongs to the run being replaced: its thread ends unheard.
+        # A decision in flight belongs to the run being replaced: wait for its thread (it works on this
+        # object's adapter and profile), then drop its result.
+        if self._adapt_job is not None:
+            self._adapt_job.result()
         self._plan_due = self._adapt_due = None
         self._adapt_job = None
         self._planning.discard()

@@ -189,12 +189,18 @@ class Planning:
 
     def agree(self, profile: Profile | None, stats: WalkStats | None, world: int) -> tuple[Schedule, dict[str, Any]]:
         """Collective: rank 0 decides; every rank gets, validates and digest-checks the same schedule."""
-        return self._receive(self._decide(profile, stats, world) if self.control.rank == 0 else {})
+        doc: dict[str, Any] = {}
+        if self.control.rank == 0:
+            doc, self._recheck = self._decide(profile, stats, world)
+        return self._receive(doc)
 
     def start(self, profile: Profile | None, stats: WalkStats | None, world: int) -> None:
         """Not collective: rank 0 starts deciding in the background; :meth:`finish` collects it."""
-        self._job = Background(lambda: self._decide(profile, stats, world), "deft-planner",
-                               self.config.planner_nice) if self.control.rank == 0 else None
+        def decide() -> dict[str, Any]:  # the Recheck travels with the document: set only when collected
+            doc, recheck = self._decide(profile, stats, world)
+            return {"doc": doc, "recheck": recheck}
+
+        self._job = Background(decide, "deft-planner", self.config.planner_nice) if self.control.rank == 0 else None
 
     @property
     def job(self) -> Background | None:
@@ -202,8 +208,11 @@ class Planning:
         return self._job
 
     def discard(self) -> None:
-        """Forget a decision in flight (a checkpoint was loaded): its thread ends unheard."""
-        self._job = None
+        """Forget a decision in flight (a checkpoint was loaded): its thread is waited for (it reads the
+        old run's profile) and its result dropped."""
+        job, self._job = self._job, None
+        if job is not None:
+            job.result()
 
     def finish(self) -> tuple[Schedule, dict[str, Any], dict[str, float]]:
         """Collective: :meth:`agree` for the decision :meth:`start` began; also rank 0's planning seconds
@@ -212,15 +221,20 @@ class Planning:
         timing = {"plan_s": 0.0, "waited_s": 0.0}
         doc: dict[str, Any] = {}
         if job is not None:
-            doc, waited = job.result()
+            out, waited = job.result()
             timing = {"plan_s": job.seconds, "waited_s": waited}
+            # {"error": ...} when the thread itself failed; else the decision and its re-check state
+            doc, self._recheck = (out, None) if "error" in out else (out["doc"], out["recheck"])
         schedule, info = self._receive(doc)
         return schedule, info, timing
 
-    def _decide(self, profile: Profile | None, stats: WalkStats | None, world: int) -> dict[str, Any]:
-        """Rank 0's decision as the JSON document :meth:`_receive` broadcasts."""
+    def _decide(self, profile: Profile | None, stats: WalkStats | None,
+                world: int) -> tuple[dict[str, Any], Recheck | None]:
+        """Rank 0's decision as the JSON document :meth:`_receive` broadcasts, and the re-check state
+        for it. Reads its arguments and the config only (it may run on a background thread)."""
         cfg = self.config
         doc: dict[str, Any]
+        recheck: Recheck | None = None
         try:
             decision = make_schedule(cfg, profile, stats, self.schedule_path)
             info = dict(decision.info)
@@ -229,13 +243,13 @@ class Planning:
                       and profile is not None and self.schedule_path is None and decision.preserved is not None)
             if wanted:
                 assert decision.preserved is not None
-                self._recheck = Recheck(cfg, decision.preserved)
+                recheck = Recheck(cfg, decision.preserved)
             info["recheck"] = wanted
             doc = {"schedule": decision.schedule.to_dict(), "info": info}
         except Exception as e:  # tell the other ranks instead of leaving them waiting
             log.exception("deft: rank 0 could not produce a schedule")
             doc = {"error": f"{type(e).__name__}: {e}"}
-        return doc
+        return doc, recheck
 
     def _receive(self, doc: dict[str, Any]) -> tuple[Schedule, dict[str, Any]]:
         """Collective: rank 0's ``doc`` to every rank, validated and digest-checked."""
