@@ -241,7 +241,6 @@ class DistributedDataParallel(nn.Module):
         # Planning in the background (config.plan_lag_iters; deft.runtime.planning.Background): the
         # iteration at which the plan, or the adaptation's decision, is collected and installed.
         self._plan_due: int | None = None
-        self._plan_started = 0.0
         self._stats_reason = ""
         self._adapt_due: int | None = None
         self._adapt_job: Background | None = None  # rank 0
@@ -888,9 +887,8 @@ class DistributedDataParallel(nn.Module):
                                    self._t)
             self._sync_clock.exclude(time.perf_counter() - started)
             return
-        self._plan_started = started
         schedule, info = self._planning.agree(profile, stats, self.world)
-        self._install_plan(schedule, info, {})
+        self._install_plan(schedule, info, {}, started)
 
     def _job_ready(self, due: int, job: Background | None) -> bool:
         """Collective while a background decision is in flight: collect it at this iteration boundary?
@@ -904,14 +902,15 @@ class DistributedDataParallel(nn.Module):
     def _finish_plan(self) -> None:
         """Collective: collect the plan :meth:`_plan` began in the background and install it."""
         self._plan_due = None
-        self._plan_started = time.perf_counter()
+        started = time.perf_counter()
         schedule, info, timing = self._planning.finish()
         self._install_plan(schedule, info, {"background": {"lag_iters": self.config.plan_lag_iters,
-                                                           **{k: round(v, 4) for k, v in timing.items()}}})
+                                                           **{k: round(v, 4) for k, v in timing.items()}}}, started)
 
-    def _install_plan(self, schedule: Schedule, info: dict[str, Any], extra: dict[str, Any]) -> None:
-        """Every rank: run the agreed plan from this iteration on (the end of :meth:`_plan`)."""
-        started, stats_reason, profile = self._plan_started, self._stats_reason, self.profile
+    def _install_plan(self, schedule: Schedule, info: dict[str, Any], extra: dict[str, Any], started: float) -> None:
+        """Every rank: run the agreed plan from this iteration on (the end of :meth:`_plan`); the time since
+        ``started`` was deft's own work, not the schedule's."""
+        stats_reason, profile = self._stats_reason, self.profile
         if not self._planning.recheck_on:
             self._stats = None
         layout = FlatLayout(self._order_for(profile), self._names, self._params, schedule.bucket_numel,
