@@ -69,7 +69,6 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -362,13 +361,7 @@ def _train(spec: dict[str, Any], torch: Any, dist: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 def shape_second_link(tb: Testbed, rate_mbit: float) -> None:
     """Re-shape link 1 (nic1) of every host to ``rate_mbit`` with the testbed's own tbf parameters."""
-    rate_bps = rate_mbit * 1e6 / 8
-    burst = max(16 * 1024, int(rate_bps * 1e-3))
-    limit = max(2 * 1024 * 1024, int(rate_bps * 0.2))
-    for h in range(tb.hosts):
-        subprocess.run(["tc", "-n", tb.host_ns(h), "qdisc", "replace", "dev", tb.ifname(1), "root", "handle", "1:",
-                        "tbf", "rate", f"{rate_mbit:g}mbit", "burst", str(burst), "limit", str(limit)],
-                       check=True, capture_output=True, text=True)
+    tb.reshape(1, rate_mbit)
 
 
 def steady_s(starts: list[float], skip: int, cycle: int) -> tuple[float, int]:

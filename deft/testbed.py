@@ -85,6 +85,49 @@ def list_namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
+#: The largest GSO packet assumed when the device does not say (Linux's default ``gso_max_size``).
+DEFAULT_GSO_MAX_BYTES = 65536
+
+
+def tbf_params(rate_mbit: float, gso_bytes: int = DEFAULT_GSO_MAX_BYTES) -> tuple[int, int]:
+    """``(burst, limit)`` in bytes of the testbed's ``tc tbf`` at ``rate_mbit`` Mbit/s.
+
+    ``burst`` is the larger of 1 ms of traffic and two of the device's largest GSO packets
+    (``gso_bytes``). TCP hands a veth packets of up to ``gso_bytes`` and tbf splits every packet longer
+    than its burst into MTU-sized frames in software (``tbf_segment``), each of which then crosses the
+    veth and the receiver's stack on its own: with the earlier 1 ms burst (31 KB at 250 Mbit/s) an 18 MB
+    all-reduce cost each rank about 140 ms of kernel CPU instead of 10, at the same wall time
+    (benchmarks/results/testbed.md). On this 2-core machine that CPU is taken from the model's
+    compute exactly when communication overlaps it, an artefact a real NIC (which segments in
+    hardware) does not have. The rate still holds over any window longer than a few milliseconds:
+    a full bucket lets 2 x 64 KiB through at once, 4 ms of traffic at 250 Mbit/s.
+
+    ``limit`` allows 200 ms of queue (at least 2 MiB), so TCP is throttled by the bucket, not by tail
+    drops and their retransmission timeouts, which would make measured times depend on loss recovery.
+    """
+    if not rate_mbit > 0:
+        raise TestbedError(f"rate_mbit: expected > 0, got {rate_mbit!r}")
+    if not (isinstance(gso_bytes, int) and gso_bytes > 0):
+        raise TestbedError(f"gso_bytes: expected a positive integer, got {gso_bytes!r}")
+    rate_bps = rate_mbit * 1e6 / 8
+    burst = max(16 * 1024, int(rate_bps * 1e-3), 2 * gso_bytes)
+    limit = max(2 * 1024 * 1024, int(rate_bps * 0.2))
+    return burst, limit
+
+
+def gso_max_bytes(ns: str, dev: str) -> int:
+    """The largest GSO packet ``dev`` in namespace ``ns`` may be handed (``gso_max_size``, and BIG TCP's
+    ``gso_ipv4_max_size`` where the kernel has it), from ``ip -d -j link show``; the Linux default
+    when iproute2 does not report it."""
+    res = _run(["ip", "-n", ns, "-d", "-j", "link", "show", "dev", dev], check=False)
+    try:
+        info = json.loads(res.stdout)[0] if res.returncode == 0 else {}
+    except (json.JSONDecodeError, IndexError):
+        info = {}
+    sizes = [v for k in ("gso_max_size", "gso_ipv4_max_size") if isinstance(v := info.get(k), int) and v > 0]
+    return max(sizes, default=DEFAULT_GSO_MAX_BYTES)
+
+
 class Testbed:
     """``hosts`` network namespaces joined by ``links`` shaped links; a context manager.
 
@@ -95,7 +138,7 @@ class Testbed:
     __test__ = False  # not a pytest test class despite the name
 
     def __init__(self, hosts: int = 2, links: int = 2, rate_mbit: float = 250.0, delay_ms: float = 0.0,
-                 prefix: str = "deft", tag: str | None = None) -> None:
+                 prefix: str = "deft", tag: str | None = None, burst_bytes: int | None = None) -> None:
         if not isinstance(hosts, int) or not 2 <= hosts <= 250:
             raise TestbedError(f"hosts: expected an integer in [2, 250], got {hosts!r}")
         if not isinstance(links, int) or not 1 <= links <= 55:
@@ -104,6 +147,9 @@ class Testbed:
             raise TestbedError(f"rate_mbit: expected > 0, got {rate_mbit!r}")
         if not delay_ms >= 0:
             raise TestbedError(f"delay_ms: expected >= 0, got {delay_ms!r}")
+        if burst_bytes is not None and not (isinstance(burst_bytes, int) and burst_bytes >= 2048):
+            raise TestbedError(f"burst_bytes: expected an integer >= 2048 (above one frame) or None, "
+                               f"got {burst_bytes!r}")
         if not _PREFIX_RE.match(prefix):
             raise TestbedError(f"prefix: expected 1-12 lowercase letters/digits starting with a letter, got {prefix!r}")
         if tag is None:
@@ -115,6 +161,8 @@ class Testbed:
         self.links = links
         self.rate_mbit = float(rate_mbit)
         self.delay_ms = float(delay_ms)
+        #: tbf burst in bytes; None: :func:`tbf_params`'s (set only to reproduce an older testbed)
+        self.burst_bytes = burst_bytes
         self.prefix = prefix
         self.tag = tag
         self.base = f"{prefix}-{tag}"
@@ -212,20 +260,20 @@ class Testbed:
         self._is_up = True
         return self
 
-    def _shape(self, ns: str, dev: str) -> None:
-        """tbf at ``rate_mbit`` on the egress of ``dev``; netem delay in front of it if asked.
+    def _shape(self, ns: str, dev: str, rate_mbit: float | None = None, *, replace: bool = False) -> None:
+        """tbf at ``rate_mbit`` (the testbed's rate unless given) on the egress of ``dev``; netem delay in
+        front of it if asked. ``replace``: swap the root qdisc of a shaped NIC (no netem delay then).
 
-        ``burst`` is about 1 ms of traffic (at least 16 KiB, above one 1500-byte frame with headroom):
-        enough for the token bucket to keep the line busy between kernel timer ticks, small enough
-        that the rate holds over any window longer than a few milliseconds. ``limit`` allows 200 ms of
-        queue (at least 2 MiB) so TCP is throttled by the bucket, not by tail drops and their
-        retransmission timeouts, which would make measured times depend on loss recovery.
+        The tbf parameters are :func:`tbf_params`'s, with the device's largest GSO packet read from it.
         """
-        rate_bps = self.rate_mbit * 1e6 / 8
-        burst = max(16 * 1024, int(rate_bps * 1e-3))
-        limit = max(2 * 1024 * 1024, int(rate_bps * 0.2))
-        tbf = ["tbf", "rate", f"{self.rate_mbit:g}mbit", "burst", str(burst), "limit", str(limit)]
-        if self.delay_ms > 0:
+        rate = self.rate_mbit if rate_mbit is None else float(rate_mbit)
+        burst, limit = tbf_params(rate, gso_max_bytes(ns, dev))
+        if self.burst_bytes is not None:
+            burst = self.burst_bytes
+        tbf = ["tbf", "rate", f"{rate:g}mbit", "burst", str(burst), "limit", str(limit)]
+        if replace:
+            _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "handle", "1:", *tbf])
+        elif self.delay_ms > 0:
             res = _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
                         "delay", f"{self.delay_ms:g}ms", "limit", "100000"], check=False)
             if res.returncode != 0:
@@ -235,6 +283,23 @@ class Testbed:
             _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf])
         else:
             _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf])
+
+    def reshape(self, link: int, rate_mbit: float) -> None:
+        """Shape ``link`` to ``rate_mbit`` on every host (and switch port) instead of the testbed's rate.
+
+        Replaces the root qdisc, so it is refused on a testbed with a netem delay (the delay would go).
+        """
+        self._check_link(link)
+        if not rate_mbit > 0:
+            raise TestbedError(f"rate_mbit: expected > 0, got {rate_mbit!r}")
+        if self.delay_ms > 0:
+            raise TestbedError("reshape: not supported with delay_ms > 0 (it replaces the netem qdisc)")
+        if not self._is_up:
+            raise TestbedError("reshape: the testbed is not up")
+        for h in range(self.hosts):
+            self._shape(self.host_ns(h), self.ifname(link), rate_mbit, replace=True)
+            if self.switch_ns is not None:
+                self._shape(self.switch_ns, f"h{h}l{link}", rate_mbit, replace=True)
 
     def down(self) -> None:
         """Stop the processes started here, delete the namespaces made here. Idempotent, never partial.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -90,10 +91,30 @@ def leftovers(tb: Testbed) -> list[str]:
 @pytest.mark.parametrize(("kwargs", "problem"), [
     ({"hosts": 1}, "hosts"), ({"links": 0}, "links"), ({"links": 56}, "links"), ({"rate_mbit": 0}, "rate_mbit"),
     ({"delay_ms": -1}, "delay_ms"), ({"prefix": "Bad Prefix"}, "prefix"), ({"tag": "a/b"}, "tag"),
+    ({"burst_bytes": 100}, "burst_bytes"),
 ])
 def test_bad_arguments_name_the_field(kwargs: dict[str, object], problem: str) -> None:
     with pytest.raises(DeftError, match=problem):
         Testbed(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("rate_mbit", "gso", "burst", "limit"), [
+    # 250 Mbit/s = 31.25 MB/s: 1 ms is 31 250 B, below two 64 KiB GSO packets; 200 ms of queue 6.25 MB
+    (250, 65536, 131072, 6_250_000),
+    (1000, 65536, 131072, 25_000_000),        # 1 ms = 125 000 B, still below 131 072
+    (10_000, 65536, 1_250_000, 250_000_000),  # 10 Gbit/s: 1 ms = 1.25 MB wins
+    (1, 65536, 131072, 2 * 1024 * 1024),      # the 2 MiB queue floor
+    (250, 196608, 393216, 6_250_000),         # BIG TCP: twice the device's larger GSO packet
+])
+def test_tbf_burst_holds_two_gso_packets(rate_mbit: float, gso: int, burst: int, limit: int) -> None:
+    assert testbed_mod.tbf_params(rate_mbit, gso) == (burst, limit)
+
+
+def test_tbf_params_reject_bad_input() -> None:
+    with pytest.raises(TestbedError, match="rate_mbit"):
+        testbed_mod.tbf_params(0)
+    with pytest.raises(TestbedError, match="gso_bytes"):
+        testbed_mod.tbf_params(250, 0)
 
 
 def test_not_root_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -149,6 +170,14 @@ def test_two_hosts_reach_each_link_shaped_and_teardown_is_clean() -> None:
         # the reverse direction is shaped too (each end shapes its own egress)
         seconds = transfer(tb, 1, 0, 1, nbytes, port=29402)
         assert 0.8 * expected < seconds < 1.8 * expected
+        # tbf passes TCP's GSO packets whole: its burst (what tc reports) holds the device's largest GSO
+        # packet with its per-frame headers (~4 %); a smaller burst makes tbf split every packet into
+        # 1500-byte frames in software, ~15x the CPU per byte (benchmarks/results/testbed.md)
+        for link in range(2):
+            dev = tb.ifname(link)
+            qd = json.loads(tb.run(0, ["tc", "-j", "qdisc", "show", "dev", dev]))[0]
+            gso = json.loads(tb.run(0, ["ip", "-d", "-j", "link", "show", "dev", dev]))[0]["gso_max_size"]
+            assert qd["kind"] == "tbf" and qd["options"]["burst"] > 1.1 * gso, (qd, gso)
     assert leftovers(tb) == []
     tb.down()  # idempotent after teardown
 
