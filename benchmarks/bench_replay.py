@@ -216,7 +216,8 @@ def _measure(spec: dict[str, Any], dist: Any) -> dict[str, Any]:
     groups = {"primary": None, "second": new_group_on_nic("gloo", spec["ifnames"]["second"])}
     sizes = spec["nbytes"]
     # the runtime's own start-up probe (median per rank), then max over ranks as the runtime's control plane
-    probed = probe_alpha({k: CommLink(k, "gloo", None, g) for k, g in groups.items()}, cuda=False)
+    probed = probe_alpha({k: CommLink(k, "gloo", None, g) for k, g in groups.items()}, cuda=False,
+                         rank=dist.get_rank(), timeout_s=120.0)
     alpha = torch.tensor([probed[k] for k in groups], dtype=torch.float64)
     dist.all_reduce(alpha, op=dist.ReduceOp.MAX)
     out = {}
