@@ -9,13 +9,16 @@ forked from a forkserver that preloads torch and deft, so a fresh pair of ranks 
 torch import.
 
 Processes that outlive ``timeout`` are killed (by pid, only the ones started here) and reported with
-``timed_out=True``, so a hanging collective fails the test instead of the whole suite.
+``timed_out=True``, so a hanging collective fails the test instead of the whole suite; first each is
+asked (SIGUSR1, :mod:`faulthandler`) for the Python stack of every thread, which goes into the error.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -59,6 +62,9 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, outdir: str
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world)
     out = Path(outdir) / f"rank{rank}.json"
+    # where a hang shows itself: the harness sends SIGUSR1 before it kills a rank that outlived its time
+    stacks = open(Path(outdir) / f"rank{rank}.stacks", "w")  # noqa: SIM115 (open until os._exit)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=init_timeout_s))
@@ -107,19 +113,28 @@ def run_ranks(fn: Callable[..., Any], world: int = 2, args: tuple[Any, ...] = ()
         deadline = time.monotonic() + timeout
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
+        hung = [p.is_alive() for p in procs]
+        for p, h in zip(procs, hung, strict=True):
+            if h and p.pid is not None:
+                os.kill(p.pid, signal.SIGUSR1)  # faulthandler writes every thread's stack
+        if any(hung):
+            time.sleep(1.0)
         results = []
         for r, p in enumerate(procs):
-            timed_out = p.is_alive()
+            timed_out = hung[r]
             if timed_out:
                 p.kill()
                 p.join(5)
             res = RankResult(rank=r, exitcode=p.exitcode, timed_out=timed_out)
+            stacks = Path(outdir) / f"rank{r}.stacks"
+            if timed_out and stacks.exists():
+                res.error = "hung; its threads' stacks:\n" + stacks.read_text()
             f = Path(outdir) / f"rank{r}.json"
             if f.exists():
                 doc = json.loads(f.read_text())
                 res.value = doc.get("value")
                 if "error" in doc:
-                    res.error = doc["error"] + "\n" + doc.get("traceback", "")
+                    res.error = doc["error"] + "\n" + doc.get("traceback", "") + (res.error or "")
             results.append(res)
         return results
 
