@@ -19,9 +19,8 @@ Per setting, one rank per host (``torch.set_num_threads(1)``, as examples/train_
 * a fixed amount of compute (matrix products, about 0.2 s) alone, and while the both-links
   all-reduce runs in the background: the slowdown is the CPU the links took from it.
 
-Rank 0's figures; the wall times are the max over the two ranks' waits only in the sense that an
-all-reduce ends on both ranks together. Results go to ``benchmarks/results/testbed.md`` (section
-"testbed_cpu").
+The figures are rank 0's (an all-reduce ends on both ranks together, so its wall time is the
+same on both). Results go to ``benchmarks/results/testbed.md`` (section "testbed_cpu").
 """
 
 from __future__ import annotations

@@ -193,6 +193,35 @@ def test_teardown_on_error_and_of_started_processes() -> None:
     assert p.poll() is not None  # the process it started was stopped
 
 
+def test_reshape_refuses_what_it_cannot_do() -> None:
+    tb = Testbed(hosts=2, links=2, rate_mbit=100)
+    with pytest.raises(TestbedError, match="not up"):
+        tb.reshape(1, 50)
+    with pytest.raises(TestbedError, match="link 2 out of range"):
+        tb.reshape(2, 50)
+    with pytest.raises(TestbedError, match="rate_mbit"):
+        tb.reshape(1, 0)
+    with pytest.raises(TestbedError, match="delay_ms"):
+        Testbed(hosts=2, links=2, rate_mbit=100, delay_ms=5).reshape(1, 50)
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
+def test_reshape_one_link_leaves_the_other() -> None:
+    with Testbed(hosts=2, links=2, rate_mbit=200) as tb:
+        tb.reshape(1, 50)
+        for h in range(2):
+            rates = {link: json.loads(tb.run(h, ["tc", "-j", "qdisc", "show", "dev", tb.ifname(link)]))[0]
+                     for link in range(2)}
+            # tc reports the rate in bytes per second: 200 and 50 Mbit/s
+            assert rates[0]["options"]["rate"] == 25_000_000 and rates[1]["options"]["rate"] == 6_250_000
+            assert rates[1]["options"]["burst"] > 65536  # the same GSO-sized burst as at construction
+        nbytes = 500_000
+        expected = nbytes * 8 / 50e6  # 0.08 s of payload at the new rate
+        seconds = transfer(tb, 0, 1, 1, nbytes, port=29420)
+        assert 0.8 * expected < seconds < 1.8 * expected
+
+
 @pytest.mark.netns
 @pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
 def test_three_hosts_through_a_bridge_per_link() -> None:
