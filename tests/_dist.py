@@ -15,6 +15,7 @@ asked (SIGUSR1, :mod:`faulthandler`) for the Python stack of every thread, which
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -116,7 +117,9 @@ def run_ranks(fn: Callable[..., Any], world: int = 2, args: tuple[Any, ...] = ()
         hung = [p.is_alive() for p in procs]
         for p, h in zip(procs, hung, strict=True):
             if h and p.pid is not None:
-                os.kill(p.pid, signal.SIGUSR1)  # faulthandler writes every thread's stack
+                # faulthandler writes every thread's stack; a rank may have exited since is_alive()
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGUSR1)
         if any(hung):
             time.sleep(1.0)
         results = []
@@ -127,7 +130,7 @@ def run_ranks(fn: Callable[..., Any], world: int = 2, args: tuple[Any, ...] = ()
                 p.join(5)
             res = RankResult(rank=r, exitcode=p.exitcode, timed_out=timed_out)
             stacks = Path(outdir) / f"rank{r}.stacks"
-            if timed_out and stacks.exists():
+            if timed_out and stacks.exists() and stacks.stat().st_size > 0:
                 res.error = "hung; its threads' stacks:\n" + stacks.read_text()
             f = Path(outdir) / f"rank{r}.json"
             if f.exists():

@@ -28,10 +28,11 @@ def test_background_returns_the_document_computed_on_another_thread() -> None:
         return {"schedule": "s"}
 
     job = Background(decide, "deft-planner-test")
-    release.set()  # decide() is waiting on another thread while this one goes on
-    doc, waited = job.result()
-    assert doc == {"schedule": "s"} and seen == ["deft-planner-test"]
-    assert waited >= 0 and job.seconds > 0
+    assert not job.done()  # the constructor returned while decide() waits on its own thread
+    release.set()
+    doc, _ = job.result()
+    assert job.done() and doc == {"schedule": "s"} and seen == ["deft-planner-test"]
+    assert job.seconds > 0
 
 
 def test_an_exception_in_the_background_comes_back_as_an_error_document() -> None:
@@ -43,7 +44,7 @@ def test_an_exception_in_the_background_comes_back_as_an_error_document() -> Non
 
 
 def test_plan_lag_iters_is_validated() -> None:
-    assert DeftConfig(plan_lag_iters=0).plan_lag_iters == 0  # 0: plan inside the iteration, as before
+    DeftConfig(plan_lag_iters=0)  # accepted: 0 plans inside the iteration, as before
     with pytest.raises(ContractError, match=r"plan_lag_iters.*expected an integer >= 0, got -1"):
         DeftConfig(plan_lag_iters=-1)
 
@@ -54,8 +55,11 @@ def test_the_planner_thread_runs_at_its_nice_value_and_the_caller_keeps_its_own(
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     mine = nice_here()
-    doc, _ = Background(lambda: {"nice": nice_here()}, "deft-planner-test", nice=5).result()
-    assert doc == {"nice": 5}  # setpriority sets the thread's value (it does not add to the caller's)
+    if mine >= 19:
+        pytest.skip("this process already runs at the lowest priority (nice 19): no higher value to set")
+    target = min(19, mine + 5)  # raising one's own nice value needs no privilege
+    doc, _ = Background(lambda: {"nice": nice_here()}, "deft-planner-test", nice=target).result()
+    assert doc == {"nice": target}  # setpriority sets the thread's value (it does not add to the caller's)
     assert nice_here() == mine
 
 
