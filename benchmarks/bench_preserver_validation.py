@@ -35,6 +35,12 @@ One process, one thread, on the shared 2-core CPU (other engineers' jobs run bes
    (:func:`deft.solver.simulate.simulate_schedule`; torch DDP: ``simulate_baseline("ddp")``) on that
    profile: a prediction, not a measured wall time.
 
+6. **Twice where the Lanczos probe ran**: every preserver setting decides once on the statistics a user
+   without a loss closure gets (the free, noise-debiased secant curvature) and once on those after
+   ``ddp.calibrate(closure)`` (the same walk statistics, the probe's top eigenvalue as the curvature,
+   as :func:`deft.runtime.grad_stats.stability_inputs` takes it); the rows "..., calibrated" and the
+   second count in the header. Results of seed ``N`` > 0 go to ``results/preserver_validation_seedN.md``.
+
 A decision *matches* when an accepted schedule ends within 1 accuracy point (accuracy workloads) or
 2% of final validation loss (the LM) of torch DDP, or a rejected one ends further away.
 """
@@ -79,7 +85,11 @@ from deft.solver.plan import plan as deft_plan
 from deft.solver.simulate import simulate_baseline
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "preserver_validation.md"
+def fragment_name(seed: int) -> str:
+    """seed 0: ``preserver_validation``; another seed: ``preserver_validation_seed<N>`` (results and plots)."""
+    return "preserver_validation" + ("" if seed == 0 else f"_seed{seed}")
+
+
 READING = "## What it says (written by hand"
 
 LINK_BPS = 250e6  # bits per second on each of two links
@@ -324,6 +334,7 @@ class WarmState:
     secant_raw: float | None
     t: int
     lanczos: dict[str, Any] | None = None  # what ddp.calibrate would measure here (value, spec, hvps, seconds)
+    calibrated: WalkStats | None = None  # the statistics after ddp.calibrate: the Lanczos curvature, not the secant
 
 
 def _sq(ts: list[torch.Tensor]) -> float:
@@ -387,6 +398,8 @@ def warm_up(w: Workload, seed: int, n: int, probe: bool = True) -> WarmState:
                              list(model.parameters()), tol=0.05, ncv=4, maxiter=300, preconditioner=pre)
         lam_lz, spec_lz, _ = stability_inputs(opt, None, est.value, preconditioned=pre is not None)
         warm.lanczos = {"value": lam_lz, "spec": spec_lz, "hvps": est.hvps, "seconds": est.seconds}
+        if warm.stats is not None and lam_lz is not None:  # what grad_stats.walk_stats gives after calibrate
+            warm.calibrated = dataclasses.replace(warm.stats, curvature=lam_lz, optimizer=spec_lz)
     return warm
 
 
@@ -473,13 +486,19 @@ def run_workload(w: Workload, args: argparse.Namespace, epsilons: list[float]) -
     warm = warm_up(w, args.seed, warm_n, probe=not args.no_probe)
     say(f"warm-up {warm_n} iterations: stats {warm.stats}, curvature {warm.reason}")
     links = [{"name": lk} for lk in LINKS]
-    configs: list[tuple[str, DeftConfig]] = [
+    # (label, config, statistics): each preserver setting twice where the Lanczos probe ran, once as a user
+    # without a loss closure gets it (the free secant curvature) and once after ddp.calibrate(closure)
+    configs: list[tuple[str, DeftConfig, WalkStats | None]] = [
         (f"epsilon {e:g}" + (" (default)" if e == cfg0.epsilon else ""),
-         DeftConfig.resolve({"epsilon": e, "links": links})) for e in epsilons]
+         DeftConfig.resolve({"epsilon": e, "links": links}), warm.stats) for e in epsilons]
     configs.append(("preserver off",
-                    DeftConfig.resolve({"epsilon": cfg0.epsilon, "preserver": False, "links": links})))
+                    DeftConfig.resolve({"epsilon": cfg0.epsilon, "preserver": False, "links": links}), warm.stats))
     configs.append((f"epsilon {cfg0.epsilon:g}, merge lr {w.merge_lr}",
-                    DeftConfig.resolve({"epsilon": cfg0.epsilon, "merge_lr_scaling": w.merge_lr, "links": links})))
+                    DeftConfig.resolve({"epsilon": cfg0.epsilon, "merge_lr_scaling": w.merge_lr, "links": links}),
+                    warm.stats))
+    if warm.calibrated is not None:
+        configs += [(f"{label}, calibrated", cfg, warm.calibrated)
+                    for label, cfg, _ in list(configs) if cfg.preserver and cfg.epsilon > 0]
     decisions = []
     nd = no_delay_plan(prof, configs[0][1])
     ddp_key = plan_key(applied_updates(nd))
@@ -493,17 +512,18 @@ def run_workload(w: Workload, args: argparse.Namespace, epsilons: list[float]) -
             return sched
         return wrapped
 
-    for label, cfg in configs:
+    for label, cfg, stats in configs:
         if cfg.preserver and cfg.epsilon > 0:  # make_schedule's call, with planners that record each try
             base = lagfree_plan if cfg.forward_updates else no_delay_plan
             ml = cfg.merge_lr_scaling
-            res = preserve(prof, cfg, warm.stats, planner=recording(deft_plan, ml),
+            res = preserve(prof, cfg, stats, planner=recording(deft_plan, ml),
                            no_delay_planner=recording(base, ml), accumulate_planner=recording(accumulate_plan, ml))
             sched, tries = res.schedule, list(res.tries)
         else:
-            sched, tries = make_schedule(cfg, prof, warm.stats, None).schedule, []
+            sched, tries = make_schedule(cfg, prof, stats, None).schedule, []
         decisions.append({"label": label, "epsilon": cfg.epsilon, "preserver": cfg.preserver, "schedule": sched,
-                          "tries": tries, "merge_lr": cfg.merge_lr_scaling})
+                          "tries": tries, "merge_lr": cfg.merge_lr_scaling,
+                          "calibrated": stats is not None and stats is warm.calibrated})
         candidates.setdefault(plan_key(applied_updates(sched), cfg.merge_lr_scaling), (sched, cfg.merge_lr_scaling))
     for sched, ml in tried_schedules:
         candidates.setdefault(plan_key(applied_updates(sched), ml), (sched, ml))
@@ -552,7 +572,8 @@ def iters_to(w: Workload, run: dict[str, Any], target: float) -> int | None:
 
 
 # -- report ---------------------------------------------------------------------------------------
-def report_workload(res: dict[str, Any], plot_dir: Path) -> tuple[list[str], list[tuple[bool, bool]], dict[str, Any]]:
+def report_workload(res: dict[str, Any], plot_dir: Path, name: str
+                    ) -> tuple[list[str], list[tuple[bool, bool, bool]], dict[str, Any]]:
     w: Workload = res["workload"]
     runs, ddp = res["runs"], res["ddp"]
     target = target_of(w, ddp)
@@ -591,7 +612,7 @@ def report_workload(res: dict[str, Any], plot_dir: Path) -> tuple[list[str], lis
         ddp_time = it * res["ddp_iteration_s"]
     lines.append(f"| torch DDP (emulated) | K=[1] | {res['ddp_iteration_s'] * 1e3:.1f} | 1 | 1 | | | "
                  f"{ddp['final_metric']:.4f} | | {it} | {'-' if ddp_time is None else f'{ddp_time:.1f} s'} | |")
-    cases: list[tuple[bool, bool]] = []
+    cases: list[tuple[bool, bool, bool]] = []  # (accepted, decision matched, after ddp.calibrate)
     summary: dict[str, Any] = {"times": {}}
     for dec in res["decisions"]:
         key = plan_key(applied_updates(dec["schedule"]), dec["merge_lr"])
@@ -603,7 +624,7 @@ def report_workload(res: dict[str, Any], plot_dir: Path) -> tuple[list[str], lis
         it = iters_to(w, r, target)
         t_s = None if it is None else it * r["iteration_s"]
         summary["times"][dec["label"]] = (t_s, r["iteration_s"])
-        chk = r["stability"]
+        chk = r["stability"] if not dec["calibrated"] else warm.calibrated.stability(r["schedule"])
         rad = "" if chk is None else f"{chk.radius:.3f} ({chk.edge:.3g})"
         ratio = "" if r["ratio"] is None else f"{r['ratio']:.4f}"
         diff = (r["final_metric"] - ddp["final_metric"]) * (100 if w.metric == "accuracy" else 1)
@@ -611,7 +632,7 @@ def report_workload(res: dict[str, Any], plot_dir: Path) -> tuple[list[str], lis
         verdict = ""
         if dec["preserver"] and dec["epsilon"] > 0:
             ok = not lost
-            cases.append((True, ok))
+            cases.append((True, ok, dec["calibrated"]))
             verdict = "accepted, " + ("kept accuracy: match" if ok else "LOST: mismatch")
         elif dec["epsilon"] == 0:
             verdict = "epsilon 0 (no delay by rule)"
@@ -627,6 +648,7 @@ def report_workload(res: dict[str, Any], plot_dir: Path) -> tuple[list[str], lis
         summary.setdefault("rows", []).append({"label": dec["label"], "epsilon": dec["epsilon"],
                                                "merge_lr": dec["merge_lr"],
                                                "preserver": dec["preserver"], "lost": lost, "time": t_s,
+                                               "calibrated": dec["calibrated"],
                                                "iteration_s": r["iteration_s"], "describe": r["describe"],
                                                "diff": diff_s})
     # rejected tries: would they have lost?
@@ -645,7 +667,7 @@ def report_workload(res: dict[str, Any], plot_dir: Path) -> tuple[list[str], lis
             seen.add((dec["label"], key))
             r = runs[key]
             lost = loses(w, r, ddp)
-            cases.append((False, lost))
+            cases.append((False, lost, dec["calibrated"]))
             why = "unstable" if tr.stability is not None and not tr.stability.stable else "walk ratio"
             pk = progress_retained(warm.stats, r["schedule"], dec["merge_lr"])
             it_r = iters_to(w, r, target)
@@ -659,7 +681,7 @@ def report_workload(res: dict[str, Any], plot_dir: Path) -> tuple[list[str], lis
                   "| setting | rejected schedule | ms/iteration (predicted) | ratio | progress kept | rejected on | "
                   "with Lanczos | final " + unit + " | predicted time to target | measured |",
                   "|---|---|---|---|---|---|---|---|---|---|", *rej_rows]
-    plot_path = plot_dir / f"preserver_validation_{w.name}.png"
+    plot_path = plot_dir / f"{name}_{w.name}.png"
     plot(res, target, plot_path)
     lines += ["", f"![{w.name}]({plot_path.name})", ""]  # relative to benchmarks/RESULTS.md, like the others
     summary["ddp_time"] = ddp_time
@@ -691,8 +713,12 @@ def lanczos_verdict(warm: WarmState, s: Schedule) -> str:
 def targets(summaries: dict[str, dict[str, Any]], default_eps: float) -> list[str]:
     """The issue's targets, per workload, stated plainly."""
     out = ["## The issue's targets", ""]
-    for name, sm in summaries.items():
-        rows = sm.get("rows", [])
+    for (name, sm), calibrated in itertools.product(summaries.items(), (False, True)):
+        # epsilon 0 and preserver off need no statistics: they belong to both lists
+        rows = [r for r in sm.get("rows", [])
+                if r["calibrated"] == calibrated or not r["preserver"] or r["epsilon"] == 0]
+        if calibrated and not any(r["calibrated"] for r in rows):
+            continue
         dflt = [r for r in rows if r["preserver"] and r["epsilon"] == default_eps and r["merge_lr"] == "none"]
         eps0 = next((r for r in rows if r["epsilon"] == 0), None)
         faster = [r for r in rows if r["preserver"] and r["epsilon"] > 0 and not r["describe"].endswith("(no delay)")
@@ -701,7 +727,7 @@ def targets(summaries: dict[str, dict[str, Any]], default_eps: float) -> list[st
         eps_rows = sorted((r for r in rows if r["preserver"] and r["merge_lr"] == "none"), key=lambda r: r["epsilon"])
         mono = all(b["iteration_s"] <= a["iteration_s"] * (1 + 1e-9) for a, b in itertools.pairwise(eps_rows))
         lost = any(r["lost"] for r in dflt)
-        out.append(f"- **{name}**: default epsilon "
+        out.append(f"- **{name}**{' (after ddp.calibrate)' if calibrated else ''}: default epsilon "
                    f"{'loses more than 1 point / 2%: MISSED' if lost else 'within 1 point / 2% of torch DDP: met'} "
                    f"({', '.join(r['diff'] for r in dflt)}); "
                    f"a delayed or merged schedule reaching the target faster than epsilon 0: "
@@ -735,10 +761,20 @@ def plot(res: dict[str, Any], target: float, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(command: str, seconds: float, all_cases: list[tuple[str, bool, bool]],
+def decision_counts(all_cases: list[tuple[str, bool, bool, bool]]) -> str:
+    """'matched of all' for the free secant's decisions and, where the probe ran, ddp.calibrate's."""
+    out = []
+    for calibrated, how in ((False, "free secant curvature (no loss closure)"), (True, "after `ddp.calibrate`")):
+        cs = [c for c in all_cases if c[3] == calibrated]
+        if cs:
+            matched = sum(1 for c in cs if c[2])
+            out.append(f"{how}: {matched} of {len(cs)} ({100 * matched / len(cs):.0f}%)")
+    return "; ".join(out)
+
+
+def write_report(results: Path, command: str, seconds: float, all_cases: list[tuple[str, bool, bool, bool]],
                  summaries: dict[str, dict[str, Any]], body: list[str]) -> str:
     """The markdown fragment (rewritten after every workload, so a late failure keeps the earlier ones)."""
-    matched = sum(1 for _, acc, ok in all_cases if ok)
     head = ["# Preserver validation: decisions against measured accuracy (issue 12)", "",
             f"Measured {time.strftime('%Y-%m-%d')} on the shared 2-core CPU box, one process, one thread "
             f"(other engineers' jobs ran beside it: training seconds are not reported, only predicted time). "
@@ -755,15 +791,14 @@ def write_report(command: str, seconds: float, all_cases: list[tuple[str, bool, 
             "the extension given per workload) only to time it. Time to target = iterations to target x the "
             "simulator's predicted iteration time for that schedule (the planner's prediction; torch DDP: "
             "`simulate_baseline('ddp')`): a prediction, not a measured wall time.", "",
-            f"**Decisions matching the measured outcome: {matched} of {len(all_cases)}** "
-            f"({100 * matched / max(1, len(all_cases)):.0f}%; accepted: kept within 1 point / 2% of torch DDP; "
-            "rejected: would have lost more).", ""]
+            f"**Decisions matching the measured outcome: {decision_counts(all_cases)}** "
+            "(accepted: kept within 1 point / 2% of torch DDP; rejected: would have lost more).", ""]
     text = "\n".join(head + targets(summaries, DeftConfig().epsilon) + [""] + body) + "\n"
     # A hand-written reading of the tables, if the fragment has one, is kept (it starts at READING).
-    old = RESULTS.read_text(encoding="utf-8") if RESULTS.exists() else ""
+    old = results.read_text(encoding="utf-8") if results.exists() else ""
     if READING in old:
         text += "\n" + old[old.index(READING):]
-    RESULTS.write_text(text, encoding="utf-8")
+    results.write_text(text, encoding="utf-8")
     return text
 
 
@@ -778,7 +813,10 @@ def main() -> int:
     ap.add_argument("--max-schedules", type=int, default=7)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--no-probe", action="store_true", help="skip the Lanczos probe (ddp.calibrate's) at planning")
+    ap.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks",
+                    help="the plots go here and the fragment into its results/ (a scratch run: elsewhere)")
     args = ap.parse_args()
+    (args.out_dir / "results").mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     epsilons = [float(e) for e in args.epsilons.split(",")]
     makers = {"cnn": lambda: cnn_workload(args.seed, args.cnn_iters),
@@ -791,11 +829,12 @@ def main() -> int:
     text = ""
     for name in names:
         res = run_workload(makers[name](), args, epsilons)
-        lines, cases, summary = report_workload(res, ROOT / "benchmarks")
+        lines, cases, summary = report_workload(res, args.out_dir, fragment_name(args.seed))
         body += lines
         all_cases += [(name, *c) for c in cases]
         summaries[name] = summary
-        text = write_report(command, time.perf_counter() - t0, all_cases, summaries, body)
+        results = args.out_dir / "results" / f"{fragment_name(args.seed)}.md"
+        text = write_report(results, command, time.perf_counter() - t0, all_cases, summaries, body)
     print(text)
     if args.json:
         args.json.write_text(json.dumps({"cases": all_cases}, indent=1))
