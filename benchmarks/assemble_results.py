@@ -29,6 +29,7 @@ ORDER = [
     "preserver_validation.md",
     "preserver_validation_seed1.md",
     "preserver_validation_seed2.md",
+    "secant.md",
 ]
 
 
