@@ -43,6 +43,18 @@ def test_an_exception_in_the_background_comes_back_as_an_error_document() -> Non
     assert doc == {"error": "ValueError: the knapsack is on fire"}
 
 
+def test_a_base_exception_in_the_background_still_comes_back_as_an_error_document() -> None:
+    class Stop(BaseException):  # not an Exception: it would end the thread without a document
+        pass
+
+    def decide() -> dict[str, object]:
+        raise Stop("the thread was told to stop")
+
+    job = Background(decide, "deft-planner-test")
+    doc, _ = job.result()
+    assert doc == {"error": "Stop: the thread was told to stop"} and job.done()
+
+
 def test_plan_lag_iters_is_validated() -> None:
     DeftConfig(plan_lag_iters=0)  # accepted: 0 plans inside the iteration, as before
     with pytest.raises(ContractError, match=r"plan_lag_iters.*expected an integer >= 0, got -1"):

@@ -1043,6 +1043,8 @@ class DistributedDataParallel(nn.Module):
         doc: dict[str, Any] = {}
         if job is not None:
             doc, waited = job.result()
+            if "error" in doc:  # Background's own error document: the adaptation stops, with the reason
+                doc = {"record": {"error": doc["error"]}, "done": True}
             doc = {**doc, "record": {**doc.get("record", {}), "background": {
                 "lag_iters": self.config.plan_lag_iters, "plan_s": round(job.seconds, 4),
                 "waited_s": round(waited, 4)}}}

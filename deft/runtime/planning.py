@@ -145,17 +145,20 @@ class Background:
 
     def _run(self) -> None:
         t0 = time.perf_counter()
-        if self._nice and sys.platform.startswith("linux"):
-            # Linux schedules threads as tasks: a thread id given to setpriority changes only this thread
-            # (and the solver threads it starts). Elsewhere a thread id is no process id: left alone.
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+        # Everything under the try: a thread that died without a document would leave rank 0 failing
+        # an assert and the other ranks waiting for the broadcast until their timeout, with no reason.
         try:
+            if self._nice and sys.platform.startswith("linux"):
+                # Linux schedules threads as tasks: a thread id given to setpriority changes only this
+                # thread (and the solver threads it starts). Elsewhere a thread id is no process id.
+                with contextlib.suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
             self._doc = self._fn()
-        except Exception as e:  # carried to every rank, never lost in a thread
-            log.exception("deft: background planning failed")
+        except BaseException as e:  # carried to every rank, never lost in a thread
+            log.exception("deft: background job %s failed", self._thread.name)
             self._doc = {"error": f"{type(e).__name__}: {e}"}
-        self.seconds = time.perf_counter() - t0
+        finally:
+            self.seconds = time.perf_counter() - t0
 
     def done(self) -> bool:
         return not self._thread.is_alive()
