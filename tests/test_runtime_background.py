@@ -79,3 +79,5 @@ def test_planner_nice_is_validated() -> None:
     assert DeftConfig().planner_nice == 10
     with pytest.raises(ContractError, match=r"planner_nice.*expected an integer in \[0, 19\]"):
         DeftConfig(planner_nice=20)
+    with pytest.raises(ContractError, match=r"planner_nice.*expected an integer in \[0, 19\].*got -1"):
+        DeftConfig(planner_nice=-1)  # a negative nice value would need privilege and outrank training

@@ -104,6 +104,7 @@ def test_bad_arguments_name_the_field(kwargs: dict[str, object], problem: str) -
     (1000, 65536, 131072, 25_000_000),        # 1 ms = 125 000 B, still below 131 072
     (10_000, 65536, 1_250_000, 250_000_000),  # 10 Gbit/s: 1 ms = 1.25 MB wins
     (1, 65536, 131072, 2 * 1024 * 1024),      # the 2 MiB queue floor
+    (1, 4096, 16384, 2 * 1024 * 1024),        # 1 ms = 125 B, 2 GSO = 8 KiB: the 16 KiB burst floor
     (250, 196608, 393216, 6_250_000),         # BIG TCP: twice the device's larger GSO packet
 ])
 def test_tbf_burst_holds_two_gso_packets(rate_mbit: float, gso: int, burst: int, limit: int) -> None:
@@ -219,7 +220,9 @@ def test_reshape_one_link_leaves_the_other() -> None:
                      for link in range(2)}
             # tc reports the rate in bytes per second: 200 and 50 Mbit/s
             assert rates[0]["options"]["rate"] == 25_000_000 and rates[1]["options"]["rate"] == 6_250_000
-            assert rates[1]["options"]["burst"] > 65536  # the same GSO-sized burst as at construction
+            # the same GSO-sized burst as at construction: it holds the device's GSO packet with headers
+            gso = json.loads(tb.run(h, ["ip", "-d", "-j", "link", "show", "dev", tb.ifname(1)]))[0]["gso_max_size"]
+            assert rates[1]["options"]["burst"] > 1.1 * gso
         # tbf lets its burst (a bucket full of tokens) through at once: only the rest waits on the rate
         nbytes, burst = 2_000_000, rates[1]["options"]["burst"]
         shaped = (nbytes - burst) * 8 / 50e6  # ~0.3 s of payload at the new rate
