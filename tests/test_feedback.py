@@ -482,3 +482,58 @@ def test_recheck_replans_a_stale_schedule_that_became_unstable():
     sharp = dataclasses.replace(STATS, curvature=20.0, optimizer=spec)
     d = rc.check(20, sharp)
     assert d is not None and d.replan and "unstable" in d.reason
+
+
+def stale_planner(profile: Profile, config: DeftConfig, *, capacity_scale: float = 1.0) -> Schedule:
+    """K = (1, 1), every update one iteration late, at any capacity."""
+    return schedule_with((1, 1), delayed=True)
+
+
+def test_with_the_stability_check_the_walk_stops_charging_the_lag() -> None:
+    """Issue 12: staleness is priced once. Without a curvature the walk counts a stale update's lag as
+    missing progress; with the curvature and the optimizer known the stability check prices it, and the
+    walk counts every update of the period: a stale-by-one ``K = (1, 1)`` makes as many steps of ``B``
+    as DDP (ratio exactly 1), and a stale ``K = (1, 2, 1)`` gets the ratio of its merges alone."""
+    from deft.preserver.stability import OptimizerSpec
+
+    spec = OptimizerSpec.sgd(0.02, momentum=0.9)
+    calm = dataclasses.replace(STATS, curvature=1.0, optimizer=spec)  # every edge far above 1
+    stale = schedule_with((1, 1), delayed=True)
+    assert schedule_ratio(stale, STATS) < 1.0  # lag priced (test_stale_updates_lower_the_ratio)
+    assert schedule_ratio(stale, calm) == 1.0
+    # (1, 2, 1) delayed: four steps of B against B, 2B, B, all counted.
+    merged = schedule_with((1, 2, 1), delayed=True)
+    expected = convergence_ratio(1.0, 0.2, 5.0, 0.01, 256, (1, 2, 1))
+    assert schedule_ratio(merged, calm) == pytest.approx(expected)
+    assert schedule_ratio(merged, STATS) < expected  # the lag priced on top of the merge
+    # So at epsilon 0.01 the stable stale-by-one schedule is accepted, and rejected once the curvature
+    # is beyond half its delayed edge (1 - 0.9) / 0.02 = 5.
+    nd = FakePlanner([(1,)]).no_delay
+    res = preserve(profile(), DeftConfig(epsilon=0.01, preserver_max_tries=1), calm,
+                   planner=stale_planner, no_delay_planner=nd)
+    deft_try = next(t for t in res.tries if t.kind == "deft")
+    assert deft_try.accepted and deft_try.ratio == 1.0 and deft_try.rejected_on is None
+    sharp = dataclasses.replace(calm, curvature=3.0)
+    res = preserve(profile(), DeftConfig(epsilon=0.01, preserver_max_tries=1), sharp,
+                   planner=stale_planner, no_delay_planner=nd)
+    deft_try = next(t for t in res.tries if t.kind == "deft")
+    assert not deft_try.accepted and deft_try.rejected_on == "unstable"
+    assert res.schedule.meta["preserver"]["log"][-2]["rejected_on"] == "unstable"
+
+
+def test_recheck_judges_rejected_tries_on_the_statistics_of_the_time() -> None:
+    """A stale try rejected on its walk ratio while the curvature was unknown (the lag priced) is found
+    passing at the re-check once a stable curvature is known (the lag no longer charged)."""
+    from deft.preserver.stability import OptimizerSpec
+
+    strong = WalkStats(loss=1.0, mu=2.0, sigma=5.0, lr=0.01, batch=256)  # one lagged step: 2% of the loss
+    config = DeftConfig(epsilon=0.01, recheck_every=10, preserver_max_tries=1)
+    res = preserve(profile(), config, strong, planner=stale_planner, no_delay_planner=FakePlanner([(1,)]).no_delay)
+    assert [t.rejected_on for t in res.tries if t.kind == "deft"] == ["walk ratio"]
+    assert res.schedule.batch_sequence == (1,)
+    rc = Recheck(config, res)
+    d = rc.check(10, strong)
+    assert d is not None and not d.replan
+    calm = dataclasses.replace(strong, curvature=1.0, optimizer=OptimizerSpec.sgd(0.02, momentum=0.9))
+    d = rc.check(20, calm)
+    assert d is not None and d.replan and "previously rejected K=(1, 1)" in d.reason

@@ -51,6 +51,8 @@ recurrence is unstable along the sharpest direction (curvature beyond ``margin``
 edge) is rejected whatever its ratio (``_judge``); lag-free schedules have torch DDP's edge and are
 never rejected on these grounds. Each try records the radius, edge and verdict (``Try.stability``,
 ``meta["preserver"]["log"]``); :class:`Recheck` re-plans when the running schedule becomes unstable.
+With the check available the walk stops charging a stale update's lag as missing progress
+(:func:`applied_sequence`): the two would price the same staleness twice.
 
 Statistics
 ----------
@@ -145,6 +147,12 @@ class WalkStats:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def prices_lag(self) -> bool:
+        """Whether the walk counts a stale update's lag as missing progress (:func:`applied_sequence`):
+        only while the stability check, which prices staleness itself, is not available."""
+        return self.curvature is None or self.optimizer is None
+
     def stability(self, schedule: Schedule | Plan) -> StabilityCheck | None:
         """The schedule's stability along the sharpest direction; ``None`` without curvature."""
         if self.curvature is None or self.optimizer is None:
@@ -165,11 +173,14 @@ class Try:
     kind: str = "deft"  # "deft" (the planner at a capacity), "accumulate" (lag-free merge) or "no_delay"
     plan: Plan = ()  # when each update lands and how stale it is (deft.preserver.stability.applied_updates)
     stability: StabilityCheck | None = None  # when the curvature was known
+    rejected_on: str | None = None  # why a try was not accepted: "walk ratio" or "unstable"
+    schedule: Schedule | None = dataclasses.field(default=None, repr=False, compare=False)  # for Recheck
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "capacity_scale": self.capacity_scale, "k": list(self.k),
                 "applied": list(self.applied),
                 "window": self.window, "ratio": _json_float(self.ratio), "accepted": self.accepted,
+                "rejected_on": self.rejected_on,
                 "stability": None if self.stability is None else self.stability.to_dict()}
 
 
@@ -219,42 +230,65 @@ def steady_period(schedule: Schedule) -> int:
     return n
 
 
-def applied_sequence(schedule: Schedule) -> tuple[int, ...]:
-    """Batch multiples of the updates one steady-state period applies *within* the period, in order.
+def applied_sequence(schedule: Schedule, lag_priced: bool = True) -> tuple[int, ...]:
+    """Batch multiples of the updates one steady-state period applies, in order.
 
     The period is :func:`steady_period` (the cycle unless it repeats a shorter pattern); the groups
     are those of its first repetition. The paper compares ``N`` steps of ``B`` with the schedule's
-    ``K`` over one cycle, which ignores when an update lands. A delayed update applied after the cycle's last iteration
-    (``apply_after >= cycle``) is stale: its gradient was computed ``apply_after - last`` iterations
-    before it is applied, and for the whole of training the parameters lag that many steps behind
-    plain data parallelism. We count the lag as progress missing from the window (the update lands
-    in the next window instead), so a schedule whose only change is staleness (K all ones, updates
-    one iteration late) gets a ratio below 1 that grows with ``lr * mu`` against the loss, as the
-    measured accuracy does (benchmarks/RESULTS.md: one step of staleness with momentum 0.9 cost
-    13-25 accuracy points in a 4-epoch run); it is 1 only when every update lands in its own cycle.
+    ``K`` over one cycle, which ignores when an update lands. A delayed update applied after the
+    cycle's last iteration (``apply_after >= cycle``) is stale: its gradient was computed
+    ``apply_after - last`` iterations before it is applied.
+
+    * ``lag_priced`` (used when the stability check is not available, i.e. the curvature is unknown):
+      only the updates applied *within* the period count; a stale one lands in the next window, so
+      its lag is counted as progress missing from every window. A schedule whose only change is
+      staleness (K all ones, updates one iteration late) then gets a ratio below 1 that grows with
+      ``lr * mu`` against the loss. This is a proxy, and a conservative one: measured, one step of
+      staleness with momentum 0.9 cost 13-25 accuracy points in a 4-epoch run (benchmarks/RESULTS.md).
+    * not ``lag_priced`` (the curvature and the optimizer are known): every update of the period
+      counts, wherever it lands. In the steady state each period applies as many updates as it
+      starts (the one that lands late is replaced by the previous period's), so the walk's
+      first-order progress is the merges' alone. What staleness really costs is second order: the
+      gradient applied was taken ``lag`` steps back, ``g(w_t) - g(w_{t-lag}) ~ H (w_t - w_{t-lag})``,
+      which is exactly the delayed recurrence :func:`deft.preserver.stability.check_stability`
+      prices along the sharpest direction (where it costs most). Counting the lag in the walk as
+      well would charge it twice. Measured (benchmarks/results/preserver_validation*.md, three
+      seeds): every stale schedule that the Lanczos curvature calls unstable lost when trained (the
+      CNN ended at 0.16-0.74 accuracy against torch DDP's 0.958-0.997, the LM 6.6-13.2 % above its
+      validation loss); the one it calls stable (the MLP's stale-by-one ``K=[1, 1]``) ended -0.8 to
+      +0.6 points from torch DDP, while the lag-priced walk rejected it (ratio 0.982-0.984) at
+      epsilon 0.01.
     """
     p = steady_period(schedule)
-    return tuple(u.k for u in schedule.updates if u.positions[0] < p and u.apply_after < p)
+    return tuple(u.k for u in schedule.updates if u.positions[0] < p and (u.apply_after < p or not lag_priced))
 
 
 def schedule_ratio(schedule: Schedule, stats: WalkStats, merge_lr_scaling: str = "none") -> float:
     """``E_baseline / E_schedule`` over one steady-state period (:func:`steady_period`): that many steps
-    of ``B`` against the updates the period applies within itself (:func:`applied_sequence`); 1.0 for a
-    no-delay schedule. The same steady state written as a longer cycle gets the same ratio. A merged
-    update steps with ``lr`` times the factor of ``merge_lr_scaling`` (``config.merge_lr_scaling``)."""
+    of ``B`` against the updates the period applies (:func:`applied_sequence`, the lag priced while
+    ``stats`` has no curvature); 1.0 for a no-delay schedule. The same steady state written as a longer
+    cycle gets the same ratio. A merged update steps with ``lr`` times the factor of ``merge_lr_scaling``
+    (``config.merge_lr_scaling``)."""
     return convergence_ratio(stats.loss, stats.mu, stats.sigma, stats.lr, stats.batch,
-                             applied_sequence(schedule), stats.s_star, window=steady_period(schedule),
-                             merge_lr_scaling=merge_lr_scaling)
+                             applied_sequence(schedule, stats.prices_lag), stats.s_star,
+                             window=steady_period(schedule), merge_lr_scaling=merge_lr_scaling)
 
 
-def _judge(schedule: Schedule, stats: WalkStats, walk_ok: bool) -> tuple[bool, StabilityCheck | None]:
-    """The walk's verdict, overruled when the update recurrence is unstable along the sharpest direction
-    (only when the curvature is known; lag-free schedules never are: deft.preserver.stability)."""
+def _judged(schedule: Schedule, stats: WalkStats, config: DeftConfig, **fields: Any) -> Try:
+    """One try: the walk's verdict (:func:`passes`), overruled when the update recurrence is unstable
+    along the sharpest direction (only when the curvature is known; lag-free schedules never are:
+    deft.preserver.stability)."""
+    ratio = schedule_ratio(schedule, stats, config.merge_lr_scaling)
     chk = stats.stability(schedule)
+    rejected_on = None
     if chk is not None and not chk.stable:
         log.info("preserver: K=%s rejected as unstable: %s", schedule.batch_sequence, chk.reason)
-        return False, chk
-    return walk_ok, chk
+        rejected_on = "unstable"
+    elif not passes(schedule.batch_sequence, ratio, config.epsilon):
+        rejected_on = "walk ratio"
+    return Try(k=schedule.batch_sequence, ratio=ratio, accepted=rejected_on is None,
+               applied=applied_sequence(schedule, stats.prices_lag), window=steady_period(schedule),
+               plan=applied_updates(schedule), stability=chk, rejected_on=rejected_on, schedule=schedule, **fields)
 
 
 def passes(k: tuple[int, ...], ratio: float, epsilon: float) -> bool:
@@ -272,7 +306,8 @@ def _checked(schedule: Any, who: str) -> Schedule:
 
 def _finish(schedule: Schedule, tries: list[Try], accepted: bool, config: DeftConfig,
             stats: WalkStats | None, reason: str) -> PreserveResult:
-    chosen = next((t for t in reversed(tries) if t.accepted), tries[-1])
+    chosen = next((t for t in reversed(tries) if t.schedule is schedule),
+                  next((t for t in reversed(tries) if t.accepted), tries[-1]))
     record = {
         "accepted": accepted,
         "reason": reason,
@@ -289,9 +324,10 @@ def _finish(schedule: Schedule, tries: list[Try], accepted: bool, config: DeftCo
 
 
 #: A stale schedule (updates applied after their cycle) is taken over the fastest lag-free candidate
-#: only when predicted this much faster: the walk prices a one-iteration lag like merging two
-#: iterations, but measured, one iteration of staleness cost 70 accuracy points where merging pairs
-#: cost none (benchmarks/RESULTS.md, update-timing check).
+#: only when predicted this much faster: measured, one iteration of staleness cost 70 accuracy points
+#: where merging pairs cost none (benchmarks/RESULTS.md, update-timing check), and neither the walk
+#: (lag priced or not) nor a curvature estimate taken at planning resolves that risk well enough to
+#: take it for a small gain.
 STALENESS_MARGIN = 0.25
 #: Largest number of iterations a lag-free merge (:func:`deft.solver.plan.accumulate_plan`) may merge.
 #: Measured (benchmarks/results/preserver_validation.md, at the same learning rate): merging 2 kept
@@ -327,14 +363,11 @@ def _best_merge(profile: Profile, config: DeftConfig, stats: WalkStats, accumula
     best = None
     for k in range(2, MAX_MERGE + 1):
         s = _checked(merge(profile, config, k), "accumulate_plan")
-        ratio = schedule_ratio(s, stats, config.merge_lr_scaling)
-        ok, chk = _judge(s, stats, passes(s.batch_sequence, ratio, config.epsilon))
-        tries.append(Try(capacity_scale=None, k=s.batch_sequence, ratio=ratio, accepted=ok,
-                         applied=applied_sequence(s), window=steady_period(s), kind="accumulate",
-                         plan=applied_updates(s), stability=chk))
-        log.info("preserver: lag-free merge of %d iterations, ratio %.5f: %s", k, ratio,
-                 "passes" if ok else "fails")
-        if not ok:
+        t = _judged(s, stats, config, capacity_scale=None, kind="accumulate")
+        tries.append(t)
+        log.info("preserver: lag-free merge of %d iterations, ratio %.5f: %s", k, t.ratio,
+                 "passes" if t.accepted else "fails")
+        if not t.accepted:
             break
         best = s
     return best
@@ -352,6 +385,10 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
     * otherwise tries capacity scales ``capacity_growth ** i`` for ``i < preserver_max_tries`` and
       returns the first schedule that passes; if none does, the no-delay schedule.
 
+    A schedule that passes is replaced by the no-delay plan (which keeps torch DDP's parameters) when
+    not predicted faster per iteration. A lag-free merge is preferred to a stale schedule unless the
+    latter is much faster (:func:`prefer_lag_free`).
+
     ``planner``, ``no_delay_planner`` and ``accumulate_planner`` default to
     :func:`deft.solver.plan.plan`, :func:`deft.solver.plan.no_delay_plan` and
     :func:`deft.solver.plan.accumulate_plan`; tests inject their own.
@@ -359,14 +396,20 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
     planner = planner or plan
     no_delay_planner = no_delay_planner or no_delay_plan
     tries: list[Try] = []
+    nd_cache: list[Schedule] = []
 
-    def no_delay(reason: str, accepted: bool, s: Schedule | None = None) -> PreserveResult:
-        s = s or _checked(no_delay_planner(profile, config), "no_delay_plan")
+    def nd_schedule() -> Schedule:
+        if not nd_cache:
+            nd_cache.append(_checked(no_delay_planner(profile, config), "no_delay_plan"))
+        return nd_cache[0]
+
+    def no_delay(reason: str, accepted: bool) -> PreserveResult:
+        s = nd_schedule()
         if any(k != 1 for k in s.batch_sequence):
             raise ContractError("preserver", "no_delay_plan",
                                 f"expected a schedule without merged updates, got K = {s.batch_sequence}")
         tries.append(Try(capacity_scale=None, k=s.batch_sequence, ratio=1.0, accepted=accepted,
-                         applied=applied_sequence(s), window=steady_period(s), kind="no_delay"))
+                         applied=applied_sequence(s), window=steady_period(s), kind="no_delay", schedule=s))
         log.info("preserver: no-delay schedule (%s)", reason)
         return _finish(s, tries, accepted, config, stats, reason)
 
@@ -378,7 +421,7 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
         chk = None if stats is None else stats.stability(s)  # recorded, not enforced: nothing is checked
         tries.append(Try(capacity_scale=1.0, k=s.batch_sequence, ratio=ratio, accepted=True,
                          applied=applied_sequence(s), window=steady_period(s), plan=applied_updates(s),
-                         stability=chk))
+                         stability=chk, schedule=s))
         log.info("preserver disabled: using the solver's schedule K=%s untested (ratio %s)",
                  s.batch_sequence, "unknown" if ratio is None else f"{ratio:.4f}")
         return _finish(s, tries, True, config, stats, "preserver disabled")
@@ -390,34 +433,33 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
     for i in range(config.preserver_max_tries):
         scale = config.capacity_growth ** i
         s = _checked(planner(profile, config, capacity_scale=scale), "plan")
-        k = s.batch_sequence
-        ratio = schedule_ratio(s, stats, config.merge_lr_scaling)
-        ok, chk = _judge(s, stats, passes(k, ratio, config.epsilon))
-        tries.append(Try(capacity_scale=scale, k=k, ratio=ratio, accepted=ok, applied=applied_sequence(s),
-                         window=steady_period(s), plan=applied_updates(s), stability=chk))
+        t = _judged(s, stats, config, capacity_scale=scale)
+        tries.append(t)
         log.info("preserver try %d/%d: capacity x%.4g, K=%s, ratio %.5f in [%.4g, %.4g]: %s",
-                 i + 1, config.preserver_max_tries, scale, k, ratio, lo, hi, "accepted" if ok else "rejected")
-        if ok:
-            chosen, reason = s, f"ratio {ratio:.5f} within [{lo:.4g}, {hi:.4g}]"
-            if merged is not None and prefer_lag_free(merged, s):
-                chosen, reason = merged, f"lag-free merge K={merged.batch_sequence} preferred to stale K={k}"
-            # The no-delay plan keeps torch DDP's parameters; a DeFT schedule that is not faster than it
-            # (the knapsack at a large capacity often ends with K = [1] without the lag-free forward
-            # stage) gains nothing for its risk: take the no-delay plan instead (when both are predicted).
-            nd = _checked(no_delay_planner(profile, config), "no_delay_plan")
-            if nd.digest() != chosen.digest() and 0 < nd.predicted_iteration_s <= chosen.predicted_iteration_s:
-                return no_delay(f"accepted K={chosen.batch_sequence} ({reason}) is predicted no faster "
-                                f"({chosen.predicted_iteration_s * 1e3:.1f} ms) than the no-delay plan "
-                                f"({nd.predicted_iteration_s * 1e3:.1f} ms)", accepted=True, s=nd)
-            return _finish(chosen, tries, True, config, stats, reason)
-    nd = _checked(no_delay_planner(profile, config), "no_delay_plan")
+                 i + 1, config.preserver_max_tries, scale, t.k, t.ratio, lo, hi,
+                 "accepted" if t.accepted else f"rejected ({t.rejected_on})")
+        if not t.accepted:
+            continue
+        chosen, reason = s, f"ratio {t.ratio:.5f} within [{lo:.4g}, {hi:.4g}]"
+        if merged is not None and prefer_lag_free(merged, s):
+            chosen, reason = merged, f"lag-free merge K={merged.batch_sequence} preferred to stale K={t.k}"
+        # The no-delay plan keeps torch DDP's parameters; a DeFT schedule that is not faster than it
+        # (the knapsack at a large capacity often ends with K = [1] without the lag-free forward
+        # stage) gains nothing for its risk: take the no-delay plan instead (when both are predicted).
+        nd = nd_schedule()
+        if nd.digest() != chosen.digest() and 0 < nd.predicted_iteration_s <= chosen.predicted_iteration_s:
+            return no_delay(f"accepted K={chosen.batch_sequence} ({reason}) is predicted no faster "
+                            f"({chosen.predicted_iteration_s * 1e3:.1f} ms) than the no-delay plan "
+                            f"({nd.predicted_iteration_s * 1e3:.1f} ms)", accepted=True)
+        return _finish(chosen, tries, True, config, stats, reason)
+    nd = nd_schedule()
     if merged is not None and merged.predicted_iteration_s < nd.predicted_iteration_s:
         return _finish(merged, tries, True, config, stats,
                        f"no DeFT schedule passed; lag-free merge K={merged.batch_sequence} did")
     log.warning("preserver: no schedule passed in %d tries (ratios %s); falling back to the no-delay schedule",
                 config.preserver_max_tries, ", ".join(f"{t.ratio:.4f}" for t in tries if t.ratio is not None))
     return no_delay(f"no schedule within [{lo:.4g}, {hi:.4g}] in {config.preserver_max_tries} tries",
-                    accepted=False, s=nd)
+                    accepted=False)
 
 
 @dataclass(frozen=True)
@@ -438,8 +480,9 @@ class Recheck:
     schedule rejected earlier may pass now. Both are cheap to test without the solver: the ratio
     depends only on a batch sequence, and the rejected tries' sequences are remembered. Re-plan when
 
-    1. the running schedule's ratio left ``[1 - epsilon, 1 + epsilon]``, or
-    2. a sequence that was rejected at a smaller capacity (so: a faster schedule) would pass now, or
+    1. the running schedule's ratio left ``[1 - epsilon, 1 + epsilon]``, or it became unstable, or
+    2. a schedule that was rejected at a smaller capacity (so: a faster schedule) would pass now
+       (ratio and stability), or
     3. the running schedule is the no-delay fallback taken while mu and sigma were unknown, and they
        are known now.
 
@@ -461,7 +504,7 @@ class Recheck:
         accepted = [i for i, t in enumerate(tried) if t.accepted]
         if accepted:
             tried = tried[:accepted[-1]]
-        self._faster = [t for t in tried if (t.k, t.applied) != (chosen, applied_sequence(result.schedule))]
+        self._faster = [t for t in tried if (t.k, t.plan) != (chosen, applied_updates(result.schedule))]
 
     def due(self, iteration: int) -> bool:
         return iteration > 0 and iteration % self.config.recheck_every == 0
@@ -481,11 +524,15 @@ class Recheck:
         chk = stats.stability(self.result.schedule)
         if chk is not None and not chk.stable:
             return self._decide(iteration, ratio, True, f"running schedule K={k} is unstable now: {chk.reason}")
+        ml = self.config.merge_lr_scaling
         for cand in self._faster:
-            r = convergence_ratio(stats.loss, stats.mu, stats.sigma, stats.lr, stats.batch, cand.applied,
-                                  stats.s_star, window=cand.window or sum(cand.k),
-                                  merge_lr_scaling=self.config.merge_lr_scaling)
-            cand_chk = stats.stability(cand.plan) if cand.plan else None
+            if cand.schedule is not None:
+                r = schedule_ratio(cand.schedule, stats, ml)
+                cand_chk = stats.stability(cand.schedule)
+            else:  # a try recorded without its schedule: what it was judged on then
+                r = convergence_ratio(stats.loss, stats.mu, stats.sigma, stats.lr, stats.batch, cand.applied,
+                                      stats.s_star, window=cand.window or sum(cand.k), merge_lr_scaling=ml)
+                cand_chk = stats.stability(cand.plan) if cand.plan else None
             if cand_chk is not None and not cand_chk.stable:
                 continue  # still unstable along the sharpest direction
             if passes(cand.k, r, eps):
