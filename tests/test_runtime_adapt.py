@@ -314,3 +314,71 @@ def test_a_plan_slower_than_the_warm_up_ends_on_the_warm_up_schedule() -> None:
     assert a["digests"][switch["iteration"]:] == [a["warm"]] * (SYNC_ITERS - switch["iteration"])
     assert sorted(t for _, its in a["log"] for t in its) == list(range(SYNC_ITERS))  # each iteration once
     assert all(len(its) == 1 for _, its in a["log"])  # epsilon 0: torch DDP's updates throughout
+
+
+def race_worker(rank: int, world: int) -> dict[str, Any]:
+    """A re-check switches schedules while rank 0 decides an adaptation in the background (its decision
+    made slow here, so it is collected at the ``plan_lag_iters`` limit, and always a switch: back to the
+    warm-up's schedule when the real decision keeps the running one)."""
+    import time
+
+    import deft
+    from deft.runtime import adapt
+
+    decide = adapt.Adapter.decide
+
+    def slow_decide(self: Any, running: Any, *a: Any, **kw: Any) -> Any:
+        time.sleep(1.0)
+        new, corrected, record = decide(self, running, *a, **kw)
+        if new is None and self.synchronous is not None and self.synchronous.schedule.digest() != running.digest():
+            new, record = self.synchronous.schedule, {**record, "decision": "(test) back to the warm-up schedule"}
+        return new, corrected, record
+
+    adapt.Adapter.decide = slow_decide  # type: ignore[method-assign]
+    # The re-check at RACE_RECHECK re-plans (forced), on statistics that accept merged updates, so it
+    # switches to a delayed schedule (the first plan, without statistics, fell back to no delay).
+    from deft.preserver import feedback
+
+    check, preserve = feedback.Recheck.check, feedback.preserve
+
+    def forced_check(self: Any, iteration: int, stats: Any) -> Any:
+        if iteration == RACE_RECHECK:
+            return feedback.RecheckDecision(iteration, 1.0, True, "forced by the test")
+        return check(self, iteration, stats)
+
+    def preserve_with_stats(profile: Any, config: Any, stats: Any, **kw: Any) -> Any:
+        stats = stats or feedback.WalkStats(loss=2.0, mu=1e-3, sigma=1.0, lr=LR, batch=2)
+        return preserve(profile, config, stats, **kw)
+
+    feedback.Recheck.check = forced_check  # type: ignore[method-assign]
+    model = Linear()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, profile=comm_heavy_profile(), config={
+        "epsilon": 1.0, "warmup_iters": 2, "timeout_s": 30, "adapt_window": 2, "plan_lag_iters": 4,
+        "recheck_every": RACE_RECHECK, "links": [{"name": "primary"}]})
+    for t in range(RACE_ITERS):
+        ddp(coefficients(rank, t)).backward()
+        if ddp.plan_info.get("source") is not None:
+            feedback.preserve = preserve_with_stats  # re-plans only (the first plan had no statistics)
+        opt.step()
+        opt.zero_grad()
+    return {**checked_result(ddp, model, world), "rechecks": ddp.plan_info.get("rechecks", [])}
+
+
+RACE_RECHECK, RACE_ITERS = 8, 20
+
+
+@pytest.mark.slow
+def test_an_adaptation_decided_on_a_schedule_a_re_check_replaced_is_dropped() -> None:
+    a, b = values(run_ranks(race_worker, 2, timeout=120))
+    assert a["log"] == b["log"] and a["params"] == b["params"] and a["adapt"] == b["adapt"]
+    assert a["rechecks"][0]["iteration"] == RACE_RECHECK and a["rechecks"][0]["replan"] is True
+    sw = a["switches"][0]
+    assert sw["iteration"] == RACE_RECHECK and sw["source"] == "preserver (re-plan)" and sw["from"] != sw["to"]
+    # The adaptation begun before the switch, on the schedule it replaced, is collected after it: dropped.
+    late = [r for r in a["adapt"] if r["iteration"] > RACE_RECHECK and r["schedule"] == sw["from"]]
+    assert late and all(f"changed from {sw['from']} to {sw['to']}" in r["superseded"] for r in late)
+    # Whatever adaptation switches happen, each leaves the schedule its decision measured.
+    for s in (s for s in a["switches"] if s["source"] == "adapt"):
+        decided = [r for r in a["adapt"] if r["iteration"] <= s["iteration"]][-1]
+        assert decided["schedule"] == s["from"], (decided, s)

@@ -244,6 +244,7 @@ class DistributedDataParallel(nn.Module):
         self._stats_reason = ""
         self._adapt_due: int | None = None
         self._adapt_job: Background | None = None  # rank 0
+        self._adapt_from = ""  # the digest of the schedule the decision in flight was measured on
         self._install_warmup(list(reversed(range(len(self._params)))), t0=0)
 
         me = weakref.ref(self)
@@ -999,6 +1000,7 @@ class DistributedDataParallel(nn.Module):
         measured, backward, synchronous_s = self._control.max_rows(
             [[*window_medians(self._iter_s, self._bwd_s), self._sync_clock.median()]], "iteration times")[0]
         self._reset_window()
+        self._adapt_from = self.schedule.digest()
         decide = None
         if self.rank == 0:
             assert self._adapter is not None
@@ -1055,12 +1057,18 @@ class DistributedDataParallel(nn.Module):
         doc = self._control.broadcast_json(doc, "adaptation decision")
         self._reset_window()  # the iterations beside the planner's thread are not the schedule's own
         record = {"iteration": self._t, **doc["record"]}
-        if "profile" in doc:
+        # A re-check may have switched schedules while rank 0 decided in the background: the decision, and
+        # the profile it corrected in the old schedule's buckets, are about a schedule no longer running.
+        moved = self.schedule.digest() != self._adapt_from
+        if moved and ("schedule" in doc or "profile" in doc):
+            record["superseded"] = (f"the running schedule changed from {self._adapt_from} to "
+                                    f"{self.schedule.digest()} while rank 0 decided")
+        if "profile" in doc and not moved:
             self.profile = Profile.from_dict(doc["profile"], "profile corrected by rank 0")
             out = os.environ.get("DEFT_PROFILE_OUT")
             if out and self.rank == 0:  # `deft simulate` on it predicts what this run measures
                 self.profile.save(out)
-        if "schedule" in doc:
+        if "schedule" in doc and not moved:
             schedule = Schedule.from_dict(doc["schedule"], "schedule re-planned by rank 0")
             self._control.check_agreement("schedule", schedule.digest())
             back = self._sync_candidate is not None and plan_digest(schedule) == plan_digest(self._sync_candidate)
