@@ -77,7 +77,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's deft
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from deft.config import DeftConfig
-from deft.preserver.curvature import SecantCurvature, adam_preconditioner, top_eigenvalue
+from deft.preserver.curvature import RAW_SCREEN, SecantCurvature, adam_preconditioner, top_eigenvalue
 from deft.preserver.feedback import WalkStats, applied_sequence, preserve, schedule_ratio, steady_period
 from deft.preserver.gaussian_walk import expected_loss_after, merge_lr_factor
 from deft.preserver.noise import DirectionPair, LocalStats, NoiseEstimator, local_stats, walk_geometry
@@ -388,9 +388,9 @@ def warm_up(w: Workload, seed: int, n: int, probe: bool = True) -> WarmState:
     reason = "no noise estimate"
     if stats is not None and est is not None:
         trace = (raw.estimate if metric != "euclidean" else est).trace
-        sec, kind = secant.screen(2.0 * trace / w.global_batch)  # as deft.runtime.grad_stats.walk_stats
+        sec, raw = secant.screen(2.0 * trace / w.global_batch)  # as deft.runtime.grad_stats.walk_stats
         lam, spec, how = stability_inputs(opt, sec, None)
-        reason = how if not kind.startswith("raw") else f"{how} ({kind})"
+        reason = f"{how} ({RAW_SCREEN})" if raw else how
         if lam is not None:
             stats = dataclasses.replace(stats, curvature=lam, optimizer=spec)
     warm = WarmState(copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), gen.get_state(), stats,

@@ -340,6 +340,10 @@ def secant_sums(grad_prev: Sequence[torch.Tensor], grad: Sequence[torch.Tensor],
     return dg, dx
 
 
+#: How a report names the screen's raw ratio (:meth:`SecantCurvature.screen`, second value ``True``).
+RAW_SCREEN = "raw: the noise correction removed it all"
+
+
 class SecantCurvature:
     """Median of :func:`secant_curvature` over the last ``window`` parameter moves (a lower-quality ``lam``).
 
@@ -402,17 +406,18 @@ class SecantCurvature:
             return None
         return statistics.median(math.sqrt(max(0.0, dg - noise_sq) / dx) for dg, dx in self.sums)
 
-    def screen(self, noise_sq: float) -> tuple[float | None, str]:
-        """The curvature the stability check screens schedules with, and which estimate it is.
+    def screen(self, noise_sq: float) -> tuple[float | None, bool]:
+        """The curvature the stability check screens schedules with, and whether it is the raw ratio.
 
         :meth:`debiased`, unless it is 0 while the raw ratio is not: then the noise estimate swallowed
         the whole gradient difference (a few warm-up iterations, a noisy ``tr Σ``), and 0 would make
-        every stale schedule look stable: the check then takes the raw ratio, whose noise bias errs
-        on the safe side (it rejects more). Measured (benchmarks/results/preserver_validation.md, seed 1):
-        the digits CNN's debiased secant was 0 (raw 44.3, Lanczos 66), and at epsilon 0.5 the
-        preserver accepted a schedule stale by two that ended 83 points below torch DDP."""
+        every stale schedule look stable: the check then takes the raw ratio (second value ``True``),
+        whose noise bias errs on the safe side (it rejects more). Measured
+        (benchmarks/results/preserver_validation.md, seed 1): the digits CNN's debiased secant was 0
+        (raw 44.3, Lanczos 66), and at epsilon 0.5 the preserver accepted a schedule stale by two that
+        ended 83 points below torch DDP."""
         debiased = self.debiased(noise_sq)
         raw = self.value
         if debiased == 0.0 and raw is not None and raw > 0.0:
-            return raw, "raw: the noise correction removed it all"
-        return debiased, "debiased"
+            return raw, True
+        return debiased, False

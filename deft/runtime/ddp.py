@@ -883,13 +883,17 @@ class DistributedDataParallel(nn.Module):
             # (deft.runtime.planning).
             self._planning.start(profile, stats, self.world)
             self._plan_due = self._t + lag
-            links = tuple(self._links) if self._planning.measuring else (self._primary.name,)
-            self._executor.install(synchronous_candidate(self._executor.layout, links), self._executor.layout,
-                                   self._t)
+            self._executor.install(self._synchronous(self._executor.layout), self._executor.layout, self._t)
             self._sync_clock.exclude(time.perf_counter() - started)
             return
         schedule, info = self._planning.agree(profile, stats, self.world)
         self._install_plan(schedule, info, {}, started)
+
+    def _synchronous(self, layout: FlatLayout) -> Schedule:
+        """torch DDP's timing on ``layout``, its buckets over the links the profile measured (the primary
+        alone when the profile was given): what runs while rank 0 plans, and what adaptation may go back to."""
+        links = tuple(self._links) if self._planning.measuring else (self._primary.name,)
+        return synchronous_candidate(layout, links)
 
     def _job_ready(self, due: int, job: Background | None) -> bool:
         """Collective while a background decision is in flight: collect it at this iteration boundary?
@@ -928,8 +932,7 @@ class DistributedDataParallel(nn.Module):
             self._adapter = Adapter(self.config) if self.rank == 0 else None
             self._reset_window()
             assert self._warm_layout is not None
-            links = tuple(self._links) if self._planning.measuring else (self._primary.name,)
-            self._sync_candidate = synchronous_candidate(self._warm_layout, links)
+            self._sync_candidate = self._synchronous(self._warm_layout)
         self._sync_clock.exclude(time.perf_counter() - started)  # planning is deft's, not the schedule's
         log.info("deft: rank %d runs schedule %s from iteration %d (cycle %d, K=%s)", self.rank,
                  schedule.digest(), self._t, schedule.cycle, schedule.batch_sequence)

@@ -34,7 +34,7 @@ import torch
 
 from deft.config import DeftConfig
 from deft.errors import ContractError
-from deft.preserver.curvature import SecantCurvature, adam_scale
+from deft.preserver.curvature import RAW_SCREEN, SecantCurvature, adam_scale
 from deft.preserver.feedback import WalkStats
 from deft.preserver.float64 import dot64
 from deft.preserver.noise import (
@@ -258,13 +258,13 @@ def walk_stats(config: DeftConfig, control: ControlPlane, losses: collections.de
                                    metric=geo.metric)
     # Secant with the two batches' gradient noise removed: E|e - e'|² = 2 tr(Σ) / B_global (raw tr Σ).
     trace = None if stats is None else stats.raw_trace()
-    secant, kind = (None, "") if stats is None or trace is None else \
+    secant, raw = (None, False) if stats is None or trace is None else \
         stats.secant.screen(2.0 * trace / (batch * control.world))
     lam, spec, how = stability_inputs(optimizer, secant,
                                       None if calibrated is None else float(calibrated["value"]),
                                       bool(calibrated and calibrated.get("preconditioned")))
-    if how == "secant" and kind.startswith("raw"):
-        how = f"secant ({kind})"
+    if how == "secant" and raw:
+        how = f"secant ({RAW_SCREEN})"
     if walk is not None and lam is not None:
         walk = dataclasses.replace(walk, curvature=lam, optimizer=spec)
     return walk, f"estimated during warm-up; curvature: {how}" + ("" if lam is None else f" {lam:.4g}")
