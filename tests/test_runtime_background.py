@@ -1,4 +1,4 @@
-"""Planning in the background (config.plan_lag_iters; deft.runtime.planning.Background).
+"""Planning in the background (config.plan_lag_iters; deft.runtime.background.Background).
 
 The collective side (every rank switches at the same iteration, rank 0's planning seconds recorded)
 is checked end to end in tests/test_runtime_planned.py and tests/test_runtime_adapt.py; here the
@@ -15,7 +15,7 @@ import pytest
 
 from deft.config import DeftConfig
 from deft.errors import ContractError
-from deft.runtime.planning import Background
+from deft.runtime.background import Background
 
 
 def test_background_returns_the_document_computed_on_another_thread() -> None:

@@ -57,6 +57,7 @@ from deft.runtime.adapt import (
     synchronous_candidate,
     window_medians,
 )
+from deft.runtime.background import Background
 from deft.runtime.buckets import FlatLayout, ddp_like_bucket_numel
 from deft.runtime.checkpoint import RuntimeState
 from deft.runtime.comm_hooks import CommHook, carry_buckets, from_config, plain_iterations, profile_codec
@@ -67,7 +68,6 @@ from deft.runtime.links import CommLink, make_control_group, make_links, make_so
 from deft.runtime.optimizer_hooks import OptimizerBinding, merged_lr, restore_lr, scale_lr
 from deft.runtime.phase import Phase
 from deft.runtime.planning import (
-    Background,
     Planning,
     check_schedule_file,
     make_schedule,
@@ -238,7 +238,7 @@ class DistributedDataParallel(nn.Module):
         self._sync_clock = SynchronousClock()
         self._sync_candidate: Schedule | None = None
         self._warm_layout: FlatLayout | None = None
-        # Planning in the background (config.plan_lag_iters; deft.runtime.planning.Background): the
+        # Planning in the background (config.plan_lag_iters; deft.runtime.background.Background): the
         # iteration at which the plan, or the adaptation's decision, is collected and installed.
         self._plan_due: int | None = None
         self._stats_reason = ""
