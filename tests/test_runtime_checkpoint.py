@@ -142,7 +142,14 @@ def lag_worker(rank: int, world: int) -> dict[str, object]:
     model2 = make_model()
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
     ddp2 = deft.DistributedDataParallel(model2, optimizer=opt2, config=cfg)
+    import logging
+
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("deft.runtime").addHandler(handler)
     ddp2.load_state_dict(state["ddp"])
+    logging.getLogger("deft.runtime").removeHandler(handler)
     opt2.load_state_dict(state["opt"])
     train(ddp2, opt2, rank, LAG_STOP, LAG_TOTAL)
     ddp2.flush()
@@ -150,7 +157,7 @@ def lag_worker(rank: int, world: int) -> dict[str, object]:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     train(nn.parallel.DistributedDataParallel(ref), ref_opt, rank, 0, LAG_TOTAL)
     worst = max((a - b).abs().max().item() for a, b in zip(model2.parameters(), ref.parameters(), strict=True))
-    return {"in_flight": in_flight, "worst": worst, "t0": ddp2.plan_info.get("t0"),
+    return {"in_flight": in_flight, "worst": worst, "t0": ddp2.plan_info.get("t0"), "said": said,
             "log": [[t, list(i)] for t, i in ddp2.update_log]}
 
 
@@ -162,4 +169,9 @@ def test_a_checkpoint_taken_while_rank_0_plans_resumes_to_torch_ddps_parameters(
     # Resumed at 4: profiled again (warm-up counted as done: 2 profile iterations, 4 and 5), planned in
     # the background from 6, the slowed planner collected at the latest 3 iterations later.
     assert a["t0"] == b["t0"] and 6 < a["t0"] <= 9
+    # ... and says so, once (rank 0), with the iteration it plans at (4 + 2 profile iterations)
+    assert [m for m in a["said"] if "before planning finished" in m] == [
+        "deft: the checkpoint was taken at iteration 4, before planning finished; deft profiles again from "
+        "here and plans at iteration 6 (torch DDP's schedule until the plan is in)"]
+    assert not [m for m in b["said"] if "before planning finished" in m]
     assert sorted(t for _, its in a["log"] for t in its) == list(range(LAG_TOTAL))  # each iteration once

@@ -502,10 +502,15 @@ class DistributedDataParallel(nn.Module):
         self._ready_order = st.order if st.order_known else None
         self._plan_at = st.plan_at
         if not self._planned and self._t > self._warm_end:
-            # Timings of a half-done profiling phase are gone: profile again from here.
+            # Timings of a half-done profiling phase (or of a plan still in flight when the checkpoint was
+            # taken) are not in it: profile and plan again from here.
             self._warm_end = self._t
             self._plan_at = self._t + (self._profile_iters if self._planning.measuring else 0)
             self._stats_window = (0, self._plan_at)
+            if self.rank == 0:
+                log.warning("deft: the checkpoint was taken at iteration %d, before planning finished; deft "
+                            "profiles again from here and plans at iteration %d (torch DDP's schedule until the "
+                            "plan is in)", self._t, self._plan_at)
         self.update_log = list(st.update_log)
         self.plan_info = st.plan_info
         if st.comm_hook is not None:
