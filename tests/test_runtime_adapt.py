@@ -378,6 +378,10 @@ def test_an_adaptation_decided_on_a_schedule_a_re_check_replaced_is_dropped() ->
     # The adaptation begun before the switch, on the schedule it replaced, is collected after it: dropped.
     late = [r for r in a["adapt"] if r["iteration"] > RACE_RECHECK and r["schedule"] == sw["from"]]
     assert late and all(f"changed from {sw['from']} to {sw['to']}" in r["superseded"] for r in late)
+    # ... and adaptation goes on, measuring the schedule the re-check chose
+    assert any(r["schedule"] == sw["to"] for r in a["adapt"] if r["iteration"] > late[-1]["iteration"])
+    # ... and never goes "back" to the schedule the re-check replaced (its measurement was forgotten)
+    assert all(s["to"] != sw["from"] for s in a["switches"] if s["source"] == "adapt")
     # Whatever adaptation switches happen, each leaves the schedule its decision measured.
     for s in (s for s in a["switches"] if s["source"] == "adapt"):
         decided = [r for r in a["adapt"] if r["iteration"] <= s["iteration"]][-1]

@@ -168,7 +168,7 @@ class Try:
     k: tuple[int, ...]
     ratio: float | None
     accepted: bool
-    applied: tuple[int, ...] = ()  # updates applied within the cycle (see applied_sequence)
+    applied: tuple[int, ...] = ()  # the updates the ratio counted (applied_sequence, lag priced or not)
     window: int = 0  # the steady-state period the ratio was taken over (steady_period)
     kind: str = "deft"  # "deft" (the planner at a capacity), "accumulate" (lag-free merge) or "no_delay"
     plan: Plan = ()  # when each update lands and how stale it is (deft.preserver.stability.applied_updates)
@@ -306,8 +306,7 @@ def _checked(schedule: Any, who: str) -> Schedule:
 
 def _finish(schedule: Schedule, tries: list[Try], accepted: bool, config: DeftConfig,
             stats: WalkStats | None, reason: str) -> PreserveResult:
-    chosen = next((t for t in reversed(tries) if t.schedule is schedule),
-                  next((t for t in reversed(tries) if t.accepted), tries[-1]))
+    chosen = next(t for t in reversed(tries) if t.schedule is schedule)  # every path records its schedule
     record = {
         "accepted": accepted,
         "reason": reason,
@@ -478,7 +477,7 @@ class Recheck:
     The walk's inputs drift as training proceeds (the loss falls, the gradient weakens, the noise
     changes), so a schedule accepted at the start may leave the tolerance later, and a delayed
     schedule rejected earlier may pass now. Both are cheap to test without the solver: the ratio
-    depends only on a batch sequence, and the rejected tries' sequences are remembered. Re-plan when
+    depends only on a schedule's update pattern, and the rejected tries' schedules are remembered. Re-plan when
 
     1. the running schedule's ratio left ``[1 - epsilon, 1 + epsilon]``, or it became unstable, or
     2. a schedule that was rejected at a smaller capacity (so: a faster schedule) would pass now
@@ -526,13 +525,9 @@ class Recheck:
             return self._decide(iteration, ratio, True, f"running schedule K={k} is unstable now: {chk.reason}")
         ml = self.config.merge_lr_scaling
         for cand in self._faster:
-            if cand.schedule is not None:
-                r = schedule_ratio(cand.schedule, stats, ml)
-                cand_chk = stats.stability(cand.schedule)
-            else:  # a try recorded without its schedule: what it was judged on then
-                r = convergence_ratio(stats.loss, stats.mu, stats.sigma, stats.lr, stats.batch, cand.applied,
-                                      stats.s_star, window=cand.window or sum(cand.k), merge_lr_scaling=ml)
-                cand_chk = stats.stability(cand.plan) if cand.plan else None
+            assert cand.schedule is not None  # every try preserve() records carries its schedule
+            r = schedule_ratio(cand.schedule, stats, ml)  # the lag priced or not as the statistics now allow
+            cand_chk = stats.stability(cand.schedule)
             if cand_chk is not None and not cand_chk.stable:
                 continue  # still unstable along the sharpest direction
             if passes(cand.k, r, eps):

@@ -980,6 +980,10 @@ class DistributedDataParallel(nn.Module):
         old = self.schedule.digest()
         self._install(schedule, layout, self._t)
         self._reset_window()
+        if info.get("source") != "adapt" and self._adapter is not None:
+            # The re-check replaced the schedule, for accuracy: adaptation must not go "back" to one measured
+            # before (it may be what the re-check rejected); the warm-up's synchronous schedule stays.
+            self._adapter.best = None
         self.plan_info.setdefault("switches", []).append({
             "iteration": self._t, "from": old, "to": schedule.digest(), "cycle": schedule.cycle,
             "batch_sequence": list(schedule.batch_sequence), "flushed_updates": len(self.update_log) - before,
@@ -1068,9 +1072,10 @@ class DistributedDataParallel(nn.Module):
         # A re-check may have switched schedules while rank 0 decided in the background: the decision, and
         # the profile it corrected in the old schedule's buckets, are about a schedule no longer running.
         moved = self.schedule.digest() != self._adapt_from
-        if moved and ("schedule" in doc or "profile" in doc):
+        superseded = moved and ("schedule" in doc or "profile" in doc)
+        if superseded:
             record["superseded"] = (f"the running schedule changed from {self._adapt_from} to "
-                                    f"{self.schedule.digest()} while rank 0 decided")
+                                    f"{self.schedule.digest()} while rank 0 decided; adaptation goes on with it")
         if "profile" in doc and not moved:
             self.profile = Profile.from_dict(doc["profile"], "profile corrected by rank 0")
             out = os.environ.get("DEFT_PROFILE_OUT")
@@ -1084,7 +1089,8 @@ class DistributedDataParallel(nn.Module):
                 self._planning.pending = (schedule, {"source": "adapt", **({"layout": "warm-up"} if back else {})})
             else:
                 record["superseded"] = "a re-check's re-planned schedule was already waiting"
-        self._adapt_on = not doc["done"]
+        # A superseded decision is void, "done" with it: the schedule the re-check chose is measured next.
+        self._adapt_on = superseded or not doc["done"]
         self.plan_info.setdefault("adapt", []).append(record)
 
     # -- executor observers: warm-up timing, statistics, trace ranges ------------------------------
