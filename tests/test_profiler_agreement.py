@@ -161,7 +161,9 @@ def test_timing_and_kineto_agree(tmp_path: Path) -> None:
     # method: bucket b was alone on the link in an iteration when on no rank another all-reduce's
     # [launch, completion] interval meets its own; its time there is the minimum over ranks of its own
     # interval; the profile holds the median over those iterations, and no direct time for a bucket
-    # never alone (bucket 0, launched first, is normally done before bucket 1's long backward ends).
+    # never alone (bucket 0, launched first, is normally done before bucket 1's long backward ends, but
+    # on a loaded machine no bucket may be alone in any iteration: then both sides are empty; the joining
+    # of the ranks' periods itself is tested on hand-made stamps in test_runtime_warmup_timer).
     alone: dict[int, list[float]] = {}
     for i in range(ITERS):
         spans = [[(lo, lo + c) for lo, c in zip(docs[r]["samples"][i]["launch"], docs[r]["samples"][i]["comm"],
@@ -170,4 +172,4 @@ def test_timing_and_kineto_agree(tmp_path: Path) -> None:
             if all(x == b or sp[x][0] > sp[b][1] or sp[b][0] > sp[x][1] for sp in spans for x in range(n)):
                 alone.setdefault(b, []).append(min(sp[b][1] - sp[b][0] for sp in spans))
     direct = {b: t.comm_s["primary"] for b, t in enumerate(timing.times) if "primary" in t.comm_s}
-    assert alone and direct == pytest.approx({b: _median(v) for b, v in alone.items()}, abs=1e-9), msg
+    assert direct == pytest.approx({b: _median(v) for b, v in alone.items()}, abs=1e-9), msg
