@@ -49,8 +49,10 @@ One process, one thread, on the shared 2-core CPU (other engineers' jobs run bes
 
 A decision *matches* when an accepted schedule ends within 1 accuracy point (accuracy workloads) or
 2% of final validation loss (the LM) of torch DDP, or a rejected one ends further away. The cases are
-each setting's chosen schedule and every schedule a try rejected (a schedule accepted by a try but
-not run, because a faster one was preferred, is not a case).
+each setting's chosen schedule and every schedule a try rejected on accuracy grounds ("unstable",
+"walk ratio", "slower to target"; a schedule accepted by a try but not run, because a faster one was
+preferred, is not a case, nor is one dropped as predicted no faster per iteration than the no-delay
+plan: that is a statement about speed, not accuracy; those are listed, and counted apart in the header).
 """
 
 from __future__ import annotations
@@ -78,8 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from deft.config import DeftConfig
 from deft.preserver.curvature import RAW_SCREEN, SecantCurvature, adam_preconditioner, top_eigenvalue
-from deft.preserver.feedback import WalkStats, applied_sequence, preserve, schedule_ratio, steady_period
-from deft.preserver.gaussian_walk import expected_loss_after, merge_lr_factor
+from deft.preserver.feedback import NO_FASTER, WalkStats, preserve, progress_kept, schedule_ratio
 from deft.preserver.noise import DirectionPair, LocalStats, NoiseEstimator, local_stats, walk_geometry
 from deft.preserver.stability import Plan, applied_updates, check_stability
 from deft.profile import Bucket, BucketTimes, Link, Profile
@@ -716,16 +717,22 @@ def report_workload(res: dict[str, Any], plot_dir: Path, name: str
             seen.add((dec["label"], key))
             r = runs[key]
             lost = loses(w, r, ddp)
-            cases.append((False, lost, dec["calibrated"], resolvable(r)))
             why = tr.rejected_on or "walk ratio"
+            if why == NO_FASTER:  # not an accuracy decision: counted apart
+                summary.setdefault("no_faster", []).append((not lost, dec["calibrated"]))
+            else:
+                cases.append((False, lost, dec["calibrated"], resolvable(r)))
             pk = progress_retained(warm.stats, r["schedule"], dec["merge_lr"])
+            measured = (("lost" if lost else "kept accuracy") + " (not an accuracy decision)" if why == NO_FASTER
+                        else "lost: match" if lost else "kept accuracy: MISMATCH")
+            if not resolvable(r) and why != NO_FASTER:
+                measured += " (within the spread)"
             it_r = iters_to(w, r, target)
             t_r = "-" if it_r is None else f"{it_r * r['iteration_s']:.1f} s"
             rej_rows.append(f"| {dec['label']} | {r['describe']} | {r['iteration_s'] * 1e3:.1f} | {tr.ratio:.4f} | "
                             f"{'' if pk is None else f'{pk:.3f}'} | {why} | "
                             f"{lanczos_verdict(warm, r['schedule'])} | {r['final_metric']:.4f} | {t_r} | "
-                            f"{'lost: match' if lost else 'kept accuracy: MISMATCH'}"
-                            f"{'' if resolvable(r) else ' (within the spread)'} |")
+                            f"{measured} |")
     if rej_rows:
         lines += ["", "Schedules the preserver rejected, trained anyway:", "",
                   "| setting | rejected schedule | ms/iteration (predicted) | ratio | progress kept | rejected on | "
@@ -739,18 +746,9 @@ def report_workload(res: dict[str, Any], plot_dir: Path, name: str
 
 
 def progress_retained(stats: WalkStats | None, s: Schedule, merge_lr: str = "none") -> float | None:
-    """The walk's predicted loss *decrease* over one steady-state period, schedule over torch DDP:
-    ``(s - E_schedule) / (s - E_ddp)``; the preserver's ratio compares loss levels instead."""
-    if stats is None:
-        return None
-    period = steady_period(s)
-    applied = applied_sequence(s, stats.prices_lag)
-    e_ddp = expected_loss_after(stats.loss, [stats.batch] * period, stats.mu, stats.sigma, stats.lr, stats.s_star)
-    e_s = expected_loss_after(stats.loss, [k * stats.batch for k in applied], stats.mu, stats.sigma,
-                              [stats.lr * merge_lr_factor(k, merge_lr) for k in applied],
-                              stats.s_star) if applied else stats.loss
-    drop = stats.loss - e_ddp
-    return 1.0 if drop <= 0 else (stats.loss - e_s) / drop
+    """:func:`deft.preserver.feedback.progress_kept` (the preserver's "slower to target" rule), or None
+    without statistics."""
+    return None if stats is None else progress_kept(s, stats, merge_lr)
 
 
 def lanczos_verdict(warm: WarmState, s: Schedule) -> str:
@@ -826,6 +824,17 @@ def decision_counts(all_cases: list[tuple[str, bool, bool, bool, bool]]) -> str:
     return "; ".join(out)
 
 
+def no_faster_counts(summaries: dict[str, dict[str, Any]]) -> str:
+    """The tries dropped as no faster than the no-delay plan (not cases), and how many kept accuracy."""
+    out = []
+    for calibrated, how in ((False, "free secant"), (True, "after calibrate")):
+        nf = [kept for sm in summaries.values() for kept, cal in sm.get("no_faster", []) if cal == calibrated]
+        if nf:
+            out.append(f"{how}: {len(nf)} ({sum(nf)} of them kept accuracy)")
+    return ("Tries dropped as predicted no faster than the no-delay plan, not counted: " + "; ".join(out) + "."
+            if out else "")
+
+
 def write_report(results: Path, command: str, seconds: float, all_cases: list[tuple[str, bool, bool, bool, bool]],
                  summaries: dict[str, dict[str, Any]], body: list[str]) -> str:
     """The markdown fragment (rewritten after every workload, so a late failure keeps the earlier ones)."""
@@ -846,7 +855,8 @@ def write_report(results: Path, command: str, seconds: float, all_cases: list[tu
             "simulator's predicted iteration time for that schedule (the planner's prediction; torch DDP: "
             "`simulate_baseline('ddp')`): a prediction, not a measured wall time.", "",
             f"**Decisions matching the measured outcome: {decision_counts(all_cases)}** "
-            "(accepted: kept within 1 point / 2% of torch DDP; rejected: would have lost more).", ""]
+            "(accepted: kept within 1 point / 2% of torch DDP; rejected: would have lost more). "
+            + no_faster_counts(summaries), ""]
     text = "\n".join(head + targets(summaries, DeftConfig().epsilon) + [""] + body) + "\n"
     # A hand-written reading of the tables, if the fragment has one, is kept (it starts at READING).
     old = results.read_text(encoding="utf-8") if results.exists() else ""

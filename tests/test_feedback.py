@@ -20,13 +20,14 @@ from deft.preserver.feedback import (
     passes,
     prefer_lag_free,
     preserve,
+    progress_kept,
     schedule_ratio,
 )
-from deft.preserver.gaussian_walk import convergence_ratio
+from deft.preserver.gaussian_walk import convergence_ratio, expected_loss_after
 from deft.preserver.noise import NoiseEstimate
 from deft.profile import Bucket, BucketTimes, Link, Profile
 from deft.schedule import CommTask, Schedule, StagePlan, Update
-from deft.solver.plan import plan
+from deft.solver.plan import no_delay_plan, plan
 
 N_BUCKETS = 3
 LINKS = ("primary", "second")
@@ -275,48 +276,67 @@ def test_default_planner_is_the_solver():
     assert math.isclose(res.schedule.meta["preserver"]["ratio"], 1.0)
 
 
-# mu = 10: one lost step is 10% of the loss, no merged update survives; mu = 0.5: lr * mu = 0.005
-# against a loss of 1, merging pairs loses ~0.5%, within epsilon
-@pytest.mark.parametrize(("mu", "merge_passes"), [(0.5, True), (10.0, False)])
-def test_loop_with_the_real_solver(mu, merge_passes):
-    real_solver_loop(mu, merge_passes)
+# mu = 10: one lost step is 10% of the loss, no merged update survives the walk's ratio; mu = 0.5:
+# lr * mu = 0.005 against a loss of 1, merging pairs loses ~0.5%, within epsilon, but the walk is
+# deterministic there (one step's progress instead of two), so the merge (predicted 0.80 of the no-delay
+# plan's time) is slower to a target, and a stale DeFT try (its lag an offset, not a rate) passes; mu =
+# 0.05, sigma = 50: noise dominates, a faster DeFT try passes.
+@pytest.mark.parametrize(("mu", "sigma", "rejections"),
+                         [(0.5, 5.0, {"walk ratio", "slower to target"}),
+                          (10.0, 5.0, {"no faster", "walk ratio"}),
+                          (0.05, 50.0, {"slower to target"})])
+def test_loop_with_the_real_solver(mu, sigma, rejections):
+    res = real_solver_loop(mu, sigma)
+    assert {t.rejected_on for t in res.tries} - {None} == rejections  # each rule was exercised
 
 
-def real_solver_loop(mu: float, merge_passes: bool) -> PreserveResult:
+def real_solver_loop(mu: float, sigma: float = 5.0) -> PreserveResult:
     """Communication-bound profile (comm/compute ~2 on the primary link) through deft.solver.plan.
 
     Only invariants are asserted, not the solver's particular K: capacities grow geometrically, each
-    try is accepted exactly when its ratio passes, the loop stops at the first accepted try, and
-    with a strong gradient (mu = 10: one lost step is 10% of the loss) no merged update survives.
+    try's verdict follows the rules in their order (no faster than the no-delay plan; the walk's
+    ratio; the walk's progress per second), recomputed here from the walk's primitives, the loop stops
+    at the first accepted try, and the result is that try, a lag-free merge or the no-delay plan.
     """
     n = 6
     prof = Profile(buckets=tuple(Bucket(i, (f"p{i}",), 10**6, 4 * 10**6) for i in range(n)),
                    times=tuple(BucketTimes(0.01, 0.02, {"primary": 0.06, "second": 0.09}) for _ in range(n)),
                    links=(Link("primary", "gloo"), Link("second", "gloo")), world_size=2, source="synthetic")
     config = DeftConfig(epsilon=0.01, links=(LinkConfig("primary"), LinkConfig("second")))
-    stats = WalkStats(loss=1.0, mu=mu, sigma=5.0, lr=0.01, batch=256)
+    stats = WalkStats(loss=1.0, mu=mu, sigma=sigma, lr=0.01, batch=256)
     res = preserve(prof, config, stats)
+    nd = no_delay_plan(prof, config).predicted_iteration_s
+    assert res.no_delay_s == nd > 0
     tried = [t for t in res.tries if t.capacity_scale is not None]
     assert [t.capacity_scale for t in tried] == pytest.approx([1.25 ** i for i in range(len(tried))])
-    for t in tried:
+    for t in [*tried, *(t for t in res.tries if t.kind == "accumulate")]:
         # The ratio counts only the updates applied within the cycle (stale ones lag behind).
-        ratio = convergence_ratio(1.0, mu, 5.0, 0.01, 256, t.applied, window=t.window)
+        ratio = convergence_ratio(1.0, mu, sigma, 0.01, 256, t.applied, window=t.window)
         assert t.ratio == pytest.approx(ratio)
-        assert t.accepted == passes(t.k, ratio, 0.01)
-    assert all(not t.accepted for t in tried[:-1])
-    # Growing capacity reaches the no-delay plan (ratio 1) within the 10 tries here, so a try passes.
-    assert res.accepted and tried[-1].accepted and len(tried) <= config.preserver_max_tries
+        # progress: every update of the period, a rate (the lag is an offset), over as many plain steps
+        period = t.window
+        ups = [u for u in t.schedule.updates if min(u.positions) < period]
+        mine = expected_loss_after(1.0, [len(u.positions) * 256 for u in ups], mu, sigma, 0.01)
+        base = expected_loss_after(1.0, [256] * period, mu, sigma, 0.01)
+        assert t.progress == pytest.approx((1.0 - mine) / (1.0 - base))
+        t_s = t.schedule.predicted_iteration_s
+        expected = ("no faster" if t_s >= nd else "walk ratio" if not passes(t.k, ratio, 0.01)
+                    else "slower to target" if t.progress < t_s / nd else None)
+        assert (t.rejected_on, t.accepted) == (expected, expected is None)
+    assert all(not t.accepted for t in tried[:-1]) and len(tried) <= config.preserver_max_tries
     merges = [t for t in res.tries if t.kind == "accumulate" and t.accepted]
-    # Either the accepted DeFT try, or a passing lag-free merge the preserver preferred to it.
-    assert res.schedule.batch_sequence in [tried[-1].k] + [t.k for t in merges]
+    assert res.accepted
+    # The accepted DeFT try, a passing lag-free merge preferred to it, or the no-delay plan when every
+    # try the walk would pass was no faster than it.
+    assert res.schedule.batch_sequence in [t.k for t in tried if t.accepted] + [t.k for t in merges] + [(1,)]
+    assert res.schedule.predicted_iteration_s <= nd
     assert 0.99 <= schedule_ratio(res.schedule, stats) <= 1.01
-    assert [t.k for t in merges] == ([(2,)] if merge_passes else [])
     return res
 
 
 def test_strong_gradient_keeps_every_update():
     # mu = 10 (one lost step is 10% of the loss): not merged, not delayed
-    res = real_solver_loop(10.0, False)
+    res = real_solver_loop(10.0)
     assert set(res.schedule.batch_sequence) == {1}
 
 
@@ -358,18 +378,25 @@ VGG19 = Path(__file__).resolve().parents[1] / "examples" / "profiles" / "vgg19.j
 def test_recheck_after_a_lag_free_merge_accepted_when_every_deft_try_failed() -> None:
     """Issue 14.1: every DeFT try fails, the lag-free merge K = (2,) is accepted; building the re-check
     raised ``max() arg is an empty sequence`` (on rank 0, after the schedule was installed)."""
+    from deft.preserver.stability import OptimizerSpec
+
+    # Noise-dominated (sigma 400 at batch 512): a merge keeps its progress (a deterministic walk would
+    # find it slower to a target than the no-delay plan). The DeFT tries are stale, and plain SGD at lr
+    # 0.05 one iteration late has the edge 1 / 0.05 = 20 (delayed GD x' = x - a x_prev, a < 1), lag-free
+    # 2 / 0.05 = 40: curvature 20 rejects every stale try as unstable and keeps the lag-free merge.
     config = DeftConfig(preserver_max_tries=2)
-    stats = WalkStats(loss=2.0, mu=0.3, sigma=20.0, lr=0.05, batch=512)
+    stats = WalkStats(loss=2.0, mu=0.3, sigma=400.0, lr=0.05, batch=512, curvature=20.0,
+                      optimizer=OptimizerSpec("sgd", 0.05))
     res = preserve(Profile.load(VGG19), config, stats)
     deft_tries = [t for t in res.tries if t.kind == "deft"]
-    assert len(deft_tries) == 2 and not any(t.accepted for t in deft_tries)
+    assert len(deft_tries) == 2 and [t.rejected_on for t in deft_tries] == ["unstable", "unstable"]
     assert res.accepted and res.schedule.meta["mode"] == "accumulate" and res.schedule.batch_sequence == (2,)
     rc = Recheck(config, res)
     same = rc.check(config.recheck_every, stats)
     assert same is not None and not same.replan  # the rejected DeFT tries still fail
-    # Far weaker gradient (lr * mu 100x smaller against the loss): the rejected DeFT schedules pass now.
-    weak = WalkStats(loss=2.0, mu=0.003, sigma=20.0, lr=0.05, batch=512)
-    later = rc.check(2 * config.recheck_every, weak)
+    # The sharpest curvature fell to 1: the rejected stale DeFT schedules pass now.
+    calm = dataclasses.replace(stats, curvature=1.0)
+    later = rc.check(2 * config.recheck_every, calm)
     assert later is not None and later.replan and "previously rejected" in later.reason
 
 
@@ -537,3 +564,89 @@ def test_recheck_judges_rejected_tries_on_the_statistics_of_the_time() -> None:
     calm = dataclasses.replace(strong, curvature=1.0, optimizer=OptimizerSpec.sgd(0.02, momentum=0.9))
     d = rc.check(20, calm)
     assert d is not None and d.replan and "previously rejected K=(1, 1)" in d.reason
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 12: a schedule must not be slower to a target than the no-delay plan by the walk's own account
+
+# Deterministic walk far from S* (sigma = 0): every step takes lr * mu = 0.002 off the loss of 1. Over a
+# period of 2 iterations plain DDP reaches 0.996 and a merge of 2 (one step) 0.998: ratio 0.996 / 0.998
+# (passes epsilon 0.01), progress kept 0.002 / 0.004 = 1/2.
+DETERMINISTIC = WalkStats(loss=1.0, mu=0.2, sigma=0.0, lr=0.01, batch=256)
+
+
+def _merge_against_no_delay(t_merge: float, epsilon: float, stats: WalkStats = DETERMINISTIC) -> PreserveResult:
+    nd = dataclasses.replace(schedule_with((1,)), predicted_iteration_s=1.0)
+    slow_deft = dataclasses.replace(schedule_with((1,)), predicted_iteration_s=1.2)
+
+    def merge(p: Profile, c: DeftConfig, k: int) -> Schedule:
+        return dataclasses.replace(schedule_with((k,)), predicted_iteration_s=t_merge)
+
+    return preserve(profile(), DeftConfig(epsilon=epsilon, preserver_max_tries=1), stats,
+                    planner=lambda p, c, capacity_scale=1.0: slow_deft, no_delay_planner=lambda p, c: nd,
+                    accumulate_planner=merge)
+
+
+def test_a_merge_the_walk_finds_slower_to_a_target_is_not_taken() -> None:
+    merge = schedule_with((2,))
+    assert schedule_ratio(merge, DETERMINISTIC) == pytest.approx(0.996 / 0.998)
+    assert progress_kept(merge, DETERMINISTIC) == pytest.approx(0.5)
+    # Half the progress per iteration in 0.51 of the time: behind the no-delay plan at any wall time.
+    for eps in (0.01, 0.5):  # whatever epsilon allows
+        res = _merge_against_no_delay(0.51, eps)
+        (m,) = [t for t in res.tries if t.kind == "accumulate"]
+        assert (m.accepted, m.rejected_on) == (False, "slower to target")
+        assert res.accepted and res.schedule.batch_sequence == (1,) and res.schedule.predicted_iteration_s == 1.0
+    # In 0.49 of the time it is ahead: taken.
+    res = _merge_against_no_delay(0.49, 0.01)
+    assert res.accepted and res.schedule.batch_sequence == (2,)
+    # Noise-dominated (tau = lr sigma / sqrt(B) = 0.375 against lr mu = 0.002, near the rebound): one
+    # step of the doubled batch rebounds less and keeps nearly all the progress of two (the walk: 0.91),
+    # so the 0.51-time merge is taken.
+    noisy = dataclasses.replace(DETERMINISTIC, sigma=600.0)
+    assert progress_kept(merge, noisy) > 0.9
+    assert _merge_against_no_delay(0.51, 0.01, noisy).schedule.batch_sequence == (2,)
+
+
+def test_a_try_no_faster_than_the_no_delay_plan_is_not_judged_on_accuracy() -> None:
+    from deft.preserver.stability import OptimizerSpec
+
+    # The stale K = (1, 2, 1) is unstable at curvature 20 (edge 5 one iteration late, see
+    # test_unstable_stale_schedule_is_rejected_whatever_its_ratio) but predicted slower than the
+    # no-delay plan: it is dropped for that, the no-delay plan runs, accepted.
+    spec = OptimizerSpec.sgd(0.02, momentum=0.9)
+    stats = WalkStats(loss=1.0, mu=0.2, sigma=5.0, lr=0.01, batch=256, curvature=20.0, optimizer=spec)
+    stale = dataclasses.replace(schedule_with((1, 2, 1), delayed=True), predicted_iteration_s=1.1)
+    nd = dataclasses.replace(schedule_with((1,)), predicted_iteration_s=1.0)
+    res = preserve(profile(), DeftConfig(epsilon=0.2, preserver_max_tries=2), stats,
+                   planner=lambda p, c, capacity_scale=1.0: stale, no_delay_planner=lambda p, c: nd,
+                   accumulate_planner=lambda p, c, k: dataclasses.replace(schedule_with((k,)),
+                                                                         predicted_iteration_s=1.5))
+    assert [t.rejected_on for t in res.tries] == ["no faster", "no faster", "no faster", None]
+    assert res.tries[1].stability is not None and not res.tries[1].stability.stable  # still recorded
+    assert res.accepted and res.schedule.predicted_iteration_s == 1.0 and "no faster" in res.reason
+    assert [e["rejected_on"] for e in res.schedule.meta["preserver"]["log"]][:3] == ["no faster"] * 3
+    # ... and the re-check does not offer it again: predicted times do not change.
+    rc = Recheck(DeftConfig(epsilon=0.2), res)
+    calm = dataclasses.replace(stats, curvature=0.1)
+    decision = rc.check(rc.config.recheck_every, calm)
+    assert decision is not None and not decision.replan
+
+
+def test_recheck_replans_a_merge_the_walk_now_finds_slower_to_a_target() -> None:
+    noisy = dataclasses.replace(DETERMINISTIC, sigma=600.0)  # as in the test above
+    res = _merge_against_no_delay(0.51, 0.01, noisy)
+    assert res.schedule.batch_sequence == (2,) and res.no_delay_s == 1.0
+    rc = Recheck(DeftConfig(epsilon=0.01), res)
+    still = rc.check(rc.config.recheck_every, noisy)
+    assert still is not None and not still.replan
+    later = rc.check(2 * rc.config.recheck_every, DETERMINISTIC)  # the gradient now dominates the noise
+    assert later is not None and later.replan and "slower to a target" in later.reason
+
+
+def test_a_stale_update_keeps_its_rate() -> None:
+    # One iteration late, every update: the walk without a curvature charges the lag to the ratio, but
+    # in the steady state the lag is an offset, so the progress per period (the rate) is plain DDP's.
+    stale = schedule_with((1, 1), delayed=True)
+    assert schedule_ratio(stale, STATS) < 1.0
+    assert progress_kept(stale, STATS) == 1.0

@@ -71,11 +71,11 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from deft.config import DeftConfig
 from deft.errors import ContractError
-from deft.preserver.gaussian_walk import convergence_ratio, expected_next_loss
+from deft.preserver.gaussian_walk import convergence_ratio, expected_loss_after, expected_next_loss, merge_lr_factor
 from deft.preserver.noise import WALK_METRICS
 from deft.preserver.stability import Plan, StabilityCheck, applied_updates, check_stability
 from deft.schedule import Schedule
@@ -173,14 +173,15 @@ class Try:
     kind: str = "deft"  # "deft" (the planner at a capacity), "accumulate" (lag-free merge) or "no_delay"
     plan: Plan = ()  # when each update lands and how stale it is (deft.preserver.stability.applied_updates)
     stability: StabilityCheck | None = None  # when the curvature was known
-    rejected_on: str | None = None  # why a try was not accepted: "walk ratio" or "unstable"
+    rejected_on: str | None = None  # why a try was not accepted: one of REJECTIONS
+    progress: float | None = None  # progress_kept, when the statistics were known
     schedule: Schedule | None = dataclasses.field(default=None, repr=False, compare=False)  # for Recheck
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "capacity_scale": self.capacity_scale, "k": list(self.k),
                 "applied": list(self.applied),
                 "window": self.window, "ratio": _json_float(self.ratio), "accepted": self.accepted,
-                "rejected_on": self.rejected_on,
+                "rejected_on": self.rejected_on, "progress": _json_float(self.progress),
                 "stability": None if self.stability is None else self.stability.to_dict()}
 
 
@@ -193,6 +194,7 @@ class PreserveResult:
     tries: tuple[Try, ...]
     accepted: bool
     reason: str = ""
+    no_delay_s: float = 0.0  # the no-delay plan's predicted iteration time (0: not predicted), for Recheck
 
     @property
     def stats_were_unknown(self) -> bool:
@@ -274,21 +276,91 @@ def schedule_ratio(schedule: Schedule, stats: WalkStats, merge_lr_scaling: str =
                              window=steady_period(schedule), merge_lr_scaling=merge_lr_scaling)
 
 
-def _judged(schedule: Schedule, stats: WalkStats, config: DeftConfig, **fields: Any) -> Try:
-    """One try: the walk's verdict (:func:`passes`), overruled when the update recurrence is unstable
-    along the sharpest direction (only when the curvature is known; lag-free schedules never are:
-    deft.preserver.stability)."""
+#: Why a try was not taken (``Try.rejected_on``), in the order they are tested. The first is about
+#: speed alone: such a try is not judged on accuracy grounds at all.
+NO_FASTER = "no faster"  # predicted no faster per iteration than the no-delay plan
+UNSTABLE = "unstable"  # the update recurrence diverges along the sharpest direction (stability)
+WALK_RATIO = "walk ratio"  # the walk's loss ratio outside [1 - epsilon, 1 + epsilon]
+SLOWER_TO_TARGET = "slower to target"  # the walk's progress per second below the no-delay plan's
+REJECTIONS = (NO_FASTER, UNSTABLE, WALK_RATIO, SLOWER_TO_TARGET)
+
+
+def progress_kept(schedule: Schedule, stats: WalkStats, merge_lr_scaling: str = "none") -> float:
+    """The walk's predicted loss *decrease* over one steady-state period, the schedule's over plain data
+    parallelism's: ``(s - E_schedule) / (s - E_baseline)``, counting every update of the period (a rate:
+    :func:`schedule_ratio` compares loss *levels* and may charge a stale update's lag, which in the
+    steady state is a constant offset of a few iterations, not a slower rate). 1.0 when the walk predicts
+    no decrease for the baseline (``mu`` and ``sigma`` both 0: no evidence either way).
+
+    Why a second statistic: the ratio says how far behind a period leaves the schedule, this says how
+    fast it moves. A merge of ``k`` with the same learning rate keeps ``~1/k`` of the progress where the
+    gradient dominates the noise (one step instead of ``k``) and ``~1`` where noise dominates (the
+    larger batch averages it away): the critical-batch-size picture of McCandlish et al. (2018)."""
+    period = steady_period(schedule)
+    applied = applied_sequence(schedule, lag_priced=False)
+    e_base = expected_loss_after(stats.loss, [stats.batch] * period, stats.mu, stats.sigma, stats.lr, stats.s_star)
+    e_sched = expected_loss_after(stats.loss, [k * stats.batch for k in applied], stats.mu, stats.sigma,
+                                  [stats.lr * merge_lr_factor(k, merge_lr_scaling) for k in applied],
+                                  stats.s_star) if applied else stats.loss
+    drop = stats.loss - e_base
+    return 1.0 if drop <= 0.0 else (stats.loss - e_sched) / drop
+
+
+class Verdict(NamedTuple):
+    """What :func:`judge` concluded about one schedule."""
+
+    ratio: float  # schedule_ratio
+    stability: StabilityCheck | None  # None without a curvature
+    progress: float  # progress_kept
+    rejected_on: str | None  # one of REJECTIONS, None when it passes
+
+
+def judge(schedule: Schedule, stats: WalkStats, config: DeftConfig, no_delay_s: float = 0.0) -> Verdict:
+    """The verdict on one schedule; ``rejected_on`` is ``None`` when it passes.
+
+    In order (:data:`REJECTIONS`):
+
+    1. ``"no faster"``: predicted per iteration no faster than the no-delay plan (``no_delay_s``), which
+       keeps torch DDP's parameters; a schedule that gains nothing per iteration is not worth any risk,
+       so its accuracy is not judged (its ratio and stability are still recorded).
+    2. ``"unstable"``: its delayed-update recurrence diverges along the sharpest direction (only with the
+       curvature known; lag-free schedules never do: :mod:`deft.preserver.stability`).
+    3. ``"walk ratio"``: the paper's test, :func:`passes`.
+    4. ``"slower to target"``: the walk predicts it reaches a loss later than the no-delay plan. Over a
+       period the schedule makes ``p = progress_kept`` of the baseline's progress in
+       ``t_schedule / t_no_delay`` of the no-delay plan's time; it is slower to any nearby loss when
+       ``p < t_schedule / t_no_delay``. Epsilon bounds how much progress per iteration may be lost; this
+       refuses to lose it when the time saved per iteration does not buy it back (a merge of 2 where the
+       gradient dominates needs a 2x faster iteration). Independent of epsilon, so a larger epsilon still
+       accepts a superset and never gives a slower schedule.
+
+    Rules 1 and 4 need both predicted times (``schedule.predicted_iteration_s`` and ``no_delay_s``
+    positive); without them they are skipped."""
     ratio = schedule_ratio(schedule, stats, config.merge_lr_scaling)
     chk = stats.stability(schedule)
-    rejected_on = None
-    if chk is not None and not chk.stable:
+    progress = progress_kept(schedule, stats, config.merge_lr_scaling)
+    t_s = schedule.predicted_iteration_s
+    timed = t_s > 0.0 and no_delay_s > 0.0
+    why = None
+    if timed and t_s >= no_delay_s:
+        why = NO_FASTER
+    elif chk is not None and not chk.stable:
         log.info("preserver: K=%s rejected as unstable: %s", schedule.batch_sequence, chk.reason)
-        rejected_on = "unstable"
+        why = UNSTABLE
     elif not passes(schedule.batch_sequence, ratio, config.epsilon):
-        rejected_on = "walk ratio"
-    return Try(k=schedule.batch_sequence, ratio=ratio, accepted=rejected_on is None,
+        why = WALK_RATIO
+    elif timed and progress < t_s / no_delay_s:
+        why = SLOWER_TO_TARGET
+    return Verdict(ratio, chk, progress, why)
+
+
+def _judged(schedule: Schedule, stats: WalkStats, config: DeftConfig, no_delay_s: float, **fields: Any) -> Try:
+    """One try, judged by :func:`judge`."""
+    v = judge(schedule, stats, config, no_delay_s)
+    return Try(k=schedule.batch_sequence, ratio=v.ratio, accepted=v.rejected_on is None,
                applied=applied_sequence(schedule, stats.prices_lag), window=steady_period(schedule),
-               plan=applied_updates(schedule), stability=chk, rejected_on=rejected_on, schedule=schedule, **fields)
+               plan=applied_updates(schedule), stability=v.stability, rejected_on=v.rejected_on,
+               progress=v.progress, schedule=schedule, **fields)
 
 
 def passes(k: tuple[int, ...], ratio: float, epsilon: float) -> bool:
@@ -305,7 +377,7 @@ def _checked(schedule: Any, who: str) -> Schedule:
 
 
 def _finish(schedule: Schedule, tries: list[Try], accepted: bool, config: DeftConfig,
-            stats: WalkStats | None, reason: str) -> PreserveResult:
+            stats: WalkStats | None, reason: str, no_delay_s: float = 0.0) -> PreserveResult:
     chosen = next(t for t in reversed(tries) if t.schedule is schedule)  # every path records its schedule
     record = {
         "accepted": accepted,
@@ -319,7 +391,7 @@ def _finish(schedule: Schedule, tries: list[Try], accepted: bool, config: DeftCo
     }
     meta = {**schedule.meta, "preserver": record}
     return PreserveResult(schedule=dataclasses.replace(schedule, meta=meta), tries=tuple(tries), accepted=accepted,
-                          reason=reason)
+                          reason=reason, no_delay_s=no_delay_s)
 
 
 #: A stale schedule (updates applied after their cycle) is taken over the fastest lag-free candidate
@@ -352,23 +424,25 @@ def prefer_lag_free(lag_free: Schedule, candidate: Schedule) -> bool:
 
 
 def _best_merge(profile: Profile, config: DeftConfig, stats: WalkStats, accumulate_planner: AccumulatePlanner | None,
-                tries: list[Try]) -> Schedule | None:
-    """The fastest lag-free merge (largest ``k``) that passes the test, or None.
+                tries: list[Try], no_delay_s: float) -> Schedule | None:
+    """The fastest lag-free merge (largest ``k``) that passes :func:`judge`, or None.
 
     The walk's ratio falls as ``k`` grows (more progress merged away), so the search stops at the
-    first ``k`` that fails.
+    first ``k`` that fails on ratio or stability; one that is only too slow may be followed by a
+    larger, faster one.
     """
     merge = accumulate_plan if accumulate_planner is None else accumulate_planner
     best = None
     for k in range(2, MAX_MERGE + 1):
         s = _checked(merge(profile, config, k), "accumulate_plan")
-        t = _judged(s, stats, config, capacity_scale=None, kind="accumulate")
+        t = _judged(s, stats, config, no_delay_s, capacity_scale=None, kind="accumulate")
         tries.append(t)
         log.info("preserver: lag-free merge of %d iterations, ratio %.5f: %s", k, t.ratio,
-                 "passes" if t.accepted else "fails")
-        if not t.accepted:
+                 "passes" if t.accepted else f"fails ({t.rejected_on})")
+        if t.rejected_on in (UNSTABLE, WALK_RATIO):
             break
-        best = s
+        if t.accepted:
+            best = s
     return best
 
 
@@ -384,9 +458,10 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
     * otherwise tries capacity scales ``capacity_growth ** i`` for ``i < preserver_max_tries`` and
       returns the first schedule that passes; if none does, the no-delay schedule.
 
-    A schedule that passes is replaced by the no-delay plan (which keeps torch DDP's parameters) when
-    not predicted faster per iteration. A lag-free merge is preferred to a stale schedule unless the
-    latter is much faster (:func:`prefer_lag_free`).
+    Every try is judged by :func:`judge`: one predicted no faster per iteration than the no-delay plan
+    (which keeps torch DDP's parameters), or slower to a target by the walk's own account, is not taken.
+    A lag-free merge is preferred to a stale schedule unless the latter is much faster
+    (:func:`prefer_lag_free`).
 
     ``planner``, ``no_delay_planner`` and ``accumulate_planner`` default to
     :func:`deft.solver.plan.plan`, :func:`deft.solver.plan.no_delay_plan` and
@@ -410,7 +485,7 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
         tries.append(Try(capacity_scale=None, k=s.batch_sequence, ratio=1.0, accepted=accepted,
                          applied=applied_sequence(s), window=steady_period(s), kind="no_delay", schedule=s))
         log.info("preserver: no-delay schedule (%s)", reason)
-        return _finish(s, tries, accepted, config, stats, reason)
+        return _finish(s, tries, accepted, config, stats, reason, s.predicted_iteration_s)
 
     if config.epsilon == 0.0:
         return no_delay("epsilon = 0: no delayed update allowed", accepted=True)
@@ -428,11 +503,12 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
         return no_delay("mu and sigma unknown yet: cannot test delayed updates", accepted=False)
 
     lo, hi = 1.0 - config.epsilon, 1.0 + config.epsilon
-    merged = _best_merge(profile, config, stats, accumulate_planner, tries)
+    nd_s = nd_schedule().predicted_iteration_s
+    merged = _best_merge(profile, config, stats, accumulate_planner, tries, nd_s)
     for i in range(config.preserver_max_tries):
         scale = config.capacity_growth ** i
         s = _checked(planner(profile, config, capacity_scale=scale), "plan")
-        t = _judged(s, stats, config, capacity_scale=scale)
+        t = _judged(s, stats, config, nd_s, capacity_scale=scale)
         tries.append(t)
         log.info("preserver try %d/%d: capacity x%.4g, K=%s, ratio %.5f in [%.4g, %.4g]: %s",
                  i + 1, config.preserver_max_tries, scale, t.k, t.ratio, lo, hi,
@@ -442,19 +518,15 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
         chosen, reason = s, f"ratio {t.ratio:.5f} within [{lo:.4g}, {hi:.4g}]"
         if merged is not None and prefer_lag_free(merged, s):
             chosen, reason = merged, f"lag-free merge K={merged.batch_sequence} preferred to stale K={t.k}"
-        # The no-delay plan keeps torch DDP's parameters; a DeFT schedule that is not faster than it
-        # (the knapsack at a large capacity often ends with K = [1] without the lag-free forward
-        # stage) gains nothing for its risk: take the no-delay plan instead (when both are predicted).
-        nd = nd_schedule()
-        if nd.digest() != chosen.digest() and 0 < nd.predicted_iteration_s <= chosen.predicted_iteration_s:
-            return no_delay(f"accepted K={chosen.batch_sequence} ({reason}) is predicted no faster "
-                            f"({chosen.predicted_iteration_s * 1e3:.1f} ms) than the no-delay plan "
-                            f"({nd.predicted_iteration_s * 1e3:.1f} ms)", accepted=True)
-        return _finish(chosen, tries, True, config, stats, reason)
-    nd = nd_schedule()
-    if merged is not None and merged.predicted_iteration_s < nd.predicted_iteration_s:
+        return _finish(chosen, tries, True, config, stats, reason, nd_s)
+    if merged is not None and merged.predicted_iteration_s < nd_s:  # a merge gains nothing unless faster
         return _finish(merged, tries, True, config, stats,
-                       f"no DeFT schedule passed; lag-free merge K={merged.batch_sequence} did")
+                       f"no DeFT schedule passed; lag-free merge K={merged.batch_sequence} did", nd_s)
+    if any(t.rejected_on == NO_FASTER for t in tries):
+        # The knapsack at a large capacity often ends with K = [1] sending everything in backward,
+        # slower than the no-delay plan's lag-free forward stage: the no-delay plan wins on its own terms.
+        return no_delay(f"no faster schedule passed: the tries the walk and the stability check would accept "
+                        f"are predicted no faster than the no-delay plan ({nd_s * 1e3:.1f} ms)", accepted=True)
     log.warning("preserver: no schedule passed in %d tries (ratios %s); falling back to the no-delay schedule",
                 config.preserver_max_tries, ", ".join(f"{t.ratio:.4f}" for t in tries if t.ratio is not None))
     return no_delay(f"no schedule within [{lo:.4g}, {hi:.4g}] in {config.preserver_max_tries} tries",
@@ -479,9 +551,11 @@ class Recheck:
     schedule rejected earlier may pass now. Both are cheap to test without the solver: the ratio
     depends only on a schedule's update pattern, and the rejected tries' schedules are remembered. Re-plan when
 
-    1. the running schedule's ratio left ``[1 - epsilon, 1 + epsilon]``, or it became unstable, or
-    2. a schedule that was rejected at a smaller capacity (so: a faster schedule) would pass now
-       (ratio and stability), or
+    1. the running schedule's ratio left ``[1 - epsilon, 1 + epsilon]``, it became unstable, or the
+       walk now predicts it slower to a target than the no-delay plan (:func:`judge`), or
+    2. a schedule that was rejected at a smaller capacity (so: a faster schedule) would pass
+       :func:`judge` now (a try rejected as no faster than the no-delay plan stays rejected: the
+       predicted times do not change between re-checks), or
     3. the running schedule is the no-delay fallback taken while mu and sigma were unknown, and they
        are known now.
 
@@ -503,7 +577,8 @@ class Recheck:
         accepted = [i for i, t in enumerate(tried) if t.accepted]
         if accepted:
             tried = tried[:accepted[-1]]
-        self._faster = [t for t in tried if (t.k, t.plan) != (chosen, applied_updates(result.schedule))]
+        self._faster = [t for t in tried if (t.k, t.plan) != (chosen, applied_updates(result.schedule))
+                        and t.rejected_on != NO_FASTER]
 
     def due(self, iteration: int) -> bool:
         return iteration > 0 and iteration % self.config.recheck_every == 0
@@ -514,25 +589,26 @@ class Recheck:
             return None
         eps = self.config.epsilon
         k = self.result.schedule.batch_sequence
-        ratio = schedule_ratio(self.result.schedule, stats, self.config.merge_lr_scaling)
+        nd_s = self.result.no_delay_s
+        ratio, chk, progress, why = judge(self.result.schedule, stats, self.config, nd_s)
         if self.result.stats_were_unknown:
             return self._decide(iteration, ratio, True, "mu and sigma are known now: delayed updates can be tested")
-        if not passes(k, ratio, eps):
+        if why == WALK_RATIO:
             return self._decide(iteration, ratio, True,
                                 f"running schedule K={k} has ratio {ratio:.5f}, outside [{1 - eps:.4g}, {1 + eps:.4g}]")
-        chk = stats.stability(self.result.schedule)
-        if chk is not None and not chk.stable:
+        if why == UNSTABLE:
+            assert chk is not None
             return self._decide(iteration, ratio, True, f"running schedule K={k} is unstable now: {chk.reason}")
-        ml = self.config.merge_lr_scaling
+        if why == SLOWER_TO_TARGET:
+            return self._decide(iteration, ratio, True, f"running schedule K={k} is now predicted slower to a "
+                                f"target than the no-delay plan (progress kept {progress:.3f})")
+        # why == NO_FASTER: the running schedule is the no-delay plan itself (or as fast); nothing to re-plan for
         for cand in self._faster:
             assert cand.schedule is not None  # every try preserve() records carries its schedule
-            r = schedule_ratio(cand.schedule, stats, ml)  # the lag priced or not as the statistics now allow
-            cand_chk = stats.stability(cand.schedule)
-            if cand_chk is not None and not cand_chk.stable:
-                continue  # still unstable along the sharpest direction
-            if passes(cand.k, r, eps):
-                return self._decide(iteration, ratio, True,
-                                    f"previously rejected K={cand.k} now has ratio {r:.5f}: a faster schedule may pass")
+            v = judge(cand.schedule, stats, self.config, nd_s)  # the lag priced as the statistics allow
+            if v.rejected_on is None:
+                return self._decide(iteration, ratio, True, f"previously rejected K={cand.k} now has ratio "
+                                    f"{v.ratio:.5f}: a faster schedule may pass")
         return self._decide(iteration, ratio, False, f"ratio {ratio:.5f} still within tolerance")
 
     @staticmethod
