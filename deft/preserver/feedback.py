@@ -30,7 +30,9 @@ What ``epsilon`` means for a user
                        the predicted progress. Reasonable when communication dominates and the
                        final accuracy is checked anyway.
 ``0.2``                Aggressive: most solver schedules pass; convergence per iteration can be
-                       visibly slower. For bandwidth-starved settings or experiments only.
+                       visibly slower. For bandwidth-starved settings or experiments only. Whatever
+                       epsilon allows, a schedule the walk predicts slower to a target than the
+                       no-delay plan is not taken (see "Speed" below).
 preserver disabled     (``preserver = false``) The solver's first schedule is used as is, with no
                        convergence test and no re-check during training: fastest plan, no
                        guarantee about convergence.
@@ -53,6 +55,19 @@ never rejected on these grounds. Each try records the radius, edge and verdict (
 ``meta["preserver"]["log"]``); :class:`Recheck` re-plans when the running schedule becomes unstable.
 With the check available the walk stops charging a stale update's lag as missing progress
 (:func:`applied_sequence`): the two would price the same staleness twice.
+
+Speed
+-----
+Epsilon bounds how much progress per iteration a schedule may lose; it does not ask whether the time
+it saves buys that back. :func:`judge` therefore also drops a try predicted no faster per iteration
+than the no-delay plan (which keeps torch DDP's parameters; its accuracy is then not judged at all)
+and rejects one the walk predicts *slower to a target*: one period keeps ``p``
+(:func:`progress_kept`) of the baseline's loss decrease in ``t / t_no_delay`` of the no-delay plan's
+time, so it is behind at every wall time when ``p < t / t_no_delay``. A merge of ``k`` with the same
+learning rate keeps ``p ~ 1/k`` where the gradient dominates the noise and ``p ~ 1`` where the noise
+dominates. Measured (benchmarks/results/preserver_validation.md): at epsilon 0.5 the walk's test
+alone accepted the character LM's merge of 2 (ratio 0.67-0.78, iteration 7-21 % faster); it ended
+4.9-6.5 % above torch DDP's loss and reached the target later, on three seeds.
 
 Statistics
 ----------
