@@ -650,3 +650,21 @@ def test_a_stale_update_keeps_its_rate() -> None:
     stale = schedule_with((1, 1), delayed=True)
     assert schedule_ratio(stale, STATS) < 1.0
     assert progress_kept(stale, STATS) == 1.0
+
+
+def test_recheck_offers_a_merge_again_once_noise_dominates() -> None:
+    # Rejected as slower to a target while the gradient dominates (progress 1/2 in 0.51 of the time);
+    # once the walk is noise-dominated (as in the tests above) the merge keeps its progress: re-plan.
+    res = _merge_against_no_delay(0.51, 0.01)
+    assert res.schedule.batch_sequence == (1,)
+    rc = Recheck(DeftConfig(epsilon=0.01), res)
+    still = rc.check(rc.config.recheck_every, DETERMINISTIC)
+    assert still is not None and not still.replan
+    noisy = dataclasses.replace(DETERMINISTIC, sigma=600.0)
+    later = rc.check(2 * rc.config.recheck_every, noisy)
+    assert later is not None and later.replan and "previously rejected K=(2,)" in later.reason
+    # A merge predicted slower than the running schedule is never offered, whatever the statistics.
+    slow = _merge_against_no_delay(1.05, 0.01)
+    rc = Recheck(DeftConfig(epsilon=0.01), slow)
+    decision = rc.check(rc.config.recheck_every, noisy)
+    assert decision is not None and not decision.replan

@@ -568,9 +568,10 @@ class Recheck:
 
     1. the running schedule's ratio left ``[1 - epsilon, 1 + epsilon]``, it became unstable, or the
        walk now predicts it slower to a target than the no-delay plan (:func:`judge`), or
-    2. a schedule that was rejected at a smaller capacity (so: a faster schedule) would pass
-       :func:`judge` now (a try rejected as no faster than the no-delay plan stays rejected: the
-       predicted times do not change between re-checks), or
+    2. a schedule that was rejected at a smaller capacity (so: a faster schedule), or a rejected
+       lag-free merge predicted faster than the running schedule, would pass :func:`judge` now (a try
+       rejected as no faster than the no-delay plan stays rejected: the predicted times do not change
+       between re-checks), or
     3. the running schedule is the no-delay fallback taken while mu and sigma were unknown, and they
        are known now.
 
@@ -592,6 +593,11 @@ class Recheck:
         accepted = [i for i, t in enumerate(tried) if t.accepted]
         if accepted:
             tried = tried[:accepted[-1]]
+        # Rejected lag-free merges predicted faster than the running schedule: as the loss falls the
+        # noise comes to dominate and a merge keeps more of its progress (the critical batch grows).
+        running_s = result.schedule.predicted_iteration_s
+        tried += [t for t in result.tries if t.kind == "accumulate" and not t.accepted and t.schedule is not None
+                  and 0 < t.schedule.predicted_iteration_s < running_s]
         self._faster = [t for t in tried if (t.k, t.plan) != (chosen, applied_updates(result.schedule))
                         and t.rejected_on != NO_FASTER]
 
