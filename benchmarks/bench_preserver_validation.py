@@ -721,7 +721,8 @@ def report_workload(res: dict[str, Any], plot_dir: Path, name: str
             seen.add((dec["label"], key))
             r = runs[key]
             lost = loses(w, r, ddp)
-            why = tr.rejected_on or "walk ratio"
+            why = tr.rejected_on  # every rejected try of preserve() says why (feedback.REJECTIONS)
+            assert why is not None, tr
             if why == NO_FASTER:  # not an accuracy decision: counted apart
                 summary.setdefault("no_faster", []).append((not lost, dec["calibrated"]))
             else:

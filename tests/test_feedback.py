@@ -13,6 +13,7 @@ import pytest
 from deft.config import DeftConfig, LinkConfig
 from deft.errors import ContractError
 from deft.preserver.feedback import (
+    REJECTIONS,
     STALENESS_MARGIN,
     PreserveResult,
     Recheck,
@@ -324,6 +325,8 @@ def real_solver_loop(mu: float, sigma: float = 5.0) -> PreserveResult:
                     else "slower to target" if t.progress < t_s / nd else None)
         assert (t.rejected_on, t.accepted) == (expected, expected is None)
     assert all(not t.accepted for t in tried[:-1]) and len(tried) <= config.preserver_max_tries
+    # every rejected try says why, in the preserver's own words
+    assert all(t.rejected_on in REJECTIONS for t in res.tries if not t.accepted and t.kind != "no_delay")
     merges = [t for t in res.tries if t.kind == "accumulate" and t.accepted]
     assert res.accepted
     # The accepted DeFT try, a passing lag-free merge preferred to it, or the no-delay plan when every

@@ -50,7 +50,7 @@ The walk sees only the batch sequence; it cannot tell a lag-free merge from a st
 :class:`WalkStats` carries the top Hessian eigenvalue and the optimizer's update rule, every try is
 also checked by :func:`deft.preserver.stability.check_stability`: a schedule whose delayed-update
 recurrence is unstable along the sharpest direction (curvature beyond ``margin`` x its stability
-edge) is rejected whatever its ratio (``_judge``); lag-free schedules have torch DDP's edge and are
+edge) is rejected whatever its ratio (:func:`judge`); lag-free schedules have torch DDP's edge and are
 never rejected on these grounds. Each try records the radius, edge and verdict (``Try.stability``,
 ``meta["preserver"]["log"]``); :class:`Recheck` re-plans when the running schedule becomes unstable.
 With the check available the walk stops charging a stale update's lag as missing progress
