@@ -21,6 +21,7 @@ ORDER = [
     "planner.md",
     "knapsack.md",
     "runtime.md",
+    "design_figures.md",
     "profiler_runtime.md",
     "profiling_cost.md",
     "profiler_fixtures.md",

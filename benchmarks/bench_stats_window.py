@@ -22,7 +22,7 @@ from pathlib import Path
 
 from bench_links import ROOT, run_ranks
 
-from deft.runtime.ddp import STATS_WINDOW
+from deft.runtime.calendar import STATS_WINDOW
 from deft.testbed import Testbed
 
 

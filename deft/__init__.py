@@ -6,12 +6,15 @@ The contract between the parts (profile, schedule, config) imports without torch
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from deft.config import DeftConfig, LinkConfig
 from deft.errors import CommunicationError, ContractError, DeftError, TraceError
 from deft.profile import Bucket, BucketTimes, Link, Profile
 from deft.schedule import CommTask, Schedule, StagePlan, Update
+
+if TYPE_CHECKING:  # pragma: no cover - the runtime (and torch) load on first use, see __getattr__
+    from deft.runtime.ddp import DistributedDataParallel
 
 __version__ = "0.1.0"
 
@@ -22,7 +25,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> type[DistributedDataParallel]:
     if name == "DistributedDataParallel":
         from deft.runtime.ddp import DistributedDataParallel
 

@@ -7,15 +7,25 @@ field is checked for presence and type here, so that a damaged file fails at loa
 
 from __future__ import annotations
 
+import builtins
 import json
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TypeAlias
 
 from deft.errors import ContractError
 
+#: A JSON value as deft writes and reads it: what :func:`json.dumps` accepts (a tuple is written as a
+#: list) and, as a special case, what :func:`json.loads` returns. The containers are the read-only,
+#: covariant ``Sequence``/``Mapping`` so that a ``list[int]`` or a ``dict[str, float]`` is a JSON value
+#: as it stands; code that reads one narrows with ``isinstance`` (:class:`Fields` does it field by field).
+JsonValue: TypeAlias = "str | int | float | bool | Sequence[JsonValue] | Mapping[str, JsonValue] | None"
+#: A JSON object: profiles, schedules and configs on disk, and the free-form ``meta`` they carry.
+JsonDict: TypeAlias = "dict[str, JsonValue]"
 
-def read_json(path: str | Path, kind: str) -> dict[str, Any]:
+
+def read_json(path: str | Path, kind: str) -> JsonDict:
     """Read a JSON object from ``path``; raise :class:`ContractError` naming the file on any failure."""
     p = Path(path)
     try:
@@ -33,7 +43,7 @@ def read_json(path: str | Path, kind: str) -> dict[str, Any]:
     return doc
 
 
-def write_json(path: str | Path, doc: dict[str, Any]) -> None:
+def write_json(path: str | Path, doc: Mapping[str, JsonValue]) -> None:
     """Write atomically (temp file + rename) so a crash never leaves a half-written profile."""
     p = Path(path)
     tmp = p.with_name(p.name + ".tmp")
@@ -44,17 +54,17 @@ def write_json(path: str | Path, doc: dict[str, Any]) -> None:
 class Fields:
     """Typed access to one JSON object, remembering where it came from for error messages."""
 
-    def __init__(self, doc: Any, source: str, where: str) -> None:
+    def __init__(self, doc: object, source: str, where: str) -> None:
         if not isinstance(doc, dict):
             raise ContractError(source, where or "<root>", f"expected an object, got {type(doc).__name__}")
-        self.doc = doc
+        self.doc: JsonDict = doc
         self.source = source
         self.where = where
 
     def _path(self, key: str) -> str:
         return f"{self.where}.{key}" if self.where else key
 
-    def _get(self, key: str, default: Any, required: bool) -> Any:
+    def _get(self, key: builtins.str, default: JsonValue, required: builtins.bool) -> JsonValue:
         if key not in self.doc:
             if required:
                 raise ContractError(self.source, self._path(key), "missing")
@@ -86,7 +96,8 @@ class Fields:
             raise self.error(key, f"expected true or false, got {v!r}")
         return v
 
-    def str(self, key: str, default: str | None = None, *, choices: tuple[str, ...] | None = None) -> str:
+    def str(self, key: builtins.str, default: builtins.str | None = None, *,
+            choices: tuple[builtins.str, ...] | None = None) -> builtins.str:
         v = self._get(key, default, default is None)
         if not isinstance(v, str):
             raise self.error(key, f"expected a string, got {v!r}")
@@ -94,26 +105,26 @@ class Fields:
             raise self.error(key, f"expected one of {', '.join(choices)}, got {v!r}")
         return v
 
-    def opt_str(self, key: str) -> str | None:
+    def opt_str(self, key: builtins.str) -> builtins.str | None:
         v = self.doc.get(key)
         if v is not None and not isinstance(v, str):
             raise self.error(key, f"expected a string or null, got {v!r}")
         return v
 
-    def list(self, key: str, default: list[Any] | None = None) -> list[Any]:
+    def list(self, key: builtins.str, default: builtins.list[JsonValue] | None = None) -> builtins.list[JsonValue]:
         v = self._get(key, default, default is None)
         if not isinstance(v, list):
             raise self.error(key, f"expected a list, got {type(v).__name__}")
         return v
 
-    def dict(self, key: str, default: dict[str, Any] | None = None) -> dict[str, Any]:
+    def dict(self, key: builtins.str, default: JsonDict | None = None) -> JsonDict:
         v = self._get(key, default, default is None)
         if not isinstance(v, dict):
             raise self.error(key, f"expected an object, got {type(v).__name__}")
         return v
 
-    def sub(self, key: str) -> Fields:
+    def sub(self, key: builtins.str) -> Fields:
         return Fields(self._get(key, None, True), self.source, self._path(key))
 
-    def items(self, key: str) -> list[Fields]:
+    def items(self, key: builtins.str) -> builtins.list[Fields]:
         return [Fields(x, self.source, f"{self._path(key)}[{i}]") for i, x in enumerate(self.list(key))]

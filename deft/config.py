@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
 
-from deft._json import Fields
+from deft._json import Fields, JsonDict, JsonValue
 from deft.errors import ContractError
 
 if sys.version_info >= (3, 11):
@@ -59,10 +59,9 @@ class DeftConfig:
     # solver.plan.EXACT_BUDGET_LIMITS such budgets before the greedy takes over
     solver_time_limit_s: float = 1.0
     solver_relative_gap: float = 1e-3
-    # 1 + 3 iterations before planning (was 3 + 5): the warm-up timer measures the real all-reduces,
-    # rotated over the links, so 3 profile iterations see every bucket on every link of two; and every
-    # warm-up iteration runs at torch DDP's pace, which time to accuracy pays (benchmarks/results/peers.md:
-    # time to 93 % 1.42x -> 1.53x torch DDP at 250 Mbit/s, the same steady state).
+    # 1 + 3 iterations before planning: the warm-up timer measures the real all-reduces, rotated over the
+    # links, so 3 profile iterations see every bucket on every link of two; and every warm-up iteration
+    # runs at torch DDP's pace, which time to accuracy pays (measured: benchmarks/results/peers.md).
     warmup_iters: int = 1
     profile_iters: int = 3
     preserver: bool = True
@@ -75,11 +74,10 @@ class DeftConfig:
     powersgd_start_iter: int = 2   # plain all-reduce before (PowerSGD needs > 1 with error feedback)
     # Rank 0 plans (and, when adapting, re-plans) in a background thread while training goes on; every rank
     # switches at the first iteration boundary where rank 0's thread is done, after at most this many
-    # iterations. 0: plan inside the iteration that ends the profile, as before (deft.runtime.planning).
+    # iterations. 0: plan inside the iteration that ends the profile (deft.runtime.planning).
     plan_lag_iters: int = 6
     # The planner thread's nice value (Linux; 0: the training's own priority): it should use the CPU the
-    # training leaves idle. Measured on the testbed (2 cores): 10 took deft default to 93 % in 22.7-24.6 s
-    # against 24.0-25.5 s at 0 (benchmarks/results/peers.md).
+    # training leaves idle, which shortens the time to accuracy (measured: benchmarks/results/peers.md).
     planner_nice: int = 10
     adapt: bool = True             # check the running schedule against measured time; re-plan (deft.runtime.adapt)
     adapt_window: int = 6          # iterations measured per decision
@@ -87,12 +85,12 @@ class DeftConfig:
     adapt_tolerance: float = 0.10  # relative prediction error that is accepted
     s_star: float = 0.0
     # A merged update of k iterations steps with lr x 1, k or sqrt(k) (MERGE_LR_SCALINGS; the preserver's walk
-    # prices the same factor). Off by default: measured in benchmarks/results/preserver_validation.md.
+    # prices the same factor). Off by default (measured: benchmarks/results/preserver_validation.md).
     merge_lr_scaling: str = "none"
     timeout_s: float = 300.0
     profile_path: str | None = None
     schedule_path: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: JsonDict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate("<config>")
@@ -152,19 +150,19 @@ class DeftConfig:
     def link_names(self) -> tuple[str, ...]:
         return tuple(lk.name for lk in self.links)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonDict:
         d = asdict(self)
         d["links"] = [asdict(lk) for lk in self.links]
         return d
 
     @classmethod
-    def from_dict(cls, doc: dict[str, Any], source: str = "<dict>") -> DeftConfig:
+    def from_dict(cls, doc: Mapping[str, JsonValue], source: str = "<dict>") -> DeftConfig:
         f = Fields(doc, source, "")
         known = {fl.name for fl in fields(cls)}
         unknown = sorted(set(doc) - known)
         if unknown:
             raise ContractError(source, unknown[0], f"unknown setting; known settings are {', '.join(sorted(known))}")
-        kw: dict[str, Any] = {}
+        kw: dict[str, JsonValue | tuple[LinkConfig, ...]] = {}
         defaults = cls.__dataclass_fields__
         for name in known - {"links", "extra", "profile_path", "schedule_path"}:
             if name not in doc:
@@ -199,7 +197,7 @@ class DeftConfig:
         return cfg
 
     @classmethod
-    def load(cls, path: str | Path) -> DeftConfig:
+    def load(cls, path: str | os.PathLike[str]) -> DeftConfig:
         p = Path(path)
         try:
             doc = tomllib.loads(p.read_text(encoding="utf-8"))
@@ -212,7 +210,7 @@ class DeftConfig:
         return cls.from_dict(doc, str(p))
 
     @classmethod
-    def resolve(cls, config: DeftConfig | str | os.PathLike[str] | dict[str, Any] | None) -> DeftConfig:
+    def resolve(cls, config: DeftConfig | str | os.PathLike[str] | JsonDict | None) -> DeftConfig:
         """Accept what users pass: a DeftConfig, a TOML path, a dict, or nothing (then the TOML file named by
         ``$DEFT_CONFIG`` if set, else the defaults)."""
         if config is None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
 
 import torch.distributed as dist
 
@@ -24,17 +23,18 @@ def ifname_variable(backend: str) -> str:
 
 
 def new_group_on_nic(backend: str, ifname: str | None, timeout_s: float | None = None,
-                     ranks: Sequence[int] | None = None) -> Any:
+                     ranks: Sequence[int] | None = None) -> dist.ProcessGroup:
     """``dist.new_group`` over ``ranks`` (default: all) whose traffic uses NIC ``ifname`` (None: the default)."""
     var = ifname_variable(backend)
     previous = os.environ.get(var)
     if ifname:
         os.environ[var] = ifname
-    kwargs: dict[str, Any] = {"backend": backend, "ranks": list(ranks) if ranks is not None else None}
-    if timeout_s is not None:
-        kwargs["timeout"] = timedelta(seconds=timeout_s)
+    members = list(ranks) if ranks is not None else None
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     try:
-        return dist.new_group(**kwargs)
+        if timeout is None:  # torch's own default timeout
+            return dist.new_group(backend=backend, ranks=members)
+        return dist.new_group(backend=backend, ranks=members, timeout=timeout)
     finally:
         if ifname and backend != "nccl":
             if previous is None:

@@ -29,12 +29,11 @@ import itertools
 import json
 import math
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from deft._json import Fields, read_json, write_json
+from deft._json import Fields, JsonDict, JsonValue, read_json, write_json
 from deft.errors import ContractError
 
 SCHEMA_VERSION = 2
@@ -133,7 +132,7 @@ def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float],
     Raises :class:`ContractError` naming ``source`` and the first bad entry (``nbytes[i]``,
     ``seconds[i]``, ``weights[i]``) or the mismatched lengths.
     """
-    # Imported here: the contract module stays light to import (numpy + scipy cost ~0.5 s).
+    # Imported here: the contract module stays light to import (numpy and scipy are slow to import).
     import numpy as np
     from scipy.optimize import nnls
 
@@ -185,7 +184,7 @@ class Profile:
     source: str
     versions: dict[str, str] = field(default_factory=dict)
     model: str = ""
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: JsonDict = field(default_factory=dict)
     codec: str = ""  # the comm hook compressing every send ("": none)
 
     def __post_init__(self) -> None:
@@ -296,12 +295,6 @@ class Profile:
         compute = self.forward_s + self.backward_s
         return self.total_comm_s() / compute if compute > 0 else float("inf")
 
-    def with_links(self, links: Sequence[Link]) -> Profile:
-        """The same buckets on ``links``: measured times on links not kept are dropped."""
-        keep = {link.name for link in links}
-        times = tuple(replace(t, comm_s={k: v for k, v in t.comm_s.items() if k in keep}) for t in self.times)
-        return replace(self, links=tuple(links), times=times)
-
     # -- validation and JSON -------------------------------------------------------------------
     def validate(self, source: str) -> None:
         if self.world_size < 1:
@@ -358,8 +351,13 @@ class Profile:
                         "missing, and the link has no fitted alpha/beta to fall back on",
                     )
 
-    def to_dict(self) -> dict[str, Any]:
-        doc = {
+    def to_dict(self) -> JsonDict:
+        buckets: list[JsonDict] = [
+            {"id": b.id, "params": list(b.params), "numel": b.numel, "nbytes": b.nbytes,
+             "forward_s": t.forward_s, "backward_s": t.backward_s, "comm_s": dict(t.comm_s)}
+            for b, t in zip(self.buckets, self.times, strict=True)
+        ]
+        doc: JsonDict = {
             "kind": "deft.profile",
             "schema": SCHEMA_VERSION if self.codec else 1,
             "model": self.model,
@@ -371,22 +369,18 @@ class Profile:
                  "alpha_s": k.alpha_s, "beta_s_per_byte": k.beta_s_per_byte}
                 for k in self.links
             ],
-            "buckets": [
-                {"id": b.id, "params": list(b.params), "numel": b.numel, "nbytes": b.nbytes,
-                 "forward_s": t.forward_s, "backward_s": t.backward_s, "comm_s": dict(t.comm_s)}
-                for b, t in zip(self.buckets, self.times, strict=True)
-            ],
+            "buckets": buckets,
             "meta": self.meta,
         }
         if self.codec:
             doc["codec"] = self.codec
-            for bd, b, t in zip(doc["buckets"], self.buckets, self.times, strict=True):
+            for bd, b, t in zip(buckets, self.buckets, self.times, strict=True):
                 bd["wire_nbytes"] = b.wire
                 bd["codec_s"] = t.codec_s
         return doc
 
     @classmethod
-    def from_dict(cls, doc: dict[str, Any], source: str = "<dict>") -> Profile:
+    def from_dict(cls, doc: Mapping[str, JsonValue], source: str = "<dict>") -> Profile:
         f = Fields(doc, source, "")
         kind = f.str("kind")
         if kind != "deft.profile":
@@ -407,8 +401,9 @@ class Profile:
             ))
         buckets, times = [], []
         for bf in f.items("buckets"):
-            params = bf.list("params", [])
-            if not all(isinstance(p, str) for p in params):
+            raw_params = bf.list("params", [])
+            params = [p for p in raw_params if isinstance(p, str)]
+            if len(params) != len(raw_params):
                 raise bf.error("params", "expected a list of parameter names")
             if not codec:
                 for key in ("wire_nbytes", "codec_s"):

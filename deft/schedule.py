@@ -29,19 +29,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypeGuard
 
-from deft._json import Fields, read_json, write_json
+from deft._json import Fields, JsonDict, JsonValue, read_json, write_json
 from deft.errors import ContractError
 
 SCHEMA_VERSION = 1
 STAGES = ("forward", "backward")
 
 
-def _is_int(x: object) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     """A JSON integer (``true`` parses as a Python ``bool``, an ``int`` subclass: not a bucket id)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -109,7 +109,7 @@ class Schedule:
     predicted_iteration_s: float = 0.0
     predicted_bubble_ratio: float = 0.0
     profile_digest: str = ""
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: JsonDict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate("<schedule>")
@@ -156,6 +156,14 @@ class Schedule:
 
     # -- validation ----------------------------------------------------------------------------
     def validate(self, source: str) -> None:
+        """Check the invariants of the module docstring; a :class:`ContractError` names ``source`` and the
+        first field that breaks one."""
+        self._validate_layout(source)
+        self._validate_updates(source)
+        self._validate_completion(source, self._validate_sends(source))
+
+    def _validate_layout(self, source: str) -> None:
+        """Buckets, links, and one stage plan per (position, stage) in cycle order (invariant 4)."""
         n, c = self.n_buckets, self.cycle
         if c < 1:
             raise ContractError(source, "cycle", f"expected >= 1, got {c}")
@@ -174,6 +182,11 @@ class Schedule:
         for i, sp in enumerate(self.stages):
             if sp.position != i // 2 or sp.stage != STAGES[i % 2]:
                 raise ContractError(source, f"stages[{i}]", f"expected position {i // 2} stage {STAGES[i % 2]}")
+
+    def _validate_updates(self, source: str) -> None:
+        """The update groups partition the cycle into runs of consecutive positions, and are applied in
+        group order within one cycle of their last iteration (invariant 2, the timing alone)."""
+        n, c = self.n_buckets, self.cycle
         covered = sorted(p for u in self.updates for p in u.positions)
         if covered != list(range(c)):
             raise ContractError(source, "updates", f"positions of the update groups must partition 0..{c - 1}")
@@ -202,7 +215,12 @@ class Schedule:
                 raise ContractError(source, f"updates[{g}].apply_after",
                                     f"updates must be applied in group order: {u.apply_after} is after the next "
                                     f"cycle's first update ({self.updates[0].apply_after} + cycle {c})")
-        # Where (in iterations after the group's last one, and stage) each (group, bucket) is sent.
+
+    def _validate_sends(self, source: str) -> dict[tuple[int, int], int]:
+        """Every send names a bucket, a link and the last position of a group, and no (group, bucket)
+        is sent twice (invariants 1 and 4). Returns when each (group, bucket) is sent: ``2 * origin``
+        plus the stage's index, i.e. stages elapsed since the forward of the group's last iteration."""
+        n, c = self.n_buckets, self.cycle
         seen: dict[tuple[int, int], int] = {}
         for i, sp in enumerate(self.stages):
             for j, t in enumerate(sp.comms):
@@ -228,6 +246,13 @@ class Schedule:
                     raise ContractError(source, where, f"bucket {t.bucket} of group {g} sent twice")
                 # Iterations elapsed since the group's last iteration, counting stage order.
                 seen[(g, t.bucket)] = 2 * t.origin + STAGES.index(sp.stage)
+        return seen
+
+    def _validate_completion(self, source: str, seen: dict[tuple[int, int], int]) -> None:
+        """Every bucket of every group is sent, deferred buckets in the backward of the group's last
+        position, and each update is applied no earlier than the stage of its group's last send
+        (invariants 1 and 2); ``seen`` is :meth:`_validate_sends`'s."""
+        n = self.n_buckets
         for g, u in enumerate(self.updates):
             for b in range(n):
                 if (g, b) not in seen:
@@ -248,7 +273,7 @@ class Schedule:
                                         "forward stage, no later)" if u.finish_in_forward else ""))
 
     # -- JSON ----------------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonDict:
         return {
             "kind": "deft.schedule",
             "schema": SCHEMA_VERSION,
@@ -272,7 +297,7 @@ class Schedule:
         }
 
     @classmethod
-    def from_dict(cls, doc: dict[str, Any], source: str = "<dict>") -> Schedule:
+    def from_dict(cls, doc: Mapping[str, JsonValue], source: str = "<dict>") -> Schedule:
         f = Fields(doc, source, "")
         kind = f.str("kind")
         if kind != "deft.schedule":
@@ -283,36 +308,38 @@ class Schedule:
 
         def ints(key: str) -> tuple[int, ...]:
             v = f.list(key)
-            if not all(_is_int(x) and x >= 0 for x in v):
+            out = tuple(x for x in v if _is_int(x) and x >= 0)
+            if len(out) != len(v):
                 raise f.error(key, "expected a list of non-negative integers")
-            return tuple(v)
+            return out
 
-        links = f.list("links")
-        if not all(isinstance(x, str) for x in links):
+        links = _strs(f.list("links"))
+        if links is None:
             raise f.error("links", "expected a list of link names")
         stages = []
         for sf in f.items("stages"):
             comms = []
             for j, t in enumerate(sf.list("comms")):
-                if (not isinstance(t, list) or len(t) != 3 or not all(_is_int(x) for x in t[:2])
-                        or not isinstance(t[2], str)):
+                bucket, origin, link = t if isinstance(t, list) and len(t) == 3 else (None, None, None)
+                if not (_is_int(bucket) and _is_int(origin) and isinstance(link, str)):
                     raise sf.error(f"comms[{j}]", f"expected [bucket, origin, link], got {t!r}")
-                comms.append(CommTask(bucket=t[0], origin=t[1], link=t[2]))
+                comms.append(CommTask(bucket=bucket, origin=origin, link=link))
             stages.append(StagePlan(position=sf.int("position", minimum=0),
                                     stage=sf.str("stage", choices=STAGES), comms=tuple(comms)))
         updates = []
         for uf in f.items("updates"):
-            pos = uf.list("positions")
-            if not pos or not all(_is_int(x) for x in pos):
+            pos = _ints(uf.list("positions"))
+            if not pos:
                 raise uf.error("positions", "expected a non-empty list of integers")
-            deferred = uf.list("deferred", [])
-            if not all(_is_int(x) for x in deferred):
-                raise uf.error("deferred", f"expected a list of bucket ids, got {deferred!r}")
-            updates.append(Update(positions=tuple(pos), apply_after=uf.int("apply_after", minimum=0),
-                                  finish_in_forward=uf.bool("finish_in_forward", False), deferred=tuple(deferred)))
+            raw_deferred = uf.list("deferred", [])
+            deferred = _ints(raw_deferred)
+            if deferred is None:
+                raise uf.error("deferred", f"expected a list of bucket ids, got {raw_deferred!r}")
+            updates.append(Update(positions=pos, apply_after=uf.int("apply_after", minimum=0),
+                                  finish_in_forward=uf.bool("finish_in_forward", False), deferred=deferred))
         sched = object.__new__(cls)
         for k, v in {
-            "cycle": f.int("cycle", minimum=1), "links": tuple(links),
+            "cycle": f.int("cycle", minimum=1), "links": links,
             "bucket_numel": ints("bucket_numel"), "bucket_nbytes": ints("bucket_nbytes"),
             "stages": tuple(stages), "updates": tuple(updates),
             "predicted_iteration_s": f.float("predicted_iteration_s", 0.0),
@@ -335,6 +362,18 @@ class Schedule:
         d = self.to_dict()
         d.pop("meta")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _ints(values: Sequence[JsonValue]) -> tuple[int, ...] | None:
+    """``values`` as JSON integers (not ``true``/``false``), or ``None`` when one is not."""
+    out = tuple(x for x in values if _is_int(x))
+    return out if len(out) == len(values) else None
+
+
+def _strs(values: Sequence[JsonValue]) -> tuple[str, ...] | None:
+    """``values`` as strings, or ``None`` when one is not."""
+    out = tuple(x for x in values if isinstance(x, str))
+    return out if len(out) == len(values) else None
 
 
 def synchronous_schedule(bucket_numel: tuple[int, ...], bucket_nbytes: tuple[int, ...],

@@ -36,13 +36,31 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypedDict
 
 from deft.errors import DeftError
 
 STATE_DIR = Path("/run/deft")
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,11}$")
 _counter = itertools.count()
+
+
+class _TestbedDescription(TypedDict):
+    prefix: str
+    tag: str
+    hosts: int
+    links: int
+    rate_mbit: float
+    delay_ms: float
+    namespaces: list[str]
+    addresses: dict[str, dict[str, str]]  # namespace -> NIC -> IPv4 address
+
+
+class TestbedState(_TestbedDescription, total=False):
+    """What ``deft testbed up`` records in its state file (:meth:`Testbed.describe`, plus the config it
+    wrote), so that ``down`` and ``status`` can find what it built."""
+
+    config: str  # the deft TOML naming the testbed's NICs
 
 
 class TestbedError(DeftError):
@@ -95,9 +113,9 @@ def tbf_params(rate_mbit: float, gso_bytes: int = DEFAULT_GSO_MAX_BYTES) -> tupl
     ``burst`` is the larger of 1 ms of traffic and two of the device's largest GSO packets
     (``gso_bytes``). TCP hands a veth packets of up to ``gso_bytes`` and tbf splits every packet longer
     than its burst into MTU-sized frames in software (``tbf_segment``), each of which then crosses the
-    veth and the receiver's stack on its own: with the earlier 1 ms burst (31 KB at 250 Mbit/s) an 18 MB
-    all-reduce cost each rank about 140 ms of kernel CPU instead of 10, at the same wall time
-    (benchmarks/results/testbed.md). On this 2-core machine that CPU is taken from the model's
+    veth and the receiver's stack on its own: with a burst of 1 ms of traffic (31 KB at 250 Mbit/s) a
+    large all-reduce costs each rank many times the kernel CPU at the same wall time (measured:
+    benchmarks/results/testbed.md). On a machine of few cores that CPU is taken from the model's
     compute exactly when communication overlaps it, an artefact a real NIC (which segments in
     hardware) does not have. The rate still holds over any window longer than a few milliseconds:
     a full bucket lets 2 x 64 KiB through at once, 4 ms of traffic at 250 Mbit/s.
@@ -205,10 +223,6 @@ class Testbed:
     def _check_link(self, link: int) -> None:
         if not 0 <= link < self.links:
             raise TestbedError(f"link {link} out of range: the testbed has links 0..{self.links - 1}")
-
-    @property
-    def is_up(self) -> bool:
-        return self._is_up
 
     # -- build and remove ----------------------------------------------------------------------
     def up(self) -> Testbed:
@@ -419,7 +433,7 @@ class Testbed:
         return p.stdout
 
     # -- description ---------------------------------------------------------------------------
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> TestbedState:
         return {
             "prefix": self.prefix, "tag": self.tag, "hosts": self.hosts, "links": self.links,
             "rate_mbit": self.rate_mbit, "delay_ms": self.delay_ms, "namespaces": self.namespaces,
@@ -428,7 +442,7 @@ class Testbed:
         }
 
     @classmethod
-    def adopt(cls, state: Mapping[str, Any]) -> Testbed:
+    def adopt(cls, state: TestbedState) -> Testbed:
         """Rebuild the object for a testbed that ``deft testbed up`` made, so it can be taken down."""
         tb = cls(hosts=int(state["hosts"]), links=int(state["links"]), rate_mbit=float(state["rate_mbit"]),
                  delay_ms=float(state["delay_ms"]), prefix=str(state["prefix"]), tag=str(state["tag"]))
@@ -528,7 +542,7 @@ def run(name: str, args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_state(path: Path) -> dict[str, Any]:
+def _read_state(path: Path) -> TestbedState:
     try:
         state = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
@@ -539,7 +553,7 @@ def _read_state(path: Path) -> dict[str, Any]:
     return state
 
 
-def _print_state(state: Mapping[str, Any]) -> None:
+def _print_state(state: TestbedState) -> None:
     print(f"testbed {state['prefix']}-{state['tag']}: {state['hosts']} hosts x {state['links']} links at "
           f"{state['rate_mbit']:g} Mbit/s" + (f", {state['delay_ms']:g} ms delay" if state["delay_ms"] else ""))
     for ns, addrs in state.get("addresses", {}).items():

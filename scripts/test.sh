@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check deft tests benchmarks examples
+.venv/bin/mypy deft
 .venv/bin/python -m pytest -q -ra "$@"

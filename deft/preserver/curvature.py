@@ -11,9 +11,9 @@ Lanczos (:func:`top_eigenvalue`, ``method="lanczos"``, the default)
     :func:`scipy.sparse.linalg.eigsh` runs implicitly restarted Lanczos (ARPACK) on a
     :class:`~scipy.sparse.linalg.LinearOperator` wrapping the product, ``k=1, which="LA"``: the largest
     *algebraic* eigenvalue (the sharpest positive curvature; negative curvature does not make gradient
-    steps oscillate). ``tol`` is ARPACK's relative accuracy of the eigenvalue. On the 4.4M-parameter
-    digits CNN: 22 products at ``tol=1e-3`` (ARPACK's default ``ncv=20``), 18 with ``ncv=8``, each
-    about 3-5 training steps of compute (benchmarks/results/stability.md).
+    steps oscillate). ``tol`` is ARPACK's relative accuracy of the eigenvalue. A product costs a few
+    training steps of compute and a solve takes a few tens of them, fewer with a smaller ``ncv``
+    (measured on the digits CNN: benchmarks/results/stability.md).
 
 Power iteration (``method="power"``)
     ``v ← Hv / |Hv|`` with the Rayleigh quotient ``ρ = vᵀHv`` as the estimate, stopped when the
@@ -24,8 +24,8 @@ Power iteration (``method="power"``)
     (whose largest-magnitude eigenvalue is ``λ_max - λ₋ >= 0``) recovers ``λ_max``. The residual
     shrinks like ``|λ₂ / λ₁|^k`` (``λ₂``: the next eigenvalue in magnitude), so it is cheap when the
     top eigenvalue is well separated and slow (or out of ``maxiter``, an error) when it is not, as on
-    the digits CNN at initialisation (benchmarks/results/stability.md: its most negative eigenvalue,
-    -78, outweighs the top one, 65). Lanczos searches the whole Krylov space the power iterates span,
+    the digits CNN at initialisation, whose most negative eigenvalue outweighs the top one (measured:
+    benchmarks/results/stability.md). Lanczos searches the whole Krylov space the power iterates span,
     so (without restarts, in exact arithmetic) it is never worse per product.
 
 Secant (:class:`SecantCurvature`), without a loss closure
@@ -36,8 +36,8 @@ Secant (:class:`SecantCurvature`), without a loss closure
     mini-batch gradients, the two batches' noise adds up to ``|e_t - e_{t-1}|`` to the numerator, an
     upward bias that grows as the step shrinks. :class:`SecantCurvature` reports the median over a
     window, raw (``value``) or with the noise's expectation ``2 tr(Σ) / B`` removed (``debiased``).
-    On the digits CNN it came out 2-3x below Lanczos (the steps do not follow the sharpest
-    direction there): a screen when the margin is wide, not a measurement.
+    On the digits CNN it came out well below Lanczos, as the steps do not follow the sharpest direction
+    there (measured: benchmarks/results/stability.md): a screen when the margin is wide, not a measurement.
 
 Adam
     For Adam/AdamW the stability model (see :mod:`deft.preserver.stability`) needs the curvature seen
@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from deft._json import JsonDict
 from deft.errors import ContractError
 from deft.preserver.float64 import sq_dist64
 
@@ -69,6 +70,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _SOURCE = "curvature"
 METHODS = ("lanczos", "power")
+#: A torch optimizer's parameter group, or a parameter's optimizer state: torch types both so (the values
+#: are hyper-parameters, tensors and step counts by key).
+ParamGroup = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,7 @@ class CurvatureEstimate:
     residual: float
     seconds: float
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonDict:
         return {"value": self.value, "method": self.method, "hvps": self.hvps, "residual": self.residual,
                 "seconds": self.seconds}
 
@@ -153,6 +157,7 @@ def hessian_operator(loss: torch.Tensor, params: Sequence[torch.Tensor],
         if sq is not None:
             pieces = [c * s for c, s in zip(pieces, sq, strict=True)]
         dot = sum((g * c).sum() for g, c in zip(grads, pieces, strict=True) if g is not None)
+        assert isinstance(dot, torch.Tensor)  # at least one gradient exists (checked above)
         hv = torch.autograd.grad(dot, ps, retain_graph=True, allow_unused=True)
         out = [torch.zeros_like(p) if h is None else h for h, p in zip(hv, ps, strict=True)]
         if sq is not None:
@@ -248,7 +253,7 @@ def top_eigenvalue(closure: Callable[[], torch.Tensor], params: Sequence[torch.T
                              residual=residual, seconds=time.perf_counter() - t0)
 
 
-def adam_denominator(group: dict[str, Any], state: dict[str, Any],
+def adam_denominator(group: ParamGroup, state: ParamGroup,
                      dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """Adam's per-coordinate step ``1 / (√v̂ + eps)`` for one parameter, from its torch Adam/AdamW
     ``group`` and ``state``: ``v̂ = v / (1 - beta2^step)``, the bias-corrected second moment, with
@@ -266,7 +271,7 @@ def adam_denominator(group: dict[str, Any], state: dict[str, Any],
     return 1.0 / (v_hat.sqrt() + group["eps"])
 
 
-def _adam_denominators(optimizer: Any) -> tuple[dict[int, torch.Tensor], float]:
+def _adam_denominators(optimizer: torch.optim.Optimizer) -> tuple[dict[int, torch.Tensor], float]:
     """(``id(p) -> 1 / (√v̂ + eps)`` for every parameter with a second moment, the largest group lr)
     from a torch Adam/AdamW's state. A parameter that was never stepped (an unused branch) has none."""
     import torch
@@ -288,7 +293,8 @@ def _adam_denominators(optimizer: Any) -> tuple[dict[int, torch.Tensor], float]:
     return out, lr
 
 
-def adam_preconditioner(optimizer: Any, params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+def adam_preconditioner(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor] | None = None
+                        ) -> list[torch.Tensor]:
     """``D = 1 / (√v̂ + eps)`` per parameter of a torch Adam/AdamW: for ``params`` in their order (what
     :func:`hessian_operator` pairs it with), else in ``param_groups`` order. A parameter without a
     second moment (never stepped) is an error naming its index: its effective step is unknown."""
@@ -301,7 +307,7 @@ def adam_preconditioner(optimizer: Any, params: Sequence[torch.Tensor] | None = 
     return [d[id(p)] for p in order]
 
 
-def adam_scale(optimizer: Any, reduce: str = "median") -> float:
+def adam_scale(optimizer: torch.optim.Optimizer, reduce: str = "median") -> float:
     """One number for Adam's ``1 / (√v̂ + eps)`` over all coordinates: ``"median"`` or ``"max"``.
 
     ``OptimizerSpec.from_torch(opt, scale=adam_scale(opt))`` then uses the step ``lr * scale`` for every
@@ -412,10 +418,9 @@ class SecantCurvature:
         :meth:`debiased`, unless it is 0 while the raw ratio is not: then the noise estimate swallowed
         the whole gradient difference (a few warm-up iterations, a noisy ``tr Σ``), and 0 would make
         every stale schedule look stable: the check then takes the raw ratio (second value ``True``),
-        whose noise bias errs on the safe side (it rejects more). Measured
-        (benchmarks/results/preserver_validation.md, seed 1): the digits CNN's debiased secant was 0
-        (raw 44.3, Lanczos 66), and at epsilon 0.5 the preserver accepted a schedule stale by two that
-        ended 83 points below torch DDP."""
+        whose noise bias errs on the safe side (it rejects more): a schedule stale by two iterations,
+        which a curvature of 0 would pass, trains far below torch DDP (measured: benchmarks/results/secant.md,
+        benchmarks/results/preserver_validation_seed1.md)."""
         debiased = self.debiased(noise_sq)
         raw = self.value
         if debiased == 0.0 and raw is not None and raw > 0.0:

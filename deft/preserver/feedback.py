@@ -38,11 +38,10 @@ preserver disabled     (``preserver = false``) The solver's first schedule is us
                        guarantee about convergence.
 =====================  ============================================================================
 
-Measured (benchmarks/RESULTS.md, "What the accuracy knob does"; 4.4M-parameter CNN, 2 ranks, two links at
-250 Mbit/s, 4 epochs, SGD lr 0.02 momentum 0.9): torch DDP 0.961 in 74 s; epsilon 0 and 0.01: 0.961 in
-53 s (no delayed update passed); 0.05 and 0.2: 0.753 in 43 s (a stale schedule passed, see
-:func:`applied_sequence` and ``STALENESS_MARGIN``); preserver disabled: 0.672 in 38 s. The short,
-high-learning-rate run is harsh on stale updates; long runs with decaying learning rates are less so.
+What each setting did in a training run is in benchmarks/RESULTS.md ("What the accuracy knob does"): the
+larger values lost accuracy there because a stale schedule passed (see :func:`applied_sequence` and
+``STALENESS_MARGIN``). That short, high-learning-rate run is harsh on stale updates; long runs with
+decaying learning rates are less so.
 
 Stability (issue 12)
 --------------------
@@ -65,9 +64,9 @@ and rejects one the walk predicts *slower to a target*: one period keeps ``p``
 (:func:`progress_kept`) of the baseline's loss decrease in ``t / t_no_delay`` of the no-delay plan's
 time, so it is behind at every wall time when ``p < t / t_no_delay``. A merge of ``k`` with the same
 learning rate keeps ``p ~ 1/k`` where the gradient dominates the noise and ``p ~ 1`` where the noise
-dominates. Measured (benchmarks/results/preserver_validation.md): at epsilon 0.5 the walk's test
-alone accepted the character LM's merge of 2 (ratio 0.67-0.78, iteration 7-21 % faster); it ended
-4.9-6.5 % above torch DDP's loss and reached the target later, on three seeds.
+dominates. Without this rule the walk's test alone accepted a merge of the character LM that was faster
+per iteration yet ended at a worse loss and reached the target later (measured at epsilon 0.5, three
+seeds: benchmarks/results/preserver_validation.md).
 
 Statistics
 ----------
@@ -86,8 +85,9 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
+from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.errors import ContractError
 from deft.preserver.gaussian_walk import convergence_ratio, expected_loss_after, expected_next_loss, merge_lr_factor
@@ -159,7 +159,7 @@ class WalkStats:
         return cls(loss=loss, mu=estimate.mu, sigma=estimate.sigma, lr=lr, batch=batch, s_star=s_star,
                    metric=metric)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonDict:
         return dataclasses.asdict(self)
 
     @property
@@ -192,7 +192,7 @@ class Try:
     progress: float | None = None  # progress_kept, when the statistics were known
     schedule: Schedule | None = dataclasses.field(default=None, repr=False, compare=False)  # for Recheck
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonDict:
         return {"kind": self.kind, "capacity_scale": self.capacity_scale, "k": list(self.k),
                 "applied": list(self.applied),
                 "window": self.window, "ratio": _json_float(self.ratio), "accepted": self.accepted,
@@ -260,8 +260,8 @@ def applied_sequence(schedule: Schedule, lag_priced: bool = True) -> tuple[int, 
       only the updates applied *within* the period count; a stale one lands in the next window, so
       its lag is counted as progress missing from every window. A schedule whose only change is
       staleness (K all ones, updates one iteration late) then gets a ratio below 1 that grows with
-      ``lr * mu`` against the loss. This is a proxy, and a conservative one: measured, one step of
-      staleness with momentum 0.9 cost 13-25 accuracy points in a 4-epoch run (benchmarks/RESULTS.md).
+      ``lr * mu`` against the loss. This is a proxy, and a conservative one on purpose: with momentum,
+      one step of staleness costs much accuracy in training (measured: benchmarks/RESULTS.md).
     * not ``lag_priced`` (the curvature and the optimizer are known): every update of the period
       counts, wherever it lands. In the steady state each period applies as many updates as it
       starts (the one that lands late is replaced by the previous period's), so the walk's
@@ -269,12 +269,10 @@ def applied_sequence(schedule: Schedule, lag_priced: bool = True) -> tuple[int, 
       gradient applied was taken ``lag`` steps back, ``g(w_t) - g(w_{t-lag}) ~ H (w_t - w_{t-lag})``,
       which is exactly the delayed recurrence :func:`deft.preserver.stability.check_stability`
       prices along the sharpest direction (where it costs most). Counting the lag in the walk as
-      well would charge it twice. Measured (benchmarks/results/preserver_validation*.md, three
-      seeds): every stale schedule that the Lanczos curvature calls unstable lost when trained (the
-      CNN ended at 0.16-0.74 accuracy against torch DDP's 0.958-0.997, the LM 6.6-13.2 % above its
-      validation loss); the one it calls stable (the MLP's stale-by-one ``K=[1, 1]``) ended -0.8 to
-      +0.6 points from torch DDP, while the lag-priced walk rejected it (ratio 0.982-0.984) at
-      epsilon 0.01.
+      well would charge it twice. In training, every stale schedule that the Lanczos curvature calls
+      unstable lost accuracy, while the one it calls stable (the MLP's stale-by-one ``K=[1, 1]``)
+      matched torch DDP although the lag-priced walk rejected it at epsilon 0.01 (measured, three
+      seeds: benchmarks/results/preserver_validation.md and its _seed1, _seed2 companions).
     """
     p = steady_period(schedule)
     return tuple(u.k for u in schedule.updates if u.positions[0] < p and (u.apply_after < p or not lag_priced))
@@ -369,13 +367,14 @@ def judge(schedule: Schedule, stats: WalkStats, config: DeftConfig, no_delay_s: 
     return Verdict(ratio, chk, progress, why)
 
 
-def _judged(schedule: Schedule, stats: WalkStats, config: DeftConfig, no_delay_s: float, **fields: Any) -> Try:
+def _judged(schedule: Schedule, stats: WalkStats, config: DeftConfig, no_delay_s: float, *,
+            capacity_scale: float | None, kind: str = "deft") -> Try:
     """One try, judged by :func:`judge`."""
     v = judge(schedule, stats, config, no_delay_s)
     return Try(k=schedule.batch_sequence, ratio=v.ratio, accepted=v.rejected_on is None,
                applied=applied_sequence(schedule, stats.prices_lag), window=steady_period(schedule),
                plan=applied_updates(schedule), stability=v.stability, rejected_on=v.rejected_on,
-               progress=v.progress, schedule=schedule, **fields)
+               progress=v.progress, schedule=schedule, capacity_scale=capacity_scale, kind=kind)
 
 
 def passes(k: tuple[int, ...], ratio: float, epsilon: float) -> bool:
@@ -385,7 +384,7 @@ def passes(k: tuple[int, ...], ratio: float, epsilon: float) -> bool:
     return 1.0 - epsilon <= ratio <= 1.0 + epsilon
 
 
-def _checked(schedule: Any, who: str) -> Schedule:
+def _checked(schedule: object, who: str) -> Schedule:
     if not isinstance(schedule, Schedule):
         raise ContractError("preserver", who, f"expected the planner to return a Schedule, got {type(schedule)!r}")
     return schedule
@@ -394,7 +393,7 @@ def _checked(schedule: Any, who: str) -> Schedule:
 def _finish(schedule: Schedule, tries: list[Try], accepted: bool, config: DeftConfig,
             stats: WalkStats | None, reason: str, no_delay_s: float = 0.0) -> PreserveResult:
     chosen = next(t for t in reversed(tries) if t.schedule is schedule)  # every path records its schedule
-    record = {
+    record: JsonDict = {
         "accepted": accepted,
         "reason": reason,
         "ratio": _json_float(chosen.ratio),
@@ -404,22 +403,21 @@ def _finish(schedule: Schedule, tries: list[Try], accepted: bool, config: DeftCo
         "stats": None if stats is None else stats.to_dict(),
         "log": [t.to_dict() for t in tries],
     }
-    meta = {**schedule.meta, "preserver": record}
+    meta: JsonDict = {**schedule.meta, "preserver": record}
     return PreserveResult(schedule=dataclasses.replace(schedule, meta=meta), tries=tuple(tries), accepted=accepted,
                           reason=reason, no_delay_s=no_delay_s)
 
 
 #: A stale schedule (updates applied after their cycle) is taken over the fastest lag-free candidate
-#: only when predicted this much faster: measured, one iteration of staleness cost 70 accuracy points
-#: where merging pairs cost none (benchmarks/RESULTS.md, update-timing check), and neither the walk
+#: only when predicted this much faster: one iteration of staleness costs far more accuracy than merging
+#: pairs (measured: benchmarks/RESULTS.md, update-timing check), and neither the walk
 #: (lag priced or not) nor a curvature estimate taken at planning resolves that risk well enough to
 #: take it for a small gain.
 STALENESS_MARGIN = 0.25
 #: Largest number of iterations a lag-free merge (:func:`deft.solver.plan.accumulate_plan`) may merge.
-#: Measured (benchmarks/results/preserver_validation.md, at the same learning rate): merging 2 kept
-#: torch DDP's accuracy within a point (digits CNN +0.8; torch's no_sync x2 -0.8 on the testbed), while
-#: the walk accepted merges of 4 and 8 that lost 2.8 and 6.1 points (MLP) and 20% of validation loss
-#: (character LM). The walk cannot price them: its noise estimate after a few warm-up iterations is
+#: At the same learning rate, merging 2 kept torch DDP's accuracy (measured:
+#: benchmarks/results/preserver_validation.md), while larger merges that the walk accepted lost accuracy
+#: and validation loss. The walk cannot price them: its noise estimate after a few warm-up iterations is
 #: often sigma = 0, and then a merge of k looks like k steps of progress lost, not the ~1/sqrt(k).
 MAX_MERGE = 2
 
@@ -483,42 +481,69 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
     :func:`deft.solver.plan.accumulate_plan`; tests inject their own.
     """
     planner = planner or plan
-    no_delay_planner = no_delay_planner or no_delay_plan
     tries: list[Try] = []
-    nd_cache: list[Schedule] = []
+    fallback = _NoDelay(profile, config, stats, no_delay_planner or no_delay_plan, tries)
+    if config.epsilon == 0.0:
+        return fallback.take("epsilon = 0: no delayed update allowed", accepted=True)
+    if not config.preserver:
+        return _untested(profile, config, stats, planner, tries)
+    if stats is None:
+        return fallback.take("mu and sigma unknown yet: cannot test delayed updates", accepted=False)
+    return _feedback_loop(profile, config, stats, planner, accumulate_planner, tries, fallback)
 
-    def nd_schedule() -> Schedule:
-        if not nd_cache:
-            nd_cache.append(_checked(no_delay_planner(profile, config), "no_delay_plan"))
-        return nd_cache[0]
 
-    def no_delay(reason: str, accepted: bool) -> PreserveResult:
-        s = nd_schedule()
+class _NoDelay:
+    """The no-delay schedule: the yardstick every try is timed against and the loop's fallback.
+
+    Planned once, when first needed, and checked to merge no updates (it must keep torch DDP's
+    parameters); taking it records it as the last try.
+    """
+
+    def __init__(self, profile: Profile, config: DeftConfig, stats: WalkStats | None,
+                 planner: NoDelayPlanner, tries: list[Try]) -> None:
+        self.profile, self.config, self.stats, self.planner, self.tries = profile, config, stats, planner, tries
+        self._schedule: Schedule | None = None
+
+    def schedule(self) -> Schedule:
+        if self._schedule is None:
+            self._schedule = _checked(self.planner(self.profile, self.config), "no_delay_plan")
+        return self._schedule
+
+    def take(self, reason: str, accepted: bool) -> PreserveResult:
+        s = self.schedule()
         if any(k != 1 for k in s.batch_sequence):
             raise ContractError("preserver", "no_delay_plan",
                                 f"expected a schedule without merged updates, got K = {s.batch_sequence}")
-        tries.append(Try(capacity_scale=None, k=s.batch_sequence, ratio=1.0, accepted=accepted,
-                         applied=applied_sequence(s), window=steady_period(s), kind="no_delay", schedule=s))
+        self.tries.append(Try(capacity_scale=None, k=s.batch_sequence, ratio=1.0, accepted=accepted,
+                              applied=applied_sequence(s), window=steady_period(s), kind="no_delay", schedule=s))
         log.info("preserver: no-delay schedule (%s)", reason)
-        return _finish(s, tries, accepted, config, stats, reason, s.predicted_iteration_s)
+        return _finish(s, self.tries, accepted, self.config, self.stats, reason, s.predicted_iteration_s)
 
-    if config.epsilon == 0.0:
-        return no_delay("epsilon = 0: no delayed update allowed", accepted=True)
-    if not config.preserver:
-        s = _checked(planner(profile, config, capacity_scale=1.0), "plan")
-        ratio = None if stats is None else schedule_ratio(s, stats, config.merge_lr_scaling)
-        chk = None if stats is None else stats.stability(s)  # recorded, not enforced: nothing is checked
-        tries.append(Try(capacity_scale=1.0, k=s.batch_sequence, ratio=ratio, accepted=True,
-                         applied=applied_sequence(s), window=steady_period(s), plan=applied_updates(s),
-                         stability=chk, schedule=s))
-        log.info("preserver disabled: using the solver's schedule K=%s untested (ratio %s)",
-                 s.batch_sequence, "unknown" if ratio is None else f"{ratio:.4f}")
-        return _finish(s, tries, True, config, stats, "preserver disabled")
-    if stats is None:
-        return no_delay("mu and sigma unknown yet: cannot test delayed updates", accepted=False)
 
+def _untested(profile: Profile, config: DeftConfig, stats: WalkStats | None, planner: Planner,
+              tries: list[Try]) -> PreserveResult:
+    """The preserver disabled: the planner's schedule at capacity scale 1, used as is. Its ratio and
+    stability are recorded when the statistics are known, but nothing is enforced."""
+    s = _checked(planner(profile, config, capacity_scale=1.0), "plan")
+    ratio = None if stats is None else schedule_ratio(s, stats, config.merge_lr_scaling)
+    chk = None if stats is None else stats.stability(s)  # recorded, not enforced: nothing is checked
+    tries.append(Try(capacity_scale=1.0, k=s.batch_sequence, ratio=ratio, accepted=True,
+                     applied=applied_sequence(s), window=steady_period(s), plan=applied_updates(s),
+                     stability=chk, schedule=s))
+    log.info("preserver disabled: using the solver's schedule K=%s untested (ratio %s)",
+             s.batch_sequence, "unknown" if ratio is None else f"{ratio:.4f}")
+    return _finish(s, tries, True, config, stats, "preserver disabled")
+
+
+def _feedback_loop(profile: Profile, config: DeftConfig, stats: WalkStats, planner: Planner,
+                   accumulate_planner: AccumulatePlanner | None, tries: list[Try], fallback: _NoDelay
+                   ) -> PreserveResult:
+    """The paper's loop with the lag-free merges beside it: tries growing capacities until one passes
+    :func:`judge`, prefers the best passing merge to a stale schedule (:func:`prefer_lag_free`), and
+    falls back to a faster merge, else the no-delay schedule (accepted when the tries were only no
+    faster than it)."""
     lo, hi = 1.0 - config.epsilon, 1.0 + config.epsilon
-    nd_s = nd_schedule().predicted_iteration_s
+    nd_s = fallback.schedule().predicted_iteration_s
     merged = _best_merge(profile, config, stats, accumulate_planner, tries, nd_s)
     for i in range(config.preserver_max_tries):
         scale = config.capacity_growth ** i
@@ -540,12 +565,13 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
     if any(t.rejected_on == NO_FASTER for t in tries):
         # The knapsack at a large capacity often ends with K = [1] sending everything in backward,
         # slower than the no-delay plan's lag-free forward stage: the no-delay plan wins on its own terms.
-        return no_delay(f"no faster schedule passed: the tries the walk and the stability check would accept "
-                        f"are predicted no faster than the no-delay plan ({nd_s * 1e3:.1f} ms)", accepted=True)
+        return fallback.take(f"no faster schedule passed: the tries the walk and the stability check would "
+                             f"accept are predicted no faster than the no-delay plan ({nd_s * 1e3:.1f} ms)",
+                             accepted=True)
     log.warning("preserver: no schedule passed in %d tries (ratios %s); falling back to the no-delay schedule",
                 config.preserver_max_tries, ", ".join(f"{t.ratio:.4f}" for t in tries if t.ratio is not None))
-    return no_delay(f"no schedule within [{lo:.4g}, {hi:.4g}] in {config.preserver_max_tries} tries",
-                    accepted=False)
+    return fallback.take(f"no schedule within [{lo:.4g}, {hi:.4g}] in {config.preserver_max_tries} tries",
+                         accepted=False)
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,10 @@
 The preserver's statistics (:func:`deft.preserver.noise.local_stats`, :meth:`DirectionPair.dot
 <deft.preserver.noise.DirectionPair.dot>`, :func:`deft.preserver.curvature.secant_sums`) accumulate
 in float64. Written as ``x.to(torch.float64)`` they allocate a fresh float64 tensor per operand; on
-the CPU an allocation that large is a new mapping whose pages fault in on first touch, and measured
-on the testbed's 2 cores (4,390,144 float32 elements) the conversion took 14.5 ms against 1.1 ms for
-the same copy into a buffer already touched. The statistics run on every warm-up and profile
-iteration (under PowerSGD also on each of its plain iterations), so that cost was ~300 ms per
-iteration of the digits CNN (``benchmarks/results/peers.md``, 2026-11-23 "Where deft + PowerSGD's
+the CPU an allocation that large is a new mapping whose pages fault in on first touch, which makes the
+conversion many times slower than the same copy into a buffer already touched. The statistics run on
+every warm-up and profile iteration (under PowerSGD also on each of its plain iterations), so that cost
+was a large part of those iterations (measured: benchmarks/results/peers.md, "Where deft + PowerSGD's
 start-up goes").
 
 Here the operands are converted a chunk at a time (:data:`CHUNK` elements) into float64 scratch
@@ -17,7 +16,7 @@ element is converted exactly (float32/float16/bfloat16 -> float64 is exact), the
 ``b - a`` of two float64 conversions is formed in float64, products and squares in float64; only the
 order of the final float64 additions differs (per chunk, then the chunks' sums), a relative change
 of the order of float64's rounding (1e-16), not of the statistics' maths. A tensor of at most
-``CHUNK`` elements is summed in one call, as before.
+``CHUNK`` elements is summed in one call.
 
 Invariant: the scratch buffers are module state shared by every caller on a device, so two threads
 must not sum on the same device at once (deft calls these from the training thread only:

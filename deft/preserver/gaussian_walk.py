@@ -53,10 +53,10 @@ of the step the optimizer really takes:
   exponential average whose weights sum to 1 (bias-corrected), so in steady state ``m̂ = g`` and one
   gradient moves ``z`` by ``lr`` in total: no momentum factor (unlike heavy-ball SGD). ``P`` is taken
   from the optimizer's state before the step (``v̂`` of the previous step: ``beta2`` is close to 1).
-  Weight decay is not part of the walk. Measured (character LM, AdamW lr 3e-3, after 4 warm-up
-  iterations at loss 4.28; benchmarks/results/preserver_validation.md): the Euclidean walk with the raw
-  ``lr`` had ``mu = 2.3``, so ``lr mu = 0.007`` per step and a merge of two looked free (ratio 0.998)
-  while it lost 6.5% of validation loss; in Adam's metric ``mu_P = 350`` (151x), ratio 0.67: rejected.
+  Weight decay is not part of the walk. Why it matters: on the character LM (AdamW) the Euclidean walk
+  with the raw ``lr`` sees each step as a tiny loss decrease, so a merge of two looks free while it
+  costs validation loss in training; in Adam's metric ``mu_P`` is far larger and the walk rejects that
+  merge (the statistics: benchmarks/results/preserver_validation.md, character LM).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def _is_sequence(value: object) -> bool:
 def _per_step(name: str, value: float | Sequence[float], n: int) -> list[float]:
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return [float(value)] * n
-    if not _is_sequence(value):
+    if isinstance(value, (int, float)) or not _is_sequence(value):  # int: a bool, which is no number here
         raise ContractError(_SOURCE, name, f"expected a number or a sequence of {n} numbers, got {value!r}")
     if len(value) != n:
         raise ContractError(_SOURCE, name, f"expected one value per step ({n}), got {len(value)}")

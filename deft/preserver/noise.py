@@ -91,7 +91,7 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from deft.errors import ContractError
 from deft.preserver.curvature import adam_denominator
@@ -99,6 +99,7 @@ from deft.preserver.float64 import dot64
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+    import torch.distributed as dist
 
 _SOURCE = "noise statistics"
 #: The metrics the walk's statistics are measured in: plain gradients, or Adam-preconditioned ones.
@@ -180,7 +181,7 @@ class NoiseEstimate:
         return math.inf if self.mu <= 0.0 else self.trace / self.mu
 
 
-def _num(name: str, value: Any) -> float:
+def _num(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
         raise ContractError(_SOURCE, name, f"expected a finite number, got {value!r}")
     return float(value)
@@ -220,9 +221,10 @@ def step_estimate(parts: Sequence[LocalStats], mean_sq_norm: float,
     trace = b * r * (a - g2) / (r - 1)
     mu = (r * g2 - a) / (r - 1)
     cross = None
-    if dot is not None and all(p.proj_a is not None and p.proj_b is not None for p in parts):
-        pa = [float(p.proj_a) for p in parts]  # type: ignore[arg-type]
-        pb = [float(p.proj_b) for p in parts]  # type: ignore[arg-type]
+    projections = [(a, b) for a, b in ((p.proj_a, p.proj_b) for p in parts) if a is not None and b is not None]
+    if dot is not None and len(projections) == r:
+        pa = [float(a) for a, _ in projections]
+        pb = [float(b) for _, b in projections]
         ma, mb = math.fsum(pa) / r, math.fsum(pb) / r
         cross = b * math.fsum((x - ma) * (y - mb) for x, y in zip(pa, pb, strict=True)) / (r - 1)
     return StepEstimate(mu=mu, trace=trace, cross=cross, dot=None if cross is None else dot, parts=r, batch=b)
@@ -400,7 +402,7 @@ def local_stats(grads: Sequence[torch.Tensor],
     return LocalStats(sq_norm=sq, proj_a=proj[0], proj_b=proj[1], batch=batch)
 
 
-def all_gather_stats(local: LocalStats, group: Any = None) -> list[LocalStats]:
+def all_gather_stats(local: LocalStats, group: dist.ProcessGroup | None = None) -> list[LocalStats]:
     """Every rank's :class:`LocalStats` (four float64 scalars per rank through one all-gather).
 
     A rank without directions sends NaN projections; then nobody gets projections this step.
@@ -422,7 +424,7 @@ def all_gather_stats(local: LocalStats, group: Any = None) -> list[LocalStats]:
                        batch=round(r[3])) for r in rows]
 
 
-def walk_geometry(optimizer: Any, params: Sequence[torch.Tensor] | None = None, *,
+def walk_geometry(optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor] | None = None, *,
                   with_roots: bool = True) -> WalkGeometry:
     """The walk's metric and learning rate for ``optimizer`` (the first param group's ``lr``).
 

@@ -1,12 +1,12 @@
 """Stability of a schedule's delayed and merged updates along the sharpest Hessian direction.
 
 The Gaussian walk (:mod:`deft.preserver.gaussian_walk`) sees only the batch-size sequence ``K``; it
-cannot tell a lag-free merge from a stale update, yet measured, one iteration of staleness with SGD
-lr 0.02 momentum 0.9 ended at 0.256 test accuracy where applying every gradient at once ended at 0.950
-and merging pairs at 0.956 (benchmarks/RESULTS.md, update-timing check). This module explains that
-with linear stability: it computes the spectral radius of the update recurrence a schedule implies,
-for the optimizer actually used, along the Hessian direction of largest curvature ``lam``
-(estimated by :mod:`deft.preserver.curvature`), and rejects schedules that are unstable there.
+cannot tell a lag-free merge from a stale update, yet with momentum SGD one iteration of staleness
+costs far more accuracy than merging the same gradients (measured: benchmarks/RESULTS.md, update-timing
+check). This module explains that with linear stability: it computes the spectral radius of the update
+recurrence a schedule implies, for the optimizer actually used, along the Hessian direction of largest
+curvature ``lam`` (estimated by :mod:`deft.preserver.curvature`), and rejects schedules that are unstable
+there.
 
 The model
 ---------
@@ -95,10 +95,9 @@ staleness. What a stale schedule changes is its *edge*,
 accepted when ``lam <= margin * lam_edge``. ``margin < 1`` absorbs what the estimate does not see:
 ``lam`` is measured on one mini-batch at one moment, and in early training the sharpness grows
 (progressive sharpening, Cohen et al. 2021) until it reaches the edge of the schedule in use. Default
-:data:`DEFAULT_MARGIN` = 0.5: the schedule must survive twice the measured curvature. On the digits
-CNN (SGD lr 0.02, momentum 0.9) the top eigenvalue grew from 65 at initialisation to 105 after 20
-steps (x1.6; benchmarks/results/stability.md), towards torch DDP's edge of 190; the edge one iteration
-late is 5.
+:data:`DEFAULT_MARGIN` = 0.5: the schedule must survive twice the measured curvature, because early
+training does sharpen towards torch DDP's edge, which lies far above a stale schedule's (measured on the
+digits CNN: benchmarks/results/stability.md).
 
 A schedule whose edge is torch DDP's (every lag-free schedule, merged or not) is never rejected on
 these grounds: training tends to sit near DDP's own edge (the "edge of stability"), where a margin
@@ -115,12 +114,16 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from deft._json import JsonDict
 from deft.errors import ContractError
 from deft.schedule import Schedule
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 _SOURCE = "stability"
 
@@ -131,7 +134,7 @@ DEFAULT_MARGIN = 0.5
 _H_MIN, _H_MAX, _PER_DECADE = 1e-9, 1e4, 24
 
 
-def _num(source: str, name: str, value: Any, low: float | None = None, high: float | None = None,
+def _num(source: str, name: str, value: object, low: float | None = None, high: float | None = None,
          open_low: bool = False, open_high: bool = False) -> float:
     """``value`` as a finite float within the given bounds, else a ContractError naming the field."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
@@ -207,7 +210,7 @@ class OptimizerSpec:
                    scale=scale)
 
     @classmethod
-    def from_torch(cls, optimizer: Any, scale: float = 1.0) -> OptimizerSpec:
+    def from_torch(cls, optimizer: torch.optim.Optimizer, scale: float = 1.0) -> OptimizerSpec:
         """From a ``torch.optim.SGD``, ``Adam`` or ``AdamW`` (read from ``param_groups``; torch not imported).
 
         Groups must agree on everything but ``lr``; the largest ``lr`` is taken (the sharpest direction
@@ -238,7 +241,7 @@ class OptimizerSpec:
         decoupled = name == "AdamW" or bool(first.get("decoupled_weight_decay", False))
         return cls.adam(lr, float(first["betas"][0]), scale, first["weight_decay"], decoupled)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonDict:
         return {"kind": self.kind, "lr": self.lr, "momentum": self.momentum, "dampening": self.dampening,
                 "nesterov": self.nesterov, "weight_decay": self.weight_decay,
                 "decoupled_weight_decay": self.decoupled_weight_decay, "scale": self.scale}
@@ -440,7 +443,7 @@ class StabilityCheck:
         return (f"top curvature {self.lam:.4g} {verdict} {self.margin:g} x the stability edge {self.edge:.4g} "
                 f"(torch DDP's: {self.ddp_edge:.4g}; radius {self.radius:.4f} per iteration)")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonDict:
         def finite(x: float) -> float | None:
             return x if math.isfinite(x) else None
 

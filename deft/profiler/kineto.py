@@ -66,8 +66,9 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import NamedTuple
 
+from deft._json import JsonDict, JsonValue
 from deft.errors import TraceError
 from deft.profile import Bucket, BucketTimes, Link, Profile
 from deft.profiler.nvtx import RangeName, parse_range_name
@@ -85,6 +86,8 @@ ALLREDUCE_NAMES = ("allreduce", "allreduce_coalesced")
 BACKWARD_PREFIX = "autograd::engine::evaluate_function:"
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 _STEP_RE = re.compile(r"ProfilerStep#(\d+)")
+#: A trace's thread: (pid, tid) as the trace writes them.
+Thread = tuple[JsonValue, JsonValue]
 
 
 # -- events ------------------------------------------------------------------------------------------
@@ -94,18 +97,18 @@ class Event:
 
     name: str
     cat: str
-    pid: Any
-    tid: Any
+    pid: JsonValue  # as the trace writes it: a process id, or a name for GPU devices
+    tid: JsonValue  # a thread id, or a stream name
     ts: float
     dur: float
-    args: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    args: JsonDict = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def end(self) -> float:
         return self.ts + self.dur
 
     @property
-    def thread(self) -> tuple[Any, Any]:
+    def thread(self) -> Thread:
         return (self.pid, self.tid)
 
     @property
@@ -125,11 +128,11 @@ class Trace:
 
     path: str
     events: list[Event]
-    flows: list[dict[str, Any]]
-    meta: dict[str, Any]
+    flows: list[JsonDict]
+    meta: JsonDict
 
     @property
-    def distributed(self) -> dict[str, Any]:
+    def distributed(self) -> JsonDict:
         d = self.meta.get("distributedInfo")
         return d if isinstance(d, dict) else {}
 
@@ -169,20 +172,20 @@ def read_trace(path: str | Path) -> Trace:
         what = "a JSON object" if isinstance(doc, dict) else f"a JSON {type(doc).__name__}"
         raise TraceError(src, f"no 'traceEvents' list (got {what}); not a torch.profiler Chrome trace")
     events: list[Event] = []
-    flows: list[dict[str, Any]] = []
-    for i, e in enumerate(doc["traceEvents"]):
-        if not isinstance(e, dict):
-            raise TraceError(src, f"traceEvents[{i}]: expected an object, got {type(e).__name__}")
-        ph = e.get("ph")
+    flows: list[JsonDict] = []
+    for i, ev in enumerate(doc["traceEvents"]):
+        if not isinstance(ev, dict):
+            raise TraceError(src, f"traceEvents[{i}]: expected an object, got {type(ev).__name__}")
+        ph = ev.get("ph")
         if ph == "X":
-            ts, dur = e.get("ts"), e.get("dur", 0.0)
+            ts, dur = ev.get("ts"), ev.get("dur", 0.0)
             if not isinstance(ts, (int, float)) or not isinstance(dur, (int, float)):
-                raise TraceError(src, f"traceEvents[{i}] ({e.get('name')!r}): 'ts'/'dur' must be numbers")
-            args = e.get("args")
-            events.append(Event(str(e.get("name", "")), str(e.get("cat", "")), e.get("pid"), e.get("tid"),
+                raise TraceError(src, f"traceEvents[{i}] ({ev.get('name')!r}): 'ts'/'dur' must be numbers")
+            args = ev.get("args")
+            events.append(Event(str(ev.get("name", "")), str(ev.get("cat", "")), ev.get("pid"), ev.get("tid"),
                                 float(ts), float(dur), args if isinstance(args, dict) else {}))
-        elif ph in ("s", "f") and e.get("cat") in ("fwdbwd", "ac2g"):
-            flows.append(e)
+        elif ph in ("s", "f") and ev.get("cat") in ("fwdbwd", "ac2g"):
+            flows.append(ev)
     events.sort(key=lambda e: (e.ts, -e.dur))
     meta = {k: v for k, v in doc.items() if k != "traceEvents"}
     return Trace(src, events, flows, meta)
@@ -250,7 +253,7 @@ def _norm_coll(name: str) -> str:
     return name.lower().replace("_", "").replace("coalesced", "_coalesced")
 
 
-def _dims_numel(dims: Any) -> int | None:
+def _dims_numel(dims: JsonValue) -> int | None:
     """Element count of the first input of ``Input Dims`` (a tensor, or a tensor list)."""
     if not isinstance(dims, list) or not dims:
         return None
@@ -266,7 +269,7 @@ def _dtype_bytes(dtype: str | None) -> int | None:
     return DTYPE_BYTES.get(dtype.lower()) if isinstance(dtype, str) else None
 
 
-def _ranks(v: Any) -> tuple[int, ...]:
+def _ranks(v: JsonValue) -> tuple[int, ...]:
     if isinstance(v, str):
         try:
             v = json.loads(v)
@@ -282,7 +285,7 @@ class _Index:
 
     def __init__(self, trace: Trace) -> None:
         self.trace = trace
-        self.by_thread: dict[tuple[Any, Any], list[Event]] = defaultdict(list)
+        self.by_thread: dict[Thread, list[Event]] = defaultdict(list)
         for e in trace.events:
             if e.cat not in GPU_CATS:
                 self.by_thread[e.thread].append(e)
@@ -297,8 +300,8 @@ class _Index:
         self.has_gpu = bool(self.gpu_by_corr)
         # per thread: compute launches (CPU ts) with their kernel, sorted; prefix max of kernel end
         # and suffix min of kernel start, to answer "kernels launched before/after CPU time t".
-        self.launches: dict[tuple[Any, Any], tuple[list[float], list[float], list[float]]] = {}
-        per: dict[tuple[Any, Any], list[tuple[float, Event]]] = defaultdict(list)
+        self.launches: dict[Thread, tuple[list[float], list[float], list[float]]] = {}
+        per: dict[Thread, list[tuple[float, Event]]] = defaultdict(list)
         for e in trace.events:
             if e.cat in ("cuda_runtime", "cuda_driver") and e.correlation in self.gpu_by_corr:
                 k = self.gpu_by_corr[e.correlation]
@@ -318,7 +321,7 @@ class _Index:
             self.launches[th] = (ts, pmax, smin)
         self.fwd_of = self._link_forward(trace)
 
-    def kernel_end_before(self, thread: tuple[Any, Any], t: float) -> float | None:
+    def kernel_end_before(self, thread: Thread, t: float) -> float | None:
         """Latest end of the compute kernels that ``thread`` launched before CPU time ``t``."""
         entry = self.launches.get(thread)
         if entry is None:
@@ -327,7 +330,7 @@ class _Index:
         i = bisect.bisect_left(ts, t)
         return pmax[i - 1] if i > 0 else None
 
-    def kernel_start_after(self, thread: tuple[Any, Any], t: float) -> float | None:
+    def kernel_start_after(self, thread: Thread, t: float) -> float | None:
         """Earliest start of the compute kernels that ``thread`` launched at or after CPU time ``t``."""
         entry = self.launches.get(thread)
         if entry is None:
@@ -338,23 +341,24 @@ class _Index:
 
     def _link_forward(self, trace: Trace) -> dict[Event, Event]:
         """Backward operator -> forward operator, from ``fwdbwd`` flows, else ``Sequence number``."""
-        at: dict[tuple[Any, Any, float], list[Event]] = defaultdict(list)
+        at: dict[tuple[JsonValue, JsonValue, JsonValue], list[Event]] = defaultdict(list)
         for e in trace.events:
             if e.cat == "cpu_op":
                 at[(e.pid, e.tid, e.ts)].append(e)
 
-        def pick(key: tuple[Any, Any, float]) -> Event | None:
+        def pick(key: tuple[JsonValue, JsonValue, JsonValue]) -> Event | None:
             cands = at.get(key, [])
             seq = [c for c in cands if "Sequence number" in c.args]
-            return (seq or cands or [None])[0]
+            return seq[0] if seq else cands[0] if cands else None
 
-        ends: dict[Any, dict[str, Event]] = defaultdict(dict)
+        ends: dict[JsonValue, dict[str, Event]] = defaultdict(dict)
         for f in trace.flows:
-            if f.get("cat") != "fwdbwd":
+            ph = f.get("ph")
+            if f.get("cat") != "fwdbwd" or not isinstance(ph, str):  # read_trace keeps flows with ph "s" or "f"
                 continue
             ev = pick((f.get("pid"), f.get("tid"), f.get("ts")))
             if ev is not None:
-                ends[f.get("id")][f.get("ph")] = ev
+                ends[f.get("id")][ph] = ev
         out = {d["f"]: d["s"] for d in ends.values() if "s" in d and "f" in d}
         if out:
             return out
@@ -393,8 +397,8 @@ def _step_of(stps: Sequence[Step], t: float) -> int | None:
     return None
 
 
-def _deft_ranges(trace: Trace) -> dict[tuple[Any, Any], list[tuple[Event, RangeName]]]:
-    out: dict[tuple[Any, Any], list[tuple[Event, RangeName]]] = defaultdict(list)
+def _deft_ranges(trace: Trace) -> dict[Thread, list[tuple[Event, RangeName]]]:
+    out: dict[Thread, list[tuple[Event, RangeName]]] = defaultdict(list)
     for e in trace.events:
         if e.cat in ("user_annotation", "cpu_op"):
             rn = parse_range_name(e.name)
@@ -407,11 +411,57 @@ def collectives(trace: Trace, *, _index: _Index | None = None) -> list[Collectiv
     """Every collective launch in the trace (except ``wait``), with its communication interval."""
     idx = _index or _Index(trace)
     stps = steps(trace)
+    gloo = _GlooRanges(trace)
+    deft = _deft_ranges(trace)
+    backend_hint = str(trace.distributed.get("backend", "") or "").lower() or None
+
+    out = []
+    for launch in _launches(trace):
+        e, cname, numel, dtype = launch.op, launch.name, launch.numel, launch.dtype
+        kernels = _comm_kernels(idx, e)
+        backend: str | None
+        if kernels:
+            start, end, source, backend = min(k.ts for k in kernels), max(k.end for k in kernels), "gpu_kernel", "nccl"
+        elif (g := gloo.match(launch)) is not None:
+            start, end, source, backend = g.ts, g.end, "gloo_thread", "gloo"
+            if numel is None:
+                numel = _dims_numel(g.args.get("Input Dims"))
+            if dtype is None:
+                types = g.args.get("Input type")
+                dtype = types[0] if isinstance(types, list) and types and isinstance(types[0], str) else None
+        else:
+            start, end, source, backend = e.ts, e.end, "cpu_op", backend_hint
+        size = _dtype_bytes(dtype)
+        rn = next((r for rng, r in deft.get(e.thread, []) if r.kind == "comm" and _contains(rng, e.ts)), None)
+        out.append(Collective(
+            step=_step_of(stps, e.ts), name=cname, thread=f"{e.pid}/{e.tid}", launch_us=e.ts, numel=numel,
+            dtype=dtype, nbytes=numel * size if numel is not None and size is not None else None,
+            group=launch.group, group_ranks=launch.ranks, comm_start_us=start, comm_end_us=end, comm_source=source,
+            backend=backend, external_id=e.external_id, deft=rn,
+        ))
+    return out
+
+
+class _Launch(NamedTuple):
+    """A collective's launching CPU operator and what it records of the collective."""
+
+    op: Event
+    name: str  # normalised (:func:`_norm_coll`)
+    numel: int | None
+    dtype: str | None
+    group: str | None
+    ranks: tuple[int, ...]
+
+
+def _launches(trace: Trace) -> list[_Launch]:
+    """The collective launches in start order: every ``record_param_comms`` operator but ``wait``, and
+    every ``c10d::<name>_`` operator that holds none (CPU gloo traces record no ``record_param_comms``;
+    the element count then comes from its ``Input Dims``)."""
     rpc = [e for e in trace.events if e.name == "record_param_comms" and e.cat == "cpu_op"]
-    rpc_by_thread: dict[tuple[Any, Any], list[Event]] = defaultdict(list)
+    rpc_by_thread: dict[Thread, list[Event]] = defaultdict(list)
     for e in rpc:
         rpc_by_thread[e.thread].append(e)
-    launches: list[tuple[Event, str, int | None, str | None, str | None, tuple[int, ...]]] = []
+    launches: list[_Launch] = []
     for e in rpc:
         cname = e.args.get("Collective name")
         if not isinstance(cname, str) or cname in ("wait", ""):
@@ -419,62 +469,46 @@ def collectives(trace: Trace, *, _index: _Index | None = None) -> list[Collectiv
         nel = e.args.get("In msg nelems")
         dt = e.args.get("dtype")
         grp = e.args.get("Process Group Name")
-        launches.append((e, _norm_coll(cname), nel if isinstance(nel, int) else None,
-                         dt if isinstance(dt, str) else None, str(grp) if grp is not None else None,
-                         _ranks(e.args.get("Process Group Ranks"))))
+        launches.append(_Launch(e, _norm_coll(cname), nel if isinstance(nel, int) else None,
+                                dt if isinstance(dt, str) else None, str(grp) if grp is not None else None,
+                                _ranks(e.args.get("Process Group Ranks"))))
     for e in trace.events:
         if e.cat != "cpu_op" or not e.name.startswith("c10d::") or not e.name.endswith("_"):
             continue
         if any(_contains(e, r.ts) for r in rpc_by_thread.get(e.thread, [])):
             continue  # the nested record_param_comms describes it (with richer metadata)
         cname = _norm_coll(e.name[len("c10d::"):-1])
-        launches.append((e, cname, _dims_numel(e.args.get("Input Dims")), None, None, ()))
-    launches.sort(key=lambda x: x[0].ts)
+        launches.append(_Launch(e, cname, _dims_numel(e.args.get("Input Dims")), None, None, ()))
+    launches.sort(key=lambda x: x.op.ts)
+    return launches
 
-    # gloo worker-thread ranges, per collective name, in start order (FIFO matching, see module doc)
-    gloo: dict[str, list[Event]] = defaultdict(list)
-    for e in trace.events:
-        if e.name.startswith("gloo:") and e.cat in ("user_annotation", "cpu_op"):
-            gloo[_norm_coll(e.name[len("gloo:"):])].append(e)
-    gloo_used: set[tuple[str, int]] = set()
-    deft = _deft_ranges(trace)
-    backend_hint = str(trace.distributed.get("backend", "") or "").lower() or None
 
-    out = []
-    for e, cname, numel, dtype, grp, ranks in launches:
-        kernels = _comm_kernels(idx, e)
-        if kernels:
-            start, end, source, backend = min(k.ts for k in kernels), max(k.end for k in kernels), "gpu_kernel", "nccl"
-        else:
-            match = None
-            for i, g in enumerate(gloo.get(cname, [])):
-                if (cname, i) in gloo_used or g.ts < e.ts:
-                    continue
-                gn = _dims_numel(g.args.get("Input Dims"))
-                if numel is not None and gn is not None and gn != numel:
-                    continue
-                match = i
-                break
-            if match is not None:
-                gloo_used.add((cname, match))
-                g = gloo[cname][match]
-                start, end, source, backend = g.ts, g.end, "gloo_thread", "gloo"
-                if numel is None:
-                    numel = _dims_numel(g.args.get("Input Dims"))
-                if dtype is None:
-                    types = g.args.get("Input type")
-                    dtype = types[0] if isinstance(types, list) and types and isinstance(types[0], str) else None
-            else:
-                start, end, source, backend = e.ts, e.end, "cpu_op", backend_hint
-        size = _dtype_bytes(dtype)
-        rn = next((r for rng, r in deft.get(e.thread, []) if r.kind == "comm" and _contains(rng, e.ts)), None)
-        out.append(Collective(
-            step=_step_of(stps, e.ts), name=cname, thread=f"{e.pid}/{e.tid}", launch_us=e.ts, numel=numel,
-            dtype=dtype, nbytes=numel * size if numel is not None and size is not None else None, group=grp,
-            group_ranks=ranks, comm_start_us=start, comm_end_us=end, comm_source=source, backend=backend,
-            external_id=e.external_id, deft=rn,
-        ))
-    return out
+class _GlooRanges:
+    """The ranges gloo's worker thread records per collective name, in start order.
+
+    gloo records no id linking a range to its launch, but runs its work items in launch order (a FIFO
+    queue): :meth:`match` gives a launch the earliest unmatched range of its collective that starts
+    after it and, when both counts are known, has its element count; each range is matched once.
+    """
+
+    def __init__(self, trace: Trace) -> None:
+        self.by_name: dict[str, list[Event]] = defaultdict(list)
+        for e in trace.events:
+            if e.name.startswith("gloo:") and e.cat in ("user_annotation", "cpu_op"):
+                self.by_name[_norm_coll(e.name[len("gloo:"):])].append(e)
+        self.used: set[tuple[str, int]] = set()
+
+    def match(self, launch: _Launch) -> Event | None:
+        cname = launch.name
+        for i, g in enumerate(self.by_name.get(cname, [])):
+            if (cname, i) in self.used or g.ts < launch.op.ts:
+                continue
+            gn = _dims_numel(g.args.get("Input Dims"))
+            if launch.numel is not None and gn is not None and gn != launch.numel:
+                continue
+            self.used.add((cname, i))
+            return g
+        return None
 
 
 def _comm_kernels(idx: _Index, op: Event) -> list[Event]:
@@ -654,89 +688,90 @@ def load(path: str | Path, rank: int | None = None) -> Profile:
     for t, (_, layout, _) in zip(traces, per_rank, strict=True):
         if layout != ref_layout:
             raise TraceError(t.path, f"bucket layout {layout} differs from {traces[0].path}'s {ref_layout}")
-    links = sorted({lk for rows, _, _ in per_rank for b in rows.values() for lk in b["comm_s"]},
+    links = sorted({lk for rows, _, _ in per_rank for b in rows.values() for lk in b.comm_s},
                    key=lambda x: (x != "primary", x))
     times = []
     for b in range(len(ref_layout)):
         comm = {}
         for lk in links:
-            vals = [rows[b]["comm_s"][lk] for rows, _, _ in per_rank if lk in rows[b]["comm_s"]]
+            vals = [rows[b].comm_s[lk] for rows, _, _ in per_rank if lk in rows[b].comm_s]
             if vals:
                 comm[lk] = max(vals)
-        times.append(BucketTimes(forward_s=max(rows[b]["forward_s"] for rows, _, _ in per_rank),
-                                 backward_s=max(rows[b]["backward_s"] for rows, _, _ in per_rank), comm_s=comm))
+        times.append(BucketTimes(forward_s=max(rows[b].forward_s for rows, _, _ in per_rank),
+                                 backward_s=max(rows[b].backward_s for rows, _, _ in per_rank), comm_s=comm))
     info = per_rank[0][2]
     buckets = tuple(
         Bucket(id=b, params=(f"<unknown: bucket {b} of the trace, {numel} elements>",), numel=numel, nbytes=nbytes)
         for b, (numel, nbytes) in enumerate(ref_layout)
     )
-    link_objs = tuple(Link(name=lk, backend=info["backends"].get(lk, "gloo")) for lk in links)
+    link_objs = tuple(Link(name=lk, backend=info.backends.get(lk, "gloo")) for lk in links)
     # Links carry no alpha/beta: every bucket has a measured time; links.fit supplies the model.
     missing = [b for b, t in enumerate(times) for lk in links if lk not in t.comm_s]
     if missing:
         raise TraceError(traces[0].path, f"buckets {sorted(set(missing))} have no all-reduce on every link "
                                          f"({', '.join(links)}) in the analysed steps")
     return Profile(
-        buckets=buckets, times=tuple(times), links=link_objs, world_size=info["world_size"], source="kineto",
-        versions=info["versions"], model=info["model"],
+        buckets=buckets, times=tuple(times), links=link_objs, world_size=info.world_size, source="kineto",
+        versions=info.versions, model=info.model,
         meta={
             "trace": [t.path for t in traces], "ranks": [t.rank for t in traces],
-            "steps_used": info["steps_used"], "steps_skipped": info["steps_skipped"],
+            "steps_used": info.steps_used, "steps_skipped": info.steps_skipped,
             "reduction": "median over steps per rank, max over ranks",
-            "params_known": False, "deft_ranges": info["deft_ranges"],
+            "params_known": False, "deft_ranges": info.deft_ranges,
             "note": "a Kineto trace holds no parameter names; bucket params are placeholders. nbytes = "
                     "numel x dtype size of the all-reduce"
-                    + (" (dtype not recorded: float32 assumed)." if info["dtype_assumed"] else "."),
+                    + (" (dtype not recorded: float32 assumed)." if info.dtype_assumed else "."),
         },
     )
 
 
-def _profile_rows(trace: Trace) -> tuple[dict[int, dict[str, Any]], list[tuple[int, int]], dict[str, Any]]:
-    """Per bucket: median forward, backward and per-link comm seconds over the usable steps.
+@dataclass(frozen=True)
+class _BucketMedians:
+    """One bucket's times on one rank: medians over the usable steps (seconds)."""
 
-    DDP traces: the steps whose bucket sizes match the most common layout (DDP may rebuild its
-    buckets after the first iteration). deft traces: every iteration; a bucket's size is its most
-    common all-reduce size, and its comm time on a link is the median over the iterations in which
-    it was sent on that link.
-    """
+    forward_s: float
+    backward_s: float
+    comm_s: dict[str, float]  # per link
+
+
+@dataclass(frozen=True)
+class _RunInfo:
+    """What one rank's trace says about the run, beside the bucket times."""
+
+    backends: dict[str, str]  # link -> "nccl" | "gloo", where known
+    world_size: int
+    versions: dict[str, str]
+    steps_used: list[int]
+    steps_skipped: list[int]
+    model: str
+    dtype_assumed: bool  # some all-reduce recorded no dtype: float32 assumed for its bytes
+    deft_ranges: bool
+
+
+def _profile_rows(trace: Trace) -> tuple[dict[int, _BucketMedians], list[tuple[int, int]], _RunInfo]:
+    """Per bucket: median forward, backward and per-link comm seconds over the usable steps; the
+    bucket layout ``(numel, nbytes)``; and the run's facts (:func:`_usable_steps` says which steps)."""
     all_colls, rows = _analyse(trace)
     deft_ranges = any(c.deft is not None for c in all_colls if c.is_allreduce)
-    if deft_ranges:
-        sizes: dict[int, Counter[tuple[int | None, int | None]]] = defaultdict(Counter)
-        for r in rows:
-            sizes[r.bucket][(r.numel, r.nbytes)] += 1
-        absent = [b for b in range(max(sizes) + 1) if b not in sizes]
-        if absent:
-            raise TraceError(trace.path, f"deft ranges name buckets up to {max(sizes)} but buckets {absent} are never "
-                                         "all-reduced in the trace")
-        common = tuple(sizes[b].most_common(1)[0][0] for b in range(len(sizes)))
-        used, skipped = sorted({r.step for r in rows}), []
-    else:
-        by_step: dict[int, list[BucketStep]] = defaultdict(list)
-        for r in rows:
-            by_step[r.step].append(r)
-        layouts = {s: tuple((r.numel, r.nbytes) for r in sorted(rs, key=lambda r: r.bucket))
-                   for s, rs in by_step.items()}
-        common = Counter(layouts.values()).most_common(1)[0][0]
-        used = sorted(s for s, lay in layouts.items() if lay == common)
-        skipped = sorted(s for s in layouts if s not in used)
-    for numel, _nbytes in common:
-        if numel is None:
+    common, used, skipped = _usable_steps(trace, rows, deft_ranges)
+    layout: list[tuple[int, int]] = []
+    for nu, nb in common:
+        if nu is None:
             raise TraceError(trace.path, "all-reduce element counts are not recorded (no 'In msg nelems' and no "
                                          "'Input Dims'); profile with torch.profiler(record_shapes=True)")
+        layout.append((int(nu), int(nb) if nb is not None else 4 * int(nu)))
     dtype_assumed = any(nb is None for _, nb in common)
-    layout = [(int(nu), int(nb) if nb is not None else 4 * int(nu)) for nu, nb in common]
-    out: dict[int, dict[str, Any]] = {}
+    out: dict[int, _BucketMedians] = {}
     sel = [r for r in rows if r.step in used]
     for b in range(len(layout)):
         rs = [r for r in sel if r.bucket == b]
         # one sample per (step, bucket) for compute: a bucket sent on two links in one step counts once
         compute = {r.step: r for r in rs}.values()
         comm = {lk: median([r.comm_s for r in rs if r.link == lk]) for lk in sorted({r.link for r in rs})}
-        out[b] = {"forward_s": median([r.forward_s for r in compute]),
-                  "backward_s": median([r.backward_s for r in compute]), "comm_s": comm}
+        out[b] = _BucketMedians(forward_s=median([r.forward_s for r in compute]),
+                                backward_s=median([r.backward_s for r in compute]), comm_s=comm)
     colls = [c for c in all_colls if c.is_allreduce]
-    backends = {}
+    backends: dict[str, str] = {}
     for c in colls:
         lk = c.deft.link if c.deft is not None and c.deft.link else "primary"
         if c.backend in ("nccl", "gloo"):
@@ -745,15 +780,50 @@ def _profile_rows(trace: Trace) -> tuple[dict[int, dict[str, Any]], list[tuple[i
     hint = str(dist.get("backend", "")).lower()
     if "primary" not in backends and hint in ("nccl", "gloo"):
         backends["primary"] = hint
-    sizes = [len(c.group_ranks) for c in colls if c.group_ranks]
-    world = max(sizes) if sizes else int(dist.get("world_size", 1) or 1)
+    group_sizes = [len(c.group_ranks) for c in colls if c.group_ranks]
+    world = max(group_sizes) if group_sizes else _int(dist.get("world_size", 1) or 1)
     versions = {"trace_schema": str(trace.meta.get("schemaVersion", ""))}
     if dist.get("nccl_version"):
         versions["nccl"] = str(dist["nccl_version"])
-    info = {"backends": backends, "world_size": world, "versions": versions, "steps_used": used,
-            "steps_skipped": skipped, "model": Path(trace.path).name, "dtype_assumed": dtype_assumed,
-            "deft_ranges": deft_ranges}
+    info = _RunInfo(backends=backends, world_size=world, versions=versions, steps_used=used, steps_skipped=skipped,
+                    model=Path(trace.path).name, dtype_assumed=dtype_assumed, deft_ranges=deft_ranges)
     return dict(out), layout, info
+
+
+Layout = tuple[tuple[int | None, int | None], ...]  # (numel, nbytes) per bucket, as the all-reduces recorded
+
+
+def _usable_steps(trace: Trace, rows: list[BucketStep], deft_ranges: bool) -> tuple[Layout, list[int], list[int]]:
+    """The bucket layout and the steps whose bucket times are used, and those skipped.
+
+    DDP traces: the steps whose bucket sizes match the most common layout (DDP may rebuild its
+    buckets after the first iteration). deft traces: every iteration; a bucket's size is its most
+    common all-reduce size, and its comm time on a link is the median over the iterations in which
+    it was sent on that link.
+    """
+    if deft_ranges:
+        sizes: dict[int, Counter[tuple[int | None, int | None]]] = defaultdict(Counter)
+        for r in rows:
+            sizes[r.bucket][(r.numel, r.nbytes)] += 1
+        absent = [b for b in range(max(sizes) + 1) if b not in sizes]
+        if absent:
+            raise TraceError(trace.path, f"deft ranges name buckets up to {max(sizes)} but buckets {absent} are never "
+                                         "all-reduced in the trace")
+        return tuple(sizes[b].most_common(1)[0][0] for b in range(len(sizes))), sorted({r.step for r in rows}), []
+    by_step: dict[int, list[BucketStep]] = defaultdict(list)
+    for r in rows:
+        by_step[r.step].append(r)
+    layouts = {s: tuple((r.numel, r.nbytes) for r in sorted(rs, key=lambda r: r.bucket)) for s, rs in by_step.items()}
+    common = Counter(layouts.values()).most_common(1)[0][0]
+    used = sorted(s for s, lay in layouts.items() if lay == common)
+    return common, used, sorted(s for s in layouts if s not in used)
+
+
+def _int(v: JsonValue) -> int:
+    """``int(v)`` of a JSON number or numeric string (a trace's ``world_size``); a TypeError otherwise."""
+    if isinstance(v, (int, float, str)):
+        return int(v)
+    raise TypeError(f"expected a number, got {v!r}")
 
 
 # -- command line ---------------------------------------------------------------------------------------
@@ -787,13 +857,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _collective_rows(colls: Iterable[Collective]) -> list[dict[str, Any]]:
+def _collective_rows(colls: Iterable[Collective]) -> list[dict[str, object]]:
     return [{"step": c.step, "name": c.name, "numel": c.numel, "dtype": c.dtype, "group": c.group,
              "ranks": c.group_ranks, "comm_ms": c.comm_s * 1e3, "source": c.comm_source, "backend": c.backend}
             for c in colls]
 
 
-def _profile_table(prof: Profile) -> list[dict[str, Any]]:
+def _profile_table(prof: Profile) -> list[dict[str, object]]:
     return [{"bucket": b.id, "numel": b.numel, "nbytes": b.nbytes, "forward_ms": t.forward_s * 1e3,
              "backward_ms": t.backward_s * 1e3, **{f"comm_{k}_ms": v * 1e3 for k, v in t.comm_s.items()}}
             for b, t in zip(prof.buckets, prof.times, strict=True)]

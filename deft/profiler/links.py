@@ -40,11 +40,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+from deft._json import JsonDict
 from deft.errors import ContractError, DeftError
 from deft.netif import new_group_on_nic
 from deft.profile import Link, fit_alpha_beta
+
+if TYPE_CHECKING:  # pragma: no cover - torch is imported where a benchmark runs
+    import threading
+
+    import torch
+    import torch.distributed as dist
 
 DEFAULT_SIZES = tuple(2**k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB, x4 steps
 
@@ -85,7 +92,7 @@ class LinkFit:
         """Effective all-reduce bandwidth 8/beta in Mbit/s (payload bytes, not wire bytes)."""
         return 8.0 / self.beta_s_per_byte / 1e6 if self.beta_s_per_byte > 0 else math.inf
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonDict:
         d = asdict(self)
         d["notes"] = list(self.notes)
         return d
@@ -133,14 +140,14 @@ def _p(values: list[float], q: float) -> float:
     return v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))]
 
 
-def _sync(device: Any) -> None:
+def _sync(device: torch.device) -> None:
     import torch
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _reduce_max(values: list[float], group: Any, device: Any) -> list[float]:
+def _reduce_max(values: list[float], group: dist.ProcessGroup | None, device: torch.device) -> list[float]:
     import torch
     import torch.distributed as dist
 
@@ -162,9 +169,9 @@ def _check_sweep(sizes_bytes: Sequence[int], iters: int, warmup: int) -> None:
 STATISTICS = ("median", "min")
 
 
-def measure(group: Any, sizes_bytes: Sequence[int], iters: int = 10, warmup: int = 2,
-            dtype: Any = None, device: Any = None, statistic: str = "median", interleave: bool = False
-            ) -> list[Sample]:
+def measure(group: dist.ProcessGroup | None, sizes_bytes: Sequence[int], iters: int = 10, warmup: int = 2,
+            dtype: torch.dtype | None = None, device: torch.device | None = None, statistic: str = "median",
+            interleave: bool = False) -> list[Sample]:
     """All-reduce microbenchmark of one process group (``None``: the default group), one sample per size.
 
     Every rank of ``group`` must call it with the same arguments. Sizes are rounded down to whole
@@ -198,9 +205,9 @@ def measure(group: Any, sizes_bytes: Sequence[int], iters: int = 10, warmup: int
 
     if interleave:
         # rounds over all sizes: a slow spell of a shared machine hits every size alike instead of
-        # bending the curve where it fell. Not the default: on the tbf-shaped testbed a 16 KiB
-        # all-reduce timed right after a 16 MiB one came out 3-8x slower than in a run of its own
-        # size (link and TCP state carried over), which inflates alpha
+        # bending the curve where it fell. Not the default: on a shaped link a small all-reduce timed
+        # right after a large one comes out several times slower than in a run of its own size (link
+        # and TCP state carried over), which inflates alpha
         for buf in bufs:
             for _ in range(warmup):
                 dist.all_reduce(buf, group=group)
@@ -222,8 +229,8 @@ def measure(group: Any, sizes_bytes: Sequence[int], iters: int = 10, warmup: int
             for b, m, s in zip(actual, medians, spreads, strict=True)]
 
 
-def measure_concurrent(groups: Sequence[Any], sizes_bytes: Sequence[int], iters: int = 10, warmup: int = 2,
-                       dtype: Any = None) -> tuple[list[list[Sample]], list[Sample]]:
+def measure_concurrent(groups: Sequence[dist.ProcessGroup], sizes_bytes: Sequence[int], iters: int = 10,
+                       warmup: int = 2, dtype: torch.dtype | None = None) -> tuple[list[list[Sample]], list[Sample]]:
     """All-reduce the same size on every group at once (CPU tensors), as deft does on two links.
 
     Returns, per group, the time from the common launch until that group's collective completed
@@ -273,12 +280,12 @@ def measure_concurrent(groups: Sequence[Any], sizes_bytes: Sequence[int], iters:
     return per_group, together
 
 
-def _mark_done(done: list[float], lock: Any, i: int, _fut: Any) -> None:
+def _mark_done(done: list[float], lock: threading.Lock, i: int, _fut: object) -> None:
     with lock:
         done[i] = time.perf_counter()
 
 
-def new_link_group(backend: str, ifname: str | None) -> Any:
+def new_link_group(backend: str, ifname: str | None) -> dist.ProcessGroup:
     """A process group over all ranks bound to NIC ``ifname`` (:func:`deft.netif.new_group_on_nic`)."""
     return new_group_on_nic(backend, ifname)
 
@@ -323,7 +330,8 @@ def _main(argv: list[str] | None) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
     rank = dist.get_rank()
-    result: dict[str, Any] = {"world_size": dist.get_world_size(), "config": args.config, "links": {}}
+    links: JsonDict = {}
+    result: JsonDict = {"world_size": dist.get_world_size(), "config": args.config, "links": links}
     groups = []
     for lk in cfg.links:
         backend = lk.backend if lk.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
@@ -331,7 +339,7 @@ def _main(argv: list[str] | None) -> int:
         samples = measure(groups[-1], sizes, iters=args.iters, warmup=args.warmup, statistic=args.stat,
                           interleave=args.interleave)
         f = fit(samples, source=f"link {lk.name}")
-        result["links"][lk.name] = {"backend": backend, "ifname": lk.ifname, "fit": f.to_dict(),
+        links[lk.name] = {"backend": backend, "ifname": lk.ifname, "fit": f.to_dict(),
                                     "samples": [asdict(s) for s in samples]}
         if rank == 0:
             print(f"[links] {lk.name} ({backend}, {lk.ifname or 'default NIC'}): alpha={f.alpha_s * 1e6:.1f} us "

@@ -37,7 +37,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from deft.errors import TraceError
 from deft.profile import Bucket, BucketTimes, Link, Profile
@@ -91,6 +91,8 @@ class Export:
         return table in self.tables
 
     def rows(self, sql: str) -> list[tuple[Any, ...]]:
+        """The query's rows as :mod:`sqlite3` returns them: untyped, the export's schema (module docstring)
+        decides each column's type."""
         try:
             return self.db.execute(sql).fetchall()
         except sqlite3.DatabaseError as e:
@@ -146,7 +148,7 @@ def kernels(path: str | Path | Export) -> list[Kernel]:
         if not ex.has("CUPTI_ACTIVITY_KIND_KERNEL"):
             raise TraceError(ex.path, "export holds no CUDA kernels (no CUPTI_ACTIVITY_KIND_KERNEL table; "
                                       "capture with `nsys profile --trace=cuda,nvtx`)")
-        launch: dict[tuple[int | None, int], tuple[int, str, int]] = {}
+        launch: dict[tuple[int | None, int], tuple[int | None, str, int]] = {}
         if ex.has("CUPTI_ACTIVITY_KIND_RUNTIME"):
             for start, gtid, corr, name_id in ex.rows(
                     "SELECT start, globalTid, correlationId, nameId FROM CUPTI_ACTIVITY_KIND_RUNTIME "
@@ -243,7 +245,27 @@ def nccl_activity(path: str | Path | Export) -> list[NcclActivity]:
             ex.close()
 
 
-def summary(path: str | Path | Export) -> dict[str, Any]:
+class ExportSummary(TypedDict):
+    """What :func:`summary` reports of an export (times in ms)."""
+
+    file: str
+    nsys_version: str | None
+    export_schema: str | None
+    gpu_processes: dict[int, str]  # pid -> process name
+    devices: list[int]
+    kernels: int
+    kernels_launch_joined: int
+    kernel_time_ms: float
+    nccl_kernels: dict[str, int]  # NCCL kernels per collective
+    nccl_kernel_time_ms: float
+    nvtx_ranges: int
+    nvtx_marks: int
+    nvtx_top: dict[str, int]  # the most common range names
+    deft_ranges: int
+    span_ms: float
+
+
+def summary(path: str | Path | Export) -> ExportSummary:
     """What the export holds: processes, kernels (NCCL by collective), NVTX ranges, deft ranges."""
     ex, own = _open(path)
     try:
@@ -263,7 +285,7 @@ def summary(path: str | Path | Export) -> dict[str, Any]:
             "kernels": len(ks),
             "kernels_launch_joined": sum(1 for k in ks if k.launch_api is not None),
             "kernel_time_ms": sum(k.dur_ns for k in ks) * 1e-6,
-            "nccl_kernels": dict(Counter(k.nccl_op for k in nccl)),
+            "nccl_kernels": dict(Counter(op for k in nccl if (op := k.nccl_op) is not None)),
             "nccl_kernel_time_ms": sum(k.dur_ns for k in nccl) * 1e-6,
             "nvtx_ranges": sum(1 for r in rs if r.end_ns is not None),
             "nvtx_marks": sum(1 for r in rs if r.end_ns is None),
@@ -333,12 +355,7 @@ def load(path: str | Path, world_size: int | None = None) -> Profile:
     try:
         ranges = bucket_ranges(ex)
         if not ranges:
-            s = summary(ex)
-            nccl = ", ".join(f"{op} x{n}" for op, n in s["nccl_kernels"].items()) or "none"
-            top = ", ".join(f"{t!r} x{n}" for t, n in list(s["nvtx_top"].items())[:5]) or "none"
-            raise TraceError(ex.path, "holds no deft bucket ranges ('deft/fwd|bwd|comm/...' NVTX ranges from a deft "
-                                      f"run); it holds {s['kernels']} kernels on devices {s['devices']}, NCCL "
-                                      f"kernels: {nccl}; {s['nvtx_ranges']} NVTX ranges, most common: {top}")
+            raise _no_deft_ranges(ex)
         layout = {}
         for r in nvtx_ranges(ex):
             parsed = parse_layout_name(r.text)
@@ -353,6 +370,36 @@ def load(path: str | Path, world_size: int | None = None) -> Profile:
     if not links:
         raise TraceError(str(path), "has deft forward/backward ranges but no deft/comm ranges: no communication "
                                     "time per bucket")
+    times = _bucket_times(ranges, pids, n, links, str(path))
+    sizes_known = all(b in layout for b in range(n))
+    buckets = tuple(Bucket(id=b, params=(f"<unknown: bucket {b} of the nsys export>",),
+                           numel=layout.get(b, (0, 0))[0], nbytes=layout.get(b, (0, 0))[1]) for b in range(n))
+    return Profile(
+        buckets=buckets, times=tuple(times),
+        links=tuple(Link(name=lk, backend="nccl" if lk in nccl_links else "gloo") for lk in links),
+        world_size=world_size or max(1, len(pids)), source="nsys", model=Path(path).name,
+        meta={"export": str(path), "ranks_pids": pids, "reduction": "median over iterations per rank, max over ranks",
+              "params_known": False, "sizes_known": sizes_known,
+              "note": "NVTX ranges carry no parameter names; sizes come from deft/bucket marks"
+                      + ("" if sizes_known else " (absent for some buckets: numel/nbytes 0 there)")},
+    )
+
+
+def _no_deft_ranges(ex: Export) -> TraceError:
+    """The error for an export without deft ranges, saying what it holds instead (its :func:`summary`)."""
+    s = summary(ex)
+    nccl = ", ".join(f"{op} x{n}" for op, n in s["nccl_kernels"].items()) or "none"
+    top = ", ".join(f"{t!r} x{n}" for t, n in list(s["nvtx_top"].items())[:5]) or "none"
+    return TraceError(ex.path, "holds no deft bucket ranges ('deft/fwd|bwd|comm/...' NVTX ranges from a deft "
+                               f"run); it holds {s['kernels']} kernels on devices {s['devices']}, NCCL "
+                               f"kernels: {nccl}; {s['nvtx_ranges']} NVTX ranges, most common: {top}")
+
+
+def _bucket_times(ranges: list[BucketRange], pids: list[int | None], n: int, links: list[str],
+                  source: str) -> list[BucketTimes]:
+    """Each bucket's forward, backward and per-link comm time: per rank the median over iterations of
+    the time charged in each iteration, then the maximum over ranks, since the slowest rank gates a
+    synchronous all-reduce. Every bucket must have a comm range on every link."""
 
     def per_rank(pid: int | None, kind: str, b: int, link: str | None = None) -> float | None:
         per_it: dict[int, float] = defaultdict(float)
@@ -372,19 +419,8 @@ def load(path: str | Path, world_size: int | None = None) -> Profile:
             missing.append(b)
         times.append(BucketTimes(forward_s=reduce("fwd", b) or 0.0, backward_s=reduce("bwd", b) or 0.0, comm_s=comm))
     if missing:
-        raise TraceError(str(path), f"buckets {missing} have no deft/comm range on every link ({', '.join(links)})")
-    sizes_known = all(b in layout for b in range(n))
-    buckets = tuple(Bucket(id=b, params=(f"<unknown: bucket {b} of the nsys export>",),
-                           numel=layout.get(b, (0, 0))[0], nbytes=layout.get(b, (0, 0))[1]) for b in range(n))
-    return Profile(
-        buckets=buckets, times=tuple(times),
-        links=tuple(Link(name=lk, backend="nccl" if lk in nccl_links else "gloo") for lk in links),
-        world_size=world_size or max(1, len(pids)), source="nsys", model=Path(path).name,
-        meta={"export": str(path), "ranks_pids": pids, "reduction": "median over iterations per rank, max over ranks",
-              "params_known": False, "sizes_known": sizes_known,
-              "note": "NVTX ranges carry no parameter names; sizes come from deft/bucket marks"
-                      + ("" if sizes_known else " (absent for some buckets: numel/nbytes 0 there)")},
-    )
+        raise TraceError(source, f"buckets {missing} have no deft/comm range on every link ({', '.join(links)})")
+    return times
 
 
 # -- command line -----------------------------------------------------------------------------------------

@@ -34,7 +34,11 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # pragma: no cover - torch is optional here (the solver side runs without it)
+    from torch.autograd.profiler import record_function
 
 PREFIX = "deft"
 KINDS = ("fwd", "bwd", "comm")
@@ -116,11 +120,20 @@ def parse_layout_name(name: str) -> tuple[int, int, int] | None:
 
 
 # -- sinks -------------------------------------------------------------------------------------------
+class _NvtxDomain(Protocol):
+    """What deft uses of an ``nvtx`` package domain (the package ships no type information)."""
+
+    def get_event_attributes(self, message: str, color: int) -> object: ...
+    def push_range(self, attributes: object) -> None: ...
+    def pop_range(self) -> None: ...
+    def mark(self, attributes: object) -> None: ...
+
+
 class _State:
     """Which sinks are on; ``nvtx_domain`` is the ``nvtx`` package domain when NVTX is on."""
 
     nvtx_on: bool = False
-    nvtx_domain: Any = None
+    nvtx_domain: _NvtxDomain | None = None
 
 
 _state = _State()
@@ -162,7 +175,7 @@ def nvtx_enabled() -> bool:
     return _state.nvtx_on
 
 
-_profiler_module: Any = None
+_profiler_module: ModuleType | None = None
 
 
 def torch_profiler_active() -> bool:
@@ -189,11 +202,12 @@ class Range:
     def __init__(self, name: str) -> None:
         self.name = name
         self.nvtx_pushed = False
-        self.record: Any = None
+        self.record: record_function | None = None
 
     def push(self, color: int) -> Range:
         if _state.nvtx_on:
             dom = _state.nvtx_domain
+            assert dom is not None  # configure() sets the domain whenever NVTX is on
             dom.push_range(dom.get_event_attributes(message=self.name, color=color))
             self.nvtx_pushed = True
         if torch_profiler_active():
@@ -208,7 +222,9 @@ class Range:
             self.record.__exit__(None, None, None)
             self.record = None
         if self.nvtx_pushed:
-            _state.nvtx_domain.pop_range()
+            dom = _state.nvtx_domain
+            assert dom is not None  # pushed while NVTX was on
+            dom.pop_range()
             self.nvtx_pushed = False
 
     def __enter__(self) -> Range:
@@ -239,7 +255,7 @@ def pop_range(token: Range | None) -> None:
 
 
 def range(kind: str, bucket: int, iteration: int, link: str | None = None,
-          group: int | None = None) -> contextlib.AbstractContextManager[Any]:
+          group: int | None = None) -> contextlib.AbstractContextManager[Range | None]:
     """Context manager form of :func:`push_range` / :func:`pop_range`."""
     if not _state.nvtx_on and not torch_profiler_active():
         return _NULL
@@ -253,6 +269,7 @@ def mark_layout(bucket: int, numel: int, nbytes: int) -> None:
     name = layout_name(bucket, numel, nbytes)
     if _state.nvtx_on:
         dom = _state.nvtx_domain
+        assert dom is not None  # configure() sets the domain whenever NVTX is on
         dom.mark(dom.get_event_attributes(message=name, color=0xFF808080))
     if torch_profiler_active():
         from torch.autograd.profiler import record_function
@@ -261,15 +278,15 @@ def mark_layout(bucket: int, numel: int, nbytes: int) -> None:
             pass
 
 
-def forward(bucket: int, iteration: int) -> contextlib.AbstractContextManager[Any]:
+def forward(bucket: int, iteration: int) -> contextlib.AbstractContextManager[Range | None]:
     return range("fwd", bucket, iteration)
 
 
-def backward(bucket: int, iteration: int) -> contextlib.AbstractContextManager[Any]:
+def backward(bucket: int, iteration: int) -> contextlib.AbstractContextManager[Range | None]:
     return range("bwd", bucket, iteration)
 
 
-def comm(link: str, bucket: int, group: int, iteration: int) -> contextlib.AbstractContextManager[Any]:
+def comm(link: str, bucket: int, group: int, iteration: int) -> contextlib.AbstractContextManager[Range | None]:
     return range("comm", bucket, iteration, link=link, group=group)
 
 

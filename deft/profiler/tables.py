@@ -10,22 +10,28 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeAlias
+
+if TYPE_CHECKING:  # pragma: no cover
+    from _typeshed import DataclassInstance
+
+#: A row: a dataclass instance (one field per column) or a mapping of column name to value.
+Row: TypeAlias = "DataclassInstance | Mapping[str, object]"
 
 
-def as_dicts(rows: Iterable[Any]) -> list[dict[str, Any]]:
+def as_dicts(rows: Iterable[Row]) -> list[dict[str, object]]:
     """Rows (dataclasses or mappings) as plain dicts, in order."""
-    out = []
+    out: list[dict[str, object]] = []
     for r in rows:
-        if dataclasses.is_dataclass(r) and not isinstance(r, type):
-            out.append({f.name: getattr(r, f.name) for f in dataclasses.fields(r)})
-        else:
+        if isinstance(r, Mapping):
             out.append(dict(r))
+        else:
+            out.append({f.name: getattr(r, f.name) for f in dataclasses.fields(r)})
     return out
 
 
-def _cell(v: Any) -> str:
+def _cell(v: object) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
@@ -37,7 +43,7 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
-def format_table(rows: Iterable[Any], columns: Sequence[str] | None = None, max_width: int = 60) -> str:
+def format_table(rows: Iterable[Row], columns: Sequence[str] | None = None, max_width: int = 60) -> str:
     """A fixed-width text table of ``rows``; ``columns`` selects and orders the fields."""
     rows = list(rows)
     dicts = as_dicts(rows)

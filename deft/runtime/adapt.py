@@ -1,22 +1,19 @@
 """Closing the loop: the running schedule's measured iteration time against the plan's prediction.
 
 The warm-up profile measures each bucket's compute and each link's all-reduce, but not how they slow
-each other down when they run together (on a CPU the gloo threads of every link and the model share
-the cores; on a GPU NCCL kernels share the SMs and memory bandwidth). So a plan can be right about
-torch DDP and 40% off about itself. After a schedule is installed, every rank times its iterations
-(forward start to forward start) and its backward passes; every ``adapt_window`` iterations rank 0
-gets the slowest rank's medians (one max-reduction of two numbers) and decides:
+each other down when they run together (on a CPU the gloo threads and the model share the cores; on
+a GPU NCCL kernels share the SMs and memory bandwidth), so a plan can be right about torch DDP and
+far off about itself. After a schedule is installed every rank times its iterations (forward start
+to forward start) and its backward passes (:class:`Adaptation`); every ``adapt_window`` iterations
+rank 0 gets the slowest rank's medians (one max-reduction) and decides (:class:`Adapter`):
 
 1. **Calibrate** when the measured iteration differs from the prediction by more than
-   ``adapt_tolerance``: compute is scaled by ``g = measured backward / profiled backward`` (the
-   slow-down of compute under the communication running beside it), then communication by the
-   factor ``f`` for which the simulator, on the profile with compute x ``g`` and comm x ``f``,
-   predicts exactly the measured iteration (``scipy.optimize.brentq``; the simulated time rises
-   with ``f``). The corrected profile is planned again; a different schedule is tried (all ranks
-   switch at a cycle boundary, as the preserver's re-check does) only when the simulator predicts it
-   at least ``SWITCH_GAIN`` faster than the running one on the same corrected profile: a re-plan
-   predicted slower than what runs now would be a step back (seen on the testbed: a 1035 ms plan
-   replacing a schedule that measured 705 ms).
+   ``adapt_tolerance``: compute is scaled by ``g = measured backward / profiled backward``, then
+   communication by the factor ``f`` for which the simulator predicts exactly the measured iteration
+   (``scipy.optimize.brentq``; the simulated time rises with ``f``). The corrected profile is planned
+   again; a different schedule is tried (all ranks switch at a cycle boundary) only when predicted
+   at least ``SWITCH_GAIN`` faster than the running one on the same corrected profile, since a
+   re-plan predicted slower than what runs would be a step back.
 2. **Keep the fastest**: a schedule tried after a re-plan that measures slower than the best one
    measured so far is abandoned for that one, and adaptation stops. The schedule returned to carries
    its measured time as its prediction (it was planned on another partition of the buckets, so the
@@ -24,39 +21,22 @@ gets the slowest rank's medians (one max-reduction of two numbers) and decides:
 3. **Settle**: adaptation stops when the prediction is within tolerance, when a re-plan yields the
    running schedule again, or after ``adapt_max_replans`` re-plans. It never oscillates: a schedule
    abandoned once is never tried again, and a stop is final.
+4. **Never slower than the warm-up**: the synchronous schedule deft warmed up and profiled with is a
+   measured candidate too (:class:`Synchronous`). When the running schedule measures more than
+   ``SWITCH_GAIN`` slower than it (and it is the fastest measured so far), every rank switches back
+   to it on the layout it was measured on, and adaptation stops. The simulator does not model every
+   contention (a comm hook's compute on the gloo threads against the model's), so a plan can lose
+   to the warm-up in ways no calibration of two factors sees.
 
-4. **Never slower than the warm-up**: the synchronous schedule deft warmed up and profiled with
-   (torch DDP's: every bucket all-reduced in its own backward, one update per iteration, on the
-   warm-up's bucket layout) is a measured candidate too (:class:`Synchronous`). When the running
-   schedule measures more than ``SWITCH_GAIN`` slower than it (and it is the fastest measured so
-   far), every rank switches back to it at a cycle boundary, on the layout it was measured on, the
-   record carries both times (``measured_s``, ``synchronous_s``), and adaptation stops. The
-   simulator does not model the CPU contention between a comm hook's compute on the gloo threads and
-   the model (measured on the 2-core testbed: deft + PowerSGD planned 5-7 buckets at 238-267 ms where
-   the warm-up's buckets ran 219-236 ms), so a plan can lose to the warm-up in ways no calibration of
-   two factors sees.
-
-   Which iterations count (:class:`SynchronousClock`): forward to next forward, the time deft spends
-   planning taken out of the last. When deft measures its profile, the profile iterations
-   ``warm_end <= t < plan_at``; the warm-up iterations before them are left out: iteration 0 runs
-   another bucket layout (the ready order is not known yet) on cold caches, a comm hook's plain
-   iterations cost something else (PowerSGD sends its first ``start_powerSGD_iter`` uncompressed),
-   its first compressed iteration is slow (PowerSGD allocates its memories there; torch DDP +
-   PowerSGD measured 342 ms against 200-210 after), and with several links the warm-up runs every
-   bucket on the first link while the profile iterations rotate them over the links
-   (:func:`deft.runtime.warmup_timer.link_rotation`). The profile iterations run the warm-up timer; its
-   overhead was measured within the noise (digits CNN + PowerSGD from iteration 2, ``warmup_iters``
-   6, 2 ranks on the 2 shared cores of this machine, forward start to step end, one link: warm-up
-   iterations 3-7 465-692 ms, median 600; profile iterations 535 and 556 ms; two links: warm-up
-   370-448 ms, median 390; profile iterations 285, 399, 481 ms; ``torchrun --nproc-per-node 2
-   examples/train_cnn.py --ddp deft --compression powersgd --powersgd-start 2 --max-iters 30`` with
-   ``warmup_iters = 6``, ``profile_iters = 3`` (4 with two links), ``adapt = false``, ``epsilon = 0``;
-   load average 2-4.6 from other jobs), so they count. The candidate is the
-   first profile iteration's schedule (:func:`synchronous_candidate`: bucket ``b`` on link
-   ``b mod L``) and its time the median over the rotations (the same work in each: every bucket sent
-   once). With a given profile (no profile iterations) the warm-up iterations ``1 <= t < warm_end``
-   count (none with the default ``warmup_iters`` 1: then there is no candidate). The figure is each
-   rank's median, maximum over ranks, taken with the first window's (no extra collective).
+   Which iterations count (:class:`SynchronousClock`): forward to next forward, less the time deft
+   spends planning. When deft measures its profile, the profile iterations ``warm_end <= t <
+   plan_at``: the warm-up iterations before them run another bucket layout on cold caches, a comm
+   hook's plain iterations cost something else, and with several links the warm-up runs every bucket
+   on the first link while the profile iterations rotate them (the warm-up timer's own overhead is
+   within the noise). The candidate is the first profile iteration's schedule
+   (:func:`synchronous_candidate`) and its time the median over the rotations. With a given profile
+   the warm-up iterations ``1 <= t < warm_end`` count. The figures behind these choices:
+   benchmarks/RESULTS.md, "Figures behind the runtime's constants".
 
 At ``epsilon == 0`` every candidate is a lag-free plan or the synchronous schedule and every switch
 flushes, so the parameters stay torch DDP's. Each decision is recorded in ``plan_info["adapt"]``.
@@ -64,20 +44,28 @@ flushes, so the parameters stay torch DDP's. Each decision is recorded in ``plan
 
 from __future__ import annotations
 
+import logging
+import os
 import statistics
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
 
 from scipy.optimize import brentq
 
+from deft._json import JsonDict
 from deft.config import DeftConfig
+from deft.preserver.feedback import WalkStats
 from deft.profile import BucketTimes, Link, Profile
+from deft.runtime.background import Background, JobSlot
+from deft.runtime.buckets import FlatLayout
+from deft.runtime.control import ControlPlane
+from deft.runtime.planning import Planning, Switch, make_schedule
+from deft.runtime.records import as_object
 from deft.schedule import Schedule, synchronous_schedule
 from deft.solver.partition import profile_for_schedule
 from deft.solver.simulate import simulate_schedule
 
-if TYPE_CHECKING:
-    from deft.runtime.buckets import FlatLayout
+log = logging.getLogger("deft.runtime")
 
 F_RANGE = (0.05, 50.0)  # search interval of the communication factor
 #: A re-planned schedule is tried only when predicted at least this much faster than the running one.
@@ -133,13 +121,13 @@ class Adapter:
     synchronous: Synchronous | None = None        # the warm-up's schedule and its measured time (step 4)
 
     def decide(self, running: Schedule, profile: Profile, measured_s: float, measured_backward_s: float,
-               replan: Any) -> tuple[Schedule | None, Profile | None, dict[str, Any]]:
+               replan: Callable[[Profile], Schedule]) -> tuple[Schedule | None, Profile | None, JsonDict]:
         """After a measurement window: the schedule to switch to (or None), the corrected profile (or
         None) and the record. ``replan(profile) -> Schedule`` plans on a corrected profile."""
         cfg = self.config
         predicted = running.predicted_iteration_s
         error = (predicted - measured_s) / measured_s if measured_s > 0 else 0.0
-        record: dict[str, Any] = {"schedule": running.digest(), "predicted_s": predicted, "measured_s": measured_s,
+        record: JsonDict = {"schedule": running.digest(), "predicted_s": predicted, "measured_s": measured_s,
                                   "error": error}
         self.tried.add(running.digest())
         sync = self.synchronous
@@ -155,7 +143,7 @@ class Adapter:
         if self.best is not None and measured_s > self.best[0] and self.best[1].digest() != running.digest():
             self.done = True
             record["decision"] = f"slower than {self.best[1].digest()} ({self.best[0] * 1e3:.1f} ms): back to it"
-            back = replace(self.best[1], predicted_iteration_s=self.best[0])  # measured: module docstring
+            back = replace(self.best[1], predicted_iteration_s=self.best[0])  # measured: module docstring, step 2
             return back, None, record
         if self.best is None or measured_s < self.best[0]:
             self.best = (measured_s, running)
@@ -243,3 +231,179 @@ class SynchronousClock:
     def median(self) -> float:
         """This rank's median (0.0: nothing counted; the max over ranks is taken by the caller)."""
         return statistics.median(self.seconds) if self.seconds else 0.0
+
+
+# -- the loop in a live run --------------------------------------------------------------------------
+#: Rank 0's decision as a JSON document: ``record``, ``done``, and ``schedule``/``profile`` when it
+#: switches or corrects the profile (``{"error": ...}`` from :class:`Background` when its thread failed).
+Decision = JsonDict
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """An adaptation decision as every rank applied it: its record for ``plan_info["adapt"]`` and the
+    profile rank 0 corrected (None: unchanged)."""
+
+    record: JsonDict
+    profile: Profile | None
+
+
+class Adaptation:
+    """The adaptation of one run: the measurement window, rank 0's :class:`Adapter`, the decision in
+    flight (in the run's :class:`JobSlot`) and the warm-up's synchronous candidate.
+
+    The runtime calls the timing events (:meth:`forward_begins`, :meth:`backward_begins`,
+    :meth:`backward_ends`), :meth:`start` when the first plan is installed, and :meth:`after_step`
+    between iterations; a new schedule goes to :class:`Planning` as a :class:`Switch`."""
+
+    def __init__(self, config: DeftConfig, control: ControlPlane, planning: Planning, jobs: JobSlot) -> None:
+        self.config, self._control, self._planning, self._jobs = config, control, planning, jobs
+        self.on = False
+        self.clock = SynchronousClock()
+        self.walk: WalkStats | None = None  # the preserver's statistics at the last plan (rank 0 re-plans with them)
+        self.warm_layout: FlatLayout | None = None  # the warm-up's layout, which the candidate runs on
+        self._adapter: Adapter | None = None  # rank 0
+        self._candidate: Schedule | None = None
+        self._fwd_start: float | None = None
+        self._bwd_start: float | None = None
+        self._iter_s: list[float] = []
+        self._bwd_s: list[float] = []
+        self._from = ""  # the digest of the schedule the decision in flight was measured on
+
+    # -- timing events -------------------------------------------------------------------------------
+    def forward_begins(self, t: int, now: float, first: int, end: int) -> None:
+        if self.config.adapt:
+            self.clock.forward(t, now, first, end)
+        if self.on:
+            if self._fwd_start is not None:
+                self._iter_s.append(now - self._fwd_start)
+            self._fwd_start = now
+
+    def backward_begins(self, now: float) -> None:
+        if self.on:
+            self._bwd_start = now
+
+    def backward_ends(self, now: float) -> None:
+        if self.on and self._bwd_start is not None:
+            self._bwd_s.append(now - self._bwd_start)
+
+    def reset_window(self) -> None:
+        """Start a new measurement window at the next forward (the iteration now is not counted)."""
+        self._fwd_start = self._bwd_start = None
+        self._iter_s, self._bwd_s = [], []
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def start(self, on: bool, warm_layout: FlatLayout | None, candidate: Schedule | None) -> None:
+        """The first plan is installed: adapt it (``on``) against the warm-up's ``candidate``."""
+        self.on, self.warm_layout = on, warm_layout
+        if on:
+            self._adapter = Adapter(self.config) if self._control.rank == 0 else None
+            self.reset_window()
+            self._candidate = candidate
+
+    def forget_measured(self) -> None:
+        """A re-check replaced the schedule, for accuracy: adaptation must not go back to one measured
+        before (it may be what the re-check rejected); the warm-up's synchronous schedule stays."""
+        if self._adapter is not None:
+            self._adapter.best = None
+
+    def after_step(self, t: int, running: Schedule, profile: Profile | None) -> Outcome | None:
+        """Collective, between iterations while adapting: collect a decision in flight, or end a full
+        window with a decision (in the background with ``plan_lag_iters`` > 0). Returns the decision
+        every rank applied, if one was made now."""
+        if self._jobs.holds("adapt"):
+            if not self._jobs.ready(t):
+                return None
+            job = self._jobs.take()
+            doc: Decision = {}
+            if job is not None:
+                out, waited = job.result()
+                # Background's own error document: the adaptation stops, with the reason
+                doc = {"record": {"error": str(out["error"])}, "done": True} if "error" in out else _decided(out)
+                doc["record"] = {**as_object(doc, "record"), "background": {
+                    "lag_iters": self.config.plan_lag_iters, "plan_s": round(job.seconds, 4),
+                    "waited_s": round(waited, 4)}}
+            return self._apply(t, doc, running)
+        if self._planning.switch_waiting or len(self._iter_s) < self.config.adapt_window:
+            return None
+        decide = self._measure(running, profile)
+        lag = self.config.plan_lag_iters
+        if lag > 0:
+            job = None if decide is None else Background(decide, "deft-adapter", self.config.planner_nice)
+            self._jobs.hold("adapt", job, t + lag)
+            return None
+        return self._apply(t, decide() if decide is not None else {}, running)
+
+    def _measure(self, running: Schedule, profile: Profile | None) -> Callable[[], Decision] | None:
+        """Collective: the window's slowest-rank medians; rank 0's decision to make (None elsewhere)."""
+        measured, backward, synchronous_s = self._control.max_rows(
+            [[*window_medians(self._iter_s, self._bwd_s), self.clock.median()]], "iteration times")[0]
+        self.reset_window()
+        self._from = running.digest()
+        if self._adapter is None:
+            return None
+        if self._adapter.synchronous is None and self._candidate is not None and synchronous_s > 0:
+            self._adapter.synchronous = Synchronous(self._candidate, synchronous_s)
+        return _decision(self.config, self._adapter, running, profile, measured, backward, self.walk)
+
+    def _apply(self, t: int, doc: Decision, running: Schedule) -> Outcome:
+        """Collective: rank 0's decision to every rank; a new schedule waits for a boundary."""
+        doc = self._control.broadcast_json(doc, "adaptation decision")
+        self.reset_window()  # the iterations beside the planner's thread are not the schedule's own
+        record: JsonDict = {"iteration": t, **as_object(doc, "record")}
+        # A re-check may have switched schedules while rank 0 decided in the background: the decision, and
+        # the profile it corrected in the old schedule's buckets, are about a schedule no longer running.
+        moved = running.digest() != self._from
+        superseded = moved and ("schedule" in doc or "profile" in doc)
+        if superseded:
+            record["superseded"] = (f"the running schedule changed from {self._from} to "
+                                    f"{running.digest()} while rank 0 decided; adaptation goes on with it")
+        corrected = None
+        if "profile" in doc and not moved:
+            corrected = Profile.from_dict(as_object(doc, "profile"), "profile corrected by rank 0")
+            out = os.environ.get("DEFT_PROFILE_OUT")
+            if out and self._control.rank == 0:  # `deft simulate` on it predicts what this run measures
+                corrected.save(out)
+        if "schedule" in doc and not moved:
+            schedule = Schedule.from_dict(as_object(doc, "schedule"), "schedule re-planned by rank 0")
+            self._control.check_agreement("schedule", schedule.digest())
+            back = self._candidate is not None and plan_digest(schedule) == plan_digest(self._candidate)
+            # a re-check's re-plan, made during the lag, goes first
+            info: JsonDict = {"source": "adapt", **({"layout": "warm-up"} if back else {})}
+            if not self._planning.offer(Switch(schedule, info, warm_layout=back)):
+                record["superseded"] = "a re-check's re-planned schedule was already waiting"
+        # A superseded decision is void, "done" with it: the schedule the re-check chose is measured next.
+        self.on = superseded or not doc["done"]
+        return Outcome(record, corrected)
+
+
+def _decided(out: Mapping[str, object]) -> Decision:
+    """A decision document back from rank 0's thread (built by :func:`_decision`: JSON throughout)."""
+    doc: Decision = {}
+    for key, value in out.items():
+        assert value is None or isinstance(value, (str, int, float, dict, list)), (key, value)
+        doc[key] = value
+    return doc
+
+
+def _decision(cfg: DeftConfig, adapter: Adapter, running: Schedule, profile: Profile | None, measured: float,
+              backward: float, walk: WalkStats | None) -> Callable[[], Decision]:
+    """Rank 0's decision as a function of its inputs only (it may run on a background thread)."""
+    def decide() -> Decision:
+        try:
+            assert profile is not None
+
+            def replan(corrected: Profile) -> Schedule:
+                return make_schedule(cfg, corrected, None if cfg.epsilon == 0 else walk, None).schedule
+
+            new, corrected, record = adapter.decide(running, profile, measured, backward, replan)
+            doc: Decision = {"record": record, "done": adapter.done}
+            if new is not None:
+                doc["schedule"] = new.to_dict()
+            if corrected is not None:
+                doc["profile"] = corrected.to_dict()
+            return doc
+        except Exception as e:  # adaptation never ends a run: keep the running schedule, stop adapting
+            log.exception("deft: adaptation failed")
+            return {"record": {"error": f"{type(e).__name__}: {e}"}, "done": True}
+    return decide

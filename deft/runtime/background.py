@@ -4,8 +4,9 @@
 Linux) and hands its JSON document back; an exception comes back as ``{"error": ...}``, so a failed
 background decision travels to the other ranks like a failed synchronous one. Used for the first plan
 (:meth:`deft.runtime.planning.Planning.start`) and the adaptation's decisions
-(:meth:`deft.runtime.ddp.DistributedDataParallel._maybe_adapt`); when and how the ranks collect the
-result is theirs (the module docstring of :mod:`deft.runtime.planning`).
+(:meth:`deft.runtime.adapt.Adaptation.measure`). :class:`JobSlot` holds the one decision in flight,
+whichever it is, and says (collectively) when every rank collects it: at the first iteration boundary
+where rank 0's thread is done, ``plan_lag_iters`` iterations after it began at the latest.
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from deft.runtime.control import ControlPlane
 
 log = logging.getLogger("deft.runtime")
 
@@ -27,10 +32,10 @@ class Background:
     ``{"error": "..."}`` (the decisions are JSON documents that carry their own errors), so a failed
     background decision travels to the other ranks like a failed synchronous one."""
 
-    def __init__(self, fn: Callable[[], dict[str, Any]], name: str, nice: int = 0) -> None:
+    def __init__(self, fn: Callable[[], Mapping[str, object]], name: str, nice: int = 0) -> None:
         self._fn = fn
         self._nice = nice
-        self._doc: dict[str, Any] | None = None
+        self._doc: Mapping[str, object] | None = None
         self.seconds = 0.0  # how long fn ran
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -55,9 +60,56 @@ class Background:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
-    def result(self) -> tuple[dict[str, Any], float]:
+    def result(self) -> tuple[Mapping[str, object], float]:
         """The document and the seconds the caller waited for it (0 when it was ready)."""
         t0 = time.perf_counter()
         self._thread.join()
         assert self._doc is not None
         return self._doc, time.perf_counter() - t0
+
+
+#: What a background decision is for: the first plan, or an adaptation's re-plan.
+JobKind = Literal["plan", "adapt"]
+
+
+@dataclass
+class JobSlot:
+    """The one background decision in flight (every rank holds the slot; only rank 0 holds a job).
+
+    A decision is *held* from the iteration it began until the iteration boundary at which every rank
+    collects it (:meth:`ready`, then :meth:`take`). The first plan and the adaptation never overlap (one
+    runs before the plan is installed, the other after), so one slot serves both."""
+
+    control: ControlPlane
+    kind: JobKind | None = None
+    job: Background | None = None  # rank 0's thread (None elsewhere, and where rank 0 decided nothing)
+    due: int = 0                   # collected at this iteration boundary at the latest
+
+    def hold(self, kind: JobKind, job: Background | None, due: int) -> None:
+        if self.kind is not None:
+            raise RuntimeError(f"internal: a {kind} decision began while a {self.kind} decision was in flight")
+        self.kind, self.job, self.due = kind, job, due
+
+    def holds(self, kind: JobKind) -> bool:
+        return self.kind == kind
+
+    def ready(self, t: int) -> bool:
+        """Collective while a decision is held: collect it at the boundary before iteration ``t``? At
+        ``due`` yes; before, when rank 0's thread is done (rank 0's word, broadcast, so every rank
+        answers alike)."""
+        if t >= self.due:
+            return True
+        done = int(self.job is not None and self.job.done()) if self.control.rank == 0 else 0
+        return bool(self.control.broadcast_ints([done], "background planning state")[0])
+
+    def take(self) -> Background | None:
+        """Empty the slot; rank 0 gets its job (to wait for with :meth:`Background.result`)."""
+        job, self.kind, self.job = self.job, None, None
+        return job
+
+    def discard(self) -> None:
+        """Forget the decision in flight (a checkpoint was loaded): its thread is waited for (it reads
+        the old run's state) and its result dropped."""
+        job = self.take()
+        if job is not None:
+            job.result()

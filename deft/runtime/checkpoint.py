@@ -14,15 +14,34 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias, TypedDict
 
 import torch
 
+from deft._json import JsonDict
 from deft.errors import ContractError
 from deft.schedule import Schedule
 
 STATE_VERSION = 1
 SOURCE = "deft checkpoint"
+
+#: A saved document of tensors and plain types (what ``torch.load(..., weights_only=True)`` gives back):
+#: its fields are typed by the code that reads them back, which checks them there.
+StateDoc: TypeAlias = dict[str, Any]
+
+
+class GroupState(TypedDict):
+    """A pending update group in a checkpoint (``Executor.group_states``): tensors and plain types."""
+
+    last: int
+    k: int
+    iterations: list[int]
+    buffers: dict[str, torch.Tensor]  # dtype name -> this rank's local gradient sum
+    used: torch.Tensor
+    launched: list[int]
+    used_launched: bool
+    finish_in_forward: bool
+    deferred: list[int] | None
 
 
 @dataclass
@@ -38,12 +57,12 @@ class RuntimeState:
     order_known: bool
     order: list[int]            # the flat layout's parameter order
     schedule: Schedule
-    groups: list[dict[str, Any]]  # pending update groups (deft.runtime.executor.Executor.group_states)
+    groups: list[GroupState]    # pending update groups
     update_log: list[tuple[int, tuple[int, ...]]]
-    plan_info: dict[str, Any] = field(default_factory=dict)
-    comm_hook: dict[str, Any] | None = None  # the comm hook's state (deft.runtime.comm_hooks)
+    plan_info: JsonDict = field(default_factory=dict)  # saved as JSON text (a non-JSON value as its str)
+    comm_hook: StateDoc | None = None  # the comm hook's state (deft.runtime.comm_hooks)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> StateDoc:
         return {
             "version": STATE_VERSION, "rank": self.rank, "world": self.world, "t": self.t, "t0": self.t0,
             "planned": self.planned, "plan_at": self.plan_at, "order_known": self.order_known,
@@ -55,7 +74,7 @@ class RuntimeState:
         }
 
     @classmethod
-    def from_dict(cls, state: Any) -> RuntimeState:
+    def from_dict(cls, state: object) -> RuntimeState:
         """Read and check a saved record; every problem names the field."""
         if not isinstance(state, dict):
             raise ContractError(SOURCE, "_extra_state", f"expected a dict, got {type(state).__name__}")

@@ -54,19 +54,20 @@ What the profile learns of a hook (DESIGN.md, "Compression in the profile"):
   (``e = (g + e_old) - decompressed``, the uncompressed tensors' elements included), and the
   warm-start state is one ``Q`` per compressed tensor (``P = M Q`` is recomputed from it before it is
   read). So per-tensor PowerSGD after a layout change compresses exactly as it would have without
-  one. Dropping it instead (deft did, as torch DDP's PowerSGD never re-buckets after its start) loses
-  the residual not yet sent: for the digits CNN's 4.4 M-element weight at rank 4 that is most of the
-  gradient mass of the recent iterations. Batched PowerSGD pads a whole bucket into one square
+  one. Dropping it instead (torch DDP's PowerSGD has no such step: it never re-buckets after its
+  start) would lose the residual not yet sent, which for a large matrix compressed at a low rank is
+  most of the recent iterations' gradient (runs in which a layout switch restarted the error
+  feedback: ``benchmarks/results/peers.md``). Batched PowerSGD pads a whole bucket into one square
   matrix, so its memory does depend on the bucket: it is dropped (:func:`forget_buckets`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -76,8 +77,13 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from deft.config import DeftConfig
 from deft.errors import ContractError, DeftError
 from deft.runtime.buckets import FlatLayout
+from deft.runtime.checkpoint import StateDoc
+from deft.runtime.control import ControlPlane
 
-Hook = Callable[[Any, Any], torch.futures.Future]
+#: ``hook(state, bucket)``: torch's hooks declare their own state and ``GradBucket`` types (deft passes a
+#: :class:`HookBucket`), so the parameters are left open; a value of ``[tensor]`` is accepted too
+#: (:func:`hook_result`), as torch DDP does.
+Hook = Callable[..., torch.futures.Future[torch.Tensor]]
 
 
 class HookBucket:
@@ -122,7 +128,7 @@ IN_PLACE_HOOKS = (*SINGLE_COLLECTIVE_HOOKS, powerSGD_hook.powerSGD_hook)
 class CommHook:
     """A registered hook and its state."""
 
-    state: Any
+    state: object  # None, a process group, a PowerSGDState, or a user's state (passed through)
     hook: Hook
     name: str
 
@@ -142,7 +148,7 @@ class CommHook:
         before the call nor the result back after it."""
         return self.hook in IN_PLACE_HOOKS
 
-    def launch(self, group: Any, bucket: HookBucket) -> torch.futures.Future:
+    def launch(self, group: dist.ProcessGroup, bucket: HookBucket) -> torch.futures.Future[torch.Tensor]:
         """Call the hook with ``group`` as its process group; the Future it returns."""
         state = self.state
         if state is None or isinstance(state, dist.ProcessGroup):
@@ -159,7 +165,7 @@ class CommHook:
         return fut
 
     # -- checkpoint ------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any] | None:
+    def state_dict(self) -> StateDoc | None:
         """The hook state as tensors and plain types (``weights_only`` loadable); None: nothing to keep."""
         st = self.state
         if st is None or isinstance(st, dist.ProcessGroup):
@@ -175,7 +181,7 @@ class CommHook:
         raise DeftError(f"the comm hook state {type(st).__name__} cannot be checkpointed: give it state_dict() and "
                         "load_state_dict(), or use a PowerSGDState / a process group")
 
-    def load_state_dict(self, saved: dict[str, Any] | None, source: str) -> None:
+    def load_state_dict(self, saved: StateDoc | None, source: str) -> None:
         st = self.state
         if saved is None:
             return
@@ -212,7 +218,7 @@ def from_config(cfg: DeftConfig) -> CommHook | None:
     return CommHook(state, powerSGD_hook.powerSGD_hook, f"powersgd (rank {cfg.powersgd_rank})")
 
 
-def hook_result(value: Any) -> torch.Tensor:
+def hook_result(value: object) -> torch.Tensor:
     """A hook future's value: a tensor or a one-element list of one."""
     if isinstance(value, (list, tuple)) and len(value) == 1:
         value = value[0]
@@ -234,7 +240,7 @@ class Codec:
     timed: bool = True
 
 
-def profile_codec(hook: CommHook, layout: FlatLayout, params: Sequence[torch.Tensor], group: Any,
+def profile_codec(hook: CommHook, layout: FlatLayout, params: Sequence[torch.Tensor], group: dist.ProcessGroup,
                   device: torch.device) -> Codec:
     """This rank's :class:`Codec` for ``layout``: wire bytes from :func:`wire_nbytes`, compute from
     :func:`time_codec` on random gradients on ``group`` (a one-rank group). A bucket mixing dtypes
@@ -411,9 +417,26 @@ def carry_buckets(hook: CommHook | None, old: FlatLayout, new: FlatLayout, param
     if hook is None or hook.hook is not powerSGD_hook.powerSGD_hook:
         forget_buckets(hook)
         return
-    # Per parameter (registration index): its residual, and its Q when it was compressed whole.
+    residual = _residuals_by_param(st, old, params)
+    q_of = _q_by_param(st, old, params)
+    errors, p_mem, q_mem = _bucket_memories(st, new, params, residual, q_of)
+    st.error_dict.clear()
+    st.error_dict.update(errors)
+    st.p_memory_dict.clear()
+    st.p_memory_dict.update(p_mem)
+    st.q_memory_dict.clear()
+    st.q_memory_dict.update(q_mem)
+
+
+def _residuals_by_param(st: powerSGD_hook.PowerSGDState, old: FlatLayout,
+                        params: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Per parameter (registration index), its error-feedback residual gathered from ``old``'s buckets.
+
+    The residual is one value per gradient element wherever the bucket starts, so a parameter's is
+    the same tensor under any layout. A bucket whose memory does not match ``old`` (not one
+    contiguous slice of one dtype, or of another size) is skipped: its elements start again from 0,
+    as the hook itself would."""
     residual: dict[int, torch.Tensor] = {}
-    q_of: dict[int, torch.Tensor] = {}
     for b, err in st.error_dict.items():
         if b >= old.n_buckets or _gradient_shapes(old, params, b) is None:
             continue
@@ -428,6 +451,15 @@ def carry_buckets(hook: CommHook | None, old: FlatLayout, new: FlatLayout, param
             if i not in residual:
                 residual[i] = torch.zeros(s.numel, dtype=err.dtype, device=err.device)
             residual[i][lo - s.dtype_offset:hi - s.dtype_offset] = err[lo - start:hi - start]
+    return residual
+
+
+def _q_by_param(st: powerSGD_hook.PowerSGDState, old: FlatLayout,
+                params: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Per parameter (registration index) compressed in an old bucket, its warm-start ``Q`` (a view
+    into that bucket's ``q_memory_dict`` entry, :func:`_compressed_q`). A bucket whose ``Q`` memory
+    does not have the length the layout implies is skipped, so no ``Q`` is read at a wrong offset."""
+    q_of: dict[int, torch.Tensor] = {}
     for b, qmem in st.q_memory_dict.items():
         shapes = _gradient_shapes(old, params, b) if b < old.n_buckets else None
         if shapes is None:
@@ -438,6 +470,18 @@ def carry_buckets(hook: CommHook | None, old: FlatLayout, new: FlatLayout, param
             continue
         for pos, at, length in places:
             q_of[members[pos]] = qmem[at:at + length]
+    return q_of
+
+
+def _bucket_memories(st: powerSGD_hook.PowerSGDState, new: FlatLayout, params: Sequence[torch.Tensor],
+                     residual: dict[int, torch.Tensor], q_of: dict[int, torch.Tensor]
+                     ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """``new``'s error, ``P`` and ``Q`` memories per bucket from the per-parameter ``residual`` and ``q_of``.
+
+    A bucket gets an error memory whenever any residual was kept (elements without one: 0), and ``P``
+    and ``Q`` memories only when every tensor it compresses is whole and has a ``Q`` of the right
+    length: the hook keeps one ``Q`` block per bucket and, when there is one, draws no fresh ``Q``
+    for any of the bucket's tensors; without them it draws a fresh random ``Q``, as for a new bucket."""
     errors: dict[int, torch.Tensor] = {}
     p_mem: dict[int, torch.Tensor] = {}
     q_mem: dict[int, torch.Tensor] = {}
@@ -466,15 +510,10 @@ def carry_buckets(hook: CommHook | None, old: FlatLayout, new: FlatLayout, param
                 q[at:at + length] = q_of[members[pos]]
             q_mem[b] = q
             p_mem[b] = torch.empty(_p_length(shapes, st), dtype=like.dtype, device=like.device)
-    st.error_dict.clear()
-    st.error_dict.update(errors)
-    st.p_memory_dict.clear()
-    st.p_memory_dict.update(p_mem)
-    st.q_memory_dict.clear()
-    st.q_memory_dict.update(q_mem)
+    return errors, p_mem, q_mem
 
 
-def scratch_state(hook: CommHook, group: Any) -> tuple[bool, Any]:
+def scratch_state(hook: CommHook, group: dist.ProcessGroup) -> tuple[bool, object]:
     """A state for timing the codec alone on ``group``: ``(known, state)``; ``known`` is False for a
     user's state that deft cannot copy (its codec is not timed)."""
     st = hook.state
@@ -492,7 +531,8 @@ def scratch_state(hook: CommHook, group: Any) -> tuple[bool, Any]:
     return False, None
 
 
-def time_codec(hook: CommHook, group: Any, buckets: Sequence[HookBucket], repeats: int = 3) -> list[float] | None:
+def time_codec(hook: CommHook, group: dist.ProcessGroup, buckets: Sequence[HookBucket],
+               repeats: int = 3) -> list[float] | None:
     """Seconds of the hook's compute per bucket: the hook on ``group`` (one rank: its collectives move
     nothing), from the call to its future's value, the median of ``repeats`` runs after one untimed
     run (which allocates PowerSGD's memories); the buckets' buffers are overwritten.
@@ -511,7 +551,7 @@ def time_codec(hook: CommHook, group: Any, buckets: Sequence[HookBucket], repeat
         return _time_buckets(hook, state, buckets, repeats)
 
 
-def _time_buckets(hook: CommHook, state: Any, buckets: Sequence[HookBucket], repeats: int) -> list[float]:
+def _time_buckets(hook: CommHook, state: object, buckets: Sequence[HookBucket], repeats: int) -> list[float]:
     out = []
     for bucket in buckets:
         runs = []
@@ -531,3 +571,28 @@ def _time_buckets(hook: CommHook, state: Any, buckets: Sequence[HookBucket], rep
                 runs.append(time.perf_counter() - t0)
         out.append(sorted(runs)[len(runs) // 2])
     return out
+
+
+def agree_codec(hook: CommHook | None, layout: FlatLayout, params: Sequence[torch.Tensor],
+                solo: dist.ProcessGroup | None, device: torch.device, control: ControlPlane) -> Codec | None:
+    """Collective: the comm hook's wire bytes and compute per bucket of the profiled layout, the same on
+    every rank (the codec timed by :func:`profile_codec` on each rank's one-rank group ``solo``; the
+    maximum over ranks). A failure on any rank raises the same error on every rank, after the
+    collective, so no rank is left waiting. None without a hook."""
+    if hook is None:
+        return None
+    assert solo is not None
+    n = layout.n_buckets
+    codec: Codec | None = None
+    error: str | None = None
+    try:
+        codec = profile_codec(hook, layout, params, solo, device)
+        row = [*codec.codec_s, 0.0]
+    except Exception as e:  # every rank must leave the collective below: a flag, then the same error
+        row, error = [0.0] * n + [1.0], f"{type(e).__name__}: {e}"
+    seconds = control.max_rows([row], "comm hook codec times")[0]
+    if seconds[-1] > 0 or codec is None:
+        raise DeftError(f"comm hook {hook.name!r} failed while deft timed its codec on a one-rank group"
+                        + (f" on rank {control.rank}: {error}" if error else
+                           f" on a rank other than {control.rank} (its error says which bucket and why)"))
+    return dataclasses.replace(codec, codec_s=tuple(seconds[:-1]))

@@ -16,8 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
+from typing import TypeAlias, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,8 +28,17 @@ from deft.errors import CommunicationError, ContractError
 #: What a comm hook may return: torch.futures.Future, or the C++ future of ``work.get_future()``.
 FUTURE_TYPES = (torch.futures.Future, torch._C.Future)
 
+#: A launched collective deft waits on: a ``Work``, or a future (a comm hook's, or ``work.get_future()``,
+#: which is a ``torch._C.Future``; :class:`torch.futures.Future` derives from it).
+Collective: TypeAlias = "dist.Work | torch._C.Future[object]"
 
-def wait_work(work: Any, link: str, what: str, rank: int, timeout_s: float) -> Any:
+#: A JSON document the ranks exchange. Every rank's has the same schema (the same code builds it), so
+#: the documents received are typed as the one sent; they went through :mod:`json`, so a tuple in it
+#: comes back as a list.
+JsonDocT = TypeVar("JsonDocT", bound=Mapping[str, object])
+
+
+def wait_work(work: Collective, link: str, what: str, rank: int, timeout_s: float) -> object:
     """Wait for one launched collective (a Work, or a comm hook's Future, whose value is returned); a
     failure or ``timeout_s`` becomes a CommunicationError."""
     try:
@@ -44,7 +54,7 @@ def wait_work(work: Any, link: str, what: str, rank: int, timeout_s: float) -> A
                                  "ranks' logs.") from None
 
 
-def future_done_event(fut: Any) -> threading.Event:
+def future_done_event(fut: torch._C.Future[object]) -> threading.Event:
     """An Event set when ``fut`` completes (at once if it has), so a wait on it blocks with a timeout.
 
     A torch Future has no timed wait. Polling ``done()`` with short sleeps woke the waiting thread
@@ -56,7 +66,7 @@ def future_done_event(fut: Any) -> threading.Event:
     return event
 
 
-def digest(doc: Any) -> str:
+def digest(doc: object) -> str:
     """16 hex digits of the SHA-256 of ``doc`` as canonical JSON."""
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -64,18 +74,18 @@ def digest(doc: Any) -> str:
 class ControlPlane:
     """Agreement checks, JSON broadcast/gather and state broadcast on the control group."""
 
-    def __init__(self, group: Any, timeout_s: float) -> None:
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
         self.group = group
         self.timeout_s = timeout_s
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.root = dist.get_global_rank(group, 0)  # rank 0 of the group, as a global rank
 
-    def wait(self, work: Any, what: str, link: str = "control") -> None:
+    def wait(self, work: Collective, what: str, link: str = "control") -> None:
         wait_work(work, link, what, self.rank, self.timeout_s)
 
     # -- agreement -------------------------------------------------------------------------------
-    def check_agreement(self, what: str, mine: str, doc: dict[str, Any] | None = None) -> None:
+    def check_agreement(self, what: str, mine: str, doc: Mapping[str, object] | None = None) -> None:
         """All-gather a 16-hex-digit digest; fail naming the ranks that differ from rank 0.
 
         With ``doc`` (the JSON the digest was made from), a mismatch also gathers the documents and
@@ -100,7 +110,7 @@ class ControlPlane:
                             f"{digests[0]}){detail}; every rank must use the same {what}")
 
     # -- JSON documents (uint8 bytes, length first; never pickle) -----------------------------------
-    def all_gather_json(self, doc: dict[str, Any], what: str) -> list[dict[str, Any]]:
+    def all_gather_json(self, doc: JsonDocT, what: str) -> list[JsonDocT]:
         """Every rank's JSON document, in rank order."""
         payload = json.dumps(doc, sort_keys=True, default=str).encode()
         n = torch.tensor([len(payload)], dtype=torch.int64)
@@ -113,7 +123,7 @@ class ControlPlane:
         self.wait(dist.all_gather(every, mine, group=self.group, async_op=True), f"all-gather of the {what}")
         return [json.loads(bytes(t[:int(k)].tolist()).decode()) for t, k in zip(every, lengths, strict=True)]
 
-    def broadcast_json(self, doc: dict[str, Any], what: str) -> dict[str, Any]:
+    def broadcast_json(self, doc: JsonDocT, what: str) -> JsonDocT:
         """Rank 0's JSON document on every rank (the others' ``doc`` is ignored)."""
         payload = json.dumps(doc).encode() if self.rank == 0 else b""
         n = torch.tensor([len(payload)], dtype=torch.int64)
@@ -144,7 +154,8 @@ class ControlPlane:
         return t.tolist()
 
 
-def broadcast_state(tensors: list[torch.Tensor], group: Any, link: str, rank: int, timeout_s: float) -> None:
+def broadcast_state(tensors: list[torch.Tensor], group: dist.ProcessGroup, link: str, rank: int,
+                    timeout_s: float) -> None:
     """Rank 0's values of ``tensors`` everywhere, one flat broadcast per dtype (like torch DDP's)."""
     src = dist.get_global_rank(group, 0)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

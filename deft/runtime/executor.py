@@ -43,17 +43,36 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from deft.errors import CommunicationError, DeftError
 from deft.profiler import nvtx
 from deft.runtime.buckets import FlatLayout
+from deft.runtime.checkpoint import GroupState
 from deft.runtime.comm_hooks import CommHook, hook_bucket, hook_result
-from deft.runtime.control import FUTURE_TYPES, wait_work
+from deft.runtime.control import FUTURE_TYPES, Collective, wait_work
 from deft.runtime.links import CommLink
 from deft.schedule import CommTask, Schedule
+
+
+class ExecutorObserver(Protocol):
+    """Who watches the executor (the warm-up timer, the preserver's statistics, the backward trace
+    ranges). Called on the training thread, except :meth:`hook_started`, which a chained comm hook may
+    call from a gloo thread."""
+
+    def bucket_ready(self, b: int) -> None:
+        """Bucket ``b``'s gradient of this iteration is complete (before its send is launched)."""
+
+    def hook_started(self, b: int, t: float) -> None:
+        """A chained comm hook's send of bucket ``b`` really starts (``time.perf_counter()``)."""
+
+    def launched(self, b: int, link: str, works: list[Collective], t_start: float) -> None:
+        """Bucket ``b``'s collectives (``works``) were launched on ``link``; the launch began at ``t_start``."""
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -62,10 +81,10 @@ class Pending:
 
     ``post``: run once with the future's value after it completes (a hook's result into the buffer)."""
 
-    work: Any
+    work: Collective
     link: str
     what: str
-    post: Callable[[Any], None] | None = None
+    post: Callable[[object], None] | None = None
 
 
 @dataclass
@@ -137,13 +156,10 @@ class Executor:
         self._bucket_missing: list[int] = []
         self._queues: dict[str, deque[CommTask]] = {}
         self._stage = ""
-        # Observers for the warm-up timing (no cost when unset).
-        self.on_bucket_ready: Callable[[int], None] | None = None
-        self.on_launch: Callable[[int, str, list[torch.Tensor], list[Any], float, int], None] | None = None
+        self.observers: list[ExecutorObserver] = []
         self.comm_hook: CommHook | None = None  # deft.runtime.comm_hooks: torch's comm hooks on buckets
-        # A chained hooked send really starts (bucket, perf_counter); may run on a gloo thread.
-        self.on_hook_start: Callable[[int, float], None] | None = None
-        self._hook_tail: Any = None  # the last chained hook launch (_chained)
+        # The last chained launch (_chained): a hook's bucket or the used map, so its value type is open.
+        self._hook_tail: torch.futures.Future[Any] | None = None
 
     # -- schedule ------------------------------------------------------------------------------
     def install(self, schedule: Schedule, layout: FlatLayout, t0: int) -> None:
@@ -159,6 +175,40 @@ class Executor:
         if self.layout is None or self.layout.dtype_numel != layout.dtype_numel:
             self._pool.clear()
         self.schedule, self.layout, self.t0 = schedule, layout, t0
+
+    def observe(self, observer: ExecutorObserver) -> None:
+        self.observers.append(observer)
+
+    def unobserve(self, observer: ExecutorObserver) -> None:
+        self.observers = [o for o in self.observers if o is not observer]
+
+    def restart_cycle(self, t0: int) -> None:
+        """No update pending (after :meth:`drain`): the schedule's cycle starts again at ``t0``."""
+        if self.groups:
+            raise DeftError("internal: the cycle can only restart when no update is pending")
+        self.t0 = t0
+
+    def forget_groups(self) -> None:
+        """Drop every pending group instance unsent (a checkpoint's groups replace them)."""
+        self.groups.clear()
+
+    @property
+    def idle(self) -> bool:
+        """No update group is pending."""
+        return not self.groups
+
+    def current_group(self) -> GroupInstance | None:
+        """The group instance iteration :attr:`t` contributes to, once all its iterations have."""
+        g = self.groups.get(self.group_last(self.t))
+        return g if g is not None and g.complete else None
+
+    def finishes_in_forward(self, last: int) -> bool:
+        """Is group instance ``last`` an update finishing in the next forward?"""
+        return self.groups[last].finish_in_forward
+
+    def is_pending(self, last: int) -> bool:
+        """Is group instance ``last`` still queued (e.g. finishing in the next forward)?"""
+        return last in self.groups
 
     def position(self, t: int) -> int:
         assert self.schedule is not None
@@ -261,8 +311,8 @@ class Executor:
                 self._bucket_ready(b)
 
     def _bucket_ready(self, b: int) -> None:
-        if self.on_bucket_ready is not None:
-            self.on_bucket_ready(b)
+        for o in self.observers:
+            o.bucket_ready(b)
 
     # -- launching -----------------------------------------------------------------------------
     def _start_stage(self, stage: str) -> None:
@@ -318,18 +368,19 @@ class Executor:
                 f"(launched in the {self._stage} stage of iteration {self.t})")
         t_start = time.perf_counter()
         tok = nvtx.push_range("comm", task.bucket, self.t, link_name, last)
-        views, works = self._send(g, task.bucket, link_name, what)
+        _, works = self._send(g, task.bucket, link_name, what)
         nvtx.pop_range(tok)
-        if self.on_launch is not None:
-            self.on_launch(task.bucket, link_name, views, works, t_start, last)
+        for o in self.observers:
+            o.launched(task.bucket, link_name, works, t_start)
 
-    def _send(self, g: GroupInstance, b: int, link_name: str, what: str) -> tuple[list[torch.Tensor], list[Any]]:
+    def _send(self, g: GroupInstance, b: int, link_name: str, what: str
+              ) -> tuple[list[torch.Tensor], list[Collective]]:
         """Launch bucket ``b`` of ``g`` on ``link_name``: one all-reduce per dtype segment, or the comm hook."""
         assert self.layout is not None
         link = self.links[link_name]
         views = self.layout.bucket_views(g.buffers, b)
         if self.comm_hook is None:
-            works = [link.all_reduce(v) for v in views]
+            works: list[Collective] = [link.all_reduce(v) for v in views]
             g.pending.setdefault(b, []).extend(Pending(w, link_name, what) for w in works)
         else:
             fut = self._hooked(g, b, link_name, views, what)
@@ -338,7 +389,8 @@ class Executor:
         g.launched.add(b)
         return views, works
 
-    def _hooked(self, g: GroupInstance, b: int, link_name: str, views: list[torch.Tensor], what: str) -> Any:
+    def _hooked(self, g: GroupInstance, b: int, link_name: str, views: list[torch.Tensor], what: str
+                ) -> torch.futures.Future[torch.Tensor]:
         """Call the comm hook on bucket ``b`` (one dtype), with the link's process group."""
         assert self.layout is not None and self.comm_hook is not None
         where = f"comm hook {self.comm_hook.name!r} on bucket {b} ({what}) on link {link_name!r}"
@@ -356,11 +408,12 @@ class Executor:
         link.stats.calls += 1
         link.stats.bytes += view.numel() * view.element_size()
         hook = self.comm_hook
-        started = self.on_hook_start
+        observers = list(self.observers)
 
-        def launch() -> Any:
-            if started is not None:
-                started(b, time.perf_counter())
+        def launch() -> torch.futures.Future[torch.Tensor]:
+            now = time.perf_counter()
+            for o in observers:
+                o.hook_started(b, now)
             try:
                 fut = hook.launch(link.group, bucket)
             except Exception as e:
@@ -371,7 +424,7 @@ class Executor:
             return fut
         return self._chained(launch) if hook.chained else launch()
 
-    def _chained(self, launch: Callable[[], Any]) -> torch.futures.Future:
+    def _chained(self, launch: Callable[[], torch.futures.Future[T]]) -> torch.futures.Future[T]:
         """Run ``launch`` (which starts collectives and returns their Future) once every earlier chained
         launch has completed: with a comm hook, one bucket is in flight at a time.
 
@@ -384,20 +437,20 @@ class Executor:
         buckets (and, on the primary link, the used-parameter map) run one after another, in launch
         order: every rank issues the same collectives in the same order, and runs are reproducible.
         The links still overlap communication with computation; compression has made it small."""
-        outer: torch.futures.Future = torch.futures.Future()
+        outer: torch.futures.Future[T] = torch.futures.Future()
 
-        def run(_: Any = None) -> None:
+        def run(_: object = None) -> None:
             try:
                 inner = launch()
             except Exception as e:
-                outer.set_exception(e)
+                outer.set_exception(e)  # type: ignore[arg-type]  # torch types the exception as the value type T
                 return
 
-            def done(f: Any) -> None:
+            def done(f: torch.futures.Future[T]) -> None:
                 try:
                     outer.set_result(f.value())
                 except Exception as e:
-                    outer.set_exception(e)
+                    outer.set_exception(e)  # type: ignore[arg-type]  # (as above)
             inner.add_done_callback(done)
 
         tail, self._hook_tail = self._hook_tail, outer
@@ -412,7 +465,7 @@ class Executor:
         if g.finish_in_forward:  # read before the all-reduce writes into it (one device sync)
             g.all_used_locally = bool((g.used_map > 0).all())
         if self.comm_hook is not None and self.comm_hook.chained:  # the hooks' collectives are chained: join
-            w: Any = self._chained(lambda: link.all_reduce(g.used_map).get_future())
+            w: Collective = self._chained(lambda: link.all_reduce(g.used_map).get_future())
         else:
             w = link.all_reduce(g.used_map)
         g.pending.setdefault(-1, []).append(Pending(w, self.primary, "all-reduce of the used-parameter map of the "
@@ -584,21 +637,20 @@ class Executor:
         self._pool.append(bufs)
 
     # -- checkpoint ----------------------------------------------------------------------------
-    def group_states(self) -> list[dict[str, Any]]:
+    def group_states(self) -> list[GroupState]:
         """Pending group instances as tensors and plain types (after :meth:`settle_all`)."""
         out = []
         for last in sorted(self.groups):
             g = self.groups[last]
-            out.append({
-                "last": g.last, "k": g.k, "iterations": list(g.iterations),
-                "buffers": {str(d).removeprefix("torch."): b.detach().cpu().clone() for d, b in g.buffers.items()},
-                "used": g.used_map.detach().cpu().clone(), "launched": sorted(g.launched),
-                "used_launched": g.used_launched, "finish_in_forward": g.finish_in_forward,
-                "deferred": None if g.deferred is None else sorted(g.deferred),
-            })
+            out.append(GroupState(
+                last=g.last, k=g.k, iterations=list(g.iterations),
+                buffers={str(d).removeprefix("torch."): b.detach().cpu().clone() for d, b in g.buffers.items()},
+                used=g.used_map.detach().cpu().clone(), launched=sorted(g.launched),
+                used_launched=g.used_launched, finish_in_forward=g.finish_in_forward,
+                deferred=None if g.deferred is None else sorted(g.deferred)))
         return out
 
-    def restore_groups(self, states: list[dict[str, Any]], source: str) -> None:
+    def restore_groups(self, states: list[GroupState], source: str) -> None:
         assert self.layout is not None
         self.groups.clear()
         for st in states:
@@ -613,15 +665,15 @@ class Executor:
                               buffers=bufs, used_map=st["used"].to(self.device, torch.int32).clone(),
                               launched={int(b) for b in st["launched"]}, used_launched=bool(st["used_launched"]),
                               finish_in_forward=bool(st.get("finish_in_forward", False)),
-                              deferred=None if st.get("deferred") is None else {int(i) for i in st["deferred"]})
+                              deferred=_int_set(st.get("deferred")))
             if g.deferred is not None:
                 g.used = g.used_map.tolist()
             self.groups[g.last] = g
 
 
-def _hook_post(view: torch.Tensor, world: int) -> Callable[[Any], None]:
+def _hook_post(view: torch.Tensor, world: int) -> Callable[[object], None]:
     """The hook's averaged result into the bucket's buffer, as a sum over ranks (module docstring)."""
-    def post(value: Any) -> None:
+    def post(value: object) -> None:
         result = hook_result(value)
         if result.numel() != view.numel():
             raise ValueError(f"the result has {result.numel()} elements, the bucket {view.numel()}")
@@ -629,3 +681,7 @@ def _hook_post(view: torch.Tensor, world: int) -> Callable[[Any], None]:
             view.copy_(result.reshape(-1))
         view.mul_(world)
     return post
+
+
+def _int_set(values: list[int] | None) -> set[int] | None:
+    return None if values is None else {int(i) for i in values}

@@ -28,18 +28,23 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any
+import logging
+import math
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
+from deft._json import JsonDict
 from deft.config import DeftConfig
-from deft.errors import ContractError
-from deft.preserver.curvature import RAW_SCREEN, SecantCurvature, adam_scale
+from deft.errors import ContractError, DeftError
+from deft.preserver.curvature import RAW_SCREEN, SecantCurvature, adam_preconditioner, adam_scale, top_eigenvalue
 from deft.preserver.feedback import WalkStats
 from deft.preserver.float64 import dot64
 from deft.preserver.noise import (
     DirectionPair,
     LocalStats,
+    NoiseEstimate,
     NoiseEstimator,
     WalkGeometry,
     all_gather_stats,
@@ -48,7 +53,35 @@ from deft.preserver.noise import (
 )
 from deft.preserver.stability import OptimizerSpec
 from deft.runtime.buckets import FlatLayout
-from deft.runtime.control import ControlPlane
+from deft.runtime.control import Collective, ControlPlane
+from deft.runtime.executor import DueUpdate, Executor
+
+log = logging.getLogger("deft.runtime")
+
+
+@dataclasses.dataclass
+class _GroupSums:
+    """One update group's local sums over its buckets (:meth:`GradStats.bucket`): ``|g_r|²``, the
+    projections on the two directions (while every bucket had them), and the plain ``|g_r|²`` when the
+    walk's metric is Adam's."""
+
+    batch: int
+    sq_norm: float = 0.0
+    proj_a: float = 0.0
+    proj_b: float = 0.0
+    has_dirs: bool = True
+    raw_sq_norm: float = 0.0
+
+    def local(self) -> LocalStats:
+        return LocalStats(sq_norm=self.sq_norm, proj_a=self.proj_a if self.has_dirs else None,
+                          proj_b=self.proj_b if self.has_dirs else None, batch=self.batch)
+
+
+def _finite(rows: list[LocalStats], *values: float) -> bool:
+    """Every gathered scalar and every value finite? (fp16 overflow puts inf/NaN in gradients: such a
+    step says nothing about the noise, and every rank sees the same gathered rows, so all skip it.)"""
+    xs = [*values, *(x for r in rows for x in (r.sq_norm, r.proj_a, r.proj_b) if x is not None)]
+    return all(math.isfinite(x) for x in xs)
 
 
 class GradStats:
@@ -78,7 +111,13 @@ class GradStats:
         self._scale: dict[torch.dtype, torch.Tensor] | None = None  # sqrt(P) per dtype, layout order
         self._fresh = False  # the metric was read from the optimizer since the last applied update
         self._first_piece: dict[int, int] = {}  # bucket -> index of its first piece in u_a, u_b
-        self._acc: dict[int, list[Any]] = {}    # group key -> [sq, pa, pb, has_dirs, batch, raw_sq]
+        self._acc: dict[int, _GroupSums] = {}  # group key -> its local sums so far
+        # The iteration being measured (begin_iteration): what the executor's events are read against.
+        self._executor: Executor | None = None
+        self._params: list[torch.Tensor] = []
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._wanted = False
+        self.batch: int | None = None  # the per-rank batch (the forward's first tensor argument)
 
     @classmethod
     def start(cls, cfg: DeftConfig, world: int) -> GradStats | None:
@@ -87,6 +126,54 @@ class GradStats:
             return None
         return cls()
 
+    # -- the runtime's events ------------------------------------------------------------------------
+    def begin_iteration(self, executor: Executor, params: list[torch.Tensor],
+                        optimizer: torch.optim.Optimizer | None, wanted: bool) -> None:
+        """An iteration begins; ``wanted``: its gradients feed the statistics (the run's calendar)."""
+        self._executor, self._params, self._optimizer, self._wanted = executor, params, optimizer, wanted
+
+    def bucket_ready(self, b: int) -> None:
+        """ExecutorObserver: bucket ``b`` of the current group is complete; measured when the group's
+        ``k`` iterations have all contributed (the group's last iteration)."""
+        ex = self._executor
+        if not self._wanted or ex is None:
+            return
+        g = ex.current_group()
+        if g is not None and ex.layout is not None:
+            self.refresh(ex.layout, self._params, self._optimizer)
+            k = len(g.iterations)
+            self.bucket(g.last, b, ex.layout.bucket_views(g.buffers, b), (self.batch or 1) * k, k)
+
+    def hook_started(self, b: int, t: float) -> None:
+        pass
+
+    def launched(self, b: int, link: str, works: list[Collective], t_start: float) -> None:
+        pass
+
+    def on_due(self, lasts: list[int], updates: list[DueUpdate], t: int, control: dist.ProcessGroup,
+               device: torch.device) -> bool:
+        """Collective: the updates due at iteration ``t``'s step (group keys ``lasts``) are about to be
+        applied: the whole ones complete their group's estimate; one finishing in the next forward has
+        no whole gradient at this step and is dropped. Returns False when a non-finite gradient made
+        the statistics skip this step (GradScaler's overflow steps: normal input, not an error)."""
+        ex = self._executor
+        if ex is None:
+            return True
+        assert ex.layout is not None
+        kept = True
+        for last, upd in zip(lasts, updates, strict=True):
+            if ex.is_pending(last):
+                self.drop(last)
+                continue
+            if not self.update(last, ex.layout, upd.grads, control, device):
+                kept = False
+                continue
+            # lag-free, one iteration: computed at the parameters now (only while statistics are
+            # gathered: each observation copies the parameters and the gradient)
+            if upd.iterations == (t,) and self._wanted:
+                self.observe_point(self._params, upd.grads)
+        return kept
+
     def on_layout(self) -> None:
         """A new flat layout: the directions' pieces no longer match; start them over."""
         self.directions = DirectionPair()
@@ -94,7 +181,7 @@ class GradStats:
         self._acc.clear()
         self._fresh = False
 
-    def refresh(self, layout: FlatLayout, params: list[torch.Tensor], optimizer: Any) -> None:
+    def refresh(self, layout: FlatLayout, params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None) -> None:
         """Before a group's buckets are measured: the walk's metric from the optimizer's state now (read
         once per applied update). A change of metric (Adam's first step) restarts the estimates."""
         if self._fresh and self._layout is layout:
@@ -125,18 +212,18 @@ class GradStats:
         return a[first:first + n], b[first:first + n]
 
     def bucket(self, key: int, b: int, views: list[torch.Tensor], batch: int, k: int) -> None:
-        acc = self._acc.setdefault(key, [0.0, 0.0, 0.0, True, batch, 0.0])
+        acc = self._acc.setdefault(key, _GroupSums(batch))
         if self._scale is not None and self._layout is not None:
-            acc[5] += local_stats(views, None, batch).sq_norm / (k * k)
+            acc.raw_sq_norm += local_stats(views, None, batch).sq_norm / (k * k)
             views = [v.float() * r for v, r in zip(views, self._layout.bucket_views(self._scale, b), strict=True)]
         dirs = self._dirs_of(self._first_piece.get(b, 0), len(views))
         st = local_stats(views, dirs, batch)
-        acc[0] += st.sq_norm / (k * k)
-        if dirs is None:
-            acc[3] = False
+        acc.sq_norm += st.sq_norm / (k * k)
+        if dirs is None or st.proj_a is None or st.proj_b is None:
+            acc.has_dirs = False
         else:
-            acc[1] += st.proj_a / k
-            acc[2] += st.proj_b / k
+            acc.proj_a += st.proj_a / k
+            acc.proj_b += st.proj_b / k
 
     def drop(self, key: int) -> None:
         """Forget one group (its update is applied in parts; no whole gradient to measure)."""
@@ -151,26 +238,31 @@ class GradStats:
     def observe_point(self, params: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
         """A lag-free single-iteration update: ``grads`` (the averaged gradient) was computed at ``params``
         (the parameters now, before the step); feeds the secant curvature. Local, no collective."""
-        used = tuple(i for i, g in enumerate(grads) if g is not None)
-        if used:
-            self.secant.observe([params[i] for i in used], [grads[i] for i in used], key=used)
+        pairs = [(i, params[i], g) for i, g in enumerate(grads) if g is not None]
+        if pairs:
+            self.secant.observe([p for _, p, _ in pairs], [g for _, _, g in pairs], key=tuple(i for i, _, _ in pairs))
 
-    def update(self, key: int, layout: FlatLayout, grads: list[torch.Tensor | None], control: Any,
-               device: torch.device) -> None:
+    def update(self, key: int, layout: FlatLayout, grads: list[torch.Tensor | None], control: dist.ProcessGroup,
+               device: torch.device) -> bool:
+        """Collective (control group): group ``key``'s update is applied next; its statistics go into the
+        estimators. Returns False when they were skipped as non-finite (on every rank alike)."""
         self._fresh = False  # an update is applied next: the optimizer's state (Adam's v) moves on
         acc = self._acc.pop(key, None)
         if acc is None:  # the same on every rank: bucket() ran for the same groups everywhere
-            return
-        sq, pa, pb, has_dirs, batch, raw_sq = acc
+            return True
         mean = {d: torch.zeros(n, dtype=torch.float32, device=device) for d, n in layout.dtype_numel.items()}
         for i, gr in enumerate(grads):
             if gr is not None:
                 s = layout.slots[i]
                 mean[s.dtype][s.dtype_offset:s.dtype_offset + s.numel] = gr.reshape(-1).float()
+        finite = True
         if self._scale is not None:
             raw_mean_sq = sum(float(dot64(v)) for v in mean.values())
-            self.raw.update(all_gather_stats(LocalStats(sq_norm=raw_sq, proj_a=None, proj_b=None, batch=batch),
-                                             control), raw_mean_sq)
+            raw_rows = all_gather_stats(LocalStats(sq_norm=acc.raw_sq_norm, proj_a=None, proj_b=None,
+                                                   batch=acc.batch), control)
+            finite = _finite(raw_rows, raw_mean_sq)
+            if finite:
+                self.raw.update(raw_rows, raw_mean_sq)
             for d, v in mean.items():
                 v.mul_(self._scale[d].to(v.device))
         pieces: list[torch.Tensor] = []
@@ -179,13 +271,17 @@ class GradStats:
             self._first_piece[b] = len(pieces)
             pieces += [mean[s.dtype][s.start:s.end] for s in layout.segments[b] if s.end > s.start]
         mean_sq = sum(float(dot64(v)) for v in mean.values())
-        dot = self.directions.dot() if has_dirs else None
-        local = LocalStats(sq_norm=sq, proj_a=pa if has_dirs else None, proj_b=pb if has_dirs else None,
-                                batch=batch)
-        self.noise.update(all_gather_stats(local, control), mean_sq, dot)
+        dot = self.directions.dot() if acc.has_dirs else None
+        rows = all_gather_stats(acc.local(), control)  # every rank gathers, whatever it found locally
+        if not (finite and _finite(rows, mean_sq)):
+            self.directions = DirectionPair()  # a direction with inf in it says nothing either
+            self._first_piece = {}
+            return False
+        self.noise.update(rows, mean_sq, dot)
         self.directions.observe(pieces)
+        return True
 
-    def estimate(self) -> Any:
+    def estimate(self) -> NoiseEstimate | None:
         return self.noise.estimate
 
     def raw_trace(self) -> float | None:
@@ -194,7 +290,7 @@ class GradStats:
         return None if est is None else est.trace
 
 
-def stability_inputs(optimizer: Any, secant: float | None, calibrated: float | None,
+def stability_inputs(optimizer: torch.optim.Optimizer | None, secant: float | None, calibrated: float | None,
                      preconditioned: bool = False) -> tuple[float | None, OptimizerSpec | None, str]:
     """(curvature, optimizer rule, how) for :class:`WalkStats`; ``(None, None, why)`` when unknown.
 
@@ -224,7 +320,7 @@ def stability_inputs(optimizer: Any, secant: float | None, calibrated: float | N
 
 def walk_stats(config: DeftConfig, control: ControlPlane, losses: collections.deque[float],
                stats: GradStats | None, optimizer: torch.optim.Optimizer | None,
-               batch: int | None, calibrated: dict[str, Any] | None = None) -> tuple[WalkStats | None, str]:
+               batch: int | None, calibrated: JsonDict | None = None) -> tuple[WalkStats | None, str]:
     """WalkStats for the preserver from the live statistics (collective on the control group), or None and why.
 
     ``loss``: the mean over ranks of the last observed loss; ``lr`` and ``metric``:
@@ -261,10 +357,47 @@ def walk_stats(config: DeftConfig, control: ControlPlane, losses: collections.de
     secant, raw = (None, False) if stats is None or trace is None else \
         stats.secant.screen(2.0 * trace / (batch * control.world))
     lam, spec, how = stability_inputs(optimizer, secant,
-                                      None if calibrated is None else float(calibrated["value"]),
+                                      None if calibrated is None else _number(calibrated, "value"),
                                       bool(calibrated and calibrated.get("preconditioned")))
     if how == "secant" and raw:
         how = f"secant ({RAW_SCREEN})"
     if walk is not None and lam is not None:
         walk = dataclasses.replace(walk, curvature=lam, optimizer=spec)
     return walk, f"estimated during warm-up; curvature: {how}" + ("" if lam is None else f" {lam:.4g}")
+
+
+# -- the curvature probe (ddp.calibrate) ---------------------------------------------------------------
+def check_probe_args(closure: object, tol: float, ncv: int | None, maxiter: int) -> None:
+    """``ddp.calibrate``'s arguments, checked on every rank before any collective."""
+    if not callable(closure):
+        raise DeftError(f"calibrate(closure): expected a callable returning the loss, got {type(closure).__name__}")
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < 1:
+        raise DeftError(f"calibrate(tol=...): expected a relative tolerance in (0, 1), got {tol!r}")
+    if ncv is not None and (isinstance(ncv, bool) or not isinstance(ncv, int) or ncv < 3):
+        raise DeftError(f"calibrate(ncv=...): expected None or an integer >= 3 (Lanczos vectors), got {ncv!r}")
+    if isinstance(maxiter, bool) or not isinstance(maxiter, int) or maxiter < 1:
+        raise DeftError(f"calibrate(maxiter=...): expected an integer >= 1, got {maxiter!r}")
+
+
+def probe_curvature(closure: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer | None,
+                    params: list[torch.Tensor], tol: float, ncv: int | None, maxiter: int) -> JsonDict:
+    """Rank 0: the top Hessian eigenvalue by Lanczos on Hessian-vector products of ``closure()``'s loss
+    (:func:`deft.preserver.curvature.top_eigenvalue`), as the record every rank receives. For Adam/AdamW
+    with state, the curvature of Adam's preconditioned step (exact for linearised Adam). A failure is
+    returned as ``{"error": ...}``: the secant estimate stays in use."""
+    try:
+        pre = None
+        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and optimizer.state:
+            pre = adam_preconditioner(optimizer, params)
+        est = top_eigenvalue(closure, params, tol=tol, ncv=ncv, maxiter=maxiter, preconditioner=pre)
+        return {**est.to_dict(), "preconditioned": pre is not None}
+    except Exception as e:  # told to the other ranks; the secant estimate stays in use
+        log.exception("deft: calibrate() failed on rank 0")
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _number(doc: JsonDict, key: str) -> float:
+    value = doc.get(key)
+    if not isinstance(value, (int, float)):
+        raise DeftError(f"internal: {key!r} of the curvature probe's record is not a number: {value!r}")
+    return float(value)

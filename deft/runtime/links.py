@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,10 +46,10 @@ class CommLink:
     name: str
     backend: str
     ifname: str | None
-    group: Any
+    group: dist.ProcessGroup
     stats: LinkStats = field(default_factory=LinkStats)
 
-    def all_reduce(self, tensor: torch.Tensor) -> Any:
+    def all_reduce(self, tensor: torch.Tensor) -> dist.Work:
         """Launch an asynchronous sum all-reduce of ``tensor`` in place; returns the Work."""
         self.stats.calls += 1
         self.stats.bytes += tensor.numel() * tensor.element_size()
@@ -66,11 +65,11 @@ def link_backend(cfg: LinkConfig, index: int, cuda: bool) -> str:
     return "nccl" if (cuda and index == 0) else "gloo"
 
 
-def _new_group(backend: str, ifname: str | None, timeout_s: float, ranks: Sequence[int] | None) -> Any:
+def _new_group(backend: str, ifname: str | None, timeout_s: float, ranks: Sequence[int] | None) -> dist.ProcessGroup:
     return new_group_on_nic(backend, ifname, timeout_s, ranks)
 
 
-def make_control_group(config: DeftConfig, ranks: Sequence[int] | None) -> Any:
+def make_control_group(config: DeftConfig, ranks: Sequence[int] | None) -> dist.ProcessGroup:
     """A CPU gloo group for deft's own small messages (digests, schedule JSON, profile reduction)."""
     return _new_group("gloo", None, config.timeout_s, ranks)
 
@@ -84,7 +83,7 @@ def make_links(config: DeftConfig, cuda: bool, ranks: Sequence[int] | None) -> d
     return links
 
 
-def make_solo_group(backend: str, timeout_s: float, ranks: Sequence[int] | None) -> Any:
+def make_solo_group(backend: str, timeout_s: float, ranks: Sequence[int] | None) -> dist.ProcessGroup:
     """This rank's one-rank group on ``backend`` (a comm hook run on it moves nothing: its codec is
     timed alone). Collective over the world: ``dist.new_group`` is, so every rank creates every rank's
     group, in the order of ``ranks`` (``None``: the whole world), and keeps its own."""

@@ -25,33 +25,30 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from deft.errors import DeftError
 from deft.preserver.gaussian_walk import merge_lr_factor
 
-
-class StepListener(Protocol):
-    """The runtime's side: called right before and right after the optimizer's step."""
-
-    def _before_step(self) -> None: ...
-    def _after_step(self) -> None: ...
+#: A param group's learning rate: a float, or a tensor (torch accepts both).
+LearningRate = float | torch.Tensor
 
 
 class OptimizerBinding:
-    """Finds the module's one optimizer and calls ``listener._before_step/_after_step`` around its steps."""
+    """Finds the module's one optimizer and calls ``before()``/``after()`` (the runtime's bound methods,
+    held weakly) right before and right after each of its steps."""
 
-    def __init__(self, params: list[torch.Tensor], listener: StepListener,
+    def __init__(self, params: list[torch.Tensor], before: Callable[[], None], after: Callable[[], None],
                  optimizer: torch.optim.Optimizer | None) -> None:
         self._mine = {id(p) for p in params}
-        self._listener = weakref.ref(listener)
+        self._before, self._after = weakref.WeakMethod(before), weakref.WeakMethod(after)
         self.optimizer: torch.optim.Optimizer | None = None
         self.internal = False  # deft's own step (an earlier due update): no interception
         self._bound = optimizer is not None
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         if optimizer is not None:
             if not self._steps_mine(optimizer):
                 raise DeftError("the optimizer given to deft.DistributedDataParallel steps none of the module's "
@@ -85,19 +82,18 @@ class OptimizerBinding:
         return True
 
     def fire(self, which: str, opt: torch.optim.Optimizer, bound: bool) -> None:
-        listener = self._listener()
-        if listener is None or self.internal:
+        before, after = self._before(), self._after()
+        if before is None or after is None or self.internal:
             return
         if bound:
-            target = listener._before_step if which == "pre" else listener._after_step
-            target()
+            (before if which == "pre" else after)()
         elif not self._bound:
             # Global hooks: the pre hook claims (and checks for a second optimizer); the post hook
             # only follows the claimed optimizer.
             if which == "pre" and self.claims(opt):
-                listener._before_step()
+                before()
             elif which == "post" and opt is self.optimizer:
-                listener._after_step()
+                after()
         elif which == "pre":
             self.claims(opt)  # bound: the global hook only checks for a second optimizer
 
@@ -118,11 +114,12 @@ class OptimizerBinding:
         self._handles.clear()
 
 
-def _hook(binding: OptimizerBinding, which: str, bound: bool) -> Callable[[torch.optim.Optimizer, Any, Any], None]:
+def _hook(binding: OptimizerBinding, which: str, bound: bool
+          ) -> Callable[[torch.optim.Optimizer, tuple[object, ...], dict[str, object]], None]:
     """The one hook factory: a weak reference to the binding, so a dropped wrapper stops intercepting."""
     ref = weakref.ref(binding)
 
-    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def hook(opt: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         b = ref()
         if b is not None:
             b.fire(which, opt, bound)
@@ -130,7 +127,7 @@ def _hook(binding: OptimizerBinding, which: str, bound: bool) -> Callable[[torch
 
 
 # -- learning-rate scaling of merged updates (config.merge_lr_scaling) -----------------------------
-def scale_lr(optimizer: torch.optim.Optimizer, factor: float) -> list[Any] | None:
+def scale_lr(optimizer: torch.optim.Optimizer, factor: float) -> list[LearningRate] | None:
     """Multiply every param group's ``lr`` by ``factor`` for one step; returns the previous values for
     :func:`restore_lr` (``None`` when ``factor == 1``: nothing changed). The group's ``lr`` objects are
     replaced, not mutated (a tensor ``lr`` stays the user's tensor), so restoring gives back exactly what
@@ -143,7 +140,7 @@ def scale_lr(optimizer: torch.optim.Optimizer, factor: float) -> list[Any] | Non
     return saved
 
 
-def restore_lr(optimizer: torch.optim.Optimizer, saved: list[Any] | None) -> None:
+def restore_lr(optimizer: torch.optim.Optimizer, saved: list[LearningRate] | None) -> None:
     """Undo :func:`scale_lr`."""
     if saved is None:
         return

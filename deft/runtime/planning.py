@@ -12,7 +12,7 @@
   the ranks compare its digest.
 * :meth:`Planning.recheck` (collective, every ``recheck_every`` iterations while a preserver plan
   runs): rank 0 re-evaluates it (:class:`deft.preserver.feedback.Recheck`) and re-plans when asked;
-  the new schedule waits in :attr:`Planning.pending` until the next cycle boundary, where the runtime
+  the new schedule waits as a :class:`Switch` until the next cycle boundary, where the runtime
   flushes and switches (all ranks at the same iteration).
 * **Planning in the background** (``config.plan_lag_iters`` > 0): :meth:`Planning.start` runs rank 0's
   decision in a :class:`Background` thread while every rank trains on with the warm-up's synchronous
@@ -22,10 +22,12 @@
   then waits for its thread). Every rank follows rank 0's word, so all switch at the same iteration.
   The thread runs at a lower CPU priority (``config.planner_nice``, Linux), so that it takes the CPU
   the training leaves idle rather than the model's.
-  Why: the planner (knapsack tries, the lag-free search's simulations) took 0.9 s in the planning
-  iteration and 1.9 s in the adaptation's re-plan of the digits CNN on the testbed (benchmarks/results/
-  peers.md), time that training waited for; a synchronous iteration at 250 Mbit/s spends most of its
-  time waiting for the link with the GIL released, which the planner's thread can use.
+  Why: planning takes seconds that training would otherwise wait for (benchmarks/results/peers.md),
+  while a synchronous iteration on a slow link spends most of its time waiting for the link with the
+  GIL released, which the planner's thread can use.
+* **Switches** (:class:`Switch`): a re-check's or the adaptation's new schedule, agreed by every rank,
+  waits in :class:`Planning` (:meth:`Planning.offer`) until the next cycle boundary, where the runtime
+  takes it (:meth:`Planning.take_switch`), flushes and installs it.
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
 
 from torch import nn
 
+from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.errors import ContractError, DeftError
 from deft.preserver import feedback
@@ -44,6 +46,7 @@ from deft.preserver.feedback import PreserveResult, Recheck, WalkStats
 from deft.profile import Profile
 from deft.runtime.background import Background
 from deft.runtime.control import ControlPlane
+from deft.runtime.records import as_object
 from deft.schedule import Schedule, synchronous_schedule
 from deft.solver.lagfree import lagfree_plan
 from deft.solver.plan import no_delay_plan, plan
@@ -57,7 +60,7 @@ def resolve_profile(profile: Profile | str | os.PathLike[str] | None, cfg: DeftC
     if isinstance(profile, Profile):
         given = profile
     elif profile is not None:
-        given = Profile.load(profile)
+        given = Profile.load(os.fspath(profile))
     elif cfg.profile_path is not None:
         given = Profile.load(cfg.profile_path)
     else:
@@ -92,15 +95,21 @@ class Decision:
     """What rank 0 decided: the schedule, how (``info``), and the preserver's outcome if it ran."""
 
     schedule: Schedule
-    info: dict[str, Any]
+    info: JsonDict
     preserved: PreserveResult | None = None
+
+
+def preserver_info(source: str, res: PreserveResult, stats: WalkStats | None) -> JsonDict:
+    """The record of a preserver decision (the first plan's or a re-check's re-plan)."""
+    return {"source": source, "accepted": bool(res.accepted), "tries": len(res.tries), "reason": res.reason,
+            "stats": None if stats is None else stats.to_dict(), "try_log": [t.to_dict() for t in res.tries]}
 
 
 def make_schedule(cfg: DeftConfig, profile: Profile | None, stats: WalkStats | None,
                   schedule_path: str | os.PathLike[str] | None) -> Decision:
     """Rank 0 only: the schedule to run, degrading to simpler plans when planning fails."""
     if schedule_path is not None:
-        return Decision(Schedule.load(schedule_path), {"source": str(schedule_path)})
+        return Decision(Schedule.load(os.fspath(schedule_path)), {"source": str(schedule_path)})
     assert profile is not None
     try:
         base = lagfree_plan if cfg.forward_updates else no_delay_plan
@@ -108,10 +117,7 @@ def make_schedule(cfg: DeftConfig, profile: Profile | None, stats: WalkStats | N
             return Decision(base(profile, cfg), {"source": f"{base.__name__} (epsilon = 0)"})
         if cfg.preserver:
             res = feedback.preserve(profile, cfg, stats, planner=plan, no_delay_planner=base)
-            return Decision(res.schedule, {"source": "preserver", "accepted": bool(res.accepted),
-                                           "tries": len(res.tries), "reason": res.reason,
-                                           "stats": None if stats is None else stats.to_dict(),
-                                           "try_log": [t.to_dict() for t in res.tries]}, res)
+            return Decision(res.schedule, preserver_info("preserver", res, stats), res)
         return Decision(plan(profile, cfg), {"source": "plan"})
     except DeftError as e:
         first = f"{type(e).__name__}: {e}"
@@ -127,6 +133,15 @@ def make_schedule(cfg: DeftConfig, profile: Profile | None, stats: WalkStats | N
 
 
 # -- the collective side --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Switch:
+    """A schedule every rank agreed on, waiting for a cycle boundary to replace the running one."""
+
+    schedule: Schedule
+    info: JsonDict  # its record: source ("preserver (re-plan)", "adapt"), reason, ...
+    warm_layout: bool = False  # the warm-up's synchronous schedule, on the layout it was measured on
+
+
 @dataclass
 class Planning:
     """Planning state of one run: given inputs, rank 0's re-check, the switch waiting for a boundary."""
@@ -136,62 +151,55 @@ class Planning:
     given_profile: Profile | None
     schedule_path: str | os.PathLike[str] | None
     recheck_on: bool = False
-    pending: tuple[Schedule, dict[str, Any]] | None = None
+    _switch: Switch | None = field(default=None, repr=False)
     _recheck: Recheck | None = field(default=None, repr=False)  # rank 0 only
-    _job: Background | None = field(default=None, repr=False)  # rank 0's decision in flight (start/finish)
 
     @property
     def measuring(self) -> bool:
         """deft measures its own profile during warm-up (none given, no schedule file)."""
         return self.given_profile is None and self.schedule_path is None
 
-    def agree(self, profile: Profile | None, stats: WalkStats | None, world: int) -> tuple[Schedule, dict[str, Any]]:
+    def agree(self, profile: Profile | None, stats: WalkStats | None, world: int) -> tuple[Schedule, JsonDict]:
         """Collective: rank 0 decides; every rank gets, validates and digest-checks the same schedule."""
-        doc: dict[str, Any] = {}
+        doc: JsonDict = {}
         if self.control.rank == 0:
             doc, self._recheck = self._decide(profile, stats, world)
         return self._receive(doc)
 
-    def start(self, profile: Profile | None, stats: WalkStats | None, world: int) -> None:
-        """Not collective: rank 0 starts deciding in the background; :meth:`finish` collects it."""
-        def decide() -> dict[str, Any]:  # the Recheck travels with the document: set only when collected
+    def start(self, profile: Profile | None, stats: WalkStats | None, world: int) -> Background | None:
+        """Not collective: rank 0 starts deciding in the background (its job is returned; None on the
+        other ranks); :meth:`finish` collects it."""
+        def decide() -> dict[str, object]:  # the Recheck travels with the document: set only when collected
             doc, recheck = self._decide(profile, stats, world)
             return {"doc": doc, "recheck": recheck}
 
-        self._job = Background(decide, "deft-planner", self.config.planner_nice) if self.control.rank == 0 else None
+        return Background(decide, "deft-planner", self.config.planner_nice) if self.control.rank == 0 else None
 
-    @property
-    def job(self) -> Background | None:
-        """Rank 0's decision in flight (:meth:`start`), None elsewhere and when there is none."""
-        return self._job
-
-    def discard(self) -> None:
-        """Forget a decision in flight (a checkpoint was loaded): its thread is waited for (it reads the
-        old run's profile) and its result dropped."""
-        job, self._job = self._job, None
-        if job is not None:
-            job.result()
-
-    def finish(self) -> tuple[Schedule, dict[str, Any], dict[str, float]]:
-        """Collective: :meth:`agree` for the decision :meth:`start` began; also rank 0's planning seconds
-        and how long the caller waited for them (``{"plan_s", "waited_s"}``, zeros on other ranks)."""
-        job, self._job = self._job, None
+    def finish(self, job: Background | None) -> tuple[Schedule, JsonDict, dict[str, float]]:
+        """Collective: :meth:`agree` for the decision :meth:`start` began (``job``: rank 0's); also rank
+        0's planning seconds and how long the caller waited for them (``{"plan_s", "waited_s"}``,
+        zeros on other ranks)."""
         timing = {"plan_s": 0.0, "waited_s": 0.0}
-        doc: dict[str, Any] = {}
+        doc: JsonDict = {}
         if job is not None:
             out, waited = job.result()
             timing = {"plan_s": job.seconds, "waited_s": waited}
             # {"error": ...} when the thread itself failed; else the decision and its re-check state
-            doc, self._recheck = (out, None) if "error" in out else (out["doc"], out["recheck"])
+            if "error" in out:
+                doc, self._recheck = {"error": str(out["error"])}, None
+            else:
+                decided, recheck = out["doc"], out["recheck"]
+                assert isinstance(decided, dict) and (recheck is None or isinstance(recheck, Recheck))
+                doc, self._recheck = decided, recheck
         schedule, info = self._receive(doc)
         return schedule, info, timing
 
     def _decide(self, profile: Profile | None, stats: WalkStats | None,
-                world: int) -> tuple[dict[str, Any], Recheck | None]:
+                world: int) -> tuple[JsonDict, Recheck | None]:
         """Rank 0's decision as the JSON document :meth:`_receive` broadcasts, and the re-check state
         for it. Reads its arguments and the config only (it may run on a background thread)."""
         cfg = self.config
-        doc: dict[str, Any]
+        doc: JsonDict
         recheck: Recheck | None = None
         try:
             decision = make_schedule(cfg, profile, stats, self.schedule_path)
@@ -209,25 +217,47 @@ class Planning:
             doc = {"error": f"{type(e).__name__}: {e}"}
         return doc, recheck
 
-    def _receive(self, doc: dict[str, Any]) -> tuple[Schedule, dict[str, Any]]:
+    def _receive(self, doc: JsonDict) -> tuple[Schedule, JsonDict]:
         """Collective: rank 0's ``doc`` to every rank, validated and digest-checked."""
         doc = self.control.broadcast_json(doc, "schedule")
         if "error" in doc:
             raise DeftError(f"rank 0 could not produce a schedule: {doc['error']}")
-        schedule = Schedule.from_dict(doc["schedule"], "schedule broadcast by rank 0")
+        schedule = Schedule.from_dict(as_object(doc, "schedule"), "schedule broadcast by rank 0")
         self.control.check_agreement("schedule", schedule.digest())
-        info = dict(doc.get("info", {}))
+        info = as_object(doc, "info")
         self.recheck_on = bool(info.get("recheck", False))
         return schedule, info
 
+    # -- switches at a cycle boundary ------------------------------------------------------------
+    @property
+    def switch_waiting(self) -> bool:
+        return self._switch is not None
+
+    def offer(self, switch: Switch) -> bool:
+        """A new schedule every rank agreed on waits for the next boundary; False when another is
+        waiting already (the earlier one goes first)."""
+        if self._switch is not None:
+            return False
+        self._switch = switch
+        return True
+
+    def take_switch(self) -> Switch | None:
+        """The waiting switch, to install now (every rank calls it at the same boundary)."""
+        switch, self._switch = self._switch, None
+        return switch
+
+    def forget_switch(self) -> None:
+        """A checkpoint was loaded: a switch agreed by the run it replaces is void."""
+        self._switch = None
+
     def recheck(self, t: int, stats: WalkStats | None, stats_reason: str, running: Schedule,
-                profile: Profile | None) -> dict[str, Any]:
+                profile: Profile | None) -> JsonDict:
         """Collective: the re-check at iteration ``t``; returns the record for ``plan_info["rechecks"]``.
 
-        A new schedule (different from the running one) is left in :attr:`pending`.
+        A new schedule (different from the running one) waits as a :class:`Switch` (:meth:`offer`).
         """
         cfg = self.config
-        doc: dict[str, Any] = {}
+        doc: JsonDict = {}
         if self.control.rank == 0:
             try:
                 decision = None if self._recheck is None else self._recheck.check(t, stats)
@@ -239,27 +269,25 @@ class Planning:
                                                 no_delay_planner=lagfree_plan if cfg.forward_updates else no_delay_plan)
                         self._recheck.reset(res)
                         doc["schedule"] = res.schedule.to_dict()
-                        doc["info"] = {"source": "preserver (re-plan)", "accepted": bool(res.accepted),
-                                       "tries": len(res.tries), "reason": res.reason,
-                                       "stats": None if stats is None else stats.to_dict(),
-                                       "try_log": [t.to_dict() for t in res.tries]}
+                        doc["info"] = preserver_info("preserver (re-plan)", res, stats)
             except Exception as e:  # re-planning never ends a run: keep the running schedule
                 doc = {"error": f"{type(e).__name__}: {e}"}
         doc = self.control.broadcast_json(doc, "re-check decision")
-        record: dict[str, Any] = {"iteration": t, "schedule": running.digest()}
+        record: JsonDict = {"iteration": t, "schedule": running.digest()}
         if "error" in doc:
             log.warning("deft: preserver re-check at iteration %d failed (%s); keeping the schedule", t, doc["error"])
             record["error"] = doc["error"]
         elif "check" not in doc:
             record["skipped"] = f"no check: {stats_reason}" if stats is None else "nothing to check"
         else:
-            record.update(doc["check"])
+            record.update(as_object(doc, "check"))
         if "schedule" in doc:
-            schedule = Schedule.from_dict(doc["schedule"], "schedule re-planned and broadcast by rank 0")
+            schedule = Schedule.from_dict(as_object(doc, "schedule"), "schedule re-planned and broadcast by rank 0")
             self.control.check_agreement("schedule", schedule.digest())
             record["new_schedule"] = schedule.digest()
             if schedule.digest() == running.digest():
                 record["unchanged"] = True
             else:
-                self.pending = (schedule, dict(doc.get("info", {})))
+                self.offer(Switch(schedule, as_object(doc, "info")))
         return record
+

@@ -23,9 +23,9 @@ gloo all-reduce sizes from the recorded input shapes), and exports ``rank{r}.jso
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -33,6 +33,11 @@ from torch import nn
 from deft.errors import DeftError
 from deft.profiler import nvtx
 from deft.runtime.buckets import FlatLayout
+from deft.runtime.control import Collective
+from deft.runtime.executor import Executor
+from deft.runtime.tensors import tensors_in
+
+log = logging.getLogger("deft.runtime")
 
 TRACE_DIR_ENV = "DEFT_TRACE_DIR"
 PROFILE_ITERS_ENV = "DEFT_PROFILE_ITERS"
@@ -109,7 +114,7 @@ class ForwardRanges:
             h.remove()
         self._handles.clear()
 
-    def _pre(self, m: nn.Module, args: Any) -> None:
+    def _pre(self, m: nn.Module, args: object) -> None:
         if not self._on:
             return
         b = self._dominant.get(id(m))
@@ -127,7 +132,7 @@ class TraceRecorder:
         self.directory = Path(directory)
         self.rank, self.cuda = rank, cuda
         self.first, self.stop_at = first, first + count
-        self._prof: Any = None
+        self._prof: torch.profiler.profile | None = None
         self.path: Path | None = None
 
     @property
@@ -159,3 +164,139 @@ class TraceRecorder:
         prof.export_chrome_trace(str(path))
         self.path = path
         return path
+
+
+class BackwardRanges:
+    """The ``deft/bwd/b{b}/it{t}`` ranges of the module docstring, as an executor observer.
+
+    A range opens when the backward starts (the gradient of the forward's output arrives, or the
+    first parameter gradient when no output was watched) on the lowest bucket not yet complete, and
+    closes when that bucket is ready; the next one opens with the next gradient."""
+
+    def __init__(self, executor: Executor) -> None:
+        self._executor = executor
+        self._tok: nvtx.Range | None = None
+        self._reopen = False
+        self._armed = False  # between the forward's start and the end of its backward
+        self._t = 0
+
+    def begin(self, t: int) -> None:
+        """Iteration ``t``'s forward begins."""
+        self._t, self._armed = t, True
+
+    def watch(self, output: object) -> None:
+        """Open the first range when the gradient of the forward's output arrives (only while a tool
+        records: a tensor hook per output otherwise costs for nothing)."""
+        if recording():
+            for t in tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(self._starts)
+
+    def _starts(self, grad: torch.Tensor) -> None:
+        if self._tok is None and self._armed and not self._executor.backward_done:
+            self._open()
+
+    def first_gradient(self) -> None:
+        """The first parameter gradient of the backward (no output was watched, or it had none)."""
+        if self._tok is None and recording():
+            self._open()
+
+    def after_gradient(self) -> None:
+        """A gradient was added: the bucket after a completed one begins."""
+        if self._reopen:
+            self._reopen = False
+            self._open()
+
+    def _open(self) -> None:
+        b = self._executor.next_unready()
+        if b is not None:
+            self._tok = nvtx.push_range("bwd", b, self._t)
+
+    def close(self) -> None:
+        """The backward ended (or the step came first)."""
+        if self._tok is not None:
+            nvtx.pop_range(self._tok)
+            self._tok = None
+        self._reopen = self._armed = False
+
+    # -- ExecutorObserver --------------------------------------------------------------------------
+    def bucket_ready(self, b: int) -> None:
+        if self._tok is not None:
+            nvtx.pop_range(self._tok)
+            self._tok = None
+            self._reopen = True
+
+    def hook_started(self, b: int, t: float) -> None:
+        pass
+
+    def launched(self, b: int, link: str, works: list[Collective], t_start: float) -> None:
+        pass
+
+
+def mark_layout(layout: FlatLayout | None) -> None:
+    """Each bucket's size as a trace mark (for parsers that see no sizes), when a tool records."""
+    if layout is None or not recording():
+        return
+    for b, (numel, nbytes) in enumerate(zip(layout.bucket_numel, layout.bucket_nbytes(), strict=True)):
+        nvtx.mark_layout(b, numel, nbytes)
+
+
+class Tracing:
+    """Everything the runtime shows a trace tool, behind the phase machine's events: the torch.profiler
+    recorder (``DEFT_TRACE_DIR``), the forward ranges (only when a tool was asked for at construction)
+    and the backward ranges (an executor observer)."""
+
+    def __init__(self, module: nn.Module, params: list[torch.Tensor], executor: Executor, rank: int, cuda: bool,
+                 first: int, count: int) -> None:
+        trace_dir = os.environ.get(TRACE_DIR_ENV) or None
+        self._tracer = None if trace_dir is None else TraceRecorder(trace_dir, rank, cuda, first, count)
+        self._fwd = ForwardRanges(module, params) if trace_dir or nvtx.nvtx_enabled() else None
+        self._bwd = BackwardRanges(executor)
+        self._rank = rank
+        executor.observe(self._bwd)
+
+    def set_layout(self, layout: FlatLayout) -> None:
+        if self._fwd is not None:
+            self._fwd.set_layout(layout)
+        mark_layout(layout)
+
+    def begin(self, t: int, layout: FlatLayout | None) -> None:
+        """Iteration ``t``'s forward is about to begin (before the executor's forward stage)."""
+        if self._tracer is not None and self._tracer.maybe_start(t):
+            mark_layout(layout)
+        self._bwd.begin(t)
+
+    def forward_begins(self, t: int) -> None:
+        """The model's forward begins (after deft's own set-up)."""
+        if self._fwd is not None:
+            self._fwd.begin(t)
+
+    def forward_ends(self, output: object) -> None:
+        if self._fwd is not None:
+            self._fwd.end()
+        self._bwd.watch(output)
+
+    def first_gradient(self) -> None:
+        if self._fwd is not None:
+            self._fwd.end()
+        self._bwd.first_gradient()
+
+    def after_gradient(self) -> None:
+        self._bwd.after_gradient()
+
+    def backward_ends(self) -> None:
+        self._bwd.close()
+
+    def after_step(self, t_next: int) -> None:
+        """The torch.profiler trace of the profile iterations is written once they are over."""
+        path = None if self._tracer is None else self._tracer.after_step(t_next)
+        if path is not None:
+            log.info("deft: rank %d wrote its torch.profiler trace to %s", self._rank, path)
+            self._tracer = None
+            if self._fwd is not None and not nvtx.nvtx_enabled():
+                self._fwd.close()
+                self._fwd = None
+
+    def close(self) -> None:
+        if self._fwd is not None:
+            self._fwd.close()

@@ -120,7 +120,8 @@ def parse_stats(text: str) -> WalkStats:
     missing = [k for k in _STATS_FIELDS if k not in values]
     if missing:
         raise ContractError("command line", "--stats", f"{expected}; {', '.join(missing)} missing in {text!r}")
-    return WalkStats(**values)
+    return WalkStats(loss=values["loss"], mu=values["mu"], sigma=values["sigma"], lr=values["lr"],
+                     batch=values["batch"], s_star=values.get("s_star", 0.0))
 
 
 def describe_stats(stats: WalkStats | None) -> str:
@@ -207,7 +208,8 @@ def _simulate(args: argparse.Namespace) -> int:
     print()
     print(format_table(results, baseline))
     if "deft" in results:
-        sched: Schedule = results["deft"].meta["schedule"]
+        sched = results["deft"].meta["schedule"]
+        assert isinstance(sched, Schedule)  # compare.simulate(..., "deft") records the schedule it planned
         print(f"\nrow deft: the planner's first schedule, preserver off (what a run with preserver = false "
               f"uses): cycle {sched.cycle}, K = {list(sched.batch_sequence)}, {sched.n_buckets} buckets after "
               f"partition; deft/compute bound = {results['deft'].iteration_s / results['deft'].compute_bound_s:.3f}")

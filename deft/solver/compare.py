@@ -13,8 +13,8 @@ the loss statistics measured in training; the command line composes that with
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
+from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.errors import ContractError
 from deft.profile import Profile
@@ -45,7 +45,7 @@ def plan_deft(profile: Profile, config: DeftConfig) -> tuple[Schedule, Profile]:
     return result.schedule, result.profile
 
 
-def simulate(profile: Profile, scheme: str, config: DeftConfig | str | dict[str, Any] | None = None, *,
+def simulate(profile: Profile, scheme: str, config: DeftConfig | str | JsonDict | None = None, *,
              workers: int | None = None, iterations: int = 24) -> SimResult:
     """Steady-state iteration of ``scheme`` on ``profile`` (the model: :mod:`deft.solver.simulate`).
 

@@ -48,9 +48,9 @@ Determinism
 -----------
 The answer is a function of the input alone, never of the machine's load: the local search is
 bounded by a count of the moves it scans, CP-SAT runs with one worker, a fixed seed and a
-*deterministic* time budget (``work_limit``, in CP-SAT's deterministic time units: about a second
-of one quiet core each, measured 1.5-3.5 s of wall time on the 2-core development machine). A
-wall-clock limit stays only as a safety net: if CP-SAT reaches ``wall_limit_s`` before its work
+*deterministic* time budget (``work_limit``, in CP-SAT's deterministic time units, each of the order
+of a second of one core's work; measured: benchmarks/results/knapsack.md). A wall-clock limit stays
+only as a safety net: if CP-SAT reaches ``wall_limit_s`` before its work
 budget (a badly overloaded machine), :func:`solve` raises :class:`SolverTimeout` rather than
 return an answer that depends on the load.
 """
@@ -62,12 +62,16 @@ import math
 import numbers
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from deft.errors import ContractError, DeftError
+
+if TYPE_CHECKING:  # pragma: no cover - imported where CP-SAT runs
+    from ortools.sat.python import cp_model
 
 __all__ = ["METHODS", "KnapsackSolution", "SolverTimeout", "default_wall_limit", "solve"]
 
@@ -81,16 +85,16 @@ _MAX_NUMBER = 1e200
 _WEIGHT_BITS = 30
 # The total candidate value maps to [2**39, 2**40): values are rounded at ~1e-12 relative.
 _VALUE_BITS = 40
-# CP-SAT workers. One worker was as fast as or faster than the 8-worker portfolio on the
-# DeFT-like instances of benchmarks/bench_knapsack.py (2 shared cores), leaves the cores to
-# training, and (with a deterministic budget and a fixed seed) makes the search deterministic.
+# CP-SAT workers. One worker was as fast as the multi-worker portfolio on DeFT-like instances
+# (measured: benchmarks/results/knapsack.md), leaves the cores to training, and (with a
+# deterministic budget and a fixed seed) makes the search deterministic.
 _NUM_WORKERS = 1
 _RANDOM_SEED = 0
 # Largest array a local-search move type may scan (elements); beyond it (hundreds of items) the
 # 1-for-2 and exchange moves are skipped and CP-SAT does that work.
 _MOVE_CELLS = 1 << 18
 # The local search stops after scanning this many array elements in all (a deterministic bound on its
-# work, ~0.1-0.3 s of numpy on one core; instances of up to ~100 items converge far earlier).
+# work, unlike a time limit; instances of up to ~100 items converge far earlier).
 _SEARCH_CELLS = 1 << 26
 
 
@@ -319,78 +323,120 @@ def _improve(
     for j, row in enumerate(cand):
         allowed[row, j] = True
     assign = np.array([-1 if k is None else k for k in link_of], dtype=np.int64)
-    ninf = -np.inf
     cells = 0
     for _ in range(4 * n):  # every move raises the value; the cap only bounds the cost
         if math.fsum(value[assign >= 0]) >= target or cells >= max_cells:
             break
-        best_gain = 0.0
-        best_move: list[tuple[int, int]] = []  # (item, new knapsack or -1)
-        packed = [np.flatnonzero(assign == j) for j in range(m)]
-        slack = [c[j] - math.fsum(weight[packed[j], j]) for j in range(m)]
-        for j in range(m):
-            free = np.flatnonzero((assign < 0) & allowed[:, j])
-            if free.size == 0:
-                continue
-            wf, vf, pj = weight[free, j], value[free], packed[j]
-            cells += free.size * (1 + pj.size * (1 + (free.size if pj.size * free.size**2 <= _MOVE_CELLS else 0)))
-            fits = wf <= slack[j]
-            if fits.any():
-                b = int(np.argmax(np.where(fits, vf, ninf)))
-                if vf[b] > best_gain:
-                    best_gain, best_move = float(vf[b]), [(int(free[b]), j)]
-            if pj.size == 0:
-                continue
-            wp, vp = weight[pj, j], value[pj]
-            # a out, b in
-            g = np.where(wf[None, :] - wp[:, None] <= slack[j], vf[None, :] - vp[:, None], ninf)
-            a, b = np.unravel_index(int(np.argmax(g)), g.shape)
-            if g[a, b] > best_gain:
-                best_gain, best_move = float(g[a, b]), [(int(pj[a]), -1), (int(free[b]), j)]
-            # a out, b1 and b2 in (b1 < b2)
-            if free.size > 1 and pj.size * free.size**2 <= _MOVE_CELLS:
-                w2 = wf[:, None] + wf[None, :]
-                v2 = np.where(np.triu(np.ones((free.size, free.size), dtype=bool), 1), vf[:, None] + vf[None, :], ninf)
-                g3 = np.where(w2[None, :, :] - wp[:, None, None] <= slack[j], v2[None, :, :] - vp[:, None, None], ninf)
-                a, b1, b2 = np.unravel_index(int(np.argmax(g3)), g3.shape)
-                if g3[a, b1, b2] > best_gain:
-                    best_gain = float(g3[a, b1, b2])
-                    best_move = [(int(pj[a]), -1), (int(free[b1]), j), (int(free[b2]), j)]
-            # a moves j -> k, optionally a2 moves k -> j, b goes into j
-            for k in range(m):
-                if k == j:
-                    continue
-                mov = allowed[pj, k]
-                if not mov.any():
-                    continue
-                pk = packed[k]
-                cells += pj.size * free.size * (1 + pk.size)
-                room_j = slack[j] + wp  # per a: room in j once a left
-                ok_k = mov & (weight[pj, k] <= slack[k])  # a alone fits into k
-                g = np.where(ok_k[:, None] & (wf[None, :] <= room_j[:, None]), vf[None, :], ninf)
-                a, b = np.unravel_index(int(np.argmax(g)), g.shape)
-                if g[a, b] > best_gain:
-                    best_gain, best_move = float(g[a, b]), [(int(pj[a]), k), (int(free[b]), j)]
-                back = allowed[pk, j]
-                if pk.size == 0 or not back.any() or pj.size * pk.size * free.size > _MOVE_CELLS:
-                    continue
-                # a2 in k comes back to j: k must hold a instead of a2, j gets a2 and b instead of a
-                fit_k = (weight[pj, k][:, None] - weight[pk, k][None, :] <= slack[k]) & mov[:, None] & back[None, :]
-                room = slack[j] + wp[:, None] - weight[pk, j][None, :]  # (a, a2)
-                g = np.where(fit_k[:, :, None] & (wf[None, None, :] <= room[:, :, None]), vf[None, None, :], ninf)
-                a, a2, b = np.unravel_index(int(np.argmax(g)), g.shape)
-                if g[a, a2, b] > best_gain:
-                    best_gain = float(g[a, a2, b])
-                    best_move = [(int(pj[a]), k), (int(pk[a2]), j), (int(free[b]), j)]
-        if not best_move:
+        best = _best_move(value, weight, allowed, c, assign)
+        cells += best.cells
+        if not best.changes:
             break
         trial = assign.copy()
-        for i, k in best_move:
+        for i, k in best.changes:
             trial[i] = k
         if _overfilled([k if k >= 0 else None for k in trial.tolist()], w, c):
             break  # float rounding let an exact-fit move through; stop rather than overfill
         assign = trial
     return [k if k >= 0 else None for k in assign.tolist()]
+
+
+@dataclass
+class _Move:
+    """The best value-raising move of one neighbourhood scan of :func:`_improve`.
+
+    Candidates are offered in a fixed order and only a strictly larger gain replaces the best, so the
+    first of equal moves wins and the search is a function of its input. ``cells`` counts the array
+    elements the scan looked at: the deterministic measure of work that bounds the search.
+    """
+
+    gain: float = 0.0
+    changes: list[tuple[int, int]] = field(default_factory=list)  # (item, new knapsack or -1)
+    cells: int = 0
+
+    def offer(self, gain: float, changes: list[tuple[int, int]]) -> None:
+        if gain > self.gain:
+            self.gain, self.changes = gain, changes
+
+
+def _best_move(value: np.ndarray, weight: np.ndarray, allowed: np.ndarray, c: list[float],
+               assign: np.ndarray) -> _Move:
+    """Scan every move of :func:`_improve` from ``assign`` (knapsack per item, -1: unpacked).
+
+    Per knapsack ``j`` in index order: insert an unpacked item, swap a packed item for one or two
+    unpacked ones, then move a packed item to each other knapsack ``k`` (optionally taking one of
+    ``k``'s items back) to make room for an unpacked one.
+    """
+    m = len(c)
+    best = _Move()
+    packed = [np.flatnonzero(assign == j) for j in range(m)]
+    slack = [c[j] - math.fsum(weight[packed[j], j]) for j in range(m)]
+    for j in range(m):
+        free = np.flatnonzero((assign < 0) & allowed[:, j])
+        if free.size == 0:
+            continue
+        wf, vf, pj = weight[free, j], value[free], packed[j]
+        best.cells += free.size * (1 + pj.size * (1 + (free.size if pj.size * free.size**2 <= _MOVE_CELLS else 0)))
+        _offer_insert(best, j, free, wf, vf, slack[j])
+        if pj.size == 0:
+            continue
+        _offer_swaps(best, j, free, wf, vf, pj, weight[pj, j], value[pj], slack[j])
+        for k in range(m):
+            if k != j:
+                _offer_transfers(best, j, k, free, wf, vf, pj, packed[k], weight, allowed, slack)
+    return best
+
+
+_NINF = -np.inf  # the gain of a move that does not fit
+
+
+def _offer_insert(best: _Move, j: int, free: np.ndarray, wf: np.ndarray, vf: np.ndarray, slack_j: float) -> None:
+    """Insert the most valuable unpacked item that fits the room left in knapsack ``j``."""
+    fits = wf <= slack_j
+    if fits.any():
+        b = int(np.argmax(np.where(fits, vf, _NINF)))
+        best.offer(float(vf[b]), [(int(free[b]), j)])
+
+
+def _offer_swaps(best: _Move, j: int, free: np.ndarray, wf: np.ndarray, vf: np.ndarray, pj: np.ndarray,
+                 wp: np.ndarray, vp: np.ndarray, slack_j: float) -> None:
+    """Take packed item ``a`` out of knapsack ``j`` and put one unpacked item ``b``, or two (``b1 < b2``),
+    in its place. The 1-for-2 swap scans ``|packed| x |free|^2`` cells and is skipped past ``_MOVE_CELLS``."""
+    g = np.where(wf[None, :] - wp[:, None] <= slack_j, vf[None, :] - vp[:, None], _NINF)
+    a, b = np.unravel_index(int(np.argmax(g)), g.shape)
+    best.offer(float(g[a, b]), [(int(pj[a]), -1), (int(free[b]), j)])
+    if free.size > 1 and pj.size * free.size**2 <= _MOVE_CELLS:
+        w2 = wf[:, None] + wf[None, :]
+        v2 = np.where(np.triu(np.ones((free.size, free.size), dtype=bool), 1), vf[:, None] + vf[None, :], _NINF)
+        g3 = np.where(w2[None, :, :] - wp[:, None, None] <= slack_j, v2[None, :, :] - vp[:, None, None], _NINF)
+        a, b1, b2 = np.unravel_index(int(np.argmax(g3)), g3.shape)
+        best.offer(float(g3[a, b1, b2]), [(int(pj[a]), -1), (int(free[b1]), j), (int(free[b2]), j)])
+
+
+def _offer_transfers(best: _Move, j: int, k: int, free: np.ndarray, wf: np.ndarray, vf: np.ndarray,
+                     pj: np.ndarray, pk: np.ndarray, weight: np.ndarray, allowed: np.ndarray,
+                     slack: list[float]) -> None:
+    """Move packed item ``a`` from knapsack ``j`` to ``k``, optionally bringing ``k``'s item ``a2`` back
+    to ``j``, and insert unpacked ``b`` into the room made in ``j``: the moves across knapsacks that the
+    greedy (which fills one knapsack at a time) never considers."""
+    mov = allowed[pj, k]
+    if not mov.any():
+        return
+    wp = weight[pj, j]
+    best.cells += pj.size * free.size * (1 + pk.size)
+    room_j = slack[j] + wp  # per a: room in j once a left
+    ok_k = mov & (weight[pj, k] <= slack[k])  # a alone fits into k
+    g = np.where(ok_k[:, None] & (wf[None, :] <= room_j[:, None]), vf[None, :], _NINF)
+    a, b = np.unravel_index(int(np.argmax(g)), g.shape)
+    best.offer(float(g[a, b]), [(int(pj[a]), k), (int(free[b]), j)])
+    back = allowed[pk, j]
+    if pk.size == 0 or not back.any() or pj.size * pk.size * free.size > _MOVE_CELLS:
+        return
+    # a2 in k comes back to j: k must hold a instead of a2, j gets a2 and b instead of a
+    fit_k = (weight[pj, k][:, None] - weight[pk, k][None, :] <= slack[k]) & mov[:, None] & back[None, :]
+    room = slack[j] + wp[:, None] - weight[pk, j][None, :]  # (a, a2)
+    g = np.where(fit_k[:, :, None] & (wf[None, None, :] <= room[:, :, None]), vf[None, None, :], _NINF)
+    a, a2, b = np.unravel_index(int(np.argmax(g)), g.shape)
+    best.offer(float(g[a, a2, b]), [(int(pj[a]), k), (int(pk[a2]), j), (int(free[b]), j)])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -448,31 +494,7 @@ def _cp_sat(
     """
     from ortools.sat.python import cp_model
 
-    model = cp_model.CpModel()
-    per_knapsack: list[tuple[list[cp_model.IntVar], list[int]]] = [([], []) for _ in m.capacity]
-    per_item: dict[int, list[cp_model.IntVar]] = {}
-    obj_coef: list[int] = []
-    keys = list(m.weight)
-    xs = [model.new_bool_var("") for _ in keys]
-    for (i, j), x in zip(keys, xs, strict=True):
-        vars_j, coefs_j = per_knapsack[j]
-        vars_j.append(x)
-        coefs_j.append(m.weight[i, j])
-        per_item.setdefault(i, []).append(x)
-        obj_coef.append(m.value[i])
-        model.add_hint(x, hint[i] == j)
-    for (vars_j, coefs_j), cap in zip(per_knapsack, m.capacity, strict=True):
-        if vars_j and sum(coefs_j) > cap:  # otherwise the constraint cannot bind
-            model.add(cp_model.LinearExpr.weighted_sum(vars_j, coefs_j) <= cap)
-    for xs_i in per_item.values():
-        if len(xs_i) > 1:
-            model.add_at_most_one(xs_i)
-    if cuts:
-        var = dict(zip(keys, xs, strict=True))
-        for j, items in cuts:
-            model.add(cp_model.LinearExpr.sum([var[i, j] for i in items]) <= len(items) - 1)
-    model.maximize(cp_model.LinearExpr.weighted_sum(xs, obj_coef))
-
+    model, keys, xs = _cp_model(m, hint, cuts)
     solver = cp_model.CpSolver()
     # Only deterministic limits decide where the search ends (same input, same answer, whatever the
     # load); the wall clock is a safety net that raises instead of answering.
@@ -501,6 +523,41 @@ def _cp_sat(
     # objective is an integer, so floor(bound + 0.5) still bounds it
     bound = max(math.floor(solver.best_objective_bound + 0.5), objective)
     return link_of, bound, status == cp_model.OPTIMAL and bound <= objective, spent
+
+
+def _cp_model(m: _IntModel, hint: list[int | None], cuts: list[tuple[int, list[int]]]
+              ) -> tuple[cp_model.CpModel, list[tuple[int, int]], list[cp_model.IntVar]]:
+    """The CP-SAT model of the integer relaxation: one boolean per allowed (item, knapsack) pair (the
+    ``keys``, in ``m.weight`` order, and their variables ``xs``), each knapsack's capacity, at most one
+    knapsack per item, the ``cuts`` (see :func:`_cp_sat`) and the total value as objective. The
+    local search's assignment ``hint`` is the solver's starting point."""
+    from ortools.sat.python import cp_model
+
+    model = cp_model.CpModel()
+    per_knapsack: list[tuple[list[cp_model.IntVar], list[int]]] = [([], []) for _ in m.capacity]
+    per_item: dict[int, list[cp_model.IntVar]] = {}
+    obj_coef: list[int] = []
+    keys = list(m.weight)
+    xs = [model.new_bool_var("") for _ in keys]
+    for (i, j), x in zip(keys, xs, strict=True):
+        vars_j, coefs_j = per_knapsack[j]
+        vars_j.append(x)
+        coefs_j.append(m.weight[i, j])
+        per_item.setdefault(i, []).append(x)
+        obj_coef.append(m.value[i])
+        model.add_hint(x, hint[i] == j)
+    for (vars_j, coefs_j), cap in zip(per_knapsack, m.capacity, strict=True):
+        if vars_j and sum(coefs_j) > cap:  # otherwise the constraint cannot bind
+            model.add(cp_model.LinearExpr.weighted_sum(vars_j, coefs_j) <= cap)
+    for xs_i in per_item.values():
+        if len(xs_i) > 1:
+            model.add_at_most_one(xs_i)
+    if cuts:
+        var = dict(zip(keys, xs, strict=True))
+        for j, items in cuts:
+            model.add(cp_model.LinearExpr.sum([var[i, j] for i in items]) <= len(items) - 1)
+    model.maximize(cp_model.LinearExpr.weighted_sum(xs, obj_coef))
+    return model, keys, xs
 
 
 def _overfilled(link_of: Sequence[int | None], w: list[list[float]], c: list[float]) -> list[tuple[int, list[int]]]:
@@ -550,9 +607,9 @@ def solve(
     n = len(v)
     # pre-filter: an item may go into knapsack j only if it is worth something and fits alone
     cand = [[i for i in range(n) if v[i] > 0 and w[i][j] <= c[j]] for j in range(len(c))]
-    spent = 0.0
 
-    def done(link_of: list[int | None], bound: float, optimal: bool, how: str) -> KnapsackSolution:
+    def done(link_of: list[int | None], bound: float, optimal: bool, how: str, spent: float = 0.0
+             ) -> KnapsackSolution:
         value = _value(link_of, v)
         return KnapsackSolution(
             link_of=tuple(link_of), value=value, bound=max(bound, value), optimal=optimal, method=how,
@@ -575,24 +632,43 @@ def solve(
         # the LP bound already certifies the improved greedy within the requested gap: no search
         return done(start, lp, s_value >= lp, "exact")
 
+    link_of, bound, optimal, spent = _search_with_cuts(v, w, c, cand, start, lp, work_limit, relative_gap,
+                                                       wall, t0)
+    if link_of is None:  # CP-SAT found no (exactly feasible) answer within its work budget
+        return done(start, bound, False, "exact->greedy", spent)
+    if _value(link_of, v) < s_value:  # value rounding may prefer a set a few ulps worse
+        link_of = start
+    return done(link_of, bound, optimal, "exact", spent)
+
+
+def _search_with_cuts(
+    v: list[float], w: list[list[float]], c: list[float], cand: list[list[int]], start: list[int | None],
+    lp: float, work_limit: float, relative_gap: float, wall: float, t0: float,
+) -> tuple[list[int | None] | None, float, bool, float]:
+    """CP-SAT on the integer relaxation (:func:`_scaled_model`) from the local search's ``start``,
+    re-solved with a cut while its answer overfills a knapsack exactly (the relaxation's price, see
+    :func:`_scaled_model`); all the solves together spend at most ``work_limit``.
+
+    Returns (the exactly feasible assignment, or ``None`` when CP-SAT found none or the budget ran out
+    first; the proven bound, at most the LP bound ``lp``; proven optimal; deterministic work spent).
+    ``wall`` seconds from ``t0`` is the clock's safety net (:class:`SolverTimeout`).
+    """
     model = _scaled_model(v, w, c, cand)
     cuts: list[tuple[int, list[int]]] = []
+    spent = 0.0
     while True:
         left = work_limit - spent
-        link_of, bound_int, optimal, used = _cp_sat(model, n, start, cuts, left, relative_gap,
+        link_of, bound_int, optimal, used = _cp_sat(model, len(v), start, cuts, left, relative_gap,
                                                     max(wall - (time.perf_counter() - t0), 1e-3))
         spent += used
         if link_of is None or bound_int is None:
-            return done(start, lp, False, "exact->greedy")
+            return None, lp, False, spent
         # the bound of the model with cuts is still a bound: the cuts remove only infeasible sets
         bound = min(lp, math.ldexp(bound_int, -model.value_exp))
         bad = _overfilled(link_of, w, c)
         if not bad:
-            break
+            return link_of, bound, optimal, spent
         if spent >= work_limit:
-            return done(start, bound, False, "exact->greedy")
+            return None, bound, False, spent
         # a near-exact fill that rounding let through: forbid that set in that knapsack, re-solve
         cuts.extend(bad)
-    if _value(link_of, v) < s_value:  # value rounding may prefer a set a few ulps worse
-        link_of = start
-    return done(link_of, bound, optimal, "exact")

@@ -25,10 +25,10 @@ The plans (cycle 1, one update per iteration), all simulated and the fastest kep
   larger pieces) against balancing the links and the deadlines (more, smaller ones).
 
 The deadline of bucket ``b`` is its module's forward start, so the search minimises the forward stall
-plus the step's wait. None of this is the exact deadline knapsack; on the digits-CNN profile the best
-plan (353 ms) is within about 4 % of a lower bound of every lag-free plan (338 ms: the buckets ready
-after 62 ms of backward must be sent before the next forward reaches them; see
-``benchmarks/results/replay.md``).
+plus the step's wait. None of this is the exact deadline knapsack, but on the digits-CNN profile the
+best plan comes within a few percent of a lower bound of every lag-free plan (the buckets ready late in
+the backward must be sent before the next forward reaches them; the bound and the measurement:
+benchmarks/results/replay.md).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
+from deft._json import JsonValue
 from deft.config import DeftConfig
 from deft.errors import ContractError
 from deft.profile import Profile
@@ -71,8 +72,9 @@ def candidate(part: Profile, j: int, base: Schedule) -> Schedule:
 
 
 #: The search's simulations: 2 warm-up and 4 measured iterations (a cycle-1 schedule is in its steady
-#: state after one or two; on the four reference profiles these times equal the default length's to
-#: 1e-13), at most ``SEARCH_EVALUATIONS`` per partition in the local search (about 2 ms each for 14 buckets).
+#: state after one or two, so on the reference profiles these times equal the default length's to
+#: rounding), at most ``SEARCH_EVALUATIONS`` per partition in the local search (each evaluation is one
+#: simulation, the search's cost).
 SEARCH_WARMUP, SEARCH_ITERATIONS, SEARCH_EVALUATIONS = 2, 4, 120
 #: Partitions tried by the early-send search, as multiples of the no-delay plan's capacity (the
 #: largest bucket's primary-link time): 1 is the no-delay plan's own partition; coarser pieces pay
@@ -192,12 +194,13 @@ def lagfree_plan(profile: Profile, config: DeftConfig | None = None,
     cfg = DeftConfig.resolve(config)
     base = no_delay_plan(profile, cfg)
     part = profile_for_schedule(profile, base, cfg)
-    best, best_s, tried = base, base.predicted_iteration_s, []
+    best, best_s = base, base.predicted_iteration_s
+    tried: list[list[JsonValue]] = []  # [candidate, predicted seconds]: the forward set j, or "early x<scale>"
     mode = "no_delay"
     for j in range(part.n):
         sched = candidate(part, j, base)
         # A cycle-1 schedule is in its steady state after an iteration or two: the short simulation
-        # gives the default one's time to 1e-13 on the reference profiles at a fifth of the cost (the
+        # gives the default one's time to rounding on the reference profiles at a fraction of the cost (the
         # search runs in the planning iteration, which training waits for).
         res = simulate_schedule(part, sched, iterations=SEARCH_ITERATIONS, warmup=SEARCH_WARMUP)
         tried.append([j, float(res.iteration_s)])

@@ -17,7 +17,7 @@ holding the fraction ``f = numel_piece / numel_bucket`` of bucket ``b`` gets
   parameter's last piece (:attr:`deft.profile.Profile.gradient_ready`), as the runtime does and
   the planners do (``Profile.ready_s``); the paper's model (each piece
   ready after its own share of the backward) let a piece go up to ``(k - 1) / k`` of the layer's
-  backward too early (measured in ``benchmarks/results/replay.md``, 2026-11-23);
+  backward too early (measured: benchmarks/results/replay.md);
 * on each link with a *measured* time ``c``: ``alpha + (c - alpha) * f`` with ``alpha`` the link's
   fitted latency (clamped to ``c``): every message pays the latency once, the rest scales with bytes.
   Links without a measured time keep using the link's fitted model on the piece's bytes.
@@ -174,8 +174,8 @@ def partition(profile: Profile, config: DeftConfig, capacity_s: float | None = N
 def keeps_tensors_whole(profile: Profile) -> bool:
     """Under a codec that is not element-wise (PowerSGD, an unknown hook) no bucket is split: PowerSGD
     compresses each gradient *matrix* of a bucket to rank ``r`` and sends a 1-D piece of a split
-    parameter uncompressed (measured on the testbed: the digits CNN's 17 MB fc weight cut into pieces
-    made deft + PowerSGD send more than torch DDP + PowerSGD, 295 against 204 ms per iteration). The
+    parameter uncompressed, so cutting a large weight into pieces sent more than torch DDP + PowerSGD's
+    whole buckets (measured: benchmarks/results/peers.md, "What deft loses"). The
     knapsack then treats an over-capacity bucket as the planner's bubble, as for ``best_effort``;
     fusing whole buckets keeps their matrices whole and is still done."""
     return profile.compressed and not profile.elementwise_codec

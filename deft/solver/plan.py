@@ -86,8 +86,8 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
+from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.errors import ContractError
 from deft.profile import Profile
@@ -121,9 +121,9 @@ CASE_FLUSH = 0  # backward "case" of the forced flush that closes a capped cycle
 DEFAULT_MAX_CYCLE = 64
 # Total CP-SAT work of one plan, in units of the per-knapsack budget, before the greedy takes over.
 EXACT_BUDGET_LIMITS = 20
-# CP-SAT deterministic time granted per second of ``config.solver_time_limit_s``. One unit took 1.5-3.5 s
-# of wall time on the 2-core development machine (quiet to loaded), so the default 1 s budget is about
-# what the wall-clock limit used to allow on a quiet machine; the answer no longer depends on the load.
+# CP-SAT deterministic time granted per second of ``config.solver_time_limit_s``: a unit takes one to a
+# few seconds of wall time on a small machine (measured: benchmarks/results/knapsack.md), so a budget
+# costs about the wall time its name says on a quiet machine, while the answer never depends on the load.
 WORK_PER_SECOND = 0.5
 # Iterations of the state machine searched for a repeating queue state, per iteration of max_cycle.
 _SEARCH_PER_CYCLE = 4
@@ -351,6 +351,12 @@ def repair_ready_order(
 # the state machine
 
 
+#: The queue state at the start of an iteration: the current queue, its group's size and age (iterations
+#: since the group's last one), and the length of the future queue. The machine's next moves depend on
+#: nothing else, so a repeated state starts a cycle.
+QueueState = tuple[frozenset[int], int, int, int]
+
+
 class _Machine:
     """Queues, groups and knapsack solving for one plan; see the module docstring."""
 
@@ -417,7 +423,7 @@ class _Machine:
                 p: Packing) -> KnapsackRecord:
         return KnapsackRecord(stage, purpose, items, caps, p.value, p.bound, p.optimal, p.method, p.solve_s)
 
-    def state_key(self, t: int) -> tuple[Any, ...]:
+    def state_key(self, t: int) -> QueueState:
         if self.current:
             g = self.current_group
             assert g is not None
@@ -440,6 +446,8 @@ class _Machine:
         return []
 
     def step(self, t: int, flush: bool = False) -> IterationRecord:
+        """One iteration of the state machine (module docstring); ``flush`` sends everything left in its
+        backward (the capped cycle's last iteration)."""
         current_before, future_before = tuple(sorted(self.current)), tuple(self.future)
         records: list[KnapsackRecord] = []
         completed: list[int] = []
@@ -451,30 +459,12 @@ class _Machine:
         forward_case: int | None = None
         if self.current:
             forward_case = 1
-            items = tuple(sorted(self.current))
-            caps = tuple(self.cap_forward for _ in self.links)
-            pk = self.solve(items, caps)
-            records.append(self._record("forward", "current", items, caps, pk))
-            assert self.current_group is not None
-            fwd = self._sends(pk.assignment, self.current_group, t)
-            completed += self._finish_current(pk.assignment, t)
+            fwd = self._case1(t, records, completed)
 
         # ---- backward: Cases 2-4
         busy = [0.0 for _ in self.links]
         if self.current:
-            items = tuple(sorted(self.current))
-            caps = tuple(self.end_backward for _ in self.links)
-            if flush:
-                old = self._spread(items, busy)
-            else:
-                pk = self.solve(items, caps)
-                records.append(self._record("backward", "current", items, caps, pk))
-                old = pk.assignment
-            assert self.current_group is not None
-            bwd += self._sends(old, self.current_group, t)
-            for b, j in old.items():
-                busy[j] += self.w[b][j]
-            completed += self._finish_current(old, t)
+            bwd += self._send_current_in_backward(t, flush, busy, records, completed)
             if self.current:
                 # Case 2: the current queue outlasts this backward; t's gradient waits, merged.
                 self.future.append(t)
@@ -485,37 +475,88 @@ class _Machine:
             backward_case = CASE_FLUSH if flush else 4
 
         # ---- Cases 3 and 4: a new group of the future queue and iteration t
+        sends, dropped = self._new_group(t, flush, busy, records, completed)
+        bwd += sends
+        return self._done(t, forward_case, backward_case, current_before, future_before, fwd, bwd, completed,
+                          records, dropped)
+
+    def _case1(self, t: int, records: list[KnapsackRecord], completed: list[int]) -> list[Send]:
+        """Case 1: the forward stage sends what its knapsack (capacity ``s*F`` per link) picks from the
+        current queue; those gradients are old, so nothing in the forward delays them."""
+        items = tuple(sorted(self.current))
+        caps = tuple(self.cap_forward for _ in self.links)
+        pk = self.solve(items, caps)
+        records.append(self._record("forward", "current", items, caps, pk))
+        assert self.current_group is not None
+        fwd = self._sends(pk.assignment, self.current_group, t)
+        completed += self._finish_current(pk.assignment, t)
+        return fwd
+
+    def _send_current_in_backward(self, t: int, flush: bool, busy: list[float], records: list[KnapsackRecord],
+                                  completed: list[int]) -> list[Send]:
+        """Cases 2 and 3: the backward stage first sends what its knapsack (capacity ``E`` per link) picks
+        from the current queue (everything when flushing), from the stage start; ``busy[j]`` becomes
+        the time link ``j`` spends on these old buckets, before it can take the new group's."""
+        items = tuple(sorted(self.current))
+        caps = tuple(self.end_backward for _ in self.links)
+        if flush:
+            old = self._spread(items, busy)
+        else:
+            pk = self.solve(items, caps)
+            records.append(self._record("backward", "current", items, caps, pk))
+            old = pk.assignment
+        assert self.current_group is not None
+        sends = self._sends(old, self.current_group, t)
+        for b, j in old.items():
+            busy[j] += self.w[b][j]
+        completed += self._finish_current(old, t)
+        return sends
+
+    def _new_group(self, t: int, flush: bool, busy: list[float], records: list[KnapsackRecord],
+                   completed: list[int]) -> tuple[list[Send], tuple[int, ...]]:
+        """Cases 3 and 4: the future queue and iteration ``t`` form a new update group; the part of it
+        that fits this backward after each link's ``busy`` time is sent now (Algorithm 1 and the
+        ready-time repair, or everything when flushing), the rest becomes the current queue. Returns
+        the sends, in ready order, and the buckets the repair dropped."""
         group = len(self.groups)
         self.groups.append([*self.future, t])
         self.complete.append(None)
         self.future = []
+        dropped: tuple[int, ...] = ()
         if flush:
             new = self._spread(tuple(range(self.n)), busy, after_ready=True)
         else:
-            cand = tuple(range(self.n - 1))  # bucket n-1 is ready only when backward ends
-            t0 = time.perf_counter()
-            choice = recursive_knapsack(cand, self.ready, self.end_backward, busy, self.v, self.w, self.solve)
-            new, dropped = repair_ready_order(choice.assignment, self.ready, self.end_backward, busy, self.w, self.v,
-                                              fill=cand)
-            # Worthless buckets ride along on the primary when their gradient is ready in time.
-            for b in cand:
-                if b not in new and self.v[b] == 0.0 and self.ready[b] <= self.end_backward:
-                    new[b] = 0
-            if choice.packings:
-                records.append(KnapsackRecord(
-                    "backward", "recursive", cand, tuple(max(0.0, self.end_backward - x) for x in busy),
-                    choice.value, max(p.bound for p in choice.packings),
-                    all(p.optimal for p in choice.packings), self.method, time.perf_counter() - t0,
-                    choice.level, len(choice.packings),
-                ))
-        bwd += [Send(b, group, self.links[new[b]], 0) for b in sorted(new, key=lambda b: (self.ready[b], b))]
+            new, dropped = self._recursive_choice(busy, records)
+        sends = [Send(b, group, self.links[new[b]], 0) for b in sorted(new, key=lambda b: (self.ready[b], b))]
         self.current = [b for b in range(self.n) if b not in new]
         self.current_group = group if self.current else None
         if not self.current:
             self.complete[group] = t
             completed.append(group)
-        return self._done(t, forward_case, backward_case, current_before, future_before, fwd, bwd, completed,
-                          records, dropped)
+        return sends, dropped
+
+    def _recursive_choice(self, busy: list[float], records: list[KnapsackRecord]
+                          ) -> tuple[dict[int, int], tuple[int, ...]]:
+        """Algorithm 1 over the new group's buckets ``0..n-2`` (bucket ``n-1`` is ready only when backward
+        ends), made feasible under the ready times by :func:`repair_ready_order`; worthless buckets
+        ride along on the primary link. Returns bucket -> link and the buckets the repair dropped."""
+        cand = tuple(range(self.n - 1))  # bucket n-1 is ready only when backward ends
+        t0 = time.perf_counter()
+        choice = recursive_knapsack(cand, self.ready, self.end_backward, busy, self.v, self.w, self.solve)
+        new, dropped = repair_ready_order(choice.assignment, self.ready, self.end_backward, busy, self.w, self.v,
+                                          fill=cand)
+        # Worthless buckets ride along on the primary when their gradient is ready in time.
+        for b in cand:
+            if b not in new and self.v[b] == 0.0 and self.ready[b] <= self.end_backward:
+                new[b] = 0
+        if choice.packings:
+            records.append(KnapsackRecord(
+                "backward", "recursive", cand, tuple(max(0.0, self.end_backward - x) for x in busy),
+                choice.value, max(p.bound for p in choice.packings),
+                all(p.optimal for p in choice.packings), self.method, time.perf_counter() - t0,
+                choice.level, len(choice.packings),
+            ))
+        return new, dropped
 
     def _spread(self, items: tuple[int, ...], busy: list[float], after_ready: bool = False) -> dict[int, int]:
         """Flush: every item on the link that finishes it first (list scheduling), no capacity."""
@@ -590,7 +631,7 @@ def _no_delay(profile: Profile, cfg: DeftConfig, scale: float, capacity_s: float
         tuple(b.numel for b in profile.buckets), tuple(b.nbytes for b in profile.buckets),
         profile.link_names, assign,
     )
-    meta = {
+    meta: JsonDict = {
         "planner": "deft.solver.plan", "mode": "no_delay", "reason": reason, "solver": cfg.solver,
         "capacity_scale": scale, "capacity_s": capacity_s, "cases": [[None, None]], "knapsack_calls": 0,
         "optimal": True, "solver_work": 0.0, "wfbp_finish_s": finish, "backward_s": profile.backward_s,
@@ -663,9 +704,6 @@ def plan_trace(profile: Profile, config: DeftConfig | None = None, *, capacity_s
         return PlanResult(sched, part, (), (), 0, 1, 1, "no_delay")
 
     m = _Machine(part, cfg, scale)
-    records: list[IterationRecord] = []
-    keys: list[tuple[Any, ...]] = []
-    seen: dict[tuple[Any, ...], int] = {}
     limit = _SEARCH_PER_CYCLE * max_cycle
     # Each update needs every bucket sent once (at least its cheapest link's time), and an iteration
     # offers at most s*(F+B) per link: a cycle shorter than their ratio cannot exist. Skip the search.
@@ -673,41 +711,68 @@ def plan_trace(profile: Profile, config: DeftConfig | None = None, *, capacity_s
     offer = len(m.links) * scale * (part.forward_s + part.backward_s)
     if need > max_cycle * offer:
         limit = 0
-    start = period = -1
-    for t in range(limit):
-        key = m.state_key(t)
-        if key in seen:
-            start, period = seen[key], t - seen[key]
-            break
-        seen[key] = t
-        keys.append(key)
-        records.append(m.step(t))
-
+    records: list[IterationRecord] = []
+    start, period, keys = _run_until_repeat(m, limit, records)
     if period > 0:
-        # Start the cycle where the future queue is empty, so no group straddles the boundary.
-        s = next(i for i in range(start, start + period) if keys[i][3] == 0)
-        # Simulate on until every group ending in [s, s+period) is complete.
-        def window() -> list[int]:
-            return [i for i, g in enumerate(m.groups) if s <= g[-1] < s + period]
-
-        t = len(records)
-        while t < 2 * limit and (t < s + period or any(m.complete[i] is None for i in window())):
-            records.append(m.step(t))
-            t += 1
-        groups = window()
-        if groups and all(m.complete[i] is not None for i in groups):
-            span = max(m.complete[i] - m.groups[i][-1] for i in groups)  # type: ignore[operator]
-            unroll = span // period + 1
-            if period * unroll <= max_cycle:
-                sched = _emit(part, cfg, scale, cap, m, records, s, period, unroll, capped=False)
-                return PlanResult(sched, part, tuple(records), m.group_records(), s, period, unroll, "deft",
-                                  m.solve_s)
+        found = _steady_cycle(m, records, keys, start, period, limit, max_cycle)
+        if found is not None:
+            s, unroll = found
+            sched = _emit(part, cfg, scale, cap, m, records, s, period, unroll, capped=False)
+            return PlanResult(sched, part, tuple(records), m.group_records(), s, period, unroll, "deft", m.solve_s)
 
     # Capped: close a cycle of max_cycle iterations by flushing in its last backward.
     m.reset()
     records = [m.step(t, flush=(t == max_cycle - 1)) for t in range(max_cycle)]
     sched = _emit(part, cfg, scale, cap, m, records, 0, max_cycle, 1, capped=True)
     return PlanResult(sched, part, tuple(records), m.group_records(), 0, max_cycle, 1, "capped", m.solve_s)
+
+
+def _run_until_repeat(m: _Machine, limit: int, records: list[IterationRecord]
+                      ) -> tuple[int, int, list[QueueState]]:
+    """Step the machine from empty queues until the queue state at the start of an iteration repeats
+    (at most ``limit`` iterations), recording each iteration in ``records``.
+
+    The machine is a deterministic function of that state, so from the first repetition on it runs
+    in a cycle. Returns (first iteration of the repeating part, its period, the state before each
+    recorded iteration); ``(-1, -1, ...)`` when no state repeated within ``limit``.
+    """
+    keys: list[QueueState] = []
+    seen: dict[QueueState, int] = {}
+    for t in range(limit):
+        key = m.state_key(t)
+        if key in seen:
+            return seen[key], t - seen[key], keys
+        seen[key] = t
+        keys.append(key)
+        records.append(m.step(t))
+    return -1, -1, keys
+
+
+def _steady_cycle(m: _Machine, records: list[IterationRecord], keys: list[QueueState], start: int, period: int,
+                  limit: int, max_cycle: int) -> tuple[int, int] | None:
+    """Where the emitted cycle starts and how often the period is unrolled, or ``None`` (then capped).
+
+    The cycle starts at an iteration of the repeating part whose future queue is empty, so no update
+    group straddles the cycle boundary. Its groups may complete after the period ends (delayed
+    updates), so the machine runs on (appending to ``records``, at most until ``2 * limit``) until
+    every group ending in the period is complete; the period is unrolled until each group's
+    communication lies within one cycle, which must not exceed ``max_cycle`` iterations.
+    """
+    s = next(i for i in range(start, start + period) if keys[i][3] == 0)
+
+    def window() -> list[int]:
+        return [i for i, g in enumerate(m.groups) if s <= g[-1] < s + period]
+
+    t = len(records)
+    while t < 2 * limit and (t < s + period or any(m.complete[i] is None for i in window())):
+        records.append(m.step(t))
+        t += 1
+    groups = window()
+    lags = [done - m.groups[i][-1] for i in groups if (done := m.complete[i]) is not None]
+    if not groups or len(lags) != len(groups):
+        return None
+    unroll = max(lags) // period + 1
+    return (s, unroll) if period * unroll <= max_cycle else None
 
 
 def _emit(profile: Profile, cfg: DeftConfig, scale: float, capacity_s: float, m: _Machine,
@@ -734,7 +799,7 @@ def _emit(profile: Profile, cfg: DeftConfig, scale: float, capacity_s: float, m:
             updates.append(Update(tuple(i - s + r * period for i in m.groups[g]), done - s + r * period))
     in_cycle = records[s:s + period]
     ks = [k for rec in in_cycle for k in rec.knapsacks]
-    meta: dict[str, Any] = {
+    meta: JsonDict = {
         "planner": "deft.solver.plan", "mode": "capped" if capped else "deft", "solver": cfg.solver,
         "capacity_scale": scale, "capacity_s": capacity_s, "cases": cases, "cycle_start": s, "period": period,
         "unroll": unroll, "cycle_capped": capped, "knapsack_calls": m.calls, "solver_work": m.work,

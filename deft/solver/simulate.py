@@ -67,8 +67,8 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
+from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.errors import ContractError
 from deft.profile import Profile, fit_alpha_beta
@@ -113,7 +113,9 @@ class SimResult:
     window: tuple[float, float]  # the steady-state window the figures are measured on
     iteration_starts: tuple[float, ...]  # forward start of every simulated iteration
     cycle: int = 1
-    meta: dict[str, Any] = field(default_factory=dict)
+    #: How the figures were obtained (window convergence, messages, links, ...); the front ends add the
+    #: objects they simulated (:func:`deft.solver.compare.simulate`: ``"schedule"``, ``"profile"``).
+    meta: dict[str, object] = field(default_factory=dict)
 
     def speedup_over(self, other: SimResult) -> float:
         """Throughput ratio: ``other.iteration_s / self.iteration_s`` (> 1: this one is faster)."""
@@ -250,97 +252,130 @@ class _Engine:
         return len(self.compute) - 1
 
     def run(self) -> None:
-        heap: list[tuple[float, int, str, int]] = []
-        seq = 0
-        now = 0.0
-        ci = 0  # next compute task
-        compute_busy = False
-        busy_until = {lk: 0.0 for lk in self.links}
-        busy_all = 0.0  # serial: the end of the last send on any link
-        head = {lk: 0 for lk in self.links}  # ordered: next comm in launch order
-        ready_q: dict[str, list[tuple[tuple[float, ...], int]]] = {lk: [] for lk in self.links}
-        in_flight = {lk: 0 for lk in self.links}  # bytes handed to the link and not yet finished
-        finished = [False] * len(self.comms)
-
-        def push(t: float, kind: str, idx: int) -> None:
-            nonlocal seq
-            heapq.heappush(heap, (t, seq, kind, idx))
-            seq += 1
-
-        def available(cid: int) -> bool:
-            c = self.comms[cid]
-            return c.launched and c.grad_ready and math.isnan(c.start)
-
-        def dispatch(cid: int) -> None:
-            nonlocal busy_all
-            c = self.comms[cid]
-            c.start = max(now, busy_until[c.link], busy_all if self.serial else 0.0)
-            c.end = c.start + c.duration
-            busy_until[c.link] = c.end
-            busy_all = max(busy_all, c.end)
-            in_flight[c.link] += c.nbytes
-            push(c.end, "comm", cid)
-
-        def became_available(cid: int) -> None:
-            c = self.comms[cid]
-            if c.link in self.credit and available(cid):
-                heapq.heappush(ready_q[c.link], (c.priority, cid))
-
-        def kick() -> bool:
-            nonlocal ci, compute_busy
-            progress = False
-            for lk in self.links:
-                if lk in self.credit:
-                    q = ready_q[lk]
-                    # ByteScheduler's Algorithm 1, line 16: remaining credit > size (strictly); a piece
-                    # no smaller than the whole credit goes alone rather than never.
-                    while q and (in_flight[lk] == 0
-                                 or self.credit[lk] - in_flight[lk] > self.comms[q[0][1]].nbytes):
-                        _, cid = heapq.heappop(q)
-                        dispatch(cid)
-                        progress = True
-                else:
-                    order = self.order[lk]
-                    while head[lk] < len(order) and available(order[head[lk]]):
-                        dispatch(order[head[lk]])
-                        head[lk] += 1
-                        progress = True
-            if not compute_busy and ci < len(self.compute):
-                task = self.compute[ci]
-                if all(finished[d] for d in task.deps):
-                    task.start = now
-                    task.end = now + task.duration
-                    compute_busy = True
-                    for cid in task.launches:
-                        self.comms[cid].launched = True
-                        became_available(cid)
-                    push(task.end, "compute", ci)
-                    ci += 1
-                    progress = True
-            return progress
-
+        """Run every task: start what can start, then take the next instant's events; repeat until no
+        event is left. Raises when a compute task is still waiting then (a dependency never sent)."""
+        loop = _EventLoop(self)
         while True:
-            while kick():
+            while loop.kick():
                 pass
-            if not heap:
+            if not loop.heap:
                 break
-            # Handle every event of this instant before deciding anything, so a priority queue sees
-            # all the pieces that become ready at the same time as a credit is returned.
-            now = heap[0][0]
-            while heap and heap[0][0] == now:
-                _, _, kind, idx = heapq.heappop(heap)
-                if kind == "compute":
-                    compute_busy = False
-                    for cid in self.waiting_on_grad.get(idx, ()):
-                        self.comms[cid].grad_ready = True
-                        became_available(cid)
-                else:
-                    finished[idx] = True
-                    in_flight[self.comms[idx].link] -= self.comms[idx].nbytes
-        if ci < len(self.compute):
-            task = self.compute[ci]
+            loop.handle_instant()
+        if loop.ci < len(self.compute):
+            task = self.compute[loop.ci]
             raise RuntimeError(f"simulation deadlocked at {task.kind} of bucket {task.bucket} in iteration "
                                f"{task.iteration}: a dependency is never communicated")
+
+
+class _EventLoop:
+    """The state of one :meth:`_Engine.run`: the clock, the event heap, the compute stream's next task
+    and each link's queue.
+
+    Events are ``(time, sequence, kind, id)``: at equal times they are handled in the order they were
+    pushed, so a run is a function of the task graph alone.
+    """
+
+    def __init__(self, eng: _Engine) -> None:
+        self.eng = eng
+        self.heap: list[tuple[float, int, str, int]] = []
+        self.seq = 0
+        self.now = 0.0
+        self.ci = 0  # next compute task
+        self.compute_busy = False
+        self.busy_until = {lk: 0.0 for lk in eng.links}
+        self.busy_all = 0.0  # serial: the end of the last send on any link
+        self.head = {lk: 0 for lk in eng.links}  # ordered: next comm in launch order
+        self.ready_q: dict[str, list[tuple[tuple[float, ...], int]]] = {lk: [] for lk in eng.links}
+        self.in_flight = {lk: 0 for lk in eng.links}  # bytes handed to the link and not yet finished
+        self.finished = [False] * len(eng.comms)
+
+    def push(self, t: float, kind: str, idx: int) -> None:
+        heapq.heappush(self.heap, (t, self.seq, kind, idx))
+        self.seq += 1
+
+    def available(self, cid: int) -> bool:
+        """Launched by its stage, its gradient (or codec) done, and not yet started."""
+        c = self.eng.comms[cid]
+        return c.launched and c.grad_ready and math.isnan(c.start)
+
+    def dispatch(self, cid: int) -> None:
+        """Start a send when its link (and, for a serial codec, every link) is free."""
+        c = self.eng.comms[cid]
+        c.start = max(self.now, self.busy_until[c.link], self.busy_all if self.eng.serial else 0.0)
+        c.end = c.start + c.duration
+        self.busy_until[c.link] = c.end
+        self.busy_all = max(self.busy_all, c.end)
+        self.in_flight[c.link] += c.nbytes
+        self.push(c.end, "comm", cid)
+
+    def became_available(self, cid: int) -> None:
+        c = self.eng.comms[cid]
+        if c.link in self.eng.credit and self.available(cid):
+            heapq.heappush(self.ready_q[c.link], (c.priority, cid))
+
+    def kick(self) -> bool:
+        """Hand every send that may go to its link, then start the next compute task if it can;
+        whether anything happened."""
+        progress = self._dispatch_links()
+        started = self._start_compute()
+        return progress or started
+
+    def _dispatch_links(self) -> bool:
+        eng = self.eng
+        progress = False
+        for lk in eng.links:
+            if lk in eng.credit:
+                q = self.ready_q[lk]
+                # ByteScheduler's Algorithm 1, line 16: remaining credit > size (strictly); a piece
+                # no smaller than the whole credit goes alone rather than never.
+                while q and (self.in_flight[lk] == 0
+                             or eng.credit[lk] - self.in_flight[lk] > eng.comms[q[0][1]].nbytes):
+                    _, cid = heapq.heappop(q)
+                    self.dispatch(cid)
+                    progress = True
+            else:
+                order = eng.order[lk]
+                while self.head[lk] < len(order) and self.available(order[self.head[lk]]):
+                    self.dispatch(order[self.head[lk]])
+                    self.head[lk] += 1
+                    progress = True
+        return progress
+
+    def _start_compute(self) -> bool:
+        """The compute stream runs its tasks in order, each once the sends it depends on have ended;
+        starting one launches the sends it carries."""
+        eng = self.eng
+        if self.compute_busy or self.ci >= len(eng.compute):
+            return False
+        task = eng.compute[self.ci]
+        if not all(self.finished[d] for d in task.deps):
+            return False
+        task.start = self.now
+        task.end = self.now + task.duration
+        self.compute_busy = True
+        for cid in task.launches:
+            eng.comms[cid].launched = True
+            self.became_available(cid)
+        self.push(task.end, "compute", self.ci)
+        self.ci += 1
+        return True
+
+    def handle_instant(self) -> None:
+        """Advance the clock to the next event and handle every event of that instant before deciding
+        anything, so a priority queue sees all the pieces that become ready at the same time as a
+        credit is returned."""
+        heap = self.heap
+        self.now = heap[0][0]
+        while heap and heap[0][0] == self.now:
+            _, _, kind, idx = heapq.heappop(heap)
+            if kind == "compute":
+                self.compute_busy = False
+                for cid in self.eng.waiting_on_grad.get(idx, ()):
+                    self.eng.comms[cid].grad_ready = True
+                    self.became_available(cid)
+            else:
+                self.finished[idx] = True
+                self.in_flight[self.eng.comms[idx].link] -= self.eng.comms[idx].nbytes
 
 
 # --------------------------------------------------------------------------------------------------
@@ -521,51 +556,89 @@ def _schedule_engine(profile: Profile, schedule: Schedule, iterations: int) -> _
     backward of the parameter's last piece (:attr:`~deft.profile.Profile.gradient_ready`, where the
     layer's backward ends), not for its own share of it.
     """
-    eng = _Engine(profile.link_names, serial=serial_codec(profile))
-    n, c = profile.n, schedule.cycle
-    gate = profile.forward_gates
-    ready = profile.gradient_ready
-    bwd_of: dict[int, list[int]] = {}
-    comm_of: dict[tuple[int, int], int] = {}  # (group's last iteration, bucket) -> comm id
-    ahead: dict[tuple[int, int], int] = {}    # sends of updates finishing in the forward, by (last, bucket)
+    graph = _ScheduleGraph(profile, schedule)
+    for t in range(iterations):
+        graph.add_iteration(t)
+    return graph.eng
 
-    def finishing(position: int) -> bool:
-        return schedule.updates[schedule.group_of(position)].finish_in_forward
 
-    def deferred(position: int) -> tuple[int, ...]:
-        return schedule.updates[schedule.group_of(position)].deferred
+class _ScheduleGraph:
+    """Builds :func:`_schedule_engine`'s task graph one iteration at a time.
 
-    def add(task_link: str, bucket: int, last: int, t: int, label: str, after: int | None = None) -> int:
-        return eng.add_comm(_Comm(link=task_link, duration=profile.comm_time(bucket, task_link), bucket=bucket,
-                                  iteration=last, stage_iteration=t, label=label,
-                                  nbytes=profile.buckets[bucket].wire),
-                            grad_after=bwd_of[last][ready[bucket]] if after is None else after)
+    Tasks are added in stream order (an iteration's codecs, forward, backward, launch marker, step) and
+    each send right after the task that launches it, so task ids, and with them the engine's ordering
+    of simultaneous events, follow the schedule.
+    """
 
-    def sent(position: int, stage: str) -> list[CommTask]:
-        return [task for task in schedule.stage(position, stage).comms
-                if not (stage == "forward" and task.origin == 1 and finishing(position - 1))]
+    def __init__(self, profile: Profile, schedule: Schedule) -> None:
+        self.profile = profile
+        self.schedule = schedule
+        self.eng = _Engine(profile.link_names, serial=serial_codec(profile))
+        self.gate = profile.forward_gates
+        self.ready = profile.gradient_ready
+        self.bwd_of: dict[int, list[int]] = {}  # iteration -> its backward tasks' ids, by bucket
+        self.comm_of: dict[tuple[int, int], int] = {}  # (group's last iteration, bucket) -> comm id
+        self.ahead: dict[tuple[int, int], int] = {}    # sends of updates finishing in the forward, by (last, bucket)
 
-    def codec(tasks: Sequence[CommTask]) -> list[tuple[int, float]]:
+    def _finishing(self, position: int) -> bool:
+        return self.schedule.updates[self.schedule.group_of(position)].finish_in_forward
+
+    def _deferred(self, position: int) -> tuple[int, ...]:
+        return self.schedule.updates[self.schedule.group_of(position)].deferred
+
+    def _add(self, task_link: str, bucket: int, last: int, t: int, label: str, after: int | None = None) -> int:
+        """A send of ``bucket`` of the group ending at ``last``, launched in iteration ``t``; it waits for
+        ``after`` (its codec task) or else for the backward that completes its gradient."""
+        profile = self.profile
+        return self.eng.add_comm(_Comm(link=task_link, duration=profile.comm_time(bucket, task_link), bucket=bucket,
+                                       iteration=last, stage_iteration=t, label=label,
+                                       nbytes=profile.buckets[bucket].wire),
+                                 grad_after=self.bwd_of[last][self.ready[bucket]] if after is None else after)
+
+    def _sent(self, position: int, stage: str) -> list[CommTask]:
+        """The stage's sends, less the forward sends of a lag-free update: those are launched right after
+        their group's backward instead (:meth:`_launch_next_forward_sends`)."""
+        return [task for task in self.schedule.stage(position, stage).comms
+                if not (stage == "forward" and task.origin == 1 and self._finishing(position - 1))]
+
+    def _codec(self, tasks: Sequence[CommTask]) -> list[tuple[int, float]]:
+        profile = self.profile
         return [(task.bucket, profile.codec_time(task.bucket)) for task in tasks if profile.codec_time(task.bucket) > 0]
 
-    for t in range(iterations):
-        p = t % c
+    def add_iteration(self, t: int) -> None:
+        """Iteration ``t``'s compute, the sends its stages launch, and its optimizer step."""
+        p = t % self.schedule.cycle
         # Sends that exist in this iteration (their group began after the simulation started).
-        fwd_sent = [task for task in sent(p, "forward") if t - task.origin >= 0]
-        bwd_sent = [task for task in sent(p, "backward") if t - task.origin >= 0]
+        fwd_sent = [task for task in self._sent(p, "forward") if t - task.origin >= 0]
+        bwd_sent = [task for task in self._sent(p, "backward") if t - task.origin >= 0]
         # a send of this iteration's gradient is encoded once its bucket's gradient is complete
         now_sent = [task for task in bwd_sent if task.origin == 0]
-        tasks = _iteration_tasks(eng, profile, t, {}, pre_fwd=codec(fwd_sent),
-                                 pre_bwd=codec([task for task in bwd_sent if task.origin >= 1]),
-                                 after=[(ready[b], d) for b, d in codec(now_sent)])
-        fwd, bwd = tasks.fwd, tasks.bwd
-        bwd_of[t] = bwd
+        tasks = _iteration_tasks(self.eng, self.profile, t, {}, pre_fwd=self._codec(fwd_sent),
+                                 pre_bwd=self._codec([task for task in bwd_sent if task.origin >= 1]),
+                                 after=[(self.ready[b], d) for b, d in self._codec(now_sent)])
+        self.bwd_of[t] = tasks.bwd
+        self._wait_for_forward_sends(t, tasks.fwd)
+        self._launch_stage_sends(t, p, tasks, fwd_sent, bwd_sent)
+        if self._finishing(p) and self.schedule.updates[self.schedule.group_of(p)].last == p:
+            self._launch_next_forward_sends(t, p)
+        self._optimizer_step(t, p)
+
+    def _wait_for_forward_sends(self, t: int, fwd: list[int]) -> None:
+        """The forward of bucket ``b``'s module (``fwd`` lists buckets ``n-1..0``) waits for the send of a
+        lag-free update finishing in this forward: the runtime's wait in the module's pre-hook."""
+        n = self.profile.n
+        for b in range(n):
+            if (t - 1, b) in self.ahead:
+                self.eng.compute[fwd[n - 1 - self.gate[b]]].deps.append(self.ahead[(t - 1, b)])
+
+    def _launch_stage_sends(self, t: int, p: int, tasks: _Tasks, fwd_sent: list[CommTask],
+                            bwd_sent: list[CommTask]) -> None:
+        """The forward and backward stages' sends, launched when their stage starts, in the schedule's
+        order; a coded send takes its codec task in the order the codecs were added."""
+        eng, profile, ready = self.eng, self.profile, self.ready
         pending = {"forward": list(tasks.pre_fwd), "backward": list(tasks.pre_bwd)}
         after = {b: list(ids) for b, ids in tasks.after.items()}
-        for b in range(n):  # the forward of bucket b's module (fwd lists n-1..0) waits for its finishing send
-            if (t - 1, b) in ahead:
-                eng.compute[fwd[n - 1 - gate[b]]].deps.append(ahead[(t - 1, b)])
-        for stage, first, stage_sent in (("forward", fwd[0], fwd_sent), ("backward", bwd[0], bwd_sent)):
+        for stage, first, stage_sent in (("forward", tasks.fwd[0], fwd_sent), ("backward", tasks.bwd[0], bwd_sent)):
             # (tasks not sent: before the simulation started, or launched after their group's backward)
             for task in stage_sent:
                 last = t - task.origin
@@ -573,37 +646,45 @@ def _schedule_engine(profile: Profile, schedule: Schedule, iterations: int) -> _
                 coded = profile.codec_time(task.bucket) > 0
                 now = task.origin == 0 and stage == "backward"
                 encode = None if not coded else (after[ready[task.bucket]].pop(0) if now else pending[stage].pop(0))
-                cid = add(task.link, task.bucket, last, t, label, encode)
+                cid = self._add(task.link, task.bucket, last, t, label, encode)
                 eng.compute[first].launches.append(cid)
-                comm_of[(last, task.bucket)] = cid
-                if stage == "backward" and task.origin == 0 and task.bucket in deferred(p):
-                    ahead[(last, task.bucket)] = cid  # sent now, waited for by the next forward
-        if finishing(p) and schedule.updates[schedule.group_of(p)].last == p:
-            marker = eng.add_compute(_Compute("launch", -1, t, 0.0))
-            for task in schedule.stage(p + 1, "forward").comms:
-                if task.origin == 1:
-                    d = profile.codec_time(task.bucket)
-                    encode = eng.add_compute(_Compute("codec", task.bucket, t, d)) if d > 0 else None
-                    cid = add(task.link, task.bucket, t, t + 1, f"{task.bucket}(f)", encode)
-                    eng.compute[marker].launches.append(cid)
-                    ahead[(t, task.bucket)] = cid
-        deps = []
+                self.comm_of[(last, task.bucket)] = cid
+                if stage == "backward" and task.origin == 0 and task.bucket in self._deferred(p):
+                    self.ahead[(last, task.bucket)] = cid  # sent now, waited for by the next forward
+
+    def _launch_next_forward_sends(self, t: int, p: int) -> None:
+        """A lag-free update ending at ``p``: its next-forward sends are launched right after this
+        backward (a zero-time launch marker), each after its codec task, and waited for by the forward."""
+        eng, profile = self.eng, self.profile
+        marker = eng.add_compute(_Compute("launch", -1, t, 0.0))
+        for task in self.schedule.stage(p + 1, "forward").comms:
+            if task.origin == 1:
+                d = profile.codec_time(task.bucket)
+                encode = eng.add_compute(_Compute("codec", task.bucket, t, d)) if d > 0 else None
+                cid = self._add(task.link, task.bucket, t, t + 1, f"{task.bucket}(f)", encode)
+                eng.compute[marker].launches.append(cid)
+                self.ahead[(t, task.bucket)] = cid
+
+    def _optimizer_step(self, t: int, p: int) -> None:
+        """The step after position ``p`` waits for every send of the updates due there, except those
+        the next forward waits for (lag-free sends)."""
+        schedule, c, n = self.schedule, self.schedule.cycle, self.profile.n
+        deps: list[int] = []
         applied = False
         for g, back in schedule.updates_due(p):
             last = (t // c - back) * c + schedule.updates[g].last
             if last >= 0:
-                deps.extend(comm_of[(last, b)] for b in range(n) if (last, b) not in ahead)
+                deps.extend(self.comm_of[(last, b)] for b in range(n) if (last, b) not in self.ahead)
                 applied = True
         # "step": an optimizer step with no update due changes nothing and waits for nothing.
-        eng.add_compute(_Compute("update" if applied else "step", -1, t, 0.0, deps=deps))
-    return eng
+        self.eng.add_compute(_Compute("update" if applied else "step", -1, t, 0.0, deps=deps))
 
 
 # --------------------------------------------------------------------------------------------------
 # Measuring
 # --------------------------------------------------------------------------------------------------
 def _result(scheme: str, profile: Profile, eng: _Engine, cycle: int, warm: int, measured: int,
-            updates_per_iteration: float, meta: dict[str, Any]) -> SimResult:
+            updates_per_iteration: float, meta: dict[str, object]) -> SimResult:
     starts: list[float] = []
     for task in eng.compute:
         if task.kind == "forward" and task.iteration == len(starts):
@@ -672,7 +753,7 @@ def simulate_schedule(profile: Profile, schedule: Schedule, *, iterations: int =
                    {"batch_sequence": list(schedule.batch_sequence), "links": list(schedule.links)})
 
 
-def simulate_baseline(profile: Profile, scheme: str, config: DeftConfig | str | dict[str, Any] | None = None, *,
+def simulate_baseline(profile: Profile, scheme: str, config: DeftConfig | str | JsonDict | None = None, *,
                       iterations: int = 24) -> SimResult:
     """Steady-state iteration of baseline ``scheme`` (one of :data:`BASELINES`) on ``profile``.
 
@@ -682,7 +763,7 @@ def simulate_baseline(profile: Profile, scheme: str, config: DeftConfig | str | 
     if scheme not in BASELINES:
         raise ContractError("<scheme>", "scheme", f"expected one of {', '.join(BASELINES)}, got {scheme!r}")
     link = profile.links[0].name
-    meta: dict[str, Any] = {"link": link}
+    meta: dict[str, object] = {"link": link}
     credit = None
     barrier = scheme in ("ddp", "wfbp", "mgwfbp")
     if scheme == "ddp":

@@ -1,0 +1,79 @@
+"""torch DDP's constructor, as deft takes it: which arguments act, which are hints deft does not need,
+which it refuses, and torch DDP's device rule.
+
+The positional arguments of ``deft.DistributedDataParallel`` are torch DDP's, in torch's order, so a
+torch DDP line carries over; deft's own (``optimizer``, ``config``, ``profile``) are keyword-only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from deft._json import JsonDict
+from deft.config import DeftConfig
+from deft.errors import DeftError
+
+#: torch DDP arguments deft refuses: each changes what is communicated in a way deft's schedule replaces.
+UNSUPPORTED = ("delay_all_reduce_named_params", "param_to_hook_all_reduce", "mixed_precision", "device_mesh",
+               "bucket_cap_mb_list")
+
+
+#: A device as torch DDP's ``device_ids``/``output_device`` take it: an index, a name or a device.
+Device = int | str | torch.device
+
+
+def check_torch_args(given: dict[str, object], device_ids: object) -> None:
+    """Refuse what deft does not support (``given``: the :data:`UNSUPPORTED` arguments as passed), an
+    optimizer passed where torch DDP has ``device_ids``, and an uninitialized process group."""
+    bad = [k for k in UNSUPPORTED if given.get(k) is not None]
+    if bad:
+        raise DeftError(f"deft.DistributedDataParallel does not support torch DDP's {bad}; remove them "
+                        "(mixed precision: use torch.autocast in the training loop)")
+    if isinstance(device_ids, torch.optim.Optimizer):
+        raise DeftError("the second positional argument is torch DDP's device_ids; pass the optimizer as "
+                        "optimizer=... (deft's own arguments optimizer, config, profile are keyword-only)")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise DeftError("deft.DistributedDataParallel needs torch.distributed to be initialized first: "
+                        "launch with torchrun and call torch.distributed.init_process_group()")
+
+
+def check_device_ids(device_ids: object, output_device: object, device: torch.device) -> None:
+    """torch DDP's single-device rule: ``device_ids`` is None for a CPU module, else the one device
+    the module is on (an int index or a device); ``output_device`` likewise."""
+    if device_ids is None:
+        return
+    if device.type == "cpu":
+        raise DeftError(f"device_ids must be None for a module on the CPU (as with torch DDP), got {device_ids!r}")
+    if not isinstance(device_ids, (list, tuple)) or len(device_ids) != 1:
+        raise DeftError(f"device_ids must be None or a list of the one device the module is on (torch DDP's "
+                        f"single-device rule), got {device_ids!r}")
+    for given in (device_ids[0], output_device):
+        if given is None:
+            continue
+        d = torch.device(device.type, given) if isinstance(given, int) else torch.device(str(given))
+        if d.type != device.type or (d.index is not None and device.index is not None and d.index != device.index):
+            raise DeftError(f"device_ids/output_device name {d} but the module's parameters are on {device}; "
+                            "move the module to that device first, as with torch DDP")
+
+
+def trainable(module: torch.nn.Module) -> tuple[list[str], list[torch.Tensor], torch.device]:
+    """The module's trainable parameters (names, tensors) and the one device they are on."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not named:
+        raise DeftError("the module has no parameter that requires a gradient")
+    devices = {p.device for _, p in named}
+    if len(devices) != 1:
+        raise DeftError(f"deft needs all trainable parameters on one device, got {sorted(map(str, devices))}")
+    return [n for n, _ in named], [p for _, p in named], next(iter(devices))
+
+
+def shared_config(cfg: DeftConfig) -> JsonDict:
+    """The settings every rank must share; NIC names and file paths may differ per host."""
+    d = {k: v for k, v in cfg.to_dict().items() if k not in ("profile_path", "schedule_path")}
+    links = d["links"]
+    assert isinstance(links, list)
+    d["links"] = [{k: v for k, v in lk.items() if k != "ifname"} for lk in links if isinstance(lk, Mapping)]
+    return d

@@ -1,0 +1,350 @@
+"""The run's course between iterations: when deft profiles, plans, re-checks, adapts and switches, and
+which schedule runs next.
+
+:class:`Course` owns the run's calendar, the warm-up timer, the preserver's live inputs, planning (and
+its one background slot), the adaptation and the run's records. The facade calls it at the phase
+machine's events (:meth:`Course.before_forward`, :meth:`Course.forward_begins`, :meth:`Course.after_step`)
+and it installs what every rank agreed on through the one ``install`` function the facade gives it.
+
+The life of a run (docs/DESIGN.md, "Runtime"): warm-up iterations on torch DDP's schedule; after the
+first, rank 0's gradient-ready order becomes the layout; profile iterations (the timer rotates the
+buckets over the links); after the step of ``plan_at - 1`` the profile is reduced over the ranks and
+rank 0 plans (now, or in the background while training goes on); every rank installs the agreed plan;
+then re-checks (preserver), adaptation windows, and switches at cycle boundaries.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import TypedDict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from deft._json import JsonDict
+from deft.config import DeftConfig
+from deft.errors import DeftError
+from deft.preserver.feedback import WalkStats
+from deft.profile import Profile
+from deft.runtime.adapt import Adaptation, synchronous_candidate
+from deft.runtime.background import JobSlot
+from deft.runtime.buckets import FlatLayout
+from deft.runtime.calendar import Calendar, place, stats_after_plan
+from deft.runtime.checkpoint import RuntimeState
+from deft.runtime.comm_hooks import agree_codec, plain_iterations
+from deft.runtime.control import Collective, ControlPlane
+from deft.runtime.executor import DueUpdate, Executor, Pending
+from deft.runtime.grad_stats import GradStats, walk_stats
+from deft.runtime.layouts import plan_order, ready_order, warmup_layout
+from deft.runtime.links import CommLink, make_solo_group
+from deft.runtime.optimizer_hooks import OptimizerBinding
+from deft.runtime.planning import Planning
+from deft.runtime.records import RunRecord, SwitchRecord
+from deft.runtime.tracing import profile_iters_from_env
+from deft.runtime.updates import LogEntry
+from deft.runtime.warmup_timer import WarmupTimer
+from deft.schedule import Schedule, synchronous_schedule
+
+log = logging.getLogger("deft.runtime")
+
+class CourseState(TypedDict):
+    """The course's fields of a checkpoint (:class:`deft.runtime.checkpoint.RuntimeState`)."""
+
+    planned: bool
+    plan_at: int
+    order_known: bool
+    plan_info: JsonDict
+
+
+#: ``install(schedule, layout, t0)``: every rank runs ``schedule`` on ``layout`` from iteration ``t0``.
+Install = Callable[[Schedule, FlatLayout, int], None]
+
+
+class Course:
+    """Between iterations: the decisions of the run and their records (module docstring)."""
+
+    def __init__(self, config: DeftConfig, control: ControlPlane, module: nn.Module, names: list[str],
+                 params: list[torch.Tensor], links: dict[str, CommLink], executor: Executor,
+                 optim: OptimizerBinding, update_log: list[LogEntry], given_profile: Profile | None,
+                 ranks: list[int] | None, install: Install) -> None:
+        self.config, self._control, self._module = config, control, module
+        self._names, self._params, self._links, self._executor = names, params, links, executor
+        self._optim, self._log, self._ranks, self._install = optim, update_log, ranks, install
+        self._primary = next(iter(links.values()))
+        self.planning = Planning(config, control, given_profile, config.schedule_path)
+        self.jobs = JobSlot(control)  # the plan's, then the adaptation's background decision
+        self.adaptation = Adaptation(config, control, self.planning, self.jobs)
+        self.record = RunRecord()
+        self.profile_iters = profile_iters_from_env(config.profile_iters)
+        self.calendar = self.place()
+        self.planned = False
+        self.profile: Profile | None = None  # the profile the schedule was planned from
+        self.ready_order: list[int] | None = None  # rank 0's observed order, once agreed
+        self.order_seen: dict[int, None] = {}  # parameters in the order their gradients arrived
+        self._timer: WarmupTimer | None = None
+        self._solo: dist.ProcessGroup | None = None  # this rank's one-rank group, for timing a comm hook's codec
+        self._t = 0
+        # The preserver's live inputs.
+        self.losses: collections.deque[float] = collections.deque(maxlen=64)
+        self.batch: int | None = None
+        self.stats: GradStats | None = None
+        self.calibrated: JsonDict | None = None  # rank 0's Lanczos probe (ddp.calibrate), on every rank
+        self._stats_reason = ""
+
+    # -- the calendar --------------------------------------------------------------------------------
+    def place(self) -> Calendar:
+        """Where warm-up ends and planning happens, with the comm hook registered now."""
+        measuring = self.planning.measuring
+        plain = plain_iterations(self._executor.comm_hook) if measuring else 0
+        return place(plain, self.config.warmup_iters, self.profile_iters, measuring)
+
+    def hook_registered(self, t: int) -> None:
+        """A comm hook is being registered before iteration ``t``: refused once profiling has begun
+        without it (a profile mixing both would be wrong); before, the calendar moves with it."""
+        cal = self.calendar
+        if self.planning.measuring and cal.warm_end < t <= cal.plan_at and not self.planned:
+            raise DeftError(f"register_comm_hook: profiling began at iteration {cal.warm_end} without a hook; "
+                            "register the hook before training starts (or before iteration "
+                            f"{cal.warm_end}), as with torch DDP")
+
+    def hook_placed(self, t: int) -> None:
+        if t <= self.calendar.warm_end and not self.planned:
+            self.calendar = self.place()
+
+    # -- iteration events ------------------------------------------------------------------------------
+    def before_forward(self, t: int, cuda: bool) -> None:
+        """Iteration ``t`` begins, before the executor's forward stage: the adaptation's clock, and in a
+        profile iteration the timer's schedule (it rotates the buckets over the links)."""
+        self._t = t
+        cal, ex = self.calendar, self._executor
+        self.adaptation.forward_begins(t, time.perf_counter(), cal.warm_end if self.planning.measuring else 1,
+                                       cal.plan_at)
+        if cal.profiling(t) and not self.planned and self._timer is None:
+            assert ex.layout is not None
+            self._timer = WarmupTimer(self._module, self._params, ex.layout, self._links, cuda, self._wait_work)
+            ex.observe(self._timer)
+        if self._timer is not None and ex.idle and ex.layout is not None:
+            ex.install(self._timer.schedule(), ex.layout, t)
+
+    def forward_begins(self) -> None:
+        """The executor's forward stage is launched; the model's forward begins."""
+        if self.stats is not None:
+            self.stats.begin_iteration(self._executor, self._params, self._optim.optimizer, self.stats_wanted())
+        if self._timer is not None:  # after deft's own set-up: the forward is the model's alone
+            self._timer.begin_iteration()
+
+    def forward_ends(self, output: object) -> None:
+        if self._timer is not None:
+            self._timer.end_forward(output)
+
+    def note_batch(self, batch: int | None) -> None:
+        if batch is None:
+            return
+        self.batch = batch
+        if self.stats is not None:
+            self.stats.batch = batch
+
+    def gradient_seen(self, index: int) -> None:
+        if self.ready_order is None:
+            self.order_seen.setdefault(index)
+
+    def measuring(self) -> bool:
+        """Do this step's updates feed the preserver's statistics (then they are applied whole)?"""
+        return self.stats is not None and self.stats_wanted()
+
+    def on_due(self, lasts: list[int], updates: list[DueUpdate], t: int, device: torch.device) -> None:
+        if self.stats is not None and not self.stats.on_due(lasts, updates, t, self._control.group, device):
+            self.record.nonfinite_steps.append(t)
+
+    def stats_wanted(self) -> bool:
+        """Gather statistics now? Before planning, in the calendar's window (a plan in flight was made
+        from the statistics so far); after it, in the window before each re-check."""
+        if not self.planned:
+            return not self.jobs.holds("plan") and self.calendar.stats_before_plan(self._t)
+        return stats_after_plan(self._t, self.config.recheck_every)
+
+    def _wait_work(self, work: Collective, link: str, b: int) -> None:
+        what = "profiling all-reduce" + (f" of bucket {b}" if b >= 0 else "")
+        self._executor.wait(Pending(work, link, f"{what} in iteration {self._t}"))
+
+    def iteration_ends(self) -> None:
+        """The step of the iteration is over (before the iteration counter moves on)."""
+        if self._timer is not None:
+            self._timer.end_iteration()
+
+    def after_step(self, t: int, flush: Callable[[], None]) -> None:
+        """Collective: iteration ``t - 1`` ended. The ready order after the first; then planning (or
+        collecting a background plan), re-checks, adaptation and a switch at a cycle boundary."""
+        self._t = t
+        if self.ready_order is None:
+            self.ready_order = self._control.broadcast_ints(ready_order(list(self.order_seen), len(self._params)),
+                                                            "gradient ready order")
+            self.install_warmup(self.ready_order, t)
+        if not self.planned:
+            if self.stats is None:
+                self.stats = GradStats.start(self.config, self._control.world)
+                if self.stats is not None:
+                    self.stats.batch = self.batch
+                    self._executor.observe(self.stats)
+            if not self.jobs.holds("plan") and t >= self.calendar.plan_at:
+                return self._plan(t)
+            if self.jobs.holds("plan") and self.jobs.ready(t):
+                return self._finish_plan(t)
+        elif self.planning.recheck_on and t % self.config.recheck_every == 0 and not self.planning.switch_waiting:
+            stats, stats_reason = self._walk_stats()
+            self.record.rechecks.append(self.planning.recheck(t, stats, stats_reason, self.schedule, self.profile))
+        if self.adaptation.on:
+            outcome = self.adaptation.after_step(t, self.schedule, self.profile)
+            if outcome is not None:
+                self.record.adapt.append(outcome.record)
+                self.profile = outcome.profile or self.profile
+        self._maybe_switch(t, flush)
+
+    @property
+    def schedule(self) -> Schedule:
+        assert self._executor.schedule is not None
+        return self._executor.schedule
+
+    # -- layouts -----------------------------------------------------------------------------------------
+    def install_warmup(self, order: list[int], t0: int) -> None:
+        """torch DDP's behaviour during warm-up (:func:`deft.runtime.layouts.warmup_layout`)."""
+        hook = self._executor.comm_hook
+        layout = warmup_layout(order, self._names, self._params, self.config.bucket_cap_mb,
+                               hook is not None and hook.chained)
+        self._install(synchronous_schedule(layout.bucket_numel, layout.bucket_nbytes(), (self._primary.name,)),
+                      layout, t0)
+
+    def _plan_layout(self, schedule: Schedule, what: str) -> FlatLayout:
+        order = plan_order(self.profile, self.planning.given_profile is not None, self._names, self.ready_order)
+        return FlatLayout(order, self._names, self._params, schedule.bucket_numel, what)
+
+    def _synchronous(self, layout: FlatLayout) -> Schedule:
+        """torch DDP's timing on ``layout``, its buckets over the links the profile measured (the primary
+        alone when the profile was given): what runs while rank 0 plans, and what adaptation may go back to."""
+        return synchronous_candidate(layout, tuple(self._links) if self.planning.measuring else (self._primary.name,))
+
+    # -- the first plan ------------------------------------------------------------------------------------
+    def _walk_stats(self) -> tuple[WalkStats | None, str]:
+        return walk_stats(self.config, self._control, self.losses, self.stats, self._optim.optimizer,
+                          self.batch, self.calibrated)
+
+    def _plan(self, t: int) -> None:
+        """Collective: measure (or take) a profile, rank 0 plans, every rank installs the same schedule
+        (now, or when rank 0's background decision is collected: :meth:`_finish_plan`)."""
+        started = time.perf_counter()
+        self.profile = self._measured_profile() if self.planning.measuring else self.planning.given_profile
+        stats, self._stats_reason = self._walk_stats()
+        cfg = self.config
+        if stats is None and self._control.rank == 0 and cfg.epsilon > 0 and cfg.preserver \
+                and self.planning.schedule_path is None:
+            log.warning("deft: the preserver cannot test delayed updates (%s); it keeps the no-delay schedule",
+                        self._stats_reason)
+        self.adaptation.walk = stats
+        layout = self._executor.layout
+        if cfg.plan_lag_iters > 0 and layout is not None and self.planning.schedule_path is None:
+            # Rank 0 plans in a thread; every rank trains on with the synchronous schedule of the first
+            # profile iteration and switches when it is done (deft.runtime.planning).
+            self.jobs.hold("plan", self.planning.start(self.profile, stats, self._control.world),
+                           t + cfg.plan_lag_iters)
+            self._executor.install(self._synchronous(layout), layout, t)
+            self.adaptation.clock.exclude(time.perf_counter() - started)
+            return
+        schedule, info = self.planning.agree(self.profile, stats, self._control.world)
+        self._install_plan(t, schedule, info, None, started)
+
+    def _measured_profile(self) -> Profile:
+        """Collective: the profile iterations' timings (and the comm hook's codec) as a Profile."""
+        timer, ex = self._timer, self._executor
+        assert timer is not None and ex.layout is not None
+        if ex.comm_hook is not None and self._solo is None:  # dist.new_group is collective over the world
+            self._solo = make_solo_group(self._primary.backend, self.config.timeout_s, self._ranks)
+        codec = agree_codec(ex.comm_hook, ex.layout, self._params, self._solo, ex.device, self._control)
+        backends = {n: lk.backend for n, lk in self._links.items()}
+        profile = timer.profile(self._control, self._control.world, backends, type(self._module).__name__,
+                                self._names, codec)
+        ex.unobserve(timer)
+        self.close()
+        out = os.environ.get("DEFT_PROFILE_OUT")
+        if out and self._control.rank == 0:
+            profile.save(out)
+        return profile
+
+    def _finish_plan(self, t: int) -> None:
+        """Collective: collect the plan :meth:`_plan` began in the background and install it."""
+        started = time.perf_counter()
+        schedule, info, timing = self.planning.finish(self.jobs.take())
+        self._install_plan(t, schedule, info, {"lag_iters": self.config.plan_lag_iters,
+                                               **{k: round(v, 4) for k, v in timing.items()}}, started)
+
+    def _install_plan(self, t: int, schedule: Schedule, info: JsonDict, background: JsonDict | None,
+                      started: float) -> None:
+        """Every rank: run the agreed plan from iteration ``t`` on; the time since ``started`` was deft's
+        own work, not the schedule's."""
+        if not self.planning.recheck_on and self.stats is not None:
+            self._executor.unobserve(self.stats)
+            self.stats = None
+        warm = self._executor.layout
+        self._install(schedule, self._plan_layout(schedule, str(self.planning.schedule_path or "schedule")), t)
+        self.planned = True
+        self.record.planned(info, t, self._stats_reason, background)
+        # Adapt deft's own plans (not a schedule file) when there is a profile to correct.
+        on = self.config.adapt and self.profile is not None and self.planning.schedule_path is None
+        self.adaptation.start(on, warm, self._synchronous(warm) if on and warm is not None else None)
+        self.adaptation.clock.exclude(time.perf_counter() - started)  # planning is deft's, not the schedule's
+        log.info("deft: rank %d runs schedule %s from iteration %d (cycle %d, K=%s)", self._control.rank,
+                 schedule.digest(), t, schedule.cycle, schedule.batch_sequence)
+
+    # -- switches ------------------------------------------------------------------------------------------
+    def _maybe_switch(self, t: int, flush: Callable[[], None]) -> None:
+        """At a cycle boundary (iteration ``t`` is position 0): apply every pending update (``flush``)
+        and run the agreed new schedule from ``t`` on."""
+        if not self.planning.switch_waiting or self._executor.position(t) != 0:
+            return
+        switch = self.planning.take_switch()
+        assert switch is not None
+        applied = len(self._log)
+        flush()
+        warm = self.adaptation.warm_layout
+        use_warm = switch.warm_layout and warm is not None
+        layout = warm if use_warm and warm is not None else self._plan_layout(switch.schedule, "re-planned schedule")
+        old = self.schedule.digest()
+        self._install(switch.schedule, layout, t)
+        self.adaptation.reset_window()
+        if switch.info.get("source") != "adapt":
+            self.adaptation.forget_measured()
+        self.record.switched(SwitchRecord(t, old, switch.schedule, len(self._log) - applied, switch.info))
+        log.info("deft: rank %d switches to re-planned schedule %s at iteration %d (K=%s)", self._control.rank,
+                 switch.schedule.digest(), t, switch.schedule.batch_sequence)
+
+    # -- checkpoints ---------------------------------------------------------------------------------------
+    def state(self) -> CourseState:
+        """The course's part of :class:`deft.runtime.checkpoint.RuntimeState`."""
+        return CourseState(planned=self.planned, plan_at=self.calendar.plan_at,
+                           order_known=self.ready_order is not None, plan_info=self.record.view())
+
+    def restore(self, st: RuntimeState) -> None:
+        """A checkpoint is loaded: a decision in flight or a switch agreed belongs to the run it replaces
+        (its thread is waited for: it reads this run's profile; its result dropped)."""
+        self.jobs.discard()
+        self.planning.forget_switch()
+        self._t, self.planned = st.t, st.planned
+        self.ready_order = st.order if st.order_known else None
+        self.calendar = Calendar(self.calendar.warm_end, st.plan_at, self.calendar.stats_window)
+        if not self.planned and st.t > self.calendar.warm_end:
+            self.calendar = self.calendar.restart(st.t, self.profile_iters, self.planning.measuring)
+            if self._control.rank == 0:
+                log.warning("deft: the checkpoint was taken at iteration %d, before planning finished; deft "
+                            "profiles again from here and plans at iteration %d (torch DDP's schedule until the "
+                            "plan is in)", st.t, self.calendar.plan_at)
+        self.record = RunRecord.from_view(st.plan_info)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.close()
+            self._timer = None
+

@@ -1,0 +1,55 @@
+"""Which flat layout each schedule runs on: the warm-up's buckets, and the order a plan's buckets follow.
+
+A layout (:class:`deft.runtime.buckets.FlatLayout`) lays the trainable parameters out in one order
+and cuts that into buckets; every schedule runs on one. During warm-up it is torch DDP's: buckets of
+whole parameters in gradient-ready order. A plan's buckets follow the observed ready order, or the
+given profile's bucket order when that names exactly the module's parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from deft.profile import Profile
+from deft.runtime.buckets import FlatLayout, ddp_like_bucket_numel
+
+#: Warm-up buckets are no larger than torch DDP's first bucket (1 MB): they are also the profile's
+#: buckets, and the planner needs per-layer resolution of compute and ready times.
+PROFILE_BUCKET_CAP_MB = 1.0
+
+
+def warmup_layout(order: list[int], names: list[str], params: list[torch.Tensor], bucket_cap_mb: float,
+                  chained_hook: bool) -> FlatLayout:
+    """torch DDP's buckets during warm-up: whole parameters in ready order.
+
+    Their cap is :data:`PROFILE_BUCKET_CAP_MB`, except under a chained comm hook (PowerSGD, a user's
+    hook: :attr:`deft.runtime.comm_hooks.CommHook.chained`), where it is ``bucket_cap_mb`` as in torch
+    DDP: such sends run one at a time over all links and each pays the hook's collectives and its
+    per-call compute, so small buckets would make the warm-up and profile iterations slow and their
+    per-bucket times too noisy to choose a bucket count (benchmarks/RESULTS.md, "Figures behind the
+    runtime's constants"). The planner may still fuse these buckets; a smaller ``bucket_cap_mb`` gives
+    it finer ones."""
+    cap = bucket_cap_mb if chained_hook else min(bucket_cap_mb, PROFILE_BUCKET_CAP_MB)
+    return FlatLayout(order, names, params, ddp_like_bucket_numel(order, params, cap), "<warm-up buckets>")
+
+
+def ready_order(seen: Sequence[int], n_params: int) -> list[int]:
+    """The layout order from the first iteration's gradients: in the order they arrived, then the
+    parameters that got none (reversed registration order, torch DDP's guess)."""
+    got = set(seen)
+    return list(seen) + [i for i in reversed(range(n_params)) if i not in got]
+
+
+def plan_order(profile: Profile | None, profile_given: bool, names: list[str], observed: list[int] | None) -> list[int]:
+    """The flat order of a plan's layout: the given profile's bucket order when it names exactly our
+    parameters (``module.`` prefixes ignored), else the observed ready order."""
+    order = list(observed or reversed(range(len(names))))
+    if profile is None or not profile_given:
+        return order
+    listed = [n.removeprefix("module.") for b in profile.buckets for n in b.params]
+    index = {n: i for i, n in enumerate(names)}
+    if len(listed) == len(index) and set(listed) == set(index):
+        return [index[n] for n in listed]
+    return order

@@ -1,0 +1,93 @@
+"""Gradients that are futures: what ``p.grad`` holds between ``backward()`` and ``optimizer.step()``.
+
+A lag-free plan lets the all-reduce of some buckets run on after the backward, into the next forward
+(``Update.deferred``, the sends of the next forward stage): their parameters are updated just before
+their first use, so the communication overlaps the step, the data loading and the forward. torch DDP
+shows the whole averaged gradient in ``p.grad`` after ``backward()``, and a loop may look at it there:
+GradScaler's unscale and inf check (inside ``scaler.step``), ``clip_grad_norm_``, logging a norm.
+
+So a deferred parameter's ``p.grad`` is a :class:`PendingGrad`: a tensor subclass with the gradient's
+shape, dtype and device that holds no data until something touches it. Any operation on it (every
+ATen op reaches ``__torch_dispatch__``, the in-place ones GradScaler and clipping use included) first
+waits for the parameter's bucket and takes its averaged gradient (:meth:`Executor.finish` for that
+parameter), then runs on that value. A touched gradient is applied by the user's step like any other,
+with whatever the loop did to it; an untouched one is taken out of ``p.grad`` right before the
+optimizer reads it (:func:`settle_for_step`) and applied in the next forward. So:
+
+* a loop that never looks keeps the whole overlap;
+* a loop that looks gets torch DDP's values and maths, and pays the wait for what it looked at;
+* nothing the loop does can split one parameter's update between two steps or apply it twice.
+
+A *placeholder* (:meth:`PendingGrad.zeros`) stands in ``p.grad`` at a step where no update is due (a
+merged schedule's inner iterations): zeros for code that reads it (GradScaler needs some gradient to
+inf-check), taken out before the optimizer steps, so the step changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+
+class PendingGrad(torch.Tensor):
+    """A parameter's averaged gradient that is resolved on first touch (module docstring)."""
+
+    _resolve: Callable[[], torch.Tensor]
+    _value: torch.Tensor | None
+    placeholder: bool
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, resolve: Callable[[], torch.Tensor], placeholder: bool = False
+                ) -> PendingGrad:
+        r = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device,
+                                                requires_grad=False)
+        r._resolve, r._value, r.placeholder = resolve, None, placeholder
+        return r
+
+    def __init__(self, like: torch.Tensor, resolve: Callable[[], torch.Tensor], placeholder: bool = False) -> None:
+        super().__init__()
+
+    @classmethod
+    def zeros(cls, like: torch.Tensor) -> PendingGrad:
+        """A placeholder: zeros to whoever reads it; never applied."""
+        return cls(like, lambda: torch.zeros(like.shape, dtype=like.dtype, device=like.device), placeholder=True)
+
+    @property
+    def resolved(self) -> bool:
+        return self._value is not None
+
+    def value(self) -> torch.Tensor:
+        """The averaged gradient (waits for its bucket the first time)."""
+        if self._value is None:
+            self._value = self._resolve()
+        return self._value
+
+    # torch declares the base as a plain function; subclasses define a classmethod, as torch's docs do.
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: object,  # type: ignore[override]
+                           args: tuple[object, ...] = (), kwargs: dict[str, object] | None = None) -> object:
+        def unwrap(x: object) -> object:
+            return x.value() if isinstance(x, PendingGrad) else x
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+def settle_for_step(params: Iterable[torch.Tensor]) -> list[int]:
+    """Right before the optimizer reads ``p.grad``: a touched gradient becomes its plain value (applied
+    by this step); an untouched one and a placeholder leave ``p.grad`` (applied in the next forward,
+    or never). Returns the indices (in ``params``) whose deferred gradient stays deferred."""
+    deferred = []
+    for i, p in enumerate(params):
+        g = p.grad
+        if not isinstance(g, PendingGrad):
+            continue
+        if g.resolved and not g.placeholder:
+            p.grad = g.value()
+        else:
+            p.grad = None
+            if not g.placeholder:
+                deferred.append(i)
+    return deferred
+

@@ -1,0 +1,144 @@
+"""What a run decided, as typed records: the plan, its re-checks, switches, adaptation, skipped steps.
+
+:class:`RunRecord` is the one place these are written (each collaborator returns its record; the
+facade appends it). Users read them through ``ddp.plan_info``: :meth:`RunRecord.view` renders a
+fresh, read-only mapping (a :class:`PlanInfoView`), so code that reads ``plan_info`` cannot change
+what deft recorded, and the mapping is plain JSON (``json.dumps(ddp.plan_info)`` works).
+
+The view's keys: the agreed plan's own (``source``, ``accepted``, ``tries``, ``reason``, ``stats``,
+``try_log``, ``recheck``, ``fallback``, ...; :func:`deft.runtime.planning.make_schedule`), ``t0`` (the
+iteration it began), ``stats_reason``, ``background`` (planned in the background: how long), and,
+when not empty, ``finish_in_forward``, ``skipped_steps``, ``calibrations``, ``rechecks``,
+``switches`` and ``adapt``, ``nonfinite_steps`` (iterations whose gradient statistics were skipped:
+a gradient was inf/NaN, as GradScaler's overflow steps have). Before the first plan only
+``skipped_steps``, ``nonfinite_steps`` and ``calibrations`` can be present.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import NoReturn
+
+from deft._json import JsonDict, JsonValue
+from deft.errors import DeftError
+from deft.schedule import Schedule
+
+#: A record as broadcast between ranks and shown to users.
+Doc = JsonDict
+
+
+def as_object(doc: Mapping[str, JsonValue], key: str) -> JsonDict:
+    """``doc[key]`` as a JSON object (an empty one when absent): documents rank 0 built, read back."""
+    value = doc.get(key, {})
+    if not isinstance(value, Mapping):
+        raise DeftError(f"internal: {key!r} of a document broadcast by rank 0 is not an object: {value!r}")
+    return dict(value)
+
+
+class PlanInfoView(dict[str, JsonValue]):
+    """A read-only snapshot of a run's records (``ddp.plan_info``). Pickles and copies as a plain dict."""
+
+    def _read_only(self, *args: object, **kwargs: object) -> NoReturn:
+        raise TypeError("ddp.plan_info is a read-only view of what deft recorded; copy it (dict(ddp.plan_info)) "
+                        "to change it")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _read_only
+
+    def __reduce__(self) -> tuple[type[dict[str, JsonValue]], tuple[dict[str, JsonValue]]]:
+        return dict, (dict(self),)
+
+
+@dataclass(frozen=True)
+class SwitchRecord:
+    """All ranks switched schedules at a cycle boundary (a re-check's or the adaptation's decision)."""
+
+    iteration: int
+    old: str             # digest of the schedule replaced
+    new: Schedule
+    flushed_updates: int  # updates ``flush()`` applied before the switch
+    info: Doc            # the decision's own record (source, reason, ...)
+
+    def to_dict(self) -> Doc:
+        return {"iteration": self.iteration, "from": self.old, "to": self.new.digest(), "cycle": self.new.cycle,
+                "batch_sequence": list(self.new.batch_sequence), "flushed_updates": self.flushed_updates,
+                **self.info}
+
+
+@dataclass
+class RunRecord:
+    """Every decision of one run, in the order made (module docstring)."""
+
+    plan: Doc = field(default_factory=dict)  # the agreed plan's record, with t0, stats_reason, background
+    finish_in_forward: str | None = None
+    skipped_steps: list[int] = field(default_factory=list)
+    nonfinite_steps: list[int] = field(default_factory=list)  # statistics skipped: a gradient was inf/NaN
+    calibrations: list[Doc] = field(default_factory=list)
+    rechecks: list[Doc] = field(default_factory=list)
+    switches: list[Doc] = field(default_factory=list)
+    adapt: list[Doc] = field(default_factory=list)
+
+    def planned(self, info: Mapping[str, JsonValue], t0: int, stats_reason: str, background: Doc | None) -> None:
+        """The first plan is installed: its record starts the run's; what happened before it (skipped
+        steps, non-finite statistics, calibrations) stays on record, anything about an earlier schedule
+        goes."""
+        self.plan = {**info, "t0": t0, "stats_reason": stats_reason,
+                     **({} if background is None else {"background": background})}
+        self.finish_in_forward = None
+        self.rechecks, self.switches, self.adapt = [], [], []
+
+    def switched(self, record: SwitchRecord) -> None:
+        self.switches.append(record.to_dict())
+
+    def view(self) -> PlanInfoView:
+        """A fresh read-only snapshot (module docstring)."""
+        out: Doc = copy.deepcopy(self.plan)
+        if self.finish_in_forward is not None:
+            out["finish_in_forward"] = self.finish_in_forward
+        lists: dict[str, list[int] | list[Doc]] = {
+            "skipped_steps": self.skipped_steps, "nonfinite_steps": self.nonfinite_steps,
+            "calibrations": self.calibrations, "rechecks": self.rechecks, "switches": self.switches,
+            "adapt": self.adapt}
+        out.update({key: copy.deepcopy(value) for key, value in lists.items() if value})
+        return PlanInfoView(out)
+
+    @classmethod
+    def from_view(cls, doc: Mapping[str, JsonValue]) -> RunRecord:
+        """The inverse of :meth:`view` (a checkpoint's ``plan_info``)."""
+        rest = {k: v for k, v in doc.items() if k not in _RECORD_KEYS}
+        finish = doc.get("finish_in_forward")
+        return cls(plan=rest, finish_in_forward=None if finish is None else str(finish),
+                   skipped_steps=_ints(doc, "skipped_steps"), nonfinite_steps=_ints(doc, "nonfinite_steps"),
+                   calibrations=_objects(doc, "calibrations"), rechecks=_objects(doc, "rechecks"),
+                   switches=_objects(doc, "switches"), adapt=_objects(doc, "adapt"))
+
+
+#: The keys of a view that are the record's own fields, not the plan's.
+_RECORD_KEYS = ("finish_in_forward", "skipped_steps", "nonfinite_steps", "calibrations", "rechecks", "switches",
+                "adapt")
+
+
+def _items(doc: Mapping[str, JsonValue], key: str) -> list[JsonValue]:
+    value = doc.get(key, [])
+    if not isinstance(value, list):
+        raise DeftError(f"deft checkpoint: plan_info.{key}: expected a list, got {value!r}")
+    return value
+
+
+def _ints(doc: Mapping[str, JsonValue], key: str) -> list[int]:
+    out = []
+    for v in _items(doc, key):
+        if not isinstance(v, int):
+            raise DeftError(f"deft checkpoint: plan_info.{key}: expected iteration numbers, got {v!r}")
+        out.append(v)
+    return out
+
+
+def _objects(doc: Mapping[str, JsonValue], key: str) -> list[Doc]:
+    out = []
+    for v in _items(doc, key):
+        if not isinstance(v, Mapping):
+            raise DeftError(f"deft checkpoint: plan_info.{key}: expected records (objects), got {v!r}")
+        out.append(dict(v))
+    return out

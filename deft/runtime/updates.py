@@ -1,0 +1,246 @@
+"""Applying updates: what ``p.grad`` holds at the user's step, deferred forward updates, merged steps.
+
+Invariants (docs/DESIGN.md, "Runtime"):
+
+* **Exposed at the step.** At the end of backward the due update's averaged gradient is put into
+  ``p.grad``, where torch DDP leaves it, so GradScaler, clipping and any code between ``backward()``
+  and ``step()`` see it; the user's ``optimizer.step()`` applies it. A parameter whose bucket is still
+  in flight gets a future (:class:`deft.runtime.pending_grads.PendingGrad`): touched, it waits and is
+  torch DDP's value, applied by this step; untouched, it is applied just before its first use in the
+  next forward. Earlier updates due at the same step are applied first, through internal steps
+  (:meth:`UpdateApplier.expose`).
+* **Exactly once.** Every update is applied by exactly one optimizer step: the user's, an internal
+  one, or (an update finishing in the forward) one internal step per module just before its forward,
+  for the parameters whose buckets were still in flight at the step. A skipped step (GradScaler found
+  inf/NaN) drops the exposed update as torch DDP does, deferred part included.
+* **Applied whole when it must be.** A deferred part gets the step's hyperparameters as they were at
+  the step (an LR scheduler may have stepped since), and is possible only when the optimizer updates
+  each parameter from its own gradient and state and deft itself does nothing global to the
+  gradients (:meth:`UpdateApplier.couples`). What the loop does to them needs no such rule: it touches
+  the futures, which makes them whole.
+* **Merged steps.** The one step applying an update that merges ``k`` iterations runs with every
+  param group's ``lr`` times ``merge_lr_factor(k, config.merge_lr_scaling)``, restored right after.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from deft.config import DeftConfig
+from deft.preserver.gaussian_walk import merge_lr_factor
+from deft.runtime.executor import DueUpdate, Executor
+from deft.runtime.first_use import first_use_modules
+from deft.runtime.optimizer_hooks import LearningRate, OptimizerBinding, merged_lr, restore_lr, scale_lr
+from deft.runtime.pending_grads import PendingGrad, settle_for_step
+
+#: torch optimizers whose update of a parameter reads only that parameter, its gradient and its own state:
+#: an update finishing in the forward may apply them one module at a time (exact type, not subclasses).
+PER_PARAMETER_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                            torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
+                            torch.optim.Rprop, torch.optim.ASGD, torch.optim.Adadelta)
+
+#: One entry of the update log: (the iteration whose step applied it, the iterations it merges).
+LogEntry = tuple[int, tuple[int, ...]]
+
+
+class UpdateApplier:
+    """Puts due updates into ``p.grad`` and through the optimizer (module docstring)."""
+
+    def __init__(self, module: nn.Module, params: list[torch.Tensor], executor: Executor,
+                 optim: OptimizerBinding, config: DeftConfig) -> None:
+        self._module, self._params, self._executor, self.optim = module, params, executor, optim
+        self._scaling = config.merge_lr_scaling
+        self.log: list[LogEntry] = []
+        self.clip: tuple[float, float] | None = None  # clip_grad_norm_on_update: (max_norm, norm_type)
+        self.last_grad_norm: float | None = None
+        # Whether p.grad holds something between backward() and step() (None: not exposed yet).
+        self._exposed: bool | None = None
+        self._exposed_iterations: tuple[int, ...] | None = None
+        self._lr_saved: list[LearningRate] | None = None  # the groups' lr while a merged step runs scaled
+        # Updates finishing in the forward: module pre-hooks, and the step's hyperparameters.
+        self._owned: dict[int, list[int]] = {}  # id(module) -> parameters updated before its forward
+        self.first_use: dict[int, nn.Module] = {}  # parameter -> module of its first use (recorded once)
+        self._fwd_hooks: list[RemovableHandle] = []
+        self._finish_hparams: list[dict[str, object]] = []
+
+    @property
+    def exposed(self) -> bool:
+        """Is an update (or an empty one: no update due) in ``p.grad``, waiting for the step?"""
+        return bool(self._exposed)
+
+    @property
+    def exposing(self) -> bool:
+        """Has this iteration's end of backward (or step) run :meth:`expose` already?"""
+        return self._exposed is not None
+
+    # -- why an update must be applied whole ----------------------------------------------------------
+    def couples(self) -> str | None:
+        """Why an update cannot be applied one module at a time (None: it can)."""
+        if self.clip is not None:
+            return "clip_grad_norm_on_update couples all parameters (the norm is global)"
+        opt = self.optim.optimizer
+        if opt is not None and type(opt) not in PER_PARAMETER_OPTIMIZERS:
+            return (f"{type(opt).__name__} is not one of torch's per-parameter optimizers "
+                    f"({', '.join(o.__name__ for o in PER_PARAMETER_OPTIMIZERS)})")
+        return None
+
+    # -- the step ---------------------------------------------------------------------------------------
+    def expose(self, updates: list[DueUpdate], t: int, partial: bool, placeholders: bool) -> None:
+        """The due ``updates`` (oldest first) at the step of iteration ``t``: all but the last applied by
+        internal steps, the last put into ``p.grad`` for the user's step. ``partial``: part of the last
+        finishes in the next forward (with this step's hyperparameters); its parameters' ``p.grad`` are
+        :class:`PendingGrad` futures. ``placeholders``: when nothing is due, zeros stand in ``p.grad``
+        (a GradScaler must find gradients to check) and the step changes nothing."""
+        if partial:
+            opt = self.optim.optimizer
+            assert opt is not None
+            factor = merge_lr_factor(len(updates[-1].iterations), self._scaling)
+            self._finish_hparams = [{k: (v * factor if k == "lr" else v) for k, v in g.items() if k != "params"}
+                                    for g in opt.param_groups]
+        for upd in updates[:-1]:
+            self.set_grads(upd.grads)
+            self.step_merged(len(upd.iterations))
+            self.log.append((t, upd.iterations))
+        if updates:
+            self.set_grads(updates[-1].grads)
+            self._exposed_iterations = updates[-1].iterations  # logged when the step takes it
+            for i in self._executor.deferred:  # futures: waited for only if the loop touches them
+                self._params[i].grad = PendingGrad(self._params[i], self._resolver(i))
+        elif placeholders:
+            for p in self._params:
+                p.grad = PendingGrad.zeros(p)
+        else:
+            self.clear_grads()
+        self._exposed = any(p.grad is not None for p in self._params)
+
+    def _resolver(self, i: int) -> Callable[[], torch.Tensor]:
+        """Parameter ``i``'s deferred gradient, now: its bucket is waited for and it stops being deferred."""
+        def resolve() -> torch.Tensor:
+            g = self._executor.finish([i])[i]
+            assert g is not None  # deferred parameters are the used ones
+            return g
+        return resolve
+
+    def before_step(self) -> None:
+        """Right before the user's ``optimizer.step()`` applies the exposed update: gradients the loop
+        touched are applied by it, untouched deferred ones in the next forward (:mod:`pending_grads`)."""
+        settle_for_step(self._params)
+        # A merge of k iterations steps with the lr scaled, restored in after_step before any LR scheduler.
+        if self._exposed_iterations is not None and self.optim.optimizer is not None:
+            self._lr_saved = scale_lr(self.optim.optimizer, merge_lr_factor(len(self._exposed_iterations),
+                                                                            self._scaling))
+
+    def skip(self) -> None:
+        """The step was skipped: the exposed update is dropped, its deferred part too."""
+        self._exposed_iterations = None
+        if self._exposed:
+            self._executor.finish()
+
+    def restore_lr(self) -> None:
+        """Right after the user's step: the learning rates a merged step scaled are restored."""
+        if self._lr_saved is not None and self.optim.optimizer is not None:
+            restore_lr(self.optim.optimizer, self._lr_saved)
+            self._lr_saved = None
+
+    def end_step(self, t: int) -> None:
+        """The iteration ``t`` ends: the exposed update, if the step took it, goes into the log."""
+        self._exposed = None
+        if self._exposed_iterations is not None:
+            self.log.append((t, self._exposed_iterations))
+            self._exposed_iterations = None
+        self.clear_grads()
+
+    def step_merged(self, k: int) -> None:
+        """deft's own optimizer step for an update merging ``k`` iterations (lr scaled by the config)."""
+        opt = self.optim.optimizer
+        if opt is None:
+            self.optim.step_internally()  # raises the error that names the missing optimizer
+            return
+        with merged_lr(opt, k, self._scaling):
+            self.optim.step_internally()
+
+    def set_grads(self, grads: list[torch.Tensor | None]) -> None:
+        for p, g in zip(self._params, grads, strict=True):
+            p.grad = g
+        if self.clip is not None:
+            with_grad = [p for p in self._params if p.grad is not None]
+            self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(with_grad, *self.clip))
+
+    def clear_grads(self) -> None:
+        for p in self._params:
+            p.grad = None
+
+    def drain(self, t: int) -> list[DueUpdate]:
+        """``flush()``: every queued update applied now, oldest first; the cycle restarts at ``t``."""
+        updates = self._executor.drain()
+        for upd in updates:
+            self.set_grads(upd.grads)
+            self.step_merged(len(upd.iterations))
+            self.log.append((t - 1, upd.iterations))
+        self.clear_grads()
+        self._executor.restart_cycle(t)
+        return updates
+
+    # -- updates finishing in the forward (Update.finish_in_forward) -----------------------------------
+    def set_forward_hooks(self, on: bool) -> None:
+        """While the schedule has updates finishing in the forward: a pre-hook on every module where a
+        parameter is first used (:mod:`deft.runtime.first_use`) applies that parameter's deferred update
+        before the module runs."""
+        for h in self._fwd_hooks:
+            h.remove()
+        self._fwd_hooks = []
+        if not on:
+            return
+        self._owned = first_use_modules(self._module, self._params, self.first_use)
+        hook = _forward_pre_hook(weakref.ref(self))
+        for m in self._module.modules():
+            if id(m) in self._owned:
+                self._fwd_hooks.append(m.register_forward_pre_hook(hook))
+
+    def before_module(self, m: nn.Module) -> None:
+        """Forward pre-hook: the module's deferred parameters get their update now."""
+        own = self._owned.get(id(m))
+        if own and self._executor.deferred:
+            self._apply_deferred(self._executor.finish(own))
+
+    def finish_deferred(self) -> None:
+        """Every deferred parameter gets its update now (the forward did not run its module, a
+        checkpoint or evaluation needs torch DDP's parameters)."""
+        if self._executor.deferred:
+            self._apply_deferred(self._executor.finish())
+
+    def _apply_deferred(self, grads: list[torch.Tensor | None]) -> None:
+        """One internal optimizer step over the parameters in ``grads`` (others ``None``: untouched), with
+        the hyperparameters of the step at which their update began."""
+        if all(g is None for g in grads):
+            return
+        opt = self.optim.optimizer
+        assert opt is not None
+        now = [{k: g[k] for k in snap} for g, snap in zip(opt.param_groups, self._finish_hparams, strict=True)]
+        try:
+            for g, snap in zip(opt.param_groups, self._finish_hparams, strict=True):
+                g.update(snap)
+            for p, gr in zip(self._params, grads, strict=True):
+                p.grad = gr
+            self.optim.step_internally()
+        finally:
+            for g, values in zip(opt.param_groups, now, strict=True):
+                g.update(values)
+            self.clear_grads()
+
+    def close(self) -> None:
+        self.set_forward_hooks(False)
+
+
+def _forward_pre_hook(me: weakref.ref[UpdateApplier]) -> Callable[[nn.Module, object], None]:
+    """A weak reference, so a dropped wrapper does not keep applying."""
+    def hook(m: nn.Module, args: object) -> None:
+        d = me()
+        if d is not None:
+            d.before_module(m)
+    return hook
