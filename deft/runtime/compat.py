@@ -7,7 +7,9 @@ torch DDP line carries over; deft's own (``optimizer``, ``config``, ``profile``)
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -15,6 +17,8 @@ import torch.distributed as dist
 from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.errors import DeftError
+
+log = logging.getLogger("deft.runtime")
 
 #: torch DDP arguments deft refuses: each changes what is communicated in a way deft's schedule replaces.
 UNSUPPORTED = ("delay_all_reduce_named_params", "param_to_hook_all_reduce", "mixed_precision", "device_mesh",
@@ -67,7 +71,12 @@ def trainable(module: torch.nn.Module) -> tuple[list[str], list[torch.Tensor], t
     devices = {p.device for _, p in named}
     if len(devices) != 1:
         raise DeftError(f"deft needs all trainable parameters on one device, got {sorted(map(str, devices))}")
-    return [n for n, _ in named], [p for _, p in named], next(iter(devices))
+    device = next(iter(devices))
+    if device.type == "meta":  # torch DDP refuses it too: there is nothing to broadcast or train
+        raise DeftError("the module's parameters are on the meta device (shapes without data): materialize "
+                        "them first (module.to_empty(device=...) and initialize them), then wrap the module, "
+                        "as torch DDP requires")
+    return [n for n, _ in named], [p for _, p in named], device
 
 
 def shared_config(cfg: DeftConfig) -> JsonDict:
@@ -77,3 +86,18 @@ def shared_config(cfg: DeftConfig) -> JsonDict:
     assert isinstance(links, list)
     d["links"] = [{k: v for k, v in lk.items() if k != "ifname"} for lk in links if isinstance(lk, Mapping)]
     return d
+
+
+def for_compiled(module: torch.nn.Module, cfg: DeftConfig) -> tuple[DeftConfig, str | None]:
+    """The config for ``module`` and why it runs compiled (``torch.compile(model)`` or ``model.compile()``,
+    itself or a submodule), or None. A compiled graph runs the forward without deft's per-module hooks
+    between layers, and updating a parameter its backward saved is an in-place error there: a compiled
+    module gets whole updates at the step (``forward_updates = false``). Wrapping first and compiling
+    the wrapper, as torch advises for DDP, keeps them."""
+    for name, m in module.named_modules():
+        if type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None:
+            why = f"the module{' ' + repr(name) if name else ''} is compiled (torch.compile before wrapping)"
+            if cfg.forward_updates:
+                log.warning("deft: %s: updates are applied whole at the step (forward_updates = false)", why)
+            return replace(cfg, forward_updates=False), why
+    return cfg, None

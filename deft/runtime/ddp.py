@@ -34,7 +34,7 @@ from deft.profile import Profile
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.checkpoint import RuntimeState, StateDoc
 from deft.runtime.comm_hooks import CommHook, carry_buckets, from_config
-from deft.runtime.compat import Device, check_device_ids, check_torch_args, shared_config, trainable
+from deft.runtime.compat import Device, check_device_ids, check_torch_args, for_compiled, shared_config, trainable
 from deft.runtime.control import ControlPlane, broadcast_state, digest
 from deft.runtime.course import Course
 from deft.runtime.executor import Executor, PendingUpdate
@@ -96,6 +96,7 @@ class DistributedDataParallel(nn.Module):
         if path is not None and (dist.get_rank() == 0 or os.path.exists(path)):
             check_schedule_file(self.config, module)
         self._names, self._params, self.device = trainable(module)
+        self.config, self._compiled = for_compiled(module, self.config)
         check_device_ids(device_ids, output_device, self.device)
         self._cuda = self.device.type == "cuda"
         self._ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
@@ -128,7 +129,7 @@ class DistributedDataParallel(nn.Module):
         self._executor = Executor(self._params, self._links, self.rank, self.world, cfg.timeout_s, self.device)
         self._executor.comm_hook = from_config(cfg)
         self._optim = OptimizerBinding(self._params, self._before_step, self._after_step, optimizer)
-        self._updates = UpdateApplier(self.module, self._params, self._executor, self._optim, cfg)
+        self._updates = UpdateApplier(self.module, self._params, self._executor, self._optim, cfg, self._compiled)
         self._course = Course(cfg, self._control, self.module, self._names, self._params, self._links,
                               self._executor, self._optim, self._updates.log, given_profile, self._ranks,
                               self._install)

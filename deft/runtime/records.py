@@ -85,7 +85,6 @@ class RunRecord:
         goes."""
         self.plan = {**info, "t0": t0, "stats_reason": stats_reason,
                      **({} if background is None else {"background": background})}
-        self.finish_in_forward = None
         self.rechecks, self.switches, self.adapt = [], [], []
 
     def switched(self, record: SwitchRecord) -> None:

@@ -52,9 +52,10 @@ class UpdateApplier:
     """Puts due updates into ``p.grad`` and through the optimizer (module docstring)."""
 
     def __init__(self, module: nn.Module, params: list[torch.Tensor], executor: Executor,
-                 optim: OptimizerBinding, config: DeftConfig) -> None:
+                 optim: OptimizerBinding, config: DeftConfig, compiled: str | None = None) -> None:
         self._module, self._params, self._executor, self.optim = module, params, executor, optim
         self._scaling = config.merge_lr_scaling
+        self._compiled = compiled  # why the module runs compiled (then updates are applied whole), or None
         self.log: list[LogEntry] = []
         self.clip: tuple[float, float] | None = None  # clip_grad_norm_on_update: (max_norm, norm_type)
         self.last_grad_norm: float | None = None
@@ -81,6 +82,8 @@ class UpdateApplier:
     # -- why an update must be applied whole ----------------------------------------------------------
     def couples(self) -> str | None:
         """Why an update cannot be applied one module at a time (None: it can)."""
+        if self._compiled is not None:
+            return f"{self._compiled}: its graph runs without deft's hooks between layers"
         if self.clip is not None:
             return "clip_grad_norm_on_update couples all parameters (the norm is global)"
         opt = self.optim.optimizer

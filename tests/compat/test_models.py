@@ -1,0 +1,161 @@
+"""Drop-in with models and launches users have (issue 25): a HuggingFace GPT-2, ``torch.compile`` before
+or after wrapping, world sizes 3 and 4, a meta-device model, and the default epsilon on a schedule that
+merges updates.
+
+Exact cases compare with torch DDP to 1e-5 as in :mod:`tests.compat.test_loops`; the default-epsilon
+case checks what the preserver promises a user (no crash, finite parameters, the loss of torch DDP's
+run within its spread) on a schedule where steps have no update due.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests._dist import run_ranks, values
+from tests.compat._harness import Loop, Recipe, mlp, run
+from tests.compat.test_loops import RECIPES, _plain, check_exact
+
+
+# -- HuggingFace GPT-2 ------------------------------------------------------------------------------------
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def _gpt2_batch(rank: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7 * t + rank)
+    ids = torch.randint(0, 96, (4, 16), generator=g)
+    return ids, ids
+
+
+def _gpt2_optimizer(m: nn.Module) -> torch.optim.Optimizer:
+    decay = [p for n, p in m.named_parameters() if p.dim() >= 2]
+    rest = [p for n, p in m.named_parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                             lr=1e-3)
+
+
+def _gpt2_step(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """The HuggingFace way: labels in, ``.loss`` out, attention mask, clip, warm-up then cosine."""
+    if t == 0:
+        from transformers import get_cosine_schedule_with_warmup
+
+        loop.sched = get_cosine_schedule_with_warmup(loop.opt, 3, 20)  # type: ignore[attr-defined]
+    out = loop.wrapped(input_ids=x, attention_mask=torch.ones_like(x), labels=y)
+    out.loss.backward()
+    loop.log.values.append(float(torch.nn.utils.clip_grad_norm_(loop.model.parameters(), 1.0)))
+    loop.opt.step()
+    loop.sched.step()  # type: ignore[attr-defined]
+    loop.opt.zero_grad()
+    loop.log.losses.append(out.loss.item())
+
+
+GPT2 = Recipe(_gpt2, _gpt2_step, optimizer=_gpt2_optimizer, steps=20, batch=_gpt2_batch)
+
+
+def gpt2_worker(rank: int, world: int, mode: str, workdir: str) -> dict[str, Any]:
+    return run(GPT2, rank, mode, 0.0, workdir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["forced", "measured"])
+def test_huggingface_gpt2_matches_torch_ddp(mode: str, tmp_path: Any) -> None:
+    check_exact(values(run_ranks(gpt2_worker, 2, (mode, str(tmp_path)), timeout=240)))
+
+
+# -- world sizes -------------------------------------------------------------------------------------------
+def world_worker(rank: int, world: int, recipe: str, workdir: str) -> dict[str, Any]:
+    return run(RECIPES[recipe], rank, "forced", 0.0, workdir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "recipe"), [(3, "amp_bf16_documented"), (4, "plain"), (4, "grad_norm_logging")])
+def test_world_sizes_three_and_four(world: int, recipe: str, tmp_path: Any) -> None:
+    out = values(run_ranks(world_worker, world, (recipe, str(tmp_path)), timeout=240))
+    check_exact(out)
+    assert all(v["deft"]["params"] == out[0]["deft"]["params"] for v in out)
+
+
+# -- torch.compile ------------------------------------------------------------------------------------------
+def _compiled_mlp() -> nn.Module:
+    return torch.compile(mlp(), backend="aot_eager")  # type: ignore[return-value]
+
+
+def compile_worker(rank: int, world: int, order: str, workdir: str) -> dict[str, Any]:
+    """``order``: ``"before"`` compiles the model and wraps the compiled one; ``"after"`` wraps, then
+    compiles the wrapper (torch's own advice for DDP)."""
+    if order == "before":
+        return run(Recipe(_compiled_mlp, _plain), rank, "forced", 0.0, workdir)
+    import tests.compat._harness as h
+
+    wrap = h.deft_wrapper
+
+    def compiled_after(model: nn.Module, *a: Any) -> nn.Module:
+        return torch.compile(wrap(model, *a), backend="aot_eager")  # type: ignore[return-value]
+
+    h.deft_wrapper = compiled_after  # type: ignore[assignment]
+    try:
+        return run(Recipe(mlp, _plain), rank, "forced", 0.0, workdir)
+    finally:
+        h.deft_wrapper = wrap  # type: ignore[assignment]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_torch_compile_before_or_after_wrapping(order: str, tmp_path: Any) -> None:
+    check_exact(values(run_ranks(compile_worker, 2, (order, str(tmp_path)), timeout=240)))
+
+
+# -- refused at construction ---------------------------------------------------------------------------------
+def meta_worker(rank: int, world: int) -> str:
+    import deft
+
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    try:
+        deft.DistributedDataParallel(model)
+    except deft.DeftError as e:
+        return str(e)
+    return "accepted"
+
+
+@pytest.mark.slow
+def test_a_meta_device_model_is_refused_at_construction() -> None:
+    for said in values(run_ranks(meta_worker, 2, timeout=60)):
+        assert "meta" in said and "to_empty" in said, said
+
+
+# -- the default epsilon on a merging schedule -------------------------------------------------------------
+def default_epsilon_worker(rank: int, world: int, recipe: str, workdir: str) -> dict[str, Any]:
+    return run(RECIPES[recipe], rank, "merged", None, workdir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["amp_bf16_documented", "amp_fp16_inf_after_plan", "clip_from_start",
+                                    "grad_norm_logging", "plain"])
+def test_default_epsilon_on_a_merging_schedule_trains(recipe: str, tmp_path: Any) -> None:
+    """Two iterations per update: every other step has no update due. GradScaler still finds gradients
+    to check there (no "No inf checks were recorded"), every iteration is applied exactly once (a
+    skipped step drops its pair), the parameters stay finite and the loss goes down. (Half as many
+    steps as torch DDP's run: the maths is gradient accumulation's, not torch DDP's, so no equality.)"""
+    out = values(run_ranks(default_epsilon_worker, 2, (recipe, str(tmp_path)), timeout=180))
+    for v in out:
+        ours = v["deft"]
+        assert all(math.isfinite(x) for p in ours["params"] for x in p)
+        steps = RECIPES[recipe].steps
+        merged = sorted(t for its in v["updates"] for t in its)
+        assert len(set(merged)) == len(merged) and steps - len(merged) == (2 if "inf" in recipe else 0), v["updates"]
+        # merged after the warm-up iteration; the last pair may be cut short by flush()
+        assert all(len(its) == 2 for its in v["updates"][1:-1]), v["updates"]
+        assert sum(ours["losses"][-4:]) < sum(ours["losses"][:4]), ours["losses"]
+        if ours["scale"] is not None:
+            assert math.isfinite(ours["scale"]) and ours["scale"] >= 1.0
