@@ -54,6 +54,7 @@ class Recipe:
     batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
     scaler: bool = False
     restart_at: int | None = None  # checkpoint and resume in a fresh wrapper before this iteration
+    restart_from: str = "wrapper"  # whose state_dict the checkpoint holds: the wrapper's or the module's
 
 
 @dataclass
@@ -192,6 +193,7 @@ def run(recipe: Recipe, rank: int, mode: str, epsilon: float | None, workdir: st
             out["updates"] = [list(its) for _, its in loop.wrapped.update_log]  # type: ignore[union-attr]
             out["plan"] = str(loop.wrapped.plan_info.get("source"))  # type: ignore[union-attr]
             out["deferred"] = sum(loop.log.deferred)
+            out["nonfinite_steps"] = loop.wrapped.plan_info.get("nonfinite_steps", [])  # type: ignore[union-attr]
         out[kind] = {"losses": loop.log.losses, "values": loop.log.values,
                      "params": [p.detach().flatten().tolist() for p in loop.model.parameters()],
                      "scale": None if loop.scaler is None else float(loop.scaler.get_scale())}
@@ -200,18 +202,23 @@ def run(recipe: Recipe, rank: int, mode: str, epsilon: float | None, workdir: st
 
 def _resume(recipe: Recipe, loop: Loop, kind: str, mode: str, epsilon: float | None, workdir: str,
             rank: int) -> Loop:
-    """A checkpoint the way users take one (the wrapper's state_dict, the optimizer's, the scaler's), saved
-    to a file and loaded into a fresh model, wrapper and optimizer."""
+    """A checkpoint the way users take one (the wrapper's state_dict, or the bare module's as many
+    scripts do, with the optimizer's and the scaler's), saved to a file and loaded into a fresh model,
+    wrapper and optimizer."""
     path = os.path.join(workdir, f"{kind}-rank{rank}.pt")
-    torch.save({"model": loop.wrapped.state_dict(), "opt": loop.opt.state_dict(),
+    whose = loop.wrapped if recipe.restart_from == "wrapper" else loop.model
+    torch.save({"model": whose.state_dict(), "opt": loop.opt.state_dict(),
                 "scaler": None if loop.scaler is None else loop.scaler.state_dict()}, path)
     saved = torch.load(path, weights_only=True)
     model = recipe.model()
+    if recipe.restart_from == "module":
+        model.load_state_dict(saved["model"])
     if kind == "torch":
         wrapped: nn.Module = nn.parallel.DistributedDataParallel(model)
     else:
         wrapped = deft_wrapper(model, mode, epsilon, workdir, rank)
-    wrapped.load_state_dict(saved["model"])
+    if recipe.restart_from == "wrapper":
+        wrapped.load_state_dict(saved["model"])
     opt = recipe.optimizer(model)
     opt.load_state_dict(saved["opt"])
     scaler = loop.scaler

@@ -159,3 +159,20 @@ def test_default_epsilon_on_a_merging_schedule_trains(recipe: str, tmp_path: Any
         assert sum(ours["losses"][-4:]) < sum(ours["losses"][:4]), ours["losses"]
         if ours["scale"] is not None:
             assert math.isfinite(ours["scale"]) and ours["scale"] >= 1.0
+
+
+def nonfinite_worker(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    return run(RECIPES["amp_fp16_inf_before_plan"], rank, "measured", None, workdir)
+
+
+@pytest.mark.slow
+def test_default_epsilon_skips_a_nonfinite_gradient_in_its_statistics(tmp_path: Any) -> None:
+    """fp16 overflow on one rank while the preserver gathers its statistics (before planning), default
+    epsilon, deft planning on its own: no crash, GradScaler skips the step as torch DDP's does, and the
+    statistics say which iteration they left out."""
+    out = values(run_ranks(nonfinite_worker, 2, (str(tmp_path),), timeout=180))
+    for v in out:
+        assert v["nonfinite_steps"] == [2], v["nonfinite_steps"]
+        assert 2 not in {t for its in v["updates"] for t in its}
+        assert v["deft"]["values"][:4] == v["torch"]["values"][:4]  # the scale halved at the same step
+        assert all(math.isfinite(x) for p in v["deft"]["params"] for x in p)
