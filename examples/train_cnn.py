@@ -97,8 +97,8 @@ def load_digits_split(seed: int, size: int = 32, test_fraction: float = 0.2
     return (x_train - mean) / std, y[idx_train], (x_test - mean) / std, y[idx_test]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_scheme_args(ap: argparse.ArgumentParser) -> None:
+    """The flags of the data-parallel schemes (:func:`wrap` reads them), shared with train_lm.py."""
     ap.add_argument("--ddp", choices=SCHEMES, default=None,
                     help="data-parallel scheme (default torch); see the module docstring")
     ap.add_argument("--compute-only", action="store_true",
@@ -119,6 +119,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--localsgd-period", type=int, default=4, help="localsgd: steps between model averages")
     ap.add_argument("--localsgd-warmup", type=int, default=None,
                     help="localsgd: iterations of global gradient all-reduce first (default 10%%, at least 1)")
+
+
+def check_scheme_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Range checks of :func:`add_scheme_args`' flags; sets ``args.ddp`` (``compute`` for --compute-only)."""
+    for flag, value, low in (("--shards", args.shards, 1), ("--powersgd-rank", args.powersgd_rank, 1),
+                             ("--powersgd-start", args.powersgd_start, 2), ("--accumulate", args.accumulate, 1),
+                             ("--localsgd-period", args.localsgd_period, 2),
+                             ("--localsgd-warmup", args.localsgd_warmup, 0)):
+        if value is not None and value < low:
+            ap.error(f"{flag}: expected an integer >= {low}, got {value}")
+    if args.config is not None and not Path(args.config).is_file():
+        ap.error(f"--config: no such file {args.config} (from --config or $DEFT_CONFIG)")
+    if args.compute_only and args.ddp is not None:
+        ap.error(f"--compute-only runs no data-parallel scheme; drop --ddp {args.ddp}")
+    args.ddp = "compute" if args.compute_only else (args.ddp or "torch")
+    if args.compression is not None and args.ddp != "deft":
+        ap.error(f"--compression is deft's knob; --ddp {args.ddp} has its own (use --ddp fp16|powersgd for torch DDP)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_scheme_args(ap)
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--max-iters", type=int, default=None, help="stop after this many iterations in total")
     ap.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -136,21 +158,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, value, low in (("--epochs", args.epochs, 1), ("--batch-size", args.batch_size, 1),
                              ("--max-iters", args.max_iters, 1), ("--width", args.width, 1),
                              ("--hidden", args.hidden, 1), ("--eval-every", args.eval_every, 0),
-                             ("--skip-iters", args.skip_iters, 0), ("--shards", args.shards, 1),
-                             ("--powersgd-rank", args.powersgd_rank, 1), ("--powersgd-start", args.powersgd_start, 2),
-                             ("--accumulate", args.accumulate, 1), ("--localsgd-period", args.localsgd_period, 2),
-                             ("--localsgd-warmup", args.localsgd_warmup, 0)):
+                             ("--skip-iters", args.skip_iters, 0)):
         if value is not None and value < low:
             ap.error(f"{flag}: expected an integer >= {low}, got {value}")
     if not args.lr > 0:
         ap.error(f"--lr: expected > 0, got {args.lr}")
-    if args.config is not None and not Path(args.config).is_file():
-        ap.error(f"--config: no such file {args.config} (from --config or $DEFT_CONFIG)")
-    if args.compute_only and args.ddp is not None:
-        ap.error(f"--compute-only runs no data-parallel scheme; drop --ddp {args.ddp}")
-    args.ddp = "compute" if args.compute_only else (args.ddp or "torch")
-    if args.compression is not None and args.ddp != "deft":
-        ap.error(f"--compression is deft's knob; --ddp {args.ddp} has its own (use --ddp fp16|powersgd for torch DDP)")
+    check_scheme_args(ap, args)
     return args
 
 
@@ -183,9 +196,12 @@ class Wrapped:
     updates: Callable[[int], int] = lambda steps: steps
 
 
-def wrap(model: nn.Module, args: argparse.Namespace, total_iters: int) -> Wrapped:
-    """The lines that differ between the schemes: the wrapper, its hook, its optimizer."""
-    sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+def wrap(model: nn.Module, args: argparse.Namespace, total_iters: int,
+         optimizer: torch.optim.Optimizer | None = None) -> Wrapped:
+    """The lines that differ between the schemes: the wrapper, its hook, its optimizer (``optimizer``, by
+    default SGD with ``--lr`` and ``--momentum``; post-local SGD wraps it)."""
+    sgd = optimizer if optimizer is not None else torch.optim.SGD(model.parameters(), lr=args.lr,
+                                                                   momentum=args.momentum)
     if args.ddp == "compute":
         return Wrapped(model, sgd, {"shards": args.shards})
     if args.ddp == "deft":
