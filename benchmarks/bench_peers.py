@@ -69,10 +69,55 @@ from bench_links import (
 
 from deft.testbed import Testbed, TestbedError
 
-EXAMPLE = ROOT / "examples" / "train_cnn.py"
-RESULTS = ROOT / "benchmarks" / "results" / "peers.md"
 HEADER = "# deft and its peers on the two-link testbed\n"
-TARGETS = (0.93, 0.95)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained and how it is judged: the example script, its quality metric (an accuracy, higher
+    is better; or a validation loss, lower is better), the targets the times are taken to."""
+
+    name: str
+    example: Path
+    results: Path
+    metric: str             # the evaluations' key
+    final_key: str          # the summary's keys
+    best_key: str
+    higher_is_better: bool
+    label: str              # the metric in words
+    fixed_targets: tuple[float, ...] = ()  # () : set from torch DDP's curve (targets())
+
+    def argv(self, args: argparse.Namespace) -> list[str]:
+        length = ["--epochs", str(args.epochs)] if self.name == "cnn" else ["--iters", str(args.iters)]
+        return [*length, "--eval-every", str(args.eval_every), "--skip-iters", str(args.skip_iters),
+                "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(args.seed)]
+
+    def reached(self, value: float, target: float) -> bool:
+        return value >= target if self.higher_is_better else value <= target
+
+    def targets(self, docs: list[dict[str, Any]]) -> tuple[float, ...]:
+        """The fixed targets, or the value torch DDP's run reaches at 80 % of its iterations (the
+        median over its repeats; the first scheme's when torch DDP did not run)."""
+        if self.fixed_targets:
+            return self.fixed_targets
+        ref = [d for d in docs if d["summary"]["name"] == "torch"] or docs[:1]
+        at = []
+        for d in ref:
+            evals = d["evals"]
+            last = max(e["iter"] for e in evals)
+            at.append(min(evals, key=lambda e: abs(e["iter"] - 0.8 * last))[self.metric])
+        return (statistics.median(at),) if at else ()
+
+    def fmt(self, v: float) -> str:
+        return f"{v:.0%}" if self.higher_is_better else f"{v:.3f}"
+
+
+WORKLOADS = {
+    "cnn": Workload("cnn", ROOT / "examples" / "train_cnn.py", ROOT / "benchmarks" / "results" / "peers.md",
+                    "test_acc", "final_test_acc", "best_test_acc", True, "test accuracy", (0.93, 0.95)),
+    "lm": Workload("lm", ROOT / "examples" / "train_lm.py", ROOT / "benchmarks" / "results" / "peers_lm.md",
+                   "val_loss", "final_val_loss", "best_val_loss", False, "validation loss"),
+}
 
 
 @dataclass(frozen=True)
@@ -111,20 +156,19 @@ def run_order(names: list[str], rates: list[float], repeats: int) -> list[tuple[
 
 
 def run_one(tb: Testbed, name: str, rep: int, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
-    sch = SCHEMES[name]
+    sch, wl = SCHEMES[name], WORKLOADS[args.workload]
     stem = f"{name}.{tb.rate_mbit:g}.r{rep}"
     out = out_dir / f"{stem}.json"
     config = tb.write_config(out_dir / f"{stem}.toml", links=sch.links)
     json_arg = str(out_dir / f"{stem}.host{{host}}.json") if sch.alone else str(out)
-    argv = [sys.executable, str(EXAMPLE), *sch.argv, "--epochs", str(args.epochs), "--eval-every",
-            str(args.eval_every), "--skip-iters", str(args.skip_iters), "--batch-size", str(args.batch_size),
-            "--lr", str(args.lr), "--seed", str(args.seed), "--json", json_arg]
+    argv = [sys.executable, str(wl.example), *sch.argv, *wl.argv(args), "--json", json_arg]
     print(f"[bench_peers] {tb.rate_mbit:g} Mbit/s, repeat {rep}: {name} ({sch.label})", flush=True)
     t0, load = time.perf_counter(), os.getloadavg()[0]
     if args.live:
         run_live(tb, argv, timeout_s=args.timeout, label=name, config=config, alone=sch.alone)
     else:
-        run_ranks(tb, [*argv, "--no-progress"], timeout_s=args.timeout, label=f"{name}@{tb.rate_mbit:g}",
+        quiet = ["--no-progress"] if wl.name == "cnn" else []
+        run_ranks(tb, [*argv, *quiet], timeout_s=args.timeout, label=f"{name}@{tb.rate_mbit:g}",
                   config=config, alone=sch.alone)
     doc = json.loads((out_dir / f"{stem}.host0.json" if sch.alone else out).read_text(encoding="utf-8"))
     doc["summary"].update(wall_s=time.perf_counter() - t0, rate_mbit=tb.rate_mbit, repeat=rep, name=name, load=load)
@@ -176,17 +220,17 @@ def run_all(args: argparse.Namespace, names: list[str], rates: list[float], out_
                 print(f"[bench_peers] {name} at {rate:g} Mbit/s FAILED: {e}", flush=True)
                 failed[(name, rate)] = str(e).splitlines()[0]
                 continue
-            s = doc["summary"]
+            s, wl = doc["summary"], WORKLOADS[args.workload]
             print(f"[bench_peers] {name} at {rate:g} Mbit/s: {s['iter_s_mean'] * 1e3:.0f} ms/iteration, "
-                  f"final accuracy {s['final_test_acc']:.3f}, {s['wall_s']:.0f} s", flush=True)
+                  f"final {wl.label} {s[wl.final_key]:.3f}, {s['wall_s']:.0f} s", flush=True)
             docs.append(doc)
     return docs
 
 
-def time_to(evals: list[dict[str, Any]], target: float) -> float | None:
+def time_to(evals: list[dict[str, Any]], target: float, wl: Workload) -> float | None:
     """Seconds (``time_s``: set-up and warm-up included, evaluation excluded) to the first evaluation
-    at or above ``target`` test accuracy; None if never reached."""
-    return next((e["time_s"] for e in evals if e["test_acc"] >= target), None)
+    that reaches ``target`` (an accuracy at or above it, a loss at or below it); None if never."""
+    return next((e["time_s"] for e in evals if wl.reached(e[wl.metric], target)), None)
 
 
 @dataclass(frozen=True)
@@ -206,11 +250,11 @@ class Row:
     load: float | None  # the machine's 1-minute load average when the (first) run started
 
 
-def summarize(name: str, docs: list[dict[str, Any]]) -> Row:
+def summarize(name: str, docs: list[dict[str, Any]], wl: Workload, targets: tuple[float, ...]) -> Row:
     iters = [d["summary"]["iter_s_mean"] for d in docs]
     to: dict[float, tuple[float | None, int]] = {}
-    for t in TARGETS:
-        hit = [x for x in (time_to(d["evals"], t) for d in docs) if x is not None]
+    for t in targets:
+        hit = [x for x in (time_to(d["evals"], t, wl) for d in docs) if x is not None]
         to[t] = (statistics.median(hit) if hit else None, len(hit))
     sched = docs[0]["summary"].get("schedule") or {}
     plan = ""
@@ -219,8 +263,8 @@ def summarize(name: str, docs: list[dict[str, Any]]) -> Row:
         plan = (f"K = {sched.get('K')}, links {sched.get('links')}, "
                 f"predicted {'-' if pred is None else f'{pred * 1e3:.0f} ms'}")
     return Row(name=name, runs=len(docs), iter_s=statistics.median(iters), iter_spread=(min(iters), max(iters)),
-               to_target=to, final_acc=statistics.median(d["summary"]["final_test_acc"] for d in docs),
-               best_acc=statistics.median(d["summary"]["best_test_acc"] for d in docs),
+               to_target=to, final_acc=statistics.median(d["summary"][wl.final_key] for d in docs),
+               best_acc=statistics.median(d["summary"][wl.best_key] for d in docs),
                updates_per_iter=statistics.median(d["summary"]["updates_per_iter"] for d in docs),
                time_s=statistics.median(d["summary"]["time_s"] for d in docs), plan=plan,
                load=docs[0]["summary"].get("load"))
@@ -234,17 +278,18 @@ def _ratio(base: float | None, v: float | None) -> str:
     return "-" if base is None or v is None or v <= 0 else f"{base / v:.2f}x"
 
 
-def table(rate: float, rows: list[Row], repeats: int) -> list[str]:
+def table(rate: float, rows: list[Row], repeats: int, wl: Workload, targets: tuple[float, ...]) -> list[str]:
     base = next((r for r in rows if r.name == "torch"), None)
+    to_cols = "".join(f" time to {wl.fmt(t)} (s) | vs torch DDP |" for t in targets)
     lines = [f"### {rate:g} Mbit/s", "",
-             "| scheme | iteration (ms) | vs torch DDP | time to 93% (s) | vs torch DDP | time to 95% (s) | "
-             "vs torch DDP | final accuracy | best | updates / iteration | time at the end (s) | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"| scheme | iteration (ms) | vs torch DDP |{to_cols} final {wl.label} | best | updates / iteration | "
+             "time at the end (s) | load |",
+             "|---|---|---|" + "---|---|" * len(targets) + "---|---|---|---|---|"]
     for r in rows:
         spread = f" ({r.iter_spread[0] * 1e3:.0f}-{r.iter_spread[1] * 1e3:.0f})" if r.runs > 1 else ""
         cells = [f"{SCHEMES[r.name].label}", f"{r.iter_s * 1e3:.0f}{spread}",
                  _ratio(base.iter_s if base else None, r.iter_s)]
-        for t in TARGETS:
+        for t in targets:
             sec, n = r.to_target[t]
             note = f" ({n}/{r.runs} runs)" if repeats > 1 and n < r.runs else ""
             cells += [_sec(sec) + note, _ratio(base.to_target[t][0] if base else None, sec)]
@@ -257,7 +302,8 @@ def table(rate: float, rows: list[Row], repeats: int) -> list[str]:
     return lines
 
 
-def plot(rate: float, docs: list[dict[str, Any]], names: list[str], path: Path) -> None:
+def plot(rate: float, docs: list[dict[str, Any]], names: list[str], path: Path, wl: Workload,
+         targets: tuple[float, ...]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -269,13 +315,16 @@ def plot(rate: float, docs: list[dict[str, Any]], names: list[str], path: Path) 
         runs = [d for d in docs if d["summary"]["name"] == name]
         for j, d in enumerate(runs):
             ev = d["evals"]
-            ax.plot([e["time_s"] for e in ev], [e["test_acc"] for e in ev], marker="o", ms=3,
+            ax.plot([e["time_s"] for e in ev], [e[wl.metric] for e in ev], marker="o", ms=3,
                     color=colors(i % 10), alpha=1.0 if j == 0 else 0.35, lw=1.6 if name.startswith("deft") else 1.1,
                     ls="-" if not name.startswith("deft") else "-.", label=SCHEMES[name].label if j == 0 else None)
-    for t in TARGETS:
+    for t in targets:
         ax.axhline(t, color="grey", ls=":", lw=1)
-    ax.set(xlabel="time since the wrapper's construction, evaluation excluded (s)", ylabel="test accuracy",
-           ylim=(0.5, 1.0), title=f"DigitsCNN (4.4M parameters), 2 ranks, two-link testbed at {rate:g} Mbit/s")
+    model = "DigitsCNN (4.4M parameters)" if wl.name == "cnn" else "GPT-2 (byte level)"
+    ax.set(xlabel="time since the wrapper's construction, evaluation excluded (s)", ylabel=wl.label,
+           title=f"{model}, 2 ranks, two-link testbed at {rate:g} Mbit/s")
+    if wl.name == "cnn":
+        ax.set_ylim(0.5, 1.0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
@@ -319,24 +368,33 @@ def deft_timeline(doc: dict[str, Any], path: Path, rate: float) -> str:
 
 def report(args: argparse.Namespace, docs: list[dict[str, Any]], names: list[str], rates: list[float],
            failed: dict[tuple[str, float], str], command: str, plots: dict[float, Path]) -> str:
-    first = docs[0]["summary"]
-    lines = ["## Peers: accuracy and time of every scheme (`benchmarks/bench_peers.py`)", "",
+    first, wl = docs[0]["summary"], WORKLOADS[args.workload]
+    if wl.name == "cnn":
+        model = (f"Model: examples/models.py DigitsCNN ({first['params']:,} parameters) on scikit-learn digits "
+                 f"(1437 train / 360 test), batch {args.batch_size} per rank, 2 ranks (one per host), SGD lr "
+                 f"{args.lr} momentum 0.9, {args.epochs} epochs, seed {args.seed}; test accuracy every "
+                 f"{args.eval_every} iterations; {args.repeats} repeat(s), schemes interleaved.  ")
+    else:
+        model = (f"Model: examples/train_lm.py, a HuggingFace GPT2LMHeadModel ({first['params']:,} parameters, "
+                 "byte level, tied embeddings) on the Python standard library's source (2 MB, 90/10 split), "
+                 f"batch {args.batch_size} x 64 bytes per rank, 2 ranks (one per host), AdamW lr {args.lr} "
+                 f"with warm-up then cosine decay, clip 1.0, {args.iters} iterations, seed {args.seed}; "
+                 f"validation loss every {args.eval_every} iterations; target: the validation loss torch DDP "
+                 f"reaches at 80 % of its run; {args.repeats} repeat(s), schemes interleaved.  ")
+    lines = [f"## Peers: {wl.label} and time of every scheme (`benchmarks/bench_peers.py`)", "",
              f"Command: `{command}`  ",
              f"Machine: {machine()}; {args.note}. On this 2-core machine the gloo threads of every link and "
-             "the model's computation share the CPU.  ",
-             f"Model: examples/models.py DigitsCNN ({first['params']:,} parameters) on scikit-learn digits "
-             f"(1437 train / 360 test), batch {args.batch_size} per rank, 2 ranks (one per host), SGD lr {args.lr} "
-             f"momentum 0.9, {args.epochs} epochs, seed {args.seed}; test accuracy every {args.eval_every} "
-             f"iterations; {args.repeats} repeat(s), schemes interleaved.  ",
+             "the model's computation share the CPU.  ", model,
              "Load: the machine's 1-minute load average when the run started (2 cores; '-': not recorded).  ",
              f"Iteration: mean over iterations {args.skip_iters + 1}..end. Time to an accuracy: seconds from the "
              "wrapper's construction (set-up, warm-up, deft's profiling and planning included), evaluation "
              "excluded. Ratios: torch DDP's figure / the scheme's (> 1: faster than torch DDP).", ""]
     for rate in rates:
         at = [d for d in docs if d["summary"]["rate_mbit"] == rate]
-        rows = [summarize(n, [d for d in at if d["summary"]["name"] == n]) for n in names
+        targets = wl.targets(at)
+        rows = [summarize(n, [d for d in at if d["summary"]["name"] == n], wl, targets) for n in names
                 if any(d["summary"]["name"] == n for d in at)]
-        lines += table(rate, rows, args.repeats)
+        lines += table(rate, rows, args.repeats, wl, targets)
         lost = [f"- {SCHEMES[n].label}: {why}" for (n, r), why in failed.items() if r == rate]
         if lost:
             lines += ["", "Not measured:", "", *lost]
@@ -349,13 +407,17 @@ def report(args: argparse.Namespace, docs: list[dict[str, Any]], names: list[str
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", default="250,1000", help="comma-separated link rates in Mbit/s")
-    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="cnn",
+                    help="cnn: examples/train_cnn.py (accuracy); lm: examples/train_lm.py (validation loss)")
+    ap.add_argument("--epochs", type=int, default=4, help="cnn: epochs")
+    ap.add_argument("--iters", type=int, default=200, help="lm: iterations")
     ap.add_argument("--schemes", default=",".join(SCHEMES), help=f"comma-separated subset of {','.join(SCHEMES)}")
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--eval-every", type=int, default=11, help="iterations between test evaluations")
+    ap.add_argument("--eval-every", type=int, default=None,
+                    help="iterations between evaluations (cnn 11, lm 20)")
     ap.add_argument("--skip-iters", type=int, default=12, help="iterations left out of the steady iteration time")
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=0.02)
+    ap.add_argument("--batch-size", type=int, default=None, help="per rank (cnn 32 images, lm 4 windows)")
+    ap.add_argument("--lr", type=float, default=None, help="cnn: SGD's (0.02); lm: AdamW's (1e-3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     ap.add_argument("--note", default="machine shared with other jobs during this run",
@@ -367,6 +429,10 @@ def main() -> int:
     ap.add_argument("--timeline", default=None,
                     help="draw the schedule of the first deft run (simulated on its profile) into this PNG")
     args = ap.parse_args()
+    cnn = args.workload == "cnn"
+    for key, (for_cnn, for_lm) in {"eval_every": (11, 20), "batch_size": (32, 4), "lr": (0.02, 1e-3)}.items():
+        if getattr(args, key) is None:
+            setattr(args, key, for_cnn if cnn else for_lm)
     names = [n for n in args.schemes.split(",") if n]
     unknown = [n for n in names if n not in SCHEMES]
     if unknown:
@@ -377,7 +443,8 @@ def main() -> int:
         ap.error(f"--rates: expected comma-separated numbers (Mbit/s), got {args.rates!r}")
     if not rates or any(r <= 0 for r in rates):
         ap.error(f"--rates: expected positive rates, got {args.rates!r}")
-    for flag, v in (("--epochs", args.epochs), ("--repeats", args.repeats), ("--eval-every", args.eval_every)):
+    for flag, v in (("--epochs", args.epochs), ("--iters", args.iters), ("--repeats", args.repeats),
+                    ("--eval-every", args.eval_every)):
         if v < 1:
             ap.error(f"{flag}: expected an integer >= 1, got {v}")
     handle_signals()
@@ -403,12 +470,13 @@ def main() -> int:
         print("[bench_peers] nothing ran", flush=True)
         return 1
     plots: dict[float, Path] = {}
+    wl = WORKLOADS[args.workload]
     if not args.no_write:
         for rate in rates:
             at = [d for d in docs if d["summary"]["rate_mbit"] == rate]
             if at:
-                plots[rate] = ROOT / "benchmarks" / f"peers_{rate:g}.png"
-                plot(rate, at, names, plots[rate])
+                plots[rate] = ROOT / "benchmarks" / f"peers{'' if wl.name == 'cnn' else '_lm'}_{rate:g}.png"
+                plot(rate, at, names, plots[rate], wl, wl.targets(at))
     text = report(args, docs, names, rates, failed, command, plots)
     print(text[text.index("### "):] if args.live else text)  # live: the tables, under the runs on screen
     if args.timeline:
@@ -419,10 +487,11 @@ def main() -> int:
         print(deft_timeline(first, Path(args.timeline), first["summary"]["rate_mbit"]) if first
               else "no timeline: no deft run in this benchmark")
     if not args.no_write:
-        if not RESULTS.exists():
-            RESULTS.write_text(HEADER, encoding="utf-8")
-        update_section("peers", text, RESULTS)
-        print(f"[bench_peers] wrote {RESULTS.relative_to(ROOT)} and {', '.join(p.name for p in plots.values())}")
+        if not wl.results.exists():
+            wl.results.write_text(HEADER if wl.name == "cnn" else "# deft and its peers on a GPT-2\n",
+                                  encoding="utf-8")
+        update_section("peers", text, wl.results)
+        print(f"[bench_peers] wrote {wl.results.relative_to(ROOT)} and {', '.join(p.name for p in plots.values())}")
     return 1 if failed else 0
 
 
