@@ -14,6 +14,7 @@ HERE = Path(__file__).resolve().parent
 ORDER = [
     "summary.md",
     "peers.md",
+    "peers_lm.md",
     "seeds.md",
     "testbed.md",
     "replay.md",
