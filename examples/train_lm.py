@@ -20,7 +20,8 @@ model, the data and the optimizer differ:
 * **Optimizer**: AdamW (``--lr`` 1e-3, betas 0.9/0.95, weight decay 0.1 on matrices only), a linear
   warm-up over 10 % of the iterations then cosine decay to 0 (``transformers``'
   ``get_cosine_schedule_with_warmup``), ``clip_grad_norm_(1.0)`` before every step; ``--bf16``
-  runs the forward under ``torch.autocast("cpu", torch.bfloat16)``.
+  runs the forward under ``torch.autocast("cpu", torch.bfloat16)`` (it helps on a CPU with bf16
+  support: benchmarks/results/peers_lm.md; off by default, as the benchmark's table ran).
 * **Validation**: the mean cross-entropy over ``--val-windows`` (32) fixed windows of the validation
   text every ``--eval-every`` iterations (and at the end), and its perplexity.
 
@@ -129,6 +130,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="iterations left out of the steady-state iteration time (warm-up, planning)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write per-iteration and per-evaluation records (rank 0)")
+    ap.add_argument("--save-model", default=None,
+                    help="rank 0 saves the trained model's state_dict here (torch.save; after flush for deft)")
     args = ap.parse_args(argv)
     for flag, value, low in (("--iters", args.iters, 1), ("--batch-size", args.batch_size, 1),
                              ("--seq", args.seq, 2), ("--n-embd", args.n_embd, 8), ("--n-layer", args.n_layer, 1),
@@ -226,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps({"summary": summary, "evals": evals, "iters": iters}, indent=1)
                                        + "\n", encoding="utf-8")
+        if args.save_model:  # the last evaluation flushed deft's queued updates: these are the trained weights
+            torch.save(model.state_dict(), args.save_model)
     if not compute:
         dist.barrier()
         dist.destroy_process_group()

@@ -1,9 +1,9 @@
 """examples/train_lm.py (issue 27): a HuggingFace GPT-2 on the standard library's source text.
 
 Launched as users launch it (torchrun, 2 gloo ranks, a tiny config), once with torch DDP and once with
-deft at epsilon 0: every iteration's training loss and every validation loss must agree (deft at
-epsilon 0 is torch DDP's maths, tied embeddings, AdamW, the warm-up/cosine schedule and the clip
-included); a bad flag fails at once naming it.
+deft at epsilon 0: the trained parameters (``--save-model``), every iteration's training loss and every
+validation loss must agree to 1e-5 (deft at epsilon 0 is torch DDP's maths, tied embeddings, AdamW, the
+warm-up/cosine schedule and the clip included); a bad flag fails at once naming it.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests._dist import free_port
 
@@ -29,7 +30,7 @@ def _run(tmp: Path, ddp: list[str]) -> dict[str, object]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("DEFT_CONFIG", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), str(SCRIPT), *ddp, *TINY, "--json", str(out)]
+           str(free_port()), str(SCRIPT), *ddp, *TINY, "--json", str(out), "--save-model", str(tmp / f"{ddp[1]}.pt")]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc: dict[str, object] = json.loads(out.read_text())
@@ -48,6 +49,12 @@ def test_deft_at_epsilon_zero_trains_the_lm_as_torch_ddp_does(tmp_path: Path) ->
     for a, b in zip(ours["evals"], ref["evals"], strict=True):  # type: ignore[call-overload]
         assert abs(a["val_loss"] - b["val_loss"]) <= 1e-5 * b["val_loss"], (a, b)
     assert ours["summary"]["updates"] == 8  # type: ignore[index]
+    a = torch.load(tmp_path / "deft.pt", weights_only=True)
+    b = torch.load(tmp_path / "torch.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    for name in b:  # the tied lm_head and wte included
+        rel = ((a[name].float() - b[name].float()).abs().max() / b[name].float().abs().max().clamp_min(1e-12)).item()
+        assert rel < 1e-5, f"{name}: relative difference {rel}"
 
 
 def test_a_bad_flag_is_refused_naming_it() -> None:
