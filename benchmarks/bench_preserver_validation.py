@@ -65,7 +65,6 @@ import json
 import math
 import statistics
 import sys
-import sysconfig
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -208,14 +207,11 @@ class CharLM(nn.Module):
 
 
 def stdlib_text(limit: int = 600_000) -> bytes:
-    """Python's own standard-library sources (every machine with Python has them), in sorted order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out = bytearray()
-    for path in sorted(root.glob("*.py")):
-        out += path.read_bytes()
-        if len(out) >= limit:
-            break
-    return bytes(out[:limit])
+    """Python's own standard-library sources (every machine with Python has them), in sorted order:
+    the text examples/train_lm.py trains its GPT-2 on."""
+    from train_lm import load_text
+
+    return load_text(limit)
 
 
 def lm_workload(seed: int, iters: int) -> Workload:

@@ -19,11 +19,13 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 from deft._json import JsonDict, JsonValue
 from deft.errors import DeftError
 from deft.schedule import Schedule
+
+T = TypeVar("T")
 
 #: A record as broadcast between ranks and shown to users.
 Doc = JsonDict
@@ -126,18 +128,18 @@ def _items(doc: Mapping[str, JsonValue], key: str) -> list[JsonValue]:
 
 
 def _ints(doc: Mapping[str, JsonValue], key: str) -> list[int]:
-    out = []
-    for v in _items(doc, key):
-        if not isinstance(v, int):
-            raise DeftError(f"deft checkpoint: plan_info.{key}: expected iteration numbers, got {v!r}")
-        out.append(v)
-    return out
+    return _checked(doc, key, int, "iteration numbers")
 
 
 def _objects(doc: Mapping[str, JsonValue], key: str) -> list[Doc]:
-    out = []
+    return [dict(v) for v in _checked(doc, key, dict, "records (objects)")]
+
+
+def _checked(doc: Mapping[str, JsonValue], key: str, kind: type[T], expected: str) -> list[T]:
+    """``doc[key]``'s items, each a ``kind``, or the checkpoint is refused naming the field and what it expected."""
+    out: list[T] = []
     for v in _items(doc, key):
-        if not isinstance(v, Mapping):
-            raise DeftError(f"deft checkpoint: plan_info.{key}: expected records (objects), got {v!r}")
-        out.append(dict(v))
+        if not isinstance(v, kind):
+            raise DeftError(f"deft checkpoint: plan_info.{key}: expected {expected}, got {v!r}")
+        out.append(v)
     return out
