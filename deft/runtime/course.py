@@ -88,7 +88,6 @@ class Course:
         self.order_seen: dict[int, None] = {}  # parameters in the order their gradients arrived
         self._timer: WarmupTimer | None = None
         self._solo: dist.ProcessGroup | None = None  # this rank's one-rank group, for timing a comm hook's codec
-        self._t = 0
         # The preserver's live inputs.
         self.losses: collections.deque[float] = collections.deque(maxlen=64)
         self.batch: int | None = None
@@ -120,7 +119,6 @@ class Course:
     def before_forward(self, t: int, cuda: bool) -> None:
         """Iteration ``t`` begins, before the executor's forward stage: the adaptation's clock, and in a
         profile iteration the timer's schedule (it rotates the buckets over the links)."""
-        self._t = t
         cal, ex = self.calendar, self._executor
         self.adaptation.forward_begins(t, time.perf_counter(), cal.warm_end if self.planning.measuring else 1,
                                        cal.plan_at)
@@ -165,12 +163,12 @@ class Course:
         """Gather statistics now? Before planning, in the calendar's window (a plan in flight was made
         from the statistics so far); after it, in the window before each re-check."""
         if not self.planned:
-            return not self.jobs.holds("plan") and self.calendar.stats_before_plan(self._t)
-        return stats_after_plan(self._t, self.config.recheck_every)
+            return not self.jobs.holds("plan") and self.calendar.stats_before_plan(self._executor.t)
+        return stats_after_plan(self._executor.t, self.config.recheck_every)
 
     def _wait_work(self, work: Collective, link: str, b: int) -> None:
         what = "profiling all-reduce" + (f" of bucket {b}" if b >= 0 else "")
-        self._executor.wait(Pending(work, link, f"{what} in iteration {self._t}"))
+        self._executor.wait(Pending(work, link, f"{what} in iteration {self._executor.t}"))
 
     def iteration_ends(self) -> None:
         """The step of the iteration is over (before the iteration counter moves on)."""
@@ -180,7 +178,6 @@ class Course:
     def after_step(self, t: int, flush: Callable[[], None]) -> None:
         """Collective: iteration ``t - 1`` ended. The ready order after the first; then planning (or
         collecting a background plan), re-checks, adaptation and a switch at a cycle boundary."""
-        self._t = t
         if self.ready_order is None:
             self.ready_order = self._control.broadcast_ints(ready_order(list(self.order_seen), len(self._params)),
                                                             "gradient ready order")
@@ -332,7 +329,7 @@ class Course:
         (its thread is waited for: it reads this run's profile; its result dropped)."""
         self.jobs.discard()
         self.planning.forget_switch()
-        self._t, self.planned = st.t, st.planned
+        self.planned = st.planned
         self.ready_order = st.order if st.order_known else None
         self.calendar = Calendar(self.calendar.warm_end, st.plan_at, self.calendar.stats_window)
         if not self.planned and st.t > self.calendar.warm_end:

@@ -368,13 +368,12 @@ class Executor:
                 f"(launched in the {self._stage} stage of iteration {self.t})")
         t_start = time.perf_counter()
         tok = nvtx.push_range("comm", task.bucket, self.t, link_name, last)
-        _, works = self._send(g, task.bucket, link_name, what)
+        works = self._send(g, task.bucket, link_name, what)
         nvtx.pop_range(tok)
         for o in self.observers:
             o.launched(task.bucket, link_name, works, t_start)
 
-    def _send(self, g: GroupInstance, b: int, link_name: str, what: str
-              ) -> tuple[list[torch.Tensor], list[Collective]]:
+    def _send(self, g: GroupInstance, b: int, link_name: str, what: str) -> list[Collective]:
         """Launch bucket ``b`` of ``g`` on ``link_name``: one all-reduce per dtype segment, or the comm hook."""
         assert self.layout is not None
         link = self.links[link_name]
@@ -387,7 +386,7 @@ class Executor:
             works = [fut]
             g.pending.setdefault(b, []).append(Pending(fut, link_name, what, post=_hook_post(views[0], self.world)))
         g.launched.add(b)
-        return views, works
+        return works
 
     def _hooked(self, g: GroupInstance, b: int, link_name: str, views: list[torch.Tensor], what: str
                 ) -> torch.futures.Future[torch.Tensor]:

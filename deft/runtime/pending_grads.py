@@ -74,12 +74,11 @@ class PendingGrad(torch.Tensor):
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 
 
-def settle_for_step(params: Iterable[torch.Tensor]) -> list[int]:
+def settle_for_step(params: Iterable[torch.Tensor]) -> None:
     """Right before the optimizer reads ``p.grad``: a touched gradient becomes its plain value (applied
     by this step); an untouched one and a placeholder leave ``p.grad`` (applied in the next forward,
-    or never). Returns the indices (in ``params``) whose deferred gradient stays deferred."""
-    deferred = []
-    for i, p in enumerate(params):
+    or never; the executor still holds it as deferred)."""
+    for p in params:
         g = p.grad
         if not isinstance(g, PendingGrad):
             continue
@@ -87,7 +86,4 @@ def settle_for_step(params: Iterable[torch.Tensor]) -> list[int]:
             p.grad = g.value()
         else:
             p.grad = None
-            if not g.placeholder:
-                deferred.append(i)
-    return deferred
 

@@ -178,16 +178,14 @@ class UpdateApplier:
         for p in self._params:
             p.grad = None
 
-    def drain(self, t: int) -> list[DueUpdate]:
+    def drain(self, t: int) -> None:
         """``flush()``: every queued update applied now, oldest first; the cycle restarts at ``t``."""
-        updates = self._executor.drain()
-        for upd in updates:
+        for upd in self._executor.drain():
             self.set_grads(upd.grads)
             self.step_merged(len(upd.iterations))
             self.log.append((t - 1, upd.iterations))
         self.clear_grads()
         self._executor.restart_cycle(t)
-        return updates
 
     # -- updates finishing in the forward (Update.finish_in_forward) -----------------------------------
     def set_forward_hooks(self, on: bool) -> None:
