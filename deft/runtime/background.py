@@ -4,7 +4,7 @@
 Linux) and hands its JSON document back; an exception comes back as ``{"error": ...}``, so a failed
 background decision travels to the other ranks like a failed synchronous one. Used for the first plan
 (:meth:`deft.runtime.planning.Planning.start`) and the adaptation's decisions
-(:meth:`deft.runtime.adapt.Adaptation.measure`). :class:`JobSlot` holds the one decision in flight,
+(:meth:`deft.runtime.adapt.Adaptation.after_step`). :class:`JobSlot` holds the one decision in flight,
 whichever it is, and says (collectively) when every rank collects it: at the first iteration boundary
 where rank 0's thread is done, ``plan_lag_iters`` iterations after it began at the latest.
 """
@@ -37,6 +37,7 @@ class Background:
         self._nice = nice
         self._doc: Mapping[str, object] | None = None
         self.seconds = 0.0  # how long fn ran
+        self._waited = 0.0  # how long callers have waited for it (wait, result)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -60,12 +61,21 @@ class Background:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
+    def wait(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for the thread; True when it is done."""
+        t0 = time.perf_counter()
+        self._thread.join(seconds)
+        self._waited += time.perf_counter() - t0
+        return self.done()
+
     def result(self) -> tuple[Mapping[str, object], float]:
-        """The document and the seconds the caller waited for it (0 when it was ready)."""
+        """The document and the seconds callers waited for it, here and in :meth:`wait` (0 when it was
+        ready)."""
         t0 = time.perf_counter()
         self._thread.join()
         assert self._doc is not None
-        return self._doc, time.perf_counter() - t0
+        self._waited += time.perf_counter() - t0
+        return self._doc, self._waited
 
 
 #: What a background decision is for: the first plan, or an adaptation's re-plan.
@@ -94,12 +104,25 @@ class JobSlot:
         return self.kind == kind
 
     def ready(self, t: int) -> bool:
-        """Collective while a decision is held: collect it at the boundary before iteration ``t``? At
-        ``due`` yes; before, when rank 0's thread is done (rank 0's word, broadcast, so every rank
-        answers alike)."""
-        if t >= self.due:
-            return True
-        done = int(self.job is not None and self.job.done()) if self.control.rank == 0 else 0
+        """Collective while a decision is held: collect it at the boundary before iteration ``t``? Before
+        ``due``, when rank 0's thread is done (rank 0's word, broadcast, so every rank answers alike).
+        At ``due``, yes, once rank 0's thread is done: every rank waits for it together, in rounds of
+        at most a quarter of ``timeout_s`` each, so a decision that takes longer than ``timeout_s`` is
+        not mistaken for a dead rank, while a dead rank still fails the round within ``timeout_s``."""
+        if t < self.due:
+            return self._word(0.0)
+        while not self._word(self.control.timeout_s / 4):
+            log.info("deft: every rank waits for rank 0's background %s decision", self.kind)
+        return True
+
+    def _word(self, wait_s: float) -> bool:
+        """Collective: is rank 0's thread done (after waiting up to ``wait_s`` for it)?"""
+        done = 0
+        if self.control.rank == 0:
+            if wait_s > 0:  # at the limit: a rank 0 without a job has nothing to wait for
+                done = int(self.job is None or self.job.wait(wait_s))
+            else:
+                done = int(self.job is not None and self.job.done())
         return bool(self.control.broadcast_ints([done], "background planning state")[0])
 
     def take(self) -> Background | None:
