@@ -136,11 +136,12 @@ def heavy_profile(model: nn.Module) -> Any:
     return Profile(buckets=buckets, times=times, links=links, world_size=2, source="timing")
 
 
-def deft_wrapper(model: nn.Module, mode: str, epsilon: float | None, workdir: str, rank: int) -> nn.Module:
+def deft_wrapper(model: nn.Module, mode: str, epsilon: float | None, workdir: str, rank: int,
+                 extra: dict[str, object] | None = None) -> nn.Module:
     import deft
 
     cfg: dict[str, object] = {"warmup_iters": 1, "profile_iters": 2, "timeout_s": 60, "links": LINKS,
-                              "bucket_cap_mb": 0.004}
+                              "bucket_cap_mb": 0.004, **(extra or {})}
     if epsilon is not None:
         cfg["epsilon"] = epsilon
     profile = None
@@ -162,36 +163,42 @@ def deft_wrapper(model: nn.Module, mode: str, epsilon: float | None, workdir: st
     return deft.DistributedDataParallel(model, config=cfg, profile=profile)
 
 
-def _train(recipe: Recipe, loop: Loop, start: int, stop: int) -> None:
+def _train(recipe: Recipe, loop: Loop, start: int, stop: int, observe: bool = False) -> None:
     make = recipe.batch or batch
     for t in range(start, stop):
         x, y = make(loop.rank, t)
         recipe.step(loop, t, x, y)
+        if observe and loop.is_deft:  # README's loop: the loss feeds the preserver
+            loop.wrapped.observe_loss(loop.log.losses[-1])  # type: ignore[operator]
         if loop.is_deft:  # an update left finishing after this step (deferred buckets in flight)
             loop.log.deferred.append(any(u.finishing for u in loop.wrapped.pending_updates))  # type: ignore[union-attr]
 
 
-def run(recipe: Recipe, rank: int, mode: str, epsilon: float | None, workdir: str) -> dict[str, Any]:
-    """Train torch DDP and deft through ``recipe``; what the caller compares."""
+def run(recipe: Recipe, rank: int, mode: str, epsilon: float | None, workdir: str,
+        observe: bool = False, extra: dict[str, object] | None = None) -> dict[str, Any]:
+    """Train torch DDP and deft through ``recipe`` (``observe``: deft's loop also calls
+    ``ddp.observe_loss``, as README's does); what the caller compares."""
     out: dict[str, Any] = {}
     for kind in ("torch", "deft"):
         model = recipe.model()
         if kind == "torch":
             wrapped: nn.Module = nn.parallel.DistributedDataParallel(model, find_unused_parameters=False)
         else:
-            wrapped = deft_wrapper(model, mode, epsilon, workdir, rank)
+            wrapped = deft_wrapper(model, mode, epsilon, workdir, rank, extra)
         opt = recipe.optimizer(model)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=5) if recipe.scaler else None
         loop = Loop(model, wrapped, opt, rank, Logged(), scaler, kind == "deft")
         stop = recipe.steps if recipe.restart_at is None else recipe.restart_at
-        _train(recipe, loop, 0, stop)
+        _train(recipe, loop, 0, stop, observe)
         if recipe.restart_at is not None:
             loop = _resume(recipe, loop, kind, mode, epsilon, workdir, rank)
-            _train(recipe, loop, recipe.restart_at, recipe.steps)
+            _train(recipe, loop, recipe.restart_at, recipe.steps, observe)
         if kind == "deft":
             loop.wrapped.flush()  # type: ignore[operator]
             out["updates"] = [list(its) for _, its in loop.wrapped.update_log]  # type: ignore[union-attr]
             out["plan"] = str(loop.wrapped.plan_info.get("source"))  # type: ignore[union-attr]
+            out["background"] = loop.wrapped.plan_info.get("background")  # type: ignore[union-attr]
+            out["stats_reason"] = str(loop.wrapped.plan_info.get("stats_reason"))  # type: ignore[union-attr]
             out["deferred"] = sum(loop.log.deferred)
             out["nonfinite_steps"] = loop.wrapped.plan_info.get("nonfinite_steps", [])  # type: ignore[union-attr]
         out[kind] = {"losses": loop.log.losses, "values": loop.log.values,

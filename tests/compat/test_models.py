@@ -176,3 +176,29 @@ def test_default_epsilon_skips_a_nonfinite_gradient_in_its_statistics(tmp_path: 
         assert 2 not in {t for its in v["updates"] for t in its}
         assert v["deft"]["values"][:4] == v["torch"]["values"][:4]  # the scale halved at the same step
         assert all(math.isfinite(x) for p in v["deft"]["params"] for x in p)
+
+
+def preserver_worker(rank: int, world: int, recipe: str, workdir: str) -> dict[str, Any]:
+    r = RECIPES[recipe]
+    # enough warm-up for the noise estimate, so the preserver really decides
+    return run(Recipe(r.model, r.step, r.optimizer, steps=40, scaler=r.scaler), rank, "measured", None, workdir,
+               observe=True, extra={"warmup_iters": 6, "profile_iters": 3})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["amp_bf16_documented", "clip_from_iteration_15", "grad_norm_logging"])
+def test_default_epsilon_with_the_preserver_deciding(recipe: str, tmp_path: Any) -> None:
+    """README's loop (``observe_loss``) at the default epsilon, deft profiling and planning on its own in the
+    background with adaptation: whatever schedule the preserver picks (lag-free, merged or delayed), nothing
+    crashes, every iteration's gradient is applied exactly once (none of a step GradScaler skipped), the
+    parameters are finite and agree across ranks, and training makes progress."""
+    out = values(run_ranks(preserver_worker, 2, (recipe, str(tmp_path)), timeout=240))
+    for v in out:
+        ours = v["deft"]
+        assert v["plan"] == "preserver" and v["stats_reason"].startswith("estimated during warm-up"), v
+        applied = sorted(t for its in v["updates"] for t in its)
+        assert len(set(applied)) == len(applied) and set(applied) <= set(range(40)), v["updates"]
+        assert len(applied) >= 38, v["updates"]  # a skipped step drops at most its merged group
+        assert all(math.isfinite(x) for p in ours["params"] for x in p)
+        assert sum(ours["losses"][-5:]) < sum(ours["losses"][:5]), ours["losses"]
+    assert out[0]["deft"]["params"] == out[1]["deft"]["params"]
