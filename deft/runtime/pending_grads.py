@@ -8,7 +8,8 @@ GradScaler's unscale and inf check (inside ``scaler.step``), ``clip_grad_norm_``
 
 So a deferred parameter's ``p.grad`` is a :class:`PendingGrad`: a tensor subclass with the gradient's
 shape, dtype and device that holds no data until something touches it. Any operation on it (every
-ATen op reaches ``__torch_dispatch__``, the in-place ones GradScaler and clipping use included) first
+ATen op reaches ``__torch_dispatch__``, the in-place ones GradScaler and clipping use included, and
+``.data``; ``.tolist()``, ``.numpy()``, ``copy.deepcopy`` and pickling read the value too) first
 waits for the parameter's bucket and takes its averaged gradient (:meth:`Executor.finish` for that
 parameter), then runs on that value. A touched gradient is applied by the user's step like any other,
 with whatever the loop did to it; an untouched one is taken out of ``p.grad`` right before the
@@ -64,6 +65,19 @@ class PendingGrad(torch.Tensor):
         if self._value is None:
             self._value = self._resolve()
         return self._value
+
+    # Python-level reads that bypass ATen, which torch refuses for a tensor subclass: the value's own.
+    def tolist(self) -> Any:
+        return self.value().tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        return self.value().numpy(force=force)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> torch.Tensor:
+        return self.value().clone()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # torch.save / pickle: the plain value
+        return self.value().__reduce_ex__(protocol)
 
     # torch declares the base as a plain function; subclasses define a classmethod, as torch's docs do.
     @classmethod
