@@ -24,6 +24,12 @@ none), and a ``deft/comm`` range's time is the span of the NCCL kernels launched
 duration if none: a gloo link, whose completion nsys cannot see). Each bucket then takes the median
 over iterations per rank and the maximum over ranks (the slowest rank gates a synchronous
 all-reduce). Sizes come from ``deft/bucket/...`` marks (:func:`deft.profiler.nvtx.mark_layout`).
+
+An export without deft ranges but with NCCL all-reduces is read as a plain torch DDP run
+(:func:`load_ddp`): the paper's four-step walk of Fig. 8, where nsys' join of a kernel to its launching
+runtime call on ``(correlationId, pid)`` plays the part of Kineto's External id, and torch's autograd
+NVTX ranges (``seq = N`` on a forward operator and on the backward node it created) link the backward
+thread to the forward thread.
 """
 
 from __future__ import annotations
@@ -355,7 +361,9 @@ def load(path: str | Path, world_size: int | None = None) -> Profile:
     try:
         ranges = bucket_ranges(ex)
         if not ranges:
-            raise _no_deft_ranges(ex)
+            if not any(c.op == "AllReduce" for c in comm_ops(ex)):
+                raise _no_deft_ranges(ex)
+            return load_ddp(ex, world_size)
         layout = {}
         for r in nvtx_ranges(ex):
             parsed = parse_layout_name(r.text)
@@ -391,7 +399,8 @@ def _no_deft_ranges(ex: Export) -> TraceError:
     nccl = ", ".join(f"{op} x{n}" for op, n in s["nccl_kernels"].items()) or "none"
     top = ", ".join(f"{t!r} x{n}" for t, n in list(s["nvtx_top"].items())[:5]) or "none"
     return TraceError(ex.path, "holds no deft bucket ranges ('deft/fwd|bwd|comm/...' NVTX ranges from a deft "
-                               f"run); it holds {s['kernels']} kernels on devices {s['devices']}, NCCL "
+                               "run) and no NCCL all-reduce of a torch DDP run; "
+                               f"it holds {s['kernels']} kernels on devices {s['devices']}, NCCL "
                                f"kernels: {nccl}; {s['nvtx_ranges']} NVTX ranges, most common: {top}")
 
 
@@ -421,6 +430,313 @@ def _bucket_times(ranges: list[BucketRange], pids: list[int | None], n: int, lin
     if missing:
         raise TraceError(source, f"buckets {missing} have no deft/comm range on every link ({', '.join(links)})")
     return times
+
+
+# -- a plain torch DDP export: the paper's four-step walk (Fig. 8) -------------------------------------------
+#: torch's autograd NVTX range text (``torch.autograd.profiler.emit_nvtx``): ``name[, seq = N][, op_id = M]
+#: [, sizes = [[...], ...]][, input_op_ids = ...]``.
+_OP_TEXT_RE = re.compile(r"(?P<name>[^,]+)(?:, seq = (?P<seq>\d+))?(?:, op_id = (?P<op>\d+))?")
+_SIZES_RE = re.compile(r", sizes = \[\[([0-9, ]*)\]")
+#: NCCL kernel names carry the element type: ``ncclDevKernel_AllReduce_Sum_f32_RING_LL``.
+_NCCL_DTYPE_RE = re.compile(r"_(bf16|f16|f32|f64|f8e4m3|f8e5m2|i8|u8|i32|u32|i64|u64)(?:_|\(|$)")
+NCCL_DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "f8e4m3": 1, "f8e5m2": 1, "i8": 1, "u8": 1,
+                    "i32": 4, "u32": 4, "i64": 8, "u64": 8}
+#: The CPU operators that launch a collective: torch's c10d op, its comms record, NCCL's own API ranges.
+_COMM_OPERATOR_PREFIXES = ("c10d::", "record_param_comms", "nccl:", "nccl")
+
+
+@dataclass(frozen=True)
+class OpRange:
+    """One NVTX range in torch's autograd-NVTX format; ``seq`` links a forward operator to the backward
+    node it created (the backward node's range carries the same ``seq``)."""
+
+    pid: int | None
+    tid: int | None
+    name: str
+    seq: int | None
+    op_id: int | None
+    start_ns: int
+    end_ns: int
+    sizes: tuple[int, ...] | None  # the first input's shape, when shapes were recorded
+
+
+def op_ranges(path: str | Path | Export) -> list[OpRange]:
+    """Every closed NVTX range parsed as an operator (deft's own ranges excluded), by start time."""
+    out = []
+    for r in nvtx_ranges(path):
+        if r.end_ns is None or r.deft is not None or not r.text:
+            continue
+        m = _OP_TEXT_RE.match(r.text)
+        if m is None:
+            continue
+        sz = _SIZES_RE.search(r.text)
+        sizes = tuple(int(x) for x in sz[1].split(",") if x.strip()) if sz else None
+        out.append(OpRange(r.pid, r.tid, m["name"].strip(), int(m["seq"]) if m["seq"] else None,
+                           int(m["op"]) if m["op"] else None, r.start_ns, r.end_ns, sizes))
+    return out
+
+
+@dataclass(frozen=True)
+class CommOp:
+    """One collective as the GPU ran it: its NCCL kernel(s), joined to the CPU thread that launched them.
+
+    The join is nsys' form of Kineto's External id: a kernel and its launching runtime call share
+    ``(correlationId, pid)``; kernels launched inside one communication operator range (``c10d::...``,
+    ``record_param_comms``, ``nccl:...``, NCCL's ``ncclAllReduce``) are one collective."""
+
+    pid: int | None
+    tid: int | None
+    op: str              # AllReduce, SendRecv, ...
+    launch_ns: int       # the first kernel's launch (the runtime call)
+    start_ns: int        # GPU span of its kernels
+    end_ns: int
+    operator: str | None  # the outermost communication operator range around the launch
+    numel: int | None     # from that operator's recorded sizes, when shapes were recorded
+    dtype_bytes: int | None  # from the NCCL kernel's name
+
+    @property
+    def dur_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+def comm_ops(path: str | Path | Export) -> list[CommOp]:
+    """Every collective of the export, by launch time (step 1 of the walk: the communication operators)."""
+    ex, own = _open(path)
+    try:
+        if not ex.has("CUPTI_ACTIVITY_KIND_KERNEL"):
+            return []
+        comm_ranges: dict[tuple[int | None, int | None], list[OpRange]] = defaultdict(list)
+        for o in op_ranges(ex):
+            if o.name.startswith(_COMM_OPERATOR_PREFIXES):
+                comm_ranges[(o.pid, o.tid)].append(o)
+        groups: dict[tuple[object, ...], list[Kernel]] = defaultdict(list)
+        outer: dict[tuple[object, ...], OpRange | None] = {}
+        for k in kernels(ex):
+            if k.nccl_op is None:
+                continue
+            around = [o for o in comm_ranges.get((k.pid, k.launch_tid), ())
+                      if k.launch_ns is not None and o.start_ns <= k.launch_ns <= o.end_ns]
+            top = min(around, key=lambda o: o.start_ns) if around else None
+            key: tuple[object, ...] = ((k.pid, k.launch_tid, top.start_ns, top.name) if top is not None
+                                       else (k.pid, "corr", k.correlation, k.start_ns))
+            groups[key].append(k)
+            outer[key] = top
+        out = []
+        for key, ks in groups.items():
+            top = outer[key]
+            numel = None
+            if top is not None:
+                shaped = [o.sizes for o in comm_ranges[(top.pid, top.tid)]
+                          if o.sizes and top.start_ns <= o.start_ns <= top.end_ns]
+                if shaped:
+                    numel = 1
+                    for d in shaped[0]:
+                        numel *= d
+            dt = _NCCL_DTYPE_RE.search(ks[0].name)
+            launches = [k.launch_ns for k in ks if k.launch_ns is not None]
+            out.append(CommOp(ks[0].pid, ks[0].launch_tid, ks[0].nccl_op or "?",
+                              min(launches) if launches else min(k.start_ns for k in ks),
+                              min(k.start_ns for k in ks), max(k.end_ns for k in ks),
+                              top.name if top is not None else None, numel,
+                              NCCL_DTYPE_BYTES.get(dt[1]) if dt else None))
+        return sorted(out, key=lambda c: c.launch_ns)
+    finally:
+        if own:
+            ex.close()
+
+
+@dataclass(frozen=True)
+class DdpBucketStep:
+    """One bucket of one iteration of one rank of a plain torch DDP export (seconds)."""
+
+    pid: int | None
+    iteration: int
+    bucket: int
+    numel: int | None
+    nbytes: int | None
+    forward_s: float | None  # None: the export has no autograd NVTX ranges to walk to the forward
+    backward_s: float
+    comm_s: float
+
+
+def ddp_bucket_steps(path: str | Path | Export) -> list[DdpBucketStep]:
+    """The paper's four-step walk (Fig. 8) over a plain torch DDP export; see :func:`load_ddp`."""
+    ex, own = _open(path)
+    try:
+        comms = [c for c in comm_ops(ex) if c.op == "AllReduce" and c.launch_ns is not None]
+        ks = [k for k in kernels(ex) if k.launch_ns is not None]
+        ops = [o for o in op_ranges(ex) if o.seq is not None]
+    finally:
+        if own:
+            ex.close()
+    out: list[DdpBucketStep] = []
+    for pid in sorted({c.pid for c in comms}, key=lambda p: -1 if p is None else p):
+        out.extend(_ddp_rank(pid, [c for c in comms if c.pid == pid], [k for k in ks if k.pid == pid],
+                             [o for o in ops if o.pid == pid]))
+    return out
+
+
+def _ddp_rank(pid: int | None, comms: list[CommOp], ks: list[Kernel], ops: list[OpRange]) -> list[DdpBucketStep]:
+    """One rank's iterations. The backward thread is the one that launches the all-reduces (DDP's reducer
+    runs in the autograd engine's device thread); every other thread of the process is the forward side.
+    A new iteration begins at an all-reduce launched after a kernel launch of the forward side (the
+    forward and the optimizer step run between two backwards; nothing of the forward side is launched
+    while the backward runs)."""
+    bwd_tid = Counter(c.tid for c in comms).most_common(1)[0][0]
+    compute = sorted((k for k in ks if k.nccl_op is None), key=lambda k: k.launch_ns or 0)
+    bwd_k = [k for k in compute if k.launch_tid == bwd_tid]
+    fwd_k = [k for k in compute if k.launch_tid != bwd_tid]
+    fwd_launch = [k.launch_ns or 0 for k in fwd_k]
+    iters: list[list[CommOp]] = []
+    for c in comms:
+        prev = iters[-1][-1].launch_ns if iters else None
+        if prev is None or bisect.bisect_left(fwd_launch, c.launch_ns) > bisect.bisect_right(fwd_launch, prev):
+            iters.append([c])
+        else:
+            iters[-1].append(c)
+    fwd_by_seq: dict[int, OpRange] = {}
+    for o in ops:
+        if o.tid != bwd_tid and o.seq is not None:
+            fwd_by_seq[o.seq] = o  # the last-starting forward operator with this seq created the node
+    bwd_ops = [o for o in ops if o.tid == bwd_tid]
+    fwd_ops = [o for o in ops if o.tid != bwd_tid]
+    out = []
+    last_comm = None
+    for it, cs in enumerate(iters):
+        # where this iteration's backward begins: after the forward side's last launch before it
+        i = bisect.bisect_left(fwd_launch, cs[0].launch_ns)
+        fwd_end_launch = fwd_launch[i - 1] if i > 0 else None
+        lo = max(x for x in (fwd_end_launch, last_comm, -1) if x is not None)
+        last_comm = cs[-1].launch_ns
+        mine = [k for k in bwd_k if lo < (k.launch_ns or 0) <= cs[-1].launch_ns]
+        if not mine:
+            continue
+        # Steps 1-2: the all-reduce's launch -> the backward thread's last kernel before it -> its end on
+        # the compute stream is the bucket's ready point r_b.
+        r_prev = min(k.start_ns for k in mine)
+        ready = []
+        for c in cs:
+            before = [k.end_ns for k in mine if (k.launch_ns or 0) <= c.launch_ns]
+            r = max(before) if before else r_prev
+            ready.append(max(r, r_prev))
+            r_prev = ready[-1]
+        # Steps 3-4: the last backward operator of bucket b (by seq) -> its forward operator, the first
+        # forward operator of bucket b -> the first kernel it launched is where b's forward begins.
+        starts: list[int | None] = []
+        prev_launch = lo
+        for c in cs:
+            cand = [o for o in bwd_ops if prev_launch < o.start_ns <= c.launch_ns and o.seq in fwd_by_seq]
+            prev_launch = c.launch_ns
+            f_op = fwd_by_seq[max(cand, key=lambda o: o.start_ns).seq or 0] if cand else None
+            starts.append(None if f_op is None else _first_kernel_start(fwd_k, f_op))
+        window = (_prev(iters, it) if it > 0 else None, fwd_end_launch)  # this iteration's forward side
+        f_end = max((k.end_ns for k in fwd_k if _within(k.launch_ns or 0, window)), default=None)
+        first = [o for o in fwd_ops if _within(o.start_ns, window)]
+        if first and starts:  # the first bucket to run forward (the last one) starts with the forward
+            starts[-1] = _first_kernel_start(fwd_k, min(first, key=lambda o: o.start_ns))
+        fwd_known = f_end is not None and all(s is not None for s in starts)
+        for b, c in enumerate(cs):
+            fwd = None
+            if fwd_known:
+                # f_{n-1} < ... < f_0 < f_{-1} = f_end: bucket b's forward is [f_b, f_{b-1}]
+                hi = starts[b - 1] if b > 0 else f_end
+                fwd = max(0, (hi or 0) - (starts[b] or 0)) * NS
+            out.append(DdpBucketStep(pid, it, b, c.numel,
+                                     c.numel * c.dtype_bytes if c.numel is not None and c.dtype_bytes else None,
+                                     fwd, (ready[b] - (ready[b - 1] if b else min(k.start_ns for k in mine))) * NS,
+                                     c.dur_ns * NS))
+    return out
+
+
+def _prev(iters: list[list[CommOp]], it: int) -> int | None:
+    """The last all-reduce launch of the iteration before ``it`` (None for the first)."""
+    return iters[it - 1][-1].launch_ns if it > 0 else None
+
+
+def _within(t: int, window: tuple[int | None, int | None]) -> bool:
+    """``lo < t <= hi``; a missing ``lo`` is open, a missing ``hi`` matches nothing."""
+    lo, hi = window
+    return hi is not None and t <= hi and (lo is None or t > lo)
+
+
+def _first_kernel_start(fwd_k: list[Kernel], op: OpRange) -> int | None:
+    """The GPU start of the first kernel ``op``'s thread launched at or after ``op`` began."""
+    after = [k.start_ns for k in fwd_k if k.launch_tid == op.tid and (k.launch_ns or 0) >= op.start_ns]
+    return min(after) if after else None
+
+
+def load_ddp(path: str | Path | Export, world_size: int | None = None) -> Profile:
+    """A :class:`deft.Profile` (source ``"nsys"``, one NCCL link ``primary``) from a plain torch DDP export.
+
+    The paper's walk (Fig. 8), per rank and iteration, with nsys' tables (module docstring of
+    :mod:`deft.profiler.nsys`; capture with ``--trace=cuda,nvtx`` and torch's autograd NVTX ranges,
+    ``torch.autograd.profiler.emit_nvtx()``, which give the forward-backward links):
+
+    1. the communication operators: every NCCL all-reduce kernel joined to its launch on
+       ``(correlationId, pid)``; bucket ``b`` is the ``b``-th all-reduce of an iteration's backward;
+    2. the last kernel the backward thread launched before that launch: its end on the compute stream
+       is bucket ``b``'s ready point ``r_b`` (``backward_b = r_b - r_{b-1}``, ``r_{-1}`` the backward's
+       first kernel start);
+    3. the last backward operator before the launch carries the ``seq`` of the forward operator that
+       created it: the first forward operator of bucket ``b``;
+    4. the first kernel that forward operator launched starts bucket ``b``'s forward on the compute
+       stream; bucket ``b``'s forward ends where bucket ``b - 1``'s starts (bucket 0's at the end of
+       the forward), and the last bucket's starts with the forward's first operator.
+
+    ``comm_b`` is the all-reduce kernel's GPU span. Iterations whose bucket count (and sizes, when
+    shapes were recorded) differ from the most common one are left out (DDP rebuilds its buckets after
+    the first iteration); each bucket takes the median over iterations per rank and the maximum over
+    ranks, as :func:`load`.
+    """
+    ex, own = _open(path)
+    try:
+        steps = ddp_bucket_steps(ex)
+        name = Path(ex.path).name
+        source = ex.path
+    finally:
+        if own:
+            ex.close()
+    if not steps:
+        raise TraceError(source, "has NCCL all-reduce kernels but no backward compute kernels launched by their "
+                                 "thread: not a torch DDP training run")
+    per_iter: dict[tuple[int | None, int], list[DdpBucketStep]] = defaultdict(list)
+    for s in steps:
+        per_iter[(s.pid, s.iteration)].append(s)
+    shape = Counter(tuple(s.numel for s in v) for v in per_iter.values()).most_common(1)[0][0]
+    kept = {key: v for key, v in per_iter.items() if tuple(s.numel for s in v) == shape}
+    if any(s.forward_s is None for v in kept.values() for s in v):
+        raise TraceError(source, "a torch DDP export without torch's autograd NVTX ranges ('aten::..., seq = N' "
+                                 "and the backward nodes' 'seq = N'): the forward of a bucket cannot be found. "
+                                 "Capture with torch.autograd.profiler.emit_nvtx() around the training loop "
+                                 "and `nsys profile --trace=cuda,nvtx`")
+    pids = sorted({p for p, _ in kept}, key=lambda p: -1 if p is None else p)
+    n = len(shape)
+
+    def field(b: int, get: str) -> float:
+        per_rank = []
+        for p in pids:
+            vals = [getattr(v[b], get) for (q, _), v in kept.items() if q == p]
+            if vals:
+                per_rank.append(median(vals))
+        return max(per_rank)
+
+    times = tuple(BucketTimes(forward_s=field(b, "forward_s"), backward_s=field(b, "backward_s"),
+                              comm_s={"primary": field(b, "comm_s")}) for b in range(n))
+    first = next(iter(kept.values()))
+    sizes_known = all(s.numel is not None and s.nbytes is not None for s in first)
+    buckets = tuple(Bucket(id=b, params=(f"<unknown: bucket {b} of the nsys export>",), numel=s.numel or 0,
+                           nbytes=s.nbytes or 0) for b, s in enumerate(first))
+    return Profile(
+        buckets=buckets, times=times, links=(Link(name="primary", backend="nccl"),),
+        world_size=world_size or max(1, len(pids)), source="nsys", model=name,
+        meta={"export": source, "ranks_pids": pids, "walk": "torch DDP (paper Fig. 8)",
+              "iterations": sorted({i for _, i in kept}), "dropped_iterations": len(per_iter) - len(kept),
+              "reduction": "median over iterations per rank, max over ranks", "params_known": False,
+              "sizes_known": sizes_known,
+              "note": "bucket b is the b-th all-reduce of the backward; sizes from the c10d operators' recorded "
+                      "shapes and the NCCL kernels' dtype" + ("" if sizes_known else
+                                                                " (not recorded: numel/nbytes 0)")},
+    )
 
 
 # -- command line -----------------------------------------------------------------------------------------

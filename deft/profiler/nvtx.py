@@ -21,7 +21,8 @@ A range is emitted to NVTX (package ``nvtx``, domain ``deft``) when NVTX is *on*
 ``torch.profiler.record_function`` range when a torch profiler is recording, so Kineto traces carry
 the same names. NVTX is on when ``DEFT_NVTX=1``, off when ``DEFT_NVTX=0``, and otherwise (auto) on
 only when an NVTX tool is injected (``NVTX_INJECTION64_PATH`` set, as Nsight Systems does) and CUDA is
-available. When neither sink is active, :func:`range` returns a shared null context and
+available; the runtime also switches it on for a model on CUDA unless ``DEFT_NVTX=0``
+(:func:`deft.runtime.tracing.nvtx_wanted`). When neither sink is active, :func:`range` returns a shared null context and
 :func:`push_range` returns ``None`` without building the name: a few hundred nanoseconds of
 Python per call, no allocation (numbers in ``benchmarks/results/profiler_fixtures.md``).
 """
@@ -32,7 +33,7 @@ import contextlib
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
@@ -147,6 +148,17 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def env_setting(env: Mapping[str, str]) -> bool | None:
+    """What ``DEFT_NVTX`` in ``env`` asks for: ``True`` (1/true/on/yes), ``False`` (0/false/off/no), or
+    ``None`` (unset or anything else: the caller decides)."""
+    value = env.get(ENV, "").strip().lower()
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    return None
+
+
 def configure(nvtx: bool | None = None) -> bool:
     """Switch NVTX emission on or off (``None``: decide from ``DEFT_NVTX`` and the environment).
 
@@ -154,12 +166,8 @@ def configure(nvtx: bool | None = None) -> bool:
     the enabled path); without an injected tool the ``nvtx`` package then drops the ranges itself.
     """
     if nvtx is None:
-        env = os.environ.get(ENV, "").strip().lower()
-        if env in ("1", "true", "on", "yes"):
-            nvtx = True
-        elif env in ("0", "false", "off", "no"):
-            nvtx = False
-        else:
+        nvtx = env_setting(os.environ)
+        if nvtx is None:
             nvtx = bool(os.environ.get("NVTX_INJECTION64_PATH")) and _cuda_available()
     domain = None
     if nvtx:

@@ -23,6 +23,8 @@ Counters (``calls``, ``bytes``) per link let tests and reports prove that each l
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -31,6 +33,8 @@ import torch.distributed as dist
 
 from deft.config import DeftConfig, LinkConfig
 from deft.netif import new_group_on_nic
+
+log = logging.getLogger("deft.runtime")
 
 
 @dataclass
@@ -78,6 +82,10 @@ def make_links(config: DeftConfig, cuda: bool, ranks: Sequence[int] | None) -> d
     links: dict[str, CommLink] = {}
     for i, lk in enumerate(config.links):
         backend = link_backend(lk, i, cuda)
+        if cuda and backend == "gloo":
+            verdict = gloo_cuda_fix()
+            if verdict.fixed is not True:
+                log.warning("deft: link %r runs gloo on CUDA tensors: %s", lk.name, verdict.reason)
         links[lk.name] = CommLink(lk.name, backend, lk.ifname,
                                   _new_group(backend, lk.ifname, config.timeout_s, ranks))
     return links
@@ -90,3 +98,53 @@ def make_solo_group(backend: str, timeout_s: float, ranks: Sequence[int] | None)
     members = list(ranks) if ranks is not None else list(range(dist.get_world_size()))
     groups = [_new_group(backend, None, timeout_s, [r]) for r in members]
     return groups[members.index(dist.get_rank())]
+
+
+# -- gloo with CUDA tensors: pytorch issue 155714 --------------------------------------------------------
+GLOO_CUDA_FIX = "pytorch/pytorch#170812 (fixes #155714: gloo + CUDA futures lose their streams)"
+
+
+@dataclass(frozen=True)
+class GlooCudaVerdict:
+    """Whether a torch carries the fix for silent corruption of gloo all-reduces of CUDA tensors read
+    through their futures (``fixed``: ``True``, ``False``, or ``None`` when the version cannot tell)."""
+
+    torch_version: str
+    fixed: bool | None
+    reason: str
+
+
+def gloo_cuda_fix(version: str | None = None, hip: str | None = None) -> GlooCudaVerdict:
+    """The verdict for ``version`` (default: the torch in use) from its release number.
+
+    The bug (pytorch issue 155714): a gloo work's future on CUDA tensors did not keep the streams its
+    copy back to the device ran on, so ``fut.wait()`` on another stream than the launching one (the DDP
+    reducer's pattern, and a comm hook's future) could read the tensor before the copy had landed. PR
+    170812 ("ProcessGroupGloo: fix CUDA tensor stream handling with futures", opened 2025-12-18) fixed
+    it on main; AMD's fork cherry-picked the landed commit into its release/2.10 on 2026-03-16 (and
+    2.9, 2.8 on 2026-04-06), so it was on main before 2026-03-16. torch 2.11's branch was cut on
+    2026-02-16 (its "release only changes" PR), so 2.11 may or may not carry it; 2.12's branch was cut
+    later and every release from 2.12 on does; upstream 2.10 and older do not (ROCm builds of AMD's
+    fork of 2.8-2.10 may: ``hip`` set gives ``None`` there). Pre-releases of 2.12 may predate the
+    landing. The runtime test that settles it on a GPU is ``tests/test_cuda.py``'s exact pattern.
+    """
+    if version is None:
+        version = str(torch.__version__)
+        hip = torch.version.hip
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?(\S*)", version)
+    if m is None:
+        return GlooCudaVerdict(version, None, f"cannot read the torch version {version!r}")
+    major, minor, rest = int(m[1]), int(m[2]), m[4]
+    prerelease = bool(re.match(r"(a|b|rc|\.dev)", rest))
+    if (major, minor) >= (2, 13) or ((major, minor) == (2, 12) and not prerelease):
+        return GlooCudaVerdict(version, True, f"torch {major}.{minor} was branched after {GLOO_CUDA_FIX} "
+                                              "landed on main (before 2026-03-16)")
+    if (major, minor) in ((2, 11), (2, 12)):
+        return GlooCudaVerdict(version, None, f"torch {version}: branched near the landing of {GLOO_CUDA_FIX}; "
+                                              "the version cannot tell whether it is in")
+    if hip:
+        return GlooCudaVerdict(version, None, f"torch {version} (ROCm {hip}): AMD's fork backported "
+                                              f"{GLOO_CUDA_FIX} to its 2.8-2.10 releases; the version cannot "
+                                              "tell whether this build has it")
+    return GlooCudaVerdict(version, False, f"torch {version} predates {GLOO_CUDA_FIX}: a gloo link on CUDA "
+                                           "tensors may read a bucket before its copy back lands")

@@ -13,8 +13,9 @@ profiler running); otherwise every entry point returns after one flag test.
   a bucket's range runs from the start of a module whose parameters lie mostly in that bucket until
   a module of another bucket starts, or the forward ends. Parameter-free modules and glue are thus
   charged to the bucket before them (the timer spreads them in proportion instead). The hooks are
-  installed only when tracing was requested at construction (``DEFT_NVTX=1`` / an NVTX tool, or
-  ``DEFT_TRACE_DIR``), so an untraced run has no forward hooks at all.
+  installed only when tracing was requested at construction (``DEFT_NVTX=1`` / an NVTX tool, a model
+  on CUDA unless ``DEFT_NVTX=0`` (:func:`nvtx_wanted`), or ``DEFT_TRACE_DIR``), so an untraced CPU run
+  has no forward hooks at all.
 
 :class:`TraceRecorder` records the profile iterations with ``torch.profiler`` (``DEFT_TRACE_DIR``):
 CPU activity, CUDA too when the model is on a GPU, ``record_shapes=True`` (the Kineto parser reads
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -41,6 +43,24 @@ log = logging.getLogger("deft.runtime")
 
 TRACE_DIR_ENV = "DEFT_TRACE_DIR"
 PROFILE_ITERS_ENV = "DEFT_PROFILE_ITERS"
+
+
+def nvtx_wanted(device: torch.device | str, env: Mapping[str, str] | None = None) -> bool:
+    """Whether deft's NVTX ranges are on for a model on ``device``.
+
+    ``DEFT_NVTX`` decides when set (``1`` / ``0``). Otherwise they are on for a CUDA device, so that
+    ``nsys profile`` (through ``deft-profile --backend nsys`` or by hand) sees deft's per-bucket ranges
+    with no set-up; with no tool attached an NVTX call returns at once inside the NVTX library, and the
+    Python around it costs a few microseconds per bucket range (``nvtx.measure_overhead``). On other
+    devices they are on only when an NVTX tool is injected and CUDA is there (:func:`nvtx.configure`'s
+    rule)."""
+    env = os.environ if env is None else env
+    asked = nvtx.env_setting(env)
+    if asked is not None:
+        return asked
+    if torch.device(device).type == "cuda":
+        return True
+    return bool(env.get("NVTX_INJECTION64_PATH")) and torch.cuda.is_available()
 
 
 def recording() -> bool:
@@ -249,6 +269,8 @@ class Tracing:
     def __init__(self, module: nn.Module, params: list[torch.Tensor], executor: Executor, rank: int, cuda: bool,
                  first: int, count: int) -> None:
         trace_dir = os.environ.get(TRACE_DIR_ENV) or None
+        if not nvtx.nvtx_enabled() and nvtx_wanted("cuda" if cuda else "cpu"):
+            nvtx.configure(True)  # on by default on CUDA; never switched off here (a user may have forced it on)
         self._tracer = None if trace_dir is None else TraceRecorder(trace_dir, rank, cuda, first, count)
         self._fwd = ForwardRanges(module, params) if trace_dir or nvtx.nvtx_enabled() else None
         self._bwd = BackwardRanges(executor)

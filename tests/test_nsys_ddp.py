@@ -1,0 +1,186 @@
+"""The paper's own profiler path (Fig. 8) on Nsight Systems exports of a plain torch DDP run.
+
+A synthetic export with the real nsys schema (``tests.test_nsys.SCHEMA``) stands for a DDP run with
+torch's autograd NVTX ranges: two ranks, a forward (main) thread and the autograd engine's backward
+thread, whose DDP reducer launches one NCCL all-reduce per bucket. Expected times are worked out by
+hand from the kernels written below. The real fixture (a 2-GPU all-to-all, not DDP) checks the join of
+communication operators to their NCCL kernels and the error for an export with no all-reduce.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from deft import TraceError
+from deft.profiler import nsys
+from tests._fixtures import fixture_path
+from tests.test_nsys import ALLREDUCE, COMPUTE, Builder
+
+US = 1e-6
+SEQ = {"s2": 500, "s1": 501, "s0": 502, "loss": 503}  # forward order: bucket 1's addmm first
+COMM0 = {100: lambda it: 100 + 10 * it, 101: lambda it: 150}
+COMM1 = {100: lambda it: 200, 101: lambda it: 180 + 5 * it}
+
+
+class ThreadBuilder(Builder):
+    """:class:`tests.test_nsys.Builder` with a thread id per row (DDP launches from two threads)."""
+
+    def launch_on(self, pid: int, tid: int, t_us: float, corr: int) -> None:
+        self.db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_RUNTIME VALUES (?, ?, 0, ?, ?, ?, 0, NULL)",
+                        (int(t_us * 1e3), int(t_us * 1e3) + 2000, self.gpid(pid) | tid, corr,
+                         self.string("cudaLaunchKernel_v7000")))
+
+    def range_on(self, pid: int, tid: int, start_us: float, end_us: float, text: str) -> None:
+        self.db.execute("INSERT INTO NVTX_EVENTS (start, end, eventType, text, globalTid, domainId) "
+                        "VALUES (?, ?, 59, ?, ?, 0)", (int(start_us * 1e3), int(end_us * 1e3), text,
+                                                      self.gpid(pid) | tid))
+
+
+def build_ddp_export(path: Path, iterations: int = 4, *, autograd_nvtx: bool = True) -> Path:
+    """Per rank and iteration (times in us from the iteration's origin ``o``; GPU times the same clock):
+
+    forward thread: addmm (seq s2, bucket 1's first op) kernel 50-150, relu 150-180, addmm (s0, bucket
+    0's first op) 180-260, loss 260-280. Backward thread: MseLossBackward 300-320, AddmmBackward (s0)
+    320-400, bucket 0's copy 400-410, all-reduce 0 launched at o+142; ReluBackward 420-440,
+    AddmmBackward (s2) 440-560, copy 560-570, all-reduce 1 launched at o+200; the reducer's final copy
+    700-710. Hence forward 1 = 180 - 50 = 130, forward 0 = 280 - 180 = 100, backward 0 = 410 - 300 =
+    110, backward 1 = 570 - 410 = 160. Iteration 0 has DDP's first-iteration buckets (other sizes) and
+    is left out.
+    """
+    b = ThreadBuilder(path)
+    for pid in (100, 101):
+        b.process(pid)
+        main, bwd = pid, pid + 1000
+        corr = 0
+        for it in range(iterations):
+            o = 10_000.0 * (it + 1)
+            seq = {k: v + 10 * it for k, v in SEQ.items()}
+
+            def k(tid: int, launch: float, start: float, end: float, name: str = COMPUTE, stream: int = 7,
+                  *, _o: float = o, _pid: int = pid) -> None:
+                nonlocal corr
+                corr += 1
+                b.launch_on(_pid, tid, _o + launch, corr)
+                b.kernel(_pid, stream, _o + start, _o + end, corr, name)
+
+            def op(tid: int, start: float, end: float, text: str, *, _o: float = o, _pid: int = pid) -> None:
+                if autograd_nvtx or text.startswith("ncclAllReduce"):
+                    b.range_on(_pid, tid, _o + start, _o + end, text)
+
+            k(main, 0, 0, 20)                                            # the previous step's optimizer
+            op(main, 10, 20, f"aten::addmm, seq = {seq['s2']}, op_id = 1")
+            k(main, 12, 50, 150)
+            op(main, 30, 40, f"aten::relu, seq = {seq['s1']}, op_id = 2")
+            k(main, 32, 150, 180)
+            op(main, 50, 60, f"aten::addmm, seq = {seq['s0']}, op_id = 3")
+            k(main, 52, 180, 260)
+            op(main, 70, 80, f"aten::mse_loss, seq = {seq['loss']}, op_id = 4")
+            k(main, 72, 260, 280)
+            sizes = ((2000,), (1000,)) if it == 0 else ((1000,), (2000,))
+            op(bwd, 100, 110, f"MseLossBackward0, seq = {seq['loss']}, op_id = 5")
+            k(bwd, 102, 300, 320)
+            op(bwd, 120, 130, f"AddmmBackward0, seq = {seq['s0']}, op_id = 6")
+            k(bwd, 122, 320, 400)
+            op(bwd, 135, 150, "torch::autograd::AccumulateGrad, op_id = 7")
+            k(bwd, 137, 400, 410)
+            c0 = COMM0[pid](it)
+            op(bwd, 140, 149, f"c10d::allreduce_, op_id = 8, sizes = [[{sizes[0][0]}], [], [], []]")
+            op(bwd, 141, 148, "nccl:all_reduce, op_id = 9")
+            op(bwd, 141.5, 147, "ncclAllReduce")
+            k(bwd, 142, 410, 410 + c0, ALLREDUCE, 20)
+            op(bwd, 160, 170, f"ReluBackward0, seq = {seq['s1']}, op_id = 10")
+            k(bwd, 162, 420, 440)
+            op(bwd, 175, 185, f"AddmmBackward0, seq = {seq['s2']}, op_id = 11")
+            k(bwd, 177, 440, 560)
+            k(bwd, 190, 560, 570)
+            c1 = COMM1[pid](it)
+            op(bwd, 195, 205, f"c10d::allreduce_, op_id = 12, sizes = [[{sizes[1][0]}], [], [], []]")
+            op(bwd, 196, 204, "nccl:all_reduce, op_id = 13")
+            start1 = max(570.0, 410 + c0)
+            k(bwd, 200, start1, start1 + c1, ALLREDUCE, 20)
+            k(bwd, 210, 700, 710)                                        # DDP's finalize copy
+    b.close()
+    return path
+
+
+def test_walk_per_iteration(tmp_path: Path) -> None:
+    steps = nsys.ddp_bucket_steps(build_ddp_export(tmp_path / "ddp.sqlite"))
+    assert {(s.pid, s.iteration) for s in steps} == {(p, i) for p in (100, 101) for i in range(4)}
+    later = [s for s in steps if s.iteration > 0]
+    assert {(s.bucket, s.numel, s.nbytes) for s in later} == {(0, 1000, 4000), (1, 2000, 8000)}
+    for s in later:
+        assert s.forward_s == pytest.approx({0: 100, 1: 130}[s.bucket] * US)
+        assert s.backward_s == pytest.approx({0: 110, 1: 160}[s.bucket] * US)
+        want = (COMM0 if s.bucket == 0 else COMM1)[s.pid or 0](s.iteration)
+        assert s.comm_s == pytest.approx(want * US)
+
+
+def test_load_ddp_profile(tmp_path: Path) -> None:
+    p = build_ddp_export(tmp_path / "ddp.sqlite")
+    prof = nsys.load(p)  # no deft ranges: load takes the DDP walk
+    assert prof == nsys.load_ddp(p)
+    assert prof.source == "nsys" and prof.world_size == 2 and prof.link_names == ("primary",)
+    assert prof.links[0].backend == "nccl"
+    assert [(bk.numel, bk.nbytes) for bk in prof.buckets] == [(1000, 4000), (2000, 8000)]
+    assert prof.meta["iterations"] == [1, 2, 3] and prof.meta["dropped_iterations"] == 2
+    t0, t1 = prof.times
+    assert (t0.forward_s, t0.backward_s) == pytest.approx((100 * US, 110 * US))
+    assert (t1.forward_s, t1.backward_s) == pytest.approx((130 * US, 160 * US))
+    # comm: median over iterations 1..3 per rank, then the slower rank
+    assert t0.comm_s["primary"] == pytest.approx(max(120, 150) * US)
+    assert t1.comm_s["primary"] == pytest.approx(max(200, 190) * US)
+
+
+def test_comm_ops_join_their_operator(tmp_path: Path) -> None:
+    ops = nsys.comm_ops(build_ddp_export(tmp_path / "ddp.sqlite"))
+    assert len(ops) == 2 * 4 * 2
+    assert {(c.op, c.operator, c.tid, c.dtype_bytes) for c in ops} == {
+        ("AllReduce", "c10d::allreduce_", 1100, 4), ("AllReduce", "c10d::allreduce_", 1101, 4)}
+
+
+def test_without_autograd_nvtx_the_forward_is_refused(tmp_path: Path) -> None:
+    p = build_ddp_export(tmp_path / "plain.sqlite", autograd_nvtx=False)
+    steps = nsys.ddp_bucket_steps(p)
+    assert steps and all(s.forward_s is None for s in steps)
+    assert {round(s.backward_s / US) for s in steps if s.iteration > 0} == {110, 160}
+    with pytest.raises(TraceError, match=r"plain\.sqlite: .*emit_nvtx"):
+        nsys.load(p)
+
+
+def test_cli_prints_the_ddp_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = build_ddp_export(tmp_path / "ddp.sqlite")
+    out = tmp_path / "prof.json"
+    assert nsys.main([str(p), "--out", str(out)]) == 0
+    assert out.exists() and "nccl_kernels: {'AllReduce': 16}" in capsys.readouterr().out
+
+
+# -- the real export ------------------------------------------------------------------------------------
+def test_fixture_comm_ops_are_its_c10d_operators() -> None:
+    path = fixture_path("nsys_2gpu_sendrecv.sqlite")
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        nccl = int(db.execute("SELECT COUNT(*) FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s "
+                              "ON s.id = k.shortName WHERE s.value LIKE 'nccl%'").fetchone()[0])
+        launched = int(db.execute(
+            "SELECT COUNT(*) FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s ON s.id = k.shortName "
+            "WHERE s.value LIKE 'nccl%' AND EXISTS (SELECT 1 FROM CUPTI_ACTIVITY_KIND_RUNTIME r WHERE "
+            "r.correlationId = k.correlationId AND ((r.globalTid >> 24) & 16777215) = "
+            "((k.globalPid >> 24) & 16777215))").fetchone()[0])
+    finally:
+        db.close()
+    ops = nsys.comm_ops(path)
+    assert len(ops) == nccl == 66 and {c.op for c in ops} == {"SendRecv"}
+    joined = [c for c in ops if c.tid is not None]
+    assert len(joined) == launched and launched > 0
+    assert {c.operator for c in joined} == {"c10d::alltoall_base_"}  # the outermost operator of each launch
+    assert all(c.launch_ns <= c.start_ns for c in joined)
+
+
+def test_fixture_is_not_a_ddp_run() -> None:
+    path = fixture_path("nsys_2gpu_sendrecv.sqlite")
+    assert nsys.ddp_bucket_steps(path) == []
+    with pytest.raises(TraceError, match="no NCCL all-reduce of a torch DDP run"):
+        nsys.load(path)
