@@ -1,37 +1,50 @@
 """deft against what a user would pick instead: every scheme of examples/train_cnn.py on the testbed.
 
-    sudo .venv/bin/python benchmarks/bench_peers.py [--rates 250,1000] [--epochs 4] [--repeats 1]
-                                                    [--schemes compute,torch,deft] [--save-runs DIR]
+    sudo .venv/bin/python benchmarks/bench_peers.py [--rates 50,250,1000] [--epochs 4] [--seeds 0,1,2]
+                                                    [--repeats 1] [--schemes compute,torch,deft]
+                                                    [--save-runs DIR] [--from-runs DIR[,DIR...]]
 
 Builds one testbed per rate (DESIGN.md section 6: 2 hosts x 2 links, every NIC ``tc tbf``-shaped to
 the rate; all of them up at once, in separate namespaces) and trains ``examples/train_cnn.py``
-(4.4M-parameter CNN on scikit-learn digits, batch 32 per rank, SGD lr 0.02 momentum 0.9, seed 0,
-one rank per host) for ``--epochs`` epochs with every scheme:
+(4.4M-parameter CNN on scikit-learn digits, batch 32 per rank, SGD lr 0.02 momentum 0.9, one rank
+per host) for ``--epochs`` epochs with every scheme and every seed of ``--seeds`` (default: ``--seed``, 0):
 
 * ``compute``: each host trains alone (``--compute-only``: one rank's shard, no communication) at
   the same time as the other host: computation under the same CPU load, the floor;
 * ``torch``: torch DDP on nic0; ``fp16``: + ``fp16_compress_hook``; ``powersgd``: + ``powerSGD_hook``
   (rank 4, error feedback, warm start, PowerSGD from 10 % of the iterations on);
+* ``torch-2nic``: torch DDP on both NICs the way torch offers it: the ranks get
+  ``GLOO_SOCKET_IFNAME=nic0,nic1``, so gloo opens one device per NIC and round-robins whole
+  collectives over them; with ``bucket_cap_mb`` 4 DDP has several buckets' all-reduces in flight;
 * ``accum2``: torch DDP + ``no_sync`` over 2 iterations (a step every 2nd iteration, same learning rate);
-* ``localsgd``: torch's post-local SGD (global gradient all-reduce for the first 10 % of the
-  iterations, then local steps and a model average every 4th step);
+* ``localsgd2``, ``localsgd4``, ``localsgd8``: torch's post-local SGD (global gradient all-reduce for
+  the first 10 % of the iterations, then local steps and a model average every 2nd, 4th, 8th step;
+  ``localsgd``, the older name of ``localsgd4``, is still accepted and read from older records);
+* ``diloco``: DiLoCo (Douillard et al. 2023, ``examples/diloco.py``): H = 8 local steps of the same SGD,
+  then the averaged pseudo-gradient (one flat all-reduce) steps the global model with an outer SGD,
+  Nesterov momentum 0.9, lr 0.7 (the paper's); torchft's DiLoCo needs its lighthouse server, so
+  not that one;
 * ``deft-eps0``: deft with epsilon = 0 on nic0 only (reordering and re-bucketing, nothing delayed);
 * ``deft``: deft with its default config (epsilon 0.01, preserver on) on both links;
 * ``deft-fp16``, ``deft-powersgd``: the same with deft's ``compression`` knob (``--compression``):
   torch's fp16 hook, or PowerSGD with the powersgd row's settings (rank 4, error feedback, warm
   start, from 10 % of the iterations on), on deft's scheduled buckets.
 
-The runs are interleaved: for each repeat the scheme order is rotated by one, and each scheme runs
-at every rate before the next scheme starts, so a slow spell of the shared machine hits all alike.
+The runs are interleaved: for each repeat and seed the scheme order is rotated by one, and each scheme
+runs at every rate before the next scheme starts, so a slow spell of the shared machine hits all alike.
 The test accuracy is measured every ``--eval-every`` iterations. Reported per rate: steady iteration
 time (mean over the iterations after ``--skip-iters``: cheap and costly iterations of accum2,
 localsgd and merged updates average out), time to 93 % and 95 % test accuracy counted from the
 wrapper's construction (set-up, warm-up, deft's profiling and planning included; evaluation excluded),
-final and best accuracy, updates per iteration and the ratios to torch DDP. With ``--repeats`` > 1
-each figure is the median over the repeats. One accuracy-vs-time plot per rate
+final and best accuracy, updates per iteration and the ratios to torch DDP. With several runs (seeds x
+repeats) each figure is the median over them (times to a target with their range; the final accuracy also
+as a mean, and per seed). Under each table: which scheme is first on each figure and, for every deft row,
+each figure on which another scheme beats it ("Where deft loses"). One accuracy-vs-time plot per rate
 (``benchmarks/peers_<rate>.png``); the tables go to ``benchmarks/results/peers.md`` (between the
 ``peers`` markers; text outside them is kept), with the machine's load average at the start of each
-run. The testbeds are removed at the end, also on an error, Ctrl-C or SIGTERM.
+run. The testbeds are removed at the end, also on an error, Ctrl-C or SIGTERM. Three seeds for every
+scheme at 50 Mbit/s take hours; ``--save-runs`` one pass of every scheme at seed 0 and another of the
+rows that decide the winner at seeds 1,2, then ``--from-runs DIR0,DIR12`` writes one report of both.
 
 ``--live`` lets rank 0 of each run write to the terminal (its progress bar) and prints only the tables;
 ``--timeline FILE`` draws the schedule the first deft run really ran (simulated on the profile it
@@ -87,10 +100,10 @@ class Workload:
     label: str              # the metric in words
     fixed_targets: tuple[float, ...] = ()  # () : set from torch DDP's curve (targets())
 
-    def argv(self, args: argparse.Namespace) -> list[str]:
+    def argv(self, args: argparse.Namespace, seed: int) -> list[str]:
         length = ["--epochs", str(args.epochs)] if self.name == "cnn" else ["--iters", str(args.iters)]
         return [*length, "--eval-every", str(args.eval_every), "--skip-iters", str(args.skip_iters),
-                "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(args.seed)]
+                "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(seed)]
 
     def reached(self, value: float, target: float) -> bool:
         return value >= target if self.higher_is_better else value <= target
@@ -128,6 +141,15 @@ class Scheme:
     argv: tuple[str, ...]
     links: int = 1
     alone: bool = False  # one single-process job per host instead of one 2-rank job
+    # the ranks' gloo binds to both NICs (GLOO_SOCKET_IFNAME=nic0,nic1): one gloo device per NIC, whole
+    # collectives round-robined over them (torch's own way to use two NICs)
+    both_nics: bool = False
+
+    def env(self, tb: Testbed) -> dict[str, str]:
+        """What this scheme's ranks get on top of :meth:`Testbed.env_for` (which binds gloo to nic0)."""
+        if self.both_nics:
+            return {"GLOO_SOCKET_IFNAME": ",".join(tb.ifname(k) for k in range(tb.links))}
+        return {}
 
 
 SCHEMES: dict[str, Scheme] = {
@@ -136,7 +158,14 @@ SCHEMES: dict[str, Scheme] = {
     "fp16": Scheme("torch DDP + fp16 hook", ("--ddp", "fp16")),
     "powersgd": Scheme("torch DDP + PowerSGD (rank 4)", ("--ddp", "powersgd")),
     "accum2": Scheme("torch DDP + no_sync x2", ("--ddp", "accum2")),
-    "localsgd": Scheme("torch post-local SGD (period 4)", ("--ddp", "localsgd")),
+    "torch-2nic": Scheme("torch DDP on both NICs (gloo round-robin, bucket_cap_mb 4)",
+                         ("--ddp", "torch", "--bucket-cap-mb", "4"), both_nics=True),
+    "localsgd2": Scheme("torch post-local SGD (period 2)", ("--ddp", "localsgd", "--localsgd-period", "2")),
+    "localsgd4": Scheme("torch post-local SGD (period 4)", ("--ddp", "localsgd", "--localsgd-period", "4")),
+    "localsgd8": Scheme("torch post-local SGD (period 8)", ("--ddp", "localsgd", "--localsgd-period", "8")),
+    "diloco": Scheme("DiLoCo (H 8, outer Nesterov lr 0.7 momentum 0.9)",
+                     ("--ddp", "diloco", "--diloco-h", "8", "--diloco-outer-lr", "0.7",
+                      "--diloco-outer-momentum", "0.9")),
     "deft-eps0": Scheme("deft, epsilon 0, one link", ("--ddp", "deft", "--epsilon", "0")),
     "deft": Scheme("deft default, two links", ("--ddp", "deft"), links=2),
     "deft-fp16": Scheme("deft default + fp16 hook, two links", ("--ddp", "deft", "--compression", "fp16"), links=2),
@@ -145,24 +174,41 @@ SCHEMES: dict[str, Scheme] = {
 }
 
 
-def run_order(names: list[str], rates: list[float], repeats: int) -> list[tuple[int, str, float]]:
-    """(repeat, scheme, rate) in execution order: schemes rotated by one per repeat, all rates per scheme."""
+#: older names, still accepted by --schemes and read from older --save-runs records
+ALIASES = {"localsgd": "localsgd4"}
+
+
+def canonical(name: str) -> str:
+    return ALIASES.get(name, name)
+
+
+def run_order(names: list[str], rates: list[float], repeats: int, seeds: list[int] | None = None
+              ) -> list[tuple[int, int, str, float]]:
+    """(repeat, seed, scheme, rate) in execution order: for each repeat and seed the schemes rotated by one
+    more, all rates per scheme (so a slow spell of the machine hits every scheme alike)."""
     order = []
     for r in range(repeats):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            order += [(r, name, rate) for rate in rates]
+        for j, seed in enumerate(seeds or [0]):
+            k = (r * len(seeds or [0]) + j) % len(names)
+            for name in names[k:] + names[:k]:
+                order += [(r, seed, name, rate) for rate in rates]
     return order
 
 
-def run_one(tb: Testbed, name: str, rep: int, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+def env_argv(env: dict[str, str], argv: list[str]) -> list[str]:
+    """``argv`` run under ``env(1)`` with ``env`` added (what a scheme sets beyond the testbed's variables)."""
+    return ["env", *(f"{k}={v}" for k, v in env.items()), *argv] if env else argv
+
+
+def run_one(tb: Testbed, name: str, rep: int, seed: int, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     sch, wl = SCHEMES[name], WORKLOADS[args.workload]
-    stem = f"{name}.{tb.rate_mbit:g}.r{rep}"
+    stem = f"{name}.{tb.rate_mbit:g}.s{seed}.r{rep}"
     out = out_dir / f"{stem}.json"
     config = tb.write_config(out_dir / f"{stem}.toml", links=sch.links)
     json_arg = str(out_dir / f"{stem}.host{{host}}.json") if sch.alone else str(out)
-    argv = [sys.executable, str(wl.example), *sch.argv, *wl.argv(args), "--json", json_arg]
-    print(f"[bench_peers] {tb.rate_mbit:g} Mbit/s, repeat {rep}: {name} ({sch.label})", flush=True)
+    argv = env_argv(sch.env(tb), [sys.executable, str(wl.example), *sch.argv, *wl.argv(args, seed),
+                                  "--json", json_arg])
+    print(f"[bench_peers] {tb.rate_mbit:g} Mbit/s, seed {seed}, repeat {rep}: {name} ({sch.label})", flush=True)
     t0, load = time.perf_counter(), os.getloadavg()[0]
     if args.live:
         run_live(tb, argv, timeout_s=args.timeout, label=name, config=config, alone=sch.alone)
@@ -171,7 +217,8 @@ def run_one(tb: Testbed, name: str, rep: int, args: argparse.Namespace, out_dir:
         run_ranks(tb, [*argv, *quiet], timeout_s=args.timeout, label=f"{name}@{tb.rate_mbit:g}",
                   config=config, alone=sch.alone)
     doc = json.loads((out_dir / f"{stem}.host0.json" if sch.alone else out).read_text(encoding="utf-8"))
-    doc["summary"].update(wall_s=time.perf_counter() - t0, rate_mbit=tb.rate_mbit, repeat=rep, name=name, load=load)
+    doc["summary"].update(wall_s=time.perf_counter() - t0, rate_mbit=tb.rate_mbit, repeat=rep, name=name, load=load,
+                          seed=seed, env=sch.env(tb))
     out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     return doc
 
@@ -213,15 +260,15 @@ def run_all(args: argparse.Namespace, names: list[str], rates: list[float], out_
         for rate in rates:
             beds[rate] = stack.enter_context(Testbed(hosts=2, links=2, rate_mbit=rate))
             print(f"[bench_peers] testbed {beds[rate].base} up: 2 hosts x 2 links at {rate:g} Mbit/s", flush=True)
-        for rep, name, rate in run_order(names, rates, args.repeats):
+        for rep, seed, name, rate in run_order(names, rates, args.repeats, args.seeds):
             try:
-                doc = run_one(beds[rate], name, rep, args, out_dir)
+                doc = run_one(beds[rate], name, rep, seed, args, out_dir)
             except RuntimeError as e:
-                print(f"[bench_peers] {name} at {rate:g} Mbit/s FAILED: {e}", flush=True)
-                failed[(name, rate)] = str(e).splitlines()[0]
+                print(f"[bench_peers] {name} at {rate:g} Mbit/s, seed {seed} FAILED: {e}", flush=True)
+                failed[(name, rate)] = f"seed {seed}: {str(e).splitlines()[0]}"
                 continue
             s, wl = doc["summary"], WORKLOADS[args.workload]
-            print(f"[bench_peers] {name} at {rate:g} Mbit/s: {s['iter_s_mean'] * 1e3:.0f} ms/iteration, "
+            print(f"[bench_peers] {name} at {rate:g} Mbit/s, seed {seed}: {s['iter_s_mean'] * 1e3:.0f} ms/iteration, "
                   f"final {wl.label} {s[wl.final_key]:.3f}, {s['wall_s']:.0f} s", flush=True)
             docs.append(doc)
     return docs
@@ -235,14 +282,18 @@ def time_to(evals: list[dict[str, Any]], target: float, wl: Workload) -> float |
 
 @dataclass(frozen=True)
 class Row:
-    """One scheme at one rate, the median over its repeats (times to a target: over those that reach it)."""
+    """One scheme at one rate over its runs (seeds x repeats): medians (times to a target: over the runs that
+    reach it, with their range), the final metric's median and mean, and each seed's final value."""
 
     name: str
     runs: int
     iter_s: float
     iter_spread: tuple[float, float]
-    to_target: dict[float, tuple[float | None, int]]  # target -> (median seconds, runs that reached it)
+    # target -> (median seconds, runs that reached it, (fastest, slowest) of those)
+    to_target: dict[float, tuple[float | None, int, tuple[float, float] | None]]
     final_acc: float
+    final_mean: float
+    final_by_seed: dict[int, float]  # seed -> final value (median over that seed's repeats)
     best_acc: float
     updates_per_iter: float
     time_s: float
@@ -252,10 +303,14 @@ class Row:
 
 def summarize(name: str, docs: list[dict[str, Any]], wl: Workload, targets: tuple[float, ...]) -> Row:
     iters = [d["summary"]["iter_s_mean"] for d in docs]
-    to: dict[float, tuple[float | None, int]] = {}
+    to: dict[float, tuple[float | None, int, tuple[float, float] | None]] = {}
     for t in targets:
         hit = [x for x in (time_to(d["evals"], t, wl) for d in docs) if x is not None]
-        to[t] = (statistics.median(hit) if hit else None, len(hit))
+        to[t] = (statistics.median(hit), len(hit), (min(hit), max(hit))) if hit else (None, 0, None)
+    finals = [d["summary"][wl.final_key] for d in docs]
+    by_seed: dict[int, list[float]] = {}
+    for d in docs:
+        by_seed.setdefault(int(d["summary"].get("seed", 0)), []).append(d["summary"][wl.final_key])
     sched = docs[0]["summary"].get("schedule") or {}
     plan = ""
     if sched:
@@ -263,7 +318,8 @@ def summarize(name: str, docs: list[dict[str, Any]], wl: Workload, targets: tupl
         plan = (f"K = {sched.get('K')}, links {sched.get('links')}, "
                 f"predicted {'-' if pred is None else f'{pred * 1e3:.0f} ms'}")
     return Row(name=name, runs=len(docs), iter_s=statistics.median(iters), iter_spread=(min(iters), max(iters)),
-               to_target=to, final_acc=statistics.median(d["summary"][wl.final_key] for d in docs),
+               to_target=to, final_acc=statistics.median(finals), final_mean=statistics.fmean(finals),
+               final_by_seed={k: statistics.median(v) for k, v in sorted(by_seed.items())},
                best_acc=statistics.median(d["summary"][wl.best_key] for d in docs),
                updates_per_iter=statistics.median(d["summary"]["updates_per_iter"] for d in docs),
                time_s=statistics.median(d["summary"]["time_s"] for d in docs), plan=plan,
@@ -278,27 +334,87 @@ def _ratio(base: float | None, v: float | None) -> str:
     return "-" if base is None or v is None or v <= 0 else f"{base / v:.2f}x"
 
 
-def table(rate: float, rows: list[Row], repeats: int, wl: Workload, targets: tuple[float, ...]) -> list[str]:
+def table(rate: float, rows: list[Row], wl: Workload, targets: tuple[float, ...]) -> list[str]:
     base = next((r for r in rows if r.name == "torch"), None)
     to_cols = "".join(f" time to {wl.fmt(t)} (s) | vs torch DDP |" for t in targets)
     lines = [f"### {rate:g} Mbit/s", "",
-             f"| scheme | iteration (ms) | vs torch DDP |{to_cols} final {wl.label} | best | updates / iteration | "
-             "time at the end (s) | load |",
-             "|---|---|---|" + "---|---|" * len(targets) + "---|---|---|---|---|"]
+             f"| scheme | runs | iteration (ms) | vs torch DDP |{to_cols} final {wl.label}: median (mean) | "
+             "final per seed | best | updates / iteration | time at the end (s) | load |",
+             "|---|---|---|---|" + "---|---|" * len(targets) + "---|---|---|---|---|---|"]
     for r in rows:
         spread = f" ({r.iter_spread[0] * 1e3:.0f}-{r.iter_spread[1] * 1e3:.0f})" if r.runs > 1 else ""
-        cells = [f"{SCHEMES[r.name].label}", f"{r.iter_s * 1e3:.0f}{spread}",
+        cells = [f"{SCHEMES[r.name].label}", str(r.runs), f"{r.iter_s * 1e3:.0f}{spread}",
                  _ratio(base.iter_s if base else None, r.iter_s)]
         for t in targets:
-            sec, n = r.to_target[t]
-            note = f" ({n}/{r.runs} runs)" if repeats > 1 and n < r.runs else ""
+            sec, n, rng = r.to_target[t]
+            note = f" ({rng[0]:.1f}-{rng[1]:.1f})" if rng is not None and n > 1 else ""
+            note += f" ({n}/{r.runs} runs)" if 0 < n < r.runs else ""
             cells += [_sec(sec) + note, _ratio(base.to_target[t][0] if base else None, sec)]
-        cells += [f"{r.final_acc:.3f}", f"{r.best_acc:.3f}", f"{r.updates_per_iter:.3f}", f"{r.time_s:.1f}",
+        mean = f" ({r.final_mean:.3f})" if r.runs > 1 else ""
+        cells += [f"{r.final_acc:.3f}{mean}", ", ".join(f"s{k} {v:.3f}" for k, v in r.final_by_seed.items()),
+                  f"{r.best_acc:.3f}", f"{r.updates_per_iter:.3f}", f"{r.time_s:.1f}",
                   "-" if r.load is None else f"{r.load:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", *verdict(rows, wl, targets)]
     plans = [f"- {SCHEMES[r.name].label}: {r.plan}" for r in rows if r.plan]
     if plans:
-        lines += ["", "deft's plans (first repeat):", "", *plans]
+        lines += ["", "deft's plans (first run):", "", *plans]
+    return lines
+
+
+def _reach(r: Row, t: float) -> tuple[float, float]:
+    """Sort key to a target: the larger share of runs that reached it first, then the shorter median time."""
+    sec, n, _ = r.to_target[t]
+    return (-n / r.runs, sec if sec is not None else float("inf"))
+
+
+def _reached(r: Row, t: float) -> str:
+    sec, n, _ = r.to_target[t]
+    return "never" if sec is None else f"{sec:.1f} s" + (f", {n}/{r.runs} runs" if n < r.runs else "")
+
+
+def verdict(rows: list[Row], wl: Workload, targets: tuple[float, ...]) -> list[str]:
+    """Who is first at this rate, and every figure on which a deft row is behind another scheme, in words.
+    The computation-only floor is no scheme one could train with, so it takes part in neither. To a target,
+    a scheme that got there in more of its runs is ahead; among equal shares the shorter median time."""
+    peers = [r for r in rows if r.name != "compute"]
+    if not peers:
+        return []
+    sign = 1 if wl.higher_is_better else -1
+    first = [f"iteration: {SCHEMES[min(peers, key=lambda r: r.iter_s).name].label}"]
+    for t in targets:
+        reached = [r for r in peers if r.to_target[t][0] is not None]
+        if reached:
+            w = min(reached, key=lambda r: _reach(r, t))
+            n = f", {w.to_target[t][1]}/{w.runs} runs" if w.to_target[t][1] < w.runs else ""
+            first.append(f"time to {wl.fmt(t)}: {SCHEMES[w.name].label} ({w.to_target[t][0]:.1f} s{n})")
+        else:
+            first.append(f"time to {wl.fmt(t)}: no scheme reached it")
+    w = max(peers, key=lambda r: sign * r.final_acc)
+    first.append(f"final {wl.label} (median): {SCHEMES[w.name].label} ({w.final_acc:.3f})")
+    lines = ["First at this rate (computation-only floor excluded): " + "; ".join(first) + ".", ""]
+    defts = [r for r in peers if r.name.startswith("deft")]
+    if defts:
+        lines += ["Where deft loses at this rate:", ""]
+    for d in defts:
+        behind = []
+        faster = sorted((r for r in peers if r.iter_s < d.iter_s and r is not d), key=lambda r: r.iter_s)
+        if faster:
+            behind.append(f"per iteration ({d.iter_s * 1e3:.0f} ms) slower than "
+                          + ", ".join(f"{SCHEMES[r.name].label} ({r.iter_s * 1e3:.0f})" for r in faster))
+        for t in targets:
+            ahead = sorted((r for r in peers if r is not d and r.to_target[t][0] is not None
+                            and _reach(r, t) < _reach(d, t)), key=lambda r: _reach(r, t))
+            if ahead:
+                behind.append(f"time to {wl.fmt(t)} ({_reached(d, t)}) behind "
+                              + ", ".join(f"{SCHEMES[r.name].label} ({_reached(r, t)})" for r in ahead))
+        better = sorted((r for r in peers if r is not d and sign * r.final_acc > sign * d.final_acc),
+                        key=lambda r: -sign * r.final_acc)
+        if better:
+            behind.append(f"final {wl.label} ({d.final_acc:.3f}, median of {d.runs}) below "
+                          + ", ".join(f"{SCHEMES[r.name].label} ({r.final_acc:.3f}, {r.runs})" for r in better))
+        lines.append(f"- {SCHEMES[d.name].label}: " + ("; ".join(behind) if behind else "behind no other scheme")
+                     + ".")
     return lines
 
 
@@ -310,19 +426,21 @@ def plot(rate: float, docs: list[dict[str, Any]], names: list[str], path: Path, 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 5))
-    colors = plt.get_cmap("tab10")
+    colors = plt.get_cmap("tab20")
     for i, name in enumerate(names):
         runs = [d for d in docs if d["summary"]["name"] == name]
         for j, d in enumerate(runs):
             ev = d["evals"]
             ax.plot([e["time_s"] for e in ev], [e[wl.metric] for e in ev], marker="o", ms=3,
-                    color=colors(i % 10), alpha=1.0 if j == 0 else 0.35, lw=1.6 if name.startswith("deft") else 1.1,
+                    color=colors(i % 20), alpha=1.0 if j == 0 else 0.35, lw=1.6 if name.startswith("deft") else 1.1,
                     ls="-" if not name.startswith("deft") else "-.", label=SCHEMES[name].label if j == 0 else None)
     for t in targets:
         ax.axhline(t, color="grey", ls=":", lw=1)
     model = "DigitsCNN (4.4M parameters)" if wl.name == "cnn" else "GPT-2 (byte level)"
+    seeds = sorted({int(d["summary"].get("seed", 0)) for d in docs})
     ax.set(xlabel="time since the wrapper's construction, evaluation excluded (s)", ylabel=wl.label,
-           title=f"{model}, 2 ranks, two-link testbed at {rate:g} Mbit/s")
+           title=f"{model}, 2 ranks, two-link testbed at {rate:g} Mbit/s"
+                 + (f" (seeds {', '.join(map(str, seeds))}: faint lines)" if len(seeds) > 1 else ""))
     if wl.name == "cnn":
         ax.set_ylim(0.5, 1.0)
     ax.grid(alpha=0.3)
@@ -369,18 +487,21 @@ def deft_timeline(doc: dict[str, Any], path: Path, rate: float) -> str:
 def report(args: argparse.Namespace, docs: list[dict[str, Any]], names: list[str], rates: list[float],
            failed: dict[tuple[str, float], str], command: str, plots: dict[float, Path]) -> str:
     first, wl = docs[0]["summary"], WORKLOADS[args.workload]
+    seeds = ", ".join(str(k) for k in sorted({int(d["summary"].get("seed", 0)) for d in docs}))
+    runs = (f"seeds {seeds} (the runs column says how many each scheme had; each seed fixes the data split, "
+            f"the initial model and the data order), {args.repeats} repeat(s) each, schemes interleaved")
     if wl.name == "cnn":
         model = (f"Model: examples/models.py DigitsCNN ({first['params']:,} parameters) on scikit-learn digits "
                  f"(1437 train / 360 test), batch {args.batch_size} per rank, 2 ranks (one per host), SGD lr "
-                 f"{args.lr} momentum 0.9, {args.epochs} epochs, seed {args.seed}; test accuracy every "
-                 f"{args.eval_every} iterations; {args.repeats} repeat(s), schemes interleaved.  ")
+                 f"{args.lr} momentum 0.9, {args.epochs} epochs; test accuracy every "
+                 f"{args.eval_every} iterations; {runs}.  ")
     else:
         model = (f"Model: examples/train_lm.py, a HuggingFace GPT2LMHeadModel ({first['params']:,} parameters, "
                  "byte level, tied embeddings) on the Python standard library's source (2 MB, 90/10 split), "
                  f"batch {args.batch_size} x 64 bytes per rank, 2 ranks (one per host), AdamW lr {args.lr} "
-                 f"with warm-up then cosine decay, clip 1.0, {args.iters} iterations, seed {args.seed}; "
+                 f"with warm-up then cosine decay, clip 1.0, {args.iters} iterations; "
                  f"validation loss every {args.eval_every} iterations; target: the validation loss torch DDP "
-                 f"reaches at 80 % of its run; {args.repeats} repeat(s), schemes interleaved.  ")
+                 f"reaches at 80 % of its run; {runs}.  ")
     lines = [f"## Peers: {wl.label} and time of every scheme (`benchmarks/bench_peers.py`)", "",
              f"Command: `{command}`  ",
              f"Machine: {machine()}; {args.note}. On this 2-core machine the gloo threads of every link and "
@@ -388,13 +509,16 @@ def report(args: argparse.Namespace, docs: list[dict[str, Any]], names: list[str
              "Load: the machine's 1-minute load average when the run started (2 cores; '-': not recorded).  ",
              f"Iteration: mean over iterations {args.skip_iters + 1}..end. Time to an accuracy: seconds from the "
              "wrapper's construction (set-up, warm-up, deft's profiling and planning included), evaluation "
-             "excluded. Ratios: torch DDP's figure / the scheme's (> 1: faster than torch DDP).", ""]
+             "excluded. With several runs (seeds x repeats) each figure is the median over the runs (a time to "
+             "a target over the runs that reach it, fastest-slowest in brackets, and how many did if not all; "
+             "the final value also as a mean), and the final value of each seed is listed. Ratios: torch DDP's "
+             "figure / the scheme's (> 1: faster than torch DDP).", ""]
     for rate in rates:
         at = [d for d in docs if d["summary"]["rate_mbit"] == rate]
         targets = wl.targets(at)
         rows = [summarize(n, [d for d in at if d["summary"]["name"] == n], wl, targets) for n in names
                 if any(d["summary"]["name"] == n for d in at)]
-        lines += table(rate, rows, args.repeats, wl, targets)
+        lines += table(rate, rows, wl, targets)
         lost = [f"- {SCHEMES[n].label}: {why}" for (n, r), why in failed.items() if r == rate]
         if lost:
             lines += ["", "Not measured:", "", *lost]
@@ -411,19 +535,24 @@ def main() -> int:
                     help="cnn: examples/train_cnn.py (accuracy); lm: examples/train_lm.py (validation loss)")
     ap.add_argument("--epochs", type=int, default=4, help="cnn: epochs")
     ap.add_argument("--iters", type=int, default=200, help="lm: iterations")
-    ap.add_argument("--schemes", default=",".join(SCHEMES), help=f"comma-separated subset of {','.join(SCHEMES)}")
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--schemes", default=",".join(SCHEMES),
+                    help=f"comma-separated subset of {','.join(SCHEMES)} (localsgd: localsgd4, its older name)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each (scheme, rate, seed)")
     ap.add_argument("--eval-every", type=int, default=None,
                     help="iterations between evaluations (cnn 11, lm 20)")
     ap.add_argument("--skip-iters", type=int, default=12, help="iterations left out of the steady iteration time")
     ap.add_argument("--batch-size", type=int, default=None, help="per rank (cnn 32 images, lm 4 windows)")
     ap.add_argument("--lr", type=float, default=None, help="cnn: SGD's (0.02); lm: AdamW's (1e-3)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default=None,
+                    help="comma-separated seeds, each a separate run of every scheme at every rate (default: --seed)")
+    ap.add_argument("--seed", type=int, default=0, help="the one seed when --seeds is not given")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     ap.add_argument("--note", default="machine shared with other jobs during this run",
                     help="how quiet the machine was (goes into the report)")
     ap.add_argument("--save-runs", default=None, help="keep every run's JSON records in this directory")
-    ap.add_argument("--from-runs", default=None, help="no training: rebuild report and plots from a --save-runs dir")
+    ap.add_argument("--from-runs", default=None,
+                    help="no training: rebuild report and plots from --save-runs dirs (comma-separated: "
+                         "e.g. one pass of every scheme at seed 0 and one of the deciding rows at seeds 1,2)")
     ap.add_argument("--no-write", action="store_true", help="print the report; write neither peers.md nor plots")
     ap.add_argument("--live", action="store_true", help="rank 0 of each run prints to this terminal (progress bar)")
     ap.add_argument("--timeline", default=None,
@@ -433,10 +562,17 @@ def main() -> int:
     for key, (for_cnn, for_lm) in {"eval_every": (11, 20), "batch_size": (32, 4), "lr": (0.02, 1e-3)}.items():
         if getattr(args, key) is None:
             setattr(args, key, for_cnn if cnn else for_lm)
-    names = [n for n in args.schemes.split(",") if n]
+    names = list(dict.fromkeys(canonical(n) for n in args.schemes.split(",") if n))
     unknown = [n for n in names if n not in SCHEMES]
     if unknown:
         ap.error(f"--schemes: unknown scheme {unknown[0]!r}; choose from {', '.join(SCHEMES)}")
+    try:
+        args.seeds = ([int(x) for x in args.seeds.split(",") if x.strip()] if args.seeds is not None
+                      else [args.seed])
+    except ValueError:
+        ap.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
+    if not args.seeds or len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
+        ap.error(f"--seeds: expected distinct integers >= 0, got {','.join(map(str, args.seeds)) or 'none'}")
     try:
         rates = [float(r) for r in args.rates.split(",") if r]
     except ValueError:
@@ -452,11 +588,13 @@ def main() -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     failed: dict[tuple[str, float], str] = {}
     if args.from_runs:
-        run_dir = Path(args.from_runs)
-        docs = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(run_dir.glob("*.r*.json"))
-                if ".host" not in p.name]
+        run_dirs = [Path(p) for p in args.from_runs.split(",") if p]
+        docs = [json.loads(p.read_text(encoding="utf-8")) for run_dir in run_dirs
+                for p in sorted(run_dir.glob("*.r*.json")) if ".host" not in p.name]
+        for d in docs:  # records of older runs: "localsgd" is localsgd4
+            d["summary"]["name"] = canonical(d["summary"]["name"])
         docs = [d for d in docs if d["summary"]["name"] in names and d["summary"]["rate_mbit"] in rates]
-        command = recorded_command(run_dir, command_line())
+        command = "; ".join(recorded_command(run_dir, command_line()) for run_dir in run_dirs)
     else:
         command = command_line()
         with tempfile.TemporaryDirectory() as tmp:

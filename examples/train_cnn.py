@@ -3,13 +3,16 @@
     torchrun --nproc-per-node 2 examples/train_cnn.py --ddp torch
     torchrun --nproc-per-node 2 examples/train_cnn.py --ddp deft [--epsilon 0.01] [--config deft.toml]
                                                              [--compression fp16|powersgd]
-    torchrun --nproc-per-node 2 examples/train_cnn.py --ddp fp16|powersgd|accum2|localsgd
+    torchrun --nproc-per-node 2 examples/train_cnn.py --ddp fp16|powersgd|accum2|localsgd|diloco
     python examples/train_cnn.py --compute-only          # one process, one rank's work, no communication
 
 Schemes (``--ddp``), all with the same model, data, optimizer (SGD, ``--lr``, ``--momentum``) and
 learning rate:
 
-* ``torch``: ``torch.nn.parallel.DistributedDataParallel``.
+* ``torch``: ``torch.nn.parallel.DistributedDataParallel`` (``--bucket-cap-mb`` sets its ``bucket_cap_mb``,
+  default torch's 25; it applies to the fp16, accum2 and localsgd schemes' DDP too). With
+  ``GLOO_SOCKET_IFNAME=nic0,nic1`` gloo opens one device per NIC and round-robins whole collectives
+  over them (DDP's buckets, several in flight with a small ``bucket_cap_mb``): torch's own use of two NICs.
 * ``fp16``: torch DDP + ``default_hooks.fp16_compress_hook`` (gradients all-reduced in float16).
 * ``powersgd``: torch DDP + ``powerSGD_hook.powerSGD_hook`` with ``PowerSGDState(matrix_approximation_rank=
   --powersgd-rank (4), use_error_feedback=True, warm_start=True, start_powerSGD_iter=...)``. The start
@@ -28,6 +31,14 @@ learning rate:
   W defaults to 10 % of the run's iterations (at least 1). ``post_local_gradient_allreduce=False`` is
   what torch's default (an all-reduce inside each machine) does with one rank per machine, as on the
   testbed. Every iteration applies a local update; the test accuracy is rank 0's model.
+* ``diloco``: DiLoCo (Douillard et al. 2023; ``examples/diloco.py``): no DDP wrapper; every rank takes
+  ``--diloco-h`` (8) local steps of the same SGD, then the pseudo-gradients (snapshot - local
+  parameters) are averaged in one flat all-reduce (buckets of ``--bucket-cap-mb`` if given) and an
+  outer SGD with Nesterov momentum (``--diloco-outer-lr`` 0.7, ``--diloco-outer-momentum`` 0.9, the
+  paper's) steps the snapshot, which every rank loads; BatchNorm statistics are rank 0's from each
+  outer step on. No warm-up phase (the paper's runs start from a pretrained model; this one does not).
+  Every iteration applies a local update; the test accuracy is rank 0's model (its local parameters
+  between outer steps, like localsgd).
 * ``deft``: ``deft.DistributedDataParallel`` (plus the optional ``ddp.observe_loss(loss)`` that feeds
   deft's preserver); ``--epsilon``, ``--no-preserver`` and ``--config`` set its config.
   ``--compression fp16|powersgd`` sets deft's ``compression`` knob: torch's ``fp16_compress_hook``, or
@@ -77,7 +88,7 @@ from models import DigitsCNN, num_parameters
 
 from deft.errors import DeftError
 
-SCHEMES = ("torch", "fp16", "powersgd", "accum2", "localsgd", "deft")
+SCHEMES = ("torch", "fp16", "powersgd", "accum2", "localsgd", "diloco", "deft")
 
 
 def load_digits_split(seed: int, size: int = 32, test_fraction: float = 0.2
@@ -119,6 +130,17 @@ def add_scheme_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--localsgd-period", type=int, default=4, help="localsgd: steps between model averages")
     ap.add_argument("--localsgd-warmup", type=int, default=None,
                     help="localsgd: iterations of global gradient all-reduce first (default 10%%, at least 1)")
+    ap.add_argument("--diloco-h", type=int, default=8,
+                    help="diloco: inner steps per outer step (H). The paper's 500 is for ~88k-step runs; a "
+                         "2-4 epoch digits run has 44-88 iterations, and H = 8 still leaves 5-11 outer steps "
+                         "for the outer momentum to act on while communicating as rarely as localsgd's "
+                         "longest period (8), so the two differ only in the outer optimizer")
+    ap.add_argument("--diloco-outer-lr", type=float, default=0.7, help="diloco: outer SGD's learning rate (paper 0.7)")
+    ap.add_argument("--diloco-outer-momentum", type=float, default=0.9,
+                    help="diloco: outer SGD's Nesterov momentum (paper 0.9; 0: plain SGD)")
+    ap.add_argument("--bucket-cap-mb", type=float, default=None,
+                    help="torch DDP schemes (torch, fp16, accum2, localsgd): DDP's bucket_cap_mb (default torch's "
+                         "25); diloco: bucket size of the pseudo-gradient all-reduce (default one flat all-reduce)")
 
 
 def check_scheme_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -126,9 +148,15 @@ def check_scheme_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
     for flag, value, low in (("--shards", args.shards, 1), ("--powersgd-rank", args.powersgd_rank, 1),
                              ("--powersgd-start", args.powersgd_start, 2), ("--accumulate", args.accumulate, 1),
                              ("--localsgd-period", args.localsgd_period, 2),
-                             ("--localsgd-warmup", args.localsgd_warmup, 0)):
+                             ("--localsgd-warmup", args.localsgd_warmup, 0), ("--diloco-h", args.diloco_h, 1)):
         if value is not None and value < low:
             ap.error(f"{flag}: expected an integer >= {low}, got {value}")
+    if not args.diloco_outer_lr > 0:
+        ap.error(f"--diloco-outer-lr: expected > 0, got {args.diloco_outer_lr}")
+    if not 0 <= args.diloco_outer_momentum < 1:
+        ap.error(f"--diloco-outer-momentum: expected 0 <= momentum < 1, got {args.diloco_outer_momentum}")
+    if args.bucket_cap_mb is not None and not args.bucket_cap_mb > 0:
+        ap.error(f"--bucket-cap-mb: expected > 0, got {args.bucket_cap_mb}")
     if args.config is not None and not Path(args.config).is_file():
         ap.error(f"--config: no such file {args.config} (from --config or $DEFT_CONFIG)")
     if args.compute_only and args.ddp is not None:
@@ -136,6 +164,10 @@ def check_scheme_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
     args.ddp = "compute" if args.compute_only else (args.ddp or "torch")
     if args.compression is not None and args.ddp != "deft":
         ap.error(f"--compression is deft's knob; --ddp {args.ddp} has its own (use --ddp fp16|powersgd for torch DDP)")
+    if args.bucket_cap_mb is not None and args.ddp in ("deft", "powersgd", "compute"):
+        why = {"deft": "deft buckets by its own plan", "powersgd": "powersgd keeps one bucket (see wrap())",
+               "compute": "--compute-only communicates nothing"}[args.ddp]
+        ap.error(f"--bucket-cap-mb does not apply to --ddp {args.ddp}: {why}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -222,6 +254,14 @@ def wrap(model: nn.Module, args: argparse.Namespace, total_iters: int,
             info.update(matrix_approximation_rank=cfg.powersgd_rank, start_powerSGD_iter=cfg.powersgd_start_iter,
                         use_error_feedback=True, warm_start=True)
         return Wrapped(ddp, sgd, info, updates=lambda _steps: len(ddp.update_log))
+    if args.ddp == "diloco":
+        from diloco import DiLoCo
+
+        opt = DiLoCo(model, sgd, h=args.diloco_h, outer_lr=args.diloco_outer_lr,
+                     outer_momentum=args.diloco_outer_momentum, bucket_cap_mb=args.bucket_cap_mb)
+        return Wrapped(model, opt, {"H": args.diloco_h, "outer_lr": args.diloco_outer_lr,
+                                    "outer_momentum": args.diloco_outer_momentum, "outer_nesterov": True,
+                                    "bucket_cap_mb": args.bucket_cap_mb})
     if args.ddp == "powersgd":
         # One DDP bucket. With several, torch's PowerSGD hook launches a bucket's second and third
         # all-reduce (P, then Q) from the completion callback of the one before, while the autograd
@@ -230,6 +270,8 @@ def wrap(model: nn.Module, args: argparse.Namespace, total_iters: int,
         # (seen twice in two 88-iteration runs on the testbed with DDP's default buckets).
         model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=max(25.0, 2 * model_mb))
+    elif args.bucket_cap_mb is not None:
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
     else:
         ddp = nn.parallel.DistributedDataParallel(model)
     if args.ddp == "fp16":
@@ -262,7 +304,7 @@ def wrap(model: nn.Module, args: argparse.Namespace, total_iters: int,
             period=args.localsgd_period, warmup_steps=warmup))
         return Wrapped(ddp, opt, {"hook": "post_localSGD_hook", "period": args.localsgd_period,
                                   "warmup_steps": warmup})
-    return Wrapped(ddp, sgd, {})
+    return Wrapped(ddp, sgd, {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb})
 
 
 @torch.no_grad()
@@ -415,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
         if it >= total:
             break
     bar.close()
+    if args.ddp == "diloco":
+        w.info["outer_steps"] = optimizer.outer_steps
 
     steady = [r["iter_s"] for r in iters[args.skip_iters:]] or [r["iter_s"] for r in iters]
     updates = w.updates(steps)

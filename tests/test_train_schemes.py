@@ -23,11 +23,11 @@ EXAMPLE = REPO / "examples" / "train_cnn.py"
 TINY = ["--width", "8", "--hidden", "64", "--batch-size", "32", "--lr", "0.05", "--skip-iters", "2", "--no-progress"]
 
 
-def env() -> dict[str, str]:
+def env(**extra: str) -> dict[str, str]:
     e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}  # this checkout's deft
-    for var in ("RANK", "WORLD_SIZE", "DEFT_CONFIG"):
+    for var in ("RANK", "WORLD_SIZE", "DEFT_CONFIG", "GLOO_SOCKET_IFNAME"):
         e.pop(var, None)
-    return e
+    return {**e, **extra}
 
 
 def free_port() -> int:
@@ -36,9 +36,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run(argv: list[str], tmp_path: Path, timeout: float = 180) -> dict[str, Any]:
+def run(argv: list[str], tmp_path: Path, timeout: float = 180, **extra_env: str) -> dict[str, Any]:
     out = tmp_path / "run.json"
-    p = subprocess.run([*argv, "--json", str(out)], cwd=REPO, env=env(), capture_output=True, text=True,
+    p = subprocess.run([*argv, "--json", str(out)], cwd=REPO, env=env(**extra_env), capture_output=True, text=True,
                        timeout=timeout, check=False)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(out.read_text())
@@ -70,6 +70,12 @@ def test_compute_only_epoch_is_a_ranks_shard(tmp_path: Path) -> None:
     (["--ddp", "bf16"], "--ddp: invalid choice: 'bf16'"),
     (["--ddp", "torch", "--compression", "fp16"], "--compression is deft's knob; --ddp torch has its own"),
     (["--ddp", "deft", "--compression", "bf16"], "--compression: invalid choice: 'bf16'"),
+    (["--ddp", "diloco", "--diloco-h", "0"], "--diloco-h: expected an integer >= 1, got 0"),
+    (["--ddp", "diloco", "--diloco-outer-momentum", "1"], "--diloco-outer-momentum: expected 0 <= momentum < 1"),
+    (["--ddp", "diloco", "--diloco-outer-lr", "0"], "--diloco-outer-lr: expected > 0, got 0.0"),
+    (["--ddp", "torch", "--bucket-cap-mb", "0"], "--bucket-cap-mb: expected > 0, got 0.0"),
+    (["--ddp", "deft", "--bucket-cap-mb", "4"], "--bucket-cap-mb does not apply to --ddp deft"),
+    (["--ddp", "powersgd", "--bucket-cap-mb", "4"], "--bucket-cap-mb does not apply to --ddp powersgd"),
 ])
 def test_bad_scheme_arguments_name_the_flag(argv: list[str], message: str) -> None:
     p = subprocess.run([sys.executable, str(EXAMPLE), *argv], capture_output=True, text=True, timeout=60,
@@ -80,10 +86,10 @@ def test_bad_scheme_arguments_name_the_flag(argv: list[str], message: str) -> No
 ITERS = 12
 
 
-def torchrun(tmp_path: Path, *extra: str) -> dict[str, Any]:
+def torchrun(tmp_path: Path, *extra: str, **extra_env: str) -> dict[str, Any]:
     return run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                 str(free_port()), str(EXAMPLE), *TINY, "--max-iters", str(ITERS), "--eval-every", "6", *extra],
-               tmp_path)
+               tmp_path, **extra_env)
 
 
 @pytest.mark.slow
@@ -135,3 +141,31 @@ def test_deft_with_compression_trains_on_a_compressed_profile(tmp_path: Path, co
     assert wire_ok(wire, nbytes), (wire, nbytes)
     assert {k: s.get(k) for k in settings} == settings
     assert all(b["codec_s"] > 0 for b in prof["buckets"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("argv", "scheme", "extra_env"), [
+    # DiLoCo with H = 4: a local step every iteration, outer steps after iterations 4, 8 and 12
+    (["--ddp", "diloco", "--diloco-h", "4"],
+     {"H": 4, "outer_lr": 0.7, "outer_momentum": 0.9, "outer_nesterov": True, "bucket_cap_mb": None,
+      "outer_steps": 3}, {}),
+    # the same with the pseudo-gradients all-reduced in buckets of 0.05 MiB (the TINY CNN has 0.3 MiB)
+    (["--ddp", "diloco", "--diloco-h", "4", "--bucket-cap-mb", "0.05"],
+     {"H": 4, "outer_lr": 0.7, "outer_momentum": 0.9, "outer_nesterov": True, "bucket_cap_mb": 0.05,
+      "outer_steps": 3}, {}),
+    # post-local SGD at period 8: warm-up round(1.2) = 1 iteration of global all-reduce
+    (["--ddp", "localsgd", "--localsgd-period", "8"],
+     {"hook": "post_localSGD_hook", "period": 8, "warmup_steps": 1}, {}),
+    # torch DDP on two gloo devices (bench_peers' torch-2nic; loopback twice stands in for two NICs)
+    (["--ddp", "torch", "--bucket-cap-mb", "0.05"], {"bucket_cap_mb": 0.05}, {"GLOO_SOCKET_IFNAME": "lo,lo"}),
+])
+def test_bench_peers_slow_link_schemes_run_and_learn(tmp_path: Path, argv: list[str], scheme: dict[str, Any],
+                                                   extra_env: dict[str, str]) -> None:
+    doc = torchrun(tmp_path, *argv, **extra_env)
+    s = doc["summary"]
+    assert s["ddp"] == argv[1] and s["world_size"] == 2 and s["iters"] == ITERS
+    assert s["scheme"] == scheme
+    assert [r["updates"] for r in doc["iters"]] == list(range(1, ITERS + 1))  # a (local) step every iteration
+    assert all(math.isfinite(r["loss"]) for r in doc["iters"])
+    first, last = doc["iters"][0]["loss"], sum(r["loss"] for r in doc["iters"][-3:]) / 3
+    assert last < first  # it learns
