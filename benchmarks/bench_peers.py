@@ -168,6 +168,9 @@ SCHEMES: dict[str, Scheme] = {
                       "--diloco-outer-momentum", "0.9")),
     "deft-eps0": Scheme("deft, epsilon 0, one link", ("--ddp", "deft", "--epsilon", "0")),
     "deft": Scheme("deft default, two links", ("--ddp", "deft"), links=2),
+    # deft's default before it chose codecs itself (compression = "none": every bucket exact)
+    "deft-exact": Scheme("deft default, every bucket exact, two links", ("--ddp", "deft", "--compression", "none"),
+                         links=2),
     "deft-fp16": Scheme("deft default + fp16 hook, two links", ("--ddp", "deft", "--compression", "fp16"), links=2),
     "deft-powersgd": Scheme("deft default + PowerSGD (rank 4), two links",
                             ("--ddp", "deft", "--compression", "powersgd"), links=2),

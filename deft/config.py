@@ -26,7 +26,10 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 CONFIG_ENV = "DEFT_CONFIG"
 LINK_BACKENDS = ("auto", "nccl", "gloo")
 SOLVERS = ("exact", "greedy")
-COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+#: ``"auto"``: the plan sends a bucket in fp16 or bf16 where the links are the bound and the preserver
+#: accepts the rounding (deft.solver.codecs, deft.preserver.codec_error; never at ``epsilon == 0``);
+#: ``"none"``: every bucket exact; ``"fp16" | "bf16" | "powersgd"``: torch's comm hook on every bucket.
+COMPRESSIONS = ("auto", "none", "fp16", "bf16", "powersgd")
 #: How a merged update of ``k`` iterations scales the learning rate of its one optimizer step:
 #: ``"none"`` (the same lr: k times fewer steps of the same size), ``"linear"`` (``k * lr``, Goyal et
 #: al.'s rule for SGD) or ``"sqrt"`` (``sqrt(k) * lr``, the usual rule for Adam). Off by default.
@@ -69,7 +72,7 @@ class DeftConfig:
     capacity_growth: float = 1.25
     recheck_every: int = 200
     forward_updates: bool = True   # lag-free plans: updates may finish in the next forward (deft.solver.lagfree)
-    compression: str = "none"      # "fp16" | "bf16" | "powersgd": torch's comm hook on every bucket
+    compression: str = "auto"      # see COMPRESSIONS
     powersgd_rank: int = 4
     powersgd_start_iter: int = 2   # plain all-reduce before (PowerSGD needs > 1 with error feedback)
     # Rank 0 plans (and, when adapting, re-plans) in a background thread while training goes on; every rank

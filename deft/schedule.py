@@ -23,6 +23,10 @@ Invariants (checked by :meth:`Schedule.validate`)
    the cycle boundary (the last group no later than the next cycle's first).
 3. The launch order on each link is the order of ``comms`` in each stage, the same on every rank.
 4. Link names are unique; bucket ids, origins and positions are integers (JSON ``true`` is not one).
+5. ``codecs`` is empty (every bucket sent exact) or names one codec per bucket: ``""`` (exact) or an
+   element-wise codec of :data:`CODECS` (``"fp16"``, ``"bf16"``: the bucket is cast to it for the
+   all-reduce, as torch's ``fp16_compress_hook`` does). The plan chooses them (deft.solver.codecs);
+   they are part of the digest the ranks agree on.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from deft.errors import ContractError
 
 SCHEMA_VERSION = 1
 STAGES = ("forward", "backward")
+#: The per-bucket codecs a schedule may name (invariant 5); ``""``: the bucket is sent exact.
+CODECS = ("", "fp16", "bf16")
 
 
 def _is_int(x: object) -> TypeGuard[int]:
@@ -110,6 +116,7 @@ class Schedule:
     predicted_bubble_ratio: float = 0.0
     profile_digest: str = ""
     meta: JsonDict = field(default_factory=dict)
+    codecs: tuple[str, ...] = ()  # per bucket ("": exact); empty: all exact (invariant 5)
 
     def __post_init__(self) -> None:
         self.validate("<schedule>")
@@ -127,6 +134,15 @@ class Schedule:
     @property
     def updates_per_iteration(self) -> float:
         return len(self.updates) / self.cycle
+
+    def codec_of(self, bucket: int) -> str:
+        """The codec bucket ``bucket`` is sent with (``""``: exact)."""
+        return self.codecs[bucket] if self.codecs else ""
+
+    @property
+    def compressed(self) -> bool:
+        """Whether any bucket is sent with a codec."""
+        return any(self.codecs)
 
     def stage(self, position: int, stage: str) -> StagePlan:
         return self.stages[2 * (position % self.cycle) + STAGES.index(stage)]
@@ -182,6 +198,12 @@ class Schedule:
         for i, sp in enumerate(self.stages):
             if sp.position != i // 2 or sp.stage != STAGES[i % 2]:
                 raise ContractError(source, f"stages[{i}]", f"expected position {i // 2} stage {STAGES[i % 2]}")
+        if self.codecs and len(self.codecs) != n:
+            raise ContractError(source, "codecs",
+                                f"expected one codec per bucket ({n}) or none, got {len(self.codecs)}")
+        for b, name in enumerate(self.codecs):
+            if name not in CODECS:
+                raise ContractError(source, f"codecs[{b}]", f"expected one of {list(CODECS)}, got {name!r}")
 
     def _validate_updates(self, source: str) -> None:
         """The update groups partition the cycle into runs of consecutive positions, and are applied in
@@ -293,6 +315,8 @@ class Schedule:
             "predicted_iteration_s": self.predicted_iteration_s,
             "predicted_bubble_ratio": self.predicted_bubble_ratio,
             "profile_digest": self.profile_digest,
+            # codecs only when a bucket has one, so the digests of exact schedules stay as they were
+            **({"codecs": list(self.codecs)} if self.compressed else {}),
             "meta": self.meta,
         }
 
@@ -316,6 +340,9 @@ class Schedule:
         links = _strs(f.list("links"))
         if links is None:
             raise f.error("links", "expected a list of link names")
+        codecs = _strs(f.list("codecs", []))
+        if codecs is None:
+            raise f.error("codecs", f"expected a list of codec names, one of {list(CODECS)} per bucket")
         stages = []
         for sf in f.items("stages"):
             comms = []
@@ -345,6 +372,7 @@ class Schedule:
             "predicted_iteration_s": f.float("predicted_iteration_s", 0.0),
             "predicted_bubble_ratio": f.float("predicted_bubble_ratio", 0.0),
             "profile_digest": f.str("profile_digest", ""), "meta": f.dict("meta", {}),
+            "codecs": codecs,
         }.items():
             object.__setattr__(sched, k, v)
         sched.validate(source)

@@ -205,17 +205,26 @@ class CommHook:
 
 
 def from_config(cfg: DeftConfig) -> CommHook | None:
-    """The hook the config's ``compression`` names (None: plain all-reduce)."""
-    if cfg.compression == "none":
+    """The hook the config's ``compression`` names (None: plain all-reduce, or deft's own choice per
+    bucket with ``"auto"``: :func:`codec_hook`)."""
+    if cfg.compression in ("none", "auto"):
         return None
-    if cfg.compression == "fp16":
-        return CommHook(None, default_hooks.fp16_compress_hook, "fp16")
-    if cfg.compression == "bf16":
-        return CommHook(None, default_hooks.bf16_compress_hook, "bf16")
+    if cfg.compression in CODEC_HOOKS:
+        return codec_hook(cfg.compression)
     state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
                                         start_powerSGD_iter=cfg.powersgd_start_iter, use_error_feedback=True,
                                         warm_start=True, random_seed=0)
     return CommHook(state, powerSGD_hook.powerSGD_hook, f"powersgd (rank {cfg.powersgd_rank})")
+
+
+#: The element-wise codecs by name (``Schedule.codecs``, ``Profile.codec``): torch's hooks.
+CODEC_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+
+
+def codec_hook(name: str) -> CommHook:
+    """torch's hook of the element-wise codec ``name`` (``"fp16"``, ``"bf16"``): stateless, one
+    collective started in the call, in place; what a schedule's per-bucket codec runs."""
+    return CommHook(None, CODEC_HOOKS[name], name)
 
 
 def hook_result(value: object) -> torch.Tensor:

@@ -45,7 +45,9 @@ def wait_work(work: Collective, link: str, what: str, rank: int, timeout_s: floa
         if isinstance(work, FUTURE_TYPES):
             if not work.done() and not future_done_event(work).wait(timeout_s):
                 raise TimeoutError(f"not done after {timeout_s:g} s")
-            return work.value()
+            # done, so wait() returns at once; on CUDA it also orders the current stream after the value's
+            # events, which value() does not (the gloo + CUDA corruption of pytorch issue 155714)
+            return work.wait()
         work.wait(timeout=timedelta(seconds=timeout_s))
         return None
     except Exception as e:  # gloo/NCCL raise RuntimeError or DistBackendError

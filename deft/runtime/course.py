@@ -31,6 +31,7 @@ from deft.config import DeftConfig
 from deft.errors import DeftError
 from deft.preserver.feedback import WalkStats
 from deft.profile import Profile
+from deft.runtime import codec_choice
 from deft.runtime.adapt import Adaptation, synchronous_candidate
 from deft.runtime.background import JobSlot
 from deft.runtime.buckets import FlatLayout
@@ -43,7 +44,7 @@ from deft.runtime.grad_stats import GradStats, walk_stats
 from deft.runtime.layouts import plan_order, ready_order, warmup_layout
 from deft.runtime.links import CommLink, make_solo_group
 from deft.runtime.optimizer_hooks import OptimizerBinding
-from deft.runtime.planning import Planning
+from deft.runtime.planning import CodecInputs, Planning
 from deft.runtime.records import RunRecord, SwitchRecord
 from deft.runtime.tracing import profile_iters_from_env
 from deft.runtime.updates import LogEntry
@@ -88,6 +89,7 @@ class Course:
         self.order_seen: dict[int, None] = {}  # parameters in the order their gradients arrived
         self._timer: WarmupTimer | None = None
         self._solo: dist.ProcessGroup | None = None  # this rank's one-rank group, for timing a comm hook's codec
+        self._codec: CodecInputs | None = None  # deft's own codec choice: its measured inputs (codec_choice)
         # The preserver's live inputs.
         self.losses: collections.deque[float] = collections.deque(maxlen=64)
         self.batch: int | None = None
@@ -236,6 +238,7 @@ class Course:
         started = time.perf_counter()
         self.profile = self._measured_profile() if self.planning.measuring else self.planning.given_profile
         stats, self._stats_reason = self._walk_stats()
+        codec = self._codec = self._codec_inputs()
         cfg = self.config
         if stats is None and self._control.rank == 0 and cfg.epsilon > 0 and cfg.preserver \
                 and self.planning.schedule_path is None:
@@ -246,13 +249,25 @@ class Course:
         if cfg.plan_lag_iters > 0 and layout is not None and self.planning.schedule_path is None:
             # Rank 0 plans in a thread; every rank trains on with the synchronous schedule of the first
             # profile iteration and switches when it is done (deft.runtime.planning).
-            self.jobs.hold("plan", self.planning.start(self.profile, stats, self._control.world),
+            self.jobs.hold("plan", self.planning.start(self.profile, stats, self._control.world, codec),
                            t + cfg.plan_lag_iters)
             self._executor.install(self._synchronous(layout), layout, t)
             self.adaptation.clock.exclude(time.perf_counter() - started)
             return
-        schedule, info = self.planning.agree(self.profile, stats, self._control.world)
+        schedule, info = self.planning.agree(self.profile, stats, self._control.world, codec)
         self._install_plan(t, schedule, info, None, started)
+
+    def _codec_inputs(self) -> CodecInputs | None:
+        """Collective where deft chooses codecs (:mod:`deft.runtime.codec_choice`): what rank 0 needs."""
+        ex = self._executor
+        if not codec_choice.considered(self.config, self._control.world, self.planning.measuring,
+                                       ex.comm_hook is not None, ex.layout):
+            return None
+        assert ex.layout is not None
+        if self._solo is None:  # dist.new_group is collective over the world
+            self._solo = make_solo_group(self._primary.backend, self.config.timeout_s, self._ranks)
+        return codec_choice.measure(ex.layout, self._params, self._solo, ex.device, self._control, self.stats,
+                                    self.batch)
 
     def _measured_profile(self) -> Profile:
         """Collective: the profile iterations' timings (and the comm hook's codec) as a Profile."""
@@ -286,6 +301,8 @@ class Course:
             self._executor.unobserve(self.stats)
             self.stats = None
         warm = self._executor.layout
+        if self.profile is not None:  # the profile rank 0 planned on: its coded buckets (codec_choice)
+            self.profile = codec_choice.planned_profile(self.profile, self._codec, info)
         self._install(schedule, self._plan_layout(schedule, str(self.planning.schedule_path or "schedule")), t)
         self.planned = True
         self.record.planned(info, t, self._stats_reason, background)

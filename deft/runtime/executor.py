@@ -51,7 +51,7 @@ from deft.errors import CommunicationError, DeftError
 from deft.profiler import nvtx
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.checkpoint import GroupState
-from deft.runtime.comm_hooks import CommHook, hook_bucket, hook_result
+from deft.runtime.comm_hooks import CommHook, codec_hook, hook_bucket, hook_result
 from deft.runtime.control import FUTURE_TYPES, Collective, wait_work
 from deft.runtime.links import CommLink
 from deft.schedule import CommTask, Schedule
@@ -158,6 +158,7 @@ class Executor:
         self._stage = ""
         self.observers: list[ExecutorObserver] = []
         self.comm_hook: CommHook | None = None  # deft.runtime.comm_hooks: torch's comm hooks on buckets
+        self._codec_hooks: dict[str, CommHook] = {}  # the schedule's per-bucket codecs (_hook_for)
         # The last chained launch (_chained): a hook's bucket or the used map, so its value type is open.
         self._hook_tail: torch.futures.Future[Any] | None = None
 
@@ -378,21 +379,34 @@ class Executor:
         assert self.layout is not None
         link = self.links[link_name]
         views = self.layout.bucket_views(g.buffers, b)
-        if self.comm_hook is None:
+        hook = self._hook_for(b)
+        if hook is None:
             works: list[Collective] = [link.all_reduce(v) for v in views]
             g.pending.setdefault(b, []).extend(Pending(w, link_name, what) for w in works)
         else:
-            fut = self._hooked(g, b, link_name, views, what)
+            fut = self._hooked(g, b, link_name, views, what, hook)
             works = [fut]
             g.pending.setdefault(b, []).append(Pending(fut, link_name, what, post=_hook_post(views[0], self.world)))
         g.launched.add(b)
         return works
 
-    def _hooked(self, g: GroupInstance, b: int, link_name: str, views: list[torch.Tensor], what: str
-                ) -> torch.futures.Future[torch.Tensor]:
-        """Call the comm hook on bucket ``b`` (one dtype), with the link's process group."""
-        assert self.layout is not None and self.comm_hook is not None
-        where = f"comm hook {self.comm_hook.name!r} on bucket {b} ({what}) on link {link_name!r}"
+    def _hook_for(self, b: int) -> CommHook | None:
+        """The user's (or the config's) comm hook for every bucket, else the schedule's codec for
+        bucket ``b`` (``Schedule.codecs``, deft's own choice), else None: a plain all-reduce."""
+        if self.comm_hook is not None:
+            return self.comm_hook
+        name = self.schedule.codec_of(b) if self.schedule is not None else ""
+        if not name:
+            return None
+        if name not in self._codec_hooks:
+            self._codec_hooks[name] = codec_hook(name)
+        return self._codec_hooks[name]
+
+    def _hooked(self, g: GroupInstance, b: int, link_name: str, views: list[torch.Tensor], what: str,
+                hook: CommHook) -> torch.futures.Future[torch.Tensor]:
+        """Call ``hook`` on bucket ``b`` (one dtype), with the link's process group."""
+        assert self.layout is not None
+        where = f"comm hook {hook.name!r} on bucket {b} ({what}) on link {link_name!r}"
         if len(views) != 1:
             raise DeftError(f"{where}: the bucket mixes dtypes {[str(v.dtype) for v in views]}; comm hooks take "
                             "one flat tensor per bucket: keep the model in one dtype or plan single-dtype buckets")
@@ -401,12 +415,11 @@ class Executor:
         # copy, as torch DDP's hooks get a standalone bucket tensor: hooks write into it and may even
         # resize it (batched PowerSGD pads it to a square); the result is copied back into deft's
         # buffer when it is waited for.
-        view = views[0] if self.comm_hook.in_place else views[0].clone()
+        view = views[0] if hook.in_place else views[0].clone()
         bucket = hook_bucket(self.layout, self.params, b, view, is_last=len(g.launched) + 1 == self.layout.n_buckets)
         link = self.links[link_name]
         link.stats.calls += 1
         link.stats.bytes += view.numel() * view.element_size()
-        hook = self.comm_hook
         observers = list(self.observers)
 
         def launch() -> torch.futures.Future[torch.Tensor]:
@@ -436,7 +449,9 @@ class Executor:
         buckets (and, on the primary link, the used-parameter map) run one after another, in launch
         order: every rank issues the same collectives in the same order, and runs are reproducible.
         The links still overlap communication with computation; compression has made it small."""
-        outer: torch.futures.Future[T] = torch.futures.Future()
+        # A Future that will hold CUDA tensors must name its devices (else set_result refuses them).
+        outer: torch.futures.Future[T] = torch.futures.Future(
+            devices=[self.device] if self.device.type == "cuda" else None)
 
         def run(_: object = None) -> None:
             try:

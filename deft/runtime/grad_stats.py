@@ -38,6 +38,7 @@ import torch.distributed as dist
 from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.errors import ContractError, DeftError
+from deft.preserver.codec_error import GradientScale
 from deft.preserver.curvature import RAW_SCREEN, SecantCurvature, adam_preconditioner, adam_scale, top_eigenvalue
 from deft.preserver.feedback import WalkStats
 from deft.preserver.float64 import dot64
@@ -118,6 +119,7 @@ class GradStats:
         self._optimizer: torch.optim.Optimizer | None = None
         self._wanted = False
         self.batch: int | None = None  # the per-rank batch (the forward's first tensor argument)
+        self._max_abs: torch.Tensor | None = None  # largest finite |local gradient| element seen (bucket())
 
     @classmethod
     def start(cls, cfg: DeftConfig, world: int) -> GradStats | None:
@@ -213,6 +215,10 @@ class GradStats:
 
     def bucket(self, key: int, b: int, views: list[torch.Tensor], batch: int, k: int) -> None:
         acc = self._acc.setdefault(key, _GroupSums(batch))
+        for v in views:  # the largest finite local gradient element (a codec's range), no device sync here
+            if v.numel():
+                m = torch.nan_to_num(v.detach().abs().amax().float() / k, nan=0.0, posinf=0.0)
+                self._max_abs = m if self._max_abs is None else torch.maximum(self._max_abs, m.to(self._max_abs))
         if self._scale is not None and self._layout is not None:
             acc.raw_sq_norm += local_stats(views, None, batch).sq_norm / (k * k)
             views = [v.float() * r for v, r in zip(views, self._layout.bucket_views(self._scale, b), strict=True)]
@@ -283,6 +289,10 @@ class GradStats:
 
     def estimate(self) -> NoiseEstimate | None:
         return self.noise.estimate
+
+    def max_abs(self) -> float:
+        """The largest finite element of any local gradient this rank measured (0 before any)."""
+        return 0.0 if self._max_abs is None else float(self._max_abs)
 
     def raw_trace(self) -> float | None:
         """``tr Σ`` of the plain gradients (the secant's noise correction), ``None`` while unknown."""
@@ -364,6 +374,19 @@ def walk_stats(config: DeftConfig, control: ControlPlane, losses: collections.de
     if walk is not None and lam is not None:
         walk = dataclasses.replace(walk, curvature=lam, optimizer=spec)
     return walk, f"estimated during warm-up; curvature: {how}" + ("" if lam is None else f" {lam:.4g}")
+
+
+def gradient_scale(stats: GradStats | None, control: ControlPlane, batch: int | None) -> GradientScale | None:
+    """Collective (control group): what a codec's rounding is judged against
+    (:class:`deft.preserver.codec_error.GradientScale`): ``|g|²`` and ``tr Σ`` of the walk's estimate,
+    the per-rank batch, and the largest local gradient element over all ranks. None while unknown
+    (the same on every rank: the estimate is built from gathered rows)."""
+    estimate = None if stats is None else stats.estimate()
+    mine = 0.0 if stats is None else stats.max_abs()
+    largest = control.max_rows([[mine]], "largest gradient element")[0][0]
+    if estimate is None or batch is None or control.world < 2:
+        return None
+    return GradientScale(world=control.world, batch=batch, mu=estimate.mu, trace=estimate.trace, max_abs=largest)
 
 
 # -- the curvature probe (ddp.calibrate) ---------------------------------------------------------------

@@ -32,6 +32,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -41,13 +42,16 @@ from torch import nn
 from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.errors import ContractError, DeftError
-from deft.preserver import feedback
+from deft.preserver import codec_error, feedback
+from deft.preserver.codec_error import GradientScale
 from deft.preserver.feedback import PreserveResult, Recheck, WalkStats
 from deft.profile import Profile
 from deft.runtime.background import Background
 from deft.runtime.control import ControlPlane
 from deft.runtime.records import as_object
 from deft.schedule import Schedule, synchronous_schedule
+from deft.solver import codecs
+from deft.solver.codecs import CodecCost
 from deft.solver.lagfree import lagfree_plan
 from deft.solver.plan import no_delay_plan, plan
 
@@ -105,12 +109,52 @@ def preserver_info(source: str, res: PreserveResult, stats: WalkStats | None) ->
             "stats": None if stats is None else stats.to_dict(), "try_log": [t.to_dict() for t in res.tries]}
 
 
+@dataclass(frozen=True)
+class CodecInputs:
+    """What deft's own codec choice (``compression = "auto"``) needs, the same on every rank: the codec
+    measured on the profile's buckets and the gradients' scale it is judged against."""
+
+    cost: CodecCost
+    scale: GradientScale
+
+
+def choose_codec(cfg: DeftConfig, profile: Profile, stats: WalkStats | None,
+                 codec: CodecInputs | None) -> tuple[Profile, JsonDict | None]:
+    """Rank 0: the profile to plan on, with the buckets deft sends in fp16/bf16 coded
+    (:func:`deft.solver.codecs.choose`) when the preserver accepts a codec
+    (:func:`deft.preserver.codec_error.pick`), and the record of why (None: not considered)."""
+    if codec is None or cfg.epsilon == 0:
+        return profile, None
+    verdicts = codec_error.pick(codec.scale, cfg.epsilon)
+    record: JsonDict = {"verdicts": [v.to_dict() for v in verdicts], "coded": []}
+    accepted = next((v for v in verdicts if v.accepted), None)
+    if accepted is None:
+        record["reason"] = "the preserver accepts no codec"
+        return profile, record
+    cost = dataclasses.replace(codec.cost, name=accepted.codec)
+    choice = codecs.choose(profile, cost, cfg)
+    record.update(choice.to_dict())
+    record["parameters"] = [name for b in choice.coded for name in profile.buckets[b].params]
+    return codecs.encoded_profile(profile, cost, choice.coded), record
+
+
 def make_schedule(cfg: DeftConfig, profile: Profile | None, stats: WalkStats | None,
-                  schedule_path: str | os.PathLike[str] | None) -> Decision:
-    """Rank 0 only: the schedule to run, degrading to simpler plans when planning fails."""
+                  schedule_path: str | os.PathLike[str] | None, codec: CodecInputs | None = None) -> Decision:
+    """Rank 0 only: the schedule to run, degrading to simpler plans when planning fails. Planned on the
+    profile with deft's coded buckets (:func:`choose_codec`; a re-plan gets that profile, already coded)."""
     if schedule_path is not None:
         return Decision(Schedule.load(os.fspath(schedule_path)), {"source": str(schedule_path)})
     assert profile is not None
+    profile, chosen = choose_codec(cfg, profile, stats, codec)
+    decision = _planned(cfg, profile, stats)
+    decision.schedule = codecs.mark(decision.schedule, profile, cfg)
+    if chosen is not None:
+        decision.info["codecs"] = chosen
+    return decision
+
+
+def _planned(cfg: DeftConfig, profile: Profile, stats: WalkStats | None) -> Decision:
+    """:func:`make_schedule`'s plan of ``profile``, with its fallbacks."""
     try:
         base = lagfree_plan if cfg.forward_updates else no_delay_plan
         if cfg.epsilon == 0:
@@ -159,18 +203,20 @@ class Planning:
         """deft measures its own profile during warm-up (none given, no schedule file)."""
         return self.given_profile is None and self.schedule_path is None
 
-    def agree(self, profile: Profile | None, stats: WalkStats | None, world: int) -> tuple[Schedule, JsonDict]:
+    def agree(self, profile: Profile | None, stats: WalkStats | None, world: int,
+              codec: CodecInputs | None = None) -> tuple[Schedule, JsonDict]:
         """Collective: rank 0 decides; every rank gets, validates and digest-checks the same schedule."""
         doc: JsonDict = {}
         if self.control.rank == 0:
-            doc, self._recheck = self._decide(profile, stats, world)
+            doc, self._recheck = self._decide(profile, stats, world, codec)
         return self._receive(doc)
 
-    def start(self, profile: Profile | None, stats: WalkStats | None, world: int) -> Background | None:
+    def start(self, profile: Profile | None, stats: WalkStats | None, world: int,
+              codec: CodecInputs | None = None) -> Background | None:
         """Not collective: rank 0 starts deciding in the background (its job is returned; None on the
         other ranks); :meth:`finish` collects it."""
         def decide() -> dict[str, object]:  # the Recheck travels with the document: set only when collected
-            doc, recheck = self._decide(profile, stats, world)
+            doc, recheck = self._decide(profile, stats, world, codec)
             return {"doc": doc, "recheck": recheck}
 
         return Background(decide, "deft-planner", self.config.planner_nice) if self.control.rank == 0 else None
@@ -194,15 +240,15 @@ class Planning:
         schedule, info = self._receive(doc)
         return schedule, info, timing
 
-    def _decide(self, profile: Profile | None, stats: WalkStats | None,
-                world: int) -> tuple[JsonDict, Recheck | None]:
+    def _decide(self, profile: Profile | None, stats: WalkStats | None, world: int,
+                codec: CodecInputs | None) -> tuple[JsonDict, Recheck | None]:
         """Rank 0's decision as the JSON document :meth:`_receive` broadcasts, and the re-check state
         for it. Reads its arguments and the config only (it may run on a background thread)."""
         cfg = self.config
         doc: JsonDict
         recheck: Recheck | None = None
         try:
-            decision = make_schedule(cfg, profile, stats, self.schedule_path)
+            decision = make_schedule(cfg, profile, stats, self.schedule_path, codec)
             info = dict(decision.info)
             # Re-checks need live statistics, a profile to re-plan from, and the preserver's own plan.
             wanted = (info.get("source") == "preserver" and cfg.preserver and cfg.epsilon > 0 and world >= 2
@@ -268,7 +314,7 @@ class Planning:
                         res = feedback.preserve(profile, cfg, stats, planner=plan,
                                                 no_delay_planner=lagfree_plan if cfg.forward_updates else no_delay_plan)
                         self._recheck.reset(res)
-                        doc["schedule"] = res.schedule.to_dict()
+                        doc["schedule"] = codecs.mark(res.schedule, profile, cfg).to_dict()
                         doc["info"] = preserver_info("preserver (re-plan)", res, stats)
             except Exception as e:  # re-planning never ends a run: keep the running schedule
                 doc = {"error": f"{type(e).__name__}: {e}"}

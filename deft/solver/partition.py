@@ -88,6 +88,7 @@ class _Piece:
     nbytes: int
     times: BucketTimes
     wire: int  # bytes on the wire per send (== nbytes without a codec)
+    coded: bool = False  # its profile bucket(s) are sent with the profile's codec (Bucket.wire_nbytes set)
 
 
 def link_slowdowns(profile: Profile) -> tuple[float, ...]:
@@ -153,7 +154,7 @@ def partition(profile: Profile, config: DeftConfig, capacity_s: float | None = N
     if not changed:
         return profile
 
-    buckets = tuple(Bucket(i, p.params, p.numel, p.nbytes, p.wire if profile.codec else None)
+    buckets = tuple(Bucket(i, p.params, p.numel, p.nbytes, p.wire if p.coded else None)
                     for i, p in enumerate(fused))
     times = tuple(p.times for p in fused)
     meta = dict(profile.meta)
@@ -272,7 +273,7 @@ def _split(profile: Profile, b: int, parts: int, sizes: dict[str, int]) -> list[
     bucket = profile.buckets[b]
     if parts == 1:
         return [_Piece((_Segment(b, 0, bucket.numel),), bucket.params, bucket.numel, bucket.nbytes, profile.times[b],
-                       bucket.wire)]
+                       bucket.wire, bucket.wire_nbytes is not None)]
     out = []
     for start, stop in _bounds(bucket.numel, parts):
         frac = (stop - start) / bucket.numel
@@ -283,6 +284,7 @@ def _split(profile: Profile, b: int, parts: int, sizes: dict[str, int]) -> list[
             nbytes=_piece_nbytes(bucket, start, stop),
             times=_piece_times(profile, b, frac),
             wire=_piece_wire(bucket, start, stop),
+            coded=bucket.wire_nbytes is not None,
         ))
     return out
 
@@ -351,7 +353,9 @@ def _fuse(profile: Profile, pieces: list[_Piece], partition_numel: int, capacity
         cand = _merge(profile, out[-1], piece)
         t = _comm_on(profile, cand.times, cand.wire, primary.name)
         # Relative slack: fused times are float sums, and "bandwidth part == alpha" must not hinge on ulps.
-        if t - alpha <= alpha * (1 + 1e-9) and t <= capacity and cand.numel <= partition_numel:
+        # A bucket is sent with one codec or none (Schedule.codecs): coded and exact pieces never fuse.
+        if t - alpha <= alpha * (1 + 1e-9) and t <= capacity and cand.numel <= partition_numel \
+                and out[-1].coded == piece.coded:
             out[-1] = cand
         else:
             out.append(piece)
@@ -380,6 +384,7 @@ def _merge(profile: Profile, a: _Piece, b: _Piece) -> _Piece:
         times=BucketTimes(a.times.forward_s + b.times.forward_s, a.times.backward_s + b.times.backward_s, comm,
                           a.times.codec_s + b.times.codec_s),
         wire=a.wire + b.wire,
+        coded=a.coded,
     )
 
 

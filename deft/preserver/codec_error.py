@@ -1,0 +1,123 @@
+"""Whether an element-wise codec (fp16, bf16) keeps the preserver's promise, and which one.
+
+The maths
+---------
+torch's ``fp16_compress_hook`` (and bf16's) sends ``sum_r Q(g_r / R)``: each rank's gradient divided
+by the world size ``R``, rounded to 16 bits, summed over the ranks in 16 bits, cast back. With ``u``
+the format's unit roundoff (fp16 ``2^-11``, bf16 ``2^-8``), the cast and each of the ``R - 1``
+additions round with a relative error at most ``u`` (normal range), so per element
+
+    |e_i| <= R u mean_r |g_{r,i}|,    hence    |e|² <= R² u² A,    A = mean_r |g_r|²
+
+(Jensen: ``(mean_r |x_r|)² <= mean_r x_r²``). ``A`` is what :mod:`deft.preserver.noise` measures
+anyway: ``E A = |g|² + tr Σ / b`` for a per-rank batch ``b``. The mini-batch noise of the averaged
+gradient is ``tr Σ / (R b)``; the codec adds at most the fraction
+
+    δ = R² u² A / (tr Σ / (R b)) = R³ u² (b |g|² / tr Σ + 1)
+
+of it. A gradient with ``(1 + δ)`` times the noise variance is, to the walk, a batch of ``B / (1 + δ)``
+(:mod:`deft.preserver.gaussian_walk`: the noise enters one step only as ``tau = lr σ / sqrt(B)``), so
+the codec is judged like any schedule, by the walk's ratio ``E_B / E_{B/(1+δ)}`` of one step, which
+must lie in ``[1 - epsilon, 1 + epsilon]`` (``epsilon == 0`` refuses every codec: ``δ > 0``). That
+ratio needs no ``σ``: one step's expected loss above ``S*`` is ``E|m + tau Z|``, and for ``c >= 1``
+``E|m + c tau Z| <= E|m + tau Z| + (c - 1) tau E|Z| <= c E|m + tau Z|`` (as ``E|m + tau Z| >= tau E|Z|``),
+so with ``c = sqrt(1 + δ)`` the ratio is at least ``1 / sqrt(1 + δ)`` whatever ``|g|``, ``σ``, ``lr``
+and the loss: the codec passes when ``1 / sqrt(1 + δ) >= 1 - epsilon``. ``δ`` is a bound, not an
+estimate: the rounding errors are in fact unbiased and mostly cancel. Elementwise relative errors
+scale like the gradient under Adam's diagonal metric, so ``δ`` is the same in either metric as long
+as ``|g|²`` and ``tr Σ`` come from one.
+
+Range: fp16's largest finite value is 65504; a gradient sum beyond it becomes ``inf`` where the exact
+all-reduce would not (with a GradScaler that is a skipped step torch DDP without the codec would not
+skip). fp16 is chosen only while the measured largest ``|g_r|`` times ``R`` stays below
+``65504 / FP16_HEADROOM`` (a GradScaler that doubles its scale 10 more times still fits); else bf16,
+which has float32's range.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from deft._json import JsonDict
+from deft.errors import ContractError
+from deft.preserver.feedback import passes
+
+#: Unit roundoff of the 16-bit formats (round to nearest): half an ulp of 1.
+UNIT_ROUNDOFF = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
+FP16_MAX = 65504.0
+#: fp16 only while ``R max|g_r|`` is this many times below fp16's largest value (10 doublings).
+FP16_HEADROOM = 2.0 ** 10
+
+_SOURCE = "<codec_error>"
+
+
+@dataclass(frozen=True)
+class GradientScale:
+    """What the codec's error is measured against, from the statistics deft gathers anyway:
+    ``world`` ranks of ``batch`` samples each, ``|g|²`` and ``tr Σ`` (one metric), and the largest
+    ``|g_r|`` element seen on any rank."""
+
+    world: int
+    batch: int
+    mu: float
+    trace: float
+    max_abs: float
+
+    def __post_init__(self) -> None:
+        if self.world < 2 or self.batch < 1:
+            raise ContractError(_SOURCE, "world",
+                                f"expected >= 2 ranks of >= 1 sample, got {self.world} x {self.batch}")
+        for name in ("mu", "trace", "max_abs"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0.0):
+                raise ContractError(_SOURCE, name, f"expected a finite number >= 0, got {v!r}")
+
+
+@dataclass(frozen=True)
+class CodecVerdict:
+    """The preserver's word on one codec: its variance bound ``delta``, the walk's ratio (at least), and why."""
+
+    codec: str
+    delta: float
+    ratio: float
+    accepted: bool
+    reason: str
+
+    def to_dict(self) -> JsonDict:
+        return {"codec": self.codec, "delta": self.delta, "ratio": self.ratio, "accepted": self.accepted,
+                "reason": self.reason}
+
+
+def variance_bound(codec: str, scale: GradientScale) -> float:
+    """``δ``: the codec's error variance over the averaged gradient's noise, at most (module docstring)."""
+    u = UNIT_ROUNDOFF[codec]
+    if scale.trace <= 0.0:
+        return math.inf  # no measured noise to hide the rounding in
+    r = float(scale.world)
+    return r ** 3 * u * u * (scale.batch * scale.mu / scale.trace + 1.0)
+
+
+def judge(codec: str, scale: GradientScale, epsilon: float) -> CodecVerdict:
+    """The codec passes when the walk's one-step ratio, at least ``1 / sqrt(1 + δ)``, is within
+    ``epsilon`` of 1 and, for fp16, the gradients leave the headroom (module docstring)."""
+    if codec not in UNIT_ROUNDOFF:
+        raise ContractError(_SOURCE, "codec", f"expected one of {list(UNIT_ROUNDOFF)}, got {codec!r}")
+    delta = variance_bound(codec, scale)
+    if codec == "fp16" and scale.world * scale.max_abs > FP16_MAX / FP16_HEADROOM:
+        return CodecVerdict(codec, delta, math.nan, False,
+                            f"gradients up to {scale.max_abs:.3g} x {scale.world} ranks leave less than "
+                            f"{FP16_HEADROOM:.0f}x headroom below fp16's {FP16_MAX:.0f}")
+    if not math.isfinite(delta):
+        return CodecVerdict(codec, delta, 0.0, False, "no gradient noise measured (tr Σ = 0)")
+    ratio = 1.0 / math.sqrt(1.0 + delta)
+    ok = epsilon > 0.0 and passes((1,), ratio, epsilon)
+    why = (f"rounding adds at most {delta:.2g} of the gradient noise; walk ratio >= {ratio:.6f}"
+           + ("" if ok else f", outside 1 +- {epsilon:g}" if epsilon > 0 else "; epsilon = 0 keeps torch DDP's maths"))
+    return CodecVerdict(codec, delta, ratio, ok, why)
+
+
+def pick(scale: GradientScale, epsilon: float) -> tuple[CodecVerdict, ...]:
+    """The verdicts in order of preference, fp16 (smaller rounding) then bf16 (float32's range); the
+    first accepted one is the codec to use (none accepted: every bucket stays exact)."""
+    return tuple(judge(c, scale, epsilon) for c in ("fp16", "bf16"))

@@ -1,0 +1,198 @@
+"""deft's own codec choice (issue 28, item 1): the schedule contract, the pricing (deft.solver.codecs),
+the preserver's bound (deft.preserver.codec_error) and rank 0's decision (deft.runtime.planning).
+
+Expected outcomes are derived by hand in the comments from the profiles' numbers; the rounding bound
+is checked against an emulation of torch's fp16 hook, not against the code's own formula.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from deft.config import DeftConfig, LinkConfig
+from deft.errors import ContractError
+from deft.preserver.codec_error import FP16_HEADROOM, FP16_MAX, GradientScale, judge, pick, variance_bound
+from deft.profile import Bucket, BucketTimes, Link, Profile
+from deft.runtime.planning import CodecInputs, choose_codec, make_schedule
+from deft.schedule import Schedule, synchronous_schedule
+from deft.solver import codecs
+from deft.solver.codecs import CodecCost, choose, encoded_profile, mark
+from deft.solver.partition import profile_for_schedule
+
+MS = 1e-3
+NUMEL = 1_000_000  # elements per bucket: 4 MB exact, 2 MB in fp16
+
+
+def profile(comm_ms: tuple[float, ...], backward_ms: float = 2.0) -> Profile:
+    """One link, alpha 0; every bucket 1 ms forward, ``backward_ms`` backward, ``comm_ms`` exact."""
+    n = len(comm_ms)
+    buckets = tuple(Bucket(i, (f"layer{i}.weight",), NUMEL, 4 * NUMEL) for i in range(n))
+    times = tuple(BucketTimes(1 * MS, backward_ms * MS, {"l0": c * MS}) for c in comm_ms)
+    return Profile(buckets, times, (Link("l0", "gloo"),), 2, "synthetic", model="toy")
+
+
+def cost(n: int, codec_ms: float = 0.1) -> CodecCost:
+    return CodecCost("fp16", (2 * NUMEL,) * n, (codec_ms * MS,) * n)
+
+
+CFG = DeftConfig(links=(LinkConfig("l0"),))
+
+
+# -- the contract -----------------------------------------------------------------------------------
+def test_schedule_codecs_round_trip_and_exact_digest_unchanged() -> None:
+    exact = synchronous_schedule((10, 20), (40, 80), ("l0",))
+    coded = dataclasses.replace(exact, codecs=("fp16", ""))
+    assert "codecs" not in exact.to_dict()  # exact schedules keep the digests they had
+    assert dataclasses.replace(exact, codecs=("", "")).digest() == exact.digest()
+    back = Schedule.from_dict(coded.to_dict())
+    assert back.codecs == ("fp16", "") and back.codec_of(0) == "fp16" and back.codec_of(1) == ""
+    assert back.digest() == coded.digest() != exact.digest()  # the ranks agree on the codecs too
+
+
+@pytest.mark.parametrize(("codecs_", "field", "says"), [
+    (("fp16",), "codecs", "one codec per bucket (2)"),
+    (("fp16", "powersgd"), "codecs[1]", "expected one of"),
+])
+def test_bad_codecs_name_the_field(codecs_: tuple[str, ...], field: str, says: str) -> None:
+    doc = synchronous_schedule((10, 20), (40, 80), ("l0",)).to_dict()
+    doc["codecs"] = list(codecs_)
+    with pytest.raises(ContractError) as e:
+        Schedule.from_dict(doc, "plan.json")
+    assert "plan.json" in str(e.value) and field in str(e.value) and says in str(e.value)
+
+
+# -- pricing ------------------------------------------------------------------------------------------
+def test_encoded_profile_halves_the_wire_time_of_coded_buckets_only() -> None:
+    p = encoded_profile(profile((20.0, 20.0)), cost(2), [1])
+    assert p.comm_time(0, "l0") == pytest.approx(20 * MS) and p.buckets[0].wire_nbytes is None
+    # alpha 0: the whole measured time is bandwidth, scaled by wire / nbytes = 1/2
+    assert p.comm_time(1, "l0") == pytest.approx(10 * MS) and p.buckets[1].wire_nbytes == 2 * NUMEL
+    assert p.codec_time(1) == pytest.approx(0.1 * MS) and p.codec_time(0) == 0.0
+
+
+def test_links_the_bound_codes_every_bucket() -> None:
+    # Buckets ready at 2, 4, 6, 8 ms of backward, each 20 ms on the one link: the link ends at
+    # 2 + 4 x 20 = 82 ms exact, 2.1 + 4 x 10 ~ 42 ms coded. Leaving any bucket exact adds 10 ms of
+    # link time to the critical path (> 1 % of 42 ms), so all four stay coded.
+    choice = choose(profile((20.0,) * 4), cost(4), CFG)
+    assert choice.coded == (0, 1, 2, 3)
+    assert choice.all_s < 0.6 * choice.exact_s
+
+
+def test_compute_the_bound_codes_nothing() -> None:
+    # 0.1 ms sends behind 10 ms backward steps: the link idles; coding saves nothing (< 3 %).
+    choice = choose(profile((0.1,) * 4, backward_ms=10.0), cost(4), CFG)
+    assert choice.coded == ()
+    assert "not the bound" in choice.reason
+
+
+def test_a_send_hidden_by_the_backward_stays_exact() -> None:
+    # Bucket 0 is ready first (2 ms) and its 0.2 ms send ends before bucket 1 is ready (4 ms): coding it
+    # saves no time on the critical path but costs 0.1 ms of codec compute, so it stays exact.
+    choice = choose(profile((0.2, 20.0, 20.0, 20.0)), cost(4), CFG)
+    assert choice.coded == (1, 2, 3)
+
+
+def test_mark_names_the_codec_of_exactly_the_coded_elements() -> None:
+    base = profile((0.2, 20.0, 20.0, 20.0))
+    coded = encoded_profile(base, cost(4), [1, 2, 3])
+    sched = mark(make_schedule(CFG, coded, None, None).schedule, coded, CFG)
+    part = profile_for_schedule(coded, sched, CFG)
+    coded_numel = sum(n for n, c in zip(sched.bucket_numel, sched.codecs, strict=True) if c)
+    assert coded_numel == 3 * NUMEL and set(sched.codecs) == {"", "fp16"}
+    assert all((c == "fp16") == (b.wire_nbytes is not None) for c, b in zip(sched.codecs, part.buckets, strict=True))
+    # a profile deft did not code (a user's hook compresses every bucket itself) is left alone
+    assert mark(sched, base, CFG) is sched
+
+
+# -- the preserver's bound ------------------------------------------------------------------------------
+def emulated_fp16_error(grads: list[torch.Tensor]) -> torch.Tensor:
+    """torch's fp16_compress_hook on R ranks: cast, divide by R in fp16, sum in fp16, back to fp32."""
+    r = len(grads)
+    total = torch.zeros_like(grads[0], dtype=torch.float16)
+    for g in grads:
+        total = total + g.to(torch.float16).div_(r)
+    return total.float() - torch.stack(grads).mean(0)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_variance_bound_holds_for_the_real_rounding(world: int) -> None:
+    gen = torch.Generator().manual_seed(world)
+    b, d = 16, 20_000
+    signal = torch.randn(d, generator=gen)
+    grads = [signal + 3.0 * torch.randn(d, generator=gen) for _ in range(world)]
+    err = float(emulated_fp16_error(grads).pow(2).sum())
+    a_mean = float(torch.stack([g.pow(2).sum() for g in grads]).mean())
+    # tr Σ / b per rank = 9 d (noise 3 per element); |g|² = |signal|²: the scale's inputs, by construction
+    scale = GradientScale(world=world, batch=b, mu=float(signal.pow(2).sum()), trace=9.0 * d * b, max_abs=10.0)
+    delta = variance_bound("fp16", scale)
+    noise = 9.0 * d / world  # tr Σ / (R b)
+    assert err <= world ** 2 * 2.0 ** -22 * a_mean  # |e|² <= R² u² A, u = 2^-11
+    assert err / noise <= delta
+    assert delta < 1e-4  # and the bound is small: fp16 rounding is far below mini-batch noise
+
+
+def test_epsilon_zero_refuses_every_codec() -> None:
+    scale = GradientScale(world=2, batch=32, mu=1.0, trace=100.0, max_abs=1.0)
+    assert not any(v.accepted for v in pick(scale, 0.0))
+    assert all(v.accepted for v in pick(scale, 0.01))
+
+
+def test_fp16_without_headroom_falls_to_bf16() -> None:
+    big = FP16_MAX / FP16_HEADROOM  # R x max|g| above it: fp16 may overflow where exact would not
+    fp16, bf16 = pick(GradientScale(world=2, batch=32, mu=1.0, trace=100.0, max_abs=big), 0.01)
+    assert not fp16.accepted and "headroom" in fp16.reason
+    assert bf16.accepted
+
+
+def test_rounding_beyond_epsilon_is_refused() -> None:
+    # world 2, b mu / tr = 32 x 100 / 10 = 320: delta_bf16 = 8 x 2^-16 x 321 = 0.0392, and
+    # 1 / sqrt(1.0392) = 0.981 < 0.99; delta_fp16 = delta_bf16 / 64 = 6.1e-4 passes.
+    scale = GradientScale(world=2, batch=32, mu=100.0, trace=10.0, max_abs=1.0)
+    bf16 = judge("bf16", scale, 0.01)
+    assert bf16.delta == pytest.approx(8 * 2.0 ** -16 * 321)
+    assert not bf16.accepted and judge("fp16", scale, 0.01).accepted
+    assert judge("bf16", scale, 0.05).accepted  # 0.981 is within a wider epsilon
+
+
+def test_no_measured_noise_refuses() -> None:
+    v = judge("fp16", GradientScale(world=2, batch=32, mu=1.0, trace=0.0, max_abs=1.0), 0.01)
+    assert not v.accepted and math.isinf(v.delta)
+
+
+# -- rank 0's decision ------------------------------------------------------------------------------------
+def inputs(max_abs: float = 1.0, n: int = 4) -> CodecInputs:
+    return CodecInputs(cost(n), GradientScale(world=2, batch=32, mu=1.0, trace=100.0, max_abs=max_abs))
+
+
+def test_decision_codes_where_the_links_are_the_bound() -> None:
+    p = profile((0.2, 20.0, 20.0, 20.0))
+    planned, record = choose_codec(CFG, p, None, inputs())
+    assert record is not None and record["coded"] == [1, 2, 3] and record["codec"] == "fp16"
+    assert [b.wire_nbytes is not None for b in planned.buckets] == [False, True, True, True]
+    assert record["parameters"] == ["layer1.weight", "layer2.weight", "layer3.weight"]
+    decision = make_schedule(CFG, p, None, None, inputs())
+    assert decision.info["codecs"] == record
+    assert decision.schedule.compressed
+
+
+def test_decision_at_epsilon_zero_is_exact() -> None:
+    cfg = dataclasses.replace(CFG, epsilon=0.0)
+    decision = make_schedule(cfg, profile((20.0,) * 4), None, None, inputs())
+    assert "codecs" not in decision.info and not decision.schedule.compressed
+
+
+def test_decision_without_headroom_uses_bf16() -> None:
+    _, record = choose_codec(CFG, profile((20.0,) * 4), None, inputs(max_abs=FP16_MAX))
+    assert record is not None and record["codec"] == "bf16" and record["coded"] == [0, 1, 2, 3]
+
+
+def test_decision_on_a_compute_bound_profile_records_why_nothing_is_coded() -> None:
+    planned, record = choose_codec(CFG, profile((0.1,) * 4, backward_ms=10.0), None, inputs())
+    assert record is not None and record["coded"] == [] and "not the bound" in str(record["reason"])
+    assert not planned.compressed
+    assert codecs.coded_buckets(make_schedule(CFG, planned, None, None).schedule.codecs) == ()
