@@ -460,6 +460,7 @@ def deft_timeline(doc: dict[str, Any], path: Path, rate: float) -> str:
     from deft.errors import DeftError
     from deft.profile import Profile
     from deft.schedule import Schedule
+    from deft.solver.codecs import exact_profile
     from deft.solver.compare import simulate
     from deft.solver.partition import profile_for_schedule
     from deft.solver.simulate import simulate_schedule
@@ -477,7 +478,7 @@ def deft_timeline(doc: dict[str, Any], path: Path, rate: float) -> str:
         return (f"no timeline: the schedule deft ended on ({sched.n_buckets} buckets) does not fit the profile "
                 f"it recorded last ({prof.n} buckets): {e}")
     ran = simulate_schedule(planned, sched, scheme="deft")
-    ddp = simulate(prof, "ddp", cfg)
+    ddp = simulate(exact_profile(prof), "ddp", cfg)  # torch DDP sends every bucket exact
     path.parent.mkdir(parents=True, exist_ok=True)
     draw_timeline({"torch DDP": ddp, "deft (the schedule it ran)": ran}, path,
                   title=f"deft's measured profile at {rate:g} Mbit/s: torch DDP vs the schedule deft ran "

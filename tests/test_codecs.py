@@ -109,6 +109,14 @@ def test_mark_names_the_codec_of_exactly_the_coded_elements() -> None:
     assert mark(sched, base, CFG) is sched
 
 
+def test_exact_profile_undoes_the_coding() -> None:
+    base = profile((0.2, 20.0, 20.0, 20.0))
+    back = codecs.exact_profile(encoded_profile(base, cost(4), [1, 3]))
+    assert not back.compressed and all(b.wire_nbytes is None for b in back.buckets)
+    assert [back.comm_time(b, "l0") for b in range(4)] == pytest.approx([base.comm_time(b, "l0") for b in range(4)])
+    assert codecs.exact_profile(base) is base
+
+
 # -- the preserver's bound ------------------------------------------------------------------------------
 def emulated_fp16_error(grads: list[torch.Tensor]) -> torch.Tensor:
     """torch's fp16_compress_hook on R ranks: cast, divide by R in fp16, sum in fp16, back to fp32."""

@@ -110,6 +110,29 @@ def encoded_profile(profile: Profile, cost: CodecCost, coded: Iterable[int]) -> 
                    meta={**profile.meta, CHOSEN: cost.name})
 
 
+def exact_profile(profile: Profile) -> Profile:
+    """The inverse of :func:`encoded_profile` on a profile deft coded (:data:`CHOSEN`): every bucket exact,
+    its comm time ``alpha + (t - alpha) * nbytes / wire``; any other profile unchanged."""
+    if not isinstance(profile.meta.get(CHOSEN), str):
+        return profile
+    buckets: list[Bucket] = []
+    times: list[BucketTimes] = []
+    for b, (bucket, t) in enumerate(zip(profile.buckets, profile.times, strict=True)):
+        if bucket.wire_nbytes is None or bucket.wire_nbytes == 0:
+            buckets.append(bucket)
+            times.append(t)
+            continue
+        comm = {}
+        for name in profile.link_names:
+            coded = profile.comm_time(b, name)
+            alpha = min(profile.link(name).alpha_s, coded)
+            comm[name] = alpha + (coded - alpha) * bucket.nbytes / bucket.wire_nbytes
+        buckets.append(replace(bucket, wire_nbytes=None))
+        times.append(replace(t, comm_s=comm, codec_s=0.0))
+    meta = {k: v for k, v in profile.meta.items() if k != CHOSEN}
+    return replace(profile, buckets=tuple(buckets), times=tuple(times), codec="", meta=meta)
+
+
 def predicted_s(profile: Profile, config: DeftConfig) -> float:
     """``T``: the no-delay plan's predicted iteration time on ``profile``."""
     return no_delay_plan(profile, config).predicted_iteration_s
