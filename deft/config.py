@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -34,6 +34,10 @@ COMPRESSIONS = ("auto", "none", "fp16", "bf16", "powersgd")
 #: ``"none"`` (the same lr: k times fewer steps of the same size), ``"linear"`` (``k * lr``, Goyal et
 #: al.'s rule for SGD) or ``"sqrt"`` (``sqrt(k) * lr``, the usual rule for Adam). Off by default.
 MERGE_LR_SCALINGS = ("none", "linear", "sqrt")
+#: Local-steps mode (``local_steps = H > 0``; deft.runtime.local_steps): what the ranks average every H
+#: steps: ``"average"`` the parameters (post-local SGD), ``"diloco"`` the pseudo-gradient, stepped by an
+#: outer SGD with Nesterov momentum (DiLoCo).
+LOCAL_OUTERS = ("average", "diloco")
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,19 @@ class DeftConfig:
     # prices the same factor). Off by default (measured: benchmarks/results/preserver_validation.md).
     merge_lr_scaling: str = "none"
     timeout_s: float = 300.0
+    # Local-steps mode (deft.runtime.local_steps, docs/DESIGN.md "Local steps"): H > 0 replaces the gradient
+    # schedule: every rank steps on its own gradient and every H steps the ranks average (local_outer).
+    # 0: off. Needs epsilon > 0 (epsilon 0 promises torch DDP's maths).
+    local_steps: int = 0
+    local_outer: str = "average"     # see LOCAL_OUTERS
+    local_outer_lr: float = 0.7      # "diloco": the outer SGD's learning rate (the paper's 0.7)
+    local_outer_momentum: float = 0.9  # "diloco": the outer SGD's Nesterov momentum (the paper's 0.9)
+    local_warmup_iters: int = 0      # gradient all-reduce (torch DDP's maths) for this many steps first
+    # The averaging overlaps the next local steps (Streaming DiLoCo) and is applied, keeping the local
+    # progress since its snapshot, after local_overlap_iters more steps (1 <= D <= H) on every rank;
+    # false: every rank waits for it at the averaging step (post-local SGD / DiLoCo exactly).
+    local_overlap: bool = True
+    local_overlap_iters: int = 1
     profile_path: str | None = None
     schedule_path: str | None = None
     extra: JsonDict = field(default_factory=dict)
@@ -148,6 +165,33 @@ class DeftConfig:
             raise bad("planner_nice", f"expected an integer in [0, 19] (a nice value), got {self.planner_nice}")
         if self.capacity_growth <= 1.0:
             raise bad("capacity_growth", f"expected > 1, got {self.capacity_growth}")
+        self._validate_local(bad)
+
+    def _validate_local(self, bad: Callable[[str, str], ContractError]) -> None:
+        """The local-steps fields (deft.runtime.local_steps)."""
+        for name in ("local_steps", "local_warmup_iters"):
+            if getattr(self, name) < 0:
+                raise bad(name, f"expected an integer >= 0, got {getattr(self, name)}")
+        if self.local_outer not in LOCAL_OUTERS:
+            raise bad("local_outer", f"expected one of {', '.join(LOCAL_OUTERS)}, got {self.local_outer!r}")
+        if not self.local_outer_lr > 0:
+            raise bad("local_outer_lr", f"expected > 0, got {self.local_outer_lr}")
+        if not 0 <= self.local_outer_momentum < 1:
+            raise bad("local_outer_momentum", f"expected in [0, 1), got {self.local_outer_momentum}")
+        if self.local_overlap_iters < 1:
+            raise bad("local_overlap_iters", f"expected an integer >= 1, got {self.local_overlap_iters}")
+        if self.local_steps == 0:
+            return
+        if self.epsilon == 0:
+            raise bad("local_steps", f"local steps (H = {self.local_steps}) change the maths of every update, and "
+                      "epsilon = 0 promises torch DDP's exact maths: set epsilon > 0 or local_steps = 0")
+        if self.local_overlap and self.local_overlap_iters > self.local_steps:
+            raise bad("local_overlap_iters", f"expected at most local_steps ({self.local_steps}): an averaging "
+                      f"is applied before the next one starts, got {self.local_overlap_iters}")
+        if self.compression not in ("auto", "none"):
+            raise bad("compression", f"local steps (local_steps = {self.local_steps}) average parameters exactly; "
+                      f"a gradient codec ({self.compression!r}) has nothing to compress there: use \"auto\" or "
+                      "\"none\"")
 
     @property
     def link_names(self) -> tuple[str, ...]:

@@ -41,6 +41,7 @@ from deft.runtime.executor import Executor, PendingUpdate
 from deft.runtime.first_use import FirstUseRecorder
 from deft.runtime.grad_stats import check_probe_args, probe_curvature
 from deft.runtime.links import CommLink, make_control_group, make_links
+from deft.runtime.local_steps import LocalSteps
 from deft.runtime.optimizer_hooks import OptimizerBinding
 from deft.runtime.phase import Phase
 from deft.runtime.planning import check_schedule_file, resolve_profile
@@ -51,6 +52,8 @@ from deft.runtime.updates import LogEntry, UpdateApplier
 from deft.schedule import Schedule
 
 log = logging.getLogger("deft.runtime")
+#: The version of local-steps mode's checkpoint record (``get_extra_state``).
+LOCAL_STATE_VERSION = 1
 
 
 class DistributedDataParallel(nn.Module):
@@ -141,14 +144,20 @@ class DistributedDataParallel(nn.Module):
         self._step_open = False  # the user's step began (its post hook ends the iteration)
         self._no_sync = False
         self._course.install_warmup(list(reversed(range(len(self._params)))), t0=0)
+        # Local-steps mode (config.local_steps > 0): its own collaborator at the step events; no gradient
+        # capture, no schedule (deft.runtime.local_steps).
+        self._local = LocalSteps(cfg, self._params, self._links, self.rank, self.world) if cfg.local_steps else None
         me = weakref.ref(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(_grad_hook(me, i)) for i, p in enumerate(self._params)]
+        self._hooks = [] if self._local is not None else \
+            [p.register_post_accumulate_grad_hook(_grad_hook(me, i)) for i, p in enumerate(self._params)]
         # Whoever reads the module's state_dict gets the parameters torch DDP would have.
         self._hooks.append(self.module.register_state_dict_pre_hook(_state_dict_hook(me)))
 
     # -- public API ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # the wrapped module's own signature
         self._sync_buffers_now()
+        if self._local is not None:
+            return self.module(*args, **kwargs)  # gradients stay local; the step events do the rest
         if not torch.is_grad_enabled():
             out = self.module(*args, **kwargs)  # evaluation: no gradient communication, nothing counted
             self._updates.finish_deferred()  # parameters of modules the evaluation did not run
@@ -204,7 +213,7 @@ class DistributedDataParallel(nn.Module):
         """
         self._require_idle("calibrate()")
         check_probe_args(closure, tol, ncv, maxiter)
-        if self.config.epsilon == 0 or not self.config.preserver or self.world < 2:
+        if self.config.epsilon == 0 or not self.config.preserver or self.world < 2 or self._local is not None:
             return None
         # Every rank: an update finishing in the forward is applied now, so the closure's forward (rank 0
         # only) cannot trigger it on one rank. The forward changes batch-norm running statistics on
@@ -248,7 +257,10 @@ class DistributedDataParallel(nn.Module):
 
     @property
     def plan_info(self) -> PlanInfoView:
-        """What deft decided, read-only (:mod:`deft.runtime.records` lists the keys)."""
+        """What deft decided, read-only (:mod:`deft.runtime.records` lists the keys; in local-steps mode
+        only ``local_steps``: :meth:`deft.runtime.local_steps.LocalSteps.info`)."""
+        if self._local is not None:
+            return PlanInfoView({"local_steps": self._local.info()})
         return self._course.record.view()
 
     @property
@@ -278,6 +290,9 @@ class DistributedDataParallel(nn.Module):
         before ``load_state_dict`` when resuming: the checkpoint restores the hook's state)."""
         if not callable(hook):
             raise DeftError(f"register_comm_hook: hook must be callable(state, bucket), got {type(hook).__name__}")
+        if self._local is not None:
+            raise DeftError("register_comm_hook: local-steps mode (config.local_steps > 0) communicates no "
+                            "gradients after its warm-up and averages parameters exactly; there is no bucket to hook")
         if self._executor.comm_hook is not None:
             raise DeftError(f"register_comm_hook: a comm hook ({self._executor.comm_hook.name}) is already "
                             "registered (from this call or the config's compression); one hook per model")
@@ -293,6 +308,9 @@ class DistributedDataParallel(nn.Module):
         short merges the iterations it has; the schedule restarts its cycle at the next iteration.
         """
         self._require_idle("flush()")
+        if self._local is not None:
+            self._local.flush()  # the averaging in flight, applied now
+            return
         self._updates.finish_deferred()
         if self._executor.idle:
             return
@@ -338,6 +356,9 @@ class DistributedDataParallel(nn.Module):
     def get_extra_state(self) -> StateDoc:
         """deft's runtime state for ``state_dict()``: tensors and plain types only."""
         self._require_idle("deft's state can only be saved; saving")
+        if self._local is not None:
+            return {"version": LOCAL_STATE_VERSION, "mode": "local_steps", "rank": self.rank, "world": self.world,
+                    "t": self._t, "local_steps": self._local.state_dict()}
         self._updates.finish_deferred()  # no collective: waits only for what every rank launched
         ex = self._executor
         ex.settle_all()  # in-flight buckets become reduced values; recorded as launched
@@ -348,6 +369,17 @@ class DistributedDataParallel(nn.Module):
                             **self._course.state()).to_dict()
 
     def set_extra_state(self, state: object) -> None:
+        local = isinstance(state, dict) and state.get("mode") == "local_steps"
+        if local != (self._local is not None):
+            raise ContractError("deft checkpoint", "_extra_state.mode",
+                                f"the checkpoint was saved {'in' if local else 'outside'} local-steps mode and this "
+                                f"wrapper runs {'in' if self._local is not None else 'outside'} it "
+                                "(config.local_steps must match)")
+        if self._local is not None:
+            assert isinstance(state, dict)
+            self._require_idle("deft's state can only be loaded; loading")
+            self._load_local(state)
+            return
         st = RuntimeState.from_dict(state)
         self._require_idle("deft's state can only be loaded; loading")
         st.check_owner(self.rank, self.world)
@@ -364,6 +396,23 @@ class DistributedDataParallel(nn.Module):
                                     "the checkpoint holds a comm hook's state but no hook is registered: call "
                                     "ddp.register_comm_hook(...) before load_state_dict")
             self._executor.comm_hook.load_state_dict(st.comm_hook, "deft checkpoint")
+
+    def _load_local(self, state: dict[str, Any]) -> None:
+        """Local-steps mode's checkpoint: an averaging in flight holds this rank's own snapshot."""
+        assert self._local is not None
+        if state.get("version") != LOCAL_STATE_VERSION:
+            raise ContractError("deft checkpoint", "_extra_state.version", f"expected local-steps state version "
+                                f"{LOCAL_STATE_VERSION}, got {state.get('version')!r}")
+        doc = state.get("local_steps")
+        pending = isinstance(doc, dict) and doc.get("pending") is not None
+        if state.get("world") != self.world or (pending and state.get("rank") != self.rank):
+            raise ContractError("deft checkpoint", "_extra_state.rank",
+                                f"this checkpoint holds rank {state.get('rank')}'s (of {state.get('world')}) "
+                                f"snapshot of an averaging in flight; load it on rank {state.get('rank')} of "
+                                f"{state.get('world')} (this is rank {self.rank} of {self.world}) or call "
+                                "ddp.flush() before saving")
+        self._local.load_state_dict(doc)
+        self._t = int(state["t"])
 
     # -- the phase machine's events (deft.runtime.phase) ----------------------------------------
     def _require_idle(self, what: str) -> None:
@@ -435,6 +484,9 @@ class DistributedDataParallel(nn.Module):
 
     def _before_step(self) -> None:
         """Before the user's ``optimizer.step()``: the due update's gradient is in ``p.grad``."""
+        if self._local is not None:
+            self._local.before_step()  # the warm-up's gradient mean; then nothing
+            return
         if self._phase is Phase.IDLE:
             self._updates.clear_grads()  # a step without an iteration changes nothing
             self._step_open = False
@@ -458,6 +510,10 @@ class DistributedDataParallel(nn.Module):
 
     def _after_step(self) -> None:
         """After the user's ``optimizer.step()``: the iteration ends; warm-up, planning, re-checks follow."""
+        if self._local is not None:
+            self._local.after_step()  # an averaging applied or launched at its step
+            self._t += 1
+            return
         self._updates.restore_lr()
         if not self._step_open:
             return

@@ -1,0 +1,302 @@
+"""Local-steps mode (``config.local_steps = H > 0``): post-local SGD or DiLoCo, its averaging scheduled
+over the links and overlapped with the next local steps (Streaming DiLoCo's overlap).
+
+The maths (docs/DESIGN.md, section 5, "Local steps"). ``R`` ranks, ``W = local_warmup_iters``,
+optimizer steps counted ``s = 0, 1, ...``:
+
+* **Warm-up** (``s < W``): right before step ``s`` every rank's gradient is replaced by the mean over
+  the ranks (``g / R`` summed, torch DDP's division-first rule): torch DDP's maths, as torch's
+  ``PostLocalSGDState.start_localSGD_iter`` gives.
+* **Local steps** (``s >= W``): no gradient communication; every rank steps on its own gradient.
+* **Averaging points**: after step ``s`` with ``s >= W`` and ``(s - W + 1) % H == 0``, i.e. after every
+  ``H`` local steps (the first after step ``W + H - 1``; DiLoCo's Algorithm 1 with ``W = 0``; torch's
+  ``PeriodicModelAverager(period=H, warmup_steps=W + H - 1)`` for post-local SGD: torch's own default
+  ``warmup_steps = W`` averages once more, right after the first local step). There every rank takes a
+  flat snapshot ``theta_s`` (one vector per dtype) and launches the all-reduce of
+
+      "average": a = theta_s / R                        -> new = sum_r a_r   (the mean of the ranks)
+      "diloco":  a = (theta_anchor - theta_s) / R       -> Delta = sum_r a_r (the mean pseudo-gradient)
+                 buf <- Delta (first), m * buf + Delta (later)
+                 new = theta_anchor <- theta_anchor - lr * (Delta + m * buf)   (torch SGD(nesterov=True))
+
+  ``theta_anchor`` (DiLoCo's global parameters) is the parameters at the end of the warm-up (at
+  construction when ``W = 0``, after rank 0's broadcast), the same on every rank.
+* **Applying** an averaging: ``theta <- new + (theta - theta_s)``: the average replaces the snapshot
+  and the local progress made since the snapshot is kept (Streaming DiLoCo's merge with weight 1 on
+  the fresh global value). Without overlap (``local_overlap = false``) it is applied right at its
+  averaging point, where ``theta - theta_s = 0`` exactly, so ``theta = new``: post-local SGD / DiLoCo
+  exactly. With overlap it is applied after step ``s + D`` (``D = local_overlap_iters``, ``1 <= D <= H``),
+  on every rank after the same step (deterministic: the same run twice, or resumed from a checkpoint,
+  gives the same bits), waiting there for whatever has not arrived.
+
+Invariants: every averaging is applied exactly once on every rank, after the same step; at most one
+is in flight (``D <= H``: it is applied before the next is launched); the anchor and the outer
+momentum buffer are equal on every rank; ``flush()`` applies the one in flight at once.
+
+Scheduling: each dtype's flat vector is cut into buckets of ``bucket_cap_mb``; a bucket goes to the
+link that frees first counting the bytes already assigned to each (greedy, in order; with links of
+equal speed and the next ``D`` local steps' compute as each link's capacity, it is what the 0/1
+multi-knapsack packs: every bucket fits some link's remaining time or none does, and then the least
+loaded link finishes the averaging first). Every rank assigns and launches the buckets in the same
+order on each link's process group, so the collectives match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deft._json import JsonDict
+from deft.config import DeftConfig
+from deft.errors import ContractError
+from deft.runtime.control import wait_work
+from deft.runtime.links import CommLink
+
+STATE_VERSION = 1
+SOURCE = "deft checkpoint (local steps)"
+
+
+@dataclass
+class _Averaging:
+    """One averaging in flight: this rank's snapshot, the buffers being all-reduced, the works."""
+
+    index: int                              # 0, 1, ...: which averaging point
+    step: int                               # the step after which it was launched
+    apply_after: int                        # the step after which every rank applies it
+    snapshot: dict[str, torch.Tensor]       # dtype name -> theta_s (flat)
+    reduced: dict[str, torch.Tensor]        # dtype name -> the buffer being all-reduced in place
+    works: list[tuple[str, dist.Work]]      # (link name, work), one per bucket; emptied once waited
+
+
+def _flat(params: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+class LocalSteps:
+    """The local-steps mode's state and decisions (module docstring); the facade calls
+    :meth:`before_step`, :meth:`after_step`, :meth:`flush` and the checkpoint methods."""
+
+    def __init__(self, config: DeftConfig, params: list[torch.Tensor], links: dict[str, CommLink], rank: int,
+                 world: int) -> None:
+        self.h, self.outer, self.warmup = config.local_steps, config.local_outer, config.local_warmup_iters
+        self.lr, self.momentum = config.local_outer_lr, config.local_outer_momentum
+        self.delay = config.local_overlap_iters if config.local_overlap else 0
+        self.timeout_s, self.rank, self.world, self.links = config.timeout_s, rank, world, links
+        self.cap_bytes = max(1, int(config.bucket_cap_mb * 2**20))
+        # parameters grouped by dtype, in the module's order: one flat vector per dtype
+        self.groups: dict[str, list[torch.Tensor]] = {}
+        for p in params:
+            self.groups.setdefault(str(p.dtype).removeprefix("torch."), []).append(p)
+        self.steps = 0  # optimizer steps taken
+        self.averagings = 0  # averagings launched
+        self.applied = 0  # averagings applied
+        self.waited = 0  # buckets not yet arrived when their averaging was applied (reported, not a decision)
+        self.anchor: dict[str, torch.Tensor] | None = None
+        self.momentum_buf: dict[str, torch.Tensor] | None = None
+        self.pending: _Averaging | None = None
+        if self.outer == "diloco" and self.warmup == 0:
+            self.anchor = self._snapshot()
+
+    # -- the events -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def before_step(self) -> None:
+        """Right before the optimizer's step: in the warm-up, the gradients' mean over the ranks."""
+        if self.steps >= self.warmup:
+            return
+        primary = next(iter(self.links.values()))
+        for params in self.groups.values():
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+            flat = _flat(grads)
+            flat.div_(self.world)  # torch DDP's rule: divide first, then sum
+            wait_work(primary.all_reduce(flat), primary.name, f"local steps' warm-up gradients (step {self.steps})",
+                      self.rank, self.timeout_s)
+            off = 0
+            for p in params:
+                g = flat[off:off + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+                off += p.numel()
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Right after the optimizer's step: apply the averaging due now, launch the next at its point."""
+        s = self.steps
+        self.steps += 1
+        if self.pending is not None and self.pending.apply_after == s:
+            self._apply()
+        if self.outer == "diloco" and self.anchor is None and s + 1 == self.warmup:
+            self.anchor = self._snapshot()  # the end of the warm-up: the ranks' (equal) parameters
+        if s >= self.warmup and (s - self.warmup + 1) % self.h == 0:
+            self._launch(s)
+            if self.delay == 0:
+                self._apply()
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Apply the averaging in flight now (every rank launched it: no new collective)."""
+        if self.pending is not None:
+            self._apply()
+
+    # -- launching and applying -----------------------------------------------------------------------
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        return {name: _flat(params) for name, params in self.groups.items()}
+
+    def assign(self, sizes: list[int]) -> list[str]:
+        """The link of each bucket (bytes, in launch order): the one that frees first by bytes."""
+        load = dict.fromkeys(self.links, 0)
+        out = []
+        for n in sizes:
+            link = min(load, key=lambda k: load[k])  # ties: the first configured link
+            load[link] += n
+            out.append(link)
+        return out
+
+    def buckets(self) -> list[tuple[str, int, int]]:
+        """(dtype name, start, end) element ranges of ``bucket_cap_mb`` bytes, every dtype's in turn."""
+        out = []
+        for name, params in self.groups.items():
+            numel, size = sum(p.numel() for p in params), params[0].element_size()
+            step = max(1, self.cap_bytes // size)
+            out += [(name, lo, min(numel, lo + step)) for lo in range(0, numel, step)]
+        return out
+
+    def _launch(self, s: int) -> None:
+        assert self.pending is None, "internal: an averaging launched while another is in flight"
+        snap = self._snapshot()
+        if self.outer == "diloco":
+            assert self.anchor is not None
+            reduced = {name: (self.anchor[name] - snap[name]).div_(self.world) for name in snap}
+        else:
+            reduced = {name: snap[name].div(self.world) for name in snap}
+        cuts = self.buckets()
+        sizes = [(hi - lo) * self.groups[name][0].element_size() for name, lo, hi in cuts]
+        works = [(link, self.links[link].all_reduce(reduced[name][lo:hi]))
+                 for (name, lo, hi), link in zip(cuts, self.assign(sizes), strict=True)]
+        self.pending = _Averaging(self.averagings, s, s + self.delay, snap, reduced, works)
+        self.averagings += 1
+
+    def _wait(self, avg: _Averaging) -> None:
+        for link, work in avg.works:
+            if not work.is_completed():
+                self.waited += 1
+            wait_work(work, link, f"local steps' averaging {avg.index}", self.rank, self.timeout_s)
+        avg.works = []
+
+    def _apply(self) -> None:
+        avg, self.pending = self.pending, None
+        assert avg is not None
+        self._wait(avg)
+        if self.outer == "diloco":
+            assert self.anchor is not None
+            first = self.momentum_buf is None
+            new_anchor, new_buf = {}, {}
+            for name, delta in avg.reduced.items():
+                # examples/diloco.outer_step, term for term (torch SGD(nesterov=True, dampening=0))
+                b = delta.clone() if first else self.momentum * self._buf(name) + delta
+                update = delta + self.momentum * b if self.momentum != 0 else delta
+                new_anchor[name] = self.anchor[name] - self.lr * update
+                new_buf[name] = b
+            self.anchor, self.momentum_buf = new_anchor, new_buf
+            new = self.anchor
+        else:
+            new = avg.reduced
+        for name, params in self.groups.items():
+            value = new[name] + (_flat(params) - avg.snapshot[name])  # the local progress since the snapshot
+            off = 0
+            for p in params:
+                p.detach().copy_(value[off:off + p.numel()].view_as(p))
+                off += p.numel()
+        self.applied += 1
+
+    def _buf(self, name: str) -> torch.Tensor:
+        assert self.momentum_buf is not None
+        return self.momentum_buf[name]
+
+    # -- reports and checkpoints ----------------------------------------------------------------------
+    def info(self) -> JsonDict:
+        """``plan_info["local_steps"]``."""
+        cuts = self.buckets()
+        nb = len(cuts)
+        links = self.assign([(hi - lo) * self.groups[name][0].element_size() for name, lo, hi in cuts])
+        return {"H": self.h, "outer": self.outer, "warmup_iters": self.warmup, "overlap_iters": self.delay,
+                "outer_lr": self.lr if self.outer == "diloco" else None,
+                "outer_momentum": self.momentum if self.outer == "diloco" else None,
+                "steps": self.steps, "averagings": self.averagings, "applied": self.applied,
+                "buckets": nb, "buckets_per_link": {k: links.count(k) for k in self.links},
+                "waited_buckets": self.waited,
+                "in_flight": None if self.pending is None else {"index": self.pending.index,
+                                                                "launched_after": self.pending.step,
+                                                                "apply_after": self.pending.apply_after}}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors and plain types; an averaging in flight is waited for (every rank launched it) and
+        saved as its snapshot and its arrived result, so a resumed run applies it after the same step."""
+        pending = None
+        if self.pending is not None:
+            self._wait(self.pending)
+            p = self.pending
+            pending = {"index": p.index, "step": p.step, "apply_after": p.apply_after,
+                       "snapshot": {k: v.clone() for k, v in p.snapshot.items()},
+                       "reduced": {k: v.clone() for k, v in p.reduced.items()}}
+        return {"version": STATE_VERSION, "H": self.h, "outer": self.outer, "steps": self.steps,
+                "averagings": self.averagings, "applied": self.applied, "waited": self.waited,
+                "anchor": None if self.anchor is None else {k: v.clone() for k, v in self.anchor.items()},
+                "momentum_buf": None if self.momentum_buf is None else
+                {k: v.clone() for k, v in self.momentum_buf.items()},
+                "pending": pending}
+
+    def load_state_dict(self, state: object) -> None:
+        if not isinstance(state, dict):
+            raise ContractError(SOURCE, "_extra_state.local_steps", f"expected a dict, got {type(state).__name__}")
+        if state.get("version") != STATE_VERSION:
+            raise ContractError(SOURCE, "_extra_state.local_steps.version",
+                                f"expected version {STATE_VERSION}, got {state.get('version')!r}")
+        for key, mine in (("H", self.h), ("outer", self.outer)):
+            if state.get(key) != mine:
+                raise ContractError(SOURCE, f"_extra_state.local_steps.{key}",
+                                    f"the checkpoint was saved with {key} = {state.get(key)!r}, this run has {mine!r}")
+        pending = state.get("pending")
+        if pending is not None and int(pending["apply_after"]) - int(pending["step"]) != self.delay:
+            raise ContractError(SOURCE, "_extra_state.local_steps.pending",
+                                f"an averaging in flight due {int(pending['apply_after']) - int(pending['step'])} "
+                                f"steps after its launch, this run applies after {self.delay} "
+                                "(local_overlap / local_overlap_iters differ)")
+        self._check_vectors(state.get("anchor"), "anchor")
+        self._check_vectors(state.get("momentum_buf"), "momentum_buf")
+        self.steps, self.averagings = int(state["steps"]), int(state["averagings"])
+        self.applied, self.waited = int(state["applied"]), int(state["waited"])
+        self.anchor = self._copy(state.get("anchor"))
+        self.momentum_buf = self._copy(state.get("momentum_buf"))
+        self.pending = None
+        if pending is not None:
+            self._check_vectors(pending["snapshot"], "pending.snapshot")
+            self._check_vectors(pending["reduced"], "pending.reduced")
+            snapshot, reduced = self._copy(pending["snapshot"]), self._copy(pending["reduced"])
+            assert snapshot is not None and reduced is not None
+            self.pending = _Averaging(int(pending["index"]), int(pending["step"]), int(pending["apply_after"]),
+                                      snapshot, reduced, [])
+
+    def _check_vectors(self, doc: object, field: str) -> None:
+        if doc is None:
+            return
+        want = {name: sum(p.numel() for p in ps) for name, ps in self.groups.items()}
+        got = {k: v.numel() for k, v in doc.items()} if isinstance(doc, dict) else None
+        if got != want:
+            raise ContractError(SOURCE, f"_extra_state.local_steps.{field}",
+                                f"expected flat vectors of {want} elements per dtype (this model), got {got}")
+
+    def _copy(self, doc: object) -> dict[str, torch.Tensor] | None:
+        if not isinstance(doc, dict):
+            return None
+        device = next(iter(self.groups.values()))[0].device
+        return {k: v.detach().to(device).clone() for k, v in doc.items()}
+
+    @property
+    def holds_local_state(self) -> bool:
+        """An averaging in flight holds this rank's snapshot: its checkpoint is this rank's own."""
+        return self.pending is not None

@@ -1,0 +1,324 @@
+"""Local-steps mode (``config.local_steps``; deft.runtime.local_steps): post-local SGD and DiLoCo.
+
+Without overlap it is torch's post-local SGD (``post_localSGD_hook`` + ``PeriodicModelAverager``) and
+examples/diloco.py's DiLoCo; with overlap every averaging is applied once, on every rank, keeping the
+local progress since its snapshot (the hand formula, replayed here apart from the code under test);
+a checkpoint taken while an averaging is in flight resumes bit for bit.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from deft.config import DeftConfig, LinkConfig
+from deft.errors import ContractError
+from tests._dist import run_ranks, values
+
+LR, MOMENTUM = 0.1, 0.9
+TWO_LINKS = (LinkConfig("a"), LinkConfig("b"))
+CAP_MB = 200 / 2**20  # 200-byte buckets: the MLP's 212 floats in 5 buckets (3 on link a, 2 on link b)
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _batch(rank: int, it: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + it)  # each rank its own data, by iteration
+    return torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def _train(model: Any, opt: Any, rank: int, start: int, stop: int) -> None:
+    for it in range(start, stop):
+        x, y = _batch(rank, it)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+# -- workers (top-level: pickled by name) --------------------------------------------------------------
+def postlocal_worker(rank: int, world: int, h: int, w: int, iters: int) -> dict[str, Any]:
+    """deft without overlap against torch DDP + post_localSGD_hook + PeriodicModelAverager."""
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_local
+    from torch.distributed.algorithms.model_averaging import averagers
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    import deft
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, config=DeftConfig(
+        local_steps=h, local_warmup_iters=w, local_overlap=False))
+    _train(ddp, opt, rank, 0, iters)
+
+    tmodel = _model()
+    tddp = nn.parallel.DistributedDataParallel(tmodel)
+    state = post_local.PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=w,
+                                         post_local_gradient_allreduce=False)
+    tddp.register_comm_hook(state, post_local.post_localSGD_hook)
+    # deft averages after every H local steps (the first after step W + H - 1): torch's averager with
+    # warmup_steps = W + H - 1 (its default W averages once more, right after the first local step)
+    topt = PostLocalSGDOptimizer(optim=torch.optim.SGD(tmodel.parameters(), lr=LR, momentum=MOMENTUM),
+                                 averager=averagers.PeriodicModelAverager(period=h, warmup_steps=w + h - 1))
+    _train(tddp, topt, rank, 0, iters)
+    return {"diff": float((_flat(model) - _flat(tmodel)).abs().max()),
+            "moved": float((_flat(model) - _flat(_model())).abs().max()),
+            "info": dict(ddp.plan_info["local_steps"])}
+
+
+def diloco_worker(rank: int, world: int, h: int, w: int, iters: int) -> dict[str, Any]:
+    """deft's DiLoCo without overlap against a reference: the warm-up's gradient mean by hand, then
+    examples/diloco.py's DiLoCo (its snapshot taken at the end of the warm-up)."""
+    import deft
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from diloco import DiLoCo
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, config=DeftConfig(
+        local_steps=h, local_warmup_iters=w, local_overlap=False, local_outer="diloco"))
+    _train(ddp, opt, rank, 0, iters)
+
+    ref = _model()
+    inner = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
+    for it in range(w):
+        x, y = _batch(rank, it)
+        nn.functional.cross_entropy(ref(x), y).backward()
+        for p in ref.parameters():
+            assert p.grad is not None
+            p.grad.div_(world)
+            dist.all_reduce(p.grad)
+        inner.step()
+        inner.zero_grad()
+    outer = DiLoCo(ref, inner, h=h, outer_lr=0.7, outer_momentum=0.9)
+    _train(ref, outer, rank, w, iters)
+    return {"diff": float((_flat(model) - _flat(ref)).abs().max()), "outer_steps": outer.outer_steps,
+            "info": dict(ddp.plan_info["local_steps"])}
+
+
+def no_progress_worker(rank: int, world: int) -> dict[str, Any]:
+    """Inner lr 0 and a different model per rank (no init sync): overlap on, applied later, ends where
+    overlap off ends."""
+    import deft
+
+    out = {}
+    for overlap in (False, True):
+        model = _model(seed=10 + rank)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=MOMENTUM)
+        ddp = deft.DistributedDataParallel(model, optimizer=opt, init_sync=False, config=DeftConfig(
+            local_steps=3, local_overlap=overlap, local_overlap_iters=2, links=TWO_LINKS, bucket_cap_mb=CAP_MB))
+        _train(ddp, opt, rank, 0, 8)  # averagings after steps 2 and 5: applied after 4 and 7 with overlap
+        ddp.flush()
+        out[str(overlap)] = _flat(model).tolist()
+    return out
+
+
+def _hand_reference(rank: int, world: int, outer: str, h: int, w: int, d: int, iters: int) -> torch.Tensor:
+    """The overlap's formula written out: theta <- new + (theta - theta_s), applied d steps after the
+    snapshot theta_s; new = mean(theta_s) or the outer Nesterov step on mean(anchor - theta_s)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    params = list(model.parameters())
+    anchor = _flat(model).clone()
+    buf: torch.Tensor | None = None
+    pending: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (apply after step, theta_s, new)
+
+    def load(v: torch.Tensor) -> None:
+        off = 0
+        for p in params:
+            p.data.copy_(v[off:off + p.numel()].view_as(p))
+            off += p.numel()
+
+    for s in range(iters):
+        x, y = _batch(rank, s)
+        nn.functional.cross_entropy(model(x), y).backward()
+        if s < w:
+            for p in params:
+                assert p.grad is not None
+                p.grad.div_(world)
+                dist.all_reduce(p.grad)
+        opt.step()
+        opt.zero_grad()
+        if pending is not None and pending[0] == s:
+            load(pending[2] + (_flat(model) - pending[1]))
+            pending = None
+        if s + 1 == w:
+            anchor = _flat(model).clone()
+        if s >= w and (s - w + 1) % h == 0:
+            snap = _flat(model).clone()
+            if outer == "average":
+                new = snap / world
+                dist.all_reduce(new)
+            else:
+                delta = (anchor - snap) / world
+                dist.all_reduce(delta)
+                buf = delta.clone() if buf is None else 0.9 * buf + delta
+                anchor = anchor - 0.7 * (delta + 0.9 * buf)
+                new = anchor
+            pending = (s + d, snap, new)
+    if pending is not None:  # flush
+        load(pending[2] + (_flat(model) - pending[1]))
+    return _flat(model)
+
+
+def overlap_worker(rank: int, world: int, outer: str) -> dict[str, Any]:
+    """Overlap on, two links, H 4, warm-up 2, applied 2 steps after each snapshot; the last step is an
+    averaging point and flush() applies it."""
+    import deft
+
+    h, w, d, iters = 4, 2, 2, 14  # averaging points after steps 5, 9, 13; applied after 7, 11, flush
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, config=DeftConfig(
+        local_steps=h, local_warmup_iters=w, local_outer=outer, local_overlap_iters=d, links=TWO_LINKS,
+        bucket_cap_mb=CAP_MB))
+    _train(ddp, opt, rank, 0, iters)
+    before_flush = dict(ddp.plan_info["local_steps"])
+    ddp.flush()
+    ref = _hand_reference(rank, world, outer, h, w, d, iters)
+    return {"params": _flat(model).tolist(), "diff": float((_flat(model) - ref).abs().max()),
+            "before_flush": before_flush, "after_flush": dict(ddp.plan_info["local_steps"]),
+            "link_stats": ddp.link_stats}
+
+
+def checkpoint_worker(rank: int, world: int, outer: str) -> dict[str, Any]:
+    """Saved after step 6 (the averaging launched after step 5 is in flight until after step 7), loaded
+    into a fresh model, optimizer and wrapper: the same bits as the run that never stopped."""
+    import deft
+
+    h, w, d, iters, cut = 4, 2, 2, 14, 7
+
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+        model = _model(seed)
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        ddp = deft.DistributedDataParallel(model, optimizer=opt, config=DeftConfig(
+            local_steps=h, local_warmup_iters=w, local_outer=outer, local_overlap_iters=d, links=TWO_LINKS,
+            bucket_cap_mb=CAP_MB))
+        return model, opt, ddp
+
+    model, opt, ddp = build(0)
+    _train(ddp, opt, rank, 0, iters)
+    whole = _flat(model)
+
+    model, opt, ddp = build(0)
+    _train(ddp, opt, rank, 0, cut)
+    in_flight = ddp.plan_info["local_steps"]["in_flight"]
+    blob = io.BytesIO()
+    torch.save({"model": ddp.state_dict(), "opt": opt.state_dict()}, blob)
+    _train(ddp, opt, rank, cut, iters)  # saving did not disturb the run
+    saved_run = _flat(model)
+
+    blob.seek(0)
+    doc = torch.load(blob, weights_only=True)
+    model, opt, ddp = build(seed=5)  # another initial model: everything must come from the checkpoint
+    ddp.load_state_dict(doc["model"])
+    opt.load_state_dict(doc["opt"])
+    resumed_at = ddp.iteration
+    _train(ddp, opt, rank, cut, iters)
+    return {"equal": bool(torch.equal(whole, _flat(model))), "saved_run_equal": bool(torch.equal(whole, saved_run)),
+            "in_flight": in_flight, "resumed_at": resumed_at, "applied": ddp.plan_info["local_steps"]["applied"]}
+
+
+# -- tests -----------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("h", [2, 4])
+def test_average_without_overlap_is_torch_post_local_sgd(h: int) -> None:
+    res = values(run_ranks(postlocal_worker, 2, args=(h, 2, 12)))
+    for r in res:
+        assert r["diff"] <= 1e-6
+        assert r["moved"] > 1e-3  # the run trained: the comparison is not between two initial models
+        assert r["info"]["averagings"] == (12 - 2) // h
+        assert r["info"]["applied"] == r["info"]["averagings"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("w", [0, 2])
+def test_diloco_without_overlap_is_the_reference(w: int) -> None:
+    res = values(run_ranks(diloco_worker, 2, args=(3, w, w + 9)))
+    for r in res:
+        assert r["outer_steps"] == 3
+        assert r["diff"] <= 1e-6
+        assert r["info"]["averagings"] == 3
+
+
+@pytest.mark.slow
+def test_overlap_without_local_progress_ends_where_blocking_ends() -> None:
+    r0, r1 = values(run_ranks(no_progress_worker, 2))
+    for r in (r0, r1):
+        assert max(abs(a - b) for a, b in zip(r["True"], r["False"], strict=True)) <= 1e-6
+    assert r0["True"] == r1["True"]  # averaged: the ranks' different models became one
+    assert r0["True"] != _flat(_model(seed=10)).tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("outer", ["average", "diloco"])
+def test_overlap_applies_each_averaging_once_keeping_local_progress(outer: str) -> None:
+    r0, r1 = values(run_ranks(overlap_worker, 2, args=(outer,)))
+    for r in (r0, r1):
+        assert r["diff"] <= 1e-6
+        assert r["before_flush"]["averagings"] == 3
+        assert r["before_flush"]["applied"] == 2
+        assert r["before_flush"]["in_flight"] == {"index": 2, "launched_after": 13, "apply_after": 15}
+        assert r["after_flush"]["applied"] == 3
+        assert r["after_flush"]["in_flight"] is None
+        assert r["after_flush"]["buckets_per_link"] == {"a": 3, "b": 2}
+        assert r["link_stats"]["a"]["calls"] == 3 * 3 + 2  # 3 averagings x 3 buckets + 2 warm-up gradients
+        assert r["link_stats"]["b"]["calls"] == 3 * 2
+    assert r0["params"] == r1["params"]  # the last averaging applied with no local progress since
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("outer", ["average", "diloco"])
+def test_checkpoint_mid_period_resumes_bit_for_bit(outer: str) -> None:
+    for r in values(run_ranks(checkpoint_worker, 2, args=(outer,))):
+        assert r["in_flight"] == {"index": 0, "launched_after": 5, "apply_after": 7}
+        assert r["resumed_at"] == 7
+        assert r["saved_run_equal"]
+        assert r["equal"]
+        assert r["applied"] == 2  # after steps 7 and 11; the one launched after step 13 is in flight
+
+
+@pytest.mark.parametrize(("kw", "field"), [
+    ({"local_steps": 4, "epsilon": 0.0}, "local_steps"),
+    ({"local_steps": -1}, "local_steps"),
+    ({"local_warmup_iters": -2}, "local_warmup_iters"),
+    ({"local_steps": 4, "local_outer": "lookahead"}, "local_outer"),
+    ({"local_steps": 4, "local_outer_lr": 0.0}, "local_outer_lr"),
+    ({"local_steps": 4, "local_outer_momentum": 1.0}, "local_outer_momentum"),
+    ({"local_steps": 4, "local_overlap_iters": 0}, "local_overlap_iters"),
+    ({"local_steps": 4, "local_overlap_iters": 5}, "local_overlap_iters"),
+    ({"local_steps": 4, "compression": "fp16"}, "compression"),
+])
+def test_bad_local_config_names_the_field(kw: dict[str, Any], field: str) -> None:
+    with pytest.raises(ContractError, match=field):
+        DeftConfig(**kw)
+    with pytest.raises(ContractError, match=field):
+        DeftConfig.from_dict(dict(kw), "deft.toml")
+
+
+def test_epsilon_zero_refusal_says_why() -> None:
+    with pytest.raises(ContractError, match="epsilon = 0 promises torch DDP's exact maths"):
+        DeftConfig(local_steps=2, epsilon=0.0)
+
+
+def test_local_config_defaults_and_toml_types() -> None:
+    assert DeftConfig().local_steps == 0  # off: the normal deft path
+    cfg = DeftConfig.from_dict({"local_steps": 4, "local_outer": "diloco", "local_overlap": False,
+                                "local_outer_lr": 1.0})
+    assert (cfg.local_steps, cfg.local_outer, cfg.local_overlap, cfg.local_outer_lr) == (4, "diloco", False, 1.0)
+    with pytest.raises(ContractError, match="local_overlap"):
+        DeftConfig.from_dict({"local_steps": 4, "local_overlap": 1})
