@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 examples/train_cnn.py --ddp torch
     torchrun --nproc-per-node 2 examples/train_cnn.py --ddp deft [--epsilon 0.01] [--config deft.toml]
                                                              [--compression fp16|powersgd]
+    torchrun --nproc-per-node 2 examples/train_cnn.py --ddp deft --local-steps 4 [--local-outer average|diloco]
     torchrun --nproc-per-node 2 examples/train_cnn.py --ddp fp16|powersgd|accum2|localsgd|diloco
     python examples/train_cnn.py --compute-only          # one process, one rank's work, no communication
 
@@ -45,6 +46,13 @@ learning rate:
   ``powerSGD_hook`` with the powersgd scheme's settings (``--powersgd-rank`` (4), error feedback, warm
   start, ``--powersgd-start`` defaulting to 10 % of the iterations), on deft's scheduled buckets; deft
   profiles and plans on the compressed sizes and the codec's compute.
+  ``--local-steps H`` runs deft's local-steps mode instead (config ``local_steps``; docs/DESIGN.md,
+  "Local steps"): every rank steps on its own gradient and every H steps the ranks average the parameters
+  (``--local-outer average``, post-local SGD; warm-up ``--local-warmup``, default the localsgd scheme's
+  10 %) or DiLoCo's pseudo-gradient through the outer Nesterov SGD (``--local-outer diloco``, with
+  ``--diloco-outer-lr`` and ``--diloco-outer-momentum``; warm-up default 0, as the diloco scheme); the
+  averaging is spread over the config's links and overlaps ``--local-overlap-iters`` (1) local steps
+  (``--no-local-overlap``: applied at once, post-local SGD / DiLoCo exactly).
 * ``--compute-only``: no wrapper, no process group: one process doing one rank's work (the shard a
   rank of a ``--shards`` (2)-rank job trains on, same batch, same iterations per epoch). Run one per
   host at the same time and it is the floor any scheme can reach.
@@ -138,6 +146,17 @@ def add_scheme_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--diloco-outer-lr", type=float, default=0.7, help="diloco: outer SGD's learning rate (paper 0.7)")
     ap.add_argument("--diloco-outer-momentum", type=float, default=0.9,
                     help="diloco: outer SGD's Nesterov momentum (paper 0.9; 0: plain SGD)")
+    ap.add_argument("--local-steps", type=int, default=None,
+                    help="deft: local-steps mode, the ranks average every H steps (config local_steps)")
+    ap.add_argument("--local-outer", choices=("average", "diloco"), default="average",
+                    help="deft --local-steps: average the parameters (post-local SGD) or DiLoCo's outer step")
+    ap.add_argument("--local-warmup", type=int, default=None,
+                    help="deft --local-steps: iterations of gradient all-reduce first (default: average 10%%, "
+                         "at least 1, as localsgd; diloco 0, as the diloco scheme)")
+    ap.add_argument("--local-overlap-iters", type=int, default=1,
+                    help="deft --local-steps: local steps an averaging overlaps before it is applied")
+    ap.add_argument("--no-local-overlap", action="store_true",
+                    help="deft --local-steps: wait for each averaging at once (post-local SGD / DiLoCo exactly)")
     ap.add_argument("--bucket-cap-mb", type=float, default=None,
                     help="torch DDP schemes (torch, fp16, accum2, localsgd): DDP's bucket_cap_mb (default torch's "
                          "25); diloco: bucket size of the pseudo-gradient all-reduce (default one flat all-reduce)")
@@ -148,7 +167,9 @@ def check_scheme_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
     for flag, value, low in (("--shards", args.shards, 1), ("--powersgd-rank", args.powersgd_rank, 1),
                              ("--powersgd-start", args.powersgd_start, 2), ("--accumulate", args.accumulate, 1),
                              ("--localsgd-period", args.localsgd_period, 2),
-                             ("--localsgd-warmup", args.localsgd_warmup, 0), ("--diloco-h", args.diloco_h, 1)):
+                             ("--localsgd-warmup", args.localsgd_warmup, 0), ("--diloco-h", args.diloco_h, 1),
+                             ("--local-steps", args.local_steps, 1), ("--local-warmup", args.local_warmup, 0),
+                             ("--local-overlap-iters", args.local_overlap_iters, 1)):
         if value is not None and value < low:
             ap.error(f"{flag}: expected an integer >= {low}, got {value}")
     if not args.diloco_outer_lr > 0:
@@ -164,6 +185,16 @@ def check_scheme_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
     args.ddp = "compute" if args.compute_only else (args.ddp or "torch")
     if args.compression is not None and args.ddp != "deft":
         ap.error(f"--compression is deft's knob; --ddp {args.ddp} has its own (use --ddp fp16|powersgd for torch DDP)")
+    if args.local_steps is None and (args.local_warmup is not None or args.no_local_overlap
+                                     or args.local_outer != "average" or args.local_overlap_iters != 1):
+        ap.error("--local-outer, --local-warmup, --local-overlap-iters and --no-local-overlap need --local-steps")
+    if args.local_steps is not None and args.ddp != "deft":
+        ap.error(f"--local-steps is deft's local-steps mode; --ddp {args.ddp} has its own (localsgd, diloco)")
+    if args.local_steps is not None and args.compression is not None:
+        ap.error("--compression does not apply to --local-steps (parameters are averaged exactly)")
+    if args.local_steps is not None and not args.no_local_overlap and args.local_overlap_iters > args.local_steps:
+        ap.error(f"--local-overlap-iters: expected at most --local-steps ({args.local_steps}), "
+                 f"got {args.local_overlap_iters}")
     if args.bucket_cap_mb is not None and args.ddp in ("deft", "powersgd", "compute"):
         why = {"deft": "deft buckets by its own plan", "powersgd": "powersgd keeps one bucket (see wrap())",
                "compute": "--compute-only communicates nothing"}[args.ddp]
@@ -247,6 +278,21 @@ def wrap(model: nn.Module, args: argparse.Namespace, total_iters: int,
         if args.compression is not None:  # the same PowerSGD settings as the torch scheme
             cfg = dataclasses.replace(cfg, compression=args.compression, powersgd_rank=args.powersgd_rank,
                                       powersgd_start_iter=args.powersgd_start or default_start(total_iters, 2))
+        if args.local_steps is not None:
+            warm = args.local_warmup if args.local_warmup is not None else \
+                (default_start(total_iters, 1) if args.local_outer == "average" else 0)
+            cfg = dataclasses.replace(cfg, local_steps=args.local_steps, local_outer=args.local_outer,
+                                      local_warmup_iters=warm, local_outer_lr=args.diloco_outer_lr,
+                                      local_outer_momentum=args.diloco_outer_momentum,
+                                      local_overlap=not args.no_local_overlap,
+                                      local_overlap_iters=args.local_overlap_iters)
+            ddp = deft.DistributedDataParallel(model, optimizer=sgd, config=cfg)
+            info = {"epsilon": cfg.epsilon, "links": [dataclasses.asdict(lk) for lk in cfg.links],
+                    "local_steps": cfg.local_steps, "local_outer": cfg.local_outer, "local_warmup_iters": warm,
+                    "local_overlap": cfg.local_overlap, "local_overlap_iters": cfg.local_overlap_iters}
+            if cfg.local_outer == "diloco":
+                info.update(local_outer_lr=cfg.local_outer_lr, local_outer_momentum=cfg.local_outer_momentum)
+            return Wrapped(ddp, sgd, info)  # a local step every iteration
         ddp = deft.DistributedDataParallel(model, optimizer=sgd, config=cfg)
         info = {"epsilon": cfg.epsilon, "preserver": cfg.preserver,
                 "links": [dataclasses.asdict(lk) for lk in cfg.links], "compression": cfg.compression}
@@ -325,19 +371,21 @@ def schedule_info(ddp: nn.Module) -> dict[str, Any]:
     if not hasattr(ddp, "update_log"):
         return {}
     info: dict[str, Any] = {}
+    plan = getattr(ddp, "plan_info", None)
+    local = isinstance(plan, dict) and "local_steps" in plan  # local-steps mode runs no schedule
     try:
-        sched = ddp.schedule
-        info.update(cycle=sched.cycle, K=[u.k for u in sched.updates], links=list(sched.links),
-                    buckets=len(sched.bucket_numel), predicted_iteration_s=sched.predicted_iteration_s,
-                    predicted_bubble_ratio=sched.predicted_bubble_ratio)
-        info["meta"] = {k: v for k, v in sched.meta.items() if isinstance(v, (int, float, str, bool))}
-        info["schedule"] = sched.to_dict()  # the schedule that ran, for deft.solver.simulate_schedule
-        profile = getattr(ddp, "profile", None)
-        if profile is not None:
-            info["profile"] = profile.to_dict()  # the profile it was planned on
+        if not local:
+            sched = ddp.schedule
+            info.update(cycle=sched.cycle, K=[u.k for u in sched.updates], links=list(sched.links),
+                        buckets=len(sched.bucket_numel), predicted_iteration_s=sched.predicted_iteration_s,
+                        predicted_bubble_ratio=sched.predicted_bubble_ratio)
+            info["meta"] = {k: v for k, v in sched.meta.items() if isinstance(v, (int, float, str, bool))}
+            info["schedule"] = sched.to_dict()  # the schedule that ran, for deft.solver.simulate_schedule
+            profile = getattr(ddp, "profile", None)
+            if profile is not None:
+                info["profile"] = profile.to_dict()  # the profile it was planned on
     except Exception as e:  # the summary must not fail the run; say what was missing instead
         info["error"] = f"{type(e).__name__}: {e}"
-    plan = getattr(ddp, "plan_info", None)
     if isinstance(plan, dict):
         info["plan_info"] = json.loads(json.dumps(plan, default=str))
     stats = getattr(ddp, "link_stats", None)

@@ -24,7 +24,7 @@ from tests._dist import run_ranks, values
 
 LR, MOMENTUM = 0.1, 0.9
 TWO_LINKS = (LinkConfig("a"), LinkConfig("b"))
-CAP_MB = 200 / 2**20  # 200-byte buckets: the MLP's 212 floats in 5 buckets (3 on link a, 2 on link b)
+CAP_MB = 200 / 2**20  # 200-byte caps: the MLP's 212 floats in 6 buckets (a multiple of 2 links), 3 per link
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -275,9 +275,10 @@ def test_overlap_applies_each_averaging_once_keeping_local_progress(outer: str) 
         assert r["before_flush"]["in_flight"] == {"index": 2, "launched_after": 13, "apply_after": 15}
         assert r["after_flush"]["applied"] == 3
         assert r["after_flush"]["in_flight"] is None
-        assert r["after_flush"]["buckets_per_link"] == {"a": 3, "b": 2}
+        assert r["after_flush"]["buckets_per_link"] == {"a": 3, "b": 3}
         assert r["link_stats"]["a"]["calls"] == 3 * 3 + 2  # 3 averagings x 3 buckets + 2 warm-up gradients
-        assert r["link_stats"]["b"]["calls"] == 3 * 2
+        assert r["link_stats"]["b"]["calls"] == 3 * 3
+        assert r["link_stats"]["a"]["bytes"] - 2 * 212 * 4 == r["link_stats"]["b"]["bytes"] + 3 * 4 * 4
     assert r0["params"] == r1["params"]  # the last averaging applied with no local progress since
 
 

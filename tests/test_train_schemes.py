@@ -76,6 +76,12 @@ def test_compute_only_epoch_is_a_ranks_shard(tmp_path: Path) -> None:
     (["--ddp", "torch", "--bucket-cap-mb", "0"], "--bucket-cap-mb: expected > 0, got 0.0"),
     (["--ddp", "deft", "--bucket-cap-mb", "4"], "--bucket-cap-mb does not apply to --ddp deft"),
     (["--ddp", "powersgd", "--bucket-cap-mb", "4"], "--bucket-cap-mb does not apply to --ddp powersgd"),
+    (["--ddp", "torch", "--local-steps", "4"], "--local-steps is deft's local-steps mode; --ddp torch has its own"),
+    (["--ddp", "deft", "--local-steps", "0"], "--local-steps: expected an integer >= 1, got 0"),
+    (["--ddp", "deft", "--local-outer", "diloco"], "--local-outer, --local-warmup, --local-overlap-iters and "
+     "--no-local-overlap need --local-steps"),
+    (["--ddp", "deft", "--local-steps", "2", "--local-overlap-iters", "3"],
+     "--local-overlap-iters: expected at most --local-steps (2), got 3"),
 ])
 def test_bad_scheme_arguments_name_the_flag(argv: list[str], message: str) -> None:
     p = subprocess.run([sys.executable, str(EXAMPLE), *argv], capture_output=True, text=True, timeout=60,
@@ -156,6 +162,11 @@ def test_deft_with_compression_trains_on_a_compressed_profile(tmp_path: Path, co
     # post-local SGD at period 8: warm-up round(1.2) = 1 iteration of global all-reduce
     (["--ddp", "localsgd", "--localsgd-period", "8"],
      {"hook": "post_localSGD_hook", "period": 8, "warmup_steps": 1}, {}),
+    # deft's local-steps mode, DiLoCo's outer step, H 4: no warm-up (as the diloco scheme), overlap 1 step
+    (["--ddp", "deft", "--local-steps", "4", "--local-outer", "diloco"],
+     {"epsilon": 0.01, "links": [{"name": "primary", "backend": "auto", "ifname": None}], "local_steps": 4,
+      "local_outer": "diloco", "local_warmup_iters": 0, "local_overlap": True, "local_overlap_iters": 1,
+      "local_outer_lr": 0.7, "local_outer_momentum": 0.9}, {}),
     # torch DDP on two gloo devices (bench_peers' torch-2nic; loopback twice stands in for two NICs)
     (["--ddp", "torch", "--bucket-cap-mb", "0.05"], {"bucket_cap_mb": 0.05}, {"GLOO_SOCKET_IFNAME": "lo,lo"}),
 ])

@@ -33,12 +33,14 @@ Invariants: every averaging is applied exactly once on every rank, after the sam
 is in flight (``D <= H``: it is applied before the next is launched); the anchor and the outer
 momentum buffer are equal on every rank; ``flush()`` applies the one in flight at once.
 
-Scheduling: each dtype's flat vector is cut into buckets of ``bucket_cap_mb``; a bucket goes to the
-link that frees first counting the bytes already assigned to each (greedy, in order; with links of
-equal speed and the next ``D`` local steps' compute as each link's capacity, it is what the 0/1
-multi-knapsack packs: every bucket fits some link's remaining time or none does, and then the least
-loaded link finishes the averaging first). Every rank assigns and launches the buckets in the same
-order on each link's process group, so the collectives match.
+Scheduling: each dtype's flat vector is cut into equal buckets of at most ``bucket_cap_mb``, their
+number a multiple of the number of links; each bucket goes to the link that frees first, counting
+the bytes already assigned to each (greedy, in order; ties to the first configured link). Links are
+taken as equally fast (this mode runs without a profile). Then that is the 0/1 multi-knapsack's answer
+with the next ``D`` local steps' compute as each link's capacity: equal buckets dealt round the
+links balance the bytes, so if any assignment hides the averaging in that compute this one does, and
+if none does it finishes the averaging first (the least makespan). Every rank assigns and launches
+the buckets in the same order on each link's process group, so the collectives match.
 """
 
 from __future__ import annotations
@@ -157,11 +159,16 @@ class LocalSteps:
         return out
 
     def buckets(self) -> list[tuple[str, int, int]]:
-        """(dtype name, start, end) element ranges of ``bucket_cap_mb`` bytes, every dtype's in turn."""
+        """(dtype name, start, end) element ranges, every dtype's in turn: as many buckets as ``bucket_cap_mb``
+        needs, rounded up to a multiple of the number of links, of equal size (so one bucket is never
+        alone on one link while the others idle)."""
         out = []
+        n_links = len(self.links)
         for name, params in self.groups.items():
             numel, size = sum(p.numel() for p in params), params[0].element_size()
-            step = max(1, self.cap_bytes // size)
+            cap = max(1, self.cap_bytes // size)
+            n = min(numel, n_links * -(-numel // (n_links * cap)))
+            step = -(-numel // n)
             out += [(name, lo, min(numel, lo + step)) for lo in range(0, numel, step)]
         return out
 
