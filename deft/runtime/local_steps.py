@@ -302,8 +302,3 @@ class LocalSteps:
             return None
         device = next(iter(self.groups.values()))[0].device
         return {k: v.detach().to(device).clone() for k, v in doc.items()}
-
-    @property
-    def holds_local_state(self) -> bool:
-        """An averaging in flight holds this rank's snapshot: its checkpoint is this rank's own."""
-        return self.pending is not None
