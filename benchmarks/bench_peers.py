@@ -171,6 +171,13 @@ SCHEMES: dict[str, Scheme] = {
     # deft's default before it chose codecs itself (compression = "none": every bucket exact)
     "deft-exact": Scheme("deft default, every bucket exact, two links", ("--ddp", "deft", "--compression", "none"),
                          links=2),
+    # deft's local-steps mode (config local_steps: every rank steps, the averaging overlapped over both links)
+    "deft-local4": Scheme("deft local steps (H 4, post-local), two links", ("--ddp", "deft", "--local-steps", "4"),
+                          links=2),
+    "deft-local8": Scheme("deft local steps (H 8, post-local), two links", ("--ddp", "deft", "--local-steps", "8"),
+                          links=2),
+    "deft-diloco8": Scheme("deft local steps (H 8, DiLoCo Nesterov 0.7/0.9), two links",
+                           ("--ddp", "deft", "--local-steps", "8", "--local-outer", "diloco"), links=2),
     "deft-fp16": Scheme("deft default + fp16 hook, two links", ("--ddp", "deft", "--compression", "fp16"), links=2),
     "deft-powersgd": Scheme("deft default + PowerSGD (rank 4), two links",
                             ("--ddp", "deft", "--compression", "powersgd"), links=2),

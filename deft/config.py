@@ -59,6 +59,10 @@ class DeftConfig:
     epsilon: float = 0.01
     links: tuple[LinkConfig, ...] = (LinkConfig("primary"),)
     bucket_cap_mb: float = 25.0
+    # The warm-up's first bucket under a chained comm hook (PowerSGD): torch 2.13's rule, 1 MB when
+    # bucket_cap_mb is left at its default, bucket_cap_mb itself when it is given (the constructor's
+    # bucket_cap_mb argument sets both, as in torch DDP)
+    first_bucket_cap_mb: float = 1.0
     partition_numel: int = 6_500_000
     solver: str = "exact"
     # CP-SAT budget per knapsack solve, as deterministic work (x solver.plan.WORK_PER_SECOND units), not
@@ -133,6 +137,8 @@ class DeftConfig:
                 raise bad(f"links[{i}].backend", "only the first (primary) link may be NCCL")
         if self.bucket_cap_mb <= 0:
             raise bad("bucket_cap_mb", f"expected > 0, got {self.bucket_cap_mb}")
+        if self.first_bucket_cap_mb <= 0:
+            raise bad("first_bucket_cap_mb", f"expected > 0, got {self.first_bucket_cap_mb}")
         if self.partition_numel < 1:
             raise bad("partition_numel", f"expected >= 1, got {self.partition_numel}")
         if self.solver not in SOLVERS:

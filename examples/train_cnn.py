@@ -44,8 +44,10 @@ learning rate:
   deft's preserver); ``--epsilon``, ``--no-preserver`` and ``--config`` set its config.
   ``--compression fp16|powersgd`` sets deft's ``compression`` knob: torch's ``fp16_compress_hook``, or
   ``powerSGD_hook`` with the powersgd scheme's settings (``--powersgd-rank`` (4), error feedback, warm
-  start, ``--powersgd-start`` defaulting to 10 % of the iterations), on deft's scheduled buckets; deft
-  profiles and plans on the compressed sizes and the codec's compute.
+  start, ``--powersgd-start`` defaulting to 10 % of the iterations, and the powersgd scheme's one-bucket
+  ``bucket_cap_mb``), on deft's scheduled buckets; deft profiles and plans on the compressed sizes and
+  the codec's compute. ``--compression none`` keeps every bucket exact; without ``--compression``
+  deft's default (``"auto"``) sends buckets in fp16 where its plan says the links are the bound.
   ``--local-steps H`` runs deft's local-steps mode instead (config ``local_steps``; docs/DESIGN.md,
   "Local steps"): every rank steps on its own gradient and every H steps the ranks average the parameters
   (``--local-outer average``, post-local SGD; warm-up ``--local-warmup``, default the localsgd scheme's
@@ -259,6 +261,12 @@ class Wrapped:
     updates: Callable[[int], int] = lambda steps: steps
 
 
+def one_bucket_mb(model: nn.Module) -> float:
+    """A ``bucket_cap_mb`` that puts the whole model in one DDP bucket (torch 2.13 caps the first bucket
+    at the given cap too)."""
+    return max(25.0, 2 * sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20)
+
+
 def wrap(model: nn.Module, args: argparse.Namespace, total_iters: int,
          optimizer: torch.optim.Optimizer | None = None) -> Wrapped:
     """The lines that differ between the schemes: the wrapper, its hook, its optimizer (``optimizer``, by
@@ -293,12 +301,14 @@ def wrap(model: nn.Module, args: argparse.Namespace, total_iters: int,
             if cfg.local_outer == "diloco":
                 info.update(local_outer_lr=cfg.local_outer_lr, local_outer_momentum=cfg.local_outer_momentum)
             return Wrapped(ddp, sgd, info)  # a local step every iteration
-        ddp = deft.DistributedDataParallel(model, optimizer=sgd, config=cfg)
+        # PowerSGD: the torch powersgd scheme's one bucket (see below), through the same torch DDP argument
+        cap = one_bucket_mb(model) if cfg.compression == "powersgd" else None
+        ddp = deft.DistributedDataParallel(model, optimizer=sgd, config=cfg, bucket_cap_mb=cap)
         info = {"epsilon": cfg.epsilon, "preserver": cfg.preserver,
                 "links": [dataclasses.asdict(lk) for lk in cfg.links], "compression": cfg.compression}
         if cfg.compression == "powersgd":
             info.update(matrix_approximation_rank=cfg.powersgd_rank, start_powerSGD_iter=cfg.powersgd_start_iter,
-                        use_error_feedback=True, warm_start=True)
+                        use_error_feedback=True, warm_start=True, bucket_cap_mb=cap)
         return Wrapped(ddp, sgd, info, updates=lambda _steps: len(ddp.update_log))
     if args.ddp == "diloco":
         from diloco import DiLoCo
@@ -314,8 +324,7 @@ def wrap(model: nn.Module, args: argparse.Namespace, total_iters: int,
         # thread launches the next bucket's first all-reduce: the ranks can issue collectives in
         # different orders, which gloo reports as "Received data size doesn't match expected size"
         # (seen twice in two 88-iteration runs on the testbed with DDP's default buckets).
-        model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=max(25.0, 2 * model_mb))
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=one_bucket_mb(model))
     elif args.bucket_cap_mb is not None:
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
     else:
@@ -451,8 +460,11 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal eval_s
         t_eval = time.perf_counter()
         flush = getattr(ddp, "flush", None)
-        if callable(flush):
-            flush()  # apply queued gradients so the test sees every iteration trained so far
+        # Apply queued gradients so the test sees every iteration trained so far; not in the local-steps
+        # mode, whose flush would apply the averaging in flight early: its test sees rank 0's local
+        # parameters, as the localsgd and diloco schemes' do.
+        if callable(flush) and "local_steps" not in w.info:
+            flush()
         acc, test_loss = evaluate(model, x_test, y_test)
         barrier()  # ranks resume training together, so evaluation time stays out of iteration times
         now = time.perf_counter()

@@ -17,7 +17,8 @@ from deft.config import DeftConfig, LinkConfig
 from deft.errors import ContractError
 from deft.preserver.codec_error import FP16_HEADROOM, FP16_MAX, GradientScale, judge, pick, variance_bound
 from deft.profile import Bucket, BucketTimes, Link, Profile
-from deft.runtime.planning import CodecInputs, choose_codec, make_schedule
+from deft.runtime.layouts import warmup_layout
+from deft.runtime.planning import CodecInputs, Decision, choose_codec, make_schedule, torch_way_without_gain
 from deft.schedule import Schedule, synchronous_schedule
 from deft.solver import codecs
 from deft.solver.codecs import CodecCost, choose, encoded_profile, mark
@@ -204,3 +205,51 @@ def test_decision_on_a_compute_bound_profile_records_why_nothing_is_coded() -> N
     assert record is not None and record["coded"] == [] and "not the bound" in str(record["reason"])
     assert not planned.compressed
     assert codecs.coded_buckets(make_schedule(CFG, planned, None, None).schedule.codecs) == ()
+
+
+# -- a serial codec (PowerSGD): torch DDP's way unless the plan predicts a gain (issue 28, item 3) ---------
+def serial_profile(second_ms: float) -> Profile:
+    """Two buckets compressed by PowerSGD (sends one at a time over all links): 2 ms backward each,
+    10 ms on the primary link, ``second_ms`` on the second."""
+    buckets = tuple(Bucket(i, (f"layer{i}.weight",), NUMEL, 4 * NUMEL, NUMEL // 10) for i in range(2))
+    times = tuple(BucketTimes(1 * MS, 2 * MS, {"l0": 10 * MS, "l1": second_ms * MS}, 0.5 * MS) for _ in range(2))
+    return Profile(buckets, times, (Link("l0", "gloo"), Link("l1", "gloo")), 2, "synthetic", model="toy",
+                   codec="powersgd (rank 4)")
+
+
+CFG2 = DeftConfig(links=(LinkConfig("l0"), LinkConfig("l1")))
+
+
+def test_serial_codec_without_a_predicted_gain_runs_torch_ddps_way() -> None:
+    # Equal links: the sends are serial either way, so no plan beats the primary link's WFBP by 3 %.
+    p = serial_profile(10.0)
+    decision = make_schedule(CFG2, p, None, None)
+    sched = decision.schedule
+    assert str(decision.info["source"]).startswith("synchronous (powersgd")
+    assert sched.cycle == 1 and sched.links == ("l0",) and sched.bucket_numel == (NUMEL, NUMEL)
+    assert decision.info["planned_predicted_s"] >= 0.97 * decision.info["synchronous_predicted_s"]
+
+
+def test_serial_codec_keeps_a_plan_predicted_faster() -> None:
+    # The second link is 5x faster: the plan sends there (2 ms a bucket) where torch's way waits 10 ms
+    # a bucket on the primary; predicted > 3 % faster, so it is kept.
+    decision = make_schedule(CFG2, serial_profile(2.0), None, None)
+    assert not str(decision.info["source"]).startswith("synchronous")
+    assert "l1" in {t.link for st in decision.schedule.stages for t in st.comms}
+
+
+def test_elementwise_or_exact_profiles_are_left_to_the_plan() -> None:
+    base = profile((20.0,) * 4)
+    planned = make_schedule(CFG, base, None, None)
+    assert torch_way_without_gain(base, planned) is planned
+    coded = encoded_profile(base, cost(4), [0, 1])
+    d = Decision(make_schedule(CFG, coded, None, None).schedule, {"source": "x"})
+    assert torch_way_without_gain(coded, d) is d
+
+
+def test_warmup_buckets_under_a_chained_hook_follow_torchs_first_bucket_rule() -> None:
+    params = [torch.zeros(300_000) for _ in range(3)]  # 1.14 MB each, 3.4 MB in all
+    order = [2, 1, 0]
+    default = warmup_layout(order, ["a", "b", "c"], params, 25.0, True)  # first bucket 1 MB: one parameter
+    given = warmup_layout(order, ["a", "b", "c"], params, 25.0, True, first_bucket_cap_mb=25.0)
+    assert default.bucket_numel == (300_000, 600_000) and given.bucket_numel == (900_000,)

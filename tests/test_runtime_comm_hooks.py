@@ -244,15 +244,16 @@ def test_in_place_hooks_leave_the_average_in_deft_buffer() -> None:
             assert r["mean"] == pytest.approx(1.5, rel=1e-5), (name, r)
 
 
-def warmup_layout_worker(rank: int, world: int, compression: str) -> list[int]:
-    """The profile's buckets (the warm-up layout) of a 1.6 MB MLP under ``compression``."""
+def warmup_layout_worker(rank: int, world: int, compression: str, cap_mb: float | None = None) -> list[int]:
+    """The profile's buckets (the warm-up layout) of a 1.6 MB MLP under ``compression`` (``cap_mb``: torch
+    DDP's ``bucket_cap_mb`` argument)."""
     import deft
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 600), nn.ReLU(), nn.Linear(600, 600), nn.ReLU(), nn.Linear(600, 10))
     ddp = deft.DistributedDataParallel(model, config={
         "compression": compression, "powersgd_start_iter": 2, "warmup_iters": 1, "profile_iters": 2,
-        "timeout_s": 30, "epsilon": 0.0})
+        "timeout_s": 30, "epsilon": 0.0}, bucket_cap_mb=cap_mb)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     train_steps(ddp, opt, rank, iters=6, batch=8)
     ddp.flush()
@@ -270,6 +271,10 @@ def test_chained_hooks_warm_up_and_profile_on_torch_sized_buckets() -> None:
     psgd = values(run_ranks(warmup_layout_worker, 2, ("powersgd",), timeout=120))
     assert fp16[0] == fp16[1] == [6610, 360000, 39000]
     assert psgd[0] == psgd[1] == [6610, 399000]
+    # bucket_cap_mb given to the constructor caps the first bucket too (torch 2.13): one bucket of all
+    # 6010 + 600 + 360000 + 600 + 38400 = 405610 elements, as torch DDP(bucket_cap_mb=25) has.
+    given = values(run_ranks(warmup_layout_worker, 2, ("powersgd", 25.0), timeout=120))
+    assert given[0] == given[1] == [405610]
 
 
 def _rng_around_codec_timing(rank: int, world: int) -> dict[str, Any]:

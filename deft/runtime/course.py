@@ -214,7 +214,7 @@ class Course:
         """torch DDP's behaviour during warm-up (:func:`deft.runtime.layouts.warmup_layout`)."""
         hook = self._executor.comm_hook
         layout = warmup_layout(order, self._names, self._params, self.config.bucket_cap_mb,
-                               hook is not None and hook.chained)
+                               hook is not None and hook.chained, self.config.first_bucket_cap_mb)
         self._install(synchronous_schedule(layout.bucket_numel, layout.bucket_nbytes(), (self._primary.name,)),
                       layout, t0)
 

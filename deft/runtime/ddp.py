@@ -91,7 +91,9 @@ class DistributedDataParallel(nn.Module):
                               device_mesh=device_mesh, bucket_cap_mb_list=bucket_cap_mb_list), device_ids)
         self.module = module
         cfg = DeftConfig.resolve(config)
-        self.config = cfg if bucket_cap_mb is None else replace(cfg, bucket_cap_mb=float(bucket_cap_mb))
+        # A given bucket_cap_mb caps the first bucket too, as torch 2.13's DDP does (first_bucket_cap_mb).
+        self.config = cfg if bucket_cap_mb is None else replace(cfg, bucket_cap_mb=float(bucket_cap_mb),
+                                                                 first_bucket_cap_mb=float(bucket_cap_mb))
         # Bad files fail here, before any collective. Only rank 0 reads a schedule file when planning,
         # so another rank without the file (multi-node) skips the check.
         given_profile = resolve_profile(profile, self.config)

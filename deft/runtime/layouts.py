@@ -21,7 +21,7 @@ PROFILE_BUCKET_CAP_MB = 1.0
 
 
 def warmup_layout(order: list[int], names: list[str], params: list[torch.Tensor], bucket_cap_mb: float,
-                  chained_hook: bool) -> FlatLayout:
+                  chained_hook: bool, first_bucket_cap_mb: float = 1.0) -> FlatLayout:
     """torch DDP's buckets during warm-up: whole parameters in ready order.
 
     Their cap is :data:`PROFILE_BUCKET_CAP_MB`, except under a chained comm hook (PowerSGD, a user's
@@ -30,9 +30,14 @@ def warmup_layout(order: list[int], names: list[str], params: list[torch.Tensor]
     per-call compute, so small buckets would make the warm-up and profile iterations slow and their
     per-bucket times too noisy to choose a bucket count (benchmarks/RESULTS.md, "Figures behind the
     runtime's constants"). The planner may still fuse these buckets; a smaller ``bucket_cap_mb`` gives
-    it finer ones."""
-    cap = bucket_cap_mb if chained_hook else min(bucket_cap_mb, PROFILE_BUCKET_CAP_MB)
-    return FlatLayout(order, names, params, ddp_like_bucket_numel(order, params, cap), "<warm-up buckets>")
+    it finer ones. Their first bucket is capped at ``first_bucket_cap_mb``, torch 2.13's rule (1 MB
+    with the default cap, the cap itself when one is given), so that deft's synchronous schedule under
+    such a hook is torch DDP's with the same arguments."""
+    if not chained_hook:
+        cap = min(bucket_cap_mb, PROFILE_BUCKET_CAP_MB)
+        return FlatLayout(order, names, params, ddp_like_bucket_numel(order, params, cap), "<warm-up buckets>")
+    return FlatLayout(order, names, params, ddp_like_bucket_numel(order, params, bucket_cap_mb, first_bucket_cap_mb),
+                      "<warm-up buckets>")
 
 
 def ready_order(seen: Sequence[int], n_params: int) -> list[int]:

@@ -54,6 +54,7 @@ from deft.solver import codecs
 from deft.solver.codecs import CodecCost
 from deft.solver.lagfree import lagfree_plan
 from deft.solver.plan import no_delay_plan, plan
+from deft.solver.simulate import serial_codec, simulate_schedule
 
 log = logging.getLogger("deft.runtime")
 
@@ -146,11 +147,39 @@ def make_schedule(cfg: DeftConfig, profile: Profile | None, stats: WalkStats | N
         return Decision(Schedule.load(os.fspath(schedule_path)), {"source": str(schedule_path)})
     assert profile is not None
     profile, chosen = choose_codec(cfg, profile, stats, codec)
-    decision = _planned(cfg, profile, stats)
+    decision = torch_way_without_gain(profile, _planned(cfg, profile, stats))
     decision.schedule = codecs.mark(decision.schedule, profile, cfg)
     if chosen is not None:
         decision.info["codecs"] = chosen
     return decision
+
+
+#: Under a serial codec deft's plan must predict at least this much less per iteration than torch's way.
+TORCH_WAY_GAIN = 0.03
+
+
+def torch_way_without_gain(profile: Profile, decision: Decision) -> Decision:
+    """Under a codec whose sends run one at a time (PowerSGD, a user's hook: ``serial_codec``), the
+    synchronous schedule of the profiled buckets on the primary link (torch DDP's way with the same
+    hook and buckets) unless ``decision``'s plan predicts at least :data:`TORCH_WAY_GAIN` less per
+    iteration. Why: such a plan can only reorder the serial sends and move some into the next
+    forward, while each extra bucket or stage pays the hook's collectives and per-call compute, which
+    the profile prices only on average (deft + PowerSGD ran 0.92-0.95x torch DDP + PowerSGD per
+    iteration on plans predicted 1-7 % faster: benchmarks/results/slow_links.md)."""
+    if not serial_codec(profile):
+        return decision
+    sync = synchronous_schedule(tuple(b.numel for b in profile.buckets), tuple(b.nbytes for b in profile.buckets),
+                                (profile.link_names[0],))
+    sync_s = float(simulate_schedule(profile, sync).iteration_s)
+    planned_s = decision.schedule.predicted_iteration_s
+    if 0.0 < planned_s < sync_s * (1.0 - TORCH_WAY_GAIN):
+        return decision
+    sync = dataclasses.replace(sync, predicted_iteration_s=sync_s, profile_digest=profile.digest(),
+                               meta={"planner": "synchronous", "reason": "serial codec: the plan predicts no gain"})
+    info: JsonDict = {**decision.info, "source": f"synchronous ({profile.codec}: torch DDP's way)",
+                      "planned_source": decision.info.get("source"), "planned_predicted_s": planned_s,
+                      "synchronous_predicted_s": sync_s}
+    return Decision(sync, info)
 
 
 def _planned(cfg: DeftConfig, profile: Profile, stats: WalkStats | None) -> Decision:
