@@ -15,6 +15,7 @@ ORDER = [
     "summary.md",
     "peers.md",
     "peers_lm.md",
+    "slow_links.md",
     "seeds.md",
     "testbed.md",
     "replay.md",
