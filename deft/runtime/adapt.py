@@ -393,8 +393,14 @@ def _decision(cfg: DeftConfig, adapter: Adapter, running: Schedule, profile: Pro
         try:
             assert profile is not None
 
+            # Re-plans solve their knapsacks with the paper's greedy (0.2 % below the optimum on average:
+            # benchmarks/results/knapsack.md): the preserver's tries with exact knapsacks can spend
+            # EXACT_BUDGET_LIMITS budgets each, and one adaptation re-plan on a coded profile took over
+            # 200 s in the background on the 2-core CI machine while every rank waited for it.
+            quick = replace(cfg, solver="greedy")
+
             def replan(corrected: Profile) -> Schedule:
-                return make_schedule(cfg, corrected, None if cfg.epsilon == 0 else walk, None).schedule
+                return make_schedule(quick, corrected, None if cfg.epsilon == 0 else walk, None).schedule
 
             new, corrected, record = adapter.decide(running, profile, measured, backward, replan)
             doc: Decision = {"record": record, "done": adapter.done}
