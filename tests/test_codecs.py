@@ -180,7 +180,7 @@ def inputs(max_abs: float = 1.0, n: int = 4) -> CodecInputs:
 
 def test_decision_codes_where_the_links_are_the_bound() -> None:
     p = profile((0.2, 20.0, 20.0, 20.0))
-    planned, record = choose_codec(CFG, p, None, inputs())
+    planned, record = choose_codec(CFG, p, inputs())
     assert record is not None and record["coded"] == [1, 2, 3] and record["codec"] == "fp16"
     assert [b.wire_nbytes is not None for b in planned.buckets] == [False, True, True, True]
     assert record["parameters"] == ["layer1.weight", "layer2.weight", "layer3.weight"]
@@ -196,12 +196,12 @@ def test_decision_at_epsilon_zero_is_exact() -> None:
 
 
 def test_decision_without_headroom_uses_bf16() -> None:
-    _, record = choose_codec(CFG, profile((20.0,) * 4), None, inputs(max_abs=FP16_MAX))
+    _, record = choose_codec(CFG, profile((20.0,) * 4), inputs(max_abs=FP16_MAX))
     assert record is not None and record["codec"] == "bf16" and record["coded"] == [0, 1, 2, 3]
 
 
 def test_decision_on_a_compute_bound_profile_records_why_nothing_is_coded() -> None:
-    planned, record = choose_codec(CFG, profile((0.1,) * 4, backward_ms=10.0), None, inputs())
+    planned, record = choose_codec(CFG, profile((0.1,) * 4, backward_ms=10.0), inputs())
     assert record is not None and record["coded"] == [] and "not the bound" in str(record["reason"])
     assert not planned.compressed
     assert codecs.coded_buckets(make_schedule(CFG, planned, None, None).schedule.codecs) == ()

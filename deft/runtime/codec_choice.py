@@ -67,4 +67,4 @@ def planned_profile(profile: Profile, inputs: CodecInputs | None, info: JsonDict
     if not (isinstance(coded, list) and all(isinstance(b, int) for b in coded) and isinstance(name, str)):
         raise DeftError(f"internal: rank 0's codec decision is malformed: {record!r}")
     cost = CodecCost(name, inputs.cost.wire_nbytes, inputs.cost.codec_s)
-    return codecs.encoded_profile(profile, cost, [b for b in coded if isinstance(b, int)])
+    return codecs.encoded_profile(profile, cost, [int(b) for b in coded])  # ints: checked above

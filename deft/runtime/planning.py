@@ -119,8 +119,7 @@ class CodecInputs:
     scale: GradientScale
 
 
-def choose_codec(cfg: DeftConfig, profile: Profile, stats: WalkStats | None,
-                 codec: CodecInputs | None) -> tuple[Profile, JsonDict | None]:
+def choose_codec(cfg: DeftConfig, profile: Profile, codec: CodecInputs | None) -> tuple[Profile, JsonDict | None]:
     """Rank 0: the profile to plan on, with the buckets deft sends in fp16/bf16 coded
     (:func:`deft.solver.codecs.choose`) when the preserver accepts a codec
     (:func:`deft.preserver.codec_error.pick`), and the record of why (None: not considered)."""
@@ -146,7 +145,7 @@ def make_schedule(cfg: DeftConfig, profile: Profile | None, stats: WalkStats | N
     if schedule_path is not None:
         return Decision(Schedule.load(os.fspath(schedule_path)), {"source": str(schedule_path)})
     assert profile is not None
-    profile, chosen = choose_codec(cfg, profile, stats, codec)
+    profile, chosen = choose_codec(cfg, profile, codec)
     decision = torch_way_without_gain(profile, _planned(cfg, profile, stats))
     decision.schedule = codecs.mark(decision.schedule, profile, cfg)
     if chosen is not None:
