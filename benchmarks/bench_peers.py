@@ -28,7 +28,11 @@ per host) for ``--epochs`` epochs with every scheme and every seed of ``--seeds`
 * ``deft``: deft with its default config (epsilon 0.01, preserver on) on both links;
 * ``deft-fp16``, ``deft-powersgd``: the same with deft's ``compression`` knob (``--compression``):
   torch's fp16 hook, or PowerSGD with the powersgd row's settings (rank 4, error feedback, warm
-  start, from 10 % of the iterations on), on deft's scheduled buckets.
+  start, from 10 % of the iterations on), on deft's scheduled buckets;
+* ``deft-local4``, ``deft-local8``, ``deft-diloco8``: deft's local-steps mode (``--local-steps``),
+  post-local SGD or DiLoCo at a fixed period; ``deft-adacomm``, ``deft-diloco-ada``: the same with
+  ``--local-period adacomm`` and ``--local-steps 16`` as the largest period: deft chooses the period
+  from measurements and shortens it as the loss falls (AdaComm).
 
 The runs are interleaved: for each repeat and seed the scheme order is rotated by one, and each scheme
 runs at every rate before the next scheme starts, so a slow spell of the shared machine hits all alike.
@@ -178,6 +182,14 @@ SCHEMES: dict[str, Scheme] = {
                           links=2),
     "deft-diloco8": Scheme("deft local steps (H 8, DiLoCo Nesterov 0.7/0.9), two links",
                            ("--ddp", "deft", "--local-steps", "8", "--local-outer", "diloco"), links=2),
+    # the same with the period chosen by deft (config local_period "adacomm"): H_0 <= 16 from the measured
+    # compute and averaging time, then AdaComm's rule shortens it as the loss falls
+    "deft-adacomm": Scheme("deft local steps (AdaComm period, H <= 16, post-local), two links",
+                           ("--ddp", "deft", "--local-steps", "16", "--local-period", "adacomm",
+                            "--local-outer", "average"), links=2),
+    "deft-diloco-ada": Scheme("deft local steps (AdaComm period, H <= 16, DiLoCo Nesterov 0.7/0.9), two links",
+                              ("--ddp", "deft", "--local-steps", "16", "--local-period", "adacomm",
+                               "--local-outer", "diloco"), links=2),
     "deft-fp16": Scheme("deft default + fp16 hook, two links", ("--ddp", "deft", "--compression", "fp16"), links=2),
     "deft-powersgd": Scheme("deft default + PowerSGD (rank 4), two links",
                             ("--ddp", "deft", "--compression", "powersgd"), links=2),

@@ -38,6 +38,10 @@ MERGE_LR_SCALINGS = ("none", "linear", "sqrt")
 #: steps: ``"average"`` the parameters (post-local SGD), ``"diloco"`` the pseudo-gradient, stepped by an
 #: outer SGD with Nesterov momentum (DiLoCo).
 LOCAL_OUTERS = ("average", "diloco")
+#: Local-steps mode's period: ``"fixed"`` averages every ``local_steps`` steps; ``"adacomm"`` takes
+#: ``local_steps`` as the largest period and chooses it from measurements, then lowers it as the loss
+#: falls (deft.runtime.local_period: AdaComm, Wang and Joshi 2019).
+LOCAL_PERIODS = ("fixed", "adacomm")
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,12 @@ class DeftConfig:
     # false: every rank waits for it at the averaging step (post-local SGD / DiLoCo exactly).
     local_overlap: bool = True
     local_overlap_iters: int = 1
+    # "adacomm" (LOCAL_PERIODS): local_steps is H_max; the running period starts at H_0, the smallest whose
+    # exposed averaging time per step is at most 10 % of the measured compute (measured over the first
+    # period, run at H_max), then follows AdaComm's H_l = ceil(sqrt(F_l / F_0) H_0) in [max(1, D), H_0] on
+    # the losses given to ddp.observe_loss (none: H stays H_0). Every rank decides from values agreed at
+    # the averaging points.
+    local_period: str = "fixed"
     profile_path: str | None = None
     schedule_path: str | None = None
     extra: JsonDict = field(default_factory=dict)
@@ -186,14 +196,20 @@ class DeftConfig:
             raise bad("local_outer_momentum", f"expected in [0, 1), got {self.local_outer_momentum}")
         if self.local_overlap_iters < 1:
             raise bad("local_overlap_iters", f"expected an integer >= 1, got {self.local_overlap_iters}")
+        if self.local_period not in LOCAL_PERIODS:
+            raise bad("local_period", f"expected one of {', '.join(LOCAL_PERIODS)}, got {self.local_period!r}")
         if self.local_steps == 0:
+            if self.local_period != "fixed":
+                raise bad("local_period", f"{self.local_period!r} chooses the period of local-steps mode: set "
+                          "local_steps > 0 (its largest period H_max) or local_period = \"fixed\"")
             return
         if self.epsilon == 0:
             raise bad("local_steps", f"local steps (H = {self.local_steps}) change the maths of every update, and "
                       "epsilon = 0 promises torch DDP's exact maths: set epsilon > 0 or local_steps = 0")
         if self.local_overlap and self.local_overlap_iters > self.local_steps:
-            raise bad("local_overlap_iters", f"expected at most local_steps ({self.local_steps}): an averaging "
-                      f"is applied before the next one starts, got {self.local_overlap_iters}")
+            raise bad("local_overlap_iters", f"expected at most local_steps ({self.local_steps}"
+                      f"{', the largest period' if self.local_period == 'adacomm' else ''}): an averaging is "
+                      f"applied before the next one starts, got {self.local_overlap_iters}")
         if self.compression not in ("auto", "none"):
             raise bad("compression", f"local steps (local_steps = {self.local_steps}) average parameters exactly; "
                       f"a gradient codec ({self.compression!r}) has nothing to compress there: use \"auto\" or "

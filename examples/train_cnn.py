@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 examples/train_cnn.py --ddp deft [--epsilon 0.01] [--config deft.toml]
                                                              [--compression fp16|powersgd]
     torchrun --nproc-per-node 2 examples/train_cnn.py --ddp deft --local-steps 4 [--local-outer average|diloco]
+                                                             [--local-period fixed|adacomm]
     torchrun --nproc-per-node 2 examples/train_cnn.py --ddp fp16|powersgd|accum2|localsgd|diloco
     python examples/train_cnn.py --compute-only          # one process, one rank's work, no communication
 
@@ -54,7 +55,9 @@ learning rate:
   10 %) or DiLoCo's pseudo-gradient through the outer Nesterov SGD (``--local-outer diloco``, with
   ``--diloco-outer-lr`` and ``--diloco-outer-momentum``; warm-up default 0, as the diloco scheme); the
   averaging is spread over the config's links and overlaps ``--local-overlap-iters`` (1) local steps
-  (``--no-local-overlap``: applied at once, post-local SGD / DiLoCo exactly).
+  (``--no-local-overlap``: applied at once, post-local SGD / DiLoCo exactly). ``--local-period adacomm``
+  (config ``local_period``) makes H the largest period: deft chooses the period from the first period's
+  measured compute and averaging time and shortens it as the loss this loop reports falls (AdaComm).
 * ``--compute-only``: no wrapper, no process group: one process doing one rank's work (the shard a
   rank of a ``--shards`` (2)-rank job trains on, same batch, same iterations per epoch). Run one per
   host at the same time and it is the floor any scheme can reach.
@@ -157,6 +160,9 @@ def add_scheme_args(ap: argparse.ArgumentParser) -> None:
                          "at least 1, as localsgd; diloco 0, as the diloco scheme)")
     ap.add_argument("--local-overlap-iters", type=int, default=1,
                     help="deft --local-steps: local steps an averaging overlaps before it is applied")
+    ap.add_argument("--local-period", choices=("fixed", "adacomm"), default="fixed",
+                    help="deft --local-steps: average every H steps (fixed), or H is the largest period, chosen "
+                         "from measurements and shortened as the loss falls (adacomm; config local_period)")
     ap.add_argument("--no-local-overlap", action="store_true",
                     help="deft --local-steps: wait for each averaging at once (post-local SGD / DiLoCo exactly)")
     ap.add_argument("--bucket-cap-mb", type=float, default=None,
@@ -188,8 +194,10 @@ def check_scheme_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.compression is not None and args.ddp != "deft":
         ap.error(f"--compression is deft's knob; --ddp {args.ddp} has its own (use --ddp fp16|powersgd for torch DDP)")
     if args.local_steps is None and (args.local_warmup is not None or args.no_local_overlap
-                                     or args.local_outer != "average" or args.local_overlap_iters != 1):
-        ap.error("--local-outer, --local-warmup, --local-overlap-iters and --no-local-overlap need --local-steps")
+                                     or args.local_outer != "average" or args.local_overlap_iters != 1
+                                     or args.local_period != "fixed"):
+        ap.error("--local-outer, --local-warmup, --local-overlap-iters, --local-period and --no-local-overlap "
+                 "need --local-steps")
     if args.local_steps is not None and args.ddp != "deft":
         ap.error(f"--local-steps is deft's local-steps mode; --ddp {args.ddp} has its own (localsgd, diloco)")
     if args.local_steps is not None and args.compression is not None:
@@ -293,11 +301,12 @@ def wrap(model: nn.Module, args: argparse.Namespace, total_iters: int,
                                       local_warmup_iters=warm, local_outer_lr=args.diloco_outer_lr,
                                       local_outer_momentum=args.diloco_outer_momentum,
                                       local_overlap=not args.no_local_overlap,
-                                      local_overlap_iters=args.local_overlap_iters)
+                                      local_overlap_iters=args.local_overlap_iters, local_period=args.local_period)
             ddp = deft.DistributedDataParallel(model, optimizer=sgd, config=cfg)
             info = {"epsilon": cfg.epsilon, "links": [dataclasses.asdict(lk) for lk in cfg.links],
                     "local_steps": cfg.local_steps, "local_outer": cfg.local_outer, "local_warmup_iters": warm,
-                    "local_overlap": cfg.local_overlap, "local_overlap_iters": cfg.local_overlap_iters}
+                    "local_overlap": cfg.local_overlap, "local_overlap_iters": cfg.local_overlap_iters,
+                    "local_period": cfg.local_period}
             if cfg.local_outer == "diloco":
                 info.update(local_outer_lr=cfg.local_outer_lr, local_outer_momentum=cfg.local_outer_momentum)
             return Wrapped(ddp, sgd, info)  # a local step every iteration

@@ -9,7 +9,9 @@ a checkpoint taken while an averaging is in flight resumes bit for bit.
 from __future__ import annotations
 
 import io
+import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +235,123 @@ def checkpoint_worker(rank: int, world: int, outer: str) -> dict[str, Any]:
             "in_flight": in_flight, "resumed_at": resumed_at, "applied": ddp.plan_info["local_steps"]["applied"]}
 
 
+# -- local_period "adacomm" ------------------------------------------------------------------------------
+ADA_W, ADA_HMAX = 2, 8  # the first averaging point is after step W + H_max - 1 = 9
+ADA_FIRST = ADA_W + ADA_HMAX - 1
+
+
+def _fed_loss(rank: int, it: int) -> float:
+    """The loss each rank reports at iteration ``it``: falling, different per rank (so the mean matters)."""
+    return (4.0 + rank) * 0.85 ** it
+
+
+def _train_observed(ddp: Any, opt: Any, rank: int, start: int, stop: int, report: bool = True) -> None:
+    """Training that reports :func:`_fed_loss`; rank 1 is late at the first averaging point, so that the
+    averaging's measured time (the maximum over the ranks) dwarfs a step's: H_0 is then very likely H_max.
+    The tests hold for any H_0."""
+    for it in range(start, stop):
+        x, y = _batch(rank, it)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        if report:
+            ddp.observe_loss(_fed_loss(rank, it))
+        if rank == 1 and it == ADA_FIRST:
+            time.sleep(0.3)
+        opt.step()
+        opt.zero_grad()
+
+
+def _ada_config(outer: str, overlap_iters: int) -> DeftConfig:
+    """``overlap_iters`` 0: no overlap."""
+    return DeftConfig(local_steps=ADA_HMAX, local_period="adacomm", local_warmup_iters=ADA_W, local_outer=outer,
+                      local_overlap=overlap_iters > 0, local_overlap_iters=max(1, overlap_iters), links=TWO_LINKS,
+                      bucket_cap_mb=CAP_MB)
+
+
+def adacomm_worker(rank: int, world: int, outer: str, overlap_iters: int, report: bool = True) -> dict[str, Any]:
+    """30 steps, then on to the next averaging point (so no local step follows the last snapshot) and
+    flush(): the ranks must be equal. ``report``: the loop calls ``ddp.observe_loss``."""
+    import deft
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, config=_ada_config(outer, overlap_iters))
+    _train_observed(ddp, opt, rank, 0, 30, report)
+    stop = int(ddp.plan_info["local_steps"]["next_point"]) + 1
+    _train_observed(ddp, opt, rank, 30, stop, report)
+    ddp.flush()
+    return {"params": _flat(model).tolist(), "info": dict(ddp.plan_info["local_steps"]), "stop": stop}
+
+
+def adacomm_checkpoint_worker(rank: int, world: int) -> dict[str, Any]:
+    """Saved after step 10 (H_0 chosen after step 9; that averaging in flight until after step 11; a loss
+    reported since), loaded into a fresh wrapper: the same bits as the run that saved and went on; also
+    as a second whole run, when it measured the same H_0."""
+    import deft
+
+    iters, cut = 40, ADA_FIRST + 2
+
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+        model = _model(seed)
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        return model, opt, deft.DistributedDataParallel(model, optimizer=opt, config=_ada_config("average", 2))
+
+    model, opt, ddp = build(0)
+    _train_observed(ddp, opt, rank, 0, iters)
+    whole, whole_info = _flat(model), dict(ddp.plan_info["local_steps"])
+
+    model, opt, ddp = build(0)
+    _train_observed(ddp, opt, rank, 0, cut)
+    at_save = dict(ddp.plan_info["local_steps"])
+    blob = io.BytesIO()
+    torch.save({"model": ddp.state_dict(), "opt": opt.state_dict()}, blob)
+    _train_observed(ddp, opt, rank, cut, iters)
+    saved_run, saved_info = _flat(model), dict(ddp.plan_info["local_steps"])
+
+    blob.seek(0)
+    doc = torch.load(blob, weights_only=True)
+    model, opt, ddp = build(seed=5)
+    ddp.load_state_dict(doc["model"])
+    opt.load_state_dict(doc["opt"])
+    _train_observed(ddp, opt, rank, cut, iters)
+    resumed_info = dict(ddp.plan_info["local_steps"])
+    return {"equal": bool(torch.equal(saved_run, _flat(model))), "whole_equal": bool(torch.equal(whole, saved_run)),
+            "at_save": at_save, "saved": saved_info, "resumed": resumed_info, "whole": whole_info}
+
+
+def _expected_losses(points: list[int]) -> list[float]:
+    """F at each averaging point: the mean over the 2 ranks of each rank's mean fed loss since the last
+    point (for the first, since the end of the warm-up)."""
+    out, last = [], ADA_W - 1
+    for p in points:
+        out.append(sum(sum(_fed_loss(r, it) for it in range(last + 1, p + 1)) / (p - last) for r in (0, 1)) / 2)
+        last = p
+    return out
+
+
+def _decisions(info: dict[str, Any]) -> dict[str, Any]:
+    """plan_info["local_steps"] less what each rank observes on its own (buckets not yet arrived when applied)."""
+    return {k: v for k, v in info.items() if k != "waited_buckets"}
+
+
+def _check_adacomm_history(info: dict[str, Any], h_min: int) -> list[int]:
+    """The recorded periods follow AdaComm's rule from the recorded F values, and the points follow the
+    periods; returns the points."""
+    ada = info["adacomm"]
+    h0, f0, hist = ada["H0"], ada["F0"], ada["history"]
+    assert h_min <= h0 <= ADA_HMAX and ada["h_min"] == h_min
+    points = [c["step"] for c in hist]
+    assert points[0] == ADA_FIRST
+    assert f0 == hist[0]["loss"]
+    for c, nxt in zip(hist, [*points[1:], info["next_point"]], strict=True):
+        assert c["H"] == min(h0, max(h_min, math.ceil(math.sqrt(c["loss"] / f0) * h0)))
+        assert c["ratio"] == pytest.approx(c["loss"] / f0)
+        assert nxt == c["step"] + c["H"]  # the next point is one period later
+    assert [c["loss"] for c in hist] == pytest.approx(_expected_losses(points), rel=1e-12)
+    m = ada["measured"]
+    assert m["compute_s"] > 0 and m["allreduce_s"] > 0 and m["overlap_steps"] == info["overlap_iters"]
+    return points
+
+
 # -- tests -----------------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("h", [2, 4])
@@ -303,6 +422,9 @@ def test_checkpoint_mid_period_resumes_bit_for_bit(outer: str) -> None:
     ({"local_steps": 4, "local_overlap_iters": 0}, "local_overlap_iters"),
     ({"local_steps": 4, "local_overlap_iters": 5}, "local_overlap_iters"),
     ({"local_steps": 4, "compression": "fp16"}, "compression"),
+    ({"local_steps": 4, "local_period": "adaptive"}, "local_period"),
+    ({"local_period": "adacomm"}, "local_period"),
+    ({"local_steps": 2, "local_period": "adacomm", "local_overlap_iters": 3}, "local_overlap_iters"),
 ])
 def test_bad_local_config_names_the_field(kw: dict[str, Any], field: str) -> None:
     with pytest.raises(ContractError, match=field):
@@ -323,3 +445,66 @@ def test_local_config_defaults_and_toml_types() -> None:
     assert (cfg.local_steps, cfg.local_outer, cfg.local_overlap, cfg.local_outer_lr) == (4, "diloco", False, 1.0)
     with pytest.raises(ContractError, match="local_overlap"):
         DeftConfig.from_dict({"local_steps": 4, "local_overlap": 1})
+    assert DeftConfig().local_period == "fixed"
+    assert DeftConfig.from_dict({"local_steps": 16, "local_period": "adacomm"}).local_period == "adacomm"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("outer", "overlap_iters"), [("average", 2), ("diloco", 0)])
+def test_adacomm_ranks_agree_on_every_period_and_follow_the_rule(outer: str, overlap_iters: int) -> None:
+    r0, r1 = values(run_ranks(adacomm_worker, 2, args=(outer, overlap_iters)))
+    info = r0["info"]
+    assert _decisions(r0["info"]) == _decisions(r1["info"])  # every point, period and measurement agreed
+    assert info["period"] == "adacomm" and info["H_max"] == ADA_HMAX and info["H"] == info["adacomm"]["H"]
+    points = _check_adacomm_history(info, max(1, overlap_iters))
+    assert points[-1] == r0["stop"] - 1  # the last step was an averaging point
+    assert info["averagings"] == len(points)
+    assert info["applied"] == info["averagings"] and info["in_flight"] is None
+    assert r0["params"] == r1["params"]
+    periods = [c["H"] for c in info["adacomm"]["history"]]
+    # the fed loss falls to ~1/10 by step 30: sqrt(F_l / F_0) H_0 < H_0 - 1 whenever H_0 > h_min
+    h0 = info["adacomm"]["H0"]
+    assert h0 == max(1, overlap_iters) or min(periods) < h0
+    assert periods == sorted(periods, reverse=True)  # a falling loss never lengthens the period
+
+
+@pytest.mark.slow
+def test_adacomm_without_losses_keeps_h0_and_says_why() -> None:
+    r0, r1 = values(run_ranks(adacomm_worker, 2, args=("average", 1, False)))
+    assert _decisions(r0["info"]) == _decisions(r1["info"])
+    ada = r0["info"]["adacomm"]
+    assert ada["F0"] is None and "no loss reported" in ada["note"]
+    assert {c["H"] for c in ada["history"]} == {ada["H0"]}
+    assert r0["info"]["applied"] == r0["info"]["averagings"] == len(ada["history"])
+    assert r0["params"] == r1["params"]
+
+
+@pytest.mark.slow
+def test_adacomm_checkpoint_mid_period_resumes_bit_for_bit() -> None:
+    for r in values(run_ranks(adacomm_checkpoint_worker, 2)):
+        at_save = r["at_save"]
+        assert at_save["in_flight"] == {"index": 0, "launched_after": ADA_FIRST, "apply_after": ADA_FIRST + 2}
+        assert at_save["adacomm"]["H0"] is not None
+        assert _decisions(r["resumed"]) == _decisions(r["saved"])  # every later decision, H_0 from the checkpoint
+        assert r["equal"]
+        assert r["saved"]["applied"] >= 2
+        if r["whole"]["adacomm"]["history"] == r["saved"]["adacomm"]["history"]:
+            assert r["whole_equal"]  # an independent run that measured the same H_0 gives the same bits
+
+
+def test_local_state_of_another_version_or_damaged_is_refused() -> None:
+    from deft.runtime.local_steps import LocalSteps
+
+    cfg = _ada_config("average", 2)
+    local = LocalSteps(cfg, list(_model().parameters()), {}, rank=0, world=1)
+    good = local.state_dict()
+    with pytest.raises(ContractError, match=r"local_steps\.version: expected version 2, got 1"):
+        local.load_state_dict({**good, "version": 1})
+    with pytest.raises(ContractError, match=r"local_steps\.local_period"):
+        local.load_state_dict({**good, "local_period": "fixed"})
+    with pytest.raises(ContractError, match=r"local_steps\.period: a damaged"):
+        local.load_state_dict({**good, "period": {**good["period"], "next_point": None}})
+    with pytest.raises(ContractError, match=r"local_steps\.period: period H = 1"):
+        local.load_state_dict({**good, "period": {**good["period"], "H": 1}})  # below the overlap's D = 2
+    local.load_state_dict(good)
+    assert local.next_point == ADA_FIRST and local.adacomm is not None and local.adacomm.h0 is None

@@ -78,8 +78,11 @@ def test_compute_only_epoch_is_a_ranks_shard(tmp_path: Path) -> None:
     (["--ddp", "powersgd", "--bucket-cap-mb", "4"], "--bucket-cap-mb does not apply to --ddp powersgd"),
     (["--ddp", "torch", "--local-steps", "4"], "--local-steps is deft's local-steps mode; --ddp torch has its own"),
     (["--ddp", "deft", "--local-steps", "0"], "--local-steps: expected an integer >= 1, got 0"),
-    (["--ddp", "deft", "--local-outer", "diloco"], "--local-outer, --local-warmup, --local-overlap-iters and "
-     "--no-local-overlap need --local-steps"),
+    (["--ddp", "deft", "--local-outer", "diloco"], "--local-outer, --local-warmup, --local-overlap-iters, "
+     "--local-period and --no-local-overlap need --local-steps"),
+    (["--ddp", "deft", "--local-period", "adacomm"], "--local-outer, --local-warmup, --local-overlap-iters, "
+     "--local-period and --no-local-overlap need --local-steps"),
+    (["--ddp", "deft", "--local-steps", "4", "--local-period", "adaptive"], "--local-period: invalid choice"),
     (["--ddp", "deft", "--local-steps", "2", "--local-overlap-iters", "3"],
      "--local-overlap-iters: expected at most --local-steps (2), got 3"),
 ])
@@ -87,6 +90,29 @@ def test_bad_scheme_arguments_name_the_flag(argv: list[str], message: str) -> No
     p = subprocess.run([sys.executable, str(EXAMPLE), *argv], capture_output=True, text=True, timeout=60,
                        check=False, env=env())
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def _load_script(path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Import a benchmark or example by path, its siblings importable by plain name (as when run)."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(path.parent))
+    spec = importlib.util.spec_from_file_location(f"_scheme_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("name", "outer"), [("deft-adacomm", "average"), ("deft-diloco-ada", "diloco")])
+def test_bench_peers_adacomm_schemes_parse_to_local_steps_with_the_adacomm_period(
+        name: str, outer: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    scheme = _load_script(REPO / "benchmarks" / "bench_peers.py", monkeypatch).SCHEMES[name]
+    args = _load_script(EXAMPLE, monkeypatch).parse_args(list(scheme.argv))
+    assert (args.ddp, args.local_steps, args.local_period, args.local_outer) == ("deft", 16, "adacomm", outer)
+    assert scheme.links == 2 and "AdaComm" in scheme.label and "H <= 16" in scheme.label
+    assert ("DiLoCo" in scheme.label) == (outer == "diloco")
 
 
 ITERS = 12
@@ -166,7 +192,12 @@ def test_deft_with_compression_trains_on_a_compressed_profile(tmp_path: Path, co
     (["--ddp", "deft", "--local-steps", "4", "--local-outer", "diloco"],
      {"epsilon": 0.01, "links": [{"name": "primary", "backend": "auto", "ifname": None}], "local_steps": 4,
       "local_outer": "diloco", "local_warmup_iters": 0, "local_overlap": True, "local_overlap_iters": 1,
-      "local_outer_lr": 0.7, "local_outer_momentum": 0.9}, {}),
+      "local_period": "fixed", "local_outer_lr": 0.7, "local_outer_momentum": 0.9}, {}),
+    # the same mode with the AdaComm period (H <= 4), post-local SGD: warm-up round(1.2) = 1 iteration
+    (["--ddp", "deft", "--local-steps", "4", "--local-period", "adacomm"],
+     {"epsilon": 0.01, "links": [{"name": "primary", "backend": "auto", "ifname": None}], "local_steps": 4,
+      "local_outer": "average", "local_warmup_iters": 1, "local_overlap": True, "local_overlap_iters": 1,
+      "local_period": "adacomm"}, {}),
     # torch DDP on two gloo devices (bench_peers' torch-2nic; loopback twice stands in for two NICs)
     (["--ddp", "torch", "--bucket-cap-mb", "0.05"], {"bucket_cap_mb": 0.05}, {"GLOO_SOCKET_IFNAME": "lo,lo"}),
 ])
@@ -176,6 +207,9 @@ def test_bench_peers_slow_link_schemes_run_and_learn(tmp_path: Path, argv: list[
     s = doc["summary"]
     assert s["ddp"] == argv[1] and s["world_size"] == 2 and s["iters"] == ITERS
     assert s["scheme"] == scheme
+    if scheme.get("local_period") == "adacomm":  # H_0 chosen at the first averaging point, after step 1 + 4 - 1
+        ada = s["schedule"]["plan_info"]["local_steps"]["adacomm"]
+        assert 1 <= ada["H0"] <= 4 and ada["history"][0]["step"] == 4 and ada["F0"] is not None
     assert [r["updates"] for r in doc["iters"]] == list(range(1, ITERS + 1))  # a (local) step every iteration
     assert all(math.isfinite(r["loss"]) for r in doc["iters"])
     first, last = doc["iters"][0]["loss"], sum(r["loss"] for r in doc["iters"][-3:]) / 3

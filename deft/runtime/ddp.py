@@ -195,8 +195,12 @@ class DistributedDataParallel(nn.Module):
                             self.config.timeout_s)
 
     def observe_loss(self, loss: torch.Tensor | float) -> None:
-        """Report this iteration's loss (optional; feeds the preserver's convergence statistics)."""
-        self._course.losses.append(float(loss.detach().item()) if isinstance(loss, torch.Tensor) else float(loss))
+        """Report this iteration's loss (optional; feeds the preserver's convergence statistics, and in
+        local-steps mode ``local_period = "adacomm"``'s period)."""
+        value = float(loss.detach().item()) if isinstance(loss, torch.Tensor) else float(loss)
+        self._course.losses.append(value)
+        if self._local is not None:
+            self._local.observe_loss(value)
 
     def calibrate(self, closure: Callable[[], torch.Tensor], *, tol: float = 0.05, ncv: int | None = 4,
                   maxiter: int = 300) -> JsonDict | None:
