@@ -30,6 +30,11 @@ SOLVERS = ("exact", "greedy")
 #: accepts the rounding (deft.solver.codecs, deft.preserver.codec_error; never at ``epsilon == 0``);
 #: ``"none"``: every bucket exact; ``"fp16" | "bf16" | "powersgd"``: torch's comm hook on every bucket.
 COMPRESSIONS = ("auto", "none", "fp16", "bf16", "powersgd")
+#: Under ``compression = "auto"``: the codec of the profile iterations (deft.runtime.codec_choice). ``"auto"``:
+#: every bucket is sent with the codec the preserver accepts on the first iteration's gradients when
+#: that iteration's all-reduces waited longer after the backward than its forward and backward took
+#: (the links are the bound); ``"always"``: whenever the preserver accepts it; ``"never"``: exact.
+PROFILE_CODECS = ("auto", "always", "never")
 #: How a merged update of ``k`` iterations scales the learning rate of its one optimizer step:
 #: ``"none"`` (the same lr: k times fewer steps of the same size), ``"linear"`` (``k * lr``, Goyal et
 #: al.'s rule for SGD) or ``"sqrt"`` (``sqrt(k) * lr``, the usual rule for Adam). Off by default.
@@ -85,6 +90,7 @@ class DeftConfig:
     recheck_every: int = 200
     forward_updates: bool = True   # lag-free plans: updates may finish in the next forward (deft.solver.lagfree)
     compression: str = "auto"      # see COMPRESSIONS
+    profile_codec: str = "auto"    # see PROFILE_CODECS
     powersgd_rank: int = 4
     powersgd_start_iter: int = 2   # plain all-reduce before (PowerSGD needs > 1 with error feedback)
     # Rank 0 plans (and, when adapting, re-plans) in a background thread while training goes on; every rank
@@ -163,6 +169,8 @@ class DeftConfig:
                       f"got {self.merge_lr_scaling!r}")
         if self.compression not in COMPRESSIONS:
             raise bad("compression", f"expected one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
+        if self.profile_codec not in PROFILE_CODECS:
+            raise bad("profile_codec", f"expected one of {', '.join(PROFILE_CODECS)}, got {self.profile_codec!r}")
         if self.powersgd_rank < 1:
             raise bad("powersgd_rank", f"expected an integer >= 1, got {self.powersgd_rank}")
         if self.powersgd_start_iter < 2:

@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TypedDict
 
 import torch
@@ -29,6 +30,7 @@ from torch import nn
 from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.errors import DeftError
+from deft.preserver import codec_error
 from deft.preserver.feedback import WalkStats
 from deft.profile import Profile
 from deft.runtime import codec_choice
@@ -37,11 +39,12 @@ from deft.runtime.background import JobSlot
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.calendar import Calendar, place, stats_after_plan
 from deft.runtime.checkpoint import RuntimeState
-from deft.runtime.comm_hooks import agree_codec, plain_iterations
+from deft.runtime.codec_choice import FirstIteration, ProfileCodec
+from deft.runtime.comm_hooks import agree_codec, codec_hook, plain_iterations
 from deft.runtime.control import Collective, ControlPlane
 from deft.runtime.executor import DueUpdate, Executor, Pending
 from deft.runtime.grad_stats import GradStats, walk_stats
-from deft.runtime.layouts import plan_order, ready_order, warmup_layout
+from deft.runtime.layouts import balanced_links, plan_order, ready_order, warmup_layout
 from deft.runtime.links import CommLink, make_solo_group
 from deft.runtime.optimizer_hooks import OptimizerBinding
 from deft.runtime.planning import CodecInputs, Planning
@@ -50,6 +53,7 @@ from deft.runtime.tracing import profile_iters_from_env
 from deft.runtime.updates import LogEntry
 from deft.runtime.warmup_timer import WarmupTimer
 from deft.schedule import Schedule, synchronous_schedule
+from deft.solver.codecs import CHOSEN, exact_profile
 
 log = logging.getLogger("deft.runtime")
 
@@ -90,6 +94,10 @@ class Course:
         self._timer: WarmupTimer | None = None
         self._solo: dist.ProcessGroup | None = None  # this rank's one-rank group, for timing a comm hook's codec
         self._codec: CodecInputs | None = None  # deft's own codec choice: its measured inputs (codec_choice)
+        # The profile iterations' codec (codec_choice, "The profile iterations' codec"): judged on the
+        # first iteration, whose statistics and times FirstIteration gathers; "" sends them exact.
+        self._first: FirstIteration | None = None
+        self.profile_codec = ""
         # The preserver's live inputs.
         self.losses: collections.deque[float] = collections.deque(maxlen=64)
         self.batch: int | None = None
@@ -124,19 +132,32 @@ class Course:
         cal, ex = self.calendar, self._executor
         self.adaptation.forward_begins(t, time.perf_counter(), cal.warm_end if self.planning.measuring else 1,
                                        cal.plan_at)
+        if t == 0 and not self.planned and self.record.profile_codec is None and cal.warm_end < cal.plan_at \
+                and codec_choice.considered(self.config, self._control.world, self.planning.measuring,
+                                            ex.comm_hook is not None, ex.layout):
+            self._first = FirstIteration(self._control.world)
+            ex.observe(self._first.stats)
         if cal.profiling(t) and not self.planned and self._timer is None:
             assert ex.layout is not None
             self._timer = WarmupTimer(self._module, self._params, ex.layout, self._links, cuda, self._wait_work)
             ex.observe(self._timer)
         if self._timer is not None and ex.idle and ex.layout is not None:
-            ex.install(self._timer.schedule(), ex.layout, t)
+            ex.install(self._coded(self._timer.schedule(), self.profile_codec), ex.layout, t)
 
     def forward_begins(self) -> None:
         """The executor's forward stage is launched; the model's forward begins."""
         if self.stats is not None:
             self.stats.begin_iteration(self._executor, self._params, self._optim.optimizer, self.stats_wanted())
+        if self._first is not None:
+            self._first.forward_begins(self._executor, self._params, self._optim.optimizer)
         if self._timer is not None:  # after deft's own set-up: the forward is the model's alone
             self._timer.begin_iteration()
+
+    def backward_ends(self, now: float) -> None:
+        """The autograd pass of this iteration ended (the collectives of its backward may run on)."""
+        self.adaptation.backward_ends(now)
+        if self._first is not None:
+            self._first.backward_ends(now)
 
     def forward_ends(self, output: object) -> None:
         if self._timer is not None:
@@ -155,11 +176,13 @@ class Course:
 
     def measuring(self) -> bool:
         """Do this step's updates feed the preserver's statistics (then they are applied whole)?"""
-        return self.stats is not None and self.stats_wanted()
+        return (self.stats is not None and self.stats_wanted()) or self._first is not None
 
     def on_due(self, lasts: list[int], updates: list[DueUpdate], t: int, device: torch.device) -> None:
         if self.stats is not None and not self.stats.on_due(lasts, updates, t, self._control.group, device):
             self.record.nonfinite_steps.append(t)
+        if self._first is not None:  # a non-finite first gradient leaves no estimate: the profile stays exact
+            self._first.stats.on_due(lasts, updates, t, self._control.group, device)
 
     def stats_wanted(self) -> bool:
         """Gather statistics now? Before planning, in the calendar's window (a plan in flight was made
@@ -176,6 +199,8 @@ class Course:
         """The step of the iteration is over (before the iteration counter moves on)."""
         if self._timer is not None:
             self._timer.end_iteration()
+        if self._first is not None:
+            self._first.iteration_ends()
 
     def after_step(self, t: int, flush: Callable[[], None]) -> None:
         """Collective: iteration ``t - 1`` ended. The ready order after the first; then planning (or
@@ -184,6 +209,8 @@ class Course:
             self.ready_order = self._control.broadcast_ints(ready_order(list(self.order_seen), len(self._params)),
                                                             "gradient ready order")
             self.install_warmup(self.ready_order, t)
+        if self._first is not None:
+            self._decide_profile_codec()
         if not self.planned:
             if self.stats is None:
                 self.stats = GradStats.start(self.config, self._control.world)
@@ -210,13 +237,35 @@ class Course:
         return self._executor.schedule
 
     # -- layouts -----------------------------------------------------------------------------------------
-    def install_warmup(self, order: list[int], t0: int) -> None:
-        """torch DDP's behaviour during warm-up (:func:`deft.runtime.layouts.warmup_layout`)."""
+    def install_warmup(self, order: list[int], t0: int, first: bool = False) -> None:
+        """torch DDP's behaviour during warm-up (:func:`deft.runtime.layouts.warmup_layout`); ``first``:
+        the first iteration's layout, before the gradients' ready order is known."""
         hook = self._executor.comm_hook
-        layout = warmup_layout(order, self._names, self._params, self.config.bucket_cap_mb,
-                               hook is not None and hook.chained, self.config.first_bucket_cap_mb)
-        self._install(synchronous_schedule(layout.bucket_numel, layout.bucket_nbytes(), (self._primary.name,)),
-                      layout, t0)
+        chained = hook is not None and hook.chained
+        # Over every link by bytes (the first iteration's large buckets cut to share them: it is not
+        # profiled); a chained hook's sends run one at a time, as torch DDP's on one link.
+        links = (self._primary.name,) if chained else tuple(self._links)
+        layout = warmup_layout(order, self._names, self._params, self.config.bucket_cap_mb, chained,
+                               self.config.first_bucket_cap_mb, split_over=len(links) if first else 1)
+        self._install(synchronous_schedule(layout.bucket_numel, layout.bucket_nbytes(), links,
+                                           balanced_links(layout.bucket_nbytes(), links)), layout, t0)
+
+    @staticmethod
+    def _coded(schedule: Schedule, codec: str) -> Schedule:
+        """``schedule`` with every bucket sent with ``codec`` (``""``: unchanged)."""
+        return replace(schedule, codecs=(codec,) * len(schedule.bucket_numel)) if codec else schedule
+
+    def _decide_profile_codec(self) -> None:
+        """Collective, after the first iteration: the profile iterations' codec (codec_choice)."""
+        first, self._first = self._first, None
+        assert first is not None
+        self._executor.unobserve(first.stats)
+        decision = first.decide(self.config, self._control, self.batch)
+        self.record.profile_codec = decision.to_dict()
+        self.profile_codec = decision.codec
+        if self._control.rank == 0:
+            log.info("deft: profile iterations %s (%s)", f"in {decision.codec}" if decision.codec else "exact",
+                     decision.reason)
 
     def _plan_layout(self, schedule: Schedule, what: str) -> FlatLayout:
         order = plan_order(self.profile, self.planning.given_profile is not None, self._names, self.ready_order)
@@ -251,11 +300,19 @@ class Course:
             # profile iteration and switches when it is done (deft.runtime.planning).
             self.jobs.hold("plan", self.planning.start(self.profile, stats, self._control.world, codec),
                            t + cfg.plan_lag_iters)
-            self._executor.install(self._synchronous(layout), layout, t)
+            self._executor.install(self._coded(self._synchronous(layout), self._lag_codec(codec)), layout, t)
             self.adaptation.clock.exclude(time.perf_counter() - started)
             return
         schedule, info = self.planning.agree(self.profile, stats, self._control.world, codec)
         self._install_plan(t, schedule, info, None, started)
+
+    def _lag_codec(self, codec: CodecInputs | None) -> str:
+        """The codec of the iterations run while rank 0 plans: the profile iterations' while the
+        preserver still accepts a codec on every statistic so far (the same on every rank)."""
+        if not self.profile_codec or codec is None:
+            return ""
+        accepted = next((v for v in codec_error.pick(codec.scale, self.config.epsilon) if v.accepted), None)
+        return "" if accepted is None else accepted.codec
 
     def _codec_inputs(self) -> CodecInputs | None:
         """Collective where deft chooses codecs (:mod:`deft.runtime.codec_choice`): what rank 0 needs."""
@@ -273,9 +330,12 @@ class Course:
         """Collective: the profile iterations' timings (and the comm hook's codec) as a Profile."""
         timer, ex = self._timer, self._executor
         assert timer is not None and ex.layout is not None
-        if ex.comm_hook is not None and self._solo is None:  # dist.new_group is collective over the world
+        # The profile iterations ran a comm hook (the user's) or deft's profile codec on every bucket.
+        coded = ex.comm_hook is None and bool(self.profile_codec)
+        hook = codec_hook(self.profile_codec) if coded else ex.comm_hook
+        if hook is not None and self._solo is None:  # dist.new_group is collective over the world
             self._solo = make_solo_group(self._primary.backend, self.config.timeout_s, self._ranks)
-        codec = agree_codec(ex.comm_hook, ex.layout, self._params, self._solo, ex.device, self._control)
+        codec = agree_codec(hook, ex.layout, self._params, self._solo, ex.device, self._control)
         backends = {n: lk.backend for n, lk in self._links.items()}
         profile = timer.profile(self._control, self._control.world, backends, type(self._module).__name__,
                                 self._names, codec)
@@ -284,6 +344,8 @@ class Course:
         out = os.environ.get("DEFT_PROFILE_OUT")
         if out and self._control.rank == 0:
             profile.save(out)
+        if coded:  # deft's codec, not the user's: the plan starts from the exact times (codec_choice)
+            profile = exact_profile(replace(profile, meta={**profile.meta, CHOSEN: self.profile_codec}))
         return profile
 
     def _finish_plan(self, t: int) -> None:
@@ -356,6 +418,9 @@ class Course:
                             "profiles again from here and plans at iteration %d (torch DDP's schedule until the "
                             "plan is in)", st.t, self.calendar.plan_at)
         self.record = RunRecord.from_view(st.plan_info)
+        self._first = None
+        pc = self.record.profile_codec
+        self.profile_codec = "" if pc is None else ProfileCodec.from_dict(pc).codec
 
     def close(self) -> None:
         if self._timer is not None:

@@ -145,7 +145,7 @@ class DistributedDataParallel(nn.Module):
         self._phase = Phase.IDLE
         self._step_open = False  # the user's step began (its post hook ends the iteration)
         self._no_sync = False
-        self._course.install_warmup(list(reversed(range(len(self._params)))), t0=0)
+        self._course.install_warmup(list(reversed(range(len(self._params)))), t0=0, first=True)
         # Local-steps mode (config.local_steps > 0): its own collaborator at the step events; no gradient
         # capture, no schedule (deft.runtime.local_steps).
         self._local = LocalSteps(cfg, self._params, self._links, self.rank, self.world) if cfg.local_steps else None
@@ -460,7 +460,7 @@ class DistributedDataParallel(nn.Module):
 
     def _on_backward_end(self) -> None:
         if self._phase is Phase.BACKWARD:
-            self._course.adaptation.backward_ends(time.perf_counter())
+            self._course.backward_ends(time.perf_counter())
             self._executor.end_backward()
             self._phase = Phase.BACKWARD_DONE
             self._expose()

@@ -21,7 +21,7 @@ PROFILE_BUCKET_CAP_MB = 1.0
 
 
 def warmup_layout(order: list[int], names: list[str], params: list[torch.Tensor], bucket_cap_mb: float,
-                  chained_hook: bool, first_bucket_cap_mb: float = 1.0) -> FlatLayout:
+                  chained_hook: bool, first_bucket_cap_mb: float = 1.0, split_over: int = 1) -> FlatLayout:
     """torch DDP's buckets during warm-up: whole parameters in ready order.
 
     Their cap is :data:`PROFILE_BUCKET_CAP_MB`, except under a chained comm hook (PowerSGD, a user's
@@ -32,12 +32,57 @@ def warmup_layout(order: list[int], names: list[str], params: list[torch.Tensor]
     runtime's constants"). The planner may still fuse these buckets; a smaller ``bucket_cap_mb`` gives
     it finer ones. Their first bucket is capped at ``first_bucket_cap_mb``, torch 2.13's rule (1 MB
     with the default cap, the cap itself when one is given), so that deft's synchronous schedule under
-    such a hook is torch DDP's with the same arguments."""
+    such a hook is torch DDP's with the same arguments.
+
+    ``split_over = L > 1`` (the first iteration, not profiled, without a chained hook): a bucket larger
+    than ``1 / (2 L)`` of the model's bytes is cut into equal pieces no larger than that, so that the
+    links share the bytes evenly (:func:`balanced_links`) even where one parameter holds most of the
+    model (an all-reduce of a piece is the piece of the all-reduce: torch DDP's sums)."""
     if not chained_hook:
         cap = min(bucket_cap_mb, PROFILE_BUCKET_CAP_MB)
-        return FlatLayout(order, names, params, ddp_like_bucket_numel(order, params, cap), "<warm-up buckets>")
+        numel = ddp_like_bucket_numel(order, params, cap)
+        if split_over > 1:
+            numel = _split_large(numel, order, params, split_over)
+        return FlatLayout(order, names, params, numel, "<warm-up buckets>")
     return FlatLayout(order, names, params, ddp_like_bucket_numel(order, params, bucket_cap_mb, first_bucket_cap_mb),
                       "<warm-up buckets>")
+
+
+def _split_large(bucket_numel: Sequence[int], order: Sequence[int], params: Sequence[torch.Tensor],
+                 links: int) -> tuple[int, ...]:
+    """``bucket_numel`` with every bucket over ``1 / (2 links)`` of the model's bytes cut into equal
+    pieces of at most that (a bucket holds one dtype: its element size is its first parameter's)."""
+    total = sum(params[i].numel() * params[i].element_size() for i in order)
+    limit = max(1, total // (2 * links))
+    bounds = []  # (first flat element, element size) of each parameter in order
+    flat = 0
+    for i in order:
+        bounds.append((flat, params[i].element_size()))
+        flat += params[i].numel()
+    out: list[int] = []
+    flat, j = 0, 0  # elements of the flat order before this bucket; its first parameter
+    for n in bucket_numel:
+        while j + 1 < len(bounds) and bounds[j + 1][0] <= flat:
+            j += 1
+        size = bounds[j][1]
+        pieces = max(1, -(-(n * size) // limit))
+        step = -(-n // pieces)
+        out += [min(step, n - k) for k in range(0, n, step)]
+        flat += n
+    return tuple(out)
+
+
+def balanced_links(nbytes: Sequence[int], links: Sequence[str]) -> tuple[str, ...]:
+    """The warm-up's link of each bucket (in ready order): the link with the fewest bytes so far (ties:
+    the first configured). Exact all-reduces on several links give torch DDP's sums; spreading the
+    bytes shortens the first iterations where a single link is the bound."""
+    load = dict.fromkeys(links, 0)
+    out = []
+    for n in nbytes:
+        link = min(load, key=lambda k: load[k])
+        load[link] += n
+        out.append(link)
+    return tuple(out)
 
 
 def ready_order(seen: Sequence[int], n_params: int) -> list[int]:

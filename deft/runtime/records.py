@@ -9,9 +9,10 @@ The view's keys: the agreed plan's own (``source``, ``accepted``, ``tries``, ``r
 ``try_log``, ``recheck``, ``fallback``, ...; :func:`deft.runtime.planning.make_schedule`), ``t0`` (the
 iteration it began), ``stats_reason``, ``background`` (planned in the background: how long), and,
 when not empty, ``finish_in_forward``, ``skipped_steps``, ``calibrations``, ``rechecks``,
-``switches`` and ``adapt``, ``nonfinite_steps`` (iterations whose gradient statistics were skipped:
-a gradient was inf/NaN, as GradScaler's overflow steps have). Before the first plan only
-``skipped_steps``, ``nonfinite_steps`` and ``calibrations`` can be present.
+``switches`` and ``adapt``, ``profile_codec`` (the codec of the profile iterations and why,
+:class:`deft.runtime.codec_choice.ProfileCodec`), ``nonfinite_steps`` (iterations whose gradient
+statistics were skipped: a gradient was inf/NaN, as GradScaler's overflow steps have). Before the first plan only
+``skipped_steps``, ``nonfinite_steps``, ``calibrations`` and ``profile_codec`` can be present.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class RunRecord:
     rechecks: list[Doc] = field(default_factory=list)
     switches: list[Doc] = field(default_factory=list)
     adapt: list[Doc] = field(default_factory=list)
+    profile_codec: Doc | None = None  # the profile iterations' codec and why (deft.runtime.codec_choice)
 
     def planned(self, info: Mapping[str, JsonValue], t0: int, stats_reason: str, background: Doc | None) -> None:
         """The first plan is installed: its record starts the run's; what happened before it (skipped
@@ -97,6 +99,8 @@ class RunRecord:
         out: Doc = copy.deepcopy(self.plan)
         if self.finish_in_forward is not None:
             out["finish_in_forward"] = self.finish_in_forward
+        if self.profile_codec is not None:
+            out["profile_codec"] = copy.deepcopy(self.profile_codec)
         lists: dict[str, list[int] | list[Doc]] = {
             "skipped_steps": self.skipped_steps, "nonfinite_steps": self.nonfinite_steps,
             "calibrations": self.calibrations, "rechecks": self.rechecks, "switches": self.switches,
@@ -108,16 +112,19 @@ class RunRecord:
     def from_view(cls, doc: Mapping[str, JsonValue]) -> RunRecord:
         """The inverse of :meth:`view` (a checkpoint's ``plan_info``)."""
         rest = {k: v for k, v in doc.items() if k not in _RECORD_KEYS}
-        finish = doc.get("finish_in_forward")
+        finish, pc = doc.get("finish_in_forward"), doc.get("profile_codec")
+        if pc is not None and not isinstance(pc, Mapping):
+            raise DeftError(f"deft checkpoint: plan_info.profile_codec: expected an object, got {pc!r}")
         return cls(plan=rest, finish_in_forward=None if finish is None else str(finish),
+                   profile_codec=None if pc is None else dict(pc),
                    skipped_steps=_ints(doc, "skipped_steps"), nonfinite_steps=_ints(doc, "nonfinite_steps"),
                    calibrations=_objects(doc, "calibrations"), rechecks=_objects(doc, "rechecks"),
                    switches=_objects(doc, "switches"), adapt=_objects(doc, "adapt"))
 
 
 #: The keys of a view that are the record's own fields, not the plan's.
-_RECORD_KEYS = ("finish_in_forward", "skipped_steps", "nonfinite_steps", "calibrations", "rechecks", "switches",
-                "adapt")
+_RECORD_KEYS = ("finish_in_forward", "profile_codec", "skipped_steps", "nonfinite_steps", "calibrations", "rechecks",
+                "switches", "adapt")
 
 
 def _items(doc: Mapping[str, JsonValue], key: str) -> list[JsonValue]:

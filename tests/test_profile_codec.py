@@ -1,0 +1,96 @@
+"""The profile iterations' codec (``config.profile_codec``, deft.runtime.codec_choice) and the first
+iteration's layout over several links (deft.runtime.layouts): the pure decisions, every branch.
+
+Each expected outcome follows from the rule in the module docstring applied by hand to the numbers here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deft.config import DeftConfig
+from deft.errors import ContractError, DeftError
+from deft.preserver.codec_error import FP16_HEADROOM, FP16_MAX, GradientScale, pick
+from deft.runtime.codec_choice import ProfileCodec, profile_codec
+from deft.runtime.layouts import balanced_links, warmup_layout
+
+EPS = 0.01
+# world 2, batch 32, |g|² 1, tr Σ 100: b |g|² / tr Σ = 0.32, delta_fp16 = 8 x 2^-22 x 1.32: accepted
+QUIET = GradientScale(world=2, batch=32, mu=1.0, trace=100.0, max_abs=1.0)
+
+
+def test_links_the_bound_and_the_preserver_accepting_codes_the_profile_in_fp16() -> None:
+    # 2.5 s of all-reduce after the backward against 0.9 s of compute: the links are the bound
+    d = profile_codec("auto", pick(QUIET, EPS), exposed_s=2.5, compute_s=0.9)
+    assert d.codec == "fp16"
+    assert d.delta == pytest.approx(8 * 2.0 ** -22 * 1.32)
+    assert "2.5 s after the backward" in d.reason
+
+
+def test_compute_the_bound_keeps_the_profile_exact() -> None:
+    d = profile_codec("auto", pick(QUIET, EPS), exposed_s=0.2, compute_s=0.35)
+    assert d.codec == "" and "not the bound" in d.reason
+    tie = profile_codec("auto", pick(QUIET, EPS), exposed_s=0.35, compute_s=0.35)
+    assert tie.codec == ""  # exposed must exceed the compute
+
+
+def test_always_codes_whatever_the_times() -> None:
+    assert profile_codec("always", pick(QUIET, EPS), exposed_s=0.0, compute_s=1.0).codec == "fp16"
+
+
+def test_never_keeps_the_profile_exact() -> None:
+    d = profile_codec("never", pick(QUIET, EPS), exposed_s=9.0, compute_s=0.1)
+    assert d.codec == "" and "never" in d.reason
+
+
+def test_the_preserver_refusing_keeps_the_profile_exact_and_says_why() -> None:
+    d = profile_codec("always", pick(QUIET, 0.0), exposed_s=9.0, compute_s=0.1)  # epsilon 0: no codec
+    assert d.codec == "" and "accepts no codec" in d.reason and "fp16" in d.reason and "bf16" in d.reason
+
+
+def test_gradients_without_fp16_headroom_code_the_profile_in_bf16() -> None:
+    big = GradientScale(world=2, batch=32, mu=1.0, trace=100.0, max_abs=FP16_MAX / FP16_HEADROOM)
+    assert profile_codec("auto", pick(big, EPS), exposed_s=2.0, compute_s=1.0).codec == "bf16"
+
+
+def test_the_record_round_trips_and_bad_records_are_refused() -> None:
+    d = profile_codec("auto", pick(QUIET, EPS), exposed_s=2.5, compute_s=0.9)
+    assert ProfileCodec.from_dict(d.to_dict()) == d
+    with pytest.raises(DeftError, match=r"profile_codec\.codec"):
+        ProfileCodec.from_dict({**d.to_dict(), "codec": "int8"})
+    with pytest.raises(DeftError, match=r"plan_info\.profile_codec"):
+        ProfileCodec.from_dict({"codec": "fp16"})
+
+
+def test_config_names_the_field() -> None:
+    with pytest.raises(ContractError, match="profile_codec"):
+        DeftConfig(profile_codec="sometimes")
+
+
+# -- the first iteration's layout ----------------------------------------------------------------
+def test_the_first_layout_cuts_a_dominant_parameter_so_both_links_carry_half() -> None:
+    # 4 MB + 3 x 40 KB: total 4,120,000 bytes, limit = total / 4 = 1,030,000 bytes; the 1,000,000-element
+    # parameter (4,000,000 bytes) becomes ceil(4,000,000 / 1,030,000) = 4 pieces of 250,000 elements
+    params = [torch.zeros(10_000), torch.zeros(1_000_000), torch.zeros(10_000), torch.zeros(10_000)]
+    order = [3, 2, 1, 0]
+    whole = warmup_layout(order, list("abcd"), params, 25.0, False)
+    split = warmup_layout(order, list("abcd"), params, 25.0, False, split_over=2)
+    assert 1_000_000 in whole.bucket_numel
+    assert split.bucket_numel == (20_000, 250_000, 250_000, 250_000, 250_000, 10_000)
+    links = balanced_links(split.bucket_nbytes(), ("a", "b"))
+    load = {k: sum(n for n, lk in zip(split.bucket_nbytes(), links, strict=True) if lk == k) for k in ("a", "b")}
+    assert load == {"a": 2_080_000, "b": 2_040_000}  # 80 KB + 2 pieces, and 2 pieces + 40 KB
+
+
+def test_one_link_and_chained_hooks_keep_torchs_whole_parameters() -> None:
+    params = [torch.zeros(10_000), torch.zeros(1_000_000)]
+    one = warmup_layout([1, 0], ["a", "b"], params, 25.0, False, split_over=1)
+    chained = warmup_layout([1, 0], ["a", "b"], params, 25.0, True, split_over=2)
+    assert one.bucket_numel == (1_000_000, 10_000)
+    assert chained.bucket_numel == (1_000_000, 10_000)  # torch's 1 MB first bucket: the whole 4 MB parameter
+
+
+def test_balanced_links_sends_each_bucket_to_the_least_loaded_link() -> None:
+    # 5 -> a (0, 0: first), 3 -> b, 3 -> b (a 5, b 3), 1 -> a (a 5, b 6)
+    assert balanced_links([5, 3, 3, 1], ("a", "b")) == ("a", "b", "b", "a")

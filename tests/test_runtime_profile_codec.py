@@ -1,0 +1,139 @@
+"""The profile iterations' codec in a live run (``config.profile_codec``), against real torch DDP.
+
+After the first (exact) iteration the preserver judges the codec on that iteration's gradients; the
+profile iterations then send every bucket with it. fp16 rounding is element-wise, so torch DDP with a
+hook that sends every element through torch's fp16 hook from iteration 1 on computes exactly what
+deft must (the hook of tests/test_runtime_codecs.py); with ``"never"`` deft must equal exact torch DDP.
+The runs stop before the plan (``profile_iters`` longer than the run): every iteration is a
+synchronous one whose maths is known.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests._dist import run_ranks, values
+from tests.test_runtime_codecs import batch, make_model, mixed_hook
+
+STEPS = 10
+
+
+def config(mode: str, epsilon: float = 0.01) -> dict[str, object]:
+    return {"epsilon": epsilon, "profile_codec": mode, "warmup_iters": 1, "profile_iters": STEPS + 2,
+            "timeout_s": 60, "links": [{"name": "primary"}, {"name": "second"}]}
+
+
+def train(model: nn.Module, wrapped: nn.Module, opt: torch.optim.Optimizer, rank: int, start: int, stop: int,
+          state: dict[str, Any] | None = None) -> None:
+    for t in range(start, stop):
+        if state is not None:
+            state["t"] = t
+        x, y = batch(rank, t)
+        loss = nn.functional.mse_loss(wrapped(x), y)
+        loss.backward()
+        if hasattr(wrapped, "observe_loss"):
+            wrapped.observe_loss(loss)
+        opt.step()
+        opt.zero_grad()
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def worst(a: nn.Module, b: nn.Module) -> float:
+    return max(((x - y).abs().max() / y.abs().max()).item()
+               for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def parity_worker(rank: int, world: int, mode: str, epsilon: float) -> dict[str, Any]:
+    import deft
+
+    ours = make_model()
+    opt = sgd(ours)
+    ddp = deft.DistributedDataParallel(ours, optimizer=opt, config=config(mode, epsilon))
+    train(ours, ddp, opt, rank, 0, STEPS)
+    ddp.flush()
+
+    coded = make_model()
+    tddp = nn.parallel.DistributedDataParallel(coded)
+    state = {"coded": {id(p) for p in coded.parameters()}, "start": 1, "t": 0}
+    tddp.register_comm_hook(state, mixed_hook)
+    train(coded, tddp, sgd(coded), rank, 0, STEPS, state)
+
+    exact = make_model()
+    train(exact, nn.parallel.DistributedDataParallel(exact), sgd(exact), rank, 0, STEPS)
+    return {"record": ddp.plan_info["profile_codec"], "vs_coded": worst(ours, coded), "vs_exact": worst(ours, exact),
+            "links": ddp.link_stats, "params": [p.sum().item() for p in ours.parameters()]}
+
+
+@pytest.mark.slow
+def test_always_sends_the_profile_iterations_in_fp16_as_torch_ddps_fp16_hook_does() -> None:
+    a, b = values(run_ranks(parity_worker, 2, ("always", 0.01), timeout=180))
+    assert a["record"]["codec"] == "fp16" and a["record"] == b["record"]
+    assert a["vs_coded"] < 1e-5 and b["vs_coded"] < 1e-5, (a["vs_coded"], b["vs_coded"])
+    assert a["vs_exact"] > 1e-5  # the codec really rounded: the exact run fails the same check
+    assert a["params"] == b["params"]
+    assert all(a["links"][k]["bytes"] > 0 for k in ("primary", "second"))  # both links carried buckets
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "epsilon", "why"), [("never", 0.01, "never"),
+                                                       ("always", 1e-12, "accepts no codec")])
+def test_an_exact_profile_keeps_torch_ddps_exact_parameters(mode: str, epsilon: float, why: str) -> None:
+    a, b = values(run_ranks(parity_worker, 2, (mode, epsilon), timeout=180))
+    assert a["record"]["codec"] == "" and why in a["record"]["reason"] and a["record"] == b["record"]
+    assert a["vs_exact"] < 1e-5 and b["vs_exact"] < 1e-5, (a["vs_exact"], b["vs_exact"])
+    assert a["vs_coded"] > 1e-5
+    assert a["params"] == b["params"]
+
+
+STOP = 4
+
+
+def resume_worker(rank: int, world: int) -> dict[str, Any]:
+    """A checkpoint taken in the coded profile iterations resumes in a fresh wrapper to the same bits."""
+    import deft
+
+    model = make_model()
+    opt = sgd(model)
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, config=config("always"))
+    train(model, ddp, opt, rank, 0, STEPS)
+    ddp.flush()
+    full = [p.tolist() for p in model.parameters()]
+    ddp.close()
+
+    model = make_model()
+    opt = sgd(model)
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, config=config("always"))
+    train(model, ddp, opt, rank, 0, STOP)
+    buf = io.BytesIO()
+    torch.save({"ddp": ddp.state_dict(), "opt": opt.state_dict()}, buf)
+    ddp.close()
+
+    model = make_model()
+    with torch.no_grad():  # garbage: the checkpoint must restore everything
+        for p in model.parameters():
+            p.mul_(-3.0)
+    opt = sgd(model)
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, config=config("always"))
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    ddp.load_state_dict(ckpt["ddp"])
+    opt.load_state_dict(ckpt["opt"])
+    codec_after_load = ddp.plan_info["profile_codec"]["codec"]
+    train(model, ddp, opt, rank, STOP, STEPS)
+    ddp.flush()
+    return {"full": full, "resumed": [p.tolist() for p in model.parameters()], "codec": codec_after_load}
+
+
+@pytest.mark.slow
+def test_a_checkpoint_in_the_coded_profile_resumes_bit_for_bit() -> None:
+    for r in values(run_ranks(resume_worker, 2, timeout=240)):
+        assert r["codec"] == "fp16"
+        assert r["resumed"] == r["full"]
