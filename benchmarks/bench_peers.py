@@ -148,12 +148,26 @@ class Scheme:
     # the ranks' gloo binds to both NICs (GLOO_SOCKET_IFNAME=nic0,nic1): one gloo device per NIC, whole
     # collectives round-robined over them (torch's own way to use two NICs)
     both_nics: bool = False
+    # the ranks import deft from the source tree named by $DEFT_BEFORE_TREE (a git worktree of an earlier
+    # commit): the same scheme before a change, interleaved with the runs after it
+    before: bool = False
 
     def env(self, tb: Testbed) -> dict[str, str]:
         """What this scheme's ranks get on top of :meth:`Testbed.env_for` (which binds gloo to nic0)."""
+        env = {}
         if self.both_nics:
-            return {"GLOO_SOCKET_IFNAME": ",".join(tb.ifname(k) for k in range(tb.links))}
-        return {}
+            env["GLOO_SOCKET_IFNAME"] = ",".join(tb.ifname(k) for k in range(tb.links))
+        if self.before:
+            tree = os.environ.get(BEFORE_TREE, "")
+            if not (Path(tree) / "deft" / "__init__.py").is_file():
+                raise SystemExit(f"bench_peers: the deft-before scheme needs ${BEFORE_TREE} to name a source tree "
+                                 f"with deft/ in it (git worktree add DIR COMMIT), got {tree!r}")
+            env["PYTHONPATH"] = tree
+        return env
+
+
+#: The environment variable naming the earlier source tree of the ``deft-before`` scheme.
+BEFORE_TREE = "DEFT_BEFORE_TREE"
 
 
 SCHEMES: dict[str, Scheme] = {
@@ -190,6 +204,8 @@ SCHEMES: dict[str, Scheme] = {
     "deft-diloco-ada": Scheme("deft local steps (AdaComm period, H <= 16, DiLoCo Nesterov 0.7/0.9), two links",
                               ("--ddp", "deft", "--local-steps", "16", "--local-period", "adacomm",
                                "--local-outer", "diloco"), links=2),
+    "deft-before": Scheme("deft default before this change ($DEFT_BEFORE_TREE), two links", ("--ddp", "deft"),
+                          links=2, before=True),
     "deft-fp16": Scheme("deft default + fp16 hook, two links", ("--ddp", "deft", "--compression", "fp16"), links=2),
     "deft-powersgd": Scheme("deft default + PowerSGD (rank 4), two links",
                             ("--ddp", "deft", "--compression", "powersgd"), links=2),

@@ -284,8 +284,8 @@ def adacomm_worker(rank: int, world: int, outer: str, overlap_iters: int, report
 
 def adacomm_checkpoint_worker(rank: int, world: int) -> dict[str, Any]:
     """Saved after step 10 (H_0 chosen after step 9; that averaging in flight until after step 11; a loss
-    reported since), loaded into a fresh wrapper: the same bits as the run that saved and went on; also
-    as a second whole run, when it measured the same H_0."""
+    reported since), loaded into a fresh wrapper: the same bits as the run that saved and went on (a second
+    whole run measures its own H_0: timing, not the checkpoint, decides it)."""
     import deft
 
     iters, cut = 40, ADA_FIRST + 2
@@ -294,10 +294,6 @@ def adacomm_checkpoint_worker(rank: int, world: int) -> dict[str, Any]:
         model = _model(seed)
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         return model, opt, deft.DistributedDataParallel(model, optimizer=opt, config=_ada_config("average", 2))
-
-    model, opt, ddp = build(0)
-    _train_observed(ddp, opt, rank, 0, iters)
-    whole, whole_info = _flat(model), dict(ddp.plan_info["local_steps"])
 
     model, opt, ddp = build(0)
     _train_observed(ddp, opt, rank, 0, cut)
@@ -314,8 +310,8 @@ def adacomm_checkpoint_worker(rank: int, world: int) -> dict[str, Any]:
     opt.load_state_dict(doc["opt"])
     _train_observed(ddp, opt, rank, cut, iters)
     resumed_info = dict(ddp.plan_info["local_steps"])
-    return {"equal": bool(torch.equal(saved_run, _flat(model))), "whole_equal": bool(torch.equal(whole, saved_run)),
-            "at_save": at_save, "saved": saved_info, "resumed": resumed_info, "whole": whole_info}
+    return {"equal": bool(torch.equal(saved_run, _flat(model))), "at_save": at_save, "saved": saved_info,
+            "resumed": resumed_info}
 
 
 def _expected_losses(points: list[int]) -> list[float]:
@@ -462,9 +458,11 @@ def test_adacomm_ranks_agree_on_every_period_and_follow_the_rule(outer: str, ove
     assert info["applied"] == info["averagings"] and info["in_flight"] is None
     assert r0["params"] == r1["params"]
     periods = [c["H"] for c in info["adacomm"]["history"]]
-    # the fed loss falls to ~1/10 by step 30: sqrt(F_l / F_0) H_0 < H_0 - 1 whenever H_0 > h_min
-    h0 = info["adacomm"]["H0"]
-    assert h0 == max(1, overlap_iters) or min(periods) < h0
+    # rank 1's 0.3 s at the first point is the averaging's measured time, against steps of milliseconds:
+    # (a - D c) / H <= 0.1 c needs H in the hundreds, so H_0 is H_max; the fed loss falls to ~1/10 by
+    # step 30, so sqrt(F_l / F_0) H_0 <= 0.32 x 8 < H_0: the period must drop
+    assert info["adacomm"]["H0"] == ADA_HMAX
+    assert min(periods) < ADA_HMAX
     assert periods == sorted(periods, reverse=True)  # a falling loss never lengthens the period
 
 
@@ -488,8 +486,6 @@ def test_adacomm_checkpoint_mid_period_resumes_bit_for_bit() -> None:
         assert _decisions(r["resumed"]) == _decisions(r["saved"])  # every later decision, H_0 from the checkpoint
         assert r["equal"]
         assert r["saved"]["applied"] >= 2
-        if r["whole"]["adacomm"]["history"] == r["saved"]["adacomm"]["history"]:
-            assert r["whole_equal"]  # an independent run that measured the same H_0 gives the same bits
 
 
 def test_local_state_of_another_version_or_damaged_is_refused() -> None:
