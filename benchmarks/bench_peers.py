@@ -196,14 +196,20 @@ SCHEMES: dict[str, Scheme] = {
                           links=2),
     "deft-diloco8": Scheme("deft local steps (H 8, DiLoCo Nesterov 0.7/0.9), two links",
                            ("--ddp", "deft", "--local-steps", "8", "--local-outer", "diloco"), links=2),
-    # the same with the period chosen by deft (config local_period "adacomm"): H_0 <= 16 from the measured
-    # compute and averaging time, then AdaComm's rule shortens it as the loss falls
+    # the same with the period chosen by deft (config local_period "adacomm"): H_0 <= H_max from the measured
+    # compute and averaging time, then AdaComm's rule shortens it as the loss falls; H_max 16 and 8
     "deft-adacomm": Scheme("deft local steps (AdaComm period, H <= 16, post-local), two links",
                            ("--ddp", "deft", "--local-steps", "16", "--local-period", "adacomm",
                             "--local-outer", "average"), links=2),
     "deft-diloco-ada": Scheme("deft local steps (AdaComm period, H <= 16, DiLoCo Nesterov 0.7/0.9), two links",
                               ("--ddp", "deft", "--local-steps", "16", "--local-period", "adacomm",
                                "--local-outer", "diloco"), links=2),
+    "deft-adacomm8": Scheme("deft local steps (AdaComm period, H <= 8, post-local), two links",
+                            ("--ddp", "deft", "--local-steps", "8", "--local-period", "adacomm",
+                             "--local-outer", "average"), links=2),
+    "deft-diloco-ada8": Scheme("deft local steps (AdaComm period, H <= 8, DiLoCo Nesterov 0.7/0.9), two links",
+                               ("--ddp", "deft", "--local-steps", "8", "--local-period", "adacomm",
+                                "--local-outer", "diloco"), links=2),
     "deft-before": Scheme("deft default before this change ($DEFT_BEFORE_TREE), two links", ("--ddp", "deft"),
                           links=2, before=True),
     "deft-fp16": Scheme("deft default + fp16 hook, two links", ("--ddp", "deft", "--compression", "fp16"), links=2),
