@@ -170,6 +170,15 @@ class Scheme:
 BEFORE_TREE = "DEFT_BEFORE_TREE"
 
 
+def adacomm_scheme(h_max: int, outer: str) -> Scheme:
+    """deft's local steps with the period chosen by deft (config local_period "adacomm"): H_0 <= h_max from
+    the measured compute and averaging time, then AdaComm's rule shortens it as the loss falls."""
+    what = "post-local" if outer == "average" else "DiLoCo Nesterov 0.7/0.9"
+    return Scheme(f"deft local steps (AdaComm period, H <= {h_max}, {what}), two links",
+                  ("--ddp", "deft", "--local-steps", str(h_max), "--local-period", "adacomm", "--local-outer", outer),
+                  links=2)
+
+
 SCHEMES: dict[str, Scheme] = {
     "compute": Scheme("computation only (floor)", ("--compute-only",), alone=True),
     "torch": Scheme("torch DDP", ("--ddp", "torch")),
@@ -196,20 +205,10 @@ SCHEMES: dict[str, Scheme] = {
                           links=2),
     "deft-diloco8": Scheme("deft local steps (H 8, DiLoCo Nesterov 0.7/0.9), two links",
                            ("--ddp", "deft", "--local-steps", "8", "--local-outer", "diloco"), links=2),
-    # the same with the period chosen by deft (config local_period "adacomm"): H_0 <= H_max from the measured
-    # compute and averaging time, then AdaComm's rule shortens it as the loss falls; H_max 16 and 8
-    "deft-adacomm": Scheme("deft local steps (AdaComm period, H <= 16, post-local), two links",
-                           ("--ddp", "deft", "--local-steps", "16", "--local-period", "adacomm",
-                            "--local-outer", "average"), links=2),
-    "deft-diloco-ada": Scheme("deft local steps (AdaComm period, H <= 16, DiLoCo Nesterov 0.7/0.9), two links",
-                              ("--ddp", "deft", "--local-steps", "16", "--local-period", "adacomm",
-                               "--local-outer", "diloco"), links=2),
-    "deft-adacomm8": Scheme("deft local steps (AdaComm period, H <= 8, post-local), two links",
-                            ("--ddp", "deft", "--local-steps", "8", "--local-period", "adacomm",
-                             "--local-outer", "average"), links=2),
-    "deft-diloco-ada8": Scheme("deft local steps (AdaComm period, H <= 8, DiLoCo Nesterov 0.7/0.9), two links",
-                               ("--ddp", "deft", "--local-steps", "8", "--local-period", "adacomm",
-                                "--local-outer", "diloco"), links=2),
+    # the same with the period chosen by deft (adacomm_scheme): deft-adacomm, deft-diloco-ada (H_max 16),
+    # deft-adacomm8, deft-diloco-ada8
+    **{f"deft-{name}{'' if h_max == 16 else h_max}": adacomm_scheme(h_max, outer)
+       for h_max in (16, 8) for name, outer in (("adacomm", "average"), ("diloco-ada", "diloco"))},
     "deft-before": Scheme("deft default before this change ($DEFT_BEFORE_TREE), two links", ("--ddp", "deft"),
                           links=2, before=True),
     "deft-fp16": Scheme("deft default + fp16 hook, two links", ("--ddp", "deft", "--compression", "fp16"), links=2),
