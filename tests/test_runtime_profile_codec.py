@@ -137,3 +137,41 @@ def test_a_checkpoint_in_the_coded_profile_resumes_bit_for_bit() -> None:
     for r in values(run_ranks(resume_worker, 2, timeout=240)):
         assert r["codec"] == "fp16"
         assert r["resumed"] == r["full"]
+
+
+def overflow_worker(rank: int, world: int) -> dict[str, Any]:
+    """torch's documented AMP loop (GradScaler) whose first step overflows (an inf loss, as fp16 overflow
+    gives): nothing is judged on it, so the profile stays exact, and training goes on as torch DDP's."""
+    import deft
+
+    def run(wrap: Any) -> tuple[nn.Module, Any]:
+        model = make_model()
+        opt = sgd(model)
+        wrapped = wrap(model, opt)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        for t in range(6):
+            x, y = batch(rank, t)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.mse_loss(wrapped(x), y)
+            if t == 0:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return model, wrapped
+
+    ours, ddp = run(lambda m, o: deft.DistributedDataParallel(m, optimizer=o, config=config("always")))
+    ddp.flush()
+    ref, _ = run(lambda m, o: nn.parallel.DistributedDataParallel(m))
+    return {"record": ddp.plan_info["profile_codec"], "vs_torch": worst(ours, ref),
+            "skipped": ddp.plan_info.get("skipped_steps", [])}
+
+
+@pytest.mark.slow
+def test_an_overflowing_first_step_leaves_the_profile_exact_as_torch_ddp() -> None:
+    a, b = values(run_ranks(overflow_worker, 2, timeout=180))
+    assert a["record"]["codec"] == "" and "no gradient statistics" in a["record"]["reason"], a["record"]
+    assert a["record"] == b["record"]
+    assert a["skipped"] == b["skipped"] == [0]  # GradScaler skipped the first step on every rank
+    assert a["vs_torch"] < 1e-5 and b["vs_torch"] < 1e-5, (a["vs_torch"], b["vs_torch"])
