@@ -149,7 +149,7 @@ class FirstIteration:
     observer while that iteration runs; the facade's events give the times)."""
 
     def __init__(self, world: int) -> None:
-        self.stats = GradStats()
+        self.stats = GradStats(scale_only=True)
         self.world = world
         self._begin: float | None = None
         self._backward_end: float | None = None

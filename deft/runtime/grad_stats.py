@@ -102,7 +102,10 @@ class GradStats:
     per rank; after planning it runs only in the window of iterations before each re-check.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, scale_only: bool = False) -> None:
+        # scale_only: only |g|², tr Σ and the largest element (a codec's judgement): no directions (sigma)
+        # and no secant, which copy the gradient and the parameters at every update
+        self.scale_only = scale_only
         self.noise = NoiseEstimator()  # in the walk's metric (self.geometry.metric)
         self.raw = NoiseEstimator()    # Euclidean, while the walk's metric is not: the raw tr Σ
         self.directions = DirectionPair()
@@ -172,7 +175,7 @@ class GradStats:
                 continue
             # lag-free, one iteration: computed at the parameters now (only while statistics are
             # gathered: each observation copies the parameters and the gradient)
-            if upd.iterations == (t,) and self._wanted:
+            if upd.iterations == (t,) and self._wanted and not self.scale_only:
                 self.observe_point(self._params, upd.grads)
         return kept
 
@@ -284,7 +287,8 @@ class GradStats:
             self._first_piece = {}
             return False
         self.noise.update(rows, mean_sq, dot)
-        self.directions.observe(pieces)
+        if not self.scale_only:
+            self.directions.observe(pieces)
         return True
 
     def estimate(self) -> NoiseEstimate | None:
