@@ -175,3 +175,34 @@ def test_an_overflowing_first_step_leaves_the_profile_exact_as_torch_ddp() -> No
     assert a["record"] == b["record"]
     assert a["skipped"] == b["skipped"] == [0]  # GradScaler skipped the first step on every rank
     assert a["vs_torch"] < 1e-5 and b["vs_torch"] < 1e-5, (a["vs_torch"], b["vs_torch"])
+
+
+def compute_bound_worker(rank: int, world: int) -> dict[str, Any]:
+    """The default ``profile_codec = "auto"`` on a model of convolutions over large images with 1.5 K
+    parameters: its all-reduce (6 KB on loopback) ends within the backward, which takes milliseconds."""
+    import deft
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 5, padding=2), nn.ReLU(), nn.Conv2d(16, 8, 3, padding=1),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    opt = sgd(model)
+    cfg = {**config("auto"), "profile_iters": 2}
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, config=cfg)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x, y = torch.randn(16, 3, 96, 96, generator=g), torch.randn(16, 8, generator=g)
+        loss = nn.functional.mse_loss(ddp(x), y)  # random targets: noisy gradients the codec's bound accepts
+        loss.backward()
+        ddp.observe_loss(loss)
+        opt.step()
+        opt.zero_grad()
+    return {"record": ddp.plan_info["profile_codec"]}
+
+
+@pytest.mark.slow
+def test_auto_keeps_the_profile_exact_where_the_compute_is_the_bound() -> None:
+    a, b = values(run_ranks(compute_bound_worker, 2, timeout=180))
+    assert a["record"] == b["record"]
+    rec = a["record"]
+    assert rec["codec"] == "" and "not the bound" in rec["reason"], rec
+    assert rec["exposed_s"] < rec["compute_s"]
