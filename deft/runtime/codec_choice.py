@@ -148,9 +148,8 @@ class FirstIteration:
     """The first iteration's gradient statistics and timing, for :func:`profile_codec` (an executor
     observer while that iteration runs; the facade's events give the times)."""
 
-    def __init__(self, world: int) -> None:
+    def __init__(self) -> None:
         self.stats = GradStats(scale_only=True)
-        self.world = world
         self._begin: float | None = None
         self._backward_end: float | None = None
         self._end: float | None = None
@@ -172,12 +171,10 @@ class FirstIteration:
         """Collective (control group): the same decision on every rank (gathered statistics, times
         maximised over the ranks)."""
         begin, bwd, end = self._begin, self._backward_end, self._end
-        mine = [end - bwd, bwd - begin, 0.0] if begin is not None and bwd is not None and end is not None \
-            else [0.0, 0.0, 1.0]
-        exposed, compute, unknown = control.max_rows([mine], "first iteration's times")[0]
+        # A rank whose first iteration had no backward (a step without one) adds no time of its own.
+        mine = [end - bwd, bwd - begin] if begin is not None and bwd is not None and end is not None else [0.0, 0.0]
+        exposed, compute = control.max_rows([mine], "first iteration's times")[0]
         scale: GradientScale | None = gradient_scale(self.stats, control, batch)
         if scale is None:
             return ProfileCodec("", "no gradient statistics from the first iteration", exposed, compute)
-        if unknown and cfg.profile_codec == "auto":
-            return ProfileCodec("", "the first iteration had no backward on some rank: its times are unknown")
         return profile_codec(cfg.profile_codec, codec_error.pick(scale, cfg.epsilon), exposed, compute)

@@ -135,7 +135,7 @@ class Course:
         if t == 0 and not self.planned and self.record.profile_codec is None and cal.warm_end < cal.plan_at \
                 and codec_choice.considered(self.config, self._control.world, self.planning.measuring,
                                             ex.comm_hook is not None, ex.layout):
-            self._first = FirstIteration(self._control.world)
+            self._first = FirstIteration()
             ex.observe(self._first.stats)
         if cal.profiling(t) and not self.planned and self._timer is None:
             assert ex.layout is not None

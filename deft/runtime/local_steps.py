@@ -74,6 +74,7 @@ from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.errors import ContractError
 from deft.runtime.control import wait_work
+from deft.runtime.layouts import balanced_links
 from deft.runtime.links import CommLink
 from deft.runtime.local_period import AdaComm, period_floor
 
@@ -249,14 +250,9 @@ class LocalSteps:
         return {name: _flat(params) for name, params in self.groups.items()}
 
     def assign(self, sizes: list[int]) -> list[str]:
-        """The link of each bucket (bytes, in launch order): the one that frees first by bytes."""
-        load = dict.fromkeys(self.links, 0)
-        out = []
-        for n in sizes:
-            link = min(load, key=lambda k: load[k])  # ties: the first configured link
-            load[link] += n
-            out.append(link)
-        return out
+        """The link of each bucket (bytes, in launch order): the one that frees first by bytes (ties: the
+        first configured link; the warm-up's rule, :func:`deft.runtime.layouts.balanced_links`)."""
+        return list(balanced_links(sizes, tuple(self.links)))
 
     def buckets(self) -> list[tuple[str, int, int]]:
         """(dtype name, start, end) element ranges, every dtype's in turn: as many buckets as ``bucket_cap_mb``
