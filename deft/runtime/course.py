@@ -94,10 +94,9 @@ class Course:
         self._timer: WarmupTimer | None = None
         self._solo: dist.ProcessGroup | None = None  # this rank's one-rank group, for timing a comm hook's codec
         self._codec: CodecInputs | None = None  # deft's own codec choice: its measured inputs (codec_choice)
-        # The profile iterations' codec (codec_choice, "The profile iterations' codec"): judged on the
-        # first iteration, whose statistics and times FirstIteration gathers; "" sends them exact.
+        # The profile iterations' codec (codec_choice, "The profile iterations' codec") is judged on the
+        # first iteration, whose statistics and times FirstIteration gathers (its record: profile_codec).
         self._first: FirstIteration | None = None
-        self.profile_codec = ""
         # The preserver's live inputs.
         self.losses: collections.deque[float] = collections.deque(maxlen=64)
         self.batch: int | None = None
@@ -250,6 +249,12 @@ class Course:
         self._install(synchronous_schedule(layout.bucket_numel, layout.bucket_nbytes(), links,
                                            balanced_links(layout.bucket_nbytes(), links)), layout, t0)
 
+    @property
+    def profile_codec(self) -> str:
+        """The codec of the profile iterations (``""``: exact, or not decided yet), from the run's record."""
+        pc = self.record.profile_codec
+        return "" if pc is None else str(pc["codec"])
+
     @staticmethod
     def _coded(schedule: Schedule, codec: str) -> Schedule:
         """``schedule`` with every bucket sent with ``codec`` (``""``: unchanged)."""
@@ -262,7 +267,6 @@ class Course:
         self._executor.unobserve(first.stats)
         decision = first.decide(self.config, self._control, self.batch)
         self.record.profile_codec = decision.to_dict()
-        self.profile_codec = decision.codec
         if self._control.rank == 0:
             log.info("deft: profile iterations %s (%s)", f"in {decision.codec}" if decision.codec else "exact",
                      decision.reason)
@@ -419,8 +423,8 @@ class Course:
                             "plan is in)", st.t, self.calendar.plan_at)
         self.record = RunRecord.from_view(st.plan_info)
         self._first = None
-        pc = self.record.profile_codec
-        self.profile_codec = "" if pc is None else ProfileCodec.from_dict(pc).codec
+        if self.record.profile_codec is not None:
+            ProfileCodec.from_dict(self.record.profile_codec)  # a damaged record is refused here, naming it
 
     def close(self) -> None:
         if self._timer is not None:
