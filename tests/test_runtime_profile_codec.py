@@ -206,3 +206,42 @@ def test_auto_keeps_the_profile_exact_where_the_compute_is_the_bound() -> None:
     rec = a["record"]
     assert rec["codec"] == "" and "not the bound" in rec["reason"], rec
     assert rec["exposed_s"] < rec["compute_s"]
+
+
+def clip_log_worker(rank: int, world: int) -> dict[str, Any]:
+    """The loop that clips and logs the gradient norm between backward() and step() (torch's
+    ``clip_grad_norm_``, whose return value users log), through the coded profile iterations."""
+    import deft
+
+    def run(model: nn.Module, wrapped: nn.Module, state: dict[str, Any] | None) -> list[float]:
+        opt, norms = sgd(model), []
+        for t in range(STEPS):
+            if state is not None:
+                state["t"] = t
+            x, y = batch(rank, t)
+            nn.functional.mse_loss(wrapped(x), y).backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+            opt.step()
+            opt.zero_grad()
+        return norms
+
+    ours = make_model()
+    ddp = deft.DistributedDataParallel(ours, config=config("always"))
+    our_norms = run(ours, ddp, None)
+    ddp.flush()
+    ref = make_model()
+    tddp = nn.parallel.DistributedDataParallel(ref)
+    state = {"coded": {id(p) for p in ref.parameters()}, "start": 1, "t": 0}
+    tddp.register_comm_hook(state, mixed_hook)
+    ref_norms = run(ref, tddp, state)
+    return {"codec": ddp.plan_info["profile_codec"]["codec"], "vs_coded": worst(ours, ref),
+            "norms": our_norms, "ref_norms": ref_norms}
+
+
+@pytest.mark.slow
+def test_clipping_and_a_logged_norm_see_torch_ddps_fp16_gradients_in_the_coded_profile() -> None:
+    for r in values(run_ranks(clip_log_worker, 2, timeout=180)):
+        assert r["codec"] == "fp16"
+        assert r["vs_coded"] < 1e-5, r["vs_coded"]
+        assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-5)
+        assert max(r["norms"]) > 0.5  # the clip really acted
