@@ -51,7 +51,9 @@ LOCAL_PERIODS = ("fixed", "adacomm")
 
 @dataclass(frozen=True)
 class LinkConfig:
-    """One communication link. ``backend="auto"``: NCCL for the first link on CUDA, gloo otherwise."""
+    """One communication link. ``backend="auto"``: the first link runs the default process group's
+    backend for the model's device (as torch DDP does: NCCL on CUDA under ``init_process_group("nccl")``),
+    the others gloo."""
 
     name: str
     backend: str = "auto"

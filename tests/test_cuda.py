@@ -19,7 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from deft.runtime.links import gloo_cuda_fix
+from deft.config import LinkConfig
+from deft.runtime.links import default_backend, gloo_cuda_fix, link_backend
 from deft.runtime.tracing import nvtx_wanted
 from deft.schedule import CommTask, Schedule, StagePlan, Update
 from tests._dist import run_ranks, values
@@ -37,6 +38,21 @@ STEPS = 12
 ])
 def test_nvtx_ranges_on_by_default_on_cuda(device: str | torch.device, env: dict[str, str], on: bool) -> None:
     assert nvtx_wanted(device, env) is on
+
+
+@pytest.mark.parametrize(("backend", "cuda", "expected"), [
+    ("nccl", True, "nccl"), ("gloo", True, "gloo"), ("gloo", False, "gloo"), ("nccl", False, "gloo"),
+    ("cpu:gloo,cuda:nccl", True, "nccl"), ("cpu:gloo,cuda:nccl", False, "gloo"), ("cuda:gloo", True, "gloo"),
+    ("ucc", True, "nccl"), ("mpi", False, "gloo"),
+])
+def test_the_primary_link_follows_the_default_groups_backend(backend: str, cuda: bool, expected: str) -> None:
+    """torch DDP all-reduces on the default group: ``init_process_group("gloo")`` with two ranks on one
+    GPU (found on an H100: deft's primary link went NCCL and NCCL refused the shared device) keeps gloo."""
+    primary = default_backend(cuda, backend)
+    assert primary == expected
+    assert link_backend(LinkConfig(name="primary"), 0, cuda, primary) == expected
+    assert link_backend(LinkConfig(name="second"), 1, cuda, primary) == "gloo"
+    assert link_backend(LinkConfig(name="primary", backend="gloo"), 0, cuda, primary) == "gloo"
 
 
 @pytest.mark.parametrize(("version", "hip", "fixed"), [

@@ -60,13 +60,36 @@ class CommLink:
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
 
-def link_backend(cfg: LinkConfig, index: int, cuda: bool) -> str:
-    """``auto`` means NCCL for the first link on CUDA, gloo otherwise."""
+def default_backend(cuda: bool, backend: str | None = None) -> str:
+    """The backend the default process group runs for the model's tensors (``backend``: its
+    ``dist.get_backend()`` string, read from the default group when None).
+
+    torch DDP all-reduces on the default group, so deft's primary link follows it: a job that called
+    ``init_process_group("gloo")`` with two ranks on one GPU (NCCL refuses that) keeps gloo. A device
+    string such as ``"cpu:gloo,cuda:nccl"`` names a backend per device type.
+    """
+    name = str(backend if backend is not None else dist.get_backend())
+    device = "cuda" if cuda else "cpu"
+    if ":" in name:
+        per_device = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+        name = per_device.get(device, "")
+    if name == "gloo" or (name == "nccl" and cuda):
+        return name
+    return "nccl" if cuda else "gloo"  # another backend (ucc, mpi): deft runs links on nccl and gloo only
+
+
+def link_backend(cfg: LinkConfig, index: int, cuda: bool, primary_auto: str | None = None) -> str:
+    """``auto`` means the default process group's backend for the model's device on the first link
+    (``primary_auto``, see :func:`default_backend`; NCCL on CUDA when None), gloo on the others."""
     if cfg.backend != "auto":
         if cfg.backend == "nccl" and not cuda:
             return "gloo"  # NCCL cannot run on CPU tensors; on a CPU run the link degrades to gloo
         return cfg.backend
-    return "nccl" if (cuda and index == 0) else "gloo"
+    if index > 0:
+        return "gloo"
+    if primary_auto is not None:
+        return primary_auto
+    return "nccl" if cuda else "gloo"
 
 
 def _new_group(backend: str, ifname: str | None, timeout_s: float, ranks: Sequence[int] | None) -> dist.ProcessGroup:
@@ -80,8 +103,9 @@ def make_control_group(config: DeftConfig, ranks: Sequence[int] | None) -> dist.
 
 def make_links(config: DeftConfig, cuda: bool, ranks: Sequence[int] | None) -> dict[str, CommLink]:
     links: dict[str, CommLink] = {}
+    primary_auto = default_backend(cuda)
     for i, lk in enumerate(config.links):
-        backend = link_backend(lk, i, cuda)
+        backend = link_backend(lk, i, cuda, primary_auto)
         if cuda and backend == "gloo":
             verdict = gloo_cuda_fix()
             if verdict.fixed is not True:
