@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from deft.schedule import CommTask, Schedule, StagePlan, Update
 from tests._dist import run_ranks, values
 
 NO_GPU = "no CUDA device: the GPU path (NCCL, gloo on CUDA tensors, nsys) cannot run here"
+NCCL_LINK = [{"name": "primary", "backend": "nccl"}]
 TWO_GLOO_LINKS = [{"name": "primary", "backend": "gloo"}, {"name": "second", "backend": "gloo"}]
 STEPS = 12
 
@@ -65,6 +67,18 @@ def test_gloo_cuda_fix_verdict(version: str, hip: str | None, fixed: bool | None
     assert verdict.fixed is fixed and verdict.torch_version == version and verdict.reason
 
 
+def _pinned_torch() -> str:
+    """The torch release scripts/setup.sh installs (``torch==X``)."""
+    setup = (Path(__file__).resolve().parents[1] / "scripts" / "setup.sh").read_text()
+    found = re.search(r"torch==([0-9][0-9.]*)", setup)
+    assert found is not None, "scripts/setup.sh pins no torch==X"
+    return found.group(1)
+
+
+@pytest.mark.skipif(str(torch.__version__).split("+")[0] != _pinned_torch(),
+                    reason=f"torch {torch.__version__} is not the pinned {_pinned_torch()} (a GPU machine's own "
+                           "torch): its gloo + CUDA futures are checked at run time by "
+                           "test_gloo_futures_on_cuda_tensors_are_not_corrupted")
 def test_the_pinned_torch_carries_the_gloo_cuda_fix() -> None:
     verdict = gloo_cuda_fix()
     assert verdict.torch_version == str(torch.__version__) and verdict.fixed is True, verdict.reason
@@ -129,8 +143,9 @@ def nccl_world_one_worker(rank: int, world: int) -> dict[str, object]:
     dev = "cuda:0"
     model = make_model().to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    # the harness's default group is gloo, which deft's primary link would follow: NCCL by name
     ddp = deft.DistributedDataParallel(model, device_ids=[0], config={"epsilon": 0.0, "warmup_iters": 1,
-                                                                      "profile_iters": 2})
+                                                                      "profile_iters": 2, "links": NCCL_LINK})
     train(ddp, opt, rank, dev, range(STEPS - 2))
     trace = "/tmp/deft-cuda-nccl-trace.json"
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

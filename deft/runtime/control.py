@@ -38,9 +38,17 @@ Collective: TypeAlias = "dist.Work | torch._C.Future[object]"
 JsonDocT = TypeVar("JsonDocT", bound=Mapping[str, object])
 
 
-def wait_work(work: Collective, link: str, what: str, rank: int, timeout_s: float) -> object:
+def wait_work(work: Collective, link: str, what: str, rank: int, timeout_s: float,
+              stream_ordered: bool = False) -> object:
     """Wait for one launched collective (a Work, or a comm hook's Future, whose value is returned); a
-    failure or ``timeout_s`` becomes a CommunicationError."""
+    failure or ``timeout_s`` becomes a CommunicationError.
+
+    ``stream_ordered`` (a Work of an NCCL group): only order the current CUDA stream after the
+    collective, as torch DDP's reducer does. NCCL's ``Work.wait(timeout)`` would block the host until
+    the kernel finished (every wait a device sync, measured on an H100: benchmarks/results/gpu.md);
+    the group's own timeout (``timeout_s`` too, :mod:`deft.runtime.links`) and NCCL's watchdog stop a
+    rank whose peer died instead.
+    """
     try:
         if isinstance(work, FUTURE_TYPES):
             if not work.done() and not future_done_event(work).wait(timeout_s):
@@ -48,7 +56,10 @@ def wait_work(work: Collective, link: str, what: str, rank: int, timeout_s: floa
             # done, so wait() returns at once; on CUDA it also orders the current stream after the value's
             # events, which value() does not (the gloo + CUDA corruption of pytorch issue 155714)
             return work.wait()
-        work.wait(timeout=timedelta(seconds=timeout_s))
+        if stream_ordered:
+            work.wait()
+        else:
+            work.wait(timeout=timedelta(seconds=timeout_s))
         return None
     except Exception as e:  # gloo/NCCL raise RuntimeError or DistBackendError
         raise CommunicationError(f"rank {rank}: {what} on link {link!r} failed or timed out after at most "
@@ -157,7 +168,7 @@ class ControlPlane:
 
 
 def broadcast_state(tensors: list[torch.Tensor], group: dist.ProcessGroup, link: str, rank: int,
-                    timeout_s: float) -> None:
+                    timeout_s: float, stream_ordered: bool = False) -> None:
     """Rank 0's values of ``tensors`` everywhere, one flat broadcast per dtype (like torch DDP's)."""
     src = dist.get_global_rank(group, 0)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -167,7 +178,7 @@ def broadcast_state(tensors: list[torch.Tensor], group: dist.ProcessGroup, link:
         for dtype, ts in by_dtype.items():
             flat = torch.cat([t.detach().reshape(-1) for t in ts]) if ts else torch.empty(0, dtype=dtype)
             wait_work(dist.broadcast(flat, src=src, group=group, async_op=True), link,
-                      f"broadcast of rank 0's parameters/buffers ({dtype})", rank, timeout_s)
+                      f"broadcast of rank 0's parameters/buffers ({dtype})", rank, timeout_s, stream_ordered)
             off = 0
             for t in ts:
                 t.copy_(flat[off:off + t.numel()].view_as(t))

@@ -40,7 +40,7 @@ from deft.runtime.course import Course
 from deft.runtime.executor import Executor, PendingUpdate
 from deft.runtime.first_use import FirstUseRecorder
 from deft.runtime.grad_stats import check_probe_args, probe_curvature
-from deft.runtime.links import CommLink, make_control_group, make_links
+from deft.runtime.links import CommLink, make_buffer_group, make_control_group, make_links
 from deft.runtime.local_steps import LocalSteps
 from deft.runtime.optimizer_hooks import OptimizerBinding
 from deft.runtime.phase import Phase
@@ -124,6 +124,7 @@ class DistributedDataParallel(nn.Module):
                                       digest({"params": list(model_doc.items())}), model_doc)
         self._links: dict[str, CommLink] = make_links(cfg, self._cuda, self._ranks)
         self._primary = next(iter(self._links.values()))
+        self._buffer_group = make_buffer_group(cfg, self._primary, self._cuda, self._ranks)
         if init_sync:
             broadcast_state(list(self.module.parameters()) + list(self.module.buffers()), self._primary.group,
                             self._primary.name, self.rank, cfg.timeout_s)
@@ -191,8 +192,12 @@ class DistributedDataParallel(nn.Module):
         training forward outside ``no_sync()``, evaluation forwards included: torch DDP's rule."""
         sync, self._buffers_due = self._buffers_due, torch.is_grad_enabled() and not self._no_sync
         if sync and self._sync_buffers and any(True for _ in self.module.buffers()):
-            broadcast_state(list(self.module.buffers()), self._control.group, "control", self.rank,
-                            self.config.timeout_s)
+            if self._buffer_group is not None:
+                broadcast_state(list(self.module.buffers()), self._buffer_group, f"{self._primary.name} (buffers)",
+                                self.rank, self.config.timeout_s, stream_ordered=True)
+            else:
+                broadcast_state(list(self.module.buffers()), self._control.group, "control", self.rank,
+                                self.config.timeout_s)
 
     def observe_loss(self, loss: torch.Tensor | float) -> None:
         """Report this iteration's loss (optional; feeds the preserver's convergence statistics, and in

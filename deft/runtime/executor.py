@@ -95,14 +95,15 @@ class GroupInstance:
     k: int
     iterations: list[int]
     buffers: dict[torch.dtype, torch.Tensor]
-    used_map: torch.Tensor  # int32, one count per trainable parameter
+    local_used: list[int]  # per trainable parameter: iterations of this group it got a gradient here
     launched: set[int] = field(default_factory=set)
     used_launched: bool = False
     pending: dict[int, list[Pending]] = field(default_factory=dict)  # bucket (-1: used map) -> in flight
     finish_in_forward: bool = False
     deferred: set[int] | None = None  # finishing: parameters applied at the next forward, not yet applied
     used: list[int] | None = None     # the all-reduced used map, once waited for (finishing groups)
-    all_used_locally: bool = False    # finishing: every parameter got a gradient on this rank (then on some rank)
+    all_used_locally: bool = False    # every parameter got a gradient on this rank (then on some rank)
+    used_map: torch.Tensor | None = None  # int32 on the device: local_used, all-reduced once launched
 
     @property
     def complete(self) -> bool:
@@ -238,7 +239,7 @@ class Executor:
             k = s.updates[s.group_of(self.position(t))].k
             u = s.updates[s.group_of(self.position(t))]
             g = GroupInstance(last=last, k=k, iterations=[], buffers=self._buffers(),
-                              used_map=torch.zeros(len(self.params), dtype=torch.int32, device=self.device),
+                              local_used=[0] * len(self.params),
                               finish_in_forward=u.finish_in_forward)
             self.groups[last] = g
         g.iterations.append(t)
@@ -274,7 +275,7 @@ class Executor:
         lay.param_view(g.buffers, index).add_(grad.reshape(-1))
         if not self._touched[index]:
             self._touched[index] = True
-            g.used_map[index] += 1
+            g.local_used[index] += 1  # counted on the host: a device tensor would cost a kernel per parameter
         if final and not self._captured[index]:
             self._captured[index] = True
             self._param_complete(index)
@@ -476,19 +477,22 @@ class Executor:
 
     def _launch_used(self, g: GroupInstance) -> None:
         link = self.links[self.primary]
-        if g.finish_in_forward:  # read before the all-reduce writes into it (one device sync)
-            g.all_used_locally = bool((g.used_map > 0).all())
+        g.all_used_locally = all(c > 0 for c in g.local_used)
+        # a pageable host tensor: the copy is staged at once, without waiting for the device
+        used_map = torch.tensor(g.local_used, dtype=torch.int32).to(self.device, non_blocking=True)
+        g.used_map = used_map
         if self.comm_hook is not None and self.comm_hook.chained:  # the hooks' collectives are chained: join
-            w: Collective = self._chained(lambda: link.all_reduce(g.used_map).get_future())
+            w: Collective = self._chained(lambda: link.all_reduce(used_map).get_future())
         else:
-            w = link.all_reduce(g.used_map)
+            w = link.all_reduce(used_map)
         g.pending.setdefault(-1, []).append(Pending(w, self.primary, "all-reduce of the used-parameter map of the "
                                                     f"update merging iterations {g.iterations}"))
         g.used_launched = True
 
     # -- waiting and updates -------------------------------------------------------------------
     def wait(self, pending: Pending) -> None:
-        value = wait_work(pending.work, pending.link, pending.what, self.rank, self.timeout_s)
+        value = wait_work(pending.work, pending.link, pending.what, self.rank, self.timeout_s,
+                          stream_ordered=self.links[pending.link].backend == "nccl")
         if pending.post is not None:
             post, pending.post = pending.post, None  # once, even if waited for again
             try:
@@ -545,7 +549,7 @@ class Executor:
             g.used = [1] * len(self.params)
         else:
             self._settle(g, [-1, *now_buckets])
-            g.used = g.used_map.tolist()
+            g.used = self._used(g)
         deferred = set(range(len(self.params))) - set(now)
         g.deferred = {i for i in deferred if g.used[i] > 0}  # unused parameters keep grad None anyway
         grads = self._grads(g, now)
@@ -565,13 +569,25 @@ class Executor:
     def _grads(self, g: GroupInstance, indices: Iterable[int]) -> list[torch.Tensor | None]:
         """Averaged gradients of ``indices`` (``None`` elsewhere, and where no rank used a parameter)."""
         assert self.layout is not None
-        used = g.used if g.used is not None else g.used_map.tolist()  # one device sync, not one per parameter
+        used = g.used if g.used is not None else self._used(g)
         scale = 1.0 / (self.world * len(g.iterations))
         grads: list[torch.Tensor | None] = [None] * len(self.params)
-        for i in indices:
-            if used[i] > 0:
-                grads[i] = self.layout.param_view(g.buffers, i).view(self.params[i].shape).mul(scale)
+        take = [i for i in indices if used[i] > 0]
+        views = [self.layout.param_view(g.buffers, i).view(self.params[i].shape) for i in take]
+        # one fused launch for all parameters (the same rounding as a mul each): on CUDA a kernel per
+        # parameter costs the host more than the arithmetic
+        for i, grad in zip(take, torch._foreach_mul(views, scale) if views else [], strict=True):
+            grads[i] = grad
         return grads
+
+    @staticmethod
+    def _used(g: GroupInstance) -> list[int]:
+        """The all-reduced used map of ``g`` (waited for). Where every parameter got a gradient on this
+        rank it is positive everywhere and not read: reading a device tensor waits for the device."""
+        if g.all_used_locally:
+            return [1] * len(g.local_used)
+        assert g.used_map is not None
+        return [int(c) for c in g.used_map.tolist()]
 
     def _close(self, g: GroupInstance) -> None:
         self._settle(g)
@@ -659,7 +675,8 @@ class Executor:
             out.append(GroupState(
                 last=g.last, k=g.k, iterations=list(g.iterations),
                 buffers={str(d).removeprefix("torch."): b.detach().cpu().clone() for d, b in g.buffers.items()},
-                used=g.used_map.detach().cpu().clone(), launched=sorted(g.launched),
+                used=(g.used_map.detach().cpu().clone() if g.used_map is not None
+                      else torch.tensor(g.local_used, dtype=torch.int32)), launched=sorted(g.launched),
                 used_launched=g.used_launched, finish_in_forward=g.finish_in_forward,
                 deferred=None if g.deferred is None else sorted(g.deferred)))
         return out
@@ -675,13 +692,18 @@ class Executor:
                 if key not in saved or saved[key].shape != b.shape:
                     raise DeftError(f"{source}: pending gradient buffer {key} does not match this model")
                 b.copy_(saved[key])
+            used = [int(c) for c in st["used"].tolist()]
+            launched_used = bool(st["used_launched"])
+            # saved after the used map's all-reduce (launched): the reduced map; before it: this rank's counts
             g = GroupInstance(last=int(st["last"]), k=int(st["k"]), iterations=[int(i) for i in st["iterations"]],
-                              buffers=bufs, used_map=st["used"].to(self.device, torch.int32).clone(),
-                              launched={int(b) for b in st["launched"]}, used_launched=bool(st["used_launched"]),
+                              buffers=bufs, local_used=[0] * len(used) if launched_used else used,
+                              launched={int(b) for b in st["launched"]}, used_launched=launched_used,
                               finish_in_forward=bool(st.get("finish_in_forward", False)),
-                              deferred=_int_set(st.get("deferred")))
-            if g.deferred is not None:
-                g.used = g.used_map.tolist()
+                              deferred=_int_set(st.get("deferred")),
+                              used_map=torch.tensor(used, dtype=torch.int32, device=self.device) if launched_used
+                              else None)
+            if g.deferred is not None or launched_used:
+                g.used = used
             self.groups[g.last] = g
 
 

@@ -115,6 +115,17 @@ def make_links(config: DeftConfig, cuda: bool, ranks: Sequence[int] | None) -> d
     return links
 
 
+def make_buffer_group(config: DeftConfig, primary: CommLink, cuda: bool,
+                      ranks: Sequence[int] | None) -> dist.ProcessGroup | None:
+    """On CUDA with an NCCL primary link: deft's own NCCL group for the per-forward broadcast of the
+    buffers, waited for on the stream as torch DDP's is (through the CPU control group it would copy
+    them to the host and wait there, every forward). Not the primary link's group: its stream may still
+    carry the gradients of a delayed update. None elsewhere: the control group carries the buffers."""
+    if not (cuda and primary.backend == "nccl"):
+        return None
+    return _new_group("nccl", primary.ifname, config.timeout_s, ranks)
+
+
 def make_solo_group(backend: str, timeout_s: float, ranks: Sequence[int] | None) -> dist.ProcessGroup:
     """This rank's one-rank group on ``backend`` (a comm hook run on it moves nothing: its codec is
     timed alone). Collective over the world: ``dist.new_group`` is, so every rank creates every rank's
