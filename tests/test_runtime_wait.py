@@ -41,3 +41,38 @@ def test_a_failed_future_is_a_communication_error() -> None:
     threading.Timer(0.02, fut.set_exception, args=(RuntimeError("codec exploded"),)).start()
     with pytest.raises(CommunicationError, match="codec exploded"):
         wait_work(fut, "primary", "the hook's send of bucket 0", rank=0, timeout_s=30.0)
+
+
+class _Work:
+    """A Work that records how it was waited for (an NCCL Work given a timeout blocks the host until
+    its kernel ends; without one it only orders the current stream)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[dict[str, object]] = []
+        self.fail = fail
+
+    def wait(self, **kwargs: object) -> bool:
+        self.calls.append(kwargs)
+        if self.fail:
+            raise RuntimeError("NCCL communicator was aborted")
+        return True
+
+
+def test_a_stream_ordered_work_is_waited_for_without_a_timeout() -> None:
+    work = _Work()
+    assert wait_work(work, "primary", "x", rank=0, timeout_s=7.0, stream_ordered=True) is None  # type: ignore[arg-type]
+    assert work.calls == [{}]
+
+
+def test_a_work_on_the_host_is_waited_for_with_the_timeout() -> None:
+    from datetime import timedelta
+
+    work = _Work()
+    wait_work(work, "second", "x", rank=0, timeout_s=7.0)  # type: ignore[arg-type]
+    assert work.calls == [{"timeout": timedelta(seconds=7.0)}]
+
+
+def test_a_failed_stream_ordered_work_is_a_communication_error() -> None:
+    with pytest.raises(CommunicationError, match=r"rank 2: the send on link 'primary'.*aborted"):
+        wait_work(_Work(fail=True), "primary", "the send", rank=2, timeout_s=7.0,  # type: ignore[arg-type]
+                  stream_ordered=True)

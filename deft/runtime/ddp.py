@@ -191,7 +191,8 @@ class DistributedDataParallel(nn.Module):
         """Collective: buffers (BatchNorm statistics) follow rank 0 at a forward that comes after a
         training forward outside ``no_sync()``, evaluation forwards included: torch DDP's rule."""
         sync, self._buffers_due = self._buffers_due, torch.is_grad_enabled() and not self._no_sync
-        if sync and self._sync_buffers and any(True for _ in self.module.buffers()):
+        # one rank's buffers are rank 0's already: nothing to send (torch DDP sends them anyway)
+        if sync and self._sync_buffers and self.world > 1 and any(True for _ in self.module.buffers()):
             if self._buffer_group is not None:
                 broadcast_state(list(self.module.buffers()), self._buffer_group, f"{self._primary.name} (buffers)",
                                 self.rank, self.config.timeout_s, stream_ordered=True)

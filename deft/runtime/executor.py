@@ -148,6 +148,8 @@ class Executor:
         self.t0 = 0
         self.groups: dict[int, GroupInstance] = {}
         self._pool: list[dict[torch.dtype, torch.Tensor]] = []
+        # id of a buffer set -> (the set, the layout, each parameter's slice of it); see _param_views
+        self._views: dict[int, tuple[dict[torch.dtype, torch.Tensor], FlatLayout, list[torch.Tensor]]] = {}
         # Per-iteration state.
         self.t = -1
         self.in_backward = False
@@ -176,6 +178,7 @@ class Executor:
             raise DeftError("internal: layout and schedule disagree on the buckets")
         if self.layout is None or self.layout.dtype_numel != layout.dtype_numel:
             self._pool.clear()
+        self._views.clear()  # slices of the old layout (the buffers themselves may be reused)
         self.schedule, self.layout, self.t0 = schedule, layout, t0
 
     def observe(self, observer: ExecutorObserver) -> None:
@@ -272,7 +275,7 @@ class Executor:
         g = self.groups[self.group_last(self.t)]
         if grad.is_sparse:
             raise DeftError(f"parameter {lay.slots[index].name!r} has a sparse gradient; deft needs dense ones")
-        lay.param_view(g.buffers, index).add_(grad.reshape(-1))
+        self._param_views(g.buffers)[index].add_(grad.reshape(-1))
         if not self._touched[index]:
             self._touched[index] = True
             g.local_used[index] += 1  # counted on the host: a device tensor would cost a kernel per parameter
@@ -573,7 +576,8 @@ class Executor:
         scale = 1.0 / (self.world * len(g.iterations))
         grads: list[torch.Tensor | None] = [None] * len(self.params)
         take = [i for i in indices if used[i] > 0]
-        views = [self.layout.param_view(g.buffers, i).view(self.params[i].shape) for i in take]
+        flat = self._param_views(g.buffers)
+        views = [flat[i].view(self.params[i].shape) for i in take]
         # one fused launch for all parameters (the same rounding as a mul each): on CUDA a kernel per
         # parameter costs the host more than the arithmetic
         for i, grad in zip(take, torch._foreach_mul(views, scale) if views else [], strict=True):
@@ -663,6 +667,16 @@ class Executor:
         assert self.layout is not None
         return self.layout.new_buffers(self.device)
 
+    def _param_views(self, bufs: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
+        """Every parameter's slice of ``bufs`` under the current layout, made once per buffer set (the
+        pool reuses the sets): slicing anew for each gradient costs the host more than the add."""
+        assert self.layout is not None
+        cached = self._views.get(id(bufs))
+        if cached is None or cached[0] is not bufs or cached[1] is not self.layout:
+            cached = (bufs, self.layout, [self.layout.param_view(bufs, i) for i in range(len(self.params))])
+            self._views[id(bufs)] = cached
+        return cached[2]
+
     def _release(self, bufs: dict[torch.dtype, torch.Tensor]) -> None:
         self._pool.append(bufs)
 
@@ -684,6 +698,7 @@ class Executor:
     def restore_groups(self, states: list[GroupState], source: str) -> None:
         assert self.layout is not None
         self.groups.clear()
+        self._views.clear()
         for st in states:
             bufs = self.layout.new_buffers(self.device)
             saved = st["buffers"]
