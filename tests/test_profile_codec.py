@@ -12,7 +12,14 @@ import torch
 from deft.config import DeftConfig
 from deft.errors import ContractError, DeftError
 from deft.preserver.codec_error import FP16_HEADROOM, FP16_MAX, GradientScale, pick
-from deft.runtime.codec_choice import ProfileCodec, profile_codec
+from deft.runtime.codec_choice import (
+    ProfileCodec,
+    TimedBroadcast,
+    first_sends_codec,
+    profile_codec,
+    sample_coordinates,
+    sampled_scale,
+)
 from deft.runtime.layouts import balanced_links, warmup_layout
 
 EPS = 0.01
@@ -61,6 +68,80 @@ def test_the_record_round_trips_and_bad_records_are_refused() -> None:
         ProfileCodec.from_dict({**d.to_dict(), "codec": "int8"})
     with pytest.raises(DeftError, match=r"plan_info\.profile_codec"):
         ProfileCodec.from_dict({"codec": "fp16"})
+
+
+def test_a_record_with_the_first_sends_round_trips_and_a_bad_one_is_refused() -> None:
+    first = first_sends_codec("auto", pick(QUIET, EPS), comm_s=1.4, compute_s=0.4)
+    d = profile_codec("auto", pick(QUIET, EPS), exposed_s=0.1, compute_s=0.4, first_codec=first.codec)
+    d = ProfileCodec(d.codec, d.reason, d.exposed_s, d.compute_s, d.delta, first.to_dict())
+    assert ProfileCodec.from_dict(d.to_dict()) == d
+    with pytest.raises(DeftError, match=r"profile_codec\.first"):
+        ProfileCodec.from_dict({**d.to_dict(), "first": "fp16"})
+    old = {k: v for k, v in d.to_dict().items() if k != "first"}  # a checkpoint of before the first sends
+    assert ProfileCodec.from_dict(old).first is None
+
+
+# -- the first iteration's own sends ---------------------------------------------------------------------
+def test_the_first_sends_are_coded_where_the_broadcast_predicts_more_than_twice_the_compute() -> None:
+    d = first_sends_codec("auto", pick(QUIET, EPS), comm_s=1.4, compute_s=0.4)  # 1.4 > 0.8
+    assert d.codec == "fp16" and "1.4 s against 0.4 s" in d.reason and "on a sample" in d.reason
+    assert d.delta == pytest.approx(8 * 2.0 ** -22 * 1.32)
+    tie = first_sends_codec("auto", pick(QUIET, EPS), comm_s=0.8, compute_s=0.4)
+    assert tie.codec == "" and "not the bound" in tie.reason  # more than twice, not as much
+
+
+def test_the_first_sends_stay_exact_without_a_timed_broadcast_never_or_a_refusal() -> None:
+    assert "init_sync off" in first_sends_codec("auto", pick(QUIET, EPS), comm_s=None, compute_s=0.4).reason
+    assert first_sends_codec("auto", pick(QUIET, EPS), comm_s=None, compute_s=0.4).codec == ""
+    assert first_sends_codec("always", pick(QUIET, EPS), comm_s=None, compute_s=0.4).codec == "fp16"
+    assert first_sends_codec("never", pick(QUIET, EPS), comm_s=9.0, compute_s=0.1).codec == ""
+    refused = first_sends_codec("always", pick(QUIET, 0.0), comm_s=9.0, compute_s=0.1)
+    assert refused.codec == "" and "sampled gradients" in refused.reason
+
+
+def test_coded_first_sends_make_the_profile_skip_the_time_screen() -> None:
+    # the first iteration ran coded, so its short exposed time says nothing: the codec stays if accepted
+    d = profile_codec("auto", pick(QUIET, EPS), exposed_s=0.1, compute_s=0.4, first_codec="fp16")
+    assert d.codec == "fp16" and "first iteration was sent in fp16" in d.reason
+    refused = profile_codec("auto", pick(QUIET, 0.0), exposed_s=0.1, compute_s=0.4, first_codec="fp16")
+    assert refused.codec == "" and "accepts no codec" in refused.reason
+
+
+def test_the_broadcast_predicts_the_all_reduce_over_the_links() -> None:
+    bcast = TimedBroadcast(seconds=2.8, nbytes=17_600_000)
+    # 2 ranks: a ring all-reduce moves 2 x 1/2 = 1 x the bytes, halved over two links
+    assert bcast.allreduce_s(17_600_000, world=2, links=2) == pytest.approx(1.4)
+    # 4 ranks, half the bytes, one link: 2.8 x 0.5 x 1.5
+    assert bcast.allreduce_s(8_800_000, world=4, links=1) == pytest.approx(2.1)
+    assert TimedBroadcast(seconds=1.0, nbytes=0).allreduce_s(100, world=2, links=1) == 0.0
+
+
+def test_the_sampled_scale_is_the_estimators_rule_by_hand() -> None:
+    # two ranks, four coordinates sampled of a gradient of 8: f = 2
+    samples = torch.tensor([[1.0, 2.0, 0.0, 1.0], [3.0, 0.0, 2.0, 1.0]], dtype=torch.float64)
+    # mean_r |g_r|^2 = 2 x (6 + 14) / 2 = 20; |g_bar|^2 = 2 x (4 + 1 + 1 + 1) = 14
+    # tr S = (20 - 14) x R b / (R - 1) = 6 x 2 x 3 = 36; mu = 14 - 36 / 6 = 8; noise taken 100x smaller
+    scale = sampled_scale(samples, numel=8, batch=3, max_abs=5.0)
+    assert scale == GradientScale(world=2, batch=3, mu=8.0, trace=0.36, max_abs=5.0)
+    assert sampled_scale(samples, numel=8, batch=3, max_abs=5.0, margin=1.0).trace == pytest.approx(36.0)
+
+
+@pytest.mark.parametrize(("samples", "batch", "max_abs"), [
+    (torch.tensor([[1.0, float("inf")], [0.0, 1.0]], dtype=torch.float64), 3, 1.0),  # an fp16 overflow
+    (torch.tensor([[1.0, 2.0], [1.0, 2.0]], dtype=torch.float64), 3, 2.0),  # no spread between ranks
+    (torch.tensor([[1.0, 2.0], [0.0, 2.0]], dtype=torch.float64), None, 2.0),  # batch size unknown
+    (torch.tensor([[1.0, 2.0]], dtype=torch.float64), 3, 2.0),  # one rank
+    (torch.tensor([[1.0, 2.0], [0.0, 2.0]], dtype=torch.float64), 3, float("nan")),
+])
+def test_a_sample_that_cannot_be_judged_gives_no_scale(samples: torch.Tensor, batch: int | None,
+                                                      max_abs: float) -> None:
+    assert sampled_scale(samples, numel=10, batch=batch, max_abs=max_abs) is None
+
+
+def test_the_sampled_coordinates_are_the_same_everywhere_and_in_range() -> None:
+    a, b = sample_coordinates(10_000_000, 1000), sample_coordinates(10_000_000, 1000)
+    assert torch.equal(a, b) and a.numel() == 1000 and int(a.min()) >= 0 and int(a.max()) < 10_000_000
+    assert torch.equal(sample_coordinates(5, 1000), torch.arange(5))  # a small gradient: all of it
 
 
 def test_config_names_the_field() -> None:

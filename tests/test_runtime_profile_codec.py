@@ -1,9 +1,10 @@
 """The profile iterations' codec in a live run (``config.profile_codec``), against real torch DDP.
 
-After the first (exact) iteration the preserver judges the codec on that iteration's gradients; the
-profile iterations then send every bucket with it. fp16 rounding is element-wise, so torch DDP with a
-hook that sends every element through torch's fp16 hook from iteration 1 on computes exactly what
-deft must (the hook of tests/test_runtime_codecs.py); with ``"never"`` deft must equal exact torch DDP.
+The first iteration's sends are judged at the end of its backward on a sample of the gradients, the
+profile iterations after it on its whole gradients; each then sends every bucket with the codec. fp16
+rounding is element-wise, so torch DDP with a hook that sends every element through torch's fp16 hook
+from iteration 0 on computes exactly what deft must (the hook of tests/test_runtime_codecs.py); with
+``"never"`` deft must equal exact torch DDP.
 The runs stop before the plan (``profile_iters`` longer than the run): every iteration is a
 synchronous one whose maths is known.
 """
@@ -52,6 +53,7 @@ def worst(a: nn.Module, b: nn.Module) -> float:
 
 
 def parity_worker(rank: int, world: int, mode: str, epsilon: float) -> dict[str, Any]:
+    """deft against torch DDP with torch's fp16 hook on every element from iteration 0, and exact."""
     import deft
 
     ours = make_model()
@@ -62,7 +64,7 @@ def parity_worker(rank: int, world: int, mode: str, epsilon: float) -> dict[str,
 
     coded = make_model()
     tddp = nn.parallel.DistributedDataParallel(coded)
-    state = {"coded": {id(p) for p in coded.parameters()}, "start": 1, "t": 0}
+    state = {"coded": {id(p) for p in coded.parameters()}, "start": 0, "t": 0}
     tddp.register_comm_hook(state, mixed_hook)
     train(coded, tddp, sgd(coded), rank, 0, STEPS, state)
 
@@ -76,6 +78,8 @@ def parity_worker(rank: int, world: int, mode: str, epsilon: float) -> dict[str,
 def test_always_sends_the_profile_iterations_in_fp16_as_torch_ddps_fp16_hook_does() -> None:
     a, b = values(run_ranks(parity_worker, 2, ("always", 0.01), timeout=180))
     assert a["record"]["codec"] == "fp16" and a["record"] == b["record"]
+    first = a["record"]["first"]
+    assert first["codec"] == "fp16" and "profile_codec = \"always\"" in first["reason"], first
     assert a["vs_coded"] < 1e-5 and b["vs_coded"] < 1e-5, (a["vs_coded"], b["vs_coded"])
     assert a["vs_exact"] > 1e-5  # the codec really rounded: the exact run fails the same check
     assert a["params"] == b["params"]
@@ -83,11 +87,17 @@ def test_always_sends_the_profile_iterations_in_fp16_as_torch_ddps_fp16_hook_doe
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("mode", "epsilon", "why"), [("never", 0.01, "never"),
-                                                       ("always", 1e-12, "accepts no codec")])
-def test_an_exact_profile_keeps_torch_ddps_exact_parameters(mode: str, epsilon: float, why: str) -> None:
+@pytest.mark.parametrize(("mode", "epsilon", "why", "first_codec", "first_why"), [
+    ("never", 0.01, "never", None, ""),  # "never": the first iteration's sends are not judged either
+    ("always", 1e-12, "accepts no codec", "", "accepts no codec on the first iteration's sampled gradients"),
+])
+def test_an_exact_profile_keeps_torch_ddps_exact_parameters(mode: str, epsilon: float, why: str,
+                                                            first_codec: str | None, first_why: str) -> None:
     a, b = values(run_ranks(parity_worker, 2, (mode, epsilon), timeout=180))
     assert a["record"]["codec"] == "" and why in a["record"]["reason"] and a["record"] == b["record"]
+    sends = a["record"]["first"]
+    assert (None if sends is None else sends["codec"]) == first_codec, sends
+    assert first_why in ("" if sends is None else sends["reason"]), sends
     assert a["vs_exact"] < 1e-5 and b["vs_exact"] < 1e-5, (a["vs_exact"], b["vs_exact"])
     assert a["vs_coded"] > 1e-5
     assert a["params"] == b["params"]
@@ -173,6 +183,8 @@ def test_an_overflowing_first_step_leaves_the_profile_exact_as_torch_ddp() -> No
     a, b = values(run_ranks(overflow_worker, 2, timeout=180))
     assert a["record"]["codec"] == "" and "no gradient statistics" in a["record"]["reason"], a["record"]
     assert a["record"] == b["record"]
+    first = a["record"]["first"]  # the first iteration's sends, judged on its (infinite) sample: exact
+    assert first["codec"] == "" and "no usable sample" in first["reason"], first
     assert a["skipped"] == b["skipped"] == [0]  # GradScaler skipped the first step on every rank
     assert a["vs_torch"] < 1e-5 and b["vs_torch"] < 1e-5, (a["vs_torch"], b["vs_torch"])
 
@@ -206,6 +218,9 @@ def test_auto_keeps_the_profile_exact_where_the_compute_is_the_bound() -> None:
     rec = a["record"]
     assert rec["codec"] == "" and "not the bound" in rec["reason"], rec
     assert rec["exposed_s"] < rec["compute_s"]
+    first = rec["first"]  # the construction's broadcast predicts a short all-reduce: the first sends exact
+    assert first["codec"] == "" and "not the bound" in first["reason"], first
+    assert first["exposed_s"] < 2 * first["compute_s"]
 
 
 def clip_log_worker(rank: int, world: int) -> dict[str, Any]:
@@ -231,7 +246,7 @@ def clip_log_worker(rank: int, world: int) -> dict[str, Any]:
     ddp.flush()
     ref = make_model()
     tddp = nn.parallel.DistributedDataParallel(ref)
-    state = {"coded": {id(p) for p in ref.parameters()}, "start": 1, "t": 0}
+    state = {"coded": {id(p) for p in ref.parameters()}, "start": 0, "t": 0}
     tddp.register_comm_hook(state, mixed_hook)
     ref_norms = run(ref, tddp, state)
     return {"codec": ddp.plan_info["profile_codec"]["codec"], "vs_coded": worst(ours, ref),

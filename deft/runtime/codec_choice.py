@@ -33,12 +33,31 @@ bucket of the profile iterations is sent with it (``Schedule.codecs``); the prof
 and :func:`deft.solver.codecs.exact_profile` gives the exact times the plan's choice starts from
 (the wire time scaled by the bytes, the start-up kept). At the plan the codec is judged again on all
 the statistics; the iterations run while rank 0 plans stay coded only if it still passes.
+
+The first iteration's own sends
+-------------------------------
+The first iteration is judged before it sends (``profile_codec`` "auto" or "always"): its sends wait
+for the end of its backward (``Executor.hold``), where each rank contributes ``SAMPLE_SIZE``
+coordinates of its local gradient, drawn with a seed every rank shares, and its largest element. The
+sample's mean over ranks and spread between ranks estimate ``|g|²`` and ``tr Σ`` as the preserver's
+estimators do on whole gradients (:func:`sampled_scale`: ``E |g_r|² = |g|² + tr Σ / b`` and
+``E |ḡ|² = |g|² + tr Σ / (R b)``, each coordinate sum scaled by ``n / k``); the noise is then taken
+``SAMPLE_MARGIN`` times smaller, so the sample must err a hundredfold before a codec the whole
+gradients would refuse can pass (the bound δ of :mod:`deft.preserver.codec_error` of the runs measured
+is ~10⁻⁶ against the 0.02 that epsilon 0.01 allows). The links look like the bound
+(:func:`first_sends_codec`, "auto") when the construction's broadcast of the model, scaled to an
+all-reduce of the gradients over the links, took more than twice the first iteration's forward and
+backward. Every rank decides alike (gathered samples, times maximised over the ranks). Coded, the
+first iteration's sends use the codec and the profile iterations keep it unless the first
+iteration's whole statistics refuse it; holding the sends costs one iteration's overlap with its
+backward where nothing is coded.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -60,6 +79,12 @@ from deft.solver.codecs import CodecCost
 
 #: Gradient dtypes a 16-bit codec makes smaller.
 WIDE_DTYPES = (torch.float32, torch.float64)
+#: Coordinates of the first iteration's local gradient each rank contributes to the judgement of its sends.
+SAMPLE_SIZE = 65536
+#: The sampled noise is taken this many times smaller before the preserver's bound is applied.
+SAMPLE_MARGIN = 100.0
+#: The seed of the sampled coordinates (the same on every rank).
+SAMPLE_SEED = 0x5EED
 
 
 def considered(cfg: DeftConfig, world: int, measuring: bool, hooked: bool, layout: FlatLayout | None) -> bool:
@@ -104,10 +129,11 @@ class ProfileCodec:
     exposed_s: float | None = None  # the first iteration: all-reduce time after its backward (max over ranks)
     compute_s: float | None = None  # the first iteration: forward + backward (max over ranks)
     delta: float | None = None  # the accepted codec's variance bound (deft.preserver.codec_error)
+    first: JsonDict | None = None  # the first iteration's own sends: first_sends_codec's decision
 
     def to_dict(self) -> JsonDict:
         return {"codec": self.codec, "reason": self.reason, "exposed_s": self.exposed_s,
-                "compute_s": self.compute_s, "delta": self.delta}
+                "compute_s": self.compute_s, "delta": self.delta, "first": self.first}
 
     @classmethod
     def from_dict(cls, doc: object) -> ProfileCodec:
@@ -122,26 +148,109 @@ class ProfileCodec:
         def num(key: str) -> float | None:
             v = doc.get(key)
             return float(v) if isinstance(v, (int, float)) else None
-        return cls(codec, str(doc["reason"]), num("exposed_s"), num("compute_s"), num("delta"))
+        first = doc.get("first")
+        if first is not None and not (isinstance(first, dict) and isinstance(first.get("codec"), str)):
+            raise DeftError(f"deft checkpoint: plan_info.profile_codec.first: expected null or an object with "
+                            f"the string 'codec', got {first!r}")
+        return cls(codec, str(doc["reason"]), num("exposed_s"), num("compute_s"), num("delta"), first)
 
 
-def profile_codec(mode: str, verdicts: tuple[CodecVerdict, ...], exposed_s: float, compute_s: float) -> ProfileCodec:
-    """Pure: the profile iterations' codec from the preserver's verdicts on the first iteration's
-    statistics and its timing (module docstring); ``mode`` is ``config.profile_codec``."""
-    times = {"exposed_s": exposed_s, "compute_s": compute_s}
+@dataclass(frozen=True)
+class TimedBroadcast:
+    """The construction's broadcast of rank 0's parameters and buffers on the primary link, timed (after
+    a one-element all-reduce has set the group up): the one measurement of the links before the first
+    iteration."""
+
+    seconds: float
+    nbytes: int
+
+    def allreduce_s(self, nbytes: int, world: int, links: int) -> float:
+        """An all-reduce of ``nbytes`` split over ``links`` equal links, predicted from it: a ring
+        all-reduce moves ``2 (R - 1) / R`` of the bytes through each rank, a broadcast all of them once."""
+        if self.nbytes <= 0 or links < 1:
+            return 0.0
+        return self.seconds * (nbytes / self.nbytes) * 2.0 * (world - 1) / world / links
+
+
+def first_sends_codec(mode: str, verdicts: tuple[CodecVerdict, ...], comm_s: float | None,
+                      compute_s: float) -> ProfileCodec:
+    """Pure: the codec of the first iteration's own sends (module docstring), from the preserver's
+    verdicts on the sampled statistics, ``comm_s`` (the construction's broadcast scaled to the
+    gradients' all-reduce over the links; None: not measured) and the iteration's forward and backward."""
     if mode == "never":
-        return ProfileCodec("", "profile_codec = \"never\"", **times)
+        return ProfileCodec("", "profile_codec = \"never\"", exposed_s=comm_s, compute_s=compute_s)
+    accepted = next((v for v in verdicts if v.accepted), None)
+    if accepted is None:
+        return ProfileCodec("", "the preserver accepts no codec on the first iteration's sampled gradients: "
+                            + "; ".join(f"{v.codec}: {v.reason}" for v in verdicts),
+                            exposed_s=comm_s, compute_s=compute_s)
+    if mode == "auto":
+        if comm_s is None:
+            return ProfileCodec("", "no timed broadcast of the model at construction (init_sync off)",
+                                exposed_s=comm_s, compute_s=compute_s)
+        if not comm_s > 2.0 * compute_s:
+            return ProfileCodec("", f"the links are not the bound: the gradients' all-reduce predicts {comm_s:.3g} s "
+                                f"from the construction's broadcast, against {compute_s:.3g} s of forward and "
+                                "backward (coding needs more than twice)", exposed_s=comm_s, compute_s=compute_s)
+        why = f"the gradients' all-reduce predicts {comm_s:.3g} s against {compute_s:.3g} s of forward and backward"
+    else:
+        why = "profile_codec = \"always\""
+    return ProfileCodec(accepted.codec, f"{why}; on a sample of the gradients, {accepted.reason}",
+                        delta=accepted.delta, exposed_s=comm_s, compute_s=compute_s)
+
+
+def sampled_scale(samples: torch.Tensor, numel: int, batch: int | None, max_abs: float,
+                  margin: float = SAMPLE_MARGIN) -> GradientScale | None:
+    """Pure: the :class:`GradientScale` of the first iteration from ``samples`` (one row per rank, the
+    same ``k`` coordinates of each rank's local gradient, float64) of a gradient of ``numel`` elements,
+    the noise divided by ``margin`` (module docstring). None where it cannot be judged: one rank, no
+    batch size, a non-finite sample (an fp16 overflow), or no spread between ranks."""
+    world, k = samples.shape
+    if world < 2 or batch is None or k == 0 or not bool(torch.isfinite(samples).all()) or not math.isfinite(max_abs):
+        return None
+    f = numel / k
+    mean_sq = f * float(samples.square().sum(dim=1).mean())  # mean over ranks of |g_r|²
+    avg_sq = f * float(samples.mean(dim=0).square().sum())   # |ḡ|²
+    trace = max(0.0, mean_sq - avg_sq) * world * batch / (world - 1)
+    if trace <= 0.0:
+        return None
+    mu = max(0.0, avg_sq - trace / (world * batch))
+    return GradientScale(world=world, batch=batch, mu=mu, trace=trace / margin, max_abs=max_abs)
+
+
+def sample_coordinates(numel: int, k: int = SAMPLE_SIZE) -> torch.Tensor:
+    """``k`` coordinates of ``numel``, drawn with replacement (sums over them, scaled by ``numel / k``,
+    are unbiased), the same on every rank; every coordinate where ``numel <= k``."""
+    if numel <= k:
+        return torch.arange(numel)
+    return torch.randint(0, numel, (k,), generator=torch.Generator().manual_seed(SAMPLE_SEED))
+
+
+def profile_codec(mode: str, verdicts: tuple[CodecVerdict, ...], exposed_s: float, compute_s: float,
+                  first_codec: str = "") -> ProfileCodec:
+    """Pure: the profile iterations' codec from the preserver's verdicts on the first iteration's
+    statistics and its timing (module docstring); ``mode`` is ``config.profile_codec``;
+    ``first_codec``: the codec the first iteration's own sends used (its time then says nothing of
+    the exact sends: the links were judged the bound before it)."""
+    if mode == "never":
+        return ProfileCodec("", "profile_codec = \"never\"", exposed_s=exposed_s, compute_s=compute_s)
     accepted = next((v for v in verdicts if v.accepted), None)
     if accepted is None:
         return ProfileCodec("", "the preserver accepts no codec on the first iteration's gradients: "
-                            + "; ".join(f"{v.codec}: {v.reason}" for v in verdicts), **times)
+                            + "; ".join(f"{v.codec}: {v.reason}" for v in verdicts),
+                            exposed_s=exposed_s, compute_s=compute_s)
+    if first_codec:
+        return ProfileCodec(accepted.codec, f"the first iteration was sent in {first_codec} (the links judged the "
+                            f"bound before it); on its whole gradients, {accepted.reason}",
+                            delta=accepted.delta, exposed_s=exposed_s, compute_s=compute_s)
     if mode == "auto" and not exposed_s > compute_s:
         return ProfileCodec("", f"the links are not the bound in the first iteration: its all-reduces ran "
                             f"{exposed_s:.3g} s after the backward, its forward and backward took {compute_s:.3g} s",
-                            **times)
+                            exposed_s=exposed_s, compute_s=compute_s)
     why = (f"the first iteration's all-reduces ran {exposed_s:.3g} s after the backward against {compute_s:.3g} s "
            "of compute" if mode == "auto" else "profile_codec = \"always\"")
-    return ProfileCodec(accepted.codec, f"{why}; {accepted.reason}", delta=accepted.delta, **times)
+    return ProfileCodec(accepted.codec, f"{why}; {accepted.reason}", delta=accepted.delta,
+                        exposed_s=exposed_s, compute_s=compute_s)
 
 
 class FirstIteration:
@@ -153,6 +262,7 @@ class FirstIteration:
         self._begin: float | None = None
         self._backward_end: float | None = None
         self._end: float | None = None
+        self.sends: ProfileCodec | None = None  # the first iteration's own sends (judge_sends), once judged
 
     def forward_begins(self, executor: Executor, params: list[torch.Tensor],
                        optimizer: torch.optim.Optimizer | None) -> None:
@@ -167,6 +277,35 @@ class FirstIteration:
         if self._end is None:
             self._end = time.perf_counter()
 
+    def judge_sends(self, executor: Executor, cfg: DeftConfig, control: ControlPlane, batch: int | None,
+                    comm_s: float | None) -> str:
+        """Collective (control group), at the end of the first backward, before its sends: their codec
+        (``""``: exact), the same on every rank (module docstring)."""
+        bwd = self._backward_end if self._backward_end is not None else time.perf_counter()
+        compute = bwd - self._begin if self._begin is not None else 0.0
+        (flat,) = executor.local_gradient().values()  # considered(): one dtype
+        with torch.no_grad():
+            local = flat.detach()
+            mine = torch.empty(SAMPLE_SIZE + 1 if local.numel() > SAMPLE_SIZE else local.numel() + 1,
+                               dtype=torch.float64)
+            mine[:-1] = local[sample_coordinates(local.numel()).to(local.device)].double().cpu()
+            mine[-1] = float(local.abs().max()) if local.numel() else 0.0
+        rows = [torch.empty_like(mine) for _ in range(control.world)]
+        control.wait(dist.all_gather(rows, mine, group=control.group, async_op=True),
+                     "all-gather of the first iteration's sampled gradients")
+        gathered = torch.stack(rows)
+        comm, compute = control.max_rows([[comm_s if comm_s is not None else -1.0, compute]],
+                                         "first iteration's times")[0]
+        scale = sampled_scale(gathered[:, :-1], flat.numel(), batch, float(gathered[:, -1].max()))
+        if scale is None:
+            self.sends = ProfileCodec("", "no usable sample of the first iteration's gradients (non-finite, "
+                                      "no spread between ranks, or no batch size)", comm if comm >= 0 else None,
+                                      compute)
+        else:
+            self.sends = first_sends_codec(cfg.profile_codec, codec_error.pick(scale, cfg.epsilon),
+                                           comm if comm >= 0 else None, compute)
+        return self.sends.codec
+
     def decide(self, cfg: DeftConfig, control: ControlPlane, batch: int | None) -> ProfileCodec:
         """Collective (control group): the same decision on every rank (gathered statistics, times
         maximised over the ranks)."""
@@ -175,6 +314,9 @@ class FirstIteration:
         mine = [end - bwd, bwd - begin] if begin is not None and bwd is not None and end is not None else [0.0, 0.0]
         exposed, compute = control.max_rows([mine], "first iteration's times")[0]
         scale: GradientScale | None = gradient_scale(self.stats, control, batch)
+        first = None if self.sends is None else self.sends.to_dict()
         if scale is None:
-            return ProfileCodec("", "no gradient statistics from the first iteration", exposed, compute)
-        return profile_codec(cfg.profile_codec, codec_error.pick(scale, cfg.epsilon), exposed, compute)
+            return ProfileCodec("", "no gradient statistics from the first iteration", exposed, compute, first=first)
+        decision = profile_codec(cfg.profile_codec, codec_error.pick(scale, cfg.epsilon), exposed, compute,
+                                 "" if self.sends is None else self.sends.codec)
+        return replace(decision, first=first)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -160,6 +160,9 @@ class Executor:
         self._queues: dict[str, deque[CommTask]] = {}
         self._stage = ""
         self.observers: list[ExecutorObserver] = []
+        # Set for one iteration: this iteration's backward sends wait for the end of its backward, where
+        # hold(self) runs first (it may recode the schedule): the first iteration's codec judgement.
+        self.hold: Callable[[Executor], None] | None = None
         self.comm_hook: CommHook | None = None  # deft.runtime.comm_hooks: torch's comm hooks on buckets
         self._codec_hooks: dict[str, CommHook] = {}  # the schedule's per-bucket codecs (_hook_for)
         # The last chained launch (_chained): a hook's bucket or the used map, so its value type is open.
@@ -201,6 +204,16 @@ class Executor:
     def idle(self) -> bool:
         """No update group is pending."""
         return not self.groups
+
+    def local_gradient(self) -> dict[torch.dtype, torch.Tensor]:
+        """This rank's summed gradient of the current iteration's group (its flat buffers, by dtype)."""
+        return self.groups[self.group_last(self.t)].buffers
+
+    def recode(self, codec: str) -> None:
+        """Send every bucket not launched yet with ``codec`` (``Schedule.codecs``): the running schedule
+        with its codecs replaced, nothing else changed."""
+        assert self.schedule is not None
+        self.schedule = replace(self.schedule, codecs=(codec,) * len(self.schedule.bucket_numel))
 
     def current_group(self) -> GroupInstance | None:
         """The group instance iteration :attr:`t` contributes to, once all its iterations have."""
@@ -293,6 +306,9 @@ class Executor:
             if not done:
                 self._captured[i] = True
                 self._param_complete(i)
+        if self.hold is not None:
+            hold, self.hold = self.hold, None
+            hold(self)
         self._pump()
         left = {n: list(q) for n, q in self._queues.items() if q}
         if left:
@@ -352,6 +368,8 @@ class Executor:
     def _ready(self, task: CommTask) -> bool:
         if task.origin >= 1:
             return True
+        if self.hold is not None:
+            return False
         return self._stage == "backward" and self.in_backward and self._bucket_missing[task.bucket] == 0
 
     def _pump(self) -> None:
