@@ -172,18 +172,28 @@ class TimedBroadcast:
         return self.seconds * (nbytes / self.nbytes) * 2.0 * (world - 1) / world / links
 
 
+def _screen(mode: str, verdicts: tuple[CodecVerdict, ...], whose: str, exposed_s: float | None,
+            compute_s: float | None) -> ProfileCodec | CodecVerdict:
+    """The rules both decisions share: ``"never"`` and a preserver accepting no codec (on ``whose``
+    gradients) keep the sends exact (that decision is returned); otherwise the accepted verdict."""
+    if mode == "never":
+        return ProfileCodec("", "profile_codec = \"never\"", exposed_s=exposed_s, compute_s=compute_s)
+    accepted = next((v for v in verdicts if v.accepted), None)
+    if accepted is None:
+        return ProfileCodec("", f"the preserver accepts no codec on {whose} gradients: "
+                            + "; ".join(f"{v.codec}: {v.reason}" for v in verdicts),
+                            exposed_s=exposed_s, compute_s=compute_s)
+    return accepted
+
+
 def first_sends_codec(mode: str, verdicts: tuple[CodecVerdict, ...], comm_s: float | None,
                       compute_s: float) -> ProfileCodec:
     """Pure: the codec of the first iteration's own sends (module docstring), from the preserver's
     verdicts on the sampled statistics, ``comm_s`` (the construction's broadcast scaled to the
     gradients' all-reduce over the links; None: not measured) and the iteration's forward and backward."""
-    if mode == "never":
-        return ProfileCodec("", "profile_codec = \"never\"", exposed_s=comm_s, compute_s=compute_s)
-    accepted = next((v for v in verdicts if v.accepted), None)
-    if accepted is None:
-        return ProfileCodec("", "the preserver accepts no codec on the first iteration's sampled gradients: "
-                            + "; ".join(f"{v.codec}: {v.reason}" for v in verdicts),
-                            exposed_s=comm_s, compute_s=compute_s)
+    accepted = _screen(mode, verdicts, "the first iteration's sampled", comm_s, compute_s)
+    if isinstance(accepted, ProfileCodec):
+        return accepted
     if mode == "auto":
         if comm_s is None:
             return ProfileCodec("", "no timed broadcast of the model at construction (init_sync off)",
@@ -232,13 +242,9 @@ def profile_codec(mode: str, verdicts: tuple[CodecVerdict, ...], exposed_s: floa
     statistics and its timing (module docstring); ``mode`` is ``config.profile_codec``;
     ``first_codec``: the codec the first iteration's own sends used (its time then says nothing of
     the exact sends: the links were judged the bound before it)."""
-    if mode == "never":
-        return ProfileCodec("", "profile_codec = \"never\"", exposed_s=exposed_s, compute_s=compute_s)
-    accepted = next((v for v in verdicts if v.accepted), None)
-    if accepted is None:
-        return ProfileCodec("", "the preserver accepts no codec on the first iteration's gradients: "
-                            + "; ".join(f"{v.codec}: {v.reason}" for v in verdicts),
-                            exposed_s=exposed_s, compute_s=compute_s)
+    accepted = _screen(mode, verdicts, "the first iteration's", exposed_s, compute_s)
+    if isinstance(accepted, ProfileCodec):
+        return accepted
     if first_codec:
         return ProfileCodec(accepted.codec, f"the first iteration was sent in {first_codec} (the links judged the "
                             f"bound before it); on its whole gradients, {accepted.reason}",
@@ -286,24 +292,22 @@ class FirstIteration:
         (flat,) = executor.local_gradient().values()  # considered(): one dtype
         with torch.no_grad():
             local = flat.detach()
-            mine = torch.empty(SAMPLE_SIZE + 1 if local.numel() > SAMPLE_SIZE else local.numel() + 1,
-                               dtype=torch.float64)
-            mine[:-1] = local[sample_coordinates(local.numel()).to(local.device)].double().cpu()
-            mine[-1] = float(local.abs().max()) if local.numel() else 0.0
+            largest = local.abs().max().reshape(1) if local.numel() else local.new_zeros(1)
+            # the sampled coordinates, then this rank's largest element: one row of the gather
+            mine = torch.cat([local[sample_coordinates(local.numel()).to(local.device)], largest]).double().cpu()
         rows = [torch.empty_like(mine) for _ in range(control.world)]
         control.wait(dist.all_gather(rows, mine, group=control.group, async_op=True),
                      "all-gather of the first iteration's sampled gradients")
         gathered = torch.stack(rows)
-        comm, compute = control.max_rows([[comm_s if comm_s is not None else -1.0, compute]],
-                                         "first iteration's times")[0]
+        agreed_comm, compute = control.max_rows([[comm_s if comm_s is not None else -1.0, compute]],
+                                                "first iteration's times")[0]
+        comm = agreed_comm if agreed_comm >= 0 else None  # -1: no rank timed the broadcast (init_sync off)
         scale = sampled_scale(gathered[:, :-1], flat.numel(), batch, float(gathered[:, -1].max()))
         if scale is None:
             self.sends = ProfileCodec("", "no usable sample of the first iteration's gradients (non-finite, "
-                                      "no spread between ranks, or no batch size)", comm if comm >= 0 else None,
-                                      compute)
+                                      "no spread between ranks, or no batch size)", comm, compute)
         else:
-            self.sends = first_sends_codec(cfg.profile_codec, codec_error.pick(scale, cfg.epsilon),
-                                           comm if comm >= 0 else None, compute)
+            self.sends = first_sends_codec(cfg.profile_codec, codec_error.pick(scale, cfg.epsilon), comm, compute)
         return self.sends.codec
 
     def decide(self, cfg: DeftConfig, control: ControlPlane, batch: int | None) -> ProfileCodec:
