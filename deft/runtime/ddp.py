@@ -106,6 +106,8 @@ class DistributedDataParallel(nn.Module):
         check_device_ids(device_ids, output_device, self.device)
         self._cuda = self.device.type == "cuda"
         self._ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+        # torch DDP all-reduces on process_group (default: the default group): deft's primary link follows its backend
+        self._group_backend = str(dist.get_backend(process_group))
         self._connect(init_sync)
         self.broadcast_buffers = True if broadcast_buffers is None else bool(broadcast_buffers)
         self._sync_buffers = self.broadcast_buffers if forward_sync_buffers is None else bool(forward_sync_buffers)
@@ -123,7 +125,7 @@ class DistributedDataParallel(nn.Module):
         model_doc = {n: [list(p.shape), str(p.dtype)] for n, p in zip(self._names, self._params, strict=True)}
         self._control.check_agreement("model (trainable parameter names, shapes, dtypes)",
                                       digest({"params": list(model_doc.items())}), model_doc)
-        self._links: dict[str, CommLink] = make_links(cfg, self._cuda, self._ranks)
+        self._links: dict[str, CommLink] = make_links(cfg, self._cuda, self._ranks, self._group_backend)
         self._primary = next(iter(self._links.values()))
         self._buffer_group = make_buffer_group(cfg, self._primary, self._cuda, self._ranks)
         self._init_broadcast: TimedBroadcast | None = None

@@ -101,9 +101,13 @@ def make_control_group(config: DeftConfig, ranks: Sequence[int] | None) -> dist.
     return _new_group("gloo", None, config.timeout_s, ranks)
 
 
-def make_links(config: DeftConfig, cuda: bool, ranks: Sequence[int] | None) -> dict[str, CommLink]:
+def make_links(config: DeftConfig, cuda: bool, ranks: Sequence[int] | None,
+               group_backend: str | None = None) -> dict[str, CommLink]:
+    """The configured links; ``group_backend``: the backend string of the process group torch DDP would
+    all-reduce on (``dist.get_backend(process_group)``; None: the default group's), which an ``auto``
+    primary link follows."""
     links: dict[str, CommLink] = {}
-    primary_auto = default_backend(cuda)
+    primary_auto = default_backend(cuda, group_backend)
     for i, lk in enumerate(config.links):
         backend = link_backend(lk, i, cuda, primary_auto)
         if cuda and backend == "gloo":
