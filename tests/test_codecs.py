@@ -8,7 +8,10 @@ is checked against an emulation of torch's fp16 hook, not against the code's own
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,9 +25,11 @@ from deft.runtime.planning import CodecInputs, Decision, choose_codec, make_sche
 from deft.schedule import Schedule, synchronous_schedule
 from deft.solver import codecs
 from deft.solver.codecs import CodecCost, choose, encoded_profile, mark
+from deft.solver.lagfree import lagfree_plan
 from deft.solver.partition import profile_for_schedule
 
 MS = 1e-3
+DATA = Path(__file__).parent / "data"
 NUMEL = 1_000_000  # elements per bucket: 4 MB exact, 2 MB in fp16
 
 
@@ -96,6 +101,58 @@ def test_a_send_hidden_by_the_backward_stays_exact() -> None:
     # saves no time on the critical path but costs 0.1 ms of codec compute, so it stays exact.
     choice = choose(profile((0.2, 20.0, 20.0, 20.0)), cost(4), CFG)
     assert choice.coded == (1, 2, 3)
+
+
+def test_the_plan_that_runs_keeps_fewer_coded_buckets_only_within_the_tolerance() -> None:
+    # test_a_send_hidden_by_the_backward_stays_exact's profile: the no-delay pricing codes 1, 2, 3. The
+    # plan that runs (``confirm``, here a stand-in pricing by the number of exact buckets) then decides
+    # between those three and all four.
+    p = profile((0.2, 20.0, 20.0, 20.0))
+    asked: list[int] = []
+
+    def confirm(ms_per_exact: float) -> Callable[[Profile, DeftConfig], float]:
+        def price(q: Profile, _: DeftConfig) -> float:
+            exact = sum(b.wire_nbytes is None for b in q.buckets)
+            asked.append(exact)
+            return (100.0 + ms_per_exact * exact) * MS
+        return price
+
+    # one exact bucket costs 0.5 ms of 100 (0.5 % <= 1 %): the three stay
+    kept = choose(p, cost(4), CFG, confirm=confirm(0.5))
+    assert kept.coded == (1, 2, 3) and sorted(asked) == [0, 1]
+    assert kept.planned_all_s == pytest.approx(0.1) and kept.planned_fewer_s == pytest.approx(0.1005)
+    # 2 ms of 100 (2 % > 1 %): every bucket coded, and the record says why
+    every = choose(p, cost(4), CFG, confirm=confirm(2.0))
+    assert every.coded == (0, 1, 2, 3) and every.chosen_s == every.all_s
+    assert "the plan that runs predicts 0.1 s" in every.reason and every.planned_fewer_s == pytest.approx(0.102)
+
+
+def test_every_bucket_coded_needs_no_confirmation() -> None:
+    def refuse(q: Profile, _: DeftConfig) -> float:
+        raise AssertionError("confirmed a choice that already codes every bucket")
+    choice = choose(profile((20.0,) * 4), cost(4), CFG, confirm=refuse)
+    assert choice.coded == (0, 1, 2, 3) and choice.planned_all_s is None
+
+
+def test_a_measured_profile_the_no_delay_pricing_left_partly_exact_is_coded_whole() -> None:
+    # The digits CNN measured on the testbed at 2 x 50 Mbit/s (profile iterations in fp16; its profile
+    # as the run recorded it). The codec's compute: bucket 3's measured time, per byte, for every bucket.
+    measured = Profile.from_dict(json.loads((DATA / "digits_50mbit_profile.json").read_text()))
+    exact = codecs.exact_profile(measured)
+    per_byte = measured.codec_time(3) / exact.buckets[3].nbytes
+    c = CodecCost("fp16", tuple(b.nbytes // 2 for b in exact.buckets),
+                  tuple(per_byte * b.nbytes for b in exact.buckets))
+    cfg = DeftConfig(epsilon=0.01)
+    every = tuple(range(exact.n))
+    fewer = choose(exact, c, cfg)  # the no-delay pricing alone keeps some buckets exact
+    assert fewer.coded != every
+    lagfree_all = lagfree_plan(encoded_profile(exact, c, every), cfg).predicted_iteration_s
+    lagfree_fewer = lagfree_plan(encoded_profile(exact, c, fewer.coded), cfg).predicted_iteration_s
+    assert lagfree_fewer > 1.01 * lagfree_all  # ... which the lag-free plan (the one that runs) prices higher
+    _, record = choose_codec(cfg, exact, CodecInputs(c, GradientScale(2, 32, 1.0, 100.0, 1.0)))
+    assert record is not None and record["coded"] == list(every)
+    assert record["planned_all_s"] == pytest.approx(lagfree_all)
+    assert record["planned_fewer_s"] == pytest.approx(lagfree_fewer)
 
 
 def test_mark_names_the_codec_of_exactly_the_coded_elements() -> None:
