@@ -16,6 +16,7 @@ from deft.runtime.codec_choice import (
     ProfileCodec,
     TimedBroadcast,
     first_sends_codec,
+    hold_first_sends,
     profile_codec,
     sample_coordinates,
     sampled_scale,
@@ -97,6 +98,24 @@ def test_the_first_sends_stay_exact_without_a_timed_broadcast_never_or_a_refusal
     assert first_sends_codec("never", pick(QUIET, EPS), comm_s=9.0, compute_s=0.1).codec == ""
     refused = first_sends_codec("always", pick(QUIET, 0.0), comm_s=9.0, compute_s=0.1)
     assert refused.codec == "" and "sampled gradients" in refused.reason
+
+
+def test_the_hold_is_screened_at_the_first_gradient_by_three_times_the_time_to_it() -> None:
+    # 0.1 s to the first gradient: about 0.3 s of forward and backward. A predicted 0.31 s all-reduce
+    # could be the bound once the estimate is off by 2x (coding needs more than 0.6 s): the sends wait.
+    assert hold_first_sends("auto", comm_s=0.31, to_first_grad_s=0.1) is None
+    # 0.3 s predicted, not more than the 0.3 s estimate: sent exact at once, and the record says why
+    released = hold_first_sends("auto", comm_s=0.3, to_first_grad_s=0.1)
+    assert released is not None and released.codec == ""
+    assert "cannot be the bound" in released.reason and "3x the 0.1 s to the first gradient" in released.reason
+    assert released.exposed_s == 0.3 and released.compute_s == pytest.approx(0.3)
+
+
+def test_the_hold_screen_releases_without_a_broadcast_and_always_holds() -> None:
+    released = hold_first_sends("auto", comm_s=None, to_first_grad_s=0.1)
+    assert released is not None and released.codec == "" and "init_sync off" in released.reason
+    assert hold_first_sends("always", comm_s=None, to_first_grad_s=0.1) is None
+    assert hold_first_sends("always", comm_s=0.001, to_first_grad_s=9.0) is None
 
 
 def test_coded_first_sends_make_the_profile_skip_the_time_screen() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -17,30 +16,13 @@ from deft import testbed as testbed_mod
 from deft.config import DeftConfig
 from deft.errors import DeftError
 from deft.testbed import Testbed, TestbedError, list_namespaces
-
-NETNS_REASON = "needs root and iproute2 (ip, tc) to build network namespaces"
-can_netns = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
-
-
-@pytest.fixture(scope="module")
-def netns_refused() -> str | None:
-    """Why namespaces cannot be made although we are root (an unprivileged container lacks
-    CAP_SYS_ADMIN), or None. Probed once, with a name nothing else uses, deleted at once."""
-    probe = f"deftprobe{os.getpid()}"
-    res = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, check=False)
-    if res.returncode != 0:
-        return f"root, but cannot create network namespaces here: {res.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
-    return None
+from tests._netns import NETNS_REASON, can_netns, skip_netns_when_refused
 
 
 @pytest.fixture(autouse=True)
 def _skip_netns_when_refused(request: pytest.FixtureRequest) -> None:
-    # skip rather than fail: a container without the capability is a property of the machine
-    if can_netns and request.node.get_closest_marker("netns"):
-        reason = request.getfixturevalue("netns_refused")
-        if reason is not None:
-            pytest.skip(reason)
+    skip_netns_when_refused(request)
+
 
 # A receiver that acknowledges with one byte once it has all the bytes: the sender's clock then
 # covers the whole transfer through the shaped link, not just filling its socket buffer.

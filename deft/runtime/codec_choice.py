@@ -49,14 +49,23 @@ is ~10⁻⁶ against the 0.02 that epsilon 0.01 allows). The links look like the
 all-reduce of the gradients over the links, took more than twice the first iteration's forward and
 backward. Every rank decides alike (gathered samples, times maximised over the ranks). Coded, the
 first iteration's sends use the codec and the profile iterations keep it unless the first
-iteration's whole statistics refuse it; holding the sends costs one iteration's overlap with its
-backward where nothing is coded.
+iteration's whole statistics refuse it.
+
+Holding the sends costs the first iteration its overlap with the backward (0.2-0.25 s at 250 Mbit/s
+on the testbed, where nothing is coded). So in "auto" the hold is screened at the first gradient
+(:func:`hold_first_sends`, collective, every rank alike): the sends go at once, exact, where the
+predicted all-reduce is no longer than the forward and backward estimated from the time to the first
+gradient (a layer's backward computes two products to its forward's one: ``3 x``). That is half the
+bar coding needs (more than twice the forward and backward), so an estimate off by up to 2x still
+holds every iteration that could be coded.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -85,6 +94,11 @@ SAMPLE_SIZE = 65536
 SAMPLE_MARGIN = 100.0
 #: The seed of the sampled coordinates (the same on every rank).
 SAMPLE_SEED = 0x5EED
+#: The first iteration's forward and backward, estimated as this many times its time to the first
+#: gradient (the hold's screen: a layer's backward computes two products to its forward's one).
+COMPUTE_PER_FIRST_GRADIENT = 3.0
+
+log = logging.getLogger("deft.runtime")
 
 
 def considered(cfg: DeftConfig, world: int, measuring: bool, hooked: bool, layout: FlatLayout | None) -> bool:
@@ -209,6 +223,24 @@ def first_sends_codec(mode: str, verdicts: tuple[CodecVerdict, ...], comm_s: flo
                         delta=accepted.delta, exposed_s=comm_s, compute_s=compute_s)
 
 
+def hold_first_sends(mode: str, comm_s: float | None, to_first_grad_s: float) -> ProfileCodec | None:
+    """Pure: the screen at the first iteration's first gradient (module docstring). None: its sends wait
+    for the judgement; else the decision to send them exact at once, and why. ``comm_s``: the
+    construction's broadcast scaled to the gradients' all-reduce over the links (None: not timed);
+    ``to_first_grad_s``: from the forward's start to the first gradient."""
+    if mode == "always":
+        return None
+    compute = COMPUTE_PER_FIRST_GRADIENT * to_first_grad_s
+    if comm_s is None:
+        return ProfileCodec("", "no timed broadcast of the model at construction (init_sync off)", compute_s=compute)
+    if comm_s > compute:
+        return None
+    return ProfileCodec("", f"the links cannot be the bound: the gradients' all-reduce predicts {comm_s:.3g} s from "
+                        f"the construction's broadcast, against about {compute:.3g} s of forward and backward "
+                        f"({COMPUTE_PER_FIRST_GRADIENT:g}x the {to_first_grad_s:.3g} s to the first gradient); "
+                        "sent exact without waiting", exposed_s=comm_s, compute_s=compute)
+
+
 def sampled_scale(samples: torch.Tensor, numel: int, batch: int | None, max_abs: float,
                   margin: float = SAMPLE_MARGIN) -> GradientScale | None:
     """Pure: the :class:`GradientScale` of the first iteration from ``samples`` (one row per rank, the
@@ -268,7 +300,16 @@ class FirstIteration:
         self._begin: float | None = None
         self._backward_end: float | None = None
         self._end: float | None = None
+        self._screen_wait = 0.0  # seconds screen_sends waited for the other ranks
         self.sends: ProfileCodec | None = None  # the first iteration's own sends (judge_sends), once judged
+
+    def _compute_s(self) -> float | None:
+        """This rank's forward and backward of the first iteration so far (to the end of its backward
+        once that is known), less the screen's wait for the other ranks; None before its forward."""
+        if self._begin is None:
+            return None
+        bwd = self._backward_end if self._backward_end is not None else time.perf_counter()
+        return bwd - self._begin - self._screen_wait
 
     def forward_begins(self, executor: Executor, params: list[torch.Tensor],
                        optimizer: torch.optim.Optimizer | None) -> None:
@@ -283,22 +324,34 @@ class FirstIteration:
         if self._end is None:
             self._end = time.perf_counter()
 
+    def screen_sends(self, cfg: DeftConfig, control: ControlPlane, comm_s: float | None) -> bool:
+        """Collective (control group), at the first gradient of the first iteration: whether its sends
+        still wait for :meth:`judge_sends` (:func:`hold_first_sends`, the same on every rank)."""
+        start = time.perf_counter()
+        mine = start - self._begin if self._begin is not None else 0.0
+        agreed_comm, to_first = control.max_rows([[comm_s if comm_s is not None else -1.0, mine]],
+                                                 "first iteration's time to its first gradient")[0]
+        # Not compute: the wait for the other ranks (rank 0 starts first, its broadcast's receivers later)
+        self._screen_wait = time.perf_counter() - start
+        self.sends = hold_first_sends(cfg.profile_codec, agreed_comm if agreed_comm >= 0 else None, to_first)
+        return self.sends is None
+
     def judge_sends(self, executor: Executor, cfg: DeftConfig, control: ControlPlane, batch: int | None,
                     comm_s: float | None) -> str:
         """Collective (control group), at the end of the first backward, before its sends: their codec
         (``""``: exact), the same on every rank (module docstring)."""
-        bwd = self._backward_end if self._backward_end is not None else time.perf_counter()
-        compute = bwd - self._begin if self._begin is not None else 0.0
+        compute = self._compute_s() or 0.0
         (flat,) = executor.local_gradient().values()  # considered(): one dtype
         with torch.no_grad():
             local = flat.detach()
             largest = local.abs().max().reshape(1) if local.numel() else local.new_zeros(1)
-            # the sampled coordinates, then this rank's largest element: one row of the gather
-            mine = torch.cat([local[sample_coordinates(local.numel()).to(local.device)], largest]).double().cpu()
+            # the sampled coordinates, then this rank's largest element: one row of the gather, in the
+            # gradient's own dtype (a float32 gradient's sample loses nothing; half the bytes of float64)
+            mine = torch.cat([local[sample_coordinates(local.numel()).to(local.device)], largest]).cpu()
         rows = [torch.empty_like(mine) for _ in range(control.world)]
         control.wait(dist.all_gather(rows, mine, group=control.group, async_op=True),
                      "all-gather of the first iteration's sampled gradients")
-        gathered = torch.stack(rows)
+        gathered = torch.stack(rows).double()
         agreed_comm, compute = control.max_rows([[comm_s if comm_s is not None else -1.0, compute]],
                                                 "first iteration's times")[0]
         comm = agreed_comm if agreed_comm >= 0 else None  # -1: no rank timed the broadcast (init_sync off)
@@ -313,9 +366,9 @@ class FirstIteration:
     def decide(self, cfg: DeftConfig, control: ControlPlane, batch: int | None) -> ProfileCodec:
         """Collective (control group): the same decision on every rank (gathered statistics, times
         maximised over the ranks)."""
-        begin, bwd, end = self._begin, self._backward_end, self._end
+        compute, bwd, end = self._compute_s(), self._backward_end, self._end
         # A rank whose first iteration had no backward (a step without one) adds no time of its own.
-        mine = [end - bwd, bwd - begin] if begin is not None and bwd is not None and end is not None else [0.0, 0.0]
+        mine = [end - bwd, compute] if compute is not None and bwd is not None and end is not None else [0.0, 0.0]
         exposed, compute = control.max_rows([mine], "first iteration's times")[0]
         scale: GradientScale | None = gradient_scale(self.stats, control, batch)
         first = None if self.sends is None else self.sends.to_dict()
@@ -324,3 +377,37 @@ class FirstIteration:
         decision = profile_codec(cfg.profile_codec, codec_error.pick(scale, cfg.epsilon), exposed, compute,
                                  "" if self.sends is None else self.sends.codec)
         return replace(decision, first=first)
+
+
+class FirstSendsHold:
+    """The first iteration's :class:`~deft.runtime.executor.SendHold`: screened at its first gradient
+    (:meth:`FirstIteration.screen_sends`), judged at the end of its backward (:meth:`FirstIteration.judge_sends`)."""
+
+    def __init__(self, first: FirstIteration, cfg: DeftConfig, control: ControlPlane,
+                 batch: Callable[[], int | None], broadcast: TimedBroadcast | None) -> None:
+        self.first, self.cfg, self.control, self.batch, self.broadcast = first, cfg, control, batch, broadcast
+
+    def _comm_s(self, executor: Executor) -> float | None:
+        """The construction's broadcast scaled to this layout's all-reduce over the schedule's links."""
+        if self.broadcast is None or executor.layout is None:
+            return None
+        links = len(executor.schedule.links) if executor.schedule is not None else 1
+        return self.broadcast.allreduce_s(sum(executor.layout.bucket_nbytes()), self.control.world, links)
+
+    def keep(self, executor: Executor) -> bool:
+        kept = self.first.screen_sends(self.cfg, self.control, self._comm_s(executor))
+        if not kept:
+            self._log()
+        return kept
+
+    def release(self, executor: Executor) -> None:
+        codec = self.first.judge_sends(executor, self.cfg, self.control, self.batch(), self._comm_s(executor))
+        if codec:
+            executor.recode(codec)
+        self._log()
+
+    def _log(self) -> None:
+        sends = self.first.sends
+        if self.control.rank == 0 and sends is not None:
+            log.info("deft: first iteration sent %s (%s)", f"in {sends.codec}" if sends.codec else "exact",
+                     sends.reason)

@@ -39,7 +39,7 @@ from deft.runtime.background import JobSlot
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.calendar import Calendar, place, stats_after_plan
 from deft.runtime.checkpoint import RuntimeState
-from deft.runtime.codec_choice import FirstIteration, ProfileCodec, TimedBroadcast
+from deft.runtime.codec_choice import FirstIteration, FirstSendsHold, ProfileCodec, TimedBroadcast
 from deft.runtime.comm_hooks import agree_codec, codec_hook, plain_iterations
 from deft.runtime.control import Collective, ControlPlane
 from deft.runtime.executor import DueUpdate, Executor, Pending
@@ -137,8 +137,9 @@ class Course:
                                             ex.comm_hook is not None, ex.layout):
             self._first = FirstIteration()
             ex.observe(self._first.stats)
-            if self.config.profile_codec != "never":
-                ex.hold = self._judge_first_sends  # its sends wait for the judgement at the end of its backward
+            if self.config.profile_codec != "never":  # its sends wait for the judgement at the end of its backward
+                ex.hold = FirstSendsHold(self._first, self.config, self._control, lambda: self.batch,
+                                         self.init_broadcast)
         if cal.profiling(t) and not self.planned and self._timer is None:
             assert ex.layout is not None
             self._timer = WarmupTimer(self._module, self._params, ex.layout, self._links, cuda, self._wait_work)
@@ -262,18 +263,6 @@ class Course:
     def _coded(schedule: Schedule, codec: str) -> Schedule:
         """``schedule`` with every bucket sent with ``codec`` (``""``: unchanged)."""
         return replace(schedule, codecs=(codec,) * len(schedule.bucket_numel)) if codec else schedule
-
-    def _judge_first_sends(self, ex: Executor) -> None:
-        """Collective, at the end of the first backward (``Executor.hold``): the codec of its sends."""
-        first = self._first
-        assert first is not None and ex.layout is not None
-        comm = None if self.init_broadcast is None else self.init_broadcast.allreduce_s(
-            sum(ex.layout.bucket_nbytes()), self._control.world, len(ex.schedule.links) if ex.schedule else 1)
-        codec = first.judge_sends(ex, self.config, self._control, self.batch, comm)
-        if codec:
-            ex.recode(codec)
-        if self._control.rank == 0 and first.sends is not None:
-            log.info("deft: first iteration sent %s (%s)", f"in {codec}" if codec else "exact", first.sends.reason)
 
     def _decide_profile_codec(self) -> None:
         """Collective, after the first iteration: the profile iterations' codec (codec_choice)."""

@@ -72,6 +72,17 @@ class ExecutorObserver(Protocol):
         """Bucket ``b``'s collectives (``works``) were launched on ``link``; the launch began at ``t_start``."""
 
 
+class SendHold(Protocol):
+    """Holds one iteration's backward sends until the end of its backward (the first iteration's codec
+    judgement, :mod:`deft.runtime.codec_choice`). Both calls are collective; every rank makes them."""
+
+    def keep(self, executor: Executor) -> bool:
+        """At the iteration's first gradient: whether the sends still wait (False: they go as they are)."""
+
+    def release(self, executor: Executor) -> None:
+        """At the end of the backward, before the held sends go (it may :meth:`Executor.recode` them)."""
+
+
 T = TypeVar("T")
 
 
@@ -160,9 +171,9 @@ class Executor:
         self._queues: dict[str, deque[CommTask]] = {}
         self._stage = ""
         self.observers: list[ExecutorObserver] = []
-        # Set for one iteration: this iteration's backward sends wait for the end of its backward, where
-        # hold(self) runs first (it may recode the schedule): the first iteration's codec judgement.
-        self.hold: Callable[[Executor], None] | None = None
+        # Set for one iteration: its backward sends wait for the end of its backward, unless the hold
+        # lets them go at the first gradient (SendHold): the first iteration's codec judgement.
+        self.hold: SendHold | None = None
         self.comm_hook: CommHook | None = None  # deft.runtime.comm_hooks: torch's comm hooks on buckets
         self._codec_hooks: dict[str, CommHook] = {}  # the schedule's per-bucket codecs (_hook_for)
         # The last chained launch (_chained): a hook's bucket or the used map, so its value type is open.
@@ -265,6 +276,8 @@ class Executor:
         if self.in_backward or self.backward_done:
             return
         self.in_backward = True
+        if self.hold is not None and not self.hold.keep(self):
+            self.hold = None
         self._start_stage("backward")
         for b, missing in enumerate(self._bucket_missing):
             if missing == 0:  # an empty bucket is ready at once
@@ -308,7 +321,7 @@ class Executor:
                 self._param_complete(i)
         if self.hold is not None:
             hold, self.hold = self.hold, None
-            hold(self)
+            hold.release(self)
         self._pump()
         left = {n: list(q) for n, q in self._queues.items() if q}
         if left:

@@ -1,0 +1,48 @@
+"""The first iteration's own sends on shaped links (issue 28): where the links are the bound, deft's
+default judges them before they go and sends them in fp16, and computes what torch DDP with torch's
+fp16 hook from iteration 0 computes. On loopback the links are never the bound, so this branch of
+:mod:`deft.runtime.codec_choice` runs only here, on the testbed (two hosts, two 50 Mbit/s links).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deft.testbed import Testbed
+from tests._dist import free_port
+from tests._netns import NETNS_REASON, can_netns, skip_netns_when_refused
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _skip_netns_when_refused(request: pytest.FixtureRequest) -> None:
+    skip_netns_when_refused(request)
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+@pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
+def test_links_the_bound_send_the_first_iteration_in_fp16_as_torch_ddps_fp16_hook() -> None:
+    with Testbed(hosts=2, links=2, rate_mbit=50) as tb:
+        # the profile longer than the run: every iteration is a synchronous one, the maths known
+        config = tb.write_config(epsilon=0.01, warmup_iters=1, profile_iters=8, timeout_s=120)
+        port = free_port()
+        procs = [tb.popen(h, [sys.executable, "-m", "tests._testbed_worker"], env=tb.env_for(h, h, 2, port, config),
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for h in range(2)]
+        outs = [p.communicate(timeout=240) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    a, b = (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
+    assert a["record"] == b["record"]
+    first = a["record"]["first"]
+    # 8.8 MB of gradient over two 50 Mbit/s links against milliseconds of compute: coded
+    assert first["codec"] == "fp16" and "the gradients' all-reduce predicts" in first["reason"], first
+    assert first["exposed_s"] > 2 * first["compute_s"]
+    assert a["record"]["codec"] == "fp16"  # the profile iterations keep it (the whole gradients accept it)
+    assert a["vs_fp16"] < 1e-5 and b["vs_fp16"] < 1e-5, (a["vs_fp16"], b["vs_fp16"])
