@@ -319,7 +319,13 @@ def test_a_plan_slower_than_the_warm_up_ends_on_the_warm_up_schedule() -> None:
 def race_worker(rank: int, world: int) -> dict[str, Any]:
     """A re-check switches schedules while rank 0 decides an adaptation in the background (its decision
     made slow here, so it is collected at the ``plan_lag_iters`` limit, and always a switch: back to the
-    warm-up's schedule when the real decision keeps the running one)."""
+    warm-up's schedule when the real decision keeps the running one).
+
+    The timeline, whatever the machine's load: the first plan (made slow too) is installed at its limit,
+    iteration 6 (5 if two iterations take longer than its delay), the adaptation measures 2 iterations
+    and decides from 8 (7) in the background, collected at 12 (11); the re-check at RACE_RECHECK = 10
+    switches in between. (With the first plan fast, it was installed at 3-6 depending on the load, and
+    the re-check could come before any decision or after it.)"""
     import time
 
     import deft
@@ -335,6 +341,17 @@ def race_worker(rank: int, world: int) -> dict[str, Any]:
         return new, corrected, record
 
     adapt.Adapter.decide = slow_decide  # type: ignore[method-assign]
+    from deft.runtime import planning
+
+    make_schedule, planned = planning.make_schedule, []
+
+    def slow_first_plan(*a: Any, **kw: Any) -> Any:
+        if not planned:
+            time.sleep(2.0)
+        planned.append(True)
+        return make_schedule(*a, **kw)
+
+    planning.make_schedule = slow_first_plan  # type: ignore[assignment]
     # The re-check at RACE_RECHECK re-plans (forced), on statistics that accept merged updates, so it
     # switches to a delayed schedule (the first plan, without statistics, fell back to no delay).
     from deft.preserver import feedback
@@ -367,7 +384,7 @@ def race_worker(rank: int, world: int) -> dict[str, Any]:
     return {**checked_result(ddp, model, world), "rechecks": ddp.plan_info.get("rechecks", [])}
 
 
-RACE_RECHECK, RACE_ITERS = 8, 20
+RACE_RECHECK, RACE_ITERS = 10, 22
 
 
 @pytest.mark.slow
