@@ -78,7 +78,7 @@ from deft.preserver import codec_error
 from deft.preserver.codec_error import CodecVerdict, GradientScale
 from deft.profile import ELEMENTWISE_CODECS, Profile
 from deft.runtime.buckets import FlatLayout
-from deft.runtime.comm_hooks import agree_codec, codec_hook
+from deft.runtime.comm_hooks import Codec, agree_codec, codec_hook
 from deft.runtime.control import ControlPlane
 from deft.runtime.executor import Executor
 from deft.runtime.grad_stats import GradStats, gradient_scale
@@ -109,10 +109,13 @@ def considered(cfg: DeftConfig, world: int, measuring: bool, hooked: bool, layou
 
 
 def measure(layout: FlatLayout, params: list[torch.Tensor], solo: dist.ProcessGroup, device: torch.device,
-            control: ControlPlane, stats: GradStats | None, batch: int | None) -> CodecInputs | None:
+            control: ControlPlane, stats: GradStats | None, batch: int | None,
+            profiled: Codec | None = None) -> CodecInputs | None:
     """Collective: the codec's cost on ``layout``'s buckets and the gradients' scale; None while the
-    scale is unknown (no noise estimate yet: the preserver could not judge the rounding)."""
-    measured = agree_codec(codec_hook("fp16"), layout, params, solo, device, control)
+    scale is unknown (no noise estimate yet: the preserver could not judge the rounding). ``profiled``:
+    the profile iterations' own 16-bit codec, already measured on ``layout`` (every rank has it), reused."""
+    measured = profiled if profiled is not None else agree_codec(codec_hook("fp16"), layout, params, solo, device,
+                                                                 control)
     scale = gradient_scale(stats, control, batch)
     if measured is None or scale is None:
         return None

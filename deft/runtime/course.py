@@ -40,7 +40,7 @@ from deft.runtime.buckets import FlatLayout
 from deft.runtime.calendar import Calendar, place, stats_after_plan
 from deft.runtime.checkpoint import RuntimeState
 from deft.runtime.codec_choice import FirstIteration, FirstSendsHold, ProfileCodec, TimedBroadcast
-from deft.runtime.comm_hooks import agree_codec, codec_hook, plain_iterations
+from deft.runtime.comm_hooks import Codec, agree_codec, codec_hook, plain_iterations
 from deft.runtime.control import Collective, ControlPlane
 from deft.runtime.executor import DueUpdate, Executor, Pending
 from deft.runtime.grad_stats import GradStats, walk_stats
@@ -98,6 +98,7 @@ class Course:
         # first iteration, whose statistics and times FirstIteration gathers (its record: profile_codec).
         self._first: FirstIteration | None = None
         self.init_broadcast: TimedBroadcast | None = None  # the facade's timed broadcast at construction
+        self._profiled_codec: Codec | None = None  # deft's profile codec measured on the profiled layout
         # The preserver's live inputs.
         self.losses: collections.deque[float] = collections.deque(maxlen=64)
         self.batch: int | None = None
@@ -332,7 +333,7 @@ class Course:
         if self._solo is None:  # dist.new_group is collective over the world
             self._solo = make_solo_group(self._primary.backend, self.config.timeout_s, self._ranks)
         return codec_choice.measure(ex.layout, self._params, self._solo, ex.device, self._control, self.stats,
-                                    self.batch)
+                                    self.batch, self._profiled_codec)
 
     def _measured_profile(self) -> Profile:
         """Collective: the profile iterations' timings (and the comm hook's codec) as a Profile."""
@@ -344,6 +345,8 @@ class Course:
         if hook is not None and self._solo is None:  # dist.new_group is collective over the world
             self._solo = make_solo_group(self._primary.backend, self.config.timeout_s, self._ranks)
         codec = agree_codec(hook, ex.layout, self._params, self._solo, ex.device, self._control)
+        if coded:  # deft's own 16-bit codec on this layout: the plan's codec choice prices with it too
+            self._profiled_codec = codec
         backends = {n: lk.backend for n, lk in self._links.items()}
         profile = timer.profile(self._control, self._control.world, backends, type(self._module).__name__,
                                 self._names, codec)

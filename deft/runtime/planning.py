@@ -119,31 +119,10 @@ class CodecInputs:
     scale: GradientScale
 
 
-class BasePlanner:
-    """The plan without merged or delayed updates that ``cfg`` runs (the lag-free plan where updates may
-    finish in the next forward, else the no-delay plan), each profile planned once: the codec choice
-    confirms its coded set on it and the preserver then times every try against the same plan."""
-
-    def __init__(self, cfg: DeftConfig) -> None:
-        self.plan = lagfree_plan if cfg.forward_updates else no_delay_plan
-        self._planned: dict[str, Schedule] = {}
-
-    def __call__(self, profile: Profile, cfg: DeftConfig | None = None) -> Schedule:
-        key = profile.digest()
-        if key not in self._planned:
-            self._planned[key] = self.plan(profile, cfg)
-        return self._planned[key]
-
-    def predicted_s(self, profile: Profile, cfg: DeftConfig) -> float:
-        return self(profile, cfg).predicted_iteration_s
-
-
-def choose_codec(cfg: DeftConfig, profile: Profile, codec: CodecInputs | None,
-                 base: BasePlanner | None = None) -> tuple[Profile, JsonDict | None]:
+def choose_codec(cfg: DeftConfig, profile: Profile, codec: CodecInputs | None) -> tuple[Profile, JsonDict | None]:
     """Rank 0: the profile to plan on, with the buckets deft sends in fp16/bf16 coded
-    (:func:`deft.solver.codecs.choose`, its coded set confirmed on ``base``, the plan that will run)
-    when the preserver accepts a codec (:func:`deft.preserver.codec_error.pick`), and the record of
-    why (None: not considered)."""
+    (:func:`deft.solver.codecs.choose`) when the preserver accepts a codec
+    (:func:`deft.preserver.codec_error.pick`), and the record of why (None: not considered)."""
     if codec is None or cfg.epsilon == 0:
         return profile, None
     verdicts = codec_error.pick(codec.scale, cfg.epsilon)
@@ -153,7 +132,7 @@ def choose_codec(cfg: DeftConfig, profile: Profile, codec: CodecInputs | None,
         record["reason"] = "the preserver accepts no codec"
         return profile, record
     cost = dataclasses.replace(codec.cost, name=accepted.codec)
-    choice = codecs.choose(profile, cost, cfg, confirm=(base or BasePlanner(cfg)).predicted_s)
+    choice = codecs.choose(profile, cost, cfg)
     record.update(choice.to_dict())
     record["parameters"] = [name for b in choice.coded for name in profile.buckets[b].params]
     return codecs.encoded_profile(profile, cost, choice.coded), record
@@ -166,9 +145,8 @@ def make_schedule(cfg: DeftConfig, profile: Profile | None, stats: WalkStats | N
     if schedule_path is not None:
         return Decision(Schedule.load(os.fspath(schedule_path)), {"source": str(schedule_path)})
     assert profile is not None
-    base = BasePlanner(cfg)
-    profile, chosen = choose_codec(cfg, profile, codec, base)
-    decision = torch_way_without_gain(profile, _planned(cfg, profile, stats, base))
+    profile, chosen = choose_codec(cfg, profile, codec)
+    decision = torch_way_without_gain(profile, _planned(cfg, profile, stats))
     decision.schedule = codecs.mark(decision.schedule, profile, cfg)
     if chosen is not None:
         decision.info["codecs"] = chosen
@@ -203,11 +181,12 @@ def torch_way_without_gain(profile: Profile, decision: Decision) -> Decision:
     return Decision(sync, info)
 
 
-def _planned(cfg: DeftConfig, profile: Profile, stats: WalkStats | None, base: BasePlanner) -> Decision:
+def _planned(cfg: DeftConfig, profile: Profile, stats: WalkStats | None) -> Decision:
     """:func:`make_schedule`'s plan of ``profile``, with its fallbacks."""
     try:
+        base = lagfree_plan if cfg.forward_updates else no_delay_plan
         if cfg.epsilon == 0:
-            return Decision(base(profile, cfg), {"source": f"{base.plan.__name__} (epsilon = 0)"})
+            return Decision(base(profile, cfg), {"source": f"{base.__name__} (epsilon = 0)"})
         if cfg.preserver:
             res = feedback.preserve(profile, cfg, stats, planner=plan, no_delay_planner=base)
             return Decision(res.schedule, preserver_info("preserver", res, stats), res)
@@ -360,7 +339,8 @@ class Planning:
                     doc["check"] = {"ratio": decision.ratio, "replan": decision.replan, "reason": decision.reason}
                     if decision.replan:
                         assert profile is not None and self._recheck is not None
-                        res = feedback.preserve(profile, cfg, stats, planner=plan, no_delay_planner=BasePlanner(cfg))
+                        res = feedback.preserve(profile, cfg, stats, planner=plan,
+                                                no_delay_planner=lagfree_plan if cfg.forward_updates else no_delay_plan)
                         self._recheck.reset(res)
                         doc["schedule"] = codecs.mark(res.schedule, profile, cfg).to_dict()
                         doc["info"] = preserver_info("preserver (re-plan)", res, stats)
