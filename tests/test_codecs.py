@@ -8,9 +8,7 @@ is checked against an emulation of torch's fp16 hook, not against the code's own
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +25,6 @@ from deft.solver.codecs import CodecCost, choose, encoded_profile, mark
 from deft.solver.partition import profile_for_schedule
 
 MS = 1e-3
-DATA = Path(__file__).parent / "data"
 NUMEL = 1_000_000  # elements per bucket: 4 MB exact, 2 MB in fp16
 
 
@@ -80,11 +77,11 @@ def test_encoded_profile_halves_the_wire_time_of_coded_buckets_only() -> None:
 
 def test_links_the_bound_codes_every_bucket() -> None:
     # Buckets ready at 2, 4, 6, 8 ms of backward, each 20 ms on the one link: the link ends at
-    # 2 + 4 x 20 = 82 ms exact, 2.1 + 4 x 10 ~ 42 ms coded (>= 3 % less): every bucket coded.
+    # 2 + 4 x 20 = 82 ms exact, 2.1 + 4 x 10 ~ 42 ms coded. Leaving any bucket exact adds 10 ms of
+    # link time to the critical path (> 1 % of 42 ms), so all four stay coded.
     choice = choose(profile((20.0,) * 4), cost(4), CFG)
-    assert choice.coded == (0, 1, 2, 3) and choice.chosen_s == choice.all_s
+    assert choice.coded == (0, 1, 2, 3)
     assert choice.all_s < 0.6 * choice.exact_s
-    assert "every bucket coded" in choice.reason
 
 
 def test_compute_the_bound_codes_nothing() -> None:
@@ -94,28 +91,11 @@ def test_compute_the_bound_codes_nothing() -> None:
     assert "not the bound" in choice.reason
 
 
-def test_links_the_bound_code_a_send_the_backward_hides_too() -> None:
-    # Bucket 0 is ready first (2 ms) and its 0.2 ms send ends before bucket 1 is ready (4 ms): under the
-    # no-delay plan coding it saves nothing, but the lag-free plan may send it in the next forward, and
-    # the preserver judged the rounding of every bucket: coded with the rest.
+def test_a_send_hidden_by_the_backward_stays_exact() -> None:
+    # Bucket 0 is ready first (2 ms) and its 0.2 ms send ends before bucket 1 is ready (4 ms): coding it
+    # saves no time on the critical path but costs 0.1 ms of codec compute, so it stays exact.
     choice = choose(profile((0.2, 20.0, 20.0, 20.0)), cost(4), CFG)
-    assert choice.coded == (0, 1, 2, 3)
-
-
-def test_a_measured_profile_is_coded_whole() -> None:
-    # The digits CNN measured on the testbed at 2 x 50 Mbit/s (profile iterations in fp16; its profile
-    # as the run recorded it). The codec's compute: bucket 3's measured time, per byte, for every bucket.
-    measured = Profile.from_dict(json.loads((DATA / "digits_50mbit_profile.json").read_text()))
-    exact = codecs.exact_profile(measured)
-    per_byte = measured.codec_time(3) / exact.buckets[3].nbytes
-    c = CodecCost("fp16", tuple(b.nbytes // 2 for b in exact.buckets),
-                  tuple(per_byte * b.nbytes for b in exact.buckets))
-    cfg = DeftConfig(epsilon=0.01)
-    planned, record = choose_codec(cfg, exact, CodecInputs(c, GradientScale(2, 32, 1.0, 100.0, 1.0)))
-    assert record is not None and record["coded"] == list(range(exact.n))
-    # 17.6 MB over two links of ~6 MB/s each: halving the bytes takes far more than 3 % off
-    assert record["all_s"] < 0.7 * record["exact_s"]
-    assert all(b.wire_nbytes == b.nbytes // 2 for b in planned.buckets)
+    assert choice.coded == (1, 2, 3)
 
 
 def test_mark_names_the_codec_of_exactly_the_coded_elements() -> None:
@@ -201,9 +181,9 @@ def inputs(max_abs: float = 1.0, n: int = 4) -> CodecInputs:
 def test_decision_codes_where_the_links_are_the_bound() -> None:
     p = profile((0.2, 20.0, 20.0, 20.0))
     planned, record = choose_codec(CFG, p, inputs())
-    assert record is not None and record["coded"] == [0, 1, 2, 3] and record["codec"] == "fp16"
-    assert all(b.wire_nbytes == 2 * NUMEL for b in planned.buckets)
-    assert record["parameters"] == ["layer0.weight", "layer1.weight", "layer2.weight", "layer3.weight"]
+    assert record is not None and record["coded"] == [1, 2, 3] and record["codec"] == "fp16"
+    assert [b.wire_nbytes is not None for b in planned.buckets] == [False, True, True, True]
+    assert record["parameters"] == ["layer1.weight", "layer2.weight", "layer3.weight"]
     decision = make_schedule(CFG, p, None, None, inputs())
     assert decision.info["codecs"] == record
     assert decision.schedule.compressed

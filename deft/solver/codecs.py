@@ -5,8 +5,8 @@ The decision (DESIGN.md section 4, "Codecs in the plan")
 A bucket sent with an element-wise codec is cast to 16 bits before its all-reduce and back after it,
 as torch's ``fp16_compress_hook`` does (divided by the world size first). It puts ``wire`` bytes on
 the link instead of ``nbytes`` and costs ``codec_s`` of compute beside the model. Whether that pays
-depends on the links: where the backward and the step hide the all-reduces, coding gains nothing and
-only rounds the gradients. So the choice is made on predicted iteration times:
+depends on the rest of the plan: a bucket whose all-reduce already hides behind the backward gains
+nothing and would only round its gradient. So the choice is made on predicted iteration times:
 
 * :func:`encoded_profile` is the measured profile with the buckets of a set ``C`` coded: their wire
   bytes and codec compute from the codec's measurement (:class:`CodecCost`), their comm time on each
@@ -15,14 +15,9 @@ only rounds the gradients. So the choice is made on predicted iteration times:
 * ``T(C)``: the predicted iteration time of the no-delay plan of that profile (cheap: list scheduling
   over the links and one simulation), the plan whose parameters are torch DDP's.
 * Codecs are used only when coding every bucket gains at least :data:`MIN_GAIN` over coding none
-  (the links are the bound), and then on every bucket. Why every bucket, not only those whose bytes
-  cost time: ``T`` prices the no-delay plan, but the plan that runs may be another (the lag-free plan
-  sends some buckets in the next forward, where a send the backward hid still loads a link), and
-  pricing each bucket on that plan costs planning time, which the iterations run beside pay. Measured
-  on the testbed (benchmarks/results/slow_links.md), three seeds interleaved: every bucket coded
-  reached 93 % in 41.0 s against 42.4 s for the buckets the no-delay pricing chose at 50 Mbit/s, and
-  20.9 against 22.2 s at 250 Mbit/s, at the same accuracy; the rounding of every bucket is what the
-  preserver judged anyway (its bound is on the whole gradient).
+  (the links are the bound). Then buckets are un-coded one at a time, those that save the least
+  first, while ``T`` stays within :data:`TOLERANCE` of coding all: the fewest coded buckets at about
+  the fastest time.
 
 The planner then plans on the chosen :func:`encoded_profile`, so its knapsacks are weighted by the
 coded buckets' wire times; :func:`mark` reads the per-bucket codecs of the schedule it returns off the
@@ -47,6 +42,8 @@ from deft.solver.plan import no_delay_plan
 
 #: Coding every bucket must predict at least this much less time per iteration than coding none.
 MIN_GAIN = 0.03
+#: A bucket stays exact when leaving it so costs at most this much over coding every bucket.
+TOLERANCE = 0.01
 #: ``Profile.meta`` key of a profile whose coded buckets deft chose (``mark`` reads codecs only there).
 CHOSEN = "codecs_chosen"
 
@@ -143,8 +140,7 @@ def predicted_s(profile: Profile, config: DeftConfig) -> float:
 
 def choose(profile: Profile, cost: CodecCost, config: DeftConfig,
            predict: Callable[[Profile, DeftConfig], float] = predicted_s) -> CodecChoice:
-    """The coded buckets (module docstring): every bucket where the links are the bound, else none;
-    ``predict`` prices a profile (default :func:`predicted_s`)."""
+    """The coded buckets (module docstring); ``predict`` prices a profile (default :func:`predicted_s`)."""
     cost.check(profile)
     every = tuple(range(profile.n))
     exact_s = predict(profile, config)
@@ -153,8 +149,23 @@ def choose(profile: Profile, cost: CodecCost, config: DeftConfig,
         return CodecChoice(cost.name, (), exact_s, all_s, exact_s,
                            f"coding every bucket predicts {all_s:.4g} s against {exact_s:.4g} s exact: less than "
                            f"{MIN_GAIN:.0%} faster, the links are not the bound")
-    return CodecChoice(cost.name, every, exact_s, all_s, all_s,
-                       f"every bucket coded: {all_s:.4g} s against {exact_s:.4g} s exact")
+    coded = set(every)
+    chosen_s = all_s
+    for b in sorted(every, key=lambda b: (_saving(profile, cost, b), b)):
+        trial = coded - {b}
+        t = predict(encoded_profile(profile, cost, trial), config) if trial else exact_s
+        if t <= all_s * (1.0 + TOLERANCE):
+            coded, chosen_s = trial, t
+    if not coded:  # leaving every bucket exact stayed within the tolerance after all
+        return CodecChoice(cost.name, (), exact_s, all_s, exact_s, "exact is within the tolerance of coding all")
+    return CodecChoice(cost.name, tuple(sorted(coded)), exact_s, all_s, chosen_s,
+                       f"{len(coded)} of {profile.n} buckets coded: {chosen_s:.4g} s against {exact_s:.4g} s exact")
+
+
+def _saving(profile: Profile, cost: CodecCost, b: int) -> float:
+    """Seconds of link time coding bucket ``b`` saves on the fastest link, less its codec compute."""
+    one = encoded_profile(profile, cost, (b,))
+    return min(profile.comm_time(b, lk) - one.comm_time(b, lk) for lk in profile.link_names) - cost.codec_s[b]
 
 
 def mark(schedule: Schedule, profile: Profile, config: DeftConfig) -> Schedule:
