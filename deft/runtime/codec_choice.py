@@ -354,10 +354,10 @@ class FirstIteration:
         self.sends = hold_first_sends(cfg.profile_codec, self._comm_s, to_first)
         return self.sends is None
 
-    def judge_sends(self, executor: Executor, cfg: DeftConfig, control: ControlPlane, batch: int | None,
-                    comm_s: float | None) -> str:
+    def judge_sends(self, executor: Executor, cfg: DeftConfig, control: ControlPlane, batch: int | None) -> str:
         """Collective (control group), at the end of the first backward, before its sends: their codec
-        (``""``: exact), the same on every rank (module docstring)."""
+        (``""``: exact), the same on every rank (module docstring). After :meth:`screen_sends`, whose
+        agreed all-reduce prediction it judges with."""
         compute = self._compute_s() or 0.0
         (flat,) = executor.local_gradient().values()  # considered(): one dtype
         with torch.no_grad():
@@ -370,10 +370,8 @@ class FirstIteration:
         control.wait(dist.all_gather(rows, mine, group=control.group, async_op=True),
                      "all-gather of the first iteration's sampled gradients")
         gathered = torch.stack(rows).double()
-        agreed_comm, compute = control.max_rows([[comm_s if comm_s is not None else -1.0, compute]],
-                                                "first iteration's times")[0]
-        comm = agreed_comm if agreed_comm >= 0 else None  # -1: no rank timed the broadcast (init_sync off)
-        self._comm_s = comm
+        (compute,) = control.max_rows([[compute]], "first iteration's forward and backward")[0]
+        comm = self._comm_s
         scale = sampled_scale(gathered[:, :-1], flat.numel(), batch, float(gathered[:, -1].max()))
         if scale is None:
             self.sends = ProfileCodec("", "no usable sample of the first iteration's gradients (non-finite, "
@@ -420,7 +418,7 @@ class FirstSendsHold:
         return kept
 
     def release(self, executor: Executor) -> None:
-        codec = self.first.judge_sends(executor, self.cfg, self.control, self.batch(), self._comm_s(executor))
+        codec = self.first.judge_sends(executor, self.cfg, self.control, self.batch())
         if codec:
             executor.recode(codec)
         self._log()

@@ -345,8 +345,9 @@ class Course:
         if hook is not None and self._solo is None:  # dist.new_group is collective over the world
             self._solo = make_solo_group(self._primary.backend, self.config.timeout_s, self._ranks)
         codec = agree_codec(hook, ex.layout, self._params, self._solo, ex.device, self._control)
-        if coded:  # deft's own 16-bit codec on this layout: the plan's codec choice prices with it too
-            self._profiled_codec = codec
+        # deft's own 16-bit codec on this layout: the plan's codec choice prices with it too (None: a
+        # user's hook or an exact profile, so that choice times fp16 itself)
+        self._profiled_codec = codec if coded else None
         backends = {n: lk.backend for n, lk in self._links.items()}
         profile = timer.profile(self._control, self._control.world, backends, type(self._module).__name__,
                                 self._names, codec)
