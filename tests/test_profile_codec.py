@@ -6,6 +6,8 @@ Each expected outcome follows from the rule in the module docstring applied by h
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -16,10 +18,10 @@ from deft.runtime.codec_choice import (
     ProfileCodec,
     TimedBroadcast,
     first_sends_codec,
-    hold_first_sends,
     profile_codec,
     sample_coordinates,
     sampled_scale,
+    screen_first_sends,
 )
 from deft.runtime.layouts import balanced_links, warmup_layout
 
@@ -113,22 +115,32 @@ def test_the_first_sends_stay_exact_without_a_timed_broadcast_never_or_a_refusal
     assert refused.codec == "" and "sampled gradients" in refused.reason
 
 
-def test_the_hold_is_screened_at_the_first_gradient_by_three_times_the_time_to_it() -> None:
+def test_the_screen_at_the_first_gradient_judges_above_three_times_the_time_to_it() -> None:
     # 0.1 s to the first gradient: about 0.3 s of forward and backward. A predicted 0.31 s all-reduce
-    # could be the bound once the estimate is off by 2x (coding needs more than 0.6 s): the sends wait.
-    assert hold_first_sends("auto", comm_s=0.31, to_first_grad_s=0.1) is None
-    # 0.3 s predicted, not more than the 0.3 s estimate: sent exact at once, and the record says why
-    released = hold_first_sends("auto", comm_s=0.3, to_first_grad_s=0.1)
-    assert released is not None and released.codec == ""
-    assert "cannot be the bound" in released.reason and "3x the 0.1 s to the first gradient" in released.reason
-    assert released.exposed_s == 0.3 and released.compute_s == pytest.approx(0.3)
+    # could be the bound once the estimate is off by 2x (coding needs more than 0.6 s): judged.
+    assert screen_first_sends("auto", comm_s=0.31, to_first_grad_s=0.1) is None
+    # 0.3 s predicted, not more than the 0.3 s estimate: sent exact, not judged, and the record says why
+    unjudged = screen_first_sends("auto", comm_s=0.3, to_first_grad_s=0.1)
+    assert unjudged is not None and unjudged.codec == ""
+    assert "cannot be the bound" in unjudged.reason and "3x the 0.1 s to the first gradient" in unjudged.reason
+    assert "not judged" in unjudged.reason
+    assert unjudged.exposed_s == 0.3 and unjudged.compute_s == pytest.approx(0.3)
 
 
-def test_the_hold_screen_releases_without_a_broadcast_and_always_holds() -> None:
-    released = hold_first_sends("auto", comm_s=None, to_first_grad_s=0.1)
-    assert released is not None and released.codec == "" and "init_sync off" in released.reason
-    assert hold_first_sends("always", comm_s=None, to_first_grad_s=0.1) is None
-    assert hold_first_sends("always", comm_s=0.001, to_first_grad_s=9.0) is None
+def test_the_screen_leaves_the_sends_unjudged_without_a_broadcast_and_always_judges() -> None:
+    unjudged = screen_first_sends("auto", comm_s=None, to_first_grad_s=0.1)
+    assert unjudged is not None and unjudged.codec == "" and "init_sync off" in unjudged.reason
+    assert screen_first_sends("always", comm_s=None, to_first_grad_s=0.1) is None
+    assert screen_first_sends("always", comm_s=0.001, to_first_grad_s=9.0) is None
+
+
+def test_the_speculative_codec_round_trips_and_a_bad_one_is_refused() -> None:
+    d = replace(first_sends_codec("always", pick(QUIET, 0.0), comm_s=9.0, compute_s=0.1), speculative="fp16")
+    assert d.codec == "" and ProfileCodec.from_dict(d.to_dict()) == d  # sent again exact after fp16
+    with pytest.raises(DeftError, match=r"profile_codec\.speculative"):
+        ProfileCodec.from_dict({**d.to_dict(), "speculative": "int8"})
+    old = {k: v for k, v in d.to_dict().items() if k != "speculative"}  # a checkpoint of before speculation
+    assert ProfileCodec.from_dict(old).speculative == ""
 
 
 def test_coded_first_sends_make_the_profile_skip_the_time_screen() -> None:

@@ -1,7 +1,8 @@
 """The profile iterations' codec in a live run (``config.profile_codec``), against real torch DDP.
 
-The first iteration's sends are judged at the end of its backward on a sample of the gradients, the
-profile iterations after it on its whole gradients; each then sends every bucket with the codec. fp16
+The first iteration's sends go speculatively in fp16 from its first gradient and are judged at the end
+of its backward on a sample of the gradients (sent again where the verdict differs), the profile
+iterations after it on its whole gradients; each then sends every bucket with the codec. fp16
 rounding is element-wise, so torch DDP with a hook that sends every element through torch's fp16 hook
 from iteration 0 on computes exactly what deft must (the hook of tests/test_runtime_codecs.py); with
 ``"never"`` deft must equal exact torch DDP.
@@ -20,6 +21,7 @@ from torch import nn
 
 from tests._dist import run_ranks, values
 from tests.test_runtime_codecs import batch, make_model, mixed_hook
+from tests.test_runtime_comm_hooks import bf16_reference_hook
 
 STEPS = 10
 
@@ -80,6 +82,7 @@ def test_always_sends_the_profile_iterations_in_fp16_as_torch_ddps_fp16_hook_doe
     assert a["record"]["codec"] == "fp16" and a["record"] == b["record"]
     first = a["record"]["first"]
     assert first["codec"] == "fp16" and "profile_codec = \"always\"" in first["reason"], first
+    assert first["speculative"] == "fp16"  # the speculative sends stood: nothing sent twice
     assert a["vs_coded"] < 1e-5 and b["vs_coded"] < 1e-5, (a["vs_coded"], b["vs_coded"])
     assert a["vs_exact"] > 1e-5  # the codec really rounded: the exact run fails the same check
     assert a["params"] == b["params"]
@@ -98,6 +101,8 @@ def test_an_exact_profile_keeps_torch_ddps_exact_parameters(mode: str, epsilon: 
     sends = a["record"]["first"]
     assert (None if sends is None else sends["codec"]) == first_codec, sends
     assert first_why in ("" if sends is None else sends["reason"]), sends
+    # "always" refused: the first iteration went in fp16 and was sent again exact (its fp16 results dropped)
+    assert (None if sends is None else sends["speculative"]) == (None if mode == "never" else "fp16"), sends
     assert a["vs_exact"] < 1e-5 and b["vs_exact"] < 1e-5, (a["vs_exact"], b["vs_exact"])
     assert a["vs_coded"] > 1e-5
     assert a["params"] == b["params"]
@@ -185,8 +190,53 @@ def test_an_overflowing_first_step_leaves_the_profile_exact_as_torch_ddp() -> No
     assert a["record"] == b["record"]
     first = a["record"]["first"]  # the first iteration's sends, judged on its (infinite) sample: exact
     assert first["codec"] == "" and "no usable sample" in first["reason"], first
+    assert first["speculative"] == "fp16"  # sent in fp16 first, then again exact
     assert a["skipped"] == b["skipped"] == [0]  # GradScaler skipped the first step on every rank
     assert a["vs_torch"] < 1e-5 and b["vs_torch"] < 1e-5, (a["vs_torch"], b["vs_torch"])
+
+
+SCALE = 1e4  # the loss's factor in bf16_worker: gradients far beyond fp16's headroom (world x 64)
+
+
+def bf16_worker(rank: int, world: int) -> dict[str, Any]:
+    """A loss scaled by ``SCALE`` (the learning rate divided by it): fp16 has no headroom for its
+    gradients, bf16 does. The first iteration's fp16 sends are dropped and it is sent again in bf16; the
+    profile iterations go in bf16 too: torch DDP with torch's ``bf16_compress_hook`` from iteration 0."""
+    import deft
+
+    def run(model: nn.Module, wrapped: nn.Module) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05 / SCALE, momentum=0.9)
+        for t in range(STEPS):
+            x, y = batch(rank, t)
+            loss = nn.functional.mse_loss(wrapped(x), y) * SCALE
+            loss.backward()
+            if hasattr(wrapped, "observe_loss"):
+                wrapped.observe_loss(loss)
+            opt.step()
+            opt.zero_grad()
+
+    ours = make_model()
+    ddp = deft.DistributedDataParallel(ours, config=config("always", 0.05))
+    run(ours, ddp)
+    ddp.flush()
+    ref = make_model()
+    tddp = nn.parallel.DistributedDataParallel(ref)
+    tddp.register_comm_hook(None, bf16_reference_hook)  # torch's bf16 hook (refused by name off CUDA)
+    run(ref, tddp)
+    exact = make_model()
+    run(exact, nn.parallel.DistributedDataParallel(exact))
+    return {"record": ddp.plan_info["profile_codec"], "vs_bf16": worst(ours, ref), "vs_exact": worst(ours, exact)}
+
+
+@pytest.mark.slow
+def test_a_first_iteration_fp16_cannot_carry_is_sent_again_in_bf16_as_torch_ddps_bf16_hook() -> None:
+    a, b = values(run_ranks(bf16_worker, 2, timeout=180))
+    assert a["record"] == b["record"]
+    first = a["record"]["first"]
+    assert first["speculative"] == "fp16" and first["codec"] == "bf16", first
+    assert a["record"]["codec"] == "bf16", a["record"]
+    assert a["vs_bf16"] < 1e-5 and b["vs_bf16"] < 1e-5, (a["vs_bf16"], b["vs_bf16"])
+    assert a["vs_exact"] > 1e-5  # bf16 really rounded
 
 
 def compute_bound_worker(rank: int, world: int, init_sync: bool = True) -> dict[str, Any]:
@@ -221,7 +271,8 @@ def test_auto_keeps_the_profile_exact_where_the_compute_is_the_bound() -> None:
     # the construction's broadcast predicts a short all-reduce: the first sends went at once, exact
     first = rec["first"]
     assert first["codec"] == "" and "cannot be the bound" in first["reason"], first
-    assert "sent exact without waiting" in first["reason"] and first["exposed_s"] <= first["compute_s"]
+    assert "sent exact, not judged" in first["reason"] and first["exposed_s"] <= first["compute_s"]
+    assert first["speculative"] == ""
 
 
 @pytest.mark.slow
@@ -231,6 +282,7 @@ def test_without_the_constructions_broadcast_the_first_sends_go_at_once_exact() 
     assert a["record"] == b["record"]
     first = a["record"]["first"]
     assert first["codec"] == "" and "init_sync off" in first["reason"], first
+    assert first["speculative"] == ""
 
 
 def clip_log_worker(rank: int, world: int) -> dict[str, Any]:

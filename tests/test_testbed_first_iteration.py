@@ -1,5 +1,6 @@
 """The first iteration's own sends on shaped links (issue 28): where the links are the bound, deft's
-default judges them before they go and sends them in fp16, and computes what torch DDP with torch's
+default sends them in fp16 from the first gradient, judges them on a sample once they are all out,
+keeps them, and computes what torch DDP with torch's
 fp16 hook from iteration 0 computes. On loopback the links are never the bound, so this branch of
 :mod:`deft.runtime.codec_choice` runs only here, on the testbed (two hosts, two 50 Mbit/s links).
 """
@@ -44,5 +45,6 @@ def test_links_the_bound_send_the_first_iteration_in_fp16_as_torch_ddps_fp16_hoo
     # 8.8 MB of gradient over two 50 Mbit/s links against milliseconds of compute: coded
     assert first["codec"] == "fp16" and "the gradients' all-reduce predicts" in first["reason"], first
     assert first["exposed_s"] > 2 * first["compute_s"]
+    assert first["speculative"] == "fp16"  # sent from the first gradient on, the verdict kept them
     assert a["record"]["codec"] == "fp16"  # the profile iterations keep it (the whole gradients accept it)
     assert a["vs_fp16"] < 1e-5 and b["vs_fp16"] < 1e-5, (a["vs_fp16"], b["vs_fp16"])

@@ -20,8 +20,8 @@ The profile iterations' codec (``config.profile_codec``)
 --------------------------------------------------------
 Where the links are the bound, the iterations before the plan (profile iterations, and those run
 while rank 0 plans in the background) cost what torch DDP's do, several times a coded iteration. So
-the codec is judged once before them, on the *first* iteration (exact, as every iteration before a
-judgement must be): :class:`FirstIteration` gathers that iteration's gradient statistics (the same
+the codec is judged once before them, on the *first* iteration (whose own sends are judged on a
+sample of its gradients: below): :class:`FirstIteration` gathers that iteration's gradient statistics (the same
 estimators as the plan's, a separate instance: the preserver's own statistics start where they always
 did) and times it. :func:`profile_codec` decides: the codec the preserver accepts on those statistics
 (:func:`deft.preserver.codec_error.pick`, the same bound the plan applies), used where coding saves
@@ -43,28 +43,39 @@ the statistics; the iterations run while rank 0 plans stay coded only if it stil
 
 The first iteration's own sends
 -------------------------------
-The first iteration is judged before it sends (``profile_codec`` "auto" or "always"): its sends wait
-for the end of its backward (``Executor.hold``), where each rank contributes ``SAMPLE_SIZE``
-coordinates of its local gradient, drawn with a seed every rank shares, and its largest element. The
-sample's mean over ranks and spread between ranks estimate ``|g|²`` and ``tr Σ`` as the preserver's
-estimators do on whole gradients (:func:`sampled_scale`: ``E |g_r|² = |g|² + tr Σ / b`` and
-``E |ḡ|² = |g|² + tr Σ / (R b)``, each coordinate sum scaled by ``n / k``); the noise is then taken
-``SAMPLE_MARGIN`` times smaller, so the sample must err a hundredfold before a codec the whole
-gradients would refuse can pass (the bound δ of :mod:`deft.preserver.codec_error` of the runs measured
-is ~10⁻⁶ against the 0.02 that epsilon 0.01 allows). The links look like the bound
-(:func:`first_sends_codec`, "auto") when the construction's broadcast of the model, scaled to an
-all-reduce of the gradients over the links, took more than twice the first iteration's forward and
-backward. Every rank decides alike (gathered samples, times maximised over the ranks). Coded, the
-first iteration's sends use the codec and the profile iterations keep it unless the first
-iteration's whole statistics refuse it.
+The first iteration is judged on its own gradients (``profile_codec`` "auto" or "always"), at the end
+of its backward, where each rank contributes ``SAMPLE_SIZE`` coordinates of its local gradient, drawn
+with a seed every rank shares, and its largest element. The sample's mean over ranks and spread
+between ranks estimate ``|g|²`` and ``tr Σ`` as the preserver's estimators do on whole gradients
+(:func:`sampled_scale`: ``E |g_r|² = |g|² + tr Σ / b`` and ``E |ḡ|² = |g|² + tr Σ / (R b)``, each
+coordinate sum scaled by ``n / k``); the noise is then taken ``SAMPLE_MARGIN`` times smaller, so the
+sample must err a hundredfold before a codec the whole gradients would refuse can pass (the bound δ of
+:mod:`deft.preserver.codec_error` of the runs measured is ~10⁻⁶ against the 0.02 that epsilon 0.01
+allows). The links look like the bound (:func:`first_sends_codec`, "auto") when the construction's
+broadcast of the model, scaled to an all-reduce of the gradients over the links, took more than twice
+the first iteration's forward and backward. Every rank decides alike (gathered samples, times
+maximised over the ranks). Coded, the profile iterations keep the codec unless the first iteration's
+whole statistics refuse it.
 
-Holding the sends costs the first iteration its overlap with the backward (0.2-0.25 s at 250 Mbit/s
-on the testbed, where nothing is coded). So in "auto" the hold is screened at the first gradient
-(:func:`hold_first_sends`, collective, every rank alike): the sends go at once, exact, where the
-predicted all-reduce is no longer than the forward and backward estimated from the time to the first
-gradient (a layer's backward computes two products to its forward's one: ``3 x``). That is half the
-bar coding needs (more than twice the forward and backward), so an estimate off by up to 2x still
-holds every iteration that could be coded.
+The sends do not wait for the judgement: they go **speculatively** in :data:`SPECULATIVE_CODEC` from
+the first gradient (:meth:`deft.runtime.executor.Executor.speculate`: each send's hook gets a copy of
+its bucket, so the buffers keep the exact local gradient), and the judgement comes once every one of
+them is launched, on every rank, so each link has carried the same collectives everywhere. Where it
+names another codec, or none (the preserver refuses, a non-finite sample as GradScaler's overflow
+gives, or the links not the bound after all), every bucket is sent again with it
+(:meth:`~deft.runtime.executor.Executor.resend`): the speculative results are waited for and dropped,
+so the iteration's update is exactly the judged codec's, as if the sends had waited. Until 2026-11-27
+they did wait (the backward's overlap lost: the first iteration took 1.2-1.34 s at 50 Mbit/s on the
+testbed against 0.95-1.03 s for deft + torch's fp16 hook set by hand, benchmarks/results/slow_links.md).
+A refusal costs the speculative sends' link time; where the links are the bound that is the coded
+all-reduce, half the exact one that follows it.
+
+Speculating costs nothing where the screen says the links cannot be the bound: at the first gradient
+(:func:`screen_first_sends`, collective, every rank alike) the sends go exact and are not judged where
+the predicted all-reduce is no longer than the forward and backward estimated from the time to the
+first gradient (a layer's backward computes two products to its forward's one: ``3 x``). That is half
+the bar coding needs (more than twice the forward and backward), so an estimate off by up to 2x still
+judges every iteration that could be coded.
 """
 
 from __future__ import annotations
@@ -104,8 +115,10 @@ SAMPLE_SEED = 0x5EED
 #: The profile iterations are coded where that saves at least this share of the first iteration's time.
 PROFILE_GAIN = 0.10
 #: The first iteration's forward and backward, estimated as this many times its time to the first
-#: gradient (the hold's screen: a layer's backward computes two products to its forward's one).
+#: gradient (the screen at it: a layer's backward computes two products to its forward's one).
 COMPUTE_PER_FIRST_GRADIENT = 3.0
+#: The codec the first iteration's judged sends go in before the verdict (the preserver's first choice).
+SPECULATIVE_CODEC = "fp16"
 
 log = logging.getLogger("deft.runtime")
 
@@ -156,10 +169,12 @@ class ProfileCodec:
     compute_s: float | None = None  # the first iteration: forward + backward (max over ranks)
     delta: float | None = None  # the accepted codec's variance bound (deft.preserver.codec_error)
     first: JsonDict | None = None  # the first iteration's own sends: first_sends_codec's decision
+    speculative: str = ""  # the first iteration's sends: the codec they went in before the verdict ("": none)
 
     def to_dict(self) -> JsonDict:
         return {"codec": self.codec, "reason": self.reason, "exposed_s": self.exposed_s,
-                "compute_s": self.compute_s, "delta": self.delta, "first": self.first}
+                "compute_s": self.compute_s, "delta": self.delta, "first": self.first,
+                "speculative": self.speculative}
 
     @classmethod
     def from_dict(cls, doc: object) -> ProfileCodec:
@@ -178,7 +193,12 @@ class ProfileCodec:
         if first is not None and not (isinstance(first, dict) and isinstance(first.get("codec"), str)):
             raise DeftError(f"deft checkpoint: plan_info.profile_codec.first: expected null or an object with "
                             f"the string 'codec', got {first!r}")
-        return cls(codec, str(doc["reason"]), num("exposed_s"), num("compute_s"), num("delta"), first)
+        speculative = doc.get("speculative", "")
+        if speculative not in ("", *ELEMENTWISE_CODECS):
+            raise DeftError(f"deft checkpoint: plan_info.profile_codec.speculative: expected '' or one of "
+                            f"{list(ELEMENTWISE_CODECS)}, got {speculative!r}")
+        return cls(codec, str(doc["reason"]), num("exposed_s"), num("compute_s"), num("delta"), first,
+                   str(speculative))
 
 
 @dataclass(frozen=True)
@@ -235,11 +255,12 @@ def first_sends_codec(mode: str, verdicts: tuple[CodecVerdict, ...], comm_s: flo
                         delta=accepted.delta, exposed_s=comm_s, compute_s=compute_s)
 
 
-def hold_first_sends(mode: str, comm_s: float | None, to_first_grad_s: float) -> ProfileCodec | None:
-    """Pure: the screen at the first iteration's first gradient (module docstring). None: its sends wait
-    for the judgement; else the decision to send them exact at once, and why. ``comm_s``: the
-    construction's broadcast scaled to the gradients' all-reduce over the links (None: not timed);
-    ``to_first_grad_s``: from the forward's start to the first gradient."""
+def screen_first_sends(mode: str, comm_s: float | None, to_first_grad_s: float) -> ProfileCodec | None:
+    """Pure: the screen at the first iteration's first gradient (module docstring). None: its sends are
+    judged at the end of its backward (speculatively coded meanwhile); else the decision to send them
+    exact, unjudged, and why. ``comm_s``: the construction's broadcast scaled to the gradients'
+    all-reduce over the links (None: not timed); ``to_first_grad_s``: from the forward's start to the
+    first gradient."""
     if mode == "always":
         return None
     compute = COMPUTE_PER_FIRST_GRADIENT * to_first_grad_s
@@ -250,7 +271,7 @@ def hold_first_sends(mode: str, comm_s: float | None, to_first_grad_s: float) ->
     return ProfileCodec("", f"the links cannot be the bound: the gradients' all-reduce predicts {comm_s:.3g} s from "
                         f"the construction's broadcast, against about {compute:.3g} s of forward and backward "
                         f"({COMPUTE_PER_FIRST_GRADIENT:g}x the {to_first_grad_s:.3g} s to the first gradient); "
-                        "sent exact without waiting", exposed_s=comm_s, compute_s=compute)
+                        "sent exact, not judged", exposed_s=comm_s, compute_s=compute)
 
 
 def sampled_scale(samples: torch.Tensor, numel: int, batch: int | None, max_abs: float,
@@ -343,7 +364,7 @@ class FirstIteration:
 
     def screen_sends(self, cfg: DeftConfig, control: ControlPlane, comm_s: float | None) -> bool:
         """Collective (control group), at the first gradient of the first iteration: whether its sends
-        still wait for :meth:`judge_sends` (:func:`hold_first_sends`, the same on every rank)."""
+        are judged by :meth:`judge_sends` (:func:`screen_first_sends`, the same on every rank)."""
         start = time.perf_counter()
         mine = start - self._begin if self._begin is not None else 0.0
         agreed_comm, to_first = control.max_rows([[comm_s if comm_s is not None else -1.0, mine]],
@@ -351,13 +372,15 @@ class FirstIteration:
         # Not compute: the wait for the other ranks (rank 0 starts first, its broadcast's receivers later)
         self._screen_wait = time.perf_counter() - start
         self._comm_s = agreed_comm if agreed_comm >= 0 else None
-        self.sends = hold_first_sends(cfg.profile_codec, self._comm_s, to_first)
+        self.sends = screen_first_sends(cfg.profile_codec, self._comm_s, to_first)
         return self.sends is None
 
-    def judge_sends(self, executor: Executor, cfg: DeftConfig, control: ControlPlane, batch: int | None) -> str:
-        """Collective (control group), at the end of the first backward, before its sends: their codec
-        (``""``: exact), the same on every rank (module docstring). After :meth:`screen_sends`, whose
-        agreed all-reduce prediction it judges with."""
+    def judge_sends(self, executor: Executor, cfg: DeftConfig, control: ControlPlane, batch: int | None,
+                    speculative: str = "") -> str:
+        """Collective (control group), at the end of the first backward: its sends' codec (``""``: exact),
+        the same on every rank (module docstring); ``speculative``: the codec they went in meanwhile.
+        After :meth:`screen_sends`, whose agreed all-reduce prediction it judges with. The local
+        gradient is read from the executor's buffers, which stay exact under speculative sends."""
         compute = self._compute_s() or 0.0
         (flat,) = executor.local_gradient().values()  # considered(): one dtype
         with torch.no_grad():
@@ -378,6 +401,7 @@ class FirstIteration:
                                       "no spread between ranks, or no batch size)", comm, compute)
         else:
             self.sends = first_sends_codec(cfg.profile_codec, codec_error.pick(scale, cfg.epsilon), comm, compute)
+        self.sends = replace(self.sends, speculative=speculative)
         return self.sends.codec
 
     def decide(self, cfg: DeftConfig, control: ControlPlane, batch: int | None) -> ProfileCodec:
@@ -396,9 +420,10 @@ class FirstIteration:
         return replace(decision, first=first)
 
 
-class FirstSendsHold:
-    """The first iteration's :class:`~deft.runtime.executor.SendHold`: screened at its first gradient
-    (:meth:`FirstIteration.screen_sends`), judged at the end of its backward (:meth:`FirstIteration.judge_sends`)."""
+class FirstSendsJudge:
+    """The first iteration's :class:`~deft.runtime.executor.SendJudge`: screened at its first gradient
+    (:meth:`FirstIteration.screen_sends`), sent speculatively in :data:`SPECULATIVE_CODEC`, judged at the
+    end of its backward (:meth:`FirstIteration.judge_sends`) and sent again where the verdict differs."""
 
     def __init__(self, first: FirstIteration, cfg: DeftConfig, control: ControlPlane,
                  batch: Callable[[], int | None], broadcast: TimedBroadcast | None) -> None:
@@ -411,20 +436,23 @@ class FirstSendsHold:
         links = len(executor.schedule.links) if executor.schedule is not None else 1
         return self.broadcast.allreduce_s(sum(executor.layout.bucket_nbytes()), self.control.world, links)
 
-    def keep(self, executor: Executor) -> bool:
-        kept = self.first.screen_sends(self.cfg, self.control, self._comm_s(executor))
-        if not kept:
+    def at_first_gradient(self, executor: Executor) -> bool:
+        judged = self.first.screen_sends(self.cfg, self.control, self._comm_s(executor))
+        if judged:
+            executor.speculate(SPECULATIVE_CODEC)
+        else:
             self._log()
-        return kept
+        return judged
 
-    def release(self, executor: Executor) -> None:
-        codec = self.first.judge_sends(executor, self.cfg, self.control, self.batch())
-        if codec:
-            executor.recode(codec)
+    def at_backward_end(self, executor: Executor) -> None:
+        codec = self.first.judge_sends(executor, self.cfg, self.control, self.batch(), SPECULATIVE_CODEC)
+        if codec != SPECULATIVE_CODEC:
+            executor.resend(codec)
         self._log()
 
     def _log(self) -> None:
         sends = self.first.sends
         if self.control.rank == 0 and sends is not None:
-            log.info("deft: first iteration sent %s (%s)", f"in {sends.codec}" if sends.codec else "exact",
+            again = "" if sends.speculative in ("", sends.codec) else f", sent again after going in {sends.speculative}"
+            log.info("deft: first iteration sent %s%s (%s)", f"in {sends.codec}" if sends.codec else "exact", again,
                      sends.reason)

@@ -39,7 +39,7 @@ from deft.runtime.background import JobSlot
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.calendar import Calendar, place, stats_after_plan
 from deft.runtime.checkpoint import RuntimeState
-from deft.runtime.codec_choice import FirstIteration, FirstSendsHold, ProfileCodec, TimedBroadcast
+from deft.runtime.codec_choice import FirstIteration, FirstSendsJudge, ProfileCodec, TimedBroadcast
 from deft.runtime.comm_hooks import Codec, agree_codec, codec_hook, plain_iterations
 from deft.runtime.control import Collective, ControlPlane
 from deft.runtime.executor import DueUpdate, Executor, Pending
@@ -138,9 +138,9 @@ class Course:
                                             ex.comm_hook is not None, ex.layout):
             self._first = FirstIteration()
             ex.observe(self._first.stats)
-            if self.config.profile_codec != "never":  # its sends wait for the judgement at the end of its backward
-                ex.hold = FirstSendsHold(self._first, self.config, self._control, lambda: self.batch,
-                                         self.init_broadcast)
+            if self.config.profile_codec != "never":  # its sends are judged at the end of its backward
+                ex.judge = FirstSendsJudge(self._first, self.config, self._control, lambda: self.batch,
+                                           self.init_broadcast)
         if cal.profiling(t) and not self.planned and self._timer is None:
             assert ex.layout is not None
             self._timer = WarmupTimer(self._module, self._params, ex.layout, self._links, cuda, self._wait_work)

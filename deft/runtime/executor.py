@@ -72,15 +72,17 @@ class ExecutorObserver(Protocol):
         """Bucket ``b``'s collectives (``works``) were launched on ``link``; the launch began at ``t_start``."""
 
 
-class SendHold(Protocol):
-    """Holds one iteration's backward sends until the end of its backward (the first iteration's codec
-    judgement, :mod:`deft.runtime.codec_choice`). Both calls are collective; every rank makes them."""
+class SendJudge(Protocol):
+    """Judges one iteration's backward sends once its backward is over (the first iteration's codec,
+    :mod:`deft.runtime.codec_choice`), while they run. Both calls are collective; every rank makes them."""
 
-    def keep(self, executor: Executor) -> bool:
-        """At the iteration's first gradient: whether the sends still wait (False: they go as they are)."""
+    def at_first_gradient(self, executor: Executor) -> bool:
+        """At the iteration's first gradient, before any of its sends: whether they are judged at the end
+        of the backward (meanwhile they may go :meth:`Executor.speculate`-d); False: they go as they are."""
 
-    def release(self, executor: Executor) -> None:
-        """At the end of the backward, before the held sends go (it may :meth:`Executor.recode` them)."""
+    def at_backward_end(self, executor: Executor) -> None:
+        """At the end of the backward, every one of its sends launched: the judgement (it may
+        :meth:`Executor.resend` them)."""
 
 
 T = TypeVar("T")
@@ -171,9 +173,10 @@ class Executor:
         self._queues: dict[str, deque[CommTask]] = {}
         self._stage = ""
         self.observers: list[ExecutorObserver] = []
-        # Set for one iteration: its backward sends wait for the end of its backward, unless the hold
-        # lets them go at the first gradient (SendHold): the first iteration's codec judgement.
-        self.hold: SendHold | None = None
+        # Set for one iteration: its backward sends are judged at the end of its backward (SendJudge):
+        # the first iteration's codec. Speculative sends leave the buffers exact until the verdict.
+        self.judge: SendJudge | None = None
+        self._speculative = False
         self.comm_hook: CommHook | None = None  # deft.runtime.comm_hooks: torch's comm hooks on buckets
         self._codec_hooks: dict[str, CommHook] = {}  # the schedule's per-bucket codecs (_hook_for)
         # The last chained launch (_chained): a hook's bucket or the used map, so its value type is open.
@@ -221,10 +224,39 @@ class Executor:
         return self.groups[self.group_last(self.t)].buffers
 
     def recode(self, codec: str) -> None:
-        """Send every bucket not launched yet with ``codec`` (``Schedule.codecs``): the running schedule
-        with its codecs replaced, nothing else changed."""
+        """Send every bucket not launched yet with ``codec`` (``Schedule.codecs``; ``""``: exact): the
+        running schedule with its codecs replaced, nothing else changed."""
         assert self.schedule is not None
-        self.schedule = replace(self.schedule, codecs=(codec,) * len(self.schedule.bucket_numel))
+        self.schedule = replace(self.schedule, codecs=(codec,) * len(self.schedule.bucket_numel) if codec else ())
+
+    def speculate(self, codec: str) -> None:
+        """This iteration's sends go with ``codec`` before it is known whether they may: each send's hook
+        gets a copy of its bucket, so the buffers keep this rank's exact local gradient until the result is
+        waited for (:meth:`resend` can still send them otherwise). Set at the first gradient."""
+        self.recode(codec)
+        self._speculative = True
+
+    def resend(self, codec: str) -> None:
+        """After :meth:`speculate`, at the end of the backward with every bucket of this iteration launched
+        (on every rank, so each link has seen the same collectives everywhere): wait for those sends, drop
+        their results, and send every bucket again with ``codec`` (``""``: exact), in the stage's listed
+        order. Only for an iteration whose sends are all its own (``origin == 0``), as the first is."""
+        s, lay = self.schedule, self.layout
+        assert s is not None and lay is not None and self._speculative
+        g = self.groups[self.group_last(self.t)]
+        tasks = s.stage(self.position(self.t), "backward").comms
+        if any(task.origin != 0 for task in tasks) or len(g.launched) != lay.n_buckets:
+            raise DeftError(f"internal: iteration {self.t} cannot be sent again ({len(g.launched)} of "
+                            f"{lay.n_buckets} buckets launched, tasks of earlier iterations: "
+                            f"{[t.bucket for t in tasks if t.origin != 0]})")
+        for b in sorted(g.launched):
+            for p in g.pending.pop(b, ()):
+                p.post = None  # the speculative result is not this iteration's: the buffer stays exact
+                self.wait(p)
+        g.launched.clear()
+        self.recode(codec)
+        self._speculative = False
+        self._start_stage("backward")
 
     def current_group(self) -> GroupInstance | None:
         """The group instance iteration :attr:`t` contributes to, once all its iterations have."""
@@ -276,8 +308,8 @@ class Executor:
         if self.in_backward or self.backward_done:
             return
         self.in_backward = True
-        if self.hold is not None and not self.hold.keep(self):
-            self.hold = None
+        if self.judge is not None and not self.judge.at_first_gradient(self):
+            self.judge = None
         self._start_stage("backward")
         for b, missing in enumerate(self._bucket_missing):
             if missing == 0:  # an empty bucket is ready at once
@@ -319,13 +351,14 @@ class Executor:
             if not done:
                 self._captured[i] = True
                 self._param_complete(i)
-        if self.hold is not None:
-            hold, self.hold = self.hold, None
-            hold.release(self)
         self._pump()
         left = {n: list(q) for n, q in self._queues.items() if q}
         if left:
             raise DeftError(f"internal: tasks {left} of iteration {self.t} could not be launched")
+        if self.judge is not None:
+            judge, self.judge = self.judge, None
+            judge.at_backward_end(self)
+        self._speculative = False
         self.in_backward, self.backward_done = False, True
         g = self.groups[self.group_last(self.t)]
         if g.complete and not g.used_launched:
@@ -381,8 +414,6 @@ class Executor:
     def _ready(self, task: CommTask) -> bool:
         if task.origin >= 1:
             return True
-        if self.hold is not None:
-            return False
         return self._stage == "backward" and self.in_backward and self._bucket_missing[task.bucket] == 0
 
     def _pump(self) -> None:
@@ -449,8 +480,9 @@ class Executor:
         # does: their result is left there (_hook_post then copies nothing). Any other hook gets its own
         # copy, as torch DDP's hooks get a standalone bucket tensor: hooks write into it and may even
         # resize it (batched PowerSGD pads it to a square); the result is copied back into deft's
-        # buffer when it is waited for.
-        view = views[0] if hook.in_place else views[0].clone()
+        # buffer when it is waited for. A speculative send (speculate) gets a copy too: the buffer must
+        # stay exact until the judgement, which may send it again.
+        view = views[0] if hook.in_place and not self._speculative else views[0].clone()
         bucket = hook_bucket(self.layout, self.params, b, view, is_last=len(g.launched) + 1 == self.layout.n_buckets)
         link = self.links[link_name]
         link.stats.calls += 1
