@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from deft import Bucket, BucketTimes, ContractError, DeftConfig, Link, Profile, Schedule
-from deft.solver.partition import partition
+from deft.solver.codecs import CodecCost, encoded_profile
+from deft.solver.partition import partition, profile_for_schedule
 from deft.solver.plan import (
     CASE_FLUSH,
     Packing,
@@ -217,6 +218,20 @@ def test_no_delay_plan_list_schedules_onto_links() -> None:
         assert fin[c.link] == min(fin.values())
         free[c.link] = fin[c.link]
     assert {c.link for c in comms} == {"nccl", "gloo"}
+
+
+@pytest.mark.parametrize("name", ["digits_cnn", "vgg19", "resnet101", "gpt2"])
+@pytest.mark.parametrize("coded", ["none", "every other", "all"])
+def test_a_no_delay_plans_short_window_predicts_what_the_default_window_does(name: str, coded: str) -> None:
+    # Each iteration of a no-delay plan starts after the previous one's update, so its simulated
+    # timeline repeats: the short window it is priced on must agree with the default window.
+    prof = Profile.load(Path(__file__).resolve().parents[1] / "examples" / "profiles" / f"{name}.json")
+    cost = CodecCost("fp16", tuple(b.nbytes // 2 for b in prof.buckets), tuple(2e-4 for _ in prof.buckets))
+    chosen = {"none": (), "every other": tuple(range(0, prof.n, 2)), "all": tuple(range(prof.n))}[coded]
+    prof = encoded_profile(prof, cost, chosen)
+    sched = no_delay_plan(prof, DeftConfig())
+    long = simulate_schedule(profile_for_schedule(prof, sched, DeftConfig()), sched).iteration_s
+    assert sched.predicted_iteration_s == pytest.approx(long, rel=1e-9)
 
 
 # ------------------------------------------------------------------------------------------------
