@@ -50,7 +50,7 @@ from deft.runtime.background import Background
 from deft.runtime.control import ControlPlane
 from deft.runtime.records import as_object
 from deft.schedule import Schedule, synchronous_schedule
-from deft.solver import codecs
+from deft.solver import codecs, knapsack
 from deft.solver.codecs import CodecCost
 from deft.solver.lagfree import lagfree_plan
 from deft.solver.plan import no_delay_plan, plan
@@ -136,6 +136,11 @@ def choose_codec(cfg: DeftConfig, profile: Profile, codec: CodecInputs | None) -
     record.update(choice.to_dict())
     record["parameters"] = [name for b in choice.coded for name in profile.buckets[b].params]
     return codecs.encoded_profile(profile, cost, choice.coded), record
+
+
+def _load_solver() -> dict[str, object]:
+    knapsack.load_cp_sat()
+    return {}
 
 
 def make_schedule(cfg: DeftConfig, profile: Profile | None, stats: WalkStats | None,
@@ -225,6 +230,14 @@ class Planning:
     recheck_on: bool = False
     _switch: Switch | None = field(default=None, repr=False)
     _recheck: Recheck | None = field(default=None, repr=False)  # rank 0 only
+
+    def __post_init__(self) -> None:
+        # Rank 0 plans with CP-SAT: its import (0.3-0.4 s of CPU) is loaded on a low-priority thread
+        # from the construction on, while the first iterations run (at 2 x 50 Mbit/s waiting for the
+        # links), instead of on the first plan's path (benchmarks/results/slow_links.md).
+        if self.control.rank == 0 and self.schedule_path is None and self.config.solver == "exact" \
+                and self.config.epsilon > 0:
+            Background(_load_solver, "deft-load-solver", self.config.planner_nice)
 
     @property
     def measuring(self) -> bool:
