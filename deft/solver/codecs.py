@@ -13,7 +13,8 @@ nothing and would only round its gradient. So the choice is made on predicted it
   link ``alpha + (t - alpha) * wire / nbytes`` (the measured time's bandwidth part scaled to the
   wire bytes, the start-up kept), the other buckets exact.
 * ``T(C)``: the predicted iteration time of the no-delay plan of that profile (cheap: list scheduling
-  over the links and one simulation), the plan whose parameters are torch DDP's.
+  over the links and one short simulation, ``plan.NO_DELAY_WINDOW``), the plan whose parameters are
+  torch DDP's.
 * Codecs are used only when coding every bucket gains at least :data:`MIN_GAIN` over coding none
   (the links are the bound). Then buckets are un-coded one at a time, those that save the least
   first, while ``T`` stays within :data:`TOLERANCE` of coding all: the fewest coded buckets at about
