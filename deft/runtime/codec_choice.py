@@ -426,8 +426,10 @@ class FirstSendsJudge:
     end of its backward (:meth:`FirstIteration.judge_sends`) and sent again where the verdict differs."""
 
     def __init__(self, first: FirstIteration, cfg: DeftConfig, control: ControlPlane,
-                 batch: Callable[[], int | None], broadcast: TimedBroadcast | None) -> None:
+                 batch: Callable[[], int | None], broadcast: TimedBroadcast | None,
+                 links_bound: Callable[[], None] = lambda: None) -> None:
         self.first, self.cfg, self.control, self.batch, self.broadcast = first, cfg, control, batch, broadcast
+        self.links_bound = links_bound  # called where the screen judges the sends (the links may be the bound)
 
     def _comm_s(self, executor: Executor) -> float | None:
         """The construction's broadcast scaled to this layout's all-reduce over the schedule's links."""
@@ -440,6 +442,7 @@ class FirstSendsJudge:
         judged = self.first.screen_sends(self.cfg, self.control, self._comm_s(executor))
         if judged:
             executor.speculate(SPECULATIVE_CODEC)
+            self.links_bound()
         else:
             self._log()
         return judged

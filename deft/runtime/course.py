@@ -140,7 +140,7 @@ class Course:
             ex.observe(self._first.stats)
             if self.config.profile_codec != "never":  # its sends are judged at the end of its backward
                 ex.judge = FirstSendsJudge(self._first, self.config, self._control, lambda: self.batch,
-                                           self.init_broadcast)
+                                           self.init_broadcast, self.planning.preload_solver)
         if cal.profiling(t) and not self.planned and self._timer is None:
             assert ex.layout is not None
             self._timer = WarmupTimer(self._module, self._params, ex.layout, self._links, cuda, self._wait_work)

@@ -230,14 +230,19 @@ class Planning:
     recheck_on: bool = False
     _switch: Switch | None = field(default=None, repr=False)
     _recheck: Recheck | None = field(default=None, repr=False)  # rank 0 only
+    _preloading: bool = field(default=False, repr=False)  # preload_solver began
 
-    def __post_init__(self) -> None:
-        # Rank 0 plans with CP-SAT: its import (0.3-0.4 s of CPU) is loaded on a low-priority thread
-        # from the construction on, while the first iterations run (at 2 x 50 Mbit/s waiting for the
-        # links), instead of on the first plan's path (benchmarks/results/slow_links.md).
-        if self.control.rank == 0 and self.schedule_path is None and self.config.solver == "exact" \
-                and self.config.epsilon > 0:
-            Background(_load_solver, "deft-load-solver", self.config.planner_nice)
+    def preload_solver(self) -> None:
+        """Rank 0 plans with CP-SAT: load its import (0.3-0.4 s of CPU) on a low-priority thread now,
+        not on the first plan's path. Called where the links look like the bound (the first
+        iteration's screen), so the import runs while the iterations wait for the links; where the
+        compute is the bound it would only slow them (0.1-0.2 s at 1000 Mbit/s on the testbed,
+        benchmarks/results/slow_links.md), and the plan loads it itself. Once."""
+        if self._preloading or self.control.rank != 0 or self.schedule_path is not None \
+                or self.config.solver != "exact" or self.config.epsilon <= 0:
+            return
+        self._preloading = True
+        Background(_load_solver, "deft-load-solver", self.config.planner_nice)
 
     @property
     def measuring(self) -> bool:
