@@ -97,6 +97,7 @@ class Course:
         # The profile iterations' codec (codec_choice, "The profile iterations' codec") is judged on the
         # first iteration, whose statistics and times FirstIteration gathers (its record: profile_codec).
         self._first: FirstIteration | None = None
+        self._warm_layout: FlatLayout | None = None  # the layout the profile iterations ran (set at the plan)
         self.init_broadcast: TimedBroadcast | None = None  # the facade's timed broadcast at construction
         self._profiled_codec: Codec | None = None  # deft's profile codec measured on the profiled layout
         # The preserver's live inputs.
@@ -142,6 +143,12 @@ class Course:
                 ex.judge = FirstSendsJudge(self._first, self.config, self._control, lambda: self.batch,
                                            self.init_broadcast, self.planning.preload_solver)
         if cal.profiling(t) and not self.planned and self._timer is None:
+            if self.ready_order is not None and ex.idle:
+                # The warm-up's whole buckets: a checkpoint taken while rank 0 planned was saved on the
+                # lag iterations' split layout, and profiling again measures the buckets the plan fuses.
+                sched, lay = self._warmup(self.ready_order, split=False)
+                if ex.layout is None or (ex.layout.order, ex.layout.bucket_numel) != (lay.order, lay.bucket_numel):
+                    self._install(sched, lay, t)
             assert ex.layout is not None
             self._timer = WarmupTimer(self._module, self._params, ex.layout, self._links, cuda, self._wait_work)
             ex.observe(self._timer)
@@ -244,15 +251,20 @@ class Course:
     def install_warmup(self, order: list[int], t0: int, first: bool = False) -> None:
         """torch DDP's behaviour during warm-up (:func:`deft.runtime.layouts.warmup_layout`); ``first``:
         the first iteration's layout, before the gradients' ready order is known."""
+        self._install(*self._warmup(order, split=first), t0)
+
+    def _warmup(self, order: list[int], split: bool) -> tuple[Schedule, FlatLayout]:
+        """torch DDP's synchronous schedule on the warm-up's buckets in ``order``, over every link by
+        bytes; ``split``: the large buckets cut so the links share the bytes evenly (iterations that are
+        not profiled: the first, and those run while rank 0 plans). A chained hook's sends run one at a
+        time, as torch DDP's on one link, on whole buckets."""
         hook = self._executor.comm_hook
         chained = hook is not None and hook.chained
-        # Over every link by bytes (the first iteration's large buckets cut to share them: it is not
-        # profiled); a chained hook's sends run one at a time, as torch DDP's on one link.
         links = (self._primary.name,) if chained else tuple(self._links)
         layout = warmup_layout(order, self._names, self._params, self.config.bucket_cap_mb, chained,
-                               self.config.first_bucket_cap_mb, split_over=len(links) if first else 1)
-        self._install(synchronous_schedule(layout.bucket_numel, layout.bucket_nbytes(), links,
-                                           balanced_links(layout.bucket_nbytes(), links)), layout, t0)
+                               self.config.first_bucket_cap_mb, split_over=len(links) if split else 1)
+        return synchronous_schedule(layout.bucket_numel, layout.bucket_nbytes(), links,
+                                    balanced_links(layout.bucket_nbytes(), links)), layout
 
     @property
     def profile_codec(self) -> str:
@@ -303,17 +315,29 @@ class Course:
             log.warning("deft: the preserver cannot test delayed updates (%s); it keeps the no-delay schedule",
                         self._stats_reason)
         self.adaptation.walk = stats
-        layout = self._executor.layout
+        layout = self._warm_layout = self._executor.layout
         if cfg.plan_lag_iters > 0 and layout is not None and self.planning.schedule_path is None:
-            # Rank 0 plans in a thread; every rank trains on with the synchronous schedule of the first
-            # profile iteration and switches when it is done (deft.runtime.planning).
+            # Rank 0 plans in a thread; every rank trains on with torch DDP's synchronous schedule and
+            # switches when it is done (deft.runtime.planning).
             self.jobs.hold("plan", self.planning.start(self.profile, stats, self._control.world, codec),
                            t + cfg.plan_lag_iters)
-            self._executor.install(self._coded(self._synchronous(layout), self._lag_codec(codec)), layout, t)
+            lag, lag_layout = self._lag(layout)
+            self._install(self._coded(lag, self._lag_codec(codec)), lag_layout, t)
             self.adaptation.clock.exclude(time.perf_counter() - started)
             return
         schedule, info = self.planning.agree(self.profile, stats, self._control.world, codec)
         self._install_plan(t, schedule, info, None, started)
+
+    def _lag(self, layout: FlatLayout) -> tuple[Schedule, FlatLayout]:
+        """What runs while rank 0 plans: torch DDP's synchronous schedule. With a measured profile, on
+        the first iteration's layout (:meth:`_warmup`, split: these iterations are not profiled), whose
+        large buckets are cut so that the links share the bytes evenly: on the profile's layout one
+        large bucket holds one link while the others idle (the digits CNN's 13.6 MB fc weight: 1.5-2.2 s
+        per iteration at 2 x 50 Mbit/s, where the first iteration, split, took about 1 s). A given
+        profile keeps its own layout and the primary link (:meth:`_synchronous`)."""
+        if not self.planning.measuring or self.ready_order is None:
+            return self._synchronous(layout), layout
+        return self._warmup(self.ready_order, split=True)
 
     def _lag_codec(self, codec: CodecInputs | None) -> str:
         """The codec of the iterations run while rank 0 plans: the profile iterations' while the
@@ -374,7 +398,7 @@ class Course:
         if not self.planning.recheck_on and self.stats is not None:
             self._executor.unobserve(self.stats)
             self.stats = None
-        warm = self._executor.layout
+        warm = self._warm_layout  # the profile iterations' layout, which the adaptation's candidate ran on
         if self.profile is not None:  # the profile rank 0 planned on: its coded buckets (codec_choice)
             self.profile = codec_choice.planned_profile(self.profile, self._codec, info)
         self._install(schedule, self._plan_layout(schedule, str(self.planning.schedule_path or "schedule")), t)
