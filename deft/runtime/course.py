@@ -334,8 +334,10 @@ class Course:
         large buckets are cut so that the links share the bytes evenly: on the profile's layout one
         large bucket holds one link while the others idle (the digits CNN's 13.6 MB fc weight: 1.5-2.2 s
         per iteration at 2 x 50 Mbit/s, where the first iteration, split, took about 1 s). A given
-        profile keeps its own layout and the primary link (:meth:`_synchronous`)."""
-        if not self.planning.measuring or self.ready_order is None:
+        profile keeps its own layout and the primary link, and a chained hook (whose sends run one at a
+        time on whole buckets) the profile's layout and links (:meth:`_synchronous`)."""
+        hook = self._executor.comm_hook
+        if not self.planning.measuring or self.ready_order is None or (hook is not None and hook.chained):
             return self._synchronous(layout), layout
         return self._warmup(self.ready_order, split=True)
 
