@@ -166,3 +166,19 @@ def train_steps(ddp: Any, opt: Any, rank: int, iters: int, batch: int, features:
         nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
         opt.zero_grad()
+
+
+def slow_first_planner(rank: int, seconds: float) -> None:
+    """In a spawned worker: rank 0's planner (``deft.runtime.planning.make_schedule``) sleeps ``seconds``
+    before planning, so that the iterations run while it plans in the background are known ones."""
+    if rank != 0:
+        return
+    import deft.runtime.planning as planning
+
+    slow = planning.make_schedule
+
+    def slowed(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(seconds)
+        return slow(*args, **kwargs)
+
+    planning.make_schedule = slowed  # type: ignore[assignment]  # this spawned process only

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests._dist import run_ranks, values
+from tests._dist import run_ranks, slow_first_planner, values
 from tests.test_runtime_delayed import delayed_schedule
 
 TOTAL, STOP = 13, 7
@@ -118,19 +118,9 @@ def lag_worker(rank: int, world: int) -> dict[str, object]:
     """Measured profile, epsilon 0; rank 0's planner is slowed (1 s) so that the checkpoint after
     iteration 3 falls while it plans in the background (warm-up 1 + profile 2: planning began after
     iteration 2). The resumed run profiles and plans again; whatever runs, epsilon 0 is torch DDP's maths."""
-    import time
-
     import deft
-    import deft.runtime.planning as planning
 
-    if rank == 0:
-        slow = planning.make_schedule
-
-        def slowed(*args: object, **kwargs: object) -> object:
-            time.sleep(1.0)
-            return slow(*args, **kwargs)
-
-        planning.make_schedule = slowed  # type: ignore[assignment]  # this spawned process only
+    slow_first_planner(rank, 1.0)
     cfg = {"epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2, "plan_lag_iters": 3, "timeout_s": 30,
            "links": [{"name": "primary"}, {"name": "second"}]}
     model = make_model()

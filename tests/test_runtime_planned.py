@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from deft.profile import Profile
-from tests._dist import run_ranks, values
+from tests._dist import run_ranks, slow_first_planner, values
 
 ITERS = 16
 
@@ -148,19 +148,9 @@ def lag_layout_worker(rank: int, world: int) -> dict[str, object]:
     (2 s) so that the iterations after the plan began (iteration 3: warm-up 1, profile 2) run torch
     DDP's synchronous schedule until it is collected, 3 iterations later at the latest. Each link's
     bytes are read before and after those iterations."""
-    import time
-
     import deft
-    import deft.runtime.planning as planning
 
-    if rank == 0:
-        slow = planning.make_schedule
-
-        def slowed(*args: object, **kwargs: object) -> object:
-            time.sleep(2.0)
-            return slow(*args, **kwargs)
-
-        planning.make_schedule = slowed  # type: ignore[assignment]  # this spawned process only
+    slow_first_planner(rank, 2.0)
 
     def model() -> nn.Module:
         torch.manual_seed(0)

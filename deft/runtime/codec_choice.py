@@ -427,7 +427,7 @@ class FirstSendsJudge:
 
     def __init__(self, first: FirstIteration, cfg: DeftConfig, control: ControlPlane,
                  batch: Callable[[], int | None], broadcast: TimedBroadcast | None,
-                 links_bound: Callable[[], None] = lambda: None) -> None:
+                 links_bound: Callable[[], None]) -> None:
         self.first, self.cfg, self.control, self.batch, self.broadcast = first, cfg, control, batch, broadcast
         self.links_bound = links_bound  # called where the screen judges the sends (the links may be the bound)
 
