@@ -322,3 +322,53 @@ def test_clipping_and_a_logged_norm_see_torch_ddps_fp16_gradients_in_the_coded_p
         assert r["vs_coded"] < 1e-5, r["vs_coded"]
         assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-5)
         assert max(r["norms"]) > 0.5  # the clip really acted
+
+
+def gpt2_worker(rank: int, world: int) -> dict[str, Any]:
+    """A HuggingFace GPT-2 in the HuggingFace loop (labels in, ``.loss`` out, clipping with the norm
+    logged, AdamW with warm-up then cosine) through the speculative first iteration and the coded
+    profile iterations, against torch DDP with torch's ``fp16_compress_hook`` from iteration 0."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import deft
+    from tests.compat.test_models import _gpt2, _gpt2_batch, _gpt2_optimizer
+
+    def run(model: nn.Module, wrapped: nn.Module) -> list[float]:
+        from transformers import get_cosine_schedule_with_warmup
+
+        opt = _gpt2_optimizer(model)
+        sched = get_cosine_schedule_with_warmup(opt, 3, 20)
+        norms = []
+        for t in range(STEPS):
+            x, _ = _gpt2_batch(rank, t)
+            out = wrapped(input_ids=x, attention_mask=torch.ones_like(x), labels=x)
+            out.loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        return norms
+
+    ours = _gpt2()
+    # epsilon 0.05: fp16's rounding bound on these gradients, with the sample's 100x margin, is far inside it
+    ddp = deft.DistributedDataParallel(ours, config=config("always", 0.05))
+    our_norms = run(ours, ddp)
+    ddp.flush()
+    ref = _gpt2()
+    tddp = nn.parallel.DistributedDataParallel(ref)
+    tddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    ref_norms = run(ref, tddp)
+    return {"record": ddp.plan_info["profile_codec"], "vs_fp16": worst(ours, ref), "norms": our_norms,
+            "ref_norms": ref_norms}
+
+
+@pytest.mark.slow
+def test_a_huggingface_gpt2_loop_goes_speculatively_coded_as_torch_ddps_fp16_hook() -> None:
+    a, b = values(run_ranks(gpt2_worker, 2, timeout=240))
+    assert a["record"] == b["record"]
+    first = a["record"]["first"]
+    assert first["speculative"] == "fp16" and first["codec"] == "fp16", first  # kept, not sent again
+    assert a["record"]["codec"] == "fp16"
+    for r in (a, b):
+        assert r["vs_fp16"] < 1e-5, r["vs_fp16"]
+        assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-5)
