@@ -9,6 +9,7 @@ profile is written where ``DEFT_PROFILE_OUT`` says (what the deft-profile tool r
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -147,7 +148,7 @@ def lag_layout_worker(rank: int, world: int) -> dict[str, object]:
     """A model whose one weight holds 94 % of the bytes, two links, epsilon 0, rank 0's planner slowed
     (2 s) so that the iterations after the plan began (iteration 3: warm-up 1, profile 2) run torch
     DDP's synchronous schedule until it is collected, 3 iterations later at the latest. Each link's
-    bytes are read before and after those iterations."""
+    bytes are read before the profile iterations, before and after those iterations."""
     import deft
 
     slow_first_planner(rank, 2.0)
@@ -160,7 +161,7 @@ def lag_layout_worker(rank: int, world: int) -> dict[str, object]:
         opt = torch.optim.SGD(params.parameters(), lr=0.05, momentum=0.9)
         g = torch.Generator().manual_seed(rank)
         for t in range(LAG_ITERS):
-            if stats is not None and t in (3, 6):
+            if stats is not None and t in (1, 3, 6):
                 stats.append({k: int(v["bytes"]) for k, v in wrapped.link_stats.items()})  # type: ignore[operator]
             x, y = torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)
             nn.functional.mse_loss(wrapped(x), y).backward()
@@ -177,17 +178,27 @@ def lag_layout_worker(rank: int, world: int) -> dict[str, object]:
     ref = model()
     run(nn.parallel.DistributedDataParallel(ref), ref, None)
     worst = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), ref.parameters(), strict=True))
-    return {"lag": {k: stats[1][k] - stats[0][k] for k in stats[0]}, "t0": ddp.plan_info.get("t0"), "worst": worst}
+    assert ddp.profile is not None
+    return {"profiled": {k: stats[1][k] - stats[0][k] for k in stats[0]},
+            "lag": {k: stats[2][k] - stats[1][k] for k in stats[0]}, "t0": ddp.plan_info.get("t0"), "worst": worst,
+            "profile_params": [list(b.params) for b in ddp.profile.buckets]}
 
 
 @pytest.mark.slow
-def test_the_iterations_run_while_rank_0_plans_share_a_dominant_bucket_over_the_links() -> None:
+def test_the_profile_iterations_and_those_run_while_rank_0_plans_share_a_dominant_bucket_over_the_links() -> None:
     a, b = values(run_ranks(lag_layout_worker, 2, timeout=150))
     assert a["t0"] == b["t0"] == 6  # iterations 3-5 ran while rank 0 planned (the slowed planner: due at 6)
-    lag = a["lag"]
-    total = sum(lag.values())
-    assert total > 0
-    # the 1 MB weight cut in pieces: each link carried about half (on the profile's layout one link
-    # carries that whole bucket: 94 % of the bytes on one link)
-    assert all(0.4 < v / total < 0.6 for v in lag.values()), lag
+    # the 1 MB weight cut in pieces: each link carried about half, in the profile iterations (1-2) and in
+    # those beside the plan (3-5); whole, one link carries that bucket: 94 % of the bytes on one link
+    for phase in ("profiled", "lag"):
+        carried = a[phase]
+        total = sum(carried.values())
+        assert total > 0
+        assert all(0.4 < v / total < 0.6 for v in carried.values()), (phase, carried)
+    # the profile measured the pieces, named by their ranges, in order, tiling the weight
+    pieces = [n for names in a["profile_params"] for n in names if n.startswith("2.weight")]
+    assert len(pieces) > 1, a["profile_params"]
+    bounds = [tuple(int(x) for x in n[len("2.weight["):-1].split(":")) for n in pieces]
+    assert bounds[0][0] == 0 and bounds[-1][1] == 512 * 512
+    assert all(hi == lo for (_, hi), (lo, _) in itertools.pairwise(bounds)), pieces
     assert a["worst"] < 1e-5 and b["worst"] < 1e-5  # torch DDP's maths throughout

@@ -1,8 +1,9 @@
 """The profile iterations' codec in a live run (``config.profile_codec``), against real torch DDP.
 
 The first iteration's sends go speculatively in fp16 from its first gradient and are judged at the end
-of its backward on a sample of the gradients (sent again where the verdict differs), the profile
-iterations after it on its whole gradients; each then sends every bucket with the codec. fp16
+of its backward on a sample of the gradients (sent again where the verdict differs), which decides
+the profile iterations' codec too (on whole gradients where the sends are not judged); each then sends
+every bucket with the codec. fp16
 rounding is element-wise, so torch DDP with a hook that sends every element through torch's fp16 hook
 from iteration 0 on computes exactly what deft must (the hook of tests/test_runtime_codecs.py); with
 ``"never"`` deft must equal exact torch DDP.
@@ -83,6 +84,7 @@ def test_always_sends_the_profile_iterations_in_fp16_as_torch_ddps_fp16_hook_doe
     first = a["record"]["first"]
     assert first["codec"] == "fp16" and "profile_codec = \"always\"" in first["reason"], first
     assert first["speculative"] == "fp16"  # the speculative sends stood: nothing sent twice
+    assert "on the same sample" in a["record"]["reason"], a["record"]  # the judged sample decided both
     assert a["vs_coded"] < 1e-5 and b["vs_coded"] < 1e-5, (a["vs_coded"], b["vs_coded"])
     assert a["vs_exact"] > 1e-5  # the codec really rounded: the exact run fails the same check
     assert a["params"] == b["params"]

@@ -46,5 +46,5 @@ def test_links_the_bound_send_the_first_iteration_in_fp16_as_torch_ddps_fp16_hoo
     assert first["codec"] == "fp16" and "the gradients' all-reduce predicts" in first["reason"], first
     assert first["exposed_s"] > 2 * first["compute_s"]
     assert first["speculative"] == "fp16"  # sent from the first gradient on, the verdict kept them
-    assert a["record"]["codec"] == "fp16"  # the profile iterations keep it (the whole gradients accept it)
+    assert a["record"]["codec"] == "fp16"  # the profile iterations keep it (the same sample accepts it)
     assert a["vs_fp16"] < 1e-5 and b["vs_fp16"] < 1e-5, (a["vs_fp16"], b["vs_fp16"])

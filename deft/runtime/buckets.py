@@ -111,6 +111,19 @@ class FlatLayout:
     def n_buckets(self) -> int:
         return len(self.bucket_numel)
 
+    def bucket_names(self, b: int) -> tuple[str, ...]:
+        """The names of bucket ``b``'s parameters, a piece of a cut one as its element range
+        (``"fc.weight[0:3400000]"``, the partition's names: :attr:`deft.profile.Profile.gradient_ready`
+        reads the pieces of one parameter as ready together)."""
+        start = sum(self.bucket_numel[:b])
+        end = start + self.bucket_numel[b]
+        out = []
+        for i in self.bucket_params[b]:
+            s = self.slots[i]
+            lo, hi = max(start, s.flat_offset) - s.flat_offset, min(end, s.flat_offset + s.numel) - s.flat_offset
+            out.append(s.name if (lo, hi) == (0, s.numel) or s.numel == 0 else f"{s.name}[{lo}:{hi}]")
+        return tuple(out)
+
     def bucket_nbytes(self) -> tuple[int, ...]:
         return tuple(sum((s.end - s.start) * _itemsize(s.dtype) for s in segs) for segs in self.segments)
 

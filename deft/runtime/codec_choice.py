@@ -21,7 +21,7 @@ The profile iterations' codec (``config.profile_codec``)
 Where the links are the bound, the iterations before the plan (profile iterations, and those run
 while rank 0 plans in the background) cost what torch DDP's do, several times a coded iteration. So
 the codec is judged once before them, on the *first* iteration (whose own sends are judged on a
-sample of its gradients: below): :class:`FirstIteration` gathers that iteration's gradient statistics (the same
+sample of its gradients: below; that sample then decides): :class:`FirstIteration` gathers that iteration's gradient statistics (the same
 estimators as the plan's, a separate instance: the preserver's own statistics start where they always
 did) and times it. :func:`profile_codec` decides: the codec the preserver accepts on those statistics
 (:func:`deft.preserver.codec_error.pick`, the same bound the plan applies), used where coding saves
@@ -54,8 +54,11 @@ sample must err a hundredfold before a codec the whole gradients would refuse ca
 allows). The links look like the bound (:func:`first_sends_codec`, "auto") when the construction's
 broadcast of the model, scaled to an all-reduce of the gradients over the links, took more than twice
 the first iteration's forward and backward. Every rank decides alike (gathered samples, times
-maximised over the ranks). Coded, the profile iterations keep the codec unless the first iteration's
-whole statistics refuse it.
+maximised over the ranks). Where the sends are judged, that verdict is the profile iterations' codec
+too, on the same sample (:meth:`FirstIteration.sample_only`): the whole-gradient statistics are not
+gathered then (their passes over the gradient cost rank 0 30-90 ms of the first backward on the
+testbed at 2 x 50 Mbit/s), and the sample's margin judges more strictly than they would. Until
+2026-11-27 the whole statistics judged the profile iterations again.
 
 The sends do not wait for the judgement: they go **speculatively** in :data:`SPECULATIVE_CODEC` from
 the first gradient (:meth:`deft.runtime.executor.Executor.speculate`: each send's hook gets a copy of
@@ -313,7 +316,7 @@ def profile_codec(mode: str, verdicts: tuple[CodecVerdict, ...], exposed_s: floa
         return accepted
     if first_codec:
         return ProfileCodec(accepted.codec, f"the first iteration was sent in {first_codec} (the links judged the "
-                            f"bound before it); on its whole gradients, {accepted.reason}",
+                            f"bound before it); on the same sample, {accepted.reason}",
                             delta=accepted.delta, exposed_s=exposed_s, compute_s=compute_s)
     saving = min(exposed_s, comm_s / 2.0) if comm_s is not None else exposed_s / 2.0
     bar = PROFILE_GAIN * (compute_s + exposed_s)
@@ -333,7 +336,11 @@ class FirstIteration:
     observer while that iteration runs; the facade's events give the times)."""
 
     def __init__(self) -> None:
-        self.stats = GradStats(scale_only=True)
+        # Whole-gradient statistics, unless the sends are judged: their sample then decides the profile
+        # iterations too (judged_scale), and nobody pays a pass over the gradients in the backward.
+        self.stats: GradStats | None = GradStats(scale_only=True)
+        self._judged = False  # judge_sends ran: its sampled scale is the iteration's (None: unusable)
+        self._sampled: GradientScale | None = None
         self._begin: float | None = None
         self._backward_end: float | None = None
         self._end: float | None = None
@@ -351,7 +358,8 @@ class FirstIteration:
 
     def forward_begins(self, executor: Executor, params: list[torch.Tensor],
                        optimizer: torch.optim.Optimizer | None) -> None:
-        self.stats.begin_iteration(executor, params, optimizer, True)
+        if self.stats is not None:
+            self.stats.begin_iteration(executor, params, optimizer, True)
         self._begin = time.perf_counter()
 
     def backward_ends(self, now: float) -> None:
@@ -375,6 +383,15 @@ class FirstIteration:
         self.sends = screen_first_sends(cfg.profile_codec, self._comm_s, to_first)
         return self.sends is None
 
+    def sample_only(self, executor: Executor) -> None:
+        """The sends are judged (:meth:`judge_sends`): its sample decides the profile iterations' codec
+        too, so the whole-gradient statistics stop before the backward's first bucket (their passes over
+        the gradient cost rank 0 30-90 ms of that backward on the testbed). Their sample keeps its margin
+        (module docstring), so the profile iterations are judged more strictly than on whole gradients."""
+        if self.stats is not None:
+            executor.unobserve(self.stats)
+            self.stats = None
+
     def judge_sends(self, executor: Executor, cfg: DeftConfig, control: ControlPlane, batch: int | None,
                     speculative: str = "") -> str:
         """Collective (control group), at the end of the first backward: its sends' codec (``""``: exact),
@@ -395,7 +412,8 @@ class FirstIteration:
         gathered = torch.stack(rows).double()
         (compute,) = control.max_rows([[compute]], "first iteration's forward and backward")[0]
         comm = self._comm_s
-        scale = sampled_scale(gathered[:, :-1], flat.numel(), batch, float(gathered[:, -1].max()))
+        scale = self._sampled = sampled_scale(gathered[:, :-1], flat.numel(), batch, float(gathered[:, -1].max()))
+        self._judged = True
         if scale is None:
             self.sends = ProfileCodec("", "no usable sample of the first iteration's gradients (non-finite, "
                                       "no spread between ranks, or no batch size)", comm, compute)
@@ -411,7 +429,8 @@ class FirstIteration:
         # A rank whose first iteration had no backward (a step without one) adds no time of its own.
         mine = [end - bwd, compute] if compute is not None and bwd is not None and end is not None else [0.0, 0.0]
         exposed, compute = control.max_rows([mine], "first iteration's times")[0]
-        scale: GradientScale | None = gradient_scale(self.stats, control, batch)
+        # judged: the sends' sample (the same on every rank); else the whole statistics (collective)
+        scale = self._sampled if self._judged else gradient_scale(self.stats, control, batch)
         first = None if self.sends is None else self.sends.to_dict()
         if scale is None:
             return ProfileCodec("", "no gradient statistics from the first iteration", exposed, compute, first=first)
@@ -441,6 +460,7 @@ class FirstSendsJudge:
     def at_first_gradient(self, executor: Executor) -> bool:
         judged = self.first.screen_sends(self.cfg, self.control, self._comm_s(executor))
         if judged:
+            self.first.sample_only(executor)
             executor.speculate(SPECULATIVE_CODEC)
             self.links_bound()
         else:

@@ -138,15 +138,15 @@ class Course:
                 and codec_choice.considered(self.config, self._control.world, self.planning.measuring,
                                             ex.comm_hook is not None, ex.layout):
             self._first = FirstIteration()
+            assert self._first.stats is not None
             ex.observe(self._first.stats)
             if self.config.profile_codec != "never":  # its sends are judged at the end of its backward
                 ex.judge = FirstSendsJudge(self._first, self.config, self._control, lambda: self.batch,
                                            self.init_broadcast, self.planning.preload_solver)
         if cal.profiling(t) and not self.planned and self._timer is None:
             if self.ready_order is not None and ex.idle:
-                # The warm-up's whole buckets: a checkpoint taken while rank 0 planned was saved on the
-                # lag iterations' split layout, and profiling again measures the buckets the plan fuses.
-                sched, lay = self._warmup(self.ready_order, split=False)
+                # The warm-up's layout (a checkpoint may have been taken on another: the plan's)
+                sched, lay = self._warmup(self.ready_order)
                 if ex.layout is None or (ex.layout.order, ex.layout.bucket_numel) != (lay.order, lay.bucket_numel):
                     self._install(sched, lay, t)
             assert ex.layout is not None
@@ -192,7 +192,8 @@ class Course:
     def on_due(self, lasts: list[int], updates: list[DueUpdate], t: int, device: torch.device) -> None:
         if self.stats is not None and not self.stats.on_due(lasts, updates, t, self._control.group, device):
             self.record.nonfinite_steps.append(t)
-        if self._first is not None:  # a non-finite first gradient leaves no estimate: the profile stays exact
+        if self._first is not None and self._first.stats is not None:
+            # a non-finite first gradient leaves no estimate: the profile stays exact
             self._first.stats.on_due(lasts, updates, t, self._control.group, device)
 
     def stats_wanted(self) -> bool:
@@ -248,21 +249,21 @@ class Course:
         return self._executor.schedule
 
     # -- layouts -----------------------------------------------------------------------------------------
-    def install_warmup(self, order: list[int], t0: int, first: bool = False) -> None:
-        """torch DDP's behaviour during warm-up (:func:`deft.runtime.layouts.warmup_layout`); ``first``:
-        the first iteration's layout, before the gradients' ready order is known."""
-        self._install(*self._warmup(order, split=first), t0)
+    def install_warmup(self, order: list[int], t0: int) -> None:
+        """torch DDP's behaviour during warm-up (:func:`deft.runtime.layouts.warmup_layout`); the first
+        iteration's ``order`` is a guess (the gradients' ready order is not known yet)."""
+        self._install(*self._warmup(order), t0)
 
-    def _warmup(self, order: list[int], split: bool) -> tuple[Schedule, FlatLayout]:
+    def _warmup(self, order: list[int]) -> tuple[Schedule, FlatLayout]:
         """torch DDP's synchronous schedule on the warm-up's buckets in ``order``, over every link by
-        bytes; ``split``: the large buckets cut so the links share the bytes evenly (iterations that are
-        not profiled: the first, and those run while rank 0 plans). A chained hook's sends run one at a
-        time, as torch DDP's on one link, on whole buckets."""
+        bytes, the large buckets cut so that the links share the bytes evenly (the first iteration, the
+        profile iterations, those run while rank 0 plans). A chained hook's sends run one at a time, as
+        torch DDP's on one link, on whole buckets."""
         hook = self._executor.comm_hook
         chained = hook is not None and hook.chained
         links = (self._primary.name,) if chained else tuple(self._links)
         layout = warmup_layout(order, self._names, self._params, self.config.bucket_cap_mb, chained,
-                               self.config.first_bucket_cap_mb, split_over=len(links) if split else 1)
+                               self.config.first_bucket_cap_mb, split_over=len(links))
         return synchronous_schedule(layout.bucket_numel, layout.bucket_nbytes(), links,
                                     balanced_links(layout.bucket_nbytes(), links)), layout
 
@@ -281,7 +282,8 @@ class Course:
         """Collective, after the first iteration: the profile iterations' codec (codec_choice)."""
         first, self._first = self._first, None
         assert first is not None
-        self._executor.unobserve(first.stats)
+        if first.stats is not None:
+            self._executor.unobserve(first.stats)
         decision = first.decide(self.config, self._control, self.batch)
         self.record.profile_codec = decision.to_dict()
         if self._control.rank == 0:
@@ -329,17 +331,14 @@ class Course:
         self._install_plan(t, schedule, info, None, started)
 
     def _lag(self, layout: FlatLayout) -> tuple[Schedule, FlatLayout]:
-        """What runs while rank 0 plans: torch DDP's synchronous schedule. With a measured profile, on
-        the first iteration's layout (:meth:`_warmup`, split: these iterations are not profiled), whose
-        large buckets are cut so that the links share the bytes evenly: on the profile's layout one
-        large bucket holds one link while the others idle (the digits CNN's 13.6 MB fc weight: 1.5-2.2 s
-        per iteration at 2 x 50 Mbit/s, where the first iteration, split, took about 1 s). A given
-        profile keeps its own layout and the primary link, and a chained hook (whose sends run one at a
-        time on whole buckets) the profile's layout and links (:meth:`_synchronous`)."""
+        """What runs while rank 0 plans: torch DDP's synchronous schedule. With a measured profile, the
+        warm-up's (:meth:`_warmup`: the profile's layout, its links by bytes); a given profile keeps its
+        own layout and the primary link, and a chained hook (whose sends run one at a time on whole
+        buckets) the profile's layout and links (:meth:`_synchronous`)."""
         hook = self._executor.comm_hook
         if not self.planning.measuring or self.ready_order is None or (hook is not None and hook.chained):
             return self._synchronous(layout), layout
-        return self._warmup(self.ready_order, split=True)
+        return self._warmup(self.ready_order)
 
     def _lag_codec(self, codec: CodecInputs | None) -> str:
         """The codec of the iterations run while rank 0 plans: the profile iterations' while the
@@ -375,8 +374,7 @@ class Course:
         # user's hook or an exact profile, so that choice times fp16 itself)
         self._profiled_codec = codec if coded else None
         backends = {n: lk.backend for n, lk in self._links.items()}
-        profile = timer.profile(self._control, self._control.world, backends, type(self._module).__name__,
-                                self._names, codec)
+        profile = timer.profile(self._control, self._control.world, backends, type(self._module).__name__, codec)
         ex.unobserve(timer)
         self.close()
         out = os.environ.get("DEFT_PROFILE_OUT")

@@ -158,7 +158,7 @@ class DistributedDataParallel(nn.Module):
         self._phase = Phase.IDLE
         self._step_open = False  # the user's step began (its post hook ends the iteration)
         self._no_sync = False
-        self._course.install_warmup(list(reversed(range(len(self._params)))), t0=0, first=True)
+        self._course.install_warmup(list(reversed(range(len(self._params)))), t0=0)
         # Local-steps mode (config.local_steps > 0): its own collaborator at the step events; no gradient
         # capture, no schedule (deft.runtime.local_steps).
         self._local = LocalSteps(cfg, self._params, self._links, self.rank, self.world) if cfg.local_steps else None

@@ -22,7 +22,7 @@ PROFILE_BUCKET_CAP_MB = 1.0
 
 def warmup_layout(order: list[int], names: list[str], params: list[torch.Tensor], bucket_cap_mb: float,
                   chained_hook: bool, first_bucket_cap_mb: float = 1.0, split_over: int = 1) -> FlatLayout:
-    """torch DDP's buckets during warm-up: whole parameters in ready order.
+    """torch DDP's buckets during warm-up: whole parameters in ready order, a large one cut.
 
     Their cap is :data:`PROFILE_BUCKET_CAP_MB`, except under a chained comm hook (PowerSGD, a user's
     hook: :attr:`deft.runtime.comm_hooks.CommHook.chained`), where it is ``bucket_cap_mb`` as in torch
@@ -34,10 +34,14 @@ def warmup_layout(order: list[int], names: list[str], params: list[torch.Tensor]
     with the default cap, the cap itself when one is given), so that deft's synchronous schedule under
     such a hook is torch DDP's with the same arguments.
 
-    ``split_over = L > 1`` (the first iteration, not profiled, without a chained hook): a bucket larger
-    than ``1 / (2 L)`` of the model's bytes is cut into equal pieces no larger than that, so that the
-    links share the bytes evenly (:func:`balanced_links`) even where one parameter holds most of the
-    model (an all-reduce of a piece is the piece of the all-reduce: torch DDP's sums)."""
+    ``split_over = L > 1`` (``L`` links, without a chained hook): a bucket larger than ``1 / (2 L)`` of
+    the model's bytes is cut into equal pieces no larger than that, so that the links share the bytes
+    evenly (:func:`balanced_links`, and the profile iterations' rotation) even where one parameter
+    holds most of the model (an all-reduce of a piece is the piece of the all-reduce: torch DDP's
+    sums). The profile measures the pieces (:meth:`~deft.runtime.buckets.FlatLayout.bucket_names`) and
+    the planner fuses or cuts them again. Whole, the digits CNN's 13.6 MB fc weight held one link
+    while the other idled: 1.6 s per profile iteration at 2 x 50 Mbit/s against 1.0 s cut
+    (benchmarks/results/slow_links.md)."""
     if not chained_hook:
         cap = min(bucket_cap_mb, PROFILE_BUCKET_CAP_MB)
         numel = ddp_like_bucket_numel(order, params, cap)

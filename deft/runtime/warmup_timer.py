@@ -419,9 +419,11 @@ class WarmupTimer:
 
     # -- reduction -----------------------------------------------------------------------------
     def profile(self, control: ControlPlane, world: int, link_backends: dict[str, str], model: str,
-                names: Sequence[str], codec: Codec | None = None) -> Profile:
+                codec: Codec | None = None) -> Profile:
         """Reduce the samples (module docstring); collective on the control group. ``codec``: the comm
-        hook's bytes on the wire and compute per bucket (None: no hook)."""
+        hook's bytes on the wire and compute per bucket (None: no hook). A bucket names its parameters
+        as the layout does (:meth:`~deft.runtime.buckets.FlatLayout.bucket_names`: a piece of a cut one
+        by its range)."""
         if not self.samples:
             raise RuntimeError("internal: no profile iteration was timed")
         link_names = list(self.links)
@@ -439,7 +441,7 @@ class WarmupTimer:
                                                        "per-message start-up (one-element all-reduces)")[0],
                           strict=True))
         links, comm = self._fit_links(loads, pooled, alphas, wire, link_backends)
-        buckets = tuple(Bucket(id=b, params=tuple(names[i] for i in self.layout.bucket_params[b]),
+        buckets = tuple(Bucket(id=b, params=self.layout.bucket_names(b),
                                numel=self.layout.bucket_numel[b], nbytes=nbytes[b],
                                wire_nbytes=wire[b] if codec is not None else None) for b in range(n))
         times = tuple(BucketTimes(forward_s=fwd[b], backward_s=bwd[b],
