@@ -15,7 +15,7 @@ import pytest
 
 from deft.config import DeftConfig
 from deft.errors import ContractError
-from deft.runtime.background import Background
+from deft.runtime.background import SWITCH_INTERVAL_S, Background
 
 
 def test_background_returns_the_document_computed_on_another_thread() -> None:
@@ -53,6 +53,49 @@ def test_a_base_exception_in_the_background_still_comes_back_as_an_error_documen
     job = Background(decide, "deft-planner-test")
     doc, _ = job.result()
     assert doc == {"error": "Stop: the thread was told to stop"} and job.done()
+
+
+def test_the_switch_interval_is_short_while_any_job_runs_and_the_callers_afterwards() -> None:
+    """The training thread takes the GIL back after every torch operation: while a job runs Python it
+    waits at most the shortened interval. Overlapping jobs (the solver's preload and the first plan)
+    keep it short until the last ends; a job that fails restores it too."""
+    before = sys.getswitchinterval()
+    assert before > SWITCH_INTERVAL_S  # Python's default (5 ms): the test would prove nothing otherwise
+    release_a, release_b = threading.Event(), threading.Event()
+    seen: dict[str, float] = {}
+
+    def job_a() -> dict[str, object]:
+        seen["a"] = sys.getswitchinterval()
+        release_a.wait(10)
+        seen["a_after_b"] = sys.getswitchinterval()
+        return {}
+
+    def job_b() -> dict[str, object]:
+        seen["b"] = sys.getswitchinterval()
+        release_b.wait(10)
+        raise ValueError("b fails")
+
+    a = Background(job_a, "deft-test-a")
+    b = Background(job_b, "deft-test-b")
+    release_b.set()
+    assert b.result()[0] == {"error": "ValueError: b fails"}
+    release_a.set()
+    a.result()
+    assert seen == pytest.approx({"a": SWITCH_INTERVAL_S, "b": SWITCH_INTERVAL_S, "a_after_b": SWITCH_INTERVAL_S},
+                                 abs=2e-6)
+    assert sys.getswitchinterval() == pytest.approx(before, abs=2e-6)
+
+
+def test_a_shorter_switch_interval_of_the_callers_is_kept() -> None:
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL_S / 5)
+    try:
+        seen: list[float] = []
+        Background(lambda: seen.append(sys.getswitchinterval()) or {}, "deft-test").result()
+        assert seen == [pytest.approx(SWITCH_INTERVAL_S / 5, abs=2e-6)]
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S / 5, abs=2e-6)
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_plan_lag_iters_is_validated() -> None:

@@ -1,7 +1,8 @@
 """A decision computed on a thread of rank 0 while training goes on (``config.plan_lag_iters``).
 
 :class:`Background` runs ``fn()`` on a daemon thread at a lower CPU priority (``config.planner_nice``,
-Linux) and hands its JSON document back; an exception comes back as ``{"error": ...}``, so a failed
+Linux), with Python's GIL switch interval shortened meanwhile (:data:`SWITCH_INTERVAL_S`), and hands
+its JSON document back; an exception comes back as ``{"error": ...}``, so a failed
 background decision travels to the other ranks like a failed synchronous one. Used for the first plan
 (:meth:`deft.runtime.planning.Planning.start`) and the adaptation's decisions
 (:meth:`deft.runtime.adapt.Adaptation.after_step`). :class:`JobSlot` holds the one decision in flight,
@@ -25,6 +26,39 @@ if TYPE_CHECKING:
     from deft.runtime.control import ControlPlane
 
 log = logging.getLogger("deft.runtime")
+
+#: Python's GIL switch interval while a background job runs (seconds; Python's default is 0.005). The
+#: training thread gives the GIL up for every torch operation and takes it back after; while a job's
+#: thread runs Python (the planner's simulations) each take-back waits up to the interval. At 5 ms the
+#: first iteration beside rank 0's planner took 1.3-1.75 s at 2 x 50 Mbit/s on the testbed against
+#: 1.0-1.2 s at 0.5 ms, the others 1.0 s (benchmarks/results/slow_links.md).
+SWITCH_INTERVAL_S = 0.0005
+
+
+class _SwitchInterval:
+    """Python's switch interval at :data:`SWITCH_INTERVAL_S` while any job runs; the caller's value
+    back once the last one ends (jobs may overlap: the solver's preload and the first plan)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0
+        self._saved = 0.0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._running == 0:
+                self._saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._saved, SWITCH_INTERVAL_S))
+            self._running += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._running -= 1
+            if self._running == 0:
+                sys.setswitchinterval(self._saved)
+
+
+_SWITCH = _SwitchInterval()
 
 
 class Background:
@@ -51,7 +85,8 @@ class Background:
                 # thread (and the solver threads it starts). Elsewhere a thread id is no process id.
                 with contextlib.suppress(OSError):
                     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
-            self._doc = self._fn()
+            with _SWITCH:
+                self._doc = self._fn()
         except BaseException as e:  # carried to every rank, never lost in a thread
             log.exception("deft: background job %s failed", self._thread.name)
             self._doc = {"error": f"{type(e).__name__}: {e}"}

@@ -21,9 +21,10 @@ The profile iterations' codec (``config.profile_codec``)
 Where the links are the bound, the iterations before the plan (profile iterations, and those run
 while rank 0 plans in the background) cost what torch DDP's do, several times a coded iteration. So
 the codec is judged once before them, on the *first* iteration (whose own sends are judged on a
-sample of its gradients: below; that sample then decides): :class:`FirstIteration` gathers that iteration's gradient statistics (the same
-estimators as the plan's, a separate instance: the preserver's own statistics start where they always
-did) and times it. :func:`profile_codec` decides: the codec the preserver accepts on those statistics
+sample of its gradients: below; that sample then decides): :class:`FirstIteration` gathers that
+iteration's gradient statistics (the same estimators as the plan's, a separate instance: the
+preserver's own statistics start where they always did) and times it. :func:`profile_codec`
+decides: the codec the preserver accepts on those statistics
 (:func:`deft.preserver.codec_error.pick`, the same bound the plan applies), used where coding saves
 at least :data:`PROFILE_GAIN` of the first iteration's time (forward, backward and the all-reduces
 still running after it). The profile iterations run torch DDP's synchronous schedule, so what coding
