@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from deft.profile import Profile
+from deft.profile import PARAM_RANGE, Profile
 from deft.runtime.buckets import FlatLayout, ddp_like_bucket_numel
 
 #: Warm-up buckets are no larger than torch DDP's first bucket (1 MB): they are also the profile's
@@ -98,11 +98,20 @@ def ready_order(seen: Sequence[int], n_params: int) -> list[int]:
 
 def plan_order(profile: Profile | None, profile_given: bool, names: list[str], observed: list[int] | None) -> list[int]:
     """The flat order of a plan's layout: the given profile's bucket order when it names exactly our
-    parameters (``module.`` prefixes ignored), else the observed ready order."""
+    parameters, each once (``module.`` prefixes ignored; a parameter cut into pieces, ``w[0:5]``,
+    ``w[5:9]``, as a measured profile names them, counts once where its pieces are consecutive), else
+    the observed ready order."""
     order = list(observed or reversed(range(len(names))))
     if profile is None or not profile_given:
         return order
-    listed = [n.removeprefix("module.") for b in profile.buckets for n in b.params]
+    listed: list[str] = []
+    for b in profile.buckets:
+        for name in b.params:
+            m = PARAM_RANGE.match(name)
+            for base in (m.group(1) if m else name).split("|"):
+                base = base.removeprefix("module.")
+                if not (m and listed and listed[-1] == base):  # the next piece of the same parameter
+                    listed.append(base)
     index = {n: i for i, n in enumerate(names)}
     if len(listed) == len(index) and set(listed) == set(index):
         return [index[n] for n in listed]
