@@ -338,7 +338,7 @@ class FirstIteration:
 
     def __init__(self) -> None:
         # Whole-gradient statistics, unless the sends are judged: their sample then decides the profile
-        # iterations too (judged_scale), and nobody pays a pass over the gradients in the backward.
+        # iterations too (_sampled), and nobody pays a pass over the gradients in the backward.
         self.stats: GradStats | None = GradStats(scale_only=True)
         self._judged = False  # judge_sends ran: its sampled scale is the iteration's (None: unusable)
         self._sampled: GradientScale | None = None
@@ -387,7 +387,7 @@ class FirstIteration:
     def sample_only(self, executor: Executor) -> None:
         """The sends are judged (:meth:`judge_sends`): its sample decides the profile iterations' codec
         too, so the whole-gradient statistics stop before the backward's first bucket (their passes over
-        the gradient cost rank 0 30-90 ms of that backward on the testbed). Their sample keeps its margin
+        the gradient cost rank 0 30-90 ms of that backward on the testbed). The sample keeps its margin
         (module docstring), so the profile iterations are judged more strictly than on whole gradients."""
         if self.stats is not None:
             executor.unobserve(self.stats)
