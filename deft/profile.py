@@ -448,10 +448,13 @@ class Profile:
 PARAM_RANGE = re.compile(r"^(.*)\[(\d+):(\d+)\]$")
 
 
+def param_names(name: str) -> tuple[tuple[str, ...], bool]:
+    """The parameters one bucket name refers to, in order, and whether it is a range of them:
+    ``"w"`` is ``(("w",), False)``, ``"w[0:5]"`` ``(("w",), True)``, ``"a|b[0:3]"`` ``(("a", "b"), True)``."""
+    m = PARAM_RANGE.match(name)
+    return tuple((m.group(1) if m else name).split("|")), m is not None
+
+
 def _base_names(params: Sequence[str]) -> set[str]:
     """The parameters a bucket's names refer to: ``"w[0:5]"`` is ``w``; ``"a|b[0:3]"`` is ``a`` and ``b``."""
-    out: set[str] = set()
-    for name in params:
-        m = PARAM_RANGE.match(name)
-        out.update((m.group(1) if m else name).split("|"))
-    return out
+    return {base for name in params for base in param_names(name)[0]}

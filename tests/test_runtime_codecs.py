@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from deft.profile import PARAM_RANGE
+from deft.profile import param_names
 from deft.schedule import synchronous_schedule
 from tests._dist import run_ranks, values
 
@@ -133,13 +133,7 @@ def auto_worker(rank: int, world: int) -> dict[str, Any]:
     names = dict(model.named_parameters())
     record = ddp.plan_info["codecs"]
     return {"record": record, "sums": [p.detach().sum().item() for p in model.parameters()],
-            "known": all(_base_name(n) in names for n in record["parameters"])}
-
-
-def _base_name(name: str) -> str:
-    """``"2.weight[0:512]"`` (a piece, by its element range) is ``2.weight``."""
-    m = PARAM_RANGE.match(name)
-    return m.group(1) if m else name
+            "known": all(base in names for n in record["parameters"] for base in param_names(n)[0])}
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from deft.profile import PARAM_RANGE, Profile
+from deft.profile import Profile, param_names
 from deft.runtime.buckets import FlatLayout, ddp_like_bucket_numel
 
 #: Warm-up buckets are no larger than torch DDP's first bucket (1 MB): they are also the profile's
@@ -107,10 +107,9 @@ def plan_order(profile: Profile | None, profile_given: bool, names: list[str], o
     listed: list[str] = []
     for b in profile.buckets:
         for name in b.params:
-            m = PARAM_RANGE.match(name)
-            for base in (m.group(1) if m else name).split("|"):
-                base = base.removeprefix("module.")
-                if not (m and listed and listed[-1] == base):  # the next piece of the same parameter
+            bases, ranged = param_names(name)
+            for base in (n.removeprefix("module.") for n in bases):
+                if not (ranged and listed and listed[-1] == base):  # the next piece of the same parameter
                     listed.append(base)
     index = {n: i for i, n in enumerate(names)}
     if len(listed) == len(index) and set(listed) == set(index):
