@@ -260,6 +260,23 @@ def test_best_effort_leaves_unsplittable_buckets_over_the_cap() -> None:
     assert [b.numel for b in partition(tiny, DeftConfig(), capacity_s=10 * MS, best_effort=True).buckets] == [1] * 4
 
 
+def test_best_effort_cuts_no_latency_bound_pieces_when_the_capacity_is_under_two_alphas() -> None:
+    # 50 ms on the wire, 10 of them latency; a capacity of 11 ms is reachable only with 40 pieces of
+    # 11 ms (440 ms on the wire). Pieces with a bandwidth part of at least alpha: 4 of 20 ms (80 ms).
+    prof = uniform(1, 50 * MS, alpha_s=10 * MS, numel=1000)
+    assert partition(prof, DeftConfig(), capacity_s=11 * MS).n >= 40  # strict rule 3 still cuts them
+    part = partition(prof, DeftConfig(), capacity_s=11 * MS, best_effort=True)
+    assert [b.numel for b in part.buckets] == [250] * 4
+    assert [part.comm_time(b, "nccl") for b in range(part.n)] == pytest.approx([20 * MS] * 4)
+    assert_tiles(prof, part)
+    # 8 pieces of 15 ms would fit a 15 ms capacity, with 5 ms of bandwidth each: 4 again, over the cap
+    assert partition(prof, DeftConfig(), capacity_s=15 * MS, best_effort=True).n == 4
+    # From a capacity of 2 alpha on the rule changes nothing: pieces of 10 ms of bandwidth fit 21 ms
+    assert partition(prof, DeftConfig(), capacity_s=21 * MS, best_effort=True).n == 4
+    assert partition(prof, DeftConfig(), capacity_s=21 * MS, best_effort=True).n \
+        == partition(prof, DeftConfig(), capacity_s=21 * MS).n
+
+
 def test_best_effort_bounds_the_pieces_when_the_capacity_is_near_zero() -> None:
     prof = uniform(1, 10 * MS, numel=1_000_000)
     part = partition(prof, DeftConfig(), capacity_s=1e-300, best_effort=True)

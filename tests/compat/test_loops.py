@@ -169,9 +169,7 @@ def check_exact(out: list[dict[str, Any]]) -> None:
 @pytest.mark.parametrize("mode", ["forced", "given", "measured"])
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_recipe_matches_torch_ddp_at_epsilon_zero(recipe: str, mode: str, tmp_path: Any) -> None:
-    # 300 s: in the full suite a "measured" recipe took up to 171 s (7.7 s alone; cause open, issue 28's
-    # note of 2026-11-27), too close to the 180 s this had
-    out = values(run_ranks(compat_worker, 2, (recipe, mode, str(tmp_path)), timeout=300))
+    out = values(run_ranks(compat_worker, 2, (recipe, mode, str(tmp_path)), timeout=180))
     check_exact(out)
     if mode in ("forced", "given"):
         # Both schedules defer buckets past the step. A loop that reads every gradient before the step
