@@ -1,6 +1,9 @@
 """How long the lag-free planner takes, and on how many pieces; prints markdown.
 
     .venv/bin/python benchmarks/bench_planner_time.py [--search-window WARMUP,ITERATIONS] [--repeats N]
+    .venv/bin/python benchmarks/bench_planner_time.py --preserver [--repeats N]
+    .venv/bin/python benchmarks/bench_planner_time.py --stop-check
+    .venv/bin/python benchmarks/bench_planner_time.py --reference-preserver
 
 For every reference profile in ``examples/profiles`` and every profile in
 ``benchmarks/profiles/compat_mlp_loopback`` (the compat suite's MLP, 30 KB of gradient in 9 buckets,
@@ -8,6 +11,21 @@ profiled by deft on loopback in ten runs of ``tests/compat/test_loops.py``'s "me
 ``DEFT_PROFILE_OUT``): the buckets of the no-delay plan's partition (the forward-set candidates the
 lag-free plan simulates), the wall time of :func:`deft.solver.lagfree.lagfree_plan` (median of
 ``--repeats``, on one core of a 2-core machine), its predicted iteration and the plan's mode.
+
+``--preserver``: instead, the whole plan of a run with the preserver (``make_schedule`` at the
+default ``epsilon`` 0.01) on ``benchmarks/profiles/testbed_runs``: 30 profiles deft measured on the
+two-link testbed (digits CNN at 50, 250 and 1000 Mbit/s) with the walk statistics of the same runs,
+taken from ``bench_peers.py --save-runs`` output (each file says which run); its time, its prediction
+and how many plans the preserver tried.
+
+``--stop-check``: whether a preserver try after the first one that delays and merges nothing and is no
+faster than the no-delay plan was ever accepted (the loop stops at that try since 2026-11-27; run on
+a tree from before, with ``PYTHONPATH``, to see what the stop gives up): the testbed runs' profiles
+with their statistics and the reference profiles with ``bench_simulate.PIPELINE_STATS``, each at
+epsilon 0.01, 0.05 and 0.5.
+
+``--reference-preserver``: the whole plan (``make_schedule``) of each reference profile with each of
+``bench_simulate.PIPELINE_STATS``' walk statistics at epsilon 0.01 and 0.05: its time, K and tries.
 
 ``--search-window`` sets the local search's simulation length (``SEARCH_WARMUP``,
 ``SEARCH_ITERATIONS``) for the comparison of windows at the same code; run with ``PYTHONPATH`` on
@@ -17,19 +35,101 @@ another tree to time another commit's planner on the same profiles.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import deft
 import deft.solver.lagfree as lagfree
 from deft.config import DeftConfig
+from deft.preserver.feedback import WalkStats
+from deft.preserver.stability import OptimizerSpec
 from deft.profile import Profile
+from deft.runtime.planning import make_schedule
+from deft.solver import knapsack
 from deft.solver.partition import profile_for_schedule
 from deft.solver.plan import no_delay_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = (ROOT / "examples" / "profiles", ROOT / "benchmarks" / "profiles" / "compat_mlp_loopback")
+TESTBED_RUNS = ROOT / "benchmarks" / "profiles" / "testbed_runs"
+
+
+def walk_stats(doc: dict[str, Any]) -> WalkStats:
+    """A run's ``plan_info["stats"]`` as the planner got them."""
+    opt = doc.get("optimizer")
+    return WalkStats(loss=doc["loss"], mu=doc["mu"], sigma=doc["sigma"], lr=doc["lr"], batch=doc["batch"],
+                     s_star=doc.get("s_star", 0.0), curvature=doc.get("curvature"),
+                     optimizer=OptimizerSpec(**opt) if opt else None, metric=doc.get("metric", "euclidean"))
+
+
+def stop_check() -> None:
+    from bench_simulate import PIPELINE_STATS  # benchmarks/ is this script's directory
+
+    from deft.preserver.feedback import NO_FASTER, preserve
+    from deft.solver.lagfree import lagfree_plan
+    from deft.solver.plan import plan
+
+    cases = [(path.stem, Profile.from_dict(doc["profile"], str(path)), walk_stats(doc["stats"]))
+             for path in sorted(TESTBED_RUNS.glob("*.json")) for doc in [json.loads(path.read_text())]]
+    cases += [(f"{path.stem} (mu {st.mu:g})", Profile.load(path), st)
+              for path in sorted(SOURCES[0].glob("*.json")) for st in PIPELINE_STATS if st is not None]
+    print("| profile | epsilon | DeFT tries | first that delays nothing, no faster | a later one accepted | chosen K |")
+    print("|---|---|---|---|---|---|")
+    runs = later = skipped = 0
+    for name, prof, stats in cases:
+        for eps in (0.01, 0.05, 0.5):
+            res = preserve(prof, DeftConfig(epsilon=eps), stats, planner=plan, no_delay_planner=lagfree_plan)
+            tried = [t for t in res.tries if t.kind == "deft"]
+            first = next((i for i, t in enumerate(tried) if t.rejected_on == NO_FASTER and t.schedule is not None
+                          and all(k == 1 for k in t.schedule.batch_sequence)
+                          and all(u.apply_after == u.last and u.apply_after < t.schedule.cycle
+                                  for u in t.schedule.updates)), None)
+            accepted = first is not None and any(t.accepted for t in tried[first + 1:])
+            runs, later = runs + 1, later + accepted
+            skipped += 0 if first is None else len(tried) - first - 1
+            print(f"| {name} | {eps:g} | {len(tried)} | {'-' if first is None else first + 1} | "
+                  f"{'**yes**' if accepted else 'no'} | {list(res.schedule.batch_sequence)} |", flush=True)
+    print(f"\n{runs} preserver runs; a try after the stop accepted in {later}; tries after the stop: {skipped}")
+
+
+def reference_preserver_table() -> None:
+    from bench_simulate import PIPELINE_STATS  # benchmarks/ is this script's directory
+
+    print("| profile | walk mu | epsilon | plan time (s) | K | predicted iteration (ms) | plans tried |")
+    print("|---|---|---|---|---|---|---|")
+    for path in sorted(SOURCES[0].glob("*.json")):
+        prof = Profile.load(path)
+        for stats in (st for st in PIPELINE_STATS if st is not None):
+            for eps in (0.01, 0.05):
+                t0 = time.perf_counter()
+                d = make_schedule(DeftConfig(epsilon=eps), prof, stats, None)
+                print(f"| {path.stem} | {stats.mu:g} | {eps:g} | {time.perf_counter() - t0:.2f} | "
+                      f"{list(d.schedule.batch_sequence)} | {d.schedule.predicted_iteration_s * 1e3:.3f} | "
+                      f"{d.info.get('tries')} |", flush=True)
+
+
+def preserver_table(repeats: int) -> None:
+    cfg = DeftConfig(epsilon=0.01)
+    print("| run | buckets | plan time (s) | predicted iteration (ms) | plans tried | source |")
+    print("|---|---|---|---|---|---|")
+    total = 0.0
+    for path in sorted(TESTBED_RUNS.glob("*.json")):
+        doc = json.loads(path.read_text())
+        prof, stats = Profile.from_dict(doc["profile"], str(path)), walk_stats(doc["stats"])
+        times, decision = [], None
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            decision = make_schedule(cfg, prof, stats, None)
+            times.append(time.perf_counter() - t0)
+        assert decision is not None
+        total += statistics.median(times)
+        print(f"| {path.stem} | {prof.n} | {statistics.median(times):.2f} | "
+              f"{decision.schedule.predicted_iteration_s * 1e3:.3f} | {decision.info.get('tries')} | "
+              f"{decision.info.get('source')} |", flush=True)
+    print(f"\nTotal plan time: {total:.2f} s")
 
 
 def main() -> None:
@@ -37,10 +137,32 @@ def main() -> None:
     ap.add_argument("--search-window", default=None, metavar="WARMUP,ITERATIONS",
                     help="the local search's simulation length (default: the code's own)")
     ap.add_argument("--repeats", type=int, default=1, help="plans per profile; the median time is printed")
+    ap.add_argument("--preserver", action="store_true",
+                    help="time the whole plan with the preserver on the testbed runs' profiles instead")
+    ap.add_argument("--reference-preserver", action="store_true",
+                    help="time the whole plan of the reference profiles with bench_simulate's walk statistics")
+    ap.add_argument("--stop-check", action="store_true",
+                    help="whether a preserver try after the stop's condition was ever accepted")
     args = ap.parse_args()
+    if args.reference_preserver:
+        knapsack.load_cp_sat()
+        print(f"deft from {Path(deft.__file__).parent}\n")
+        reference_preserver_table()
+        return
+    if args.stop_check:
+        knapsack.load_cp_sat()
+        print(f"deft from {Path(deft.__file__).parent}\n")
+        stop_check()
+        return
     if args.search_window is not None:
         warmup, iterations = (int(x) for x in args.search_window.split(","))
         lagfree.SEARCH_WARMUP, lagfree.SEARCH_ITERATIONS = warmup, iterations
+    if args.preserver:
+        knapsack.load_cp_sat()  # its import (0.3-0.4 s) is not planning
+        print(f"deft from {Path(deft.__file__).parent}; make_schedule at epsilon 0.01; {args.repeats} plan(s) "
+              "per profile\n")
+        preserver_table(args.repeats)
+        return
     cfg = DeftConfig(epsilon=0.0)
     print(f"deft from {Path(deft.__file__).parent}; search window {lagfree.SEARCH_WARMUP} warm-up + "
           f"{lagfree.SEARCH_ITERATIONS} iterations; {args.repeats} plan(s) per profile\n")

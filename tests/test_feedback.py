@@ -671,3 +671,33 @@ def test_recheck_offers_a_merge_again_once_noise_dominates() -> None:
     rc = Recheck(DeftConfig(epsilon=0.01), slow)
     decision = rc.check(rc.config.recheck_every, noisy)
     assert decision is not None and not decision.replan
+
+
+def test_tries_stop_at_one_that_delays_nothing_and_is_no_faster() -> None:
+    # Capacity only grows from try to try, so after a try that delays and merges nothing every later try
+    # delays nothing either: at one no faster than the no-delay plan the loop stops there (the no-delay
+    # plan runs), even where a later try, planned, would have been faster.
+    nd = dataclasses.replace(schedule_with((1,)), predicted_iteration_s=0.460)
+    plans = {1.0: dataclasses.replace(schedule_with((1,)), predicted_iteration_s=0.520),
+             1.25: dataclasses.replace(schedule_with((1, 2, 1)), predicted_iteration_s=0.300)}
+    asked: list[float] = []
+
+    def planner(p: Profile, c: DeftConfig, capacity_scale: float = 1.0) -> Schedule:
+        asked.append(capacity_scale)
+        return plans[capacity_scale]
+
+    def slow_merge(p: Profile, c: DeftConfig, k: int) -> Schedule:
+        return dataclasses.replace(schedule_with((k,)), predicted_iteration_s=10.0)
+
+    res = preserve(profile(), DeftConfig(epsilon=0.01), STATS, planner=planner, no_delay_planner=lambda p, c: nd,
+                   accumulate_planner=slow_merge)
+    assert asked == [1.0]
+    assert res.accepted and res.schedule.predicted_iteration_s == 0.460 and "no faster" in res.reason
+    assert [t.kind for t in res.tries] == ["accumulate", "deft", "no_delay"]
+    # A try no faster that delays (a stale schedule) does not stop them: the next capacity may delay less.
+    asked.clear()
+    plans[1.0] = dataclasses.replace(schedule_with((1, 2, 1), delayed=True), predicted_iteration_s=0.520)
+    res = preserve(profile(), DeftConfig(epsilon=0.01), STATS, planner=planner, no_delay_planner=lambda p, c: nd,
+                   accumulate_planner=slow_merge)
+    assert asked == [1.0, 1.25]
+    assert res.accepted and res.schedule.batch_sequence == (1, 2, 1) and res.schedule.predicted_iteration_s == 0.300
