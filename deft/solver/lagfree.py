@@ -74,8 +74,8 @@ def candidate(part: Profile, j: int, base: Schedule) -> Schedule:
 #: The search's simulations: 1 warm-up and 2 measured iterations (a cycle-1 schedule is in its steady
 #: state after one, so on the reference profiles these times equal the default length's to rounding),
 #: at most ``SEARCH_EVALUATIONS`` per partition in the local search (each evaluation is one simulation,
-#: the search's cost). Against 2 and 4, the same plan on the 5 reference profiles, 6 testbed runs'
-#: profiles and 4 compat-suite ones, in 0.6x the time (benchmarks/results/planner.md).
+#: the search's cost). Against 2 and 4: the same plan on the 5 reference profiles, 10 compat-suite
+#: ones and 30 testbed runs' ones, in 0.6x the time (benchmarks/bench_planner_time.py, planner.md).
 SEARCH_WARMUP, SEARCH_ITERATIONS, SEARCH_EVALUATIONS = 1, 2, 120
 #: Partitions tried by the early-send search, as multiples of the no-delay plan's capacity (the
 #: largest bucket's primary-link time): 1 is the no-delay plan's own partition; coarser pieces pay
