@@ -58,7 +58,8 @@ TESTBED_RUNS = ROOT / "benchmarks" / "profiles" / "testbed_runs"
 
 
 def walk_stats(doc: dict[str, Any]) -> WalkStats:
-    """A run's ``plan_info["stats"]`` as the planner got them."""
+    """A run's ``plan_info["stats"]`` (``WalkStats.to_dict``) as the planner got them. Read here, not by
+    a library function, so that this script also times older trees (``PYTHONPATH``) that lack one."""
     opt = doc.get("optimizer")
     return WalkStats(loss=doc["loss"], mu=doc["mu"], sigma=doc["sigma"], lr=doc["lr"], batch=doc["batch"],
                      s_star=doc.get("s_star", 0.0), curvature=doc.get("curvature"),
@@ -83,6 +84,7 @@ def stop_check() -> None:
         for eps in (0.01, 0.05, 0.5):
             res = preserve(prof, DeftConfig(epsilon=eps), stats, planner=plan, no_delay_planner=lagfree_plan)
             tried = [t for t in res.tries if t.kind == "deft"]
+            # feedback._delays_nothing, written out: this check runs on trees from before it existed
             first = next((i for i, t in enumerate(tried) if t.rejected_on == NO_FASTER and t.schedule is not None
                           and all(k == 1 for k in t.schedule.batch_sequence)
                           and all(u.apply_after == u.last and u.apply_after < t.schedule.cycle
