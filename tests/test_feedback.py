@@ -701,3 +701,9 @@ def test_tries_stop_at_one_that_delays_nothing_and_is_no_faster() -> None:
                    accumulate_planner=slow_merge)
     assert asked == [1.0, 1.25]
     assert res.accepted and res.schedule.batch_sequence == (1, 2, 1) and res.schedule.predicted_iteration_s == 0.300
+    # Nor does one that merges (K = 2) without staleness: it does not keep torch DDP's maths either.
+    asked.clear()
+    plans[1.0] = dataclasses.replace(schedule_with((2,)), predicted_iteration_s=0.520)
+    res = preserve(profile(), DeftConfig(epsilon=0.01), STATS, planner=planner, no_delay_planner=lambda p, c: nd,
+                   accumulate_planner=slow_merge)
+    assert asked == [1.0, 1.25] and res.schedule.batch_sequence == (1, 2, 1)
