@@ -202,3 +202,63 @@ def test_the_profile_iterations_and_those_run_while_rank_0_plans_share_a_dominan
     assert bounds[0][0] == 0 and bounds[-1][1] == 512 * 512
     assert all(hi == lo for (_, hi), (lo, _) in itertools.pairwise(bounds)), pieces
     assert a["worst"] < 1e-5 and b["worst"] < 1e-5  # torch DDP's maths throughout
+
+
+# -- deft-profile's workflow: a measured profile (pieces of a cut weight) given back to a new run -----
+def _dominant_model() -> nn.Module:
+    torch.manual_seed(0)  # a 64 x 256 weight holds 90 % of the bytes: the warm-up cuts it over the links
+    return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def _train(wrapped: nn.Module, model: nn.Module, rank: int, iters: int) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(iters):
+        x, y = torch.randn(32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
+        loss = nn.functional.cross_entropy(wrapped(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def profile_then_train_worker(rank: int, world: int, out_dir: str) -> dict[str, object]:
+    import deft
+
+    links = [{"name": "primary"}, {"name": "second"}]
+    path = Path(out_dir) / "profile.json"
+    os.environ["DEFT_PROFILE_OUT"] = str(path)  # what `deft-profile train.py` sets
+    model = _dominant_model()
+    ddp = deft.DistributedDataParallel(model, config={"warmup_iters": 1, "profile_iters": 2, "epsilon": 0.0,
+                                                      "bucket_cap_mb": 0.01, "timeout_s": 60, "links": links})
+    _train(ddp, model, rank, 6)
+    ddp.flush()
+    del os.environ["DEFT_PROFILE_OUT"]
+    import torch.distributed as dist
+
+    dist.barrier()  # rank 0 has written the profile
+    out: dict[str, object] = {"pieces": [n for b in Profile.load(path).buckets for n in b.params if "[" in n]}
+    for kind in ("torch", "deft"):
+        model = _dominant_model()
+        wrapped = nn.parallel.DistributedDataParallel(model) if kind == "torch" else deft.DistributedDataParallel(
+            model, config={"profile_path": str(path), "epsilon": 0.0, "timeout_s": 60, "links": links})
+        out[f"{kind}_losses"] = _train(wrapped, model, rank, 10)
+        if kind == "deft":
+            wrapped.flush()  # type: ignore[operator]
+            out["source"] = wrapped.plan_info["source"]  # type: ignore[index]
+            out["K"] = list(wrapped.schedule.batch_sequence)  # type: ignore[union-attr]
+        out[f"{kind}_params"] = [p.detach().flatten().tolist() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.slow
+def test_a_measured_profile_with_pieces_given_back_plans_and_trains_as_torch_ddp(tmp_path: Path) -> None:
+    out = values(run_ranks(profile_then_train_worker, 2, (str(tmp_path),), timeout=150))
+    for o in out:
+        assert o["pieces"], "the measured profile should name pieces of the cut weight (name[lo:hi])"
+        assert o["source"] == "lagfree_plan (epsilon = 0)" and o["K"] == [1], o["source"]
+        for mine, ref in zip(o["deft_params"], o["torch_params"], strict=True):
+            assert max(abs(a - b) for a, b in zip(mine, ref, strict=True)) <= 1e-5 * max(1.0, max(map(abs, ref)))
+        assert o["deft_losses"] == pytest.approx(o["torch_losses"], rel=1e-5)
