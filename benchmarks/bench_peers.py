@@ -212,6 +212,8 @@ SCHEMES: dict[str, Scheme] = {
     "deft-before": Scheme("deft default before this change ($DEFT_BEFORE_TREE), two links", ("--ddp", "deft"),
                           links=2, before=True),
     "deft-fp16": Scheme("deft default + fp16 hook, two links", ("--ddp", "deft", "--compression", "fp16"), links=2),
+    "deft-int8": Scheme("deft default + deft's int8 hook, two links", ("--ddp", "deft", "--compression", "int8"),
+                        links=2),
     "deft-powersgd": Scheme("deft default + PowerSGD (rank 4), two links",
                             ("--ddp", "deft", "--compression", "powersgd"), links=2),
 }

@@ -28,8 +28,9 @@ LINK_BACKENDS = ("auto", "nccl", "gloo")
 SOLVERS = ("exact", "greedy")
 #: ``"auto"``: the plan sends a bucket in fp16 or bf16 where the links are the bound and the preserver
 #: accepts the rounding (deft.solver.codecs, deft.preserver.codec_error; never at ``epsilon == 0``);
-#: ``"none"``: every bucket exact; ``"fp16" | "bf16" | "powersgd"``: torch's comm hook on every bucket.
-COMPRESSIONS = ("auto", "none", "fp16", "bf16", "powersgd")
+#: ``"none"``: every bucket exact; ``"fp16" | "bf16" | "powersgd"``: torch's comm hook on every bucket;
+#: ``"int8"``: deft's 8-bit hook on every bucket (deft.runtime.int8_hook: block-scaled, stochastically rounded).
+COMPRESSIONS = ("auto", "none", "fp16", "bf16", "int8", "powersgd")
 #: Under ``compression = "auto"``: the codec of the profile iterations (deft.runtime.codec_choice). ``"auto"``:
 #: every bucket is sent with the codec the preserver accepts on the first iteration's gradients when
 #: that iteration's all-reduces waited longer after the backward than its forward and backward took

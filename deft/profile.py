@@ -39,7 +39,7 @@ from deft.errors import ContractError
 SCHEMA_VERSION = 2
 SCHEMAS = (1, 2)  # schema 1: no compression fields
 #: Codec names (``Profile.codec``) of torch's fp16/bf16 hooks: ``deft.runtime.comm_hooks`` names them so.
-ELEMENTWISE_CODECS = ("fp16", "bf16")
+ELEMENTWISE_CODECS = ("fp16", "bf16", "int8")
 SOURCES = ("timing", "kineto", "nsys", "reference", "synthetic")
 BACKENDS = ("nccl", "gloo")
 

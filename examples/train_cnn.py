@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/train_cnn.py --ddp torch
     torchrun --nproc-per-node 2 examples/train_cnn.py --ddp deft [--epsilon 0.01] [--config deft.toml]
-                                                             [--compression fp16|powersgd]
+                                                             [--compression fp16|int8|powersgd]
     torchrun --nproc-per-node 2 examples/train_cnn.py --ddp deft --local-steps 4 [--local-outer average|diloco]
                                                              [--local-period fixed|adacomm]
     torchrun --nproc-per-node 2 examples/train_cnn.py --ddp fp16|powersgd|accum2|localsgd|diloco
@@ -43,7 +43,8 @@ learning rate:
   between outer steps, like localsgd).
 * ``deft``: ``deft.DistributedDataParallel`` (plus the optional ``ddp.observe_loss(loss)`` that feeds
   deft's preserver); ``--epsilon``, ``--no-preserver`` and ``--config`` set its config.
-  ``--compression fp16|powersgd`` sets deft's ``compression`` knob: torch's ``fp16_compress_hook``, or
+  ``--compression fp16|int8|powersgd`` sets deft's ``compression`` knob: torch's ``fp16_compress_hook``,
+  deft's 8-bit codec (``deft.runtime.int8_hook``), or
   ``powerSGD_hook`` with the powersgd scheme's settings (``--powersgd-rank`` (4), error feedback, warm
   start, ``--powersgd-start`` defaulting to 10 % of the iterations, and the powersgd scheme's one-bucket
   ``bucket_cap_mb``), on deft's scheduled buckets; deft profiles and plans on the compressed sizes and
@@ -133,8 +134,9 @@ def add_scheme_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--config", default=os.environ.get("DEFT_CONFIG"),
                     help="deft TOML config (default: $DEFT_CONFIG, else deft's defaults)")
     # The codecs that have a torch DDP peer scheme here (--ddp fp16 / powersgd), so every deft run has its
-    # side-by-side comparison; bf16 works in deft (config compression = "bf16") but has no peer here.
-    ap.add_argument("--compression", choices=("none", "fp16", "powersgd"), default=None,
+    # side-by-side comparison, and deft's own int8; bf16 works in deft (config compression = "bf16") but has
+    # no peer here.
+    ap.add_argument("--compression", choices=("none", "fp16", "int8", "powersgd"), default=None,
                     help="deft: compress every bucket with torch's hook (config knob compression)")
     ap.add_argument("--powersgd-rank", type=int, default=4, help="powersgd: matrix_approximation_rank")
     ap.add_argument("--powersgd-start", type=int, default=None,

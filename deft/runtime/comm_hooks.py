@@ -76,6 +76,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from deft.config import DeftConfig
 from deft.errors import ContractError, DeftError
+from deft.runtime import int8_hook
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.checkpoint import StateDoc
 from deft.runtime.control import ControlPlane
@@ -113,9 +114,10 @@ class HookBucket:
         self._buffer.copy_(tensor)
 
 
-#: torch's hooks that start one collective synchronously and keep no cross-bucket state (their codec
-#: names, ``fp16`` and ``bf16``, are :data:`deft.profile.ELEMENTWISE_CODECS`).
-SINGLE_COLLECTIVE_HOOKS = (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook)
+#: Hooks that start one collective synchronously and keep no cross-bucket state but a generator drawn
+#: in the call (their codec names, ``fp16``, ``bf16`` and ``int8``, are :data:`deft.profile.ELEMENTWISE_CODECS`).
+SINGLE_COLLECTIVE_HOOKS = (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook,
+                           int8_hook.int8_compress_hook)
 
 #: torch's hooks that write their result into the bucket's own buffer (and its gradient views) and
 #: never resize it, as an in-place all-reduce does: deft hands them its buffer itself, no copy.
@@ -209,7 +211,7 @@ def from_config(cfg: DeftConfig) -> CommHook | None:
     bucket with ``"auto"``: :func:`codec_hook`)."""
     if cfg.compression in ("none", "auto"):
         return None
-    if cfg.compression in CODEC_HOOKS:
+    if cfg.compression in CODEC_HOOKS or cfg.compression == "int8":
         return codec_hook(cfg.compression)
     state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
                                         start_powerSGD_iter=cfg.powersgd_start_iter, use_error_feedback=True,
@@ -222,8 +224,11 @@ CODEC_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.b
 
 
 def codec_hook(name: str) -> CommHook:
-    """torch's hook of the element-wise codec ``name`` (``"fp16"``, ``"bf16"``): stateless, one
-    collective started in the call, in place; what a schedule's per-bucket codec runs."""
+    """The hook of the element-wise codec ``name``: torch's ``"fp16"``, ``"bf16"`` (stateless) or deft's
+    ``"int8"`` (:mod:`deft.runtime.int8_hook`, a generator); one collective started in the call, in place;
+    what a schedule's per-bucket codec runs."""
+    if name == "int8":
+        return CommHook(int8_hook.Int8State(), int8_hook.int8_compress_hook, name)
     return CommHook(None, CODEC_HOOKS[name], name)
 
 
@@ -299,6 +304,8 @@ def codec_name(hook: CommHook) -> str:
         return "fp16"
     if hook.hook is default_hooks.bf16_compress_hook:
         return "bf16"
+    if hook.hook is int8_hook.int8_compress_hook:
+        return "int8"
     if isinstance(st, powerSGD_hook.PowerSGDState):
         if hook.hook is powerSGD_hook.powerSGD_hook:
             return f"powersgd (rank {st.matrix_approximation_rank})"
@@ -316,6 +323,8 @@ def wire_nbytes(hook: CommHook, shapes: Sequence[Sequence[int]], element_size: i
     numel = sum(math.prod(sh) for sh in shapes)
     if hook.hook in (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook):
         return 2 * numel
+    if hook.hook is int8_hook.int8_compress_hook:
+        return int8_hook.wire_nbytes(numel, dist.get_world_size() if dist.is_initialized() else 1)
     st = hook.state
     if not isinstance(st, powerSGD_hook.PowerSGDState):
         return None
@@ -537,6 +546,8 @@ def scratch_state(hook: CommHook, group: dist.ProcessGroup) -> tuple[bool, objec
             compression_stats_logging_frequency=10**9, batch_tensors_with_same_shape=st.batch_tensors_with_same_shape)
         fresh.iter = fresh.start_powerSGD_iter  # on the compressed path
         return True, fresh
+    if isinstance(st, int8_hook.Int8State):
+        return True, int8_hook.Int8State(group, seed=st.seed + 1)  # the training's draws stay untouched
     return False, None
 
 
