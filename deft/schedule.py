@@ -25,7 +25,8 @@ Invariants (checked by :meth:`Schedule.validate`)
 4. Link names are unique; bucket ids, origins and positions are integers (JSON ``true`` is not one).
 5. ``codecs`` is empty (every bucket sent exact) or names one codec per bucket: ``""`` (exact) or an
    element-wise codec of :data:`CODECS` (``"fp16"``, ``"bf16"``: the bucket is cast to it for the
-   all-reduce, as torch's ``fp16_compress_hook`` does). The plan chooses them (deft.solver.codecs);
+   all-reduce, as torch's ``fp16_compress_hook`` does; ``"int8"``: deft's 8-bit hook,
+   ``deft.runtime.int8_hook``). The plan chooses them (deft.solver.codecs);
    they are part of the digest the ranks agree on.
 """
 
@@ -44,7 +45,7 @@ from deft.errors import ContractError
 SCHEMA_VERSION = 1
 STAGES = ("forward", "backward")
 #: The per-bucket codecs a schedule may name (invariant 5); ``""``: the bucket is sent exact.
-CODECS = ("", "fp16", "bf16")
+CODECS = ("", "fp16", "bf16", "int8")
 
 
 def _is_int(x: object) -> TypeGuard[int]:

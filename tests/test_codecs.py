@@ -17,6 +17,7 @@ from deft.config import DeftConfig, LinkConfig
 from deft.errors import ContractError
 from deft.preserver.codec_error import FP16_HEADROOM, FP16_MAX, GradientScale, judge, pick, variance_bound
 from deft.profile import Bucket, BucketTimes, Link, Profile
+from deft.runtime import int8_hook
 from deft.runtime.layouts import warmup_layout
 from deft.runtime.planning import CodecInputs, Decision, choose_codec, make_schedule, torch_way_without_gain
 from deft.schedule import Schedule, synchronous_schedule
@@ -253,3 +254,69 @@ def test_warmup_buckets_under_a_chained_hook_follow_torchs_first_bucket_rule() -
     default = warmup_layout(order, ["a", "b", "c"], params, 25.0, True)  # first bucket 1 MB: one parameter
     given = warmup_layout(order, ["a", "b", "c"], params, 25.0, True, first_bucket_cap_mb=25.0)
     assert default.bucket_numel == (300_000, 600_000) and given.bucket_numel == (900_000,)
+
+
+# -- the 8-bit codec (deft.runtime.int8_hook) ------------------------------------------------------------
+def block_peak_of(g: torch.Tensor) -> float:
+    """sum_k n_k max_{i in k} g_i² over blocks of 256, the last one counted whole (written out here)."""
+    return sum(256 * float(g[lo:lo + 256].abs().max()) ** 2 for lo in range(0, g.numel(), 256))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_int8_variance_bound_holds_for_the_real_rounding(world: int) -> None:
+    gen = torch.Generator().manual_seed(world)
+    b, d, draws = 16, 20_000, 40
+    signal = torch.randn(d, generator=gen)
+    grads = [signal + 3.0 * torch.randn(d, generator=gen) for _ in range(world)]
+    exact = torch.stack(grads).mean(0)
+    err = 0.0
+    for k in range(draws):
+        payloads = [int8_hook.encode(g, torch.Generator().manual_seed(1000 * k + r)) for r, g in enumerate(grads)]
+        err += float((int8_hook.decode(payloads, d) - exact).pow(2).sum()) / draws
+    # tr Σ / b per rank = 9 d (noise 3 per element), Euclidean: the scale's inputs, by construction
+    scale = GradientScale(world=world, batch=b, mu=float(signal.pow(2).sum()), trace=9.0 * d * b, max_abs=10.0,
+                          block_peak=max(block_peak_of(g) for g in grads), raw_trace=9.0 * d * b)
+    delta = variance_bound("int8", scale)
+    noise = 9.0 * d / world  # tr Σ / (R b)
+    assert err / noise <= delta
+    assert err / noise > 0.2 * delta  # the bound is not vacuous
+    assert judge("int8", scale, 0.01).accepted  # 8 bits of a noisy gradient: far below its noise
+
+
+def test_int8_is_judged_only_with_block_peaks_and_refused_where_peaks_dwarf_the_noise() -> None:
+    unmeasured = judge("int8", GradientScale(world=2, batch=32, mu=1.0, trace=100.0, max_abs=1.0), 0.01)
+    assert not unmeasured.accepted and "block peaks" in unmeasured.reason
+    # delta = b P / (4 x 127² x tr Σ) = 32 x 5e4 / (64516 x 100) = 0.248: ratio 0.895, outside 0.99
+    peaky = judge("int8", GradientScale(world=2, batch=32, mu=1.0, trace=100.0, max_abs=1.0, block_peak=5e4,
+                                        raw_trace=100.0), 0.01)
+    assert peaky.delta == pytest.approx(32 * 5e4 / (4 * 127 ** 2 * 100))
+    assert not peaky.accepted
+    assert judge("int8", GradientScale(world=2, batch=32, mu=1.0, trace=100.0, max_abs=1.0, block_peak=5e4,
+                                       raw_trace=100.0), 0.2).accepted  # 0.895 is within a wider epsilon
+
+
+def int8_inputs(block_peak: float = 10.0, codec_ms: float = 0.1) -> CodecInputs:
+    eight = CodecCost("int8", (int8_hook.wire_nbytes(NUMEL, 2),) * 4, (codec_ms * MS,) * 4)
+    return CodecInputs(cost(4), GradientScale(world=2, batch=32, mu=1.0, trace=100.0, max_abs=1.0,
+                                              block_peak=block_peak, raw_trace=100.0), eight)
+
+
+def test_decision_takes_int8_where_it_pays_and_records_both() -> None:
+    planned, record = choose_codec(CFG, profile((20.0,) * 4), int8_inputs())
+    assert record is not None and record["codec"] == "int8" and record["coded"] == [0, 1, 2, 3]
+    assert [a["codec"] for a in record["alternatives"]] == ["fp16", "int8"]
+    assert [v["codec"] for v in record["verdicts"]] == ["fp16", "bf16", "int8"]
+    assert planned.codec == "int8"
+    assert planned.buckets[0].wire_nbytes == int8_hook.wire_nbytes(NUMEL, 2)
+    decision = make_schedule(CFG, profile((20.0,) * 4), None, None, int8_inputs())
+    assert set(decision.schedule.codecs) == {"int8"}
+
+
+def test_decision_keeps_fp16_where_int8_is_refused_or_does_not_pay() -> None:
+    _, refused = choose_codec(CFG, profile((20.0,) * 4), int8_inputs(block_peak=1e6))
+    assert refused is not None and refused["codec"] == "fp16" and "alternatives" not in refused
+    # int8's encode and decode (here 15 ms a bucket against fp16's 0.1) eat what its bytes save
+    _, slow = choose_codec(CFG, profile((20.0,) * 4), int8_inputs(codec_ms=15.0))
+    assert slow is not None and slow["codec"] == "fp16" and len(slow["alternatives"]) == 2
+    _, compute_bound = choose_codec(CFG, profile((0.1,) * 4, backward_ms=10.0), int8_inputs())
+    assert compute_bound is not None and compute_bound["coded"] == []

@@ -9,6 +9,7 @@ parameters and the update log must equal those of the uninterrupted run bit for 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -96,10 +97,16 @@ def resume_worker(rank: int, world: int, schedule_path: str, ckpt_dir: str,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compression", ["none", "powersgd"])
+# int8: deft's 8-bit hook on every bucket (the comm hook's state); int8-schedule: the schedule names int8
+# for its buckets, as deft's own choice does (the schedule's codec hooks' state): both resume the rounding
+@pytest.mark.parametrize("compression", ["none", "powersgd", "int8", "int8-schedule"])
 def test_checkpoint_mid_cycle_resumes_exactly(tmp_path: Path, compression: str) -> None:
     sched = tmp_path / "schedule.json"
-    delayed_schedule((30, 30, 23)).save(sched)
+    schedule = delayed_schedule((30, 30, 23))
+    if compression == "int8-schedule":
+        schedule = dataclasses.replace(schedule, codecs=("int8",) * schedule.n_buckets)
+        compression = "none"
+    schedule.save(sched)
     first = values(run_ranks(first_half_worker, 2, (str(sched), str(tmp_path), compression), timeout=120))
     # Iterations 5 and 6 form the pending group; two of its buckets were launched in iteration 6.
     assert first[0]["pending_at_stop"] == {"6": [[0, 1], [5, 6]]}

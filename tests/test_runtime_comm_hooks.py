@@ -210,15 +210,18 @@ def in_place_worker(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
     from deft.runtime.comm_hooks import IN_PLACE_HOOKS, CommHook, HookBucket, hook_result
+    from deft.runtime.int8_hook import Int8State, int8_compress_hook
 
     model = make_model()
     params = list(model.parameters())
     out: dict[str, Any] = {}
     for hook in IN_PLACE_HOOKS:
-        state = None if hook is not powerSGD_hook.powerSGD_hook else powerSGD_hook.PowerSGDState(
+        state: Any = None if hook is not powerSGD_hook.powerSGD_hook else powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2, random_seed=7)
         if state is not None:
             state.iter = 2  # on the compressed path
+        if hook is int8_compress_hook:
+            state = Int8State()
         n = sum(p.numel() for p in params)
         buffer = torch.full((n,), float(rank + 1))
         grads, offset = [], 0
@@ -235,10 +238,11 @@ def in_place_worker(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.slow
 def test_in_place_hooks_leave_the_average_in_deft_buffer() -> None:
     # Every rank's bucket holds rank + 1: the average over 2 ranks is 1.5 everywhere. fp16 and bf16 hold
-    # 1.5 exactly; PowerSGD's rank-1 approximation of a constant matrix is that constant (it has rank 1),
+    # 1.5 exactly; int8 sends every element as its block's largest (127 levels of it, no rounding left);
+    # PowerSGD's rank-1 approximation of a constant matrix is that constant (it has rank 1),
     # and the 1-D biases go uncompressed, so its mean is 1.5 up to float rounding.
     for v in values(run_ranks(in_place_worker, 2, (), timeout=60)):
-        assert set(v) == {"fp16_compress_hook", "bf16_compress_hook", "powerSGD_hook"}
+        assert set(v) == {"fp16_compress_hook", "bf16_compress_hook", "int8_compress_hook", "powerSGD_hook"}
         for name, r in v.items():
             assert r["in_place"] and r["same"] and r["numel"], (name, r)
             assert r["mean"] == pytest.approx(1.5, rel=1e-5), (name, r)

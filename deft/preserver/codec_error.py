@@ -1,4 +1,4 @@
-"""Whether an element-wise codec (fp16, bf16) keeps the preserver's promise, and which one.
+"""Whether a codec (fp16, bf16, int8) keeps the preserver's promise, and which one.
 
 The maths
 ---------
@@ -27,6 +27,20 @@ estimate: the rounding errors are in fact unbiased and mostly cancel. Elementwis
 scale like the gradient under Adam's diagonal metric, so ``δ`` is the same in either metric as long
 as ``|g|²`` and ``tr Σ`` come from one.
 
+The 8-bit codec (``int8``, :mod:`deft.runtime.int8_hook`) is not a rounding relative to each element:
+each block of 256 elements is rounded stochastically to 255 levels of its largest element. Its error is
+unbiased and, with ``P`` the largest over ranks of ``sum_k n_k max_{i in k} g_{r,i}²`` (blocks ``k`` of
+``n_k`` elements, measured on the profile's buckets), ``E|e|² <= P / (4 · 127² · R)``, so against the
+averaged gradient's noise ``tr Σ / (R b)``
+
+    δ = b P / (4 · 127² · tr Σ),
+
+judged by the same walk ratio. ``P >= mean_r |g_r|²``, so ``δ`` is at least ``(b |g|² / tr Σ + 1) / 64516``:
+the bound passes where the gradient's noise dominates its mean (small batches, most of training) and its
+largest elements are not far above the rest. The block maxima are not relative to each element, so
+``P`` and ``tr Σ`` are Euclidean (``raw_trace``; Adam's metric would scale the error and the noise
+differently); the scales are float32, so no range applies.
+
 Range: fp16's largest finite value is 65504; a gradient sum beyond it becomes ``inf`` where the exact
 all-reduce would not (with a GradScaler that is a skipped step torch DDP without the codec would not
 skip). fp16 is chosen only while the measured largest ``|g_r|`` times ``R`` stays below
@@ -45,6 +59,10 @@ from deft.preserver.feedback import passes
 
 #: Unit roundoff of the 16-bit formats (round to nearest): half an ulp of 1.
 UNIT_ROUNDOFF = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
+#: The 8-bit codec's largest level (deft.runtime.int8_hook.LEVELS; the preserver does not import the runtime).
+INT8_LEVELS = 127
+#: Every codec the preserver judges.
+CODECS = (*UNIT_ROUNDOFF, "int8")
 FP16_MAX = 65504.0
 #: fp16 only while ``R max|g_r|`` is this many times below fp16's largest value (10 doublings).
 FP16_HEADROOM = 2.0 ** 10
@@ -56,20 +74,25 @@ _SOURCE = "<codec_error>"
 class GradientScale:
     """What the codec's error is measured against, from the statistics deft gathers anyway:
     ``world`` ranks of ``batch`` samples each, ``|g|²`` and ``tr Σ`` (one metric), and the largest
-    ``|g_r|`` element seen on any rank."""
+    ``|g_r|`` element seen on any rank; for ``int8``, the block peak ``P`` and the Euclidean ``tr Σ``
+    (``None``: not measured, and int8 is not judged)."""
 
     world: int
     batch: int
     mu: float
     trace: float
     max_abs: float
+    block_peak: float | None = None
+    raw_trace: float | None = None
 
     def __post_init__(self) -> None:
         if self.world < 2 or self.batch < 1:
             raise ContractError(_SOURCE, "world",
                                 f"expected >= 2 ranks of >= 1 sample, got {self.world} x {self.batch}")
-        for name in ("mu", "trace", "max_abs"):
+        for name in ("mu", "trace", "max_abs", "block_peak", "raw_trace"):
             v = getattr(self, name)
+            if name in ("block_peak", "raw_trace") and v is None:
+                continue
             if not (math.isfinite(v) and v >= 0.0):
                 raise ContractError(_SOURCE, name, f"expected a finite number >= 0, got {v!r}")
 
@@ -91,6 +114,10 @@ class CodecVerdict:
 
 def variance_bound(codec: str, scale: GradientScale) -> float:
     """``δ``: the codec's error variance over the averaged gradient's noise, at most (module docstring)."""
+    if codec == "int8":
+        if scale.block_peak is None or scale.raw_trace is None or scale.raw_trace <= 0.0:
+            return math.inf
+        return scale.batch * scale.block_peak / (4.0 * INT8_LEVELS ** 2 * scale.raw_trace)
     u = UNIT_ROUNDOFF[codec]
     if scale.trace <= 0.0:
         return math.inf  # no measured noise to hide the rounding in
@@ -101,9 +128,11 @@ def variance_bound(codec: str, scale: GradientScale) -> float:
 def judge(codec: str, scale: GradientScale, epsilon: float) -> CodecVerdict:
     """The codec passes when the walk's one-step ratio, at least ``1 / sqrt(1 + δ)``, is within
     ``epsilon`` of 1 and, for fp16, the gradients leave the headroom (module docstring)."""
-    if codec not in UNIT_ROUNDOFF:
-        raise ContractError(_SOURCE, "codec", f"expected one of {list(UNIT_ROUNDOFF)}, got {codec!r}")
+    if codec not in CODECS:
+        raise ContractError(_SOURCE, "codec", f"expected one of {list(CODECS)}, got {codec!r}")
     delta = variance_bound(codec, scale)
+    if codec == "int8" and (scale.block_peak is None or scale.raw_trace is None):
+        return CodecVerdict(codec, delta, 0.0, False, "no block peaks or Euclidean noise measured")
     if codec == "fp16" and scale.world * scale.max_abs > FP16_MAX / FP16_HEADROOM:
         return CodecVerdict(codec, delta, math.nan, False,
                             f"gradients up to {scale.max_abs:.3g} x {scale.world} ranks leave less than "
@@ -119,5 +148,6 @@ def judge(codec: str, scale: GradientScale, epsilon: float) -> CodecVerdict:
 
 def pick(scale: GradientScale, epsilon: float) -> tuple[CodecVerdict, ...]:
     """The verdicts in order of preference, fp16 (smaller rounding) then bf16 (float32's range); the
-    first accepted one is the codec to use (none accepted: every bucket stays exact)."""
+    first accepted one is the codec to use (none accepted: every bucket stays exact). The 16-bit codecs
+    only: ``int8`` is judged on its own (:func:`judge`) where the plan prices it against them."""
     return tuple(judge(c, scale, epsilon) for c in ("fp16", "bf16"))

@@ -61,6 +61,7 @@ class RuntimeState:
     update_log: list[tuple[int, tuple[int, ...]]]
     plan_info: JsonDict = field(default_factory=dict)  # saved as JSON text (a non-JSON value as its str)
     comm_hook: StateDoc | None = None  # the comm hook's state (deft.runtime.comm_hooks)
+    codec_hooks: dict[str, StateDoc] = field(default_factory=dict)  # the schedule's codecs' states (int8's generator)
 
     def to_dict(self) -> StateDoc:
         return {
@@ -71,6 +72,7 @@ class RuntimeState:
             "update_log": [[t, list(its)] for t, its in self.update_log],
             "plan_info": json.dumps(self.plan_info, default=str),
             "comm_hook": self.comm_hook,
+            "codec_hooks": self.codec_hooks,
         }
 
     @classmethod
@@ -91,7 +93,8 @@ class RuntimeState:
                    order_known=bool(state["order_known"]), order=[int(i) for i in state["order"].tolist()],
                    schedule=schedule, groups=list(state["groups"]),
                    update_log=[(int(t), tuple(int(i) for i in its)) for t, its in state["update_log"]],
-                   plan_info=json.loads(state.get("plan_info", "{}")), comm_hook=state.get("comm_hook"))
+                   plan_info=json.loads(state.get("plan_info", "{}")), comm_hook=state.get("comm_hook"),
+                   codec_hooks=_codec_hooks(state.get("codec_hooks", {})))
 
     def check_owner(self, rank: int, world: int) -> None:
         """Pending local gradients not yet communicated belong to the rank that saved them."""
@@ -101,3 +104,11 @@ class RuntimeState:
                                 f"this checkpoint holds rank {self.rank}'s (of {self.world}) local gradients "
                                 f"not yet communicated; load it on rank {self.rank} of {self.world} (this is "
                                 f"rank {rank} of {world}) or call ddp.flush() before saving")
+
+
+def _codec_hooks(doc: object) -> dict[str, StateDoc]:
+    """``codec_hooks``: the schedule's codec hooks' states by codec name (absent in older checkpoints)."""
+    if not isinstance(doc, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in doc.items()):
+        raise ContractError(SOURCE, "_extra_state.codec_hooks",
+                            f"expected an object of codec name -> state object, got {doc!r}")
+    return dict(doc)

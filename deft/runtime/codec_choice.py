@@ -9,7 +9,9 @@ What it measures, collectively at the end of the profile (every rank, the same r
 
 * the codec's wire bytes and compute per profiled bucket: torch's ``fp16_compress_hook`` timed on a
   one-rank group (:func:`deft.runtime.comm_hooks.agree_codec`, the maximum over ranks); bf16's cast
-  costs the same passes over memory, so one measurement prices both;
+  costs the same passes over memory, so one measurement prices both; deft's 8-bit hook
+  (:mod:`deft.runtime.int8_hook`) likewise, where it puts fewer bytes on the wire than 16 bits (under
+  four ranks);
 * the scale the rounding is judged against (:func:`deft.runtime.grad_stats.gradient_scale`).
 
 Rank 0 then decides inside its plan (:func:`deft.runtime.planning.choose_codec`); every rank rebuilds
@@ -99,6 +101,7 @@ from deft.errors import DeftError
 from deft.preserver import codec_error
 from deft.preserver.codec_error import CodecVerdict, GradientScale
 from deft.profile import ELEMENTWISE_CODECS, Profile
+from deft.runtime import int8_hook
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.comm_hooks import Codec, agree_codec, codec_hook
 from deft.runtime.control import ControlPlane
@@ -145,7 +148,13 @@ def measure(layout: FlatLayout, params: list[torch.Tensor], solo: dist.ProcessGr
     scale = gradient_scale(stats, control, batch)
     if measured is None or scale is None:
         return None
-    return CodecInputs(CodecCost("fp16", measured.wire_nbytes, measured.codec_s), scale)
+    int8 = None
+    numel = sum(layout.bucket_numel)
+    if int8_hook.wire_nbytes(numel, control.world) < 2 * numel:  # fewer bytes than 16 bits (under 4 ranks)
+        eight = agree_codec(codec_hook("int8"), layout, params, solo, device, control)
+        assert eight is not None
+        int8 = CodecCost("int8", eight.wire_nbytes, eight.codec_s)
+    return CodecInputs(CodecCost("fp16", measured.wire_nbytes, measured.codec_s), scale, int8)
 
 
 def planned_profile(profile: Profile, inputs: CodecInputs | None, info: JsonDict) -> Profile:
@@ -158,8 +167,7 @@ def planned_profile(profile: Profile, inputs: CodecInputs | None, info: JsonDict
         return profile
     if not (isinstance(coded, list) and all(isinstance(b, int) for b in coded) and isinstance(name, str)):
         raise DeftError(f"internal: rank 0's codec decision is malformed: {record!r}")
-    cost = CodecCost(name, inputs.cost.wire_nbytes, inputs.cost.codec_s)
-    return codecs.encoded_profile(profile, cost, [int(b) for b in coded])  # ints: checked above
+    return codecs.encoded_profile(profile, inputs.cost_of(name), [int(b) for b in coded])  # ints: checked above
 
 
 # -- the profile iterations' codec (module docstring) ------------------------------------------------------

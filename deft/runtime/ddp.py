@@ -390,6 +390,7 @@ class DistributedDataParallel(nn.Module):
         return RuntimeState(rank=self.rank, world=self.world, t=self._t, t0=ex.t0, order=list(ex.layout.order),
                             schedule=ex.schedule, groups=ex.group_states(), update_log=list(self._updates.log),
                             comm_hook=None if ex.comm_hook is None else ex.comm_hook.state_dict(),
+                            codec_hooks=ex.codec_hook_states(),
                             **self._course.state()).to_dict()
 
     def set_extra_state(self, state: object) -> None:
@@ -420,6 +421,7 @@ class DistributedDataParallel(nn.Module):
                                     "the checkpoint holds a comm hook's state but no hook is registered: call "
                                     "ddp.register_comm_hook(...) before load_state_dict")
             self._executor.comm_hook.load_state_dict(st.comm_hook, "deft checkpoint")
+        self._executor.load_codec_hook_states(st.codec_hooks, "deft checkpoint")
 
     def _load_local(self, state: dict[str, Any]) -> None:
         """Local-steps mode's checkpoint: an averaging in flight holds this rank's own snapshot."""

@@ -50,7 +50,7 @@ import torch
 from deft.errors import CommunicationError, DeftError
 from deft.profiler import nvtx
 from deft.runtime.buckets import FlatLayout
-from deft.runtime.checkpoint import GroupState
+from deft.runtime.checkpoint import GroupState, StateDoc
 from deft.runtime.comm_hooks import CommHook, codec_hook, hook_bucket, hook_result
 from deft.runtime.control import FUTURE_TYPES, Collective, wait_work
 from deft.runtime.links import CommLink
@@ -455,6 +455,18 @@ class Executor:
             g.pending.setdefault(b, []).append(Pending(fut, link_name, what, post=_hook_post(views[0], self.world)))
         g.launched.add(b)
         return works
+
+    def codec_hook_states(self) -> dict[str, StateDoc]:
+        """The states of the schedule's codec hooks that keep one (int8's generator), by codec name."""
+        states = {name: hook.state_dict() for name, hook in self._codec_hooks.items()}
+        return {name: st for name, st in states.items() if st is not None}
+
+    def load_codec_hook_states(self, saved: dict[str, StateDoc], source: str) -> None:
+        """Restore :meth:`codec_hook_states` (a resumed run rounds as the uninterrupted one)."""
+        for name, st in saved.items():
+            if name not in self._codec_hooks:
+                self._codec_hooks[name] = codec_hook(name)
+            self._codec_hooks[name].load_state_dict(st, source)
 
     def _hook_for(self, b: int) -> CommHook | None:
         """The user's (or the config's) comm hook for every bucket, else the schedule's codec for

@@ -56,6 +56,8 @@ from deft.preserver.stability import OptimizerSpec
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.control import Collective, ControlPlane
 from deft.runtime.executor import DueUpdate, Executor
+from deft.runtime.int8_hook import BLOCK as INT8_BLOCK
+from deft.runtime.int8_hook import block_maxima
 
 log = logging.getLogger("deft.runtime")
 
@@ -72,6 +74,7 @@ class _GroupSums:
     proj_b: float = 0.0
     has_dirs: bool = True
     raw_sq_norm: float = 0.0
+    block_peak: torch.Tensor | float = 0.0  # sum_k n_k max_{i in k} g_i² of the local gradient (int8's P)
 
     def local(self) -> LocalStats:
         return LocalStats(sq_norm=self.sq_norm, proj_a=self.proj_a if self.has_dirs else None,
@@ -123,6 +126,8 @@ class GradStats:
         self._wanted = False
         self.batch: int | None = None  # the per-rank batch (the forward's first tensor argument)
         self._max_abs: torch.Tensor | None = None  # largest finite |local gradient| element seen (bucket())
+        self._peak_sum = 0.0  # the block peaks of the updates measured (update()), for block_peak()
+        self._peak_n = 0
 
     @classmethod
     def start(cls, cfg: DeftConfig, world: int) -> GradStats | None:
@@ -220,8 +225,10 @@ class GradStats:
         acc = self._acc.setdefault(key, _GroupSums(batch))
         for v in views:  # the largest finite local gradient element (a codec's range), no device sync here
             if v.numel():
-                m = torch.nan_to_num(v.detach().abs().amax().float() / k, nan=0.0, posinf=0.0)
+                maxima = torch.nan_to_num(block_maxima(v.detach()) / k, nan=0.0, posinf=0.0)
+                m = maxima.amax()
                 self._max_abs = m if self._max_abs is None else torch.maximum(self._max_abs, m.to(self._max_abs))
+                acc.block_peak = acc.block_peak + maxima.square().sum() * INT8_BLOCK
         if self._scale is not None and self._layout is not None:
             acc.raw_sq_norm += local_stats(views, None, batch).sq_norm / (k * k)
             views = [v.float() * r for v, r in zip(views, self._layout.bucket_views(self._scale, b), strict=True)]
@@ -287,6 +294,8 @@ class GradStats:
             self._first_piece = {}
             return False
         self.noise.update(rows, mean_sq, dot)
+        self._peak_sum += float(acc.block_peak)
+        self._peak_n += 1
         if not self.scale_only:
             self.directions.observe(pieces)
         return True
@@ -297,6 +306,11 @@ class GradStats:
     def max_abs(self) -> float:
         """The largest finite element of any local gradient this rank measured (0 before any)."""
         return 0.0 if self._max_abs is None else float(self._max_abs)
+
+    def block_peak(self) -> float | None:
+        """This rank's ``sum_k n_k max_{i in k} g_i²`` over blocks of the int8 codec's size on the layout's
+        buckets (:mod:`deft.runtime.int8_hook`), the mean over the updates measured (None before any)."""
+        return self._peak_sum / self._peak_n if self._peak_n else None
 
     def raw_trace(self) -> float | None:
         """``tr Σ`` of the plain gradients (the secant's noise correction), ``None`` while unknown."""
@@ -383,14 +397,20 @@ def walk_stats(config: DeftConfig, control: ControlPlane, losses: collections.de
 def gradient_scale(stats: GradStats | None, control: ControlPlane, batch: int | None) -> GradientScale | None:
     """Collective (control group): what a codec's rounding is judged against
     (:class:`deft.preserver.codec_error.GradientScale`): ``|g|²`` and ``tr Σ`` of the walk's estimate,
-    the per-rank batch, and the largest local gradient element over all ranks. None while unknown
+    the per-rank batch, the largest local gradient element over all ranks, and for int8 the largest
+    rank's block peak with the Euclidean ``tr Σ`` (every rank's raw estimate is the same: gathered
+    rows). None while unknown
     (the same on every rank: the estimate is built from gathered rows)."""
     estimate = None if stats is None else stats.estimate()
     mine = 0.0 if stats is None else stats.max_abs()
-    largest = control.max_rows([[mine]], "largest gradient element")[0][0]
+    peak = None if stats is None else stats.block_peak()
+    largest, most_peak = control.max_rows([[mine, -1.0 if peak is None else peak]],
+                                          "largest gradient element and block peak")[0]
     if estimate is None or batch is None or control.world < 2:
         return None
-    return GradientScale(world=control.world, batch=batch, mu=estimate.mu, trace=estimate.trace, max_abs=largest)
+    raw = stats.raw_trace() if stats is not None else None
+    return GradientScale(world=control.world, batch=batch, mu=estimate.mu, trace=estimate.trace, max_abs=largest,
+                         block_peak=most_peak if most_peak >= 0.0 and raw is not None else None, raw_trace=raw)
 
 
 # -- the curvature probe (ddp.calibrate) ---------------------------------------------------------------

@@ -33,8 +33,9 @@ Non-finite gradients (an fp16 overflow under a GradScaler) stay non-finite: a bl
 ``nan`` has a non-finite scale and decodes to ``nan`` on every rank, so the scaler's check skips the step
 as it would after the exact all-reduce. A block of zeros decodes to zeros exactly.
 
-State: one generator per hook, seeded ``seed + rank`` and consumed in launch order (the same on every run);
-:meth:`Int8State.state_dict` keeps it, so a resumed run rounds as the uninterrupted one.
+State: a seed and the number of calls, the same on every rank; each call's draws come from a generator
+seeded by ``(seed, calls, rank)`` (:class:`Int8State`), so ranks draw independently, runs repeat, and a
+checkpoint (:meth:`Int8State.state_dict`) resumes the rounding of the uninterrupted run on every rank.
 """
 
 # No ``from __future__ import annotations``: torch DDP's register_comm_hook reads the hook's annotations
@@ -51,35 +52,32 @@ LEVELS = 127
 
 
 class Int8State:
-    """The hook's state: the process group (set by deft per link) and the rounding's generator."""
+    """The hook's state: the process group (set by deft per link), the seed and the calls so far.
+
+    Call ``c`` on rank ``r`` draws from a generator seeded by ``(seed, c, r)``, so the state is the same
+    on every rank (every rank calls the hook for the same buckets) and a checkpoint saved on one rank
+    resumes every rank's stream, each with its own draws."""
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, seed: int = 0) -> None:
         self.process_group = process_group
         self.seed = seed
-        self.generator: torch.Generator | None = None
-        self._saved: torch.Tensor | None = None  # a loaded generator state, applied at the first draw
+        self.calls = 0
 
     def rng(self, device: torch.device) -> torch.Generator:
-        """The rounding's generator on ``device``, seeded ``seed + rank`` on first use."""
-        if self.generator is None or self.generator.device != device:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(self.seed + rank)
-            if self._saved is not None:
-                self.generator.set_state(self._saved)
-                self._saved = None
-        return self.generator
+        """The generator of the next call on this rank (counts the call)."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        mixed = (self.seed * 0x9E3779B97F4A7C15 + self.calls * 0xBF58476D1CE4E5B9 + rank * 0x94D049BB133111EB) % 2 ** 63
+        self.calls += 1
+        return torch.Generator(device=device).manual_seed(mixed)
 
-    def state_dict(self) -> dict[str, object]:
-        state = self.generator.get_state() if self.generator is not None else self._saved
-        return {"seed": self.seed, "rng": state}
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "calls": self.calls}
 
     def load_state_dict(self, doc: dict[str, object]) -> None:
-        seed, rng = doc["seed"], doc["rng"]
-        if not isinstance(seed, int) or not (rng is None or isinstance(rng, torch.Tensor)):
-            raise TypeError(f"expected {{'seed': int, 'rng': ByteTensor | None}}, got seed {type(seed).__name__} "
-                            f"and rng {type(rng).__name__}")
-        self.seed, self.generator, self._saved = seed, None, rng
+        seed, calls = doc.get("seed"), doc.get("calls")
+        if not isinstance(seed, int) or not isinstance(calls, int) or calls < 0:
+            raise TypeError(f"expected {{'seed': int, 'calls': int >= 0}}, got {doc!r}")
+        self.seed, self.calls = seed, calls
 
 
 def padded_numel(n: int) -> int:
@@ -97,11 +95,18 @@ def wire_nbytes(n: int, world: int) -> int:
     return math.ceil(world * payload_nbytes(n) / 2)
 
 
-def block_peak(flat: torch.Tensor) -> float:
-    """``sum_k n_k max_{i in k} g_i²`` of one rank's flat gradient (``n_k = BLOCK``, padding included:
-    the padding's zeros are sent and rounded too, at no error). The error bound's ``P`` for one rank."""
-    blocks = _blocks(flat.detach().float())
-    return float(blocks.abs().amax(1).square().sum()) * BLOCK
+def block_maxima(x: torch.Tensor) -> torch.Tensor:
+    """``max_{i in k} |x_i|`` of each block ``k`` of the flat ``x`` (float32), without a padded copy.
+    ``BLOCK`` times the sum of their squares bounds the error (``P`` for one rank, counting the last
+    block as whole: its padding's zeros are sent exactly, so that overstates, never understates)."""
+    flat = x.reshape(-1)
+    whole = flat.numel() // BLOCK * BLOCK
+    parts = []
+    if whole:
+        parts.append(flat[:whole].view(-1, BLOCK).abs().amax(1))
+    if whole < flat.numel():
+        parts.append(flat[whole:].abs().amax().reshape(1))
+    return torch.cat(parts).float() if parts else flat.new_zeros(0, dtype=torch.float32)
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:

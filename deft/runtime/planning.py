@@ -112,27 +112,48 @@ def preserver_info(source: str, res: PreserveResult, stats: WalkStats | None) ->
 
 @dataclass(frozen=True)
 class CodecInputs:
-    """What deft's own codec choice (``compression = "auto"``) needs, the same on every rank: the codec
-    measured on the profile's buckets and the gradients' scale it is judged against."""
+    """What deft's own codec choice (``compression = "auto"``) needs, the same on every rank: the 16-bit
+    codec measured on the profile's buckets, the gradients' scale it is judged against, and the 8-bit
+    codec measured likewise (None: not considered, as where it would not put fewer bytes on the wire)."""
 
     cost: CodecCost
     scale: GradientScale
+    int8: CodecCost | None = None
+
+    def cost_of(self, name: str) -> CodecCost:
+        """The measured cost of the codec ``name`` (``int8``, else the 16-bit measurement under that name)."""
+        if name == "int8":
+            if self.int8 is None:
+                raise DeftError("internal: the plan chose int8, which was not measured")
+            return self.int8
+        return dataclasses.replace(self.cost, name=name)
 
 
 def choose_codec(cfg: DeftConfig, profile: Profile, codec: CodecInputs | None) -> tuple[Profile, JsonDict | None]:
-    """Rank 0: the profile to plan on, with the buckets deft sends in fp16/bf16 coded
-    (:func:`deft.solver.codecs.choose`) when the preserver accepts a codec
-    (:func:`deft.preserver.codec_error.pick`), and the record of why (None: not considered)."""
+    """Rank 0: the profile to plan on, with the buckets deft sends coded (:func:`deft.solver.codecs.choose`)
+    and the record of why (None: not considered). The 16-bit codec the preserver accepts first
+    (:func:`deft.preserver.codec_error.pick`) is chosen as before; where int8 was measured and the
+    preserver accepts it too, its choice replaces the 16-bit one when it predicts at least
+    :data:`deft.solver.codecs.MIN_GAIN` less per iteration (fewer bits only where they clearly pay)."""
     if codec is None or cfg.epsilon == 0:
         return profile, None
     verdicts = codec_error.pick(codec.scale, cfg.epsilon)
+    if codec.int8 is not None:
+        verdicts = (*verdicts, codec_error.judge("int8", codec.scale, cfg.epsilon))
     record: JsonDict = {"verdicts": [v.to_dict() for v in verdicts], "coded": []}
-    accepted = next((v for v in verdicts if v.accepted), None)
-    if accepted is None:
+    sixteen = next((v for v in verdicts if v.accepted and v.codec != "int8"), None)
+    eight = next((v for v in verdicts if v.accepted and v.codec == "int8"), None)
+    if sixteen is None and eight is None:
         record["reason"] = "the preserver accepts no codec"
         return profile, record
-    cost = dataclasses.replace(codec.cost, name=accepted.codec)
-    choice = codecs.choose(profile, cost, cfg)
+    choices = [codecs.choose(profile, codec.cost_of(v.codec), cfg) for v in (sixteen, eight) if v is not None]
+    choice = choices[0]
+    if len(choices) == 2:
+        record["alternatives"] = [c.to_dict() for c in choices]
+        if not choice.coded or (choices[1].coded and
+                                choices[1].chosen_s < choice.chosen_s * (1.0 - codecs.MIN_GAIN)):
+            choice = choices[1]
+    cost = codec.cost_of(choice.codec)
     record.update(choice.to_dict())
     record["parameters"] = [name for b in choice.coded for name in profile.buckets[b].params]
     return codecs.encoded_profile(profile, cost, choice.coded), record
