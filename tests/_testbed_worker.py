@@ -3,7 +3,8 @@
 deft config). It trains the same model with deft (the config's links, its settings) and with torch
 DDP + torch's ``fp16_compress_hook`` from iteration 0, and prints one JSON line: deft's
 ``plan_info["profile_codec"]`` and the largest parameter difference, relative to the parameter's
-largest element."""
+largest element. With ``DEFT_TEST_PLAN=1`` it trains deft alone past its plan (``PLAN_STEPS``) and
+prints ``plan_info["codecs"]``, the schedule's codecs and the parameters' sums (the ranks must agree)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 STEPS = 4
+PLAN_STEPS = 14
 
 
 def make_model() -> nn.Module:
@@ -25,15 +27,18 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 2048), nn.Tanh(), nn.Linear(2048, 1024), nn.Tanh(), nn.Linear(1024, 10))
 
 
-def train(wrapped: nn.Module, model: nn.Module, rank: int) -> None:
+def train(wrapped: nn.Module, model: nn.Module, rank: int, steps: int = STEPS) -> list[float]:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    for t in range(STEPS):
+    losses = []
+    for t in range(steps):
         g = torch.Generator().manual_seed(1000 * t + rank)
         x, y = torch.randn(16, 64, generator=g), torch.randn(16, 10, generator=g)  # noisy: the codec passes
         loss = nn.functional.mse_loss(wrapped(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def main() -> None:
@@ -43,6 +48,13 @@ def main() -> None:
     rank = dist.get_rank()
     ours = make_model()
     ddp = deft.DistributedDataParallel(ours)  # torch DDP's line; the config: $DEFT_CONFIG
+    if os.environ.get("DEFT_TEST_PLAN") == "1":
+        losses = train(ddp, ours, rank, PLAN_STEPS)
+        ddp.flush()
+        print(json.dumps({"rank": rank, "codecs": ddp.plan_info.get("codecs"), "t0": ddp.plan_info.get("t0"),
+                          "schedule_codecs": sorted(set(ddp.schedule.codecs)), "losses": losses,
+                          "sums": [p.detach().double().sum().item() for p in ours.parameters()]}), flush=True)
+        os._exit(0)
     train(ddp, ours, rank)
     ddp.flush()
     ref = make_model()

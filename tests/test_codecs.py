@@ -320,3 +320,15 @@ def test_decision_keeps_fp16_where_int8_is_refused_or_does_not_pay() -> None:
     assert slow is not None and slow["codec"] == "fp16" and len(slow["alternatives"]) == 2
     _, compute_bound = choose_codec(CFG, profile((0.1,) * 4, backward_ms=10.0), int8_inputs())
     assert compute_bound is not None and compute_bound["coded"] == []
+
+
+def test_int8_is_measured_only_where_16_bits_leave_the_links_the_bound_and_it_has_fewer_bytes() -> None:
+    from deft.runtime.codec_choice import int8_may_pay
+
+    # 4 x 20 ms exact on one link: 40 ms in 16 bits against 12 ms of forward and backward
+    assert int8_may_pay(profile((20.0,) * 4), 2, 4 * NUMEL)
+    assert int8_may_pay(profile((20.0,) * 4), 3, 4 * NUMEL)
+    assert not int8_may_pay(profile((20.0,) * 4), 4, 4 * NUMEL)  # as many bytes as fp16 from 4 ranks
+    # 4 x 5 ms exact: 10 ms in 16 bits, under the 12 ms of compute: fp16 already hides
+    assert not int8_may_pay(profile((5.0,) * 4), 2, 4 * NUMEL)
+    assert not int8_may_pay(None, 2, 4 * NUMEL)

@@ -139,22 +139,37 @@ def considered(cfg: DeftConfig, world: int, measuring: bool, hooked: bool, layou
 
 def measure(layout: FlatLayout, params: list[torch.Tensor], solo: dist.ProcessGroup, device: torch.device,
             control: ControlPlane, stats: GradStats | None, batch: int | None,
-            profiled: Codec | None = None) -> CodecInputs | None:
+            profiled: Codec | None = None, profile: Profile | None = None) -> CodecInputs | None:
     """Collective: the codec's cost on ``layout``'s buckets and the gradients' scale; None while the
     scale is unknown (no noise estimate yet: the preserver could not judge the rounding). ``profiled``:
-    the profile iterations' own 16-bit codec, already measured on ``layout`` (every rank has it), reused."""
+    the profile iterations' own 16-bit codec, already measured on ``layout`` (every rank has it), reused;
+    ``profile``: the measured profile (every rank has it), which says whether int8 is measured
+    (:func:`int8_may_pay`)."""
     measured = profiled if profiled is not None else agree_codec(codec_hook("fp16"), layout, params, solo, device,
                                                                  control)
     scale = gradient_scale(stats, control, batch)
     if measured is None or scale is None:
         return None
     int8 = None
-    numel = sum(layout.bucket_numel)
-    if int8_hook.wire_nbytes(numel, control.world) < 2 * numel:  # fewer bytes than 16 bits (under 4 ranks)
+    if int8_may_pay(profile, control.world, sum(layout.bucket_numel)):
         eight = agree_codec(codec_hook("int8"), layout, params, solo, device, control)
         assert eight is not None
         int8 = CodecCost("int8", eight.wire_nbytes, eight.codec_s)
     return CodecInputs(CodecCost("fp16", measured.wire_nbytes, measured.codec_s), scale, int8)
+
+
+def int8_may_pay(profile: Profile | None, world: int, numel: int) -> bool:
+    """Pure: whether the 8-bit codec is measured for the plan's choice: it puts fewer bytes on the wire
+    than 16 bits (under four ranks) and the links are still the bound in 16 bits, i.e. half the profile's
+    exact all-reduce time, spread over its links, exceeds its forward and backward. Elsewhere the 16-bit
+    sends already hide under the compute, and timing int8's encode and decode (4 passes over every
+    bucket, ~0.3 s on the testbed's CNN) would only delay the plan (measured: 250 / 1000 Mbit/s,
+    benchmarks/results/slow_links.md, eighth session)."""
+    if profile is None or int8_hook.wire_nbytes(numel, world) >= 2 * numel:
+        return False
+    exact = codecs.exact_profile(profile)
+    comm = sum(min(exact.comm_time(b, lk) for lk in exact.link_names) for b in range(exact.n))
+    return comm / 2.0 / len(exact.link_names) > exact.forward_s + exact.backward_s
 
 
 def planned_profile(profile: Profile, inputs: CodecInputs | None, info: JsonDict) -> Profile:

@@ -358,7 +358,7 @@ class Course:
         if self._solo is None:  # dist.new_group is collective over the world
             self._solo = make_solo_group(self._primary.backend, self.config.timeout_s, self._ranks)
         return codec_choice.measure(ex.layout, self._params, self._solo, ex.device, self._control, self.stats,
-                                    self.batch, self._profiled_codec)
+                                    self.batch, self._profiled_codec, self.profile)
 
     def _measured_profile(self) -> Profile:
         """Collective: the profile iterations' timings (and the comm hook's codec) as a Profile."""

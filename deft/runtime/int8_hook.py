@@ -109,22 +109,23 @@ def block_maxima(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts).float() if parts else flat.new_zeros(0, dtype=torch.float32)
 
 
-def _blocks(x: torch.Tensor) -> torch.Tensor:
-    n = x.numel()
-    padded = x.new_zeros(padded_numel(n))
-    padded[:n] = x.reshape(-1)
-    return padded.view(-1, BLOCK)
-
-
 def encode(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One rank's payload: the rounded blocks (int8), then the blocks' float32 scales as int8 bytes."""
-    blocks = _blocks(x.float())
-    scale = blocks.abs().amax(1) / LEVELS
+    """One rank's payload: the rounded blocks (int8), then the blocks' float32 scales as int8 bytes.
+    (A non-finite block's ``q`` is whatever the cast makes of NaN: its scale makes it NaN when decoded.)"""
+    flat = x.reshape(-1).float()
+    n = flat.numel()
+    padded, whole = padded_numel(n), n // BLOCK * BLOCK
+    scale = block_maxima(flat) / LEVELS
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # a block of zeros sends zeros
-    u = torch.rand(blocks.shape, generator=generator, device=blocks.device)
-    # clamp: x / s may exceed 127 by a rounding of the division; a non-finite block's q is discarded
-    q = torch.floor(blocks / safe[:, None] + u).clamp_(-LEVELS, LEVELS).nan_to_num_(0.0).to(torch.int8)
-    return torch.cat([q.view(-1), scale.view(torch.int8)])
+    q = torch.empty(padded, dtype=torch.float32, device=flat.device)
+    if whole:
+        torch.div(flat[:whole].view(-1, BLOCK), safe[:whole // BLOCK, None], out=q[:whole].view(-1, BLOCK))
+    if whole < n:
+        torch.div(flat[whole:], safe[-1], out=q[whole:n])
+    q[n:] = 0.0
+    # clamp: x / s may exceed 127 by a rounding of the division
+    q.add_(torch.rand(padded, generator=generator, device=flat.device)).floor_().clamp_(-LEVELS, LEVELS)
+    return torch.cat([q.to(torch.int8), scale.view(torch.int8)])
 
 
 def decode(payloads: list[torch.Tensor], n: int) -> torch.Tensor:
