@@ -332,3 +332,13 @@ def test_int8_is_measured_only_where_16_bits_leave_the_links_the_bound_and_it_ha
     # 4 x 5 ms exact: 10 ms in 16 bits, under the 12 ms of compute: fp16 already hides
     assert not int8_may_pay(profile((5.0,) * 4), 2, 4 * NUMEL)
     assert not int8_may_pay(None, 2, 4 * NUMEL)
+
+
+def test_decision_takes_int8_alone_where_both_16_bit_codecs_are_refused() -> None:
+    # fp16: no headroom; bf16: delta = 8 x 2^-16 x (32 x 100 / 10 + 1) = 0.039, outside epsilon 0.01;
+    # int8: delta = 32 x 10 / (4 x 127² x 10) = 5e-4
+    eight = CodecCost("int8", (int8_hook.wire_nbytes(NUMEL, 2),) * 4, (0.1 * MS,) * 4)
+    scale = GradientScale(world=2, batch=32, mu=100.0, trace=10.0, max_abs=FP16_MAX, block_peak=10.0, raw_trace=10.0)
+    _, record = choose_codec(CFG, profile((20.0,) * 4), CodecInputs(cost(4), scale, eight))
+    assert record is not None and [v["accepted"] for v in record["verdicts"]] == [False, False, True]
+    assert record["codec"] == "int8" and record["coded"] == [0, 1, 2, 3] and "alternatives" not in record

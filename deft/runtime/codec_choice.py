@@ -100,7 +100,7 @@ from deft.config import DeftConfig
 from deft.errors import DeftError
 from deft.preserver import codec_error
 from deft.preserver.codec_error import CodecVerdict, GradientScale
-from deft.profile import ELEMENTWISE_CODECS, Profile
+from deft.profile import Profile
 from deft.runtime import int8_hook
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.comm_hooks import Codec, agree_codec, codec_hook
@@ -124,6 +124,9 @@ PROFILE_GAIN = 0.10
 #: The first iteration's forward and backward, estimated as this many times its time to the first
 #: gradient (the screen at it: a layer's backward computes two products to its forward's one).
 COMPUTE_PER_FIRST_GRADIENT = 3.0
+#: The codecs of the first iteration and the profile iterations: 16 bits (their sampled judgement has no
+#: block peaks, so int8 is left to the plan).
+PROFILE_CODECS = tuple(codec_error.UNIT_ROUNDOFF)
 #: The codec the first iteration's judged sends go in before the verdict (the preserver's first choice).
 SPECULATIVE_CODEC = "fp16"
 
@@ -210,9 +213,9 @@ class ProfileCodec:
             raise DeftError(f"deft checkpoint: plan_info.profile_codec: expected an object with the strings "
                             f"'codec' and 'reason', got {doc!r}")
         codec = str(doc["codec"])
-        if codec not in ("", *ELEMENTWISE_CODECS):
+        if codec not in ("", *PROFILE_CODECS):
             raise DeftError(f"deft checkpoint: plan_info.profile_codec.codec: expected '' or one of "
-                            f"{list(ELEMENTWISE_CODECS)}, got {codec!r}")
+                            f"{list(PROFILE_CODECS)}, got {codec!r}")
         def num(key: str) -> float | None:
             v = doc.get(key)
             return float(v) if isinstance(v, (int, float)) else None
@@ -221,9 +224,9 @@ class ProfileCodec:
             raise DeftError(f"deft checkpoint: plan_info.profile_codec.first: expected null or an object with "
                             f"the string 'codec', got {first!r}")
         speculative = doc.get("speculative", "")
-        if speculative not in ("", *ELEMENTWISE_CODECS):
+        if speculative not in ("", *PROFILE_CODECS):
             raise DeftError(f"deft checkpoint: plan_info.profile_codec.speculative: expected '' or one of "
-                            f"{list(ELEMENTWISE_CODECS)}, got {speculative!r}")
+                            f"{list(PROFILE_CODECS)}, got {speculative!r}")
         return cls(codec, str(doc["reason"]), num("exposed_s"), num("compute_s"), num("delta"), first,
                    str(speculative))
 

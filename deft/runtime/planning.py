@@ -150,8 +150,8 @@ def choose_codec(cfg: DeftConfig, profile: Profile, codec: CodecInputs | None) -
     choice = choices[0]
     if len(choices) == 2:
         record["alternatives"] = [c.to_dict() for c in choices]
-        if not choice.coded or (choices[1].coded and
-                                choices[1].chosen_s < choice.chosen_s * (1.0 - codecs.MIN_GAIN)):
+        if choices[1].coded and (not choice.coded or
+                                 choices[1].chosen_s < choice.chosen_s * (1.0 - codecs.MIN_GAIN)):
             choice = choices[1]
     cost = codec.cost_of(choice.codec)
     record.update(choice.to_dict())
