@@ -38,7 +38,8 @@ from deft.errors import ContractError
 
 SCHEMA_VERSION = 2
 SCHEMAS = (1, 2)  # schema 1: no compression fields
-#: Codec names (``Profile.codec``) of torch's fp16/bf16 hooks: ``deft.runtime.comm_hooks`` names them so.
+#: Codec names (``Profile.codec``) of torch's fp16/bf16 hooks and deft's int8 hook: ``deft.runtime.comm_hooks``
+#: names them so.
 ELEMENTWISE_CODECS = ("fp16", "bf16", "int8")
 SOURCES = ("timing", "kineto", "nsys", "reference", "synthetic")
 BACKENDS = ("nccl", "gloo")
@@ -222,7 +223,8 @@ class Profile:
 
     @property
     def elementwise_codec(self) -> bool:
-        """A codec that treats every element alike and keeps no state between buckets (``fp16``, ``bf16``):
+        """A codec that treats every element alike and keeps no state between buckets (``fp16``, ``bf16``;
+        ``int8``, whose blocks start at each bucket's start and whose generator is drawn in the call):
         its buckets may be split anywhere and its sends overlap across links. Any other codec
         (PowerSGD, an unknown hook) is sent one bucket at a time and its tensors are kept whole."""
         return self.codec in ELEMENTWISE_CODECS

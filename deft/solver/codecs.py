@@ -1,10 +1,12 @@
-"""Which buckets the plan sends in fewer bytes: an element-wise codec (fp16, bf16) per bucket.
+"""Which buckets the plan sends in fewer bytes: an element-wise codec (fp16, bf16, int8) per bucket.
 
 The decision (DESIGN.md section 4, "Codecs in the plan")
 --------------------------------------------------------
 A bucket sent with an element-wise codec is cast to 16 bits before its all-reduce and back after it,
-as torch's ``fp16_compress_hook`` does (divided by the world size first). It puts ``wire`` bytes on
-the link instead of ``nbytes`` and costs ``codec_s`` of compute beside the model. Whether that pays
+as torch's ``fp16_compress_hook`` does (divided by the world size first), or sent through deft's 8-bit
+hook (``deft.runtime.int8_hook``: blocks rounded to 8 bits, one all-gather; its ``wire`` bytes are those
+of an all-reduce costing as much). It puts ``wire`` bytes on the link instead of ``nbytes`` and costs
+``codec_s`` of compute beside the model. Whether that pays
 depends on the rest of the plan: a bucket whose all-reduce already hides behind the backward gains
 nothing and would only round its gradient. So the choice is made on predicted iteration times:
 
