@@ -13,7 +13,7 @@ import torch
 
 from deft.config import DeftConfig
 from deft.errors import ContractError, DeftError
-from deft.preserver.codec_error import FP16_HEADROOM, FP16_MAX, GradientScale, pick
+from deft.preserver.codec_error import FP16_HEADROOM, FP16_MAX, GradientScale, judge, pick
 from deft.runtime.codec_choice import (
     ProfileCodec,
     TimedBroadcast,
@@ -81,7 +81,8 @@ def test_the_record_round_trips_and_bad_records_are_refused() -> None:
     d = profile_codec("auto", pick(QUIET, EPS), exposed_s=2.5, compute_s=0.9)
     assert ProfileCodec.from_dict(d.to_dict()) == d
     with pytest.raises(DeftError, match=r"profile_codec\.codec"):
-        ProfileCodec.from_dict({**d.to_dict(), "codec": "int8"})
+        ProfileCodec.from_dict({**d.to_dict(), "codec": "int4"})
+    assert ProfileCodec.from_dict({**d.to_dict(), "codec": "int8"}).codec == "int8"  # the profile may send int8
     with pytest.raises(DeftError, match=r"plan_info\.profile_codec"):
         ProfileCodec.from_dict({"codec": "fp16"})
 
@@ -219,3 +220,38 @@ def test_one_link_and_chained_hooks_keep_torchs_whole_parameters() -> None:
 def test_balanced_links_sends_each_bucket_to_the_least_loaded_link() -> None:
     # 5 -> a (0, 0: first), 3 -> b, 3 -> b (a 5, b 3), 1 -> a (a 5, b 6)
     assert balanced_links([5, 3, 3, 1], ("a", "b")) == ("a", "b", "b", "a")
+
+
+# -- int8 for the profile iterations ------------------------------------------------------------------------
+# int8's delta = b P / (4 x 127² x tr Σ): 32 x 10 / (64516 x 100) = 5e-5 (accepted); with P = 1e6, 5 (refused)
+PEAKY_OK = replace(QUIET, block_peak=10.0, raw_trace=100.0)
+
+
+def test_the_profile_iterations_go_int8_where_it_passes_and_16_bits_leave_the_links_the_bound() -> None:
+    int8 = judge("int8", PEAKY_OK, EPS)
+    assert int8.accepted
+    # the all-reduce predicts 1.4 s: 0.7 s in 16 bits, above the 0.4 s of forward and backward
+    d = profile_codec("auto", pick(PEAKY_OK, EPS), exposed_s=1.0, compute_s=0.4, comm_s=1.4, int8=int8)
+    assert d.codec == "int8" and d.delta == pytest.approx(int8.delta) and "int8" in d.reason
+    # 0.7 s of all-reduce: 0.35 s in 16 bits, under the compute: fp16 hides, int8 would only cost its codec
+    d = profile_codec("auto", pick(PEAKY_OK, EPS), exposed_s=0.5, compute_s=0.4, comm_s=0.7, int8=int8)
+    assert d.codec == "fp16"
+
+
+def test_the_profile_iterations_stay_16_bit_where_int8_is_refused_unjudged_or_nothing_is_coded() -> None:
+    refused = judge("int8", replace(QUIET, block_peak=1e6, raw_trace=100.0), EPS)
+    assert not refused.accepted
+    assert profile_codec("auto", pick(QUIET, EPS), 1.0, 0.4, comm_s=1.4, int8=refused).codec == "fp16"
+    assert profile_codec("auto", pick(QUIET, EPS), 1.0, 0.4, comm_s=1.4, int8=None).codec == "fp16"
+    assert profile_codec("auto", pick(QUIET, EPS), 1.0, 0.4, comm_s=None, int8=judge("int8", PEAKY_OK, EPS)).codec \
+        == "fp16"  # no timed broadcast: the links' bound in 16 bits unknown
+    never = profile_codec("never", pick(PEAKY_OK, EPS), 1.0, 0.4, comm_s=1.4, int8=judge("int8", PEAKY_OK, EPS))
+    assert never.codec == ""
+
+
+def test_the_sampled_scale_carries_the_block_peak_against_the_samples_euclidean_noise() -> None:
+    samples = torch.tensor([[1.0, 2.0, -1.0, 0.5], [0.0, 1.0, 1.0, -0.5]], dtype=torch.float64)
+    with_peak = sampled_scale(samples, 4, 8, 2.0, block_peak=7.0)
+    assert with_peak is not None and with_peak.block_peak == 7.0 and with_peak.raw_trace == with_peak.trace
+    without = sampled_scale(samples, 4, 8, 2.0)
+    assert without is not None and without.block_peak is None and not judge("int8", without, EPS).accepted

@@ -20,6 +20,9 @@ adaptation and the re-checks calibrate and re-plan on coded times.
 
 The profile iterations' codec (``config.profile_codec``)
 --------------------------------------------------------
+(16 bits as below; int8 in their place where int8's bound passes on the same statistics, block peaks
+included, and the links stay the bound in 16 bits: :func:`profile_codec`.)
+
 Where the links are the bound, the iterations before the plan (profile iterations, and those run
 while rank 0 plans in the background) cost what torch DDP's do, several times a coded iteration. So
 the codec is judged once before them, on the *first* iteration (whose own sends are judged on a
@@ -124,9 +127,12 @@ PROFILE_GAIN = 0.10
 #: The first iteration's forward and backward, estimated as this many times its time to the first
 #: gradient (the screen at it: a layer's backward computes two products to its forward's one).
 COMPUTE_PER_FIRST_GRADIENT = 3.0
-#: The codecs of the first iteration and the profile iterations: 16 bits (their sampled judgement has no
-#: block peaks, so int8 is left to the plan).
-PROFILE_CODECS = tuple(codec_error.UNIT_ROUNDOFF)
+#: The codecs of the first iteration's own sends: 16 bits (the speculative sends' codec, judged on the
+#: sample; int8 would be a re-send of every bucket where the verdict is fp16).
+FIRST_CODECS = tuple(codec_error.UNIT_ROUNDOFF)
+#: The codecs of the profile iterations: 16 bits, or int8 where its bound passes on the first
+#: iteration's sample and the links are the bound even in 16 bits (:func:`profile_codec`).
+PROFILE_CODECS = (*FIRST_CODECS, "int8")
 #: The codec the first iteration's judged sends go in before the verdict (the preserver's first choice).
 SPECULATIVE_CODEC = "fp16"
 
@@ -145,19 +151,20 @@ def measure(layout: FlatLayout, params: list[torch.Tensor], solo: dist.ProcessGr
             profiled: Codec | None = None, profile: Profile | None = None) -> CodecInputs | None:
     """Collective: the codec's cost on ``layout``'s buckets and the gradients' scale; None while the
     scale is unknown (no noise estimate yet: the preserver could not judge the rounding). ``profiled``:
-    the profile iterations' own 16-bit codec, already measured on ``layout`` (every rank has it), reused;
+    the profile iterations' own codec (16-bit or int8), already measured on ``layout`` (every rank has
+    it), reused;
     ``profile``: the measured profile (every rank has it), which says whether int8 is measured
     (:func:`int8_may_pay`)."""
-    measured = profiled if profiled is not None else agree_codec(codec_hook("fp16"), layout, params, solo, device,
-                                                                 control)
+    eight = profiled if profiled is not None and profiled.name == "int8" else None
+    sixteen = profiled if profiled is not None and profiled.name != "int8" else None
+    measured = sixteen if sixteen is not None else agree_codec(codec_hook("fp16"), layout, params, solo, device,
+                                                               control)
     scale = gradient_scale(stats, control, batch)
     if measured is None or scale is None:
         return None
-    int8 = None
-    if int8_may_pay(profile, control.world, sum(layout.bucket_numel)):
+    if eight is None and int8_may_pay(profile, control.world, sum(layout.bucket_numel)):
         eight = agree_codec(codec_hook("int8"), layout, params, solo, device, control)
-        assert eight is not None
-        int8 = CodecCost("int8", eight.wire_nbytes, eight.codec_s)
+    int8 = None if eight is None else CodecCost("int8", eight.wire_nbytes, eight.codec_s)
     return CodecInputs(CodecCost("fp16", measured.wire_nbytes, measured.codec_s), scale, int8)
 
 
@@ -224,9 +231,9 @@ class ProfileCodec:
             raise DeftError(f"deft checkpoint: plan_info.profile_codec.first: expected null or an object with "
                             f"the string 'codec', got {first!r}")
         speculative = doc.get("speculative", "")
-        if speculative not in ("", *PROFILE_CODECS):
+        if speculative not in ("", *FIRST_CODECS):
             raise DeftError(f"deft checkpoint: plan_info.profile_codec.speculative: expected '' or one of "
-                            f"{list(PROFILE_CODECS)}, got {speculative!r}")
+                            f"{list(FIRST_CODECS)}, got {speculative!r}")
         return cls(codec, str(doc["reason"]), num("exposed_s"), num("compute_s"), num("delta"), first,
                    str(speculative))
 
@@ -305,11 +312,12 @@ def screen_first_sends(mode: str, comm_s: float | None, to_first_grad_s: float) 
 
 
 def sampled_scale(samples: torch.Tensor, numel: int, batch: int | None, max_abs: float,
-                  margin: float = SAMPLE_MARGIN) -> GradientScale | None:
+                  margin: float = SAMPLE_MARGIN, block_peak: float | None = None) -> GradientScale | None:
     """Pure: the :class:`GradientScale` of the first iteration from ``samples`` (one row per rank, the
     same ``k`` coordinates of each rank's local gradient, float64) of a gradient of ``numel`` elements,
-    the noise divided by ``margin`` (module docstring). None where it cannot be judged: one rank, no
-    batch size, a non-finite sample (an fp16 overflow), or no spread between ranks."""
+    the noise divided by ``margin`` (module docstring); ``block_peak``: the largest rank's int8 block
+    peak of its whole local gradient (None: int8 not judged). None where it cannot be judged: one rank,
+    no batch size, a non-finite sample (an fp16 overflow), or no spread between ranks."""
     world, k = samples.shape
     if world < 2 or batch is None or k == 0 or not bool(torch.isfinite(samples).all()) or not math.isfinite(max_abs):
         return None
@@ -320,7 +328,10 @@ def sampled_scale(samples: torch.Tensor, numel: int, batch: int | None, max_abs:
     if trace <= 0.0:
         return None
     mu = max(0.0, avg_sq - trace / (world * batch))
-    return GradientScale(world=world, batch=batch, mu=mu, trace=trace / margin, max_abs=max_abs)
+    peak = block_peak if block_peak is not None and math.isfinite(block_peak) else None
+    # the sample is of the plain gradients: its trace is the Euclidean one int8 is judged against
+    return GradientScale(world=world, batch=batch, mu=mu, trace=trace / margin, max_abs=max_abs,
+                         block_peak=peak, raw_trace=trace / margin if peak is not None else None)
 
 
 def sample_coordinates(numel: int, k: int = SAMPLE_SIZE) -> torch.Tensor:
@@ -332,12 +343,28 @@ def sample_coordinates(numel: int, k: int = SAMPLE_SIZE) -> torch.Tensor:
 
 
 def profile_codec(mode: str, verdicts: tuple[CodecVerdict, ...], exposed_s: float, compute_s: float,
-                  first_codec: str = "", comm_s: float | None = None) -> ProfileCodec:
+                  first_codec: str = "", comm_s: float | None = None,
+                  int8: CodecVerdict | None = None) -> ProfileCodec:
     """Pure: the profile iterations' codec from the preserver's verdicts on the first iteration's
     statistics and its timing (module docstring); ``mode`` is ``config.profile_codec``;
     ``first_codec``: the codec the first iteration's own sends used (its time then says nothing of
     the exact sends: the links were judged the bound before it); ``comm_s``: the predicted
-    all-reduce of the gradients (None: no timed broadcast)."""
+    all-reduce of the gradients (None: no timed broadcast); ``int8``: the preserver's verdict on int8 on
+    the same statistics (None: not judged, as over four ranks or more). A 16-bit decision becomes int8
+    where int8 passes and the links stay the bound in 16 bits (``comm_s / 2`` above the forward and
+    backward, the plan's measuring rule: :func:`int8_may_pay`)."""
+    decision = _profile_codec(mode, verdicts, exposed_s, compute_s, first_codec, comm_s)
+    if (decision.codec and int8 is not None and int8.accepted and comm_s is not None
+            and comm_s / 2.0 > compute_s):
+        return replace(decision, codec="int8", delta=int8.delta,
+                       reason=f"{decision.reason}; int8: the links stay the bound in 16 bits (the all-reduce "
+                              f"predicts {comm_s:.3g} s, half of it above the {compute_s:.3g} s of forward and "
+                              f"backward), {int8.reason}")
+    return decision
+
+
+def _profile_codec(mode: str, verdicts: tuple[CodecVerdict, ...], exposed_s: float, compute_s: float,
+                   first_codec: str, comm_s: float | None) -> ProfileCodec:
     accepted = _screen(mode, verdicts, "the first iteration's", exposed_s, compute_s)
     if isinstance(accepted, ProfileCodec):
         return accepted
@@ -429,17 +456,21 @@ class FirstIteration:
         (flat,) = executor.local_gradient().values()  # considered(): one dtype
         with torch.no_grad():
             local = flat.detach()
-            largest = local.abs().max().reshape(1) if local.numel() else local.new_zeros(1)
-            # the sampled coordinates, then this rank's largest element: one row of the gather, in the
-            # gradient's own dtype (a float32 gradient's sample loses nothing; half the bytes of float64)
-            mine = torch.cat([local[sample_coordinates(local.numel()).to(local.device)], largest]).cpu()
+            maxima = int8_hook.block_maxima(local)
+            largest = maxima.amax().reshape(1).to(local.dtype) if local.numel() else local.new_zeros(1)
+            peak = (maxima.double().square().sum() * int8_hook.BLOCK).reshape(1).to(local.dtype)
+            # the sampled coordinates, this rank's largest element and its int8 block peak: one row of the
+            # gather, in the gradient's own dtype (a float32 gradient's sample loses nothing; half the
+            # bytes of float64)
+            mine = torch.cat([local[sample_coordinates(local.numel()).to(local.device)], largest, peak]).cpu()
         rows = [torch.empty_like(mine) for _ in range(control.world)]
         control.wait(dist.all_gather(rows, mine, group=control.group, async_op=True),
                      "all-gather of the first iteration's sampled gradients")
         gathered = torch.stack(rows).double()
         (compute,) = control.max_rows([[compute]], "first iteration's forward and backward")[0]
         comm = self._comm_s
-        scale = self._sampled = sampled_scale(gathered[:, :-1], flat.numel(), batch, float(gathered[:, -1].max()))
+        scale = self._sampled = sampled_scale(gathered[:, :-2], flat.numel(), batch, float(gathered[:, -2].max()),
+                                              block_peak=float(gathered[:, -1].max()))
         self._judged = True
         if scale is None:
             self.sends = ProfileCodec("", "no usable sample of the first iteration's gradients (non-finite, "
@@ -461,8 +492,11 @@ class FirstIteration:
         first = None if self.sends is None else self.sends.to_dict()
         if scale is None:
             return ProfileCodec("", "no gradient statistics from the first iteration", exposed, compute, first=first)
+        int8 = None
+        if int8_hook.wire_nbytes(int8_hook.BLOCK, control.world) < 2 * int8_hook.BLOCK:  # under four ranks
+            int8 = codec_error.judge("int8", scale, cfg.epsilon)
         decision = profile_codec(cfg.profile_codec, codec_error.pick(scale, cfg.epsilon), exposed, compute,
-                                 "" if self.sends is None else self.sends.codec, self._comm_s)
+                                 "" if self.sends is None else self.sends.codec, self._comm_s, int8)
         return replace(decision, first=first)
 
 

@@ -342,9 +342,13 @@ class Course:
 
     def _lag_codec(self, codec: CodecInputs | None) -> str:
         """The codec of the iterations run while rank 0 plans: the profile iterations' while the
-        preserver still accepts a codec on every statistic so far (the same on every rank)."""
+        preserver still accepts a codec on every statistic so far (the same on every rank): int8 where
+        they were int8 and it still passes (and was measured), else the 16-bit codec that passes."""
         if not self.profile_codec or codec is None:
             return ""
+        if self.profile_codec == "int8" and codec.int8 is not None \
+                and codec_error.judge("int8", codec.scale, self.config.epsilon).accepted:
+            return "int8"
         accepted = next((v for v in codec_error.pick(codec.scale, self.config.epsilon) if v.accepted), None)
         return "" if accepted is None else accepted.codec
 
