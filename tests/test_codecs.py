@@ -326,12 +326,12 @@ def test_int8_is_measured_only_where_16_bits_leave_the_links_the_bound_and_it_ha
     from deft.runtime.codec_choice import int8_may_pay
 
     # 4 x 20 ms exact on one link: 40 ms in 16 bits against 12 ms of forward and backward
-    assert int8_may_pay(profile((20.0,) * 4), 2, 4 * NUMEL)
-    assert int8_may_pay(profile((20.0,) * 4), 3, 4 * NUMEL)
-    assert not int8_may_pay(profile((20.0,) * 4), 4, 4 * NUMEL)  # as many bytes as fp16 from 4 ranks
+    assert int8_may_pay(profile((20.0,) * 4), 2)
+    assert int8_may_pay(profile((20.0,) * 4), 3)
+    assert not int8_may_pay(profile((20.0,) * 4), 4)  # as many bytes as fp16 from 4 ranks
     # 4 x 5 ms exact: 10 ms in 16 bits, under the 12 ms of compute: fp16 already hides
-    assert not int8_may_pay(profile((5.0,) * 4), 2, 4 * NUMEL)
-    assert not int8_may_pay(None, 2, 4 * NUMEL)
+    assert not int8_may_pay(profile((5.0,) * 4), 2)
+    assert not int8_may_pay(None, 2)
 
 
 def test_decision_takes_int8_alone_where_both_16_bit_codecs_are_refused() -> None:

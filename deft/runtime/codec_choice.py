@@ -162,20 +162,20 @@ def measure(layout: FlatLayout, params: list[torch.Tensor], solo: dist.ProcessGr
     scale = gradient_scale(stats, control, batch)
     if measured is None or scale is None:
         return None
-    if eight is None and int8_may_pay(profile, control.world, sum(layout.bucket_numel)):
+    if eight is None and int8_may_pay(profile, control.world):
         eight = agree_codec(codec_hook("int8"), layout, params, solo, device, control)
     int8 = None if eight is None else CodecCost("int8", eight.wire_nbytes, eight.codec_s)
     return CodecInputs(CodecCost("fp16", measured.wire_nbytes, measured.codec_s), scale, int8)
 
 
-def int8_may_pay(profile: Profile | None, world: int, numel: int) -> bool:
+def int8_may_pay(profile: Profile | None, world: int) -> bool:
     """Pure: whether the 8-bit codec is measured for the plan's choice: it puts fewer bytes on the wire
     than 16 bits (under four ranks) and the links are still the bound in 16 bits, i.e. half the profile's
     exact all-reduce time, spread over its links, exceeds its forward and backward. Elsewhere the 16-bit
     sends already hide under the compute, and timing int8's encode and decode (4 passes over every
     bucket, ~0.3 s on the testbed's CNN) would only delay the plan (measured: 250 / 1000 Mbit/s,
     benchmarks/results/slow_links.md, eighth session)."""
-    if profile is None or int8_hook.wire_nbytes(numel, world) >= 2 * numel:
+    if profile is None or not int8_hook.fewer_bytes_than_16_bits(world):
         return False
     exact = codecs.exact_profile(profile)
     comm = sum(min(exact.comm_time(b, lk) for lk in exact.link_names) for b in range(exact.n))
@@ -493,7 +493,7 @@ class FirstIteration:
         if scale is None:
             return ProfileCodec("", "no gradient statistics from the first iteration", exposed, compute, first=first)
         int8 = None
-        if int8_hook.wire_nbytes(int8_hook.BLOCK, control.world) < 2 * int8_hook.BLOCK:  # under four ranks
+        if int8_hook.fewer_bytes_than_16_bits(control.world):
             int8 = codec_error.judge("int8", scale, cfg.epsilon)
         decision = profile_codec(cfg.profile_codec, codec_error.pick(scale, cfg.epsilon), exposed, compute,
                                  "" if self.sends is None else self.sends.codec, self._comm_s, int8)
