@@ -35,8 +35,10 @@ def batch(rank: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
 def config(schedule_path: str, compression: str = "none") -> dict[str, object]:
     # PowerSGD at rank 1 compresses the 3x8 weight (whole in bucket 0); its error feedback, P/Q memories,
     # iteration counter and random state must survive the checkpoint.
+    # "int8-schedule": no comm hook; the schedule names int8 for its buckets (deft's own choice)
     return {"epsilon": 0.1, "warmup_iters": 1, "schedule_path": schedule_path, "timeout_s": 30,
-            "links": [{"name": "primary"}, {"name": "second"}], "compression": compression, "powersgd_rank": 1}
+            "links": [{"name": "primary"}, {"name": "second"}],
+            "compression": "none" if compression == "int8-schedule" else compression, "powersgd_rank": 1}
 
 
 def train(ddp: nn.Module, opt: torch.optim.Optimizer, rank: int, start: int, stop: int) -> None:
@@ -88,6 +90,17 @@ def resume_worker(rank: int, world: int, schedule_path: str, ckpt_dir: str,
     except deft.ContractError as e:
         assert f"load it on rank {1 - rank} of 2" in str(e), e
     ckpt = torch.load(Path(ckpt_dir) / f"rank{rank}.pt", weights_only=True)
+    if compression == "int8-schedule":  # a damaged codec state is refused, naming the field, before any change
+        key = next(k for k in ckpt["ddp"] if k.endswith("_extra_state"))
+        state = ckpt["ddp"][key]
+        assert state["codec_hooks"]["int8"]["state"]["calls"] > 0  # the schedule's int8 hook ran and counted
+        for bad, says in (({"int4": {}}, "codec_hooks: expected codec names"),
+                          ({"int8": {"kind": "state_dict", "state": {"seed": "x"}}}, "codec_hooks.int8: Int8State")):
+            try:
+                ddp.load_state_dict({**ckpt["ddp"], key: {**state, "codec_hooks": bad}})
+                raise AssertionError(f"a damaged codec state must be refused: {bad}")
+            except deft.ContractError as e:
+                assert says in str(e), e
     ddp.load_state_dict(ckpt["ddp"])
     opt.load_state_dict(ckpt["opt"])
     assert ddp.iteration == STOP
@@ -105,7 +118,6 @@ def test_checkpoint_mid_cycle_resumes_exactly(tmp_path: Path, compression: str) 
     schedule = delayed_schedule((30, 30, 23))
     if compression == "int8-schedule":
         schedule = dataclasses.replace(schedule, codecs=("int8",) * schedule.n_buckets)
-        compression = "none"
     schedule.save(sched)
     first = values(run_ranks(first_half_worker, 2, (str(sched), str(tmp_path), compression), timeout=120))
     # Iterations 5 and 6 form the pending group; two of its buckets were launched in iteration 6.

@@ -20,7 +20,7 @@ import torch
 
 from deft._json import JsonDict
 from deft.errors import ContractError
-from deft.schedule import Schedule
+from deft.schedule import CODECS, Schedule
 
 STATE_VERSION = 1
 SOURCE = "deft checkpoint"
@@ -111,4 +111,8 @@ def _codec_hooks(doc: object) -> dict[str, StateDoc]:
     if not isinstance(doc, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in doc.items()):
         raise ContractError(SOURCE, "_extra_state.codec_hooks",
                             f"expected an object of codec name -> state object, got {doc!r}")
+    unknown = sorted(k for k in doc if k not in CODECS or not k)
+    if unknown:
+        raise ContractError(SOURCE, "_extra_state.codec_hooks",
+                            f"expected codec names of {[c for c in CODECS if c]}, got {unknown}")
     return dict(doc)

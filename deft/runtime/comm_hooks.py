@@ -114,8 +114,9 @@ class HookBucket:
         self._buffer.copy_(tensor)
 
 
-#: Hooks that start one collective synchronously and keep no cross-bucket state but a generator drawn
-#: in the call (their codec names, ``fp16``, ``bf16`` and ``int8``, are :data:`deft.profile.ELEMENTWISE_CODECS`).
+#: Hooks that start one collective synchronously and keep no cross-bucket state but int8's count of calls,
+#: read in the call (their codec names, ``fp16``, ``bf16`` and ``int8``, are
+#: :data:`deft.profile.ELEMENTWISE_CODECS`).
 SINGLE_COLLECTIVE_HOOKS = (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook,
                            int8_hook.int8_compress_hook)
 
@@ -183,7 +184,9 @@ class CommHook:
         raise DeftError(f"the comm hook state {type(st).__name__} cannot be checkpointed: give it state_dict() and "
                         "load_state_dict(), or use a PowerSGDState / a process group")
 
-    def load_state_dict(self, saved: StateDoc | None, source: str) -> None:
+    def load_state_dict(self, saved: StateDoc | None, source: str, field: str = "_extra_state.comm_hook") -> None:
+        """Restore :meth:`state_dict`; a state the hook's own ``load_state_dict`` refuses is a
+        :class:`ContractError` naming ``field``."""
         st = self.state
         if saved is None:
             return
@@ -200,10 +203,12 @@ class CommHook:
                               rng["gauss"]))
             return
         if hasattr(st, "load_state_dict"):
-            st.load_state_dict(saved["state"])
+            try:
+                st.load_state_dict(saved["state"])
+            except (TypeError, KeyError, ValueError) as e:
+                raise ContractError(source, field, f"{type(st).__name__}.load_state_dict refused it: {e}") from e
             return
-        raise ContractError(source, "_extra_state.comm_hook",
-                            f"cannot load a saved hook state into {type(st).__name__}")
+        raise ContractError(source, field, f"cannot load a saved hook state into {type(st).__name__}")
 
 
 def from_config(cfg: DeftConfig) -> CommHook | None:

@@ -408,6 +408,8 @@ class DistributedDataParallel(nn.Module):
         st = RuntimeState.from_dict(state)
         self._require_idle("deft's state can only be loaded; loading")
         st.check_owner(self.rank, self.world)
+        # first, so that a damaged codec state is refused before anything of this wrapper changes
+        self._executor.load_codec_hook_states(st.codec_hooks, "deft checkpoint")
         layout = FlatLayout(st.order, self._names, self._params, st.schedule.bucket_numel, "deft checkpoint: schedule")
         self._executor.forget_groups()
         self._course.restore(st)
@@ -421,7 +423,6 @@ class DistributedDataParallel(nn.Module):
                                     "the checkpoint holds a comm hook's state but no hook is registered: call "
                                     "ddp.register_comm_hook(...) before load_state_dict")
             self._executor.comm_hook.load_state_dict(st.comm_hook, "deft checkpoint")
-        self._executor.load_codec_hook_states(st.codec_hooks, "deft checkpoint")
 
     def _load_local(self, state: dict[str, Any]) -> None:
         """Local-steps mode's checkpoint: an averaging in flight holds this rank's own snapshot."""

@@ -466,7 +466,7 @@ class Executor:
         for name, st in saved.items():
             if name not in self._codec_hooks:
                 self._codec_hooks[name] = codec_hook(name)
-            self._codec_hooks[name].load_state_dict(st, source)
+            self._codec_hooks[name].load_state_dict(st, source, f"_extra_state.codec_hooks.{name}")
 
     def _hook_for(self, b: int) -> CommHook | None:
         """The user's (or the config's) comm hook for every bucket, else the schedule's codec for
