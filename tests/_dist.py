@@ -153,19 +153,52 @@ def values(results: list[RankResult]) -> list[Any]:
 
 
 def train_steps(ddp: Any, opt: Any, rank: int, iters: int, batch: int, features: int = 64,
-                classes: int = 10) -> None:
+                classes: int = 10) -> list[float]:
     """``iters`` plain training iterations of a classifier wrapped in ``ddp``: each rank draws its own
     batches (``batch`` x ``features`` normal inputs, labels in ``range(classes)``) from a generator
-    seeded with its rank; cross-entropy, backward, ``opt.step()``, ``opt.zero_grad()``."""
+    seeded with its rank; cross-entropy, backward, ``opt.step()``, ``opt.zero_grad()``. The losses."""
     import torch
     from torch import nn
 
     g = torch.Generator().manual_seed(rank)
+    losses = []
     for _ in range(iters):
         x, y = torch.randn(batch, features, generator=g), torch.randint(0, classes, (batch,), generator=g)
-        nn.functional.cross_entropy(ddp(x), y).backward()
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        loss.backward()
         opt.step()
         opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def amp_steps(model: Any, wrapped: Any, rank: int, steps: int, inf_at: int, batch: int, features: int,
+              classes: int) -> tuple[float, list[float]]:
+    """torch's documented AMP loop: ``autocast`` (CPU, bfloat16), ``GradScaler`` (scale 1024, growth every
+    4 good steps), ``scaler.scale(loss).backward()``, ``unscale_``, ``clip_grad_norm_`` (1.0, its norm
+    kept), ``scaler.step``, ``scaler.update``; SGD lr 0.05 momentum 0.9; rank 0's loss is made infinite
+    at iteration ``inf_at``. Each rank's batches come from a generator seeded per iteration and rank.
+    The final scale and the clipped norms."""
+    import torch
+    from torch import nn
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=4)
+    norms = []
+    for t in range(steps):
+        g = torch.Generator().manual_seed(31 * t + rank)
+        x, y = torch.randn(batch, features, generator=g), torch.randint(0, classes, (batch,), generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(wrapped(x), y)
+        if t == inf_at and rank == 0:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return float(scaler.get_scale()), norms
 
 
 def slow_first_planner(rank: int, seconds: float) -> None:

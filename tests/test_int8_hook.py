@@ -21,7 +21,7 @@ from deft.runtime import int8_hook
 from deft.runtime.comm_hooks import HookBucket, codec_hook, from_config, wire_nbytes
 from deft.runtime.int8_hook import Int8State, int8_compress_hook
 from deft.schedule import CommTask, Schedule, StagePlan, Update
-from tests._dist import run_ranks, values
+from tests._dist import amp_steps, run_ranks, train_steps, values
 
 N = 1000  # not a multiple of the 256-element block: the last block is padded
 DRAWS = 300
@@ -111,6 +111,15 @@ def test_wire_bytes_are_the_all_reduce_that_costs_as_much_as_the_all_gather() ->
     assert config_hook is not None and config_hook.name == "int8" and not config_hook.chained
 
 
+def one_bucket_schedule(tmp_path: Path) -> str:
+    """A schedule file sending the 64 x 40 weight (2560 elements) as one bucket, after the backward."""
+    path = str(tmp_path / "one_bucket.json")
+    Schedule(cycle=1, links=("primary",), bucket_numel=(2560,), bucket_nbytes=(4 * 2560,),
+             stages=(StagePlan(0, "forward"), StagePlan(0, "backward", (CommTask(0, 0, "primary"),))),
+             updates=(Update((0,), 0),)).save(path)
+    return path
+
+
 def parity_worker(rank: int, world: int, schedule_path: str) -> dict[str, Any]:
     """deft with ``compression = "int8"`` against torch DDP with ``int8_compress_hook`` (seed 0, as the
     knob's state). One weight, one bucket: torch DDP's first iteration buckets in the parameters' order
@@ -123,16 +132,7 @@ def parity_worker(rank: int, world: int, schedule_path: str) -> dict[str, Any]:
 
     def train(model: nn.Module, wrapped: nn.Module) -> list[float]:
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        losses = []
-        for t in range(8):
-            g = torch.Generator().manual_seed(97 * t + rank)
-            x, y = torch.randn(16, 64, generator=g), torch.randn(16, 40, generator=g)
-            loss = nn.functional.mse_loss(wrapped(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses
+        return train_steps(wrapped, opt, rank, 8, batch=16, features=64, classes=40)
 
     ours = make()
     ddp = deft.DistributedDataParallel(ours, config={"epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2,
@@ -150,11 +150,53 @@ def parity_worker(rank: int, world: int, schedule_path: str) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_compression_int8_equals_torch_ddp_with_the_int8_hook(tmp_path: Path) -> None:
-    path = str(tmp_path / "one_bucket.json")
-    Schedule(cycle=1, links=("primary",), bucket_numel=(2560,), bucket_nbytes=(4 * 2560,),
-             stages=(StagePlan(0, "forward"), StagePlan(0, "backward", (CommTask(0, 0, "primary"),))),
-             updates=(Update((0,), 0),)).save(path)
+    path = one_bucket_schedule(tmp_path)
     a, b = values(run_ranks(parity_worker, 2, (path,), timeout=120))
     for r in (a, b):
         assert r["worst"] < 1e-5 and r["moved"] > 1e-3
         assert r["losses"][0] == pytest.approx(r["losses"][1], rel=1e-5)
+
+
+AMP_STEPS, INF_AT = 12, 5
+
+
+def amp_parity_worker(rank: int, world: int, schedule_path: str) -> dict[str, Any]:
+    """torch's documented AMP loop (autocast, GradScaler, ``unscale_``, gradient clipping, the grad norm
+    read) with ``compression = "int8"`` against torch DDP + ``int8_compress_hook``; rank 0's loss is
+    infinite at one step: the int8 average is NaN there on every rank, and both scalers skip it."""
+    import deft
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Linear(64, 40, bias=False)
+
+    def train(model: nn.Module, wrapped: nn.Module) -> tuple[float, list[float]]:
+        return amp_steps(model, wrapped, rank, AMP_STEPS, INF_AT, batch=16, features=64, classes=40)
+
+    ours = make()
+    ddp = deft.DistributedDataParallel(ours, config={"epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2,
+                                                     "timeout_s": 30, "compression": "int8",
+                                                     "schedule_path": schedule_path})
+    scale, norms = train(ours, ddp)
+    ddp.flush()
+    ref = make()
+    tddp = nn.parallel.DistributedDataParallel(ref)
+    tddp.register_comm_hook(Int8State(seed=0), int8_compress_hook)
+    ref_scale, ref_norms = train(ref, tddp)
+    return {"worst": float((ours.weight - ref.weight).abs().max() / ref.weight.abs().max()),
+            "scale": scale, "ref_scale": ref_scale, "norms": norms, "ref_norms": ref_norms,
+            "log": [list(i) for _, i in ddp.update_log]}
+
+
+@pytest.mark.slow
+def test_int8_under_torchs_amp_loop_equals_torch_ddp_and_skips_the_overflow(tmp_path: Path) -> None:
+    path = one_bucket_schedule(tmp_path)
+    for r in values(run_ranks(amp_parity_worker, 2, (path,), timeout=120)):
+        assert r["worst"] < 1e-5, r["worst"]
+        # 1024 doubles after 4 good steps (2048 after step 3), halves at the inf (1024), then 2048 after
+        # step 9: the same in both
+        assert r["scale"] == r["ref_scale"] == 2048.0
+        assert not math.isfinite(r["norms"][INF_AT]) and not math.isfinite(r["ref_norms"][INF_AT])
+        finite = [i for i in range(AMP_STEPS) if i != INF_AT]
+        assert [r["norms"][i] for i in finite] == pytest.approx([r["ref_norms"][i] for i in finite], rel=1e-5)
+        assert r["log"] == [[t] for t in range(AMP_STEPS) if t != INF_AT]  # the inf step skipped, only it

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests._dist import run_ranks, values
+from tests._dist import amp_steps, run_ranks, values
 
 STEPS, INF_AT = 14, 5
 
@@ -27,22 +27,7 @@ def make_model() -> nn.Module:
 
 
 def train(model: nn.Module, wrapped: nn.Module, rank: int) -> float:
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=4)
-    for t in range(STEPS):
-        g = torch.Generator().manual_seed(31 * t + rank)
-        x, y = torch.randn(8, 12, generator=g), torch.randint(0, 3, (8,), generator=g)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = nn.functional.cross_entropy(wrapped(x), y)
-        if t == INF_AT and rank == 0:
-            loss = loss * float("inf")
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-    return float(scaler.get_scale())
+    return amp_steps(model, wrapped, rank, STEPS, INF_AT, batch=8, features=12, classes=3)[0]
 
 
 def amp_worker(rank: int, world: int) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from deft.profile import Profile
-from tests._dist import run_ranks, slow_first_planner, values
+from tests._dist import run_ranks, slow_first_planner, train_steps, values
 
 ITERS = 16
 
@@ -212,16 +212,7 @@ def _dominant_model() -> nn.Module:
 
 def _train(wrapped: nn.Module, model: nn.Module, rank: int, iters: int) -> list[float]:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    g = torch.Generator().manual_seed(rank)
-    losses = []
-    for _ in range(iters):
-        x, y = torch.randn(32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
-        loss = nn.functional.cross_entropy(wrapped(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_steps(wrapped, opt, rank, iters, batch=32, features=32)
 
 
 def profile_then_train_worker(rank: int, world: int, out_dir: str) -> dict[str, object]:
