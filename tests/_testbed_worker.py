@@ -28,8 +28,9 @@ def make_model() -> nn.Module:
 
 
 def train(wrapped: nn.Module, model: nn.Module, rank: int, steps: int = STEPS,
-          first: list[torch.Tensor] | None = None) -> list[float]:
-    """``steps`` iterations; ``first`` receives the parameters after the first step."""
+          first: list[torch.Tensor] | None = None, codecs: list[list[str]] | None = None) -> list[float]:
+    """``steps`` iterations; ``first`` receives the parameters after the first step, ``codecs`` the codecs
+    of the schedule each iteration ran (deft only)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses = []
     for t in range(steps):
@@ -40,6 +41,8 @@ def train(wrapped: nn.Module, model: nn.Module, rank: int, steps: int = STEPS,
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+        if codecs is not None:
+            codecs.append(sorted(set(wrapped.schedule.codecs)))
         if t == 0 and first is not None:
             first.extend(p.detach().clone() for p in model.parameters())
     return losses
@@ -53,10 +56,12 @@ def main() -> None:
     ours = make_model()
     ddp = deft.DistributedDataParallel(ours)  # torch DDP's line; the config: $DEFT_CONFIG
     if os.environ.get("DEFT_TEST_PLAN") == "1":
-        losses = train(ddp, ours, rank, PLAN_STEPS)
+        seen: list[list[str]] = []
+        losses = train(ddp, ours, rank, PLAN_STEPS, codecs=seen)
         ddp.flush()
         print(json.dumps({"rank": rank, "codecs": ddp.plan_info.get("codecs"), "t0": ddp.plan_info.get("t0"),
                           "schedule_codecs": sorted(set(ddp.schedule.codecs)), "losses": losses,
+                          "codecs_seen": seen, "profile_codec": ddp.plan_info["profile_codec"]["codec"],
                           "sums": [p.detach().double().sum().item() for p in ours.parameters()]}), flush=True)
         os._exit(0)
     after_first: list[torch.Tensor] = []

@@ -342,3 +342,16 @@ def test_decision_takes_int8_alone_where_both_16_bit_codecs_are_refused() -> Non
     _, record = choose_codec(CFG, profile((20.0,) * 4), CodecInputs(cost(4), scale, eight))
     assert record is not None and [v["accepted"] for v in record["verdicts"]] == [False, False, True]
     assert record["codec"] == "int8" and record["coded"] == [0, 1, 2, 3] and "alternatives" not in record
+
+
+def test_the_iterations_beside_the_plan_keep_the_profile_codec_while_it_passes() -> None:
+    from deft.runtime.codec_choice import lag_codec
+
+    assert lag_codec("int8", int8_inputs(), 0.01) == "int8"
+    assert lag_codec("int8", int8_inputs(block_peak=1e6), 0.01) == "fp16"  # int8 refused now: 16 bits
+    unmeasured = dataclasses.replace(int8_inputs(), int8=None)
+    assert lag_codec("int8", unmeasured, 0.01) == "fp16"
+    assert lag_codec("fp16", int8_inputs(), 0.01) == "fp16"  # a 16-bit profile stays 16-bit
+    assert lag_codec("", int8_inputs(), 0.01) == ""  # exact profile iterations stay exact
+    assert lag_codec("int8", None, 0.01) == ""  # no statistics: exact
+    assert lag_codec("int8", int8_inputs(), 0.0) == ""  # epsilon 0 refuses every codec

@@ -79,4 +79,9 @@ def test_links_the_bound_even_in_16_bits_the_plan_sends_int8_and_the_ranks_agree
     assert alternatives["int8"] < 0.97 * alternatives["fp16"]
     assert a["schedule_codecs"] in (["int8"], ["", "int8"])
     assert a["t0"] < 10  # most iterations ran the plan
+    # before it: the profile iterations in int8 (the first iteration's sample passed it) and the
+    # iterations run while rank 0 planned kept it (the whole statistics still pass it)
+    assert a["profile_codec"] == "int8"
+    before_plan = a["codecs_seen"][1:a["t0"] - 1]
+    assert len(before_plan) >= 3 and all(c == ["int8"] for c in before_plan), a["codecs_seen"]
     assert all(math.isfinite(v) for v in a["losses"])

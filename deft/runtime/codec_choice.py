@@ -168,6 +168,20 @@ def measure(layout: FlatLayout, params: list[torch.Tensor], solo: dist.ProcessGr
     return CodecInputs(CodecCost("fp16", measured.wire_nbytes, measured.codec_s), scale, int8)
 
 
+def lag_codec(profile_codec: str, inputs: CodecInputs | None, epsilon: float) -> str:
+    """Pure: the codec of the iterations run while rank 0 plans: the profile iterations' (``profile_codec``,
+    ``""`` exact) while the preserver still accepts a codec on every statistic so far (``inputs``, the
+    same on every rank): int8 where they were int8 and it still passes (and was measured), else the
+    16-bit codec that passes, else exact."""
+    if not profile_codec or inputs is None:
+        return ""
+    if profile_codec == "int8" and inputs.int8 is not None \
+            and codec_error.judge("int8", inputs.scale, epsilon).accepted:
+        return "int8"
+    accepted = next((v for v in codec_error.pick(inputs.scale, epsilon) if v.accepted), None)
+    return "" if accepted is None else accepted.codec
+
+
 def int8_may_pay(profile: Profile | None, world: int) -> bool:
     """Pure: whether the 8-bit codec is measured for the plan's choice: it puts fewer bytes on the wire
     than 16 bits (under four ranks) and the links are still the bound in 16 bits, i.e. half the profile's

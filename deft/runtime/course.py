@@ -30,7 +30,6 @@ from torch import nn
 from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.errors import DeftError
-from deft.preserver import codec_error
 from deft.preserver.feedback import WalkStats
 from deft.profile import Profile
 from deft.runtime import codec_choice
@@ -341,16 +340,8 @@ class Course:
         return self._warmup(self.ready_order)
 
     def _lag_codec(self, codec: CodecInputs | None) -> str:
-        """The codec of the iterations run while rank 0 plans: the profile iterations' while the
-        preserver still accepts a codec on every statistic so far (the same on every rank): int8 where
-        they were int8 and it still passes (and was measured), else the 16-bit codec that passes."""
-        if not self.profile_codec or codec is None:
-            return ""
-        if self.profile_codec == "int8" and codec.int8 is not None \
-                and codec_error.judge("int8", codec.scale, self.config.epsilon).accepted:
-            return "int8"
-        accepted = next((v for v in codec_error.pick(codec.scale, self.config.epsilon) if v.accepted), None)
-        return "" if accepted is None else accepted.codec
+        """The codec of the iterations run while rank 0 plans (:func:`codec_choice.lag_codec`)."""
+        return codec_choice.lag_codec(self.profile_codec, codec, self.config.epsilon)
 
     def _codec_inputs(self) -> CodecInputs | None:
         """Collective where deft chooses codecs (:mod:`deft.runtime.codec_choice`): what rank 0 needs."""
