@@ -384,3 +384,21 @@ def test_deft_profile_nsys_run_is_read_back(tmp_path: Path) -> None:
     prof = Profile.load(out)
     assert prof.source == "nsys" and prof.link_names == ("primary",)
     assert all(t.backward_s > 0 and t.comm_s["primary"] > 0 for t in prof.times)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
+def test_int8_codec_encodes_and_decodes_on_the_device() -> None:
+    """deft's int8 codec on CUDA tensors (its draws from a CUDA generator): the payload stays on the
+    device and two ranks' payloads decode to their average within the per-element bound."""
+    from deft.runtime import int8_hook
+
+    grads = [torch.randn(1000, device="cuda") * (r + 1) for r in range(2)]
+    payloads = [int8_hook.encode(g, torch.Generator(device="cuda").manual_seed(r)) for r, g in enumerate(grads)]
+    assert all(p.is_cuda and p.dtype == torch.int8 for p in payloads)
+    out = int8_hook.decode(payloads, 1000)
+    bound = torch.zeros(1000, device="cuda")
+    for g in grads:  # (1 / R) sum_r s_r per element, s the block's largest over 127
+        for lo in range(0, 1000, 256):
+            bound[lo:lo + 256] += g[lo:lo + 256].abs().max() / 127 / 2
+    assert out.is_cuda and bool(((out - (grads[0] + grads[1]) / 2).abs() <= bound * (1 + 1e-5)).all())
