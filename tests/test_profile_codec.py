@@ -165,10 +165,66 @@ def test_the_sampled_scale_is_the_estimators_rule_by_hand() -> None:
     # two ranks, four coordinates sampled of a gradient of 8: f = 2
     samples = torch.tensor([[1.0, 2.0, 0.0, 1.0], [3.0, 0.0, 2.0, 1.0]], dtype=torch.float64)
     # mean_r |g_r|^2 = 2 x (6 + 14) / 2 = 20; |g_bar|^2 = 2 x (4 + 1 + 1 + 1) = 14
-    # tr S = (20 - 14) x R b / (R - 1) = 6 x 2 x 3 = 36; mu = 14 - 36 / 6 = 8; noise taken 100x smaller
-    scale = sampled_scale(samples, numel=8, batch=3, max_abs=5.0)
-    assert scale == GradientScale(world=2, batch=3, mu=8.0, trace=0.36, max_abs=5.0)
-    assert sampled_scale(samples, numel=8, batch=3, max_abs=5.0, margin=1.0).trace == pytest.approx(36.0)
+    # tr S = (20 - 14) x R b / (R - 1) = 6 x 2 x 3 = 36; mu = 14 - 36 / 6 = 8
+    scale = sampled_scale(samples, numel=8, batch=3, max_abs=5.0, margin=1.0, z=0.0)
+    assert scale == GradientScale(world=2, batch=3, mu=8.0, trace=36.0, max_abs=5.0)
+    # per coordinate: the spread over ranks 1, 1, 1, 0, each x n R b / (R - 1) = 8 x 6: 48, 48, 48, 0
+    # (mean 36); their standard deviation 24, the mean's standard error 24 / sqrt(4) = 12
+    one_se = sampled_scale(samples, numel=8, batch=3, max_abs=5.0, margin=1.0, z=1.0)
+    assert one_se is not None and one_se.trace == pytest.approx(24.0) and one_se.mu == pytest.approx(8.0)
+    halved = sampled_scale(samples, numel=8, batch=3, max_abs=5.0, margin=2.0, z=1.0)
+    assert halved is not None and halved.trace == pytest.approx(12.0)
+
+
+def test_a_sample_that_cannot_bound_the_noise_away_from_zero_gives_no_scale() -> None:
+    samples = torch.tensor([[1.0, 2.0, 0.0, 1.0], [3.0, 0.0, 2.0, 1.0]], dtype=torch.float64)
+    # 36 - 3 x 12 = 0: three standard errors leave no noise to hide a rounding in
+    assert sampled_scale(samples, numel=8, batch=3, max_abs=5.0, margin=1.0, z=3.0) is None
+
+
+def test_a_sample_of_every_coordinate_has_no_sampling_error() -> None:
+    samples = torch.tensor([[1.0, 2.0, 0.0, 1.0], [3.0, 0.0, 2.0, 1.0]], dtype=torch.float64)
+    # numel = k = 4: f = 1, tr S = (10 - 7) x 6 = 18 whatever z; mu = 7 - 18 / 6 = 4
+    scale = sampled_scale(samples, numel=4, batch=3, max_abs=5.0, margin=1.0, z=4.0)
+    assert scale is not None and scale.trace == pytest.approx(18.0) and scale.mu == pytest.approx(4.0)
+
+
+def _heavy_tailed_draws(sigma: torch.Tensor, draws: int, batch: int = 32) -> list[tuple[float | None, float]]:
+    """Per draw of two ranks' local gradients with per-coordinate noise ``sigma``: the default sampled
+    trace and the sample's plain estimate, each over the whole gradient's own trace."""
+    gen = torch.Generator().manual_seed(3)
+    numel = sigma.numel()
+    idx = sample_coordinates(numel)
+    out: list[tuple[float | None, float]] = []
+    for _ in range(draws):
+        local = torch.randn(numel, generator=gen, dtype=torch.float64) * 0.1 \
+            + sigma * torch.randn(2, numel, generator=gen, dtype=torch.float64)
+        whole = float((local.square().mean(dim=0) - local.mean(dim=0).square()).sum()) * 2 * batch  # R b / (R - 1)
+        bound = sampled_scale(local[:, idx], numel, batch, 1.0, margin=1.0)
+        plain = sampled_scale(local[:, idx], numel, batch, 1.0, margin=1.0, z=0.0)
+        assert plain is not None
+        out.append((None if bound is None else bound.trace / whole, plain.trace / whole))
+    return out
+
+
+def test_the_sampled_noise_bound_stays_below_a_heavy_tailed_gradients_noise() -> None:
+    # 1M coordinates, the noise's scale log-normal (sigma 1.5: a few coordinates far noisier than the rest)
+    gen = torch.Generator().manual_seed(0)
+    sigma = torch.exp(1.5 * torch.randn(1_000_000, generator=gen, dtype=torch.float64))
+    draws = _heavy_tailed_draws(sigma, 20)
+    assert max(plain for _, plain in draws) > 1.05  # the plain estimate overshoots in some draws ...
+    usable = [bound for bound, _ in draws if bound is not None]
+    assert len(usable) >= 15 and max(usable) < 1.0  # ... the bound in none, and it judges most draws
+
+
+def test_a_sample_ruled_by_a_few_coordinates_is_not_judged() -> None:
+    # the noise's scale Pareto with index 1.5: its square has no mean, a handful of coordinates hold most
+    # of the trace, and the sample's plain estimate is off by up to several times either way
+    gen = torch.Generator().manual_seed(1)
+    sigma = torch.rand(1_000_000, generator=gen, dtype=torch.float64) ** (-1.0 / 1.5)  # inverse CDF
+    draws = _heavy_tailed_draws(sigma, 5)
+    assert min(plain for _, plain in draws) > 1.5  # the plain estimate: well above the whole in every draw
+    assert all(bound is None for bound, _ in draws)
 
 
 @pytest.mark.parametrize(("samples", "batch", "max_abs"), [
@@ -241,7 +297,8 @@ def test_the_profile_iterations_go_int8_where_it_passes_and_16_bits_leave_the_li
 def test_the_profile_iterations_stay_16_bit_where_int8_is_refused_unjudged_or_nothing_is_coded() -> None:
     refused = judge("int8", replace(QUIET, block_peak=1e6, raw_trace=100.0), EPS)
     assert not refused.accepted
-    assert profile_codec("auto", pick(QUIET, EPS), 1.0, 0.4, comm_s=1.4, int8=refused).codec == "fp16"
+    kept = profile_codec("auto", pick(QUIET, EPS), 1.0, 0.4, comm_s=1.4, int8=refused)
+    assert kept.codec == "fp16" and "int8 not taken" in kept.reason and "outside 1 +- 0.01" in kept.reason
     assert profile_codec("auto", pick(QUIET, EPS), 1.0, 0.4, comm_s=1.4, int8=None).codec == "fp16"
     assert profile_codec("auto", pick(QUIET, EPS), 1.0, 0.4, comm_s=None, int8=judge("int8", PEAKY_OK, EPS)).codec \
         == "fp16"  # no timed broadcast: the links' bound in 16 bits unknown

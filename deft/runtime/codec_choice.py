@@ -54,11 +54,15 @@ of its backward, where each rank contributes ``SAMPLE_SIZE`` coordinates of its 
 with a seed every rank shares, and its largest element. The sample's mean over ranks and spread
 between ranks estimate ``|g|²`` and ``tr Σ`` as the preserver's estimators do on whole gradients
 (:func:`sampled_scale`: ``E |g_r|² = |g|² + tr Σ / b`` and ``E |ḡ|² = |g|² + tr Σ / (R b)``, each
-coordinate sum scaled by ``n / k``); the noise is then taken ``SAMPLE_MARGIN`` times smaller, so the
-sample must err a hundredfold before a codec the whole gradients would refuse can pass (the bound δ of
-:mod:`deft.preserver.codec_error` of the runs measured is ~10⁻⁶ against the 0.02 that epsilon 0.01
-allows). The links look like the bound (:func:`first_sends_codec`, "auto") when the construction's
-broadcast of the model, scaled to an all-reduce of the gradients over the links, took more than twice
+coordinate sum scaled by ``n / k``). The noise is then taken at the low end of what the sample can
+tell: ``SAMPLE_Z`` standard errors below its estimate (each sampled coordinate is an unbiased estimate
+of the whole trace; their spread gives the interval), and ``SAMPLE_MARGIN`` times smaller again, for
+the iterations to come whose noise it stands for. (Until 2026-11-27 (ninth session) a fixed 100x
+smaller: fine for fp16, whose bound δ of :mod:`deft.preserver.codec_error` is ~10⁻⁶ here against the
+0.02 that epsilon 0.01 allows, but it put int8's ~2·10⁻⁴ at the limit and kept the profile iterations
+16-bit in 2 of 3 seeds at 2 x 50 Mbit/s although the plan then chose int8 in every one.)
+The links look like the bound (:func:`first_sends_codec`, "auto") when the construction's broadcast
+of the model, scaled to an all-reduce of the gradients over the links, took more than twice
 the first iteration's forward and backward. Every rank decides alike (gathered samples, times
 maximised over the ranks). Where the sends are judged, that verdict is the profile iterations' codec
 too, on the same sample (:meth:`FirstIteration.sample_only`): the whole-gradient statistics are not
@@ -118,8 +122,13 @@ from deft.solver.codecs import CodecCost
 WIDE_DTYPES = (torch.float32, torch.float64)
 #: Coordinates of the first iteration's local gradient each rank contributes to the judgement of its sends.
 SAMPLE_SIZE = 65536
-#: The sampled noise is taken this many times smaller before the preserver's bound is applied.
-SAMPLE_MARGIN = 100.0
+#: The sampled noise is taken this many standard errors below its estimate (its confidence interval over
+#: the sampled coordinates, one-sided: a chance of about 3e-5 that the whole gradient's is lower) ...
+SAMPLE_Z = 4.0
+#: ... and then this many times smaller: one iteration's noise judges the iterations to come, whose own
+#: estimate (the plan's, over the profile iterations) may differ (measured: benchmarks/results/slow_links.md,
+#: ninth session).
+SAMPLE_MARGIN = 4.0
 #: The seed of the sampled coordinates (the same on every rank).
 SAMPLE_SEED = 0x5EED
 #: The profile iterations are coded where that saves at least this share of the first iteration's time.
@@ -326,22 +335,33 @@ def screen_first_sends(mode: str, comm_s: float | None, to_first_grad_s: float) 
 
 
 def sampled_scale(samples: torch.Tensor, numel: int, batch: int | None, max_abs: float,
-                  margin: float = SAMPLE_MARGIN, block_peak: float | None = None) -> GradientScale | None:
+                  margin: float = SAMPLE_MARGIN, block_peak: float | None = None,
+                  z: float = SAMPLE_Z) -> GradientScale | None:
     """Pure: the :class:`GradientScale` of the first iteration from ``samples`` (one row per rank, the
-    same ``k`` coordinates of each rank's local gradient, float64) of a gradient of ``numel`` elements,
-    the noise divided by ``margin`` (module docstring); ``block_peak``: the largest rank's int8 block
-    peak of its whole local gradient (None: int8 not judged). None where it cannot be judged: one rank,
-    no batch size, a non-finite sample (an fp16 overflow), or no spread between ranks."""
+    same ``k`` coordinates of each rank's local gradient, float64) of a gradient of ``numel`` elements:
+    the noise at the lower end of its confidence interval over the sampled coordinates (``z`` standard
+    errors below the estimate) and then divided by ``margin`` (module docstring); ``block_peak``: the
+    largest rank's int8 block peak of its whole local gradient (None: int8 not judged). None where it
+    cannot be judged: one rank, no batch size, a non-finite sample (an fp16 overflow), or a noise the
+    sample cannot tell from zero (no spread between ranks, or less than ``z`` standard errors of it).
+
+    Each sampled coordinate ``j`` (drawn with replacement, the same on every rank) gives an unbiased
+    estimate of the whole trace, ``c_j = n (mean_r x_rj² - (mean_r x_rj)²) R b / (R - 1)``; the estimate
+    is their mean and its standard error ``std_j(c_j) / sqrt(k)`` (none where every coordinate is in the
+    sample). A few coordinates far noisier than the rest are the sample's danger: missed, the estimate
+    is low (the safe side); caught, they widen the standard error with it."""
     world, k = samples.shape
     if world < 2 or batch is None or k == 0 or not bool(torch.isfinite(samples).all()) or not math.isfinite(max_abs):
         return None
-    f = numel / k
-    mean_sq = f * float(samples.square().sum(dim=1).mean())  # mean over ranks of |g_r|²
-    avg_sq = f * float(samples.mean(dim=0).square().sum())   # |ḡ|²
-    trace = max(0.0, mean_sq - avg_sq) * world * batch / (world - 1)
+    spread = samples.square().mean(dim=0) - samples.mean(dim=0).square()  # per coordinate, over ranks
+    per_coordinate = spread.clamp(min=0.0) * numel * world * batch / (world - 1)
+    trace = float(per_coordinate.mean())
+    if k < numel and k > 1:
+        trace -= z * float(per_coordinate.std()) / math.sqrt(k)
     if trace <= 0.0:
         return None
-    mu = max(0.0, avg_sq - trace / (world * batch))
+    avg_sq = numel / k * float(samples.mean(dim=0).square().sum())  # |ḡ|²
+    mu = max(0.0, avg_sq - float(per_coordinate.mean()) / (world * batch))
     peak = block_peak if block_peak is not None and math.isfinite(block_peak) else None
     # the sample is of the plain gradients: its trace is the Euclidean one int8 is judged against
     return GradientScale(world=world, batch=batch, mu=mu, trace=trace / margin, max_abs=max_abs,
@@ -374,6 +394,8 @@ def profile_codec(mode: str, verdicts: tuple[CodecVerdict, ...], exposed_s: floa
                        reason=f"{decision.reason}; int8: the links stay the bound in 16 bits (the all-reduce "
                               f"predicts {comm_s:.3g} s, half of it above the {compute_s:.3g} s of forward and "
                               f"backward), {int8.reason}")
+    if decision.codec and int8 is not None:  # say why not, with its bound on these statistics
+        return replace(decision, reason=f"{decision.reason}; int8 not taken: {int8.reason}")
     return decision
 
 
