@@ -1,9 +1,10 @@
 """One rank of tests/test_testbed_first_iteration.py, started inside a testbed host's namespace
 (``python -m tests._testbed_worker``; the testbed's environment names the rank, the rendezvous and the
 deft config). It trains the same model with deft (the config's links, its settings) and one iteration of torch
-DDP + torch's ``fp16_compress_hook``, and prints one JSON line: deft's ``plan_info["profile_codec"]``
+DDP with the codec deft's first iteration went in (torch's ``fp16_compress_hook``; exact for int8, with
+int8's error bound beside it), and prints one JSON line: deft's ``plan_info["profile_codec"]``
 and the largest difference of the parameters after the first iteration, relative to the parameter's
-largest element. With ``DEFT_TEST_PLAN=1`` it trains deft alone past its plan (``PLAN_STEPS``) and
+largest element and absolute. With ``DEFT_TEST_PLAN=1`` it trains deft alone past its plan (``PLAN_STEPS``) and
 prints ``plan_info["codecs"]``, the schedule's codecs and the parameters' sums (the ranks must agree)."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 STEPS = 4
+LR = 0.05
 PLAN_STEPS = 14
 
 
@@ -31,7 +33,7 @@ def train(wrapped: nn.Module, model: nn.Module, rank: int, steps: int = STEPS,
           first: list[torch.Tensor] | None = None, codecs: list[list[str]] | None = None) -> list[float]:
     """``steps`` iterations; ``first`` receives the parameters after the first step, ``codecs`` the codecs
     of the schedule each iteration ran (deft only)."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses = []
     for t in range(steps):
         g = torch.Generator().manual_seed(1000 * t + rank)
@@ -67,15 +69,28 @@ def main() -> None:
     after_first: list[torch.Tensor] = []
     train(ddp, ours, rank, first=after_first)
     ddp.flush()
-    # the first iteration's update against torch DDP + fp16's (the profile iterations after it may send
-    # int8, whose rounding torch DDP's buckets would draw differently)
+    record = ddp.plan_info["profile_codec"]
+    # the first iteration's update against torch DDP's with the codec it went in: torch's fp16 hook; for
+    # int8 (whose draws torch DDP's buckets would make in another order) the exact all-reduce, and the
+    # bound on int8's error: each rank's element off by at most its block's largest element over 127
+    # levels, so the average by at most the largest local gradient element over 127 (times the step)
     ref = make_model()
     tddp = nn.parallel.DistributedDataParallel(ref)
-    tddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    if record["first"]["codec"] == "fp16":
+        tddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     train(tddp, ref, rank, steps=1)
     worst = max(((a - b).abs().max() / b.abs().max()).item()
                 for a, b in zip(after_first, ref.parameters(), strict=True))
-    print(json.dumps({"rank": rank, "record": ddp.plan_info["profile_codec"], "vs_fp16": worst}), flush=True)
+    worst_abs = max((a - b).abs().max().item() for a, b in zip(after_first, ref.parameters(), strict=True))
+    local = make_model()
+    g = torch.Generator().manual_seed(rank)  # the first step's batch (train: 1000 t + rank)
+    x, y = torch.randn(16, 64, generator=g), torch.randn(16, 10, generator=g)
+    nn.functional.mse_loss(local(x), y).backward()
+    largest = torch.stack([p.grad.abs().max() for p in local.parameters() if p.grad is not None]).max().reshape(1)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    print(json.dumps({"rank": rank, "record": record, "vs_ref": worst, "vs_ref_abs": worst_abs,
+                      "int8_bound": LR * largest.item() / 127,
+                      "first_sums": [p.double().sum().item() for p in after_first]}), flush=True)
     os._exit(0)  # torch 2.13's gloo can abort at teardown (tests/_dist.py)
 
 

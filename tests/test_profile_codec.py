@@ -22,6 +22,7 @@ from deft.runtime.codec_choice import (
     sample_coordinates,
     sampled_scale,
     screen_first_sends,
+    speculative_codec,
 )
 from deft.runtime.layouts import balanced_links, warmup_layout
 
@@ -138,10 +139,39 @@ def test_the_screen_leaves_the_sends_unjudged_without_a_broadcast_and_always_jud
 def test_the_speculative_codec_round_trips_and_a_bad_one_is_refused() -> None:
     d = replace(first_sends_codec("always", pick(QUIET, 0.0), comm_s=9.0, compute_s=0.1), speculative="fp16")
     assert d.codec == "" and ProfileCodec.from_dict(d.to_dict()) == d  # sent again exact after fp16
+    assert ProfileCodec.from_dict({**d.to_dict(), "speculative": "int8"}).speculative == "int8"
     with pytest.raises(DeftError, match=r"profile_codec\.speculative"):
-        ProfileCodec.from_dict({**d.to_dict(), "speculative": "int8"})
+        ProfileCodec.from_dict({**d.to_dict(), "speculative": "powersgd"})
     old = {k: v for k, v in d.to_dict().items() if k != "speculative"}  # a checkpoint of before speculation
     assert ProfileCodec.from_dict(old).speculative == ""
+
+
+def test_the_first_sends_speculate_in_int8_where_the_links_stay_the_bound_in_16_bits_under_four_ranks() -> None:
+    # 1.4 s of predicted all-reduce: 0.7 s in 16 bits, above 0.4 s of forward and backward
+    assert speculative_codec(comm_s=1.4, compute_s=0.4, world=2) == "int8"
+    assert speculative_codec(comm_s=1.4, compute_s=0.4, world=3) == "int8"
+    assert speculative_codec(comm_s=1.4, compute_s=0.4, world=4) == "fp16"  # as many bytes as fp16 at 4 ranks
+    assert speculative_codec(comm_s=0.8, compute_s=0.4, world=2) == "fp16"  # 0.4 s in 16 bits: not above
+    assert speculative_codec(comm_s=None, compute_s=0.4, world=2) == "fp16"  # no timed broadcast
+
+
+def test_int8_sends_stand_where_int8_passes_on_the_sample_else_they_go_again_in_16_bits() -> None:
+    ok, refused = judge("int8", PEAKY_OK, EPS), judge("int8", replace(QUIET, block_peak=1e6, raw_trace=100.0), EPS)
+    kept = first_sends_codec("auto", pick(PEAKY_OK, EPS), comm_s=1.4, compute_s=0.4, int8=ok, speculative="int8")
+    assert kept.codec == "int8" and kept.delta == pytest.approx(ok.delta) and "went in int8 and stand" in kept.reason
+    again = first_sends_codec("auto", pick(QUIET, EPS), comm_s=1.4, compute_s=0.4, int8=refused, speculative="int8")
+    assert again.codec == "fp16" and "went in int8, refused" in again.reason
+    # 16-bit sends are not turned into int8 (their bytes are mostly on the wire by the verdict)
+    sixteen = first_sends_codec("auto", pick(PEAKY_OK, EPS), comm_s=1.4, compute_s=0.4, int8=ok, speculative="fp16")
+    assert sixteen.codec == "fp16"
+    # links not the bound after all, or "never": exact, whatever int8's verdict
+    assert first_sends_codec("auto", pick(PEAKY_OK, EPS), comm_s=0.7, compute_s=0.4, int8=ok,
+                             speculative="int8").codec == ""
+    assert first_sends_codec("never", pick(PEAKY_OK, EPS), comm_s=9.0, compute_s=0.1, int8=ok,
+                             speculative="int8").codec == ""
+    # epsilon 0 refuses every codec: exact
+    assert first_sends_codec("always", pick(PEAKY_OK, 0.0), comm_s=9.0, compute_s=0.1,
+                             int8=judge("int8", PEAKY_OK, 0.0), speculative="int8").codec == ""
 
 
 def test_coded_first_sends_make_the_profile_skip_the_time_screen() -> None:

@@ -83,6 +83,15 @@ testbed against 0.95-1.03 s for deft + torch's fp16 hook set by hand, benchmarks
 A refusal costs the speculative sends' link time; where the links are the bound that is the coded
 all-reduce, half the exact one that follows it.
 
+The speculative codec is int8 where the screen predicts that int8 pays (:func:`speculative_codec`:
+under four ranks, and half the predicted all-reduce above the estimated forward and backward, the
+rule the profile iterations and the plan apply); the verdict then keeps int8 where its bound passes on
+the same sample, else it sends everything again with the 16-bit codec that passes (or exact). A 16-bit
+speculation is never turned into int8: by the end of the backward most of its bytes are on the wire.
+(Until 2026-11-27, ninth session, the first iteration always went fp16: on the testbed at 2 x 50
+Mbit/s it took 1.13-1.15 s against 0.74-0.77 s for deft + int8 set by hand, whose steady iterations the
+default's equal: benchmarks/results/slow_links.md.)
+
 Speculating costs nothing where the screen says the links cannot be the bound: at the first gradient
 (:func:`screen_first_sends`, collective, every rank alike) the sends go exact and are not judged where
 the predicted all-reduce is no longer than the forward and backward estimated from the time to the
@@ -136,13 +145,12 @@ PROFILE_GAIN = 0.10
 #: The first iteration's forward and backward, estimated as this many times its time to the first
 #: gradient (the screen at it: a layer's backward computes two products to its forward's one).
 COMPUTE_PER_FIRST_GRADIENT = 3.0
-#: The codecs of the first iteration's own sends: 16 bits (the speculative sends' codec, judged on the
-#: sample; int8 would be a re-send of every bucket where the verdict is fp16).
-FIRST_CODECS = tuple(codec_error.UNIT_ROUNDOFF)
-#: The codecs of the profile iterations: 16 bits, or int8 where its bound passes on the first
-#: iteration's sample and the links are the bound even in 16 bits (:func:`profile_codec`).
-PROFILE_CODECS = (*FIRST_CODECS, "int8")
-#: The codec the first iteration's judged sends go in before the verdict (the preserver's first choice).
+#: The codecs of the first iteration's own sends and of the profile iterations: 16 bits, or int8 where
+#: its bound passes on the first iteration's sample and the links are the bound even in 16 bits
+#: (:func:`speculative_codec`, :func:`first_sends_codec`, :func:`profile_codec`).
+PROFILE_CODECS = (*codec_error.UNIT_ROUNDOFF, "int8")
+#: The codec the first iteration's judged sends go in before the verdict where int8 cannot pay (the
+#: preserver's first choice): :func:`speculative_codec`.
 SPECULATIVE_CODEC = "fp16"
 
 log = logging.getLogger("deft.runtime")
@@ -254,9 +262,9 @@ class ProfileCodec:
             raise DeftError(f"deft checkpoint: plan_info.profile_codec.first: expected null or an object with "
                             f"the string 'codec', got {first!r}")
         speculative = doc.get("speculative", "")
-        if speculative not in ("", *FIRST_CODECS):
+        if speculative not in ("", *PROFILE_CODECS):
             raise DeftError(f"deft checkpoint: plan_info.profile_codec.speculative: expected '' or one of "
-                            f"{list(FIRST_CODECS)}, got {speculative!r}")
+                            f"{list(PROFILE_CODECS)}, got {speculative!r}")
         return cls(codec, str(doc["reason"]), num("exposed_s"), num("compute_s"), num("delta"), first,
                    str(speculative))
 
@@ -293,10 +301,24 @@ def _screen(mode: str, verdicts: tuple[CodecVerdict, ...], whose: str, exposed_s
 
 
 def first_sends_codec(mode: str, verdicts: tuple[CodecVerdict, ...], comm_s: float | None,
-                      compute_s: float) -> ProfileCodec:
+                      compute_s: float, int8: CodecVerdict | None = None, speculative: str = "") -> ProfileCodec:
     """Pure: the codec of the first iteration's own sends (module docstring), from the preserver's
     verdicts on the sampled statistics, ``comm_s`` (the construction's broadcast scaled to the
-    gradients' all-reduce over the links; None: not measured) and the iteration's forward and backward."""
+    gradients' all-reduce over the links; None: not measured) and the iteration's forward and backward.
+    Where they went speculatively in int8 (``speculative``) and int8's verdict on the same sample
+    (``int8``) passes, a 16-bit decision becomes int8: the sends stand (sending them again in 16 bits
+    would cost more link time than they have left). 16-bit sends never become int8 for the same reason."""
+    decision = _first_sends_codec(mode, verdicts, comm_s, compute_s)
+    if decision.codec and speculative == "int8" and int8 is not None:
+        if int8.accepted:
+            return replace(decision, codec="int8", delta=int8.delta,
+                           reason=f"{decision.reason}; the sends went in int8 and stand: {int8.reason}")
+        return replace(decision, reason=f"{decision.reason}; the sends went in int8, refused: {int8.reason}")
+    return decision
+
+
+def _first_sends_codec(mode: str, verdicts: tuple[CodecVerdict, ...], comm_s: float | None,
+                       compute_s: float) -> ProfileCodec:
     accepted = _screen(mode, verdicts, "the first iteration's sampled", comm_s, compute_s)
     if isinstance(accepted, ProfileCodec):
         return accepted
@@ -332,6 +354,18 @@ def screen_first_sends(mode: str, comm_s: float | None, to_first_grad_s: float) 
                         f"the construction's broadcast, against about {compute:.3g} s of forward and backward "
                         f"({COMPUTE_PER_FIRST_GRADIENT:g}x the {to_first_grad_s:.3g} s to the first gradient); "
                         "sent exact, not judged", exposed_s=comm_s, compute_s=compute)
+
+
+def speculative_codec(comm_s: float | None, compute_s: float, world: int) -> str:
+    """Pure: the codec the first iteration's judged sends go in before the verdict: int8 where it puts
+    fewer bytes on the wire than 16 bits (under four ranks) and the links would stay the bound in 16 bits
+    (half the predicted all-reduce ``comm_s`` above ``compute_s``, the screen's estimate of the forward and
+    backward: the rule of :func:`profile_codec` and :func:`int8_may_pay`), else :data:`SPECULATIVE_CODEC`.
+    A verdict refusing int8 sends every bucket again in 16 bits (or exact): the int8 sends' link time
+    lost, a quarter of the exact all-reduce's at two ranks."""
+    if comm_s is not None and int8_hook.fewer_bytes_than_16_bits(world) and comm_s / 2.0 > compute_s:
+        return "int8"
+    return SPECULATIVE_CODEC
 
 
 def sampled_scale(samples: torch.Tensor, numel: int, batch: int | None, max_abs: float,
@@ -436,6 +470,7 @@ class FirstIteration:
         self._end: float | None = None
         self._screen_wait = 0.0  # seconds screen_sends waited for the other ranks
         self._comm_s: float | None = None  # the predicted all-reduce the ranks agreed on (None: not timed)
+        self._screened_compute_s = 0.0  # the screen's estimate of the forward and backward (max over ranks)
         self.sends: ProfileCodec | None = None  # the first iteration's own sends (judge_sends), once judged
 
     def _compute_s(self) -> float | None:
@@ -470,8 +505,13 @@ class FirstIteration:
         # Not compute: the wait for the other ranks (rank 0 starts first, its broadcast's receivers later)
         self._screen_wait = time.perf_counter() - start
         self._comm_s = agreed_comm if agreed_comm >= 0 else None
+        self._screened_compute_s = COMPUTE_PER_FIRST_GRADIENT * to_first
         self.sends = screen_first_sends(cfg.profile_codec, self._comm_s, to_first)
         return self.sends is None
+
+    def speculative_codec(self, world: int) -> str:
+        """After :meth:`screen_sends` judged the sends: the codec they go in meanwhile (:func:`speculative_codec`)."""
+        return speculative_codec(self._comm_s, self._screened_compute_s, world)
 
     def sample_only(self, executor: Executor) -> None:
         """The sends are judged (:meth:`judge_sends`): its sample decides the profile iterations' codec
@@ -512,7 +552,9 @@ class FirstIteration:
             self.sends = ProfileCodec("", "no usable sample of the first iteration's gradients (non-finite, "
                                       "no spread between ranks, or no batch size)", comm, compute)
         else:
-            self.sends = first_sends_codec(cfg.profile_codec, codec_error.pick(scale, cfg.epsilon), comm, compute)
+            int8 = codec_error.judge("int8", scale, cfg.epsilon) if speculative == "int8" else None
+            self.sends = first_sends_codec(cfg.profile_codec, codec_error.pick(scale, cfg.epsilon), comm, compute,
+                                           int8, speculative)
         self.sends = replace(self.sends, speculative=speculative)
         return self.sends.codec
 
@@ -538,7 +580,7 @@ class FirstIteration:
 
 class FirstSendsJudge:
     """The first iteration's :class:`~deft.runtime.executor.SendJudge`: screened at its first gradient
-    (:meth:`FirstIteration.screen_sends`), sent speculatively in :data:`SPECULATIVE_CODEC`, judged at the
+    (:meth:`FirstIteration.screen_sends`), sent speculatively (:func:`speculative_codec`), judged at the
     end of its backward (:meth:`FirstIteration.judge_sends`) and sent again where the verdict differs."""
 
     def __init__(self, first: FirstIteration, cfg: DeftConfig, control: ControlPlane,
@@ -546,6 +588,7 @@ class FirstSendsJudge:
                  links_bound: Callable[[], None]) -> None:
         self.first, self.cfg, self.control, self.batch, self.broadcast = first, cfg, control, batch, broadcast
         self.links_bound = links_bound  # called where the screen judges the sends (the links may be the bound)
+        self.speculative = SPECULATIVE_CODEC  # the codec the judged sends went in (the same on every rank)
 
     def _comm_s(self, executor: Executor) -> float | None:
         """The construction's broadcast scaled to this layout's all-reduce over the schedule's links."""
@@ -558,15 +601,16 @@ class FirstSendsJudge:
         judged = self.first.screen_sends(self.cfg, self.control, self._comm_s(executor))
         if judged:
             self.first.sample_only(executor)
-            executor.speculate(SPECULATIVE_CODEC)
+            self.speculative = self.first.speculative_codec(self.control.world)
+            executor.speculate(self.speculative)
             self.links_bound()
         else:
             self._log()
         return judged
 
     def at_backward_end(self, executor: Executor) -> None:
-        codec = self.first.judge_sends(executor, self.cfg, self.control, self.batch(), SPECULATIVE_CODEC)
-        if codec != SPECULATIVE_CODEC:
+        codec = self.first.judge_sends(executor, self.cfg, self.control, self.batch(), self.speculative)
+        if codec != self.speculative:
             executor.resend(codec)
         self._log()
 
