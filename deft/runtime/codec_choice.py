@@ -135,8 +135,8 @@ SAMPLE_SIZE = 65536
 #: the sampled coordinates, one-sided: a chance of about 3e-5 that the whole gradient's is lower) ...
 SAMPLE_Z = 4.0
 #: ... and then this many times smaller: one iteration's noise judges the iterations to come, whose own
-#: estimate (the plan's, over the profile iterations) may differ (measured: benchmarks/results/slow_links.md,
-#: ninth session).
+#: estimate (the plan's, over the profile iterations) may be smaller (on the testbed's CNN it was not: the
+#: bound without this factor was 1.1-1.4x the plan's, benchmarks/results/slow_links.md, ninth session).
 SAMPLE_MARGIN = 4.0
 #: The seed of the sampled coordinates (the same on every rank).
 SAMPLE_SEED = 0x5EED
