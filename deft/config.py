@@ -35,7 +35,8 @@ COMPRESSIONS = ("auto", "none", "fp16", "bf16", "int8", "powersgd")
 #: Under ``compression = "auto"``: the codec of the profile iterations (deft.runtime.codec_choice). ``"auto"``:
 #: every bucket is sent with the codec the preserver accepts on the first iteration's gradients when
 #: that iteration's all-reduces waited longer after the backward than its forward and backward took
-#: (the links are the bound); ``"always"``: whenever the preserver accepts it; ``"never"``: exact.
+#: (the links are the bound; int8 where they stay the bound even in 16 bits); ``"always"``: whenever the
+#: preserver accepts it, in 16 bits whatever the timing; ``"never"``: exact.
 PROFILE_CODECS = ("auto", "always", "never")
 #: How a merged update of ``k`` iterations scales the learning rate of its one optimizer step:
 #: ``"none"`` (the same lr: k times fewer steps of the same size), ``"linear"`` (``k * lr``, Goyal et

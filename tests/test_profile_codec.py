@@ -148,11 +148,13 @@ def test_the_speculative_codec_round_trips_and_a_bad_one_is_refused() -> None:
 
 def test_the_first_sends_speculate_in_int8_where_the_links_stay_the_bound_in_16_bits_under_four_ranks() -> None:
     # 1.4 s of predicted all-reduce: 0.7 s in 16 bits, above 0.4 s of forward and backward
-    assert speculative_codec(comm_s=1.4, compute_s=0.4, world=2) == "int8"
-    assert speculative_codec(comm_s=1.4, compute_s=0.4, world=3) == "int8"
-    assert speculative_codec(comm_s=1.4, compute_s=0.4, world=4) == "fp16"  # as many bytes as fp16 at 4 ranks
-    assert speculative_codec(comm_s=0.8, compute_s=0.4, world=2) == "fp16"  # 0.4 s in 16 bits: not above
-    assert speculative_codec(comm_s=None, compute_s=0.4, world=2) == "fp16"  # no timed broadcast
+    assert speculative_codec("auto", comm_s=1.4, compute_s=0.4, world=2) == "int8"
+    assert speculative_codec("auto", comm_s=1.4, compute_s=0.4, world=3) == "int8"
+    assert speculative_codec("auto", comm_s=1.4, compute_s=0.4, world=4) == "fp16"  # as many bytes as fp16 at 4
+    assert speculative_codec("auto", comm_s=0.8, compute_s=0.4, world=2) == "fp16"  # 0.4 s in 16 bits: not above
+    assert speculative_codec("auto", comm_s=None, compute_s=0.4, world=2) == "fp16"  # no timed broadcast
+    # "always" codes whatever the timing: 16 bits, which no timing chooses
+    assert speculative_codec("always", comm_s=1.4, compute_s=0.4, world=2) == "fp16"
 
 
 def test_int8_sends_stand_where_int8_passes_on_the_sample_else_they_go_again_in_16_bits() -> None:
@@ -334,6 +336,9 @@ def test_the_profile_iterations_stay_16_bit_where_int8_is_refused_unjudged_or_no
         == "fp16"  # no timed broadcast: the links' bound in 16 bits unknown
     never = profile_codec("never", pick(PEAKY_OK, EPS), 1.0, 0.4, comm_s=1.4, int8=judge("int8", PEAKY_OK, EPS))
     assert never.codec == ""
+    # "always" codes whatever the timing, so it keeps to 16 bits (int8 is chosen by the timing)
+    always = profile_codec("always", pick(PEAKY_OK, EPS), 1.0, 0.4, comm_s=1.4, int8=judge("int8", PEAKY_OK, EPS))
+    assert always.codec == "fp16"
 
 
 def test_the_sampled_scale_carries_the_block_peak_against_the_samples_euclidean_noise() -> None:

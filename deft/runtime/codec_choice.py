@@ -356,14 +356,17 @@ def screen_first_sends(mode: str, comm_s: float | None, to_first_grad_s: float) 
                         "sent exact, not judged", exposed_s=comm_s, compute_s=compute)
 
 
-def speculative_codec(comm_s: float | None, compute_s: float, world: int) -> str:
-    """Pure: the codec the first iteration's judged sends go in before the verdict: int8 where it puts
-    fewer bytes on the wire than 16 bits (under four ranks) and the links would stay the bound in 16 bits
-    (half the predicted all-reduce ``comm_s`` above ``compute_s``, the screen's estimate of the forward and
-    backward: the rule of :func:`profile_codec` and :func:`int8_may_pay`), else :data:`SPECULATIVE_CODEC`.
-    A verdict refusing int8 sends every bucket again in 16 bits (or exact): the int8 sends' link time
-    lost, a quarter of the exact all-reduce's at two ranks."""
-    if comm_s is not None and int8_hook.fewer_bytes_than_16_bits(world) and comm_s / 2.0 > compute_s:
+def speculative_codec(mode: str, comm_s: float | None, compute_s: float, world: int) -> str:
+    """Pure: the codec the first iteration's judged sends go in before the verdict: under ``"auto"``
+    (``mode``: ``config.profile_codec``), int8 where it puts fewer bytes on the wire than 16 bits (under
+    four ranks) and the links would stay the bound in 16 bits (half the predicted all-reduce ``comm_s``
+    above ``compute_s``, the screen's estimate of the forward and backward: the rule of
+    :func:`profile_codec` and :func:`int8_may_pay`), else :data:`SPECULATIVE_CODEC`. ``"always"`` codes
+    whatever the timing, so it keeps to the 16-bit codec, which no timing chooses. A verdict refusing
+    int8 sends every bucket again in 16 bits (or exact): the int8 sends' link time lost, a quarter of the
+    exact all-reduce's at two ranks."""
+    if (mode == "auto" and comm_s is not None and int8_hook.fewer_bytes_than_16_bits(world)
+            and comm_s / 2.0 > compute_s):
         return "int8"
     return SPECULATIVE_CODEC
 
@@ -418,11 +421,12 @@ def profile_codec(mode: str, verdicts: tuple[CodecVerdict, ...], exposed_s: floa
     ``first_codec``: the codec the first iteration's own sends used (its time then says nothing of
     the exact sends: the links were judged the bound before it); ``comm_s``: the predicted
     all-reduce of the gradients (None: no timed broadcast); ``int8``: the preserver's verdict on int8 on
-    the same statistics (None: not judged, as over four ranks or more). A 16-bit decision becomes int8
-    where int8 passes and the links stay the bound in 16 bits (``comm_s / 2`` above the forward and
-    backward, the plan's measuring rule: :func:`int8_may_pay`)."""
+    the same statistics (None: not judged, as over four ranks or more). Under ``"auto"`` a 16-bit
+    decision becomes int8 where int8 passes and the links stay the bound in 16 bits (``comm_s / 2`` above
+    the forward and backward, the plan's measuring rule: :func:`int8_may_pay`); ``"always"`` codes
+    whatever the timing, so it keeps to 16 bits, which no timing chooses."""
     decision = _profile_codec(mode, verdicts, exposed_s, compute_s, first_codec, comm_s)
-    if (decision.codec and int8 is not None and int8.accepted and comm_s is not None
+    if (mode == "auto" and decision.codec and int8 is not None and int8.accepted and comm_s is not None
             and comm_s / 2.0 > compute_s):
         return replace(decision, codec="int8", delta=int8.delta,
                        reason=f"{decision.reason}; int8: the links stay the bound in 16 bits (the all-reduce "
@@ -509,9 +513,9 @@ class FirstIteration:
         self.sends = screen_first_sends(cfg.profile_codec, self._comm_s, to_first)
         return self.sends is None
 
-    def speculative_codec(self, world: int) -> str:
+    def speculative_codec(self, cfg: DeftConfig, world: int) -> str:
         """After :meth:`screen_sends` judged the sends: the codec they go in meanwhile (:func:`speculative_codec`)."""
-        return speculative_codec(self._comm_s, self._screened_compute_s, world)
+        return speculative_codec(cfg.profile_codec, self._comm_s, self._screened_compute_s, world)
 
     def sample_only(self, executor: Executor) -> None:
         """The sends are judged (:meth:`judge_sends`): its sample decides the profile iterations' codec
@@ -601,7 +605,7 @@ class FirstSendsJudge:
         judged = self.first.screen_sends(self.cfg, self.control, self._comm_s(executor))
         if judged:
             self.first.sample_only(executor)
-            self.speculative = self.first.speculative_codec(self.control.world)
+            self.speculative = self.first.speculative_codec(self.cfg, self.control.world)
             executor.speculate(self.speculative)
             self.links_bound()
         else:
