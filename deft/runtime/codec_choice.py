@@ -20,8 +20,8 @@ adaptation and the re-checks calibrate and re-plan on coded times.
 
 The profile iterations' codec (``config.profile_codec``)
 --------------------------------------------------------
-(16 bits as below; int8 in their place where int8's bound passes on the same statistics, block peaks
-included, and the links stay the bound in 16 bits: :func:`profile_codec`.)
+(16 bits as below; under ``"auto"``, int8 in their place where int8's bound passes on the same
+statistics, block peaks included, and the links stay the bound in 16 bits: :func:`profile_codec`.)
 
 Where the links are the bound, the iterations before the plan (profile iterations, and those run
 while rank 0 plans in the background) cost what torch DDP's do, several times a coded iteration. So
