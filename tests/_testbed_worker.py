@@ -5,7 +5,9 @@ DDP with the codec deft's first iteration went in (torch's ``fp16_compress_hook`
 int8's error bound beside it), and prints one JSON line: deft's ``plan_info["profile_codec"]``
 and the largest difference of the parameters after the first iteration, relative to the parameter's
 largest element and absolute. With ``DEFT_TEST_PLAN=1`` it trains deft alone past its plan (``PLAN_STEPS``) and
-prints ``plan_info["codecs"]``, the schedule's codecs and the parameters' sums (the ranks must agree)."""
+prints ``plan_info["codecs"]``, the schedule's codecs and the parameters' sums (the ranks must agree).
+With ``DEFT_TEST_OVERFLOW=1`` it runs torch's AMP loop with an overflowing first step, deft against
+torch DDP, and prints the record, the largest difference and the skipped steps."""
 
 from __future__ import annotations
 
@@ -50,6 +52,24 @@ def train(wrapped: nn.Module, model: nn.Module, rank: int, steps: int = STEPS,
     return losses
 
 
+def amp_train(model: nn.Module, wrapped: nn.Module, rank: int) -> None:
+    """torch's documented AMP loop (autocast, GradScaler) whose first step overflows (an inf loss, as an
+    fp16 overflow gives), ``STEPS`` iterations."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    for t in range(STEPS):
+        g = torch.Generator().manual_seed(1000 * t + rank)
+        x, y = torch.randn(16, 64, generator=g), torch.randn(16, 10, generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.mse_loss(wrapped(x), y)
+        if t == 0:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+
 def main() -> None:
     import deft
 
@@ -65,6 +85,16 @@ def main() -> None:
                           "schedule_codecs": sorted(set(ddp.schedule.codecs)), "losses": losses,
                           "codecs_seen": seen, "profile_codec": ddp.plan_info["profile_codec"]["codec"],
                           "sums": [p.detach().double().sum().item() for p in ours.parameters()]}), flush=True)
+        os._exit(0)
+    if os.environ.get("DEFT_TEST_OVERFLOW") == "1":
+        amp_train(ours, ddp, rank)
+        ddp.flush()
+        ref = make_model()
+        amp_train(ref, nn.parallel.DistributedDataParallel(ref), rank)
+        worst = max(((a - b).abs().max() / b.abs().max()).item()
+                    for a, b in zip(ours.parameters(), ref.parameters(), strict=True))
+        print(json.dumps({"rank": rank, "record": ddp.plan_info["profile_codec"], "vs_torch": worst,
+                          "skipped": ddp.plan_info.get("skipped_steps", [])}), flush=True)
         os._exit(0)
     after_first: list[torch.Tensor] = []
     train(ddp, ours, rank, first=after_first)

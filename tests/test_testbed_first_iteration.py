@@ -33,19 +33,26 @@ def _skip_netns_when_refused(request: pytest.FixtureRequest) -> None:
 @pytest.mark.slow
 @pytest.mark.netns
 @pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
-def _first_iterations(epsilon: float) -> tuple[dict, dict]:
+def _reports(epsilon: float, env: dict[str, str] | None = None) -> tuple[dict, dict]:
     """Both ranks' reports (tests/_testbed_worker.py) of a run at 2 x 50 Mbit/s whose profile outlasts it."""
     with Testbed(hosts=2, links=2, rate_mbit=50) as tb:
         # the profile longer than the run: every iteration is a synchronous one, the maths known
         config = tb.write_config(epsilon=epsilon, warmup_iters=1, profile_iters=8, timeout_s=120)
         port = free_port()
-        procs = [tb.popen(h, [sys.executable, "-m", "tests._testbed_worker"], env=tb.env_for(h, h, 2, port, config),
+        procs = [tb.popen(h, [sys.executable, "-m", "tests._testbed_worker"],
+                          env={**tb.env_for(h, h, 2, port, config), **(env or {})},
                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for h in range(2)]
         outs = [p.communicate(timeout=240) for p in procs]
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
     a, b = (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
-    assert a["record"] == b["record"] and a["first_sums"] == b["first_sums"]  # the ranks decoded the same bytes
+    assert a["record"] == b["record"]
+    return a, b
+
+
+def _first_iterations(epsilon: float) -> tuple[dict, dict]:
+    a, b = _reports(epsilon)
+    assert a["first_sums"] == b["first_sums"]  # the ranks decoded the same bytes
     return a, b
 
 
@@ -112,3 +119,18 @@ def test_links_the_bound_even_in_16_bits_the_plan_sends_int8_and_the_ranks_agree
     before_plan = a["codecs_seen"][1:a["t0"] - 1]
     assert len(before_plan) >= 3 and all(c == ["int8"] for c in before_plan), a["codecs_seen"]
     assert all(math.isfinite(v) for v in a["losses"])
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+@pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
+def test_an_overflowing_first_step_sent_in_int8_goes_again_exact_as_torch_ddp() -> None:
+    """torch's AMP loop whose first step overflows: the first iteration's sends went in int8, its sample
+    is infinite, so they are sent again exact; GradScaler skips that step on every rank and the run
+    equals torch DDP's."""
+    a, b = _reports(0.01, {"DEFT_TEST_OVERFLOW": "1"})
+    first = a["record"]["first"]
+    assert first["speculative"] == "int8" and first["codec"] == "" and "no usable sample" in first["reason"], first
+    assert a["record"]["codec"] == ""  # nothing judged on it: the profile iterations exact
+    assert a["skipped"] == b["skipped"] == [0]
+    assert a["vs_torch"] < 1e-5 and b["vs_torch"] < 1e-5, (a["vs_torch"], b["vs_torch"])
