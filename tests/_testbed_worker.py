@@ -6,8 +6,9 @@ int8's error bound beside it), and prints one JSON line: deft's ``plan_info["pro
 and the largest difference of the parameters after the first iteration, relative to the parameter's
 largest element and absolute. With ``DEFT_TEST_PLAN=1`` it trains deft alone past its plan (``PLAN_STEPS``) and
 prints ``plan_info["codecs"]``, the schedule's codecs and the parameters' sums (the ranks must agree).
-With ``DEFT_TEST_OVERFLOW=1`` it runs torch's AMP loop with an overflowing first step, deft against
-torch DDP, and prints the record, the largest difference and the skipped steps."""
+With ``DEFT_TEST_OVERFLOW=1`` it runs torch's documented AMP loop (``tests._dist.amp_steps``) with
+rank 0's first step overflowing, deft against torch DDP, and prints the record, the largest
+difference, the final scales, the clipped norms and the skipped steps."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from tests._dist import amp_steps
 
 STEPS = 4
 LR = 0.05
@@ -52,29 +55,18 @@ def train(wrapped: nn.Module, model: nn.Module, rank: int, steps: int = STEPS,
     return losses
 
 
-def amp_train(model: nn.Module, wrapped: nn.Module, rank: int) -> None:
-    """torch's documented AMP loop (autocast, GradScaler) whose first step overflows (an inf loss, as an
-    fp16 overflow gives), ``STEPS`` iterations."""
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
-    for t in range(STEPS):
-        g = torch.Generator().manual_seed(1000 * t + rank)
-        x, y = torch.randn(16, 64, generator=g), torch.randn(16, 10, generator=g)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = nn.functional.mse_loss(wrapped(x), y)
-        if t == 0:
-            loss = loss * float("inf")
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-
-
 def main() -> None:
     import deft
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if os.environ.get("DEFT_TEST_OVERFLOW") == "1":
+        # autocast's first bfloat16 forward and backward on the CPU take ~1 s of one-off set-up, which the
+        # first iteration's screen would count as compute (and send it exact, unjudged): pay it here
+        warm = make_model()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = warm(torch.randn(16, 64))
+        out.float().sum().backward()
     ours = make_model()
     ddp = deft.DistributedDataParallel(ours)  # torch DDP's line; the config: $DEFT_CONFIG
     if os.environ.get("DEFT_TEST_PLAN") == "1":
@@ -87,13 +79,18 @@ def main() -> None:
                           "sums": [p.detach().double().sum().item() for p in ours.parameters()]}), flush=True)
         os._exit(0)
     if os.environ.get("DEFT_TEST_OVERFLOW") == "1":
-        amp_train(ours, ddp, rank)
+        # torch's documented AMP loop (tests/_dist.amp_steps: GradScaler, unscale_, clip_grad_norm_ with
+        # its norm kept), rank 0's first loss infinite
+        scale, norms = amp_steps(ours, ddp, rank, STEPS, inf_at=0, batch=16, features=64, classes=10)
         ddp.flush()
         ref = make_model()
-        amp_train(ref, nn.parallel.DistributedDataParallel(ref), rank)
+        ref_scale, ref_norms = amp_steps(ref, nn.parallel.DistributedDataParallel(ref), rank, STEPS, inf_at=0,
+                                         batch=16, features=64, classes=10)
         worst = max(((a - b).abs().max() / b.abs().max()).item()
                     for a, b in zip(ours.parameters(), ref.parameters(), strict=True))
         print(json.dumps({"rank": rank, "record": ddp.plan_info["profile_codec"], "vs_torch": worst,
+                          "scales": [scale, ref_scale], "norms": [str(n) for n in norms],
+                          "ref_norms": [str(n) for n in ref_norms],
                           "skipped": ddp.plan_info.get("skipped_steps", [])}), flush=True)
         os._exit(0)
     after_first: list[torch.Tensor] = []

@@ -125,12 +125,16 @@ def test_links_the_bound_even_in_16_bits_the_plan_sends_int8_and_the_ranks_agree
 @pytest.mark.netns
 @pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
 def test_an_overflowing_first_step_sent_in_int8_goes_again_exact_as_torch_ddp() -> None:
-    """torch's AMP loop whose first step overflows: the first iteration's sends went in int8, its sample
-    is infinite, so they are sent again exact; GradScaler skips that step on every rank and the run
-    equals torch DDP's."""
+    """torch's documented AMP loop (GradScaler, unscale_, clip_grad_norm_ with its norm logged) whose first
+    step overflows on rank 0: the first iteration's sends went in int8, the gathered sample is infinite,
+    so they are sent again exact; GradScaler skips that step on every rank, and the scale, the logged
+    norms and the parameters are torch DDP's."""
     a, b = _reports(0.01, {"DEFT_TEST_OVERFLOW": "1"})
     first = a["record"]["first"]
     assert first["speculative"] == "int8" and first["codec"] == "" and "no usable sample" in first["reason"], first
     assert a["record"]["codec"] == ""  # nothing judged on it: the profile iterations exact
     assert a["skipped"] == b["skipped"] == [0]
+    for r in (a, b):
+        assert r["norms"][0] in ("inf", "nan") and r["norms"] == r["ref_norms"], (r["norms"], r["ref_norms"])
+        assert r["scales"][0] == r["scales"][1] < 2.0 ** 10  # backed off once, as torch DDP's
     assert a["vs_torch"] < 1e-5 and b["vs_torch"] < 1e-5, (a["vs_torch"], b["vs_torch"])
