@@ -246,7 +246,7 @@ def test_the_sampled_noise_bound_stays_below_a_heavy_tailed_gradients_noise() ->
     draws = _heavy_tailed_draws(sigma, 20)
     assert max(plain for _, plain in draws) > 1.05  # the plain estimate overshoots in some draws ...
     usable = [bound for bound, _ in draws if bound is not None]
-    assert len(usable) >= 15 and max(usable) < 1.0  # ... the bound in none, and it judges most draws
+    assert len(usable) == len(draws) and max(usable) < 1.0  # ... the bound in none, and it judges every draw
 
 
 def test_a_sample_ruled_by_a_few_coordinates_is_not_judged() -> None:
