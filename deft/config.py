@@ -80,8 +80,9 @@ class DeftConfig:
     partition_numel: int = 6_500_000
     solver: str = "exact"
     # CP-SAT budget per knapsack solve, as deterministic work (x solver.plan.WORK_PER_SECOND units), not
-    # wall seconds: the same profile gives the same plan under any load; one plan spends at most
-    # solver.plan.EXACT_BUDGET_LIMITS such budgets before the greedy takes over
+    # wall seconds: the same profile gives the same plan under any load; one decision (a plan, or the
+    # preserver's tries together) spends at most solver.plan.EXACT_BUDGET_LIMITS such budgets before the
+    # greedy takes over
     solver_time_limit_s: float = 1.0
     solver_relative_gap: float = 1e-3
     # 1 + 3 iterations before planning: the warm-up timer measures the real all-reduces, rotated over the

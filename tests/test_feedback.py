@@ -28,7 +28,7 @@ from deft.preserver.gaussian_walk import convergence_ratio, expected_loss_after
 from deft.preserver.noise import NoiseEstimate
 from deft.profile import Bucket, BucketTimes, Link, Profile
 from deft.schedule import CommTask, Schedule, StagePlan, Update
-from deft.solver.plan import no_delay_plan, plan
+from deft.solver.plan import EXACT_BUDGET_LIMITS, WORK_PER_SECOND, ExactBudget, no_delay_plan, plan
 
 N_BUCKETS = 3
 LINKS = ("primary", "second")
@@ -707,3 +707,31 @@ def test_tries_stop_at_one_that_delays_nothing_and_is_no_faster() -> None:
     res = preserve(profile(), DeftConfig(epsilon=0.01), STATS, planner=planner, no_delay_planner=lambda p, c: nd,
                    accumulate_planner=slow_merge)
     assert asked == [1.0, 1.25] and res.schedule.batch_sequence == (1, 2, 1)
+
+
+def _cp_sat_work(res: PreserveResult) -> float:
+    """CP-SAT work (deterministic units) the DeFT tries of a decision spent, from their schedules' records."""
+    return sum(t.schedule.meta["solver_work"] for t in res.tries if t.kind == "deft" and t.schedule is not None)
+
+
+def test_the_tries_share_one_cp_sat_budget() -> None:
+    """The default planner's tries share one ExactBudget: a decision's exact knapsacks spend at most
+    EXACT_BUDGET_LIMITS knapsack budgets (plus the one solve that crosses the line), however many tries
+    it takes; past that the later tries' knapsacks are the greedy's. With a budget per try (the
+    planner given as plain ``plan``, the behaviour before) the same decision spends several times that.
+    The stdlib char LM's profile (49 buckets) is one whose knapsacks CP-SAT cannot certify quickly;
+    a small per-knapsack budget keeps the test short."""
+    prof = Profile.load(Path(__file__).resolve().parents[1] / "examples" / "profiles" / "gpt2_stdlib_testbed.json")
+    cfg = DeftConfig(epsilon=0.01, solver_time_limit_s=0.02)
+    stats = WalkStats(loss=2.0, mu=1.0, sigma=20.0, lr=0.05, batch=512)
+    budget = ExactBudget.for_config(cfg)
+    per_knapsack = WORK_PER_SECOND * cfg.solver_time_limit_s
+    assert budget.units == pytest.approx(EXACT_BUDGET_LIMITS * per_knapsack)
+
+    shared = preserve(prof, cfg, stats)
+    own = preserve(prof, cfg, stats, planner=plan)
+    deft_tries = [t for t in shared.tries if t.kind == "deft"]
+    assert len(deft_tries) >= 2
+    assert 0 < _cp_sat_work(shared) <= budget.units + per_knapsack
+    assert any(t.schedule is not None and t.schedule.meta["exact_budget_exhausted"] for t in deft_tries)
+    assert _cp_sat_work(own) > 2 * (budget.units + per_knapsack)

@@ -18,6 +18,7 @@ from deft.solver.codecs import CodecCost, encoded_profile
 from deft.solver.partition import partition, profile_for_schedule
 from deft.solver.plan import (
     CASE_FLUSH,
+    ExactBudget,
     Packing,
     PlanResult,
     link_finish,
@@ -232,6 +233,22 @@ def test_a_no_delay_plans_short_window_predicts_what_the_default_window_does(nam
     sched = no_delay_plan(prof, DeftConfig())
     long = simulate_schedule(profile_for_schedule(prof, sched, DeftConfig()), sched).iteration_s
     assert sched.predicted_iteration_s == pytest.approx(long, rel=1e-9)
+
+
+def test_plans_sharing_a_budget_spend_it_once_then_solve_as_the_greedy() -> None:
+    # A budget shared by two plans: the first spends (part of) it and says so; a plan that finds it
+    # spent solves every knapsack as the greedy does, the same stages and updates as solver "greedy".
+    prof = Profile.load(Path(__file__).resolve().parents[1] / "examples" / "profiles" / "gpt2_stdlib_testbed.json")
+    cfg = DeftConfig(solver_time_limit_s=0.02)
+    budget = ExactBudget.for_config(cfg)
+    first = plan(prof, cfg, budget=budget)
+    assert budget.spent == first.meta["solver_work"] > 0
+    spent = plan(prof, cfg, capacity_scale=1.5625, budget=ExactBudget(units=0.0))
+    greedy = plan(prof, DeftConfig(solver="greedy"), capacity_scale=1.5625)
+    own = plan(prof, cfg, capacity_scale=1.5625)
+    assert spent.meta["exact_budget_exhausted"] and spent.meta["solver_work"] == 0
+    assert (spent.stages, spent.updates) == (greedy.stages, greedy.updates)
+    assert own.meta["solver_work"] > 0 and (own.stages, own.updates) != (greedy.stages, greedy.updates)
 
 
 # ------------------------------------------------------------------------------------------------

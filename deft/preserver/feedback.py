@@ -81,6 +81,7 @@ keeps the no-delay schedule and :class:`Recheck` asks for a re-plan once they ar
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -94,7 +95,7 @@ from deft.preserver.gaussian_walk import convergence_ratio, expected_loss_after,
 from deft.preserver.noise import WALK_METRICS
 from deft.preserver.stability import Plan, StabilityCheck, applied_updates, check_stability
 from deft.schedule import Schedule
-from deft.solver.plan import accumulate_plan, no_delay_plan, plan
+from deft.solver.plan import ExactBudget, accumulate_plan, no_delay_plan, plan
 
 if TYPE_CHECKING:  # pragma: no cover
     from deft.preserver.noise import NoiseEstimate
@@ -484,9 +485,11 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
 
     ``planner``, ``no_delay_planner`` and ``accumulate_planner`` default to
     :func:`deft.solver.plan.plan`, :func:`deft.solver.plan.no_delay_plan` and
-    :func:`deft.solver.plan.accumulate_plan`; tests inject their own.
+    :func:`deft.solver.plan.accumulate_plan`; tests inject their own. The default planner's tries share
+    one :class:`~deft.solver.plan.ExactBudget` of CP-SAT work (a decision costs what one plan may, however
+    many tries it takes; the later tries' knapsacks fall to the greedy once it is spent).
     """
-    planner = planner or plan
+    planner = planner or functools.partial(plan, budget=ExactBudget.for_config(config))
     tries: list[Try] = []
     fallback = _NoDelay(profile, config, stats, no_delay_planner or no_delay_plan, tries)
     if config.epsilon == 0.0:

@@ -394,9 +394,10 @@ def _decision(cfg: DeftConfig, adapter: Adapter, running: Schedule, profile: Pro
             assert profile is not None
 
             # Re-plans solve their knapsacks with the paper's greedy (0.2 % below the optimum on average:
-            # benchmarks/results/knapsack.md): the preserver's tries with exact knapsacks can spend
+            # benchmarks/results/knapsack.md): the preserver's tries with exact knapsacks could spend
             # EXACT_BUDGET_LIMITS budgets each, and one adaptation re-plan on a coded profile took over
-            # 200 s in the background on the 2-core CI machine while every rank waited for it.
+            # 200 s in the background on the 2-core CI machine while every rank waited for it. Shared over
+            # the tries since the tenth session of 2026-11-27, they may still take 10-30 s of one core.
             quick = replace(cfg, solver="greedy")
 
             def replan(corrected: Profile) -> Schedule:

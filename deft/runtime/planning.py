@@ -214,7 +214,7 @@ def _planned(cfg: DeftConfig, profile: Profile, stats: WalkStats | None) -> Deci
         if cfg.epsilon == 0:
             return Decision(base(profile, cfg), {"source": f"{base.__name__} (epsilon = 0)"})
         if cfg.preserver:
-            res = feedback.preserve(profile, cfg, stats, planner=plan, no_delay_planner=base)
+            res = feedback.preserve(profile, cfg, stats, no_delay_planner=base)
             return Decision(res.schedule, preserver_info("preserver", res, stats), res)
         return Decision(plan(profile, cfg), {"source": "plan"})
     except DeftError as e:
@@ -378,7 +378,7 @@ class Planning:
                     doc["check"] = {"ratio": decision.ratio, "replan": decision.replan, "reason": decision.reason}
                     if decision.replan:
                         assert profile is not None and self._recheck is not None
-                        res = feedback.preserve(profile, cfg, stats, planner=plan,
+                        res = feedback.preserve(profile, cfg, stats,
                                                 no_delay_planner=lagfree_plan if cfg.forward_updates else no_delay_plan)
                         self._recheck.reset(res)
                         doc["schedule"] = codecs.mark(res.schedule, profile, cfg).to_dict()

@@ -67,9 +67,10 @@ Where this deviates from the paper, and why
   the clock (:mod:`deft.solver.knapsack`), so the same profile and config give the same schedule,
   byte for byte, on an idle or a busy machine. ``config.solver_time_limit_s`` is read as that
   budget: ``WORK_PER_SECOND`` units of CP-SAT deterministic time per second. Past
-  ``EXACT_BUDGET_LIMITS`` such budgets spent in one plan, the remaining knapsacks are solved
-  greedily (``meta["exact_budget_exhausted"]``). The schedule's ``meta`` records the work spent
-  (``solver_work``), not wall time; :attr:`PlanResult.solve_s` has the wall time.
+  ``EXACT_BUDGET_LIMITS`` such budgets spent (an :class:`ExactBudget`: one plan's own, or one a
+  caller shares over several plans, as the preserver does over its tries), the remaining knapsacks
+  are solved greedily (``meta["exact_budget_exhausted"]``). The schedule's ``meta`` records the work
+  this plan spent (``solver_work``), not wall time; :attr:`PlanResult.solve_s` has the wall time.
 * Cycle cap: if no repetition appears within ``4 * max_cycle`` iterations (or the unrolled cycle is
   longer than ``max_cycle``, or the coverage rate alone rules out a cycle that short), the plan runs
   ``max_cycle`` iterations from empty queues and *flushes* in the last backward (everything left is
@@ -101,6 +102,7 @@ __all__ = [
     "DEFAULT_MAX_CYCLE",
     "EXACT_BUDGET_LIMITS",
     "WORK_PER_SECOND",
+    "ExactBudget",
     "GroupRecord",
     "IterationRecord",
     "KnapsackRecord",
@@ -119,7 +121,8 @@ __all__ = [
 
 CASE_FLUSH = 0  # backward "case" of the forced flush that closes a capped cycle (not a paper case)
 DEFAULT_MAX_CYCLE = 64
-# Total CP-SAT work of one plan, in units of the per-knapsack budget, before the greedy takes over.
+# Total CP-SAT work of one budget (one plan's, or one shared by a decision's plans: ExactBudget), in
+# units of the per-knapsack budget, before the greedy takes over.
 EXACT_BUDGET_LIMITS = 20
 # CP-SAT deterministic time granted per second of ``config.solver_time_limit_s``: a unit takes one to a
 # few seconds of wall time on a small machine (measured: benchmarks/results/knapsack.md), so a budget
@@ -210,6 +213,31 @@ class PlanResult:
     unroll: int
     mode: str  # "deft" | "no_delay" | "capped"
     solve_s: float = 0.0  # wall time spent in knapsack solves (information only; not in the schedule)
+
+
+@dataclass
+class ExactBudget:
+    """CP-SAT's deterministic work (units) the knapsacks of one or more plans may spend; past it the
+    paper's greedy answers the rest (0.2 % below the optimum on average: benchmarks/results/knapsack.md).
+
+    Invariant: the exact search starts only while ``spent < units``, so a holder of the budget spends at
+    most ``units`` plus one knapsack's ``work_limit``. Spending is deterministic work, so plans sharing
+    one budget in the same order come out the same under any load. A plan given none has its own
+    (:meth:`for_config`); the preserver shares one over its tries. (Until the tenth session of
+    2026-11-27 each try had its own: the stdlib char LM's profile, 49 buckets, then spent 22 units over
+    four tries, 24-55 s of one core, for the no-delay plan it fell back to; benchmarks/results/planner.md.)"""
+
+    units: float
+    spent: float = 0.0
+
+    @classmethod
+    def for_config(cls, config: DeftConfig) -> ExactBudget:
+        """:data:`EXACT_BUDGET_LIMITS` knapsack budgets of ``config.solver_time_limit_s`` each."""
+        return cls(EXACT_BUDGET_LIMITS * WORK_PER_SECOND * config.solver_time_limit_s)
+
+    @property
+    def exhausted(self) -> bool:
+        return self.spent >= self.units
 
 
 @dataclass(frozen=True)
@@ -360,7 +388,7 @@ QueueState = tuple[frozenset[int], int, int, int]
 class _Machine:
     """Queues, groups and knapsack solving for one plan; see the module docstring."""
 
-    def __init__(self, profile: Profile, config: DeftConfig, scale: float) -> None:
+    def __init__(self, profile: Profile, config: DeftConfig, scale: float, budget: ExactBudget | None = None) -> None:
         self.n = profile.n
         self.links = profile.link_names
         self.w = [[profile.comm_time(b, name) for name in self.links] for b in range(self.n)]
@@ -373,12 +401,12 @@ class _Machine:
         self.end_backward = max(scale * profile.backward_s, self.floor)
         self.method = config.solver
         self.work_limit = WORK_PER_SECOND * config.solver_time_limit_s
-        self.exact_budget = EXACT_BUDGET_LIMITS * self.work_limit
-        self.budget_exhausted = False
+        self.budget = budget if budget is not None else ExactBudget.for_config(config)
+        self.budget_exhausted = False  # this plan solved a knapsack greedily for want of budget
         self.relative_gap = config.solver_relative_gap
         self._cache: dict[tuple[tuple[int, ...], tuple[float, ...]], Packing] = {}
         self.solve_s = 0.0  # wall time, information only
-        self.work = 0.0  # CP-SAT deterministic time: decides when the exact budget is spent
+        self.work = 0.0  # CP-SAT deterministic time this plan spent (of self.budget's)
         self.calls = 0
         self.reset()
 
@@ -397,7 +425,7 @@ class _Machine:
         if hit is not None:
             return hit
         method = self.method
-        if method == "exact" and self.work >= self.exact_budget:
+        if method == "exact" and self.budget.exhausted:
             # A plan may need thousands of knapsacks; past the budget the greedy answers the rest.
             method = "greedy"
             self.budget_exhausted = True
@@ -408,6 +436,7 @@ class _Machine:
         self.calls += 1
         self.solve_s += sol.solve_s
         self.work += sol.work
+        self.budget.spent += sol.work
         assignment = {b: j for b, j in zip(items, sol.link_of, strict=True) if j is not None}
         # Worthless buckets (value = time on the primary link = 0): the knapsack never packs them,
         # and they cost nothing on the primary link, so they go there.
@@ -686,16 +715,19 @@ def accumulate_plan(profile: Profile, config: DeftConfig | None, k: int) -> Sche
     return _with_predictions(part, sched)
 
 
-def plan(profile: Profile, config: DeftConfig | None = None, *, capacity_scale: float = 1.0) -> Schedule:
+def plan(profile: Profile, config: DeftConfig | None = None, *, capacity_scale: float = 1.0,
+         budget: ExactBudget | None = None) -> Schedule:
     """The DeFT schedule of ``profile``; see :func:`plan_trace` and the module docstring."""
-    return plan_trace(profile, config, capacity_scale=capacity_scale).schedule
+    return plan_trace(profile, config, capacity_scale=capacity_scale, budget=budget).schedule
 
 
 def plan_trace(profile: Profile, config: DeftConfig | None = None, *, capacity_scale: float = 1.0,
-               max_cycle: int = DEFAULT_MAX_CYCLE) -> PlanResult:
+               max_cycle: int = DEFAULT_MAX_CYCLE, budget: ExactBudget | None = None) -> PlanResult:
     """Plan and return the schedule with the per-iteration record of cases, queues and knapsacks.
 
     ``config.epsilon == 0`` forbids delayed updates, so the result is :func:`no_delay_plan`'s.
+    ``budget``: the CP-SAT work its exact knapsacks may spend, shared with whoever else holds it (None:
+    this plan's own, :meth:`ExactBudget.for_config`).
     """
     cfg = _check(profile, config, capacity_scale)
     if isinstance(max_cycle, bool) or not isinstance(max_cycle, int) or max_cycle < 1:
@@ -713,7 +745,7 @@ def plan_trace(profile: Profile, config: DeftConfig | None = None, *, capacity_s
         sched = _no_delay(part, cfg, scale, cap, "wfbp finishes within the backward stage's capacity")
         return PlanResult(sched, part, (), (), 0, 1, 1, "no_delay")
 
-    m = _Machine(part, cfg, scale)
+    m = _Machine(part, cfg, scale, budget)
     limit = _SEARCH_PER_CYCLE * max_cycle
     # Each update needs every bucket sent once (at least its cheapest link's time), and an iteration
     # offers at most s*(F+B) per link: a cycle shorter than their ratio cannot exist. Skip the search.
