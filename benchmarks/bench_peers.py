@@ -105,7 +105,8 @@ class Workload:
     fixed_targets: tuple[float, ...] = ()  # () : set from torch DDP's curve (targets())
 
     def argv(self, args: argparse.Namespace, seed: int) -> list[str]:
-        length = ["--epochs", str(args.epochs)] if self.name == "cnn" else ["--iters", str(args.iters)]
+        length = (["--epochs", str(args.epochs), "--lr-schedule", args.lr_schedule] if self.name == "cnn"
+                  else ["--iters", str(args.iters)])
         return [*length, "--eval-every", str(args.eval_every), "--skip-iters", str(args.skip_iters),
                 "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(seed)]
 
@@ -165,6 +166,9 @@ class Scheme:
             env["PYTHONPATH"] = tree
         return env
 
+
+#: cnn: the learning-rate schedules of train_cnn.py's --lr-schedule, as the report words them.
+LR_SCHEDULES = {"constant": "", "cosine": " decayed to 0 over the run (cosine)"}
 
 #: The environment variable naming the earlier source tree of the ``deft-before`` scheme.
 BEFORE_TREE = "DEFT_BEFORE_TREE"
@@ -556,7 +560,7 @@ def report(args: argparse.Namespace, docs: list[dict[str, Any]], names: list[str
     if wl.name == "cnn":
         model = (f"Model: examples/models.py DigitsCNN ({first['params']:,} parameters) on scikit-learn digits "
                  f"(1437 train / 360 test), batch {args.batch_size} per rank, 2 ranks (one per host), SGD lr "
-                 f"{args.lr} momentum 0.9, {args.epochs} epochs; test accuracy every "
+                 f"{args.lr} momentum 0.9{LR_SCHEDULES[args.lr_schedule]}, {args.epochs} epochs; test accuracy every "
                  f"{args.eval_every} iterations; {runs}.  ")
     else:
         model = (f"Model: examples/train_lm.py, a HuggingFace GPT2LMHeadModel ({first['params']:,} parameters, "
@@ -608,6 +612,8 @@ def main() -> int:
     ap.add_argument("--skip-iters", type=int, default=12, help="iterations left out of the steady iteration time")
     ap.add_argument("--batch-size", type=int, default=None, help="per rank (cnn 32 images, lm 4 windows)")
     ap.add_argument("--lr", type=float, default=None, help="cnn: SGD's (0.02); lm: AdamW's (1e-3)")
+    ap.add_argument("--lr-schedule", choices=sorted(LR_SCHEDULES), default="constant",
+                    help="cnn: the learning rate constant, or decayed to 0 over the run (cosine)")
     ap.add_argument("--seeds", default=None,
                     help="comma-separated seeds, each a separate run of every scheme at every rate (default: --seed)")
     ap.add_argument("--seed", type=int, default=0, help="the one seed when --seeds is not given")

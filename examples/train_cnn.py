@@ -221,6 +221,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=32, help="per rank")
     ap.add_argument("--lr", type=float, default=0.02)
     ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                    help="cosine: the learning rate decays to 0 over the run (torch's CosineAnnealingLR, "
+                         "stepped after every optimizer step)")
     ap.add_argument("--width", type=int, default=64, help="CNN width (64: 4.4M parameters)")
     ap.add_argument("--hidden", type=int, default=832, help="first fc width")
     ap.add_argument("--eval-every", type=int, default=0, help="evaluate every N iterations (0: each epoch)")
@@ -269,6 +272,17 @@ class Wrapped:
     info: dict[str, Any]
     accumulate: int = 1
     updates: Callable[[int], int] = lambda steps: steps
+
+
+def lr_schedule(name: str, optimizer: Any, steps: int) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The learning-rate schedule over the run's ``steps`` optimizer steps (None: constant). Only for
+    schemes whose optimizer is a torch optimizer (not DiLoCo's outer/inner pair)."""
+    if name == "constant":
+        return None
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise SystemExit(f"train_cnn.py: error: --lr-schedule {name} needs a torch optimizer; this scheme steps "
+                         f"with {type(optimizer).__name__}")
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(steps, 1))
 
 
 def one_bucket_mb(model: nn.Module) -> float:
@@ -454,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     except DeftError as e:  # a bad config or --epsilon: one line naming the field, not a traceback
         raise SystemExit(f"train_cnn.py: error: {e}") from None
     ddp, optimizer = w.ddp, w.optimizer
+    schedule = lr_schedule(args.lr_schedule, optimizer, total // w.accumulate)
     torch.manual_seed(args.seed * 1000 + rank + 1)  # dropout differs per rank, as in any DDP job
     if rank == 0:
         print(f"[train_cnn] ddp={args.ddp} world={world} params={num_parameters(model):,} "
@@ -503,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
                 optimizer.step()
                 optimizer.zero_grad()
                 steps += 1
+                if schedule is not None:
+                    schedule.step()
             dt = time.perf_counter() - t0
             train_s += dt
             it += 1
@@ -535,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     updates = w.updates(steps)
     summary = {
         "ddp": args.ddp, "world_size": world, "params": num_parameters(model), "batch_size": args.batch_size,
-        "lr": args.lr, "epochs": args.epochs, "iters": it, "updates": updates,
+        "lr": args.lr, "lr_schedule": args.lr_schedule, "epochs": args.epochs, "iters": it, "updates": updates,
         "updates_per_iter": updates / max(it, 1),
         "iter_s_mean": steady_mean(iters, args.skip_iters), "iter_s_median": statistics.median(steady),
         "skip_iters": args.skip_iters, "train_s": train_s, "time_s": evals[-1]["time_s"],

@@ -115,6 +115,32 @@ def test_bench_peers_adacomm_schemes_parse_to_local_steps_with_the_adacomm_perio
     assert ("DiLoCo" in scheme.label) == (outer == "diloco")
 
 
+def test_cosine_lr_schedule_decays_to_zero_and_needs_a_torch_optimizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    # train_cnn.py --lr-schedule cosine: lr_0 (1 + cos(pi t / T)) / 2 after t of T optimizer steps
+    import torch
+
+    example = _load_script(EXAMPLE, monkeypatch)
+    assert example.lr_schedule("constant", None, 4) is None
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.02)
+    schedule = example.lr_schedule("cosine", sgd, 4)
+    lrs = []
+    for _ in range(4):
+        sgd.step()
+        schedule.step()
+        lrs.append(sgd.param_groups[0]["lr"])
+    assert lrs == pytest.approx([0.02 * (1 + math.cos(math.pi * t / 4)) / 2 for t in (1, 2, 3, 4)], abs=1e-12)
+    assert lrs[-1] == pytest.approx(0.0, abs=1e-12)
+    with pytest.raises(SystemExit, match="--lr-schedule cosine needs a torch optimizer"):
+        example.lr_schedule("cosine", object(), 4)
+    # bench_peers hands the schedule to every CNN run
+    peers = _load_script(REPO / "benchmarks" / "bench_peers.py", monkeypatch)
+    import argparse
+
+    args = argparse.Namespace(epochs=2, lr_schedule="cosine", eval_every=11, skip_iters=12, batch_size=32, lr=0.02)
+    argv = peers.WORKLOADS["cnn"].argv(args, 3)
+    assert argv[argv.index("--lr-schedule") + 1] == "cosine"
+
+
 ITERS = 12
 
 
