@@ -7,7 +7,9 @@
 Builds one testbed per rate (DESIGN.md section 6: 2 hosts x 2 links, every NIC ``tc tbf``-shaped to
 the rate; all of them up at once, in separate namespaces) and trains ``examples/train_cnn.py``
 (4.4M-parameter CNN on scikit-learn digits, batch 32 per rank, SGD lr 0.02 momentum 0.9, one rank
-per host) for ``--epochs`` epochs with every scheme and every seed of ``--seeds`` (default: ``--seed``, 0):
+per host; ``--lr-schedule cosine`` decays the learning rate to 0 over the run, so that the final
+accuracy is not taken mid-swing) for ``--epochs`` epochs with every scheme and every seed of ``--seeds``
+(default: ``--seed``, 0):
 
 * ``compute``: each host trains alone (``--compute-only``: one rank's shard, no communication) at
   the same time as the other host: computation under the same CPU load, the floor;
