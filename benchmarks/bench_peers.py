@@ -553,6 +553,17 @@ def deft_timeline(doc: dict[str, Any], path: Path, rate: float) -> str:
             f"{ran.iteration_s * 1e3:.0f} ms, torch DDP {ddp.iteration_s * 1e3:.0f} ms on the same profile)")
 
 
+def run_lr_schedule(docs: list[dict[str, Any]]) -> str:
+    """The learning-rate schedule the runs trained with, from their records (``"constant"`` for records
+    from before ``--lr-schedule``), so a report rebuilt with ``--from-runs`` names it whatever the flags.
+    Runs of different schedules are not compared in one report."""
+    found = sorted({d["summary"].get("lr_schedule", "constant") for d in docs})
+    if len(found) > 1:
+        raise SystemExit(f"bench_peers.py: error: the runs mix learning-rate schedules ({', '.join(found)}); "
+                         "report them separately")
+    return found[0] if found else "constant"
+
+
 def report(args: argparse.Namespace, docs: list[dict[str, Any]], names: list[str], rates: list[float],
            failed: dict[tuple[str, float], str], command: str, plots: dict[float, Path]) -> str:
     first, wl = docs[0]["summary"], WORKLOADS[args.workload]
@@ -562,8 +573,8 @@ def report(args: argparse.Namespace, docs: list[dict[str, Any]], names: list[str
     if wl.name == "cnn":
         model = (f"Model: examples/models.py DigitsCNN ({first['params']:,} parameters) on scikit-learn digits "
                  f"(1437 train / 360 test), batch {args.batch_size} per rank, 2 ranks (one per host), SGD lr "
-                 f"{args.lr} momentum 0.9{LR_SCHEDULES[args.lr_schedule]}, {args.epochs} epochs; test accuracy every "
-                 f"{args.eval_every} iterations; {runs}.  ")
+                 f"{args.lr} momentum 0.9{LR_SCHEDULES[run_lr_schedule(docs)]}, {args.epochs} epochs; "
+                 f"test accuracy every {args.eval_every} iterations; {runs}.  ")
     else:
         model = (f"Model: examples/train_lm.py, a HuggingFace GPT2LMHeadModel ({first['params']:,} parameters, "
                  "byte level, tied embeddings) on the Python standard library's source (2 MB, 90/10 split), "

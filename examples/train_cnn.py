@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     except DeftError as e:  # a bad config or --epsilon: one line naming the field, not a traceback
         raise SystemExit(f"train_cnn.py: error: {e}") from None
     ddp, optimizer = w.ddp, w.optimizer
-    schedule = lr_schedule(args.lr_schedule, optimizer, total // w.accumulate)
+    schedule = lr_schedule(args.lr_schedule, optimizer, -(-total // w.accumulate))  # a short last group steps too
     torch.manual_seed(args.seed * 1000 + rank + 1)  # dropout differs per rank, as in any DDP job
     if rank == 0:
         print(f"[train_cnn] ddp={args.ddp} world={world} params={num_parameters(model):,} "

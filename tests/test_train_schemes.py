@@ -139,6 +139,11 @@ def test_cosine_lr_schedule_decays_to_zero_and_needs_a_torch_optimizer(monkeypat
     args = argparse.Namespace(epochs=2, lr_schedule="cosine", eval_every=11, skip_iters=12, batch_size=32, lr=0.02)
     argv = peers.WORKLOADS["cnn"].argv(args, 3)
     assert argv[argv.index("--lr-schedule") + 1] == "cosine"
+    # ... and its report names the schedule the runs recorded (older records: constant), never a mix
+    assert peers.run_lr_schedule([{"summary": {"lr_schedule": "cosine"}}] * 2) == "cosine"
+    assert peers.run_lr_schedule([{"summary": {}}]) == "constant"
+    with pytest.raises(SystemExit, match="mix learning-rate schedules"):
+        peers.run_lr_schedule([{"summary": {"lr_schedule": "cosine"}}, {"summary": {}}])
 
 
 ITERS = 12

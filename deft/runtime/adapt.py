@@ -397,7 +397,8 @@ def _decision(cfg: DeftConfig, adapter: Adapter, running: Schedule, profile: Pro
             # benchmarks/results/knapsack.md): the preserver's tries with exact knapsacks could spend
             # EXACT_BUDGET_LIMITS budgets each, and one adaptation re-plan on a coded profile took over
             # 200 s in the background on the 2-core CI machine while every rank waited for it. Shared over
-            # the tries since the tenth session of 2026-11-27, they may still take 10-30 s of one core.
+            # the tries since the tenth session of 2026-11-27, they still took 16 s of one core on the stored
+            # GPT-2 profile (benchmarks/results/planner.md): too long for every rank to wait.
             quick = replace(cfg, solver="greedy")
 
             def replan(corrected: Profile) -> Schedule:
