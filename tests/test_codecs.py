@@ -329,8 +329,10 @@ def test_int8_is_measured_only_where_16_bits_leave_the_links_the_bound_and_it_ha
     assert int8_may_pay(profile((20.0,) * 4), 2)
     assert int8_may_pay(profile((20.0,) * 4), 3)
     assert not int8_may_pay(profile((20.0,) * 4), 4)  # as many bytes as fp16 from 4 ranks
-    # 4 x 5 ms exact: 10 ms in 16 bits, under the 12 ms of compute: fp16 already hides
-    assert not int8_may_pay(profile((5.0,) * 4), 2)
+    # 4 x 5 ms exact: 10 ms in 16 bits, above half the 12 ms of compute (6 ms): the links may stay the bound
+    assert int8_may_pay(profile((5.0,) * 4), 2)
+    # 4 x 2.5 ms exact: 5 ms in 16 bits, under half the compute: fp16 hides
+    assert not int8_may_pay(profile((2.5,) * 4), 2)
     assert not int8_may_pay(None, 2)
 
 

@@ -92,10 +92,11 @@ threads' contention with it: on a slower testbed machine, at 2 x 50 Mbit/s, it w
 iteration sent everything twice and took 3.0-3.2 s against 0.9-1.0 s: benchmarks/results/slow_links.md.)
 
 The speculative codec is int8 where the screen predicts that int8 pays (:func:`speculative_codec`:
-under four ranks, and half the predicted all-reduce above the estimated forward and backward, the
-rule the profile iterations and the plan apply); the verdict then keeps int8 where its bound passes on
-the same sample, else it sends everything again with the 16-bit codec that passes (or exact). A 16-bit
-speculation is never turned into int8: by the end of the backward most of its bytes are on the wire.
+under four ranks, and half the predicted all-reduce above half the estimated forward and backward:
+:func:`links_bound_in_16_bits`, the rule the profile iterations and the plan apply); the verdict then
+keeps int8 where its bound passes on the same sample, else it sends everything again with the 16-bit
+codec that passes (or exact). A 16-bit speculation is never turned into int8: by the end of the
+backward most of its bytes are on the wire.
 (Until 2026-11-27, ninth session, the first iteration always went fp16: on the testbed at 2 x 50
 Mbit/s it took 1.13-1.15 s against 0.74-0.77 s for deft + int8 set by hand, whose steady iterations the
 default's equal: benchmarks/results/slow_links.md.)
@@ -153,6 +154,9 @@ PROFILE_GAIN = 0.10
 #: The first iteration's forward and backward, estimated as this many times its time to the first
 #: gradient (the screen at it: a layer's backward computes two products to its forward's one).
 COMPUTE_PER_FIRST_GRADIENT = 3.0
+#: int8 is weighed where the 16-bit all-reduce exceeds this share of the forward and backward
+#: (:func:`links_bound_in_16_bits`).
+INT8_COMPUTE_SHARE = 0.5
 #: The codecs of the first iteration's own sends and of the profile iterations: 16 bits, or int8 where
 #: its bound passes on the first iteration's sample and the links are the bound even in 16 bits
 #: (:func:`speculative_codec`, :func:`first_sends_codec`, :func:`profile_codec`).
@@ -207,18 +211,33 @@ def lag_codec(profile_codec: str, inputs: CodecInputs | None, epsilon: float) ->
     return "" if accepted is None else accepted.codec
 
 
+def links_bound_in_16_bits(comm_s: float, compute_s: float) -> bool:
+    """Pure: whether the links stay the bound in 16 bits, so that fewer bytes may pay, from the exact
+    all-reduce's time over the links ``comm_s`` and the forward and backward ``compute_s``: the 16-bit
+    all-reduce, ``comm_s / 2``, exceeds :data:`INT8_COMPUTE_SHARE` of the compute. Not the
+    whole compute: sends start only as the backward produces their buckets, the last one's is exposed
+    whatever the compute, and on the 2-core testbed machine the all-reduces beside the model ran 1.4-1.8x
+    their profiled time (the adaptation's measured factor). So where the 16-bit all-reduce about
+    equals the compute, the links are still the bound: at 2 x 50 Mbit/s on a testbed machine whose
+    16-bit all-reduce was 0.71 s against 0.72 s of forward and backward, deft + int8 set by hand ran
+    650-700 ms per iteration against 750-800 ms for the default's 16-bit plan
+    (benchmarks/results/slow_links.md, eleventh session). Where it does not pay after all, the plan's
+    simulation leaves it out (:func:`deft.runtime.planning.choose_codec`)."""
+    return comm_s / 2.0 > INT8_COMPUTE_SHARE * compute_s
+
+
 def int8_may_pay(profile: Profile | None, world: int) -> bool:
     """Pure: whether the 8-bit codec is measured for the plan's choice: it puts fewer bytes on the wire
-    than 16 bits (under four ranks) and the links are still the bound in 16 bits, i.e. half the profile's
-    exact all-reduce time, spread over its links, exceeds its forward and backward. Elsewhere the 16-bit
-    sends already hide under the compute, and timing int8's encode and decode (4 passes over every
+    than 16 bits (under four ranks) and :func:`links_bound_in_16_bits` on the profile's exact all-reduce
+    time, spread over its links, and its forward and backward. Elsewhere
+    the 16-bit sends hide under the compute, and timing int8's encode and decode (4 passes over every
     bucket, ~0.3 s on the testbed's CNN) would only delay the plan (measured: 250 / 1000 Mbit/s,
     benchmarks/results/slow_links.md, eighth session)."""
     if profile is None or not int8_hook.fewer_bytes_than_16_bits(world):
         return False
     exact = codecs.exact_profile(profile)
     comm = sum(min(exact.comm_time(b, lk) for lk in exact.link_names) for b in range(exact.n))
-    return comm / 2.0 / len(exact.link_names) > exact.forward_s + exact.backward_s
+    return links_bound_in_16_bits(comm / len(exact.link_names), exact.forward_s + exact.backward_s)
 
 
 def planned_profile(profile: Profile, inputs: CodecInputs | None, info: JsonDict) -> Profile:
@@ -367,14 +386,14 @@ def screen_first_sends(mode: str, comm_s: float | None, to_first_grad_s: float) 
 def speculative_codec(mode: str, comm_s: float | None, compute_s: float, world: int) -> str:
     """Pure: the codec the first iteration's judged sends go in before the verdict: under ``"auto"``
     (``mode``: ``config.profile_codec``), int8 where it puts fewer bytes on the wire than 16 bits (under
-    four ranks) and the links would stay the bound in 16 bits (half the predicted all-reduce ``comm_s``
-    above ``compute_s``, the screen's estimate of the forward and backward: the rule of
-    :func:`profile_codec` and :func:`int8_may_pay`), else :data:`SPECULATIVE_CODEC`. ``"always"`` codes
+    four ranks) and the links would stay the bound in 16 bits (:func:`links_bound_in_16_bits` on the
+    predicted all-reduce ``comm_s`` and ``compute_s``, the screen's estimate of the forward and backward:
+    the rule of :func:`profile_codec` and :func:`int8_may_pay`), else :data:`SPECULATIVE_CODEC`. ``"always"`` codes
     whatever the timing, so it keeps to the 16-bit codec, which no timing chooses. A verdict refusing
     int8 sends every bucket again in 16 bits (or exact): the int8 sends' link time lost, a quarter of the
     exact all-reduce's at two ranks."""
     if (mode == "auto" and comm_s is not None and int8_hook.fewer_bytes_than_16_bits(world)
-            and comm_s / 2.0 > compute_s):
+            and links_bound_in_16_bits(comm_s, compute_s)):
         return "int8"
     return SPECULATIVE_CODEC
 
@@ -432,19 +451,18 @@ def profile_codec(mode: str, verdicts: tuple[CodecVerdict, ...], exposed_s: floa
     the same statistics (None: not judged, as over four ranks or more). Under ``"auto"`` a 16-bit
     decision becomes int8 where int8 passes and either the first iteration's sends stood in int8 (the
     screen at its first gradient judged int8 to pay: :func:`speculative_codec`) or the links stay the
-    bound in 16 bits (``comm_s / 2`` above the forward and backward, the plan's measuring rule:
-    :func:`int8_may_pay`); ``"always"`` codes whatever the timing, so it keeps to 16 bits, which no
-    timing chooses."""
+    bound in 16 bits (:func:`links_bound_in_16_bits`, the plan's measuring rule: :func:`int8_may_pay`);
+    ``"always"`` codes whatever the timing, so it keeps to 16 bits, which no timing chooses."""
     decision = _profile_codec(mode, verdicts, exposed_s, compute_s, first_codec, comm_s)
     if mode == "auto" and decision.codec and int8 is not None and int8.accepted and first_codec == "int8":
         return replace(decision, codec="int8", delta=int8.delta,
                        reason=f"{decision.reason}; int8, as the first iteration's sends: {int8.reason}")
     if (mode == "auto" and decision.codec and int8 is not None and int8.accepted and comm_s is not None
-            and comm_s / 2.0 > compute_s):
+            and links_bound_in_16_bits(comm_s, compute_s)):
         return replace(decision, codec="int8", delta=int8.delta,
                        reason=f"{decision.reason}; int8: the links stay the bound in 16 bits (the all-reduce "
-                              f"predicts {comm_s:.3g} s, half of it above the {compute_s:.3g} s of forward and "
-                              f"backward), {int8.reason}")
+                              f"predicts {comm_s:.3g} s, half of it above {INT8_COMPUTE_SHARE:g} x the "
+                              f"{compute_s:.3g} s of forward and backward), {int8.reason}")
     if decision.codec and int8 is not None:  # say why not, with its bound on these statistics
         return replace(decision, reason=f"{decision.reason}; int8 not taken: {int8.reason}")
     return decision
