@@ -18,18 +18,25 @@ from deft import DeftConfig, Profile
 from deft.runtime.adapt import (
     SWITCH_GAIN,
     Adapter,
+    Recoding,
     Synchronous,
     SynchronousClock,
     calibrate,
     plan_digest,
     scaled,
 )
-from deft.schedule import synchronous_schedule
+from deft.runtime.codec_choice import planned_profile
+from deft.runtime.planning import make_schedule
+from deft.schedule import Schedule, synchronous_schedule
 from deft.solver.lagfree import lagfree_plan
 from deft.solver.partition import profile_for_schedule
 from deft.solver.plan import no_delay_plan
 from deft.solver.simulate import simulate_schedule
 from tests._dist import run_ranks, values
+from tests.test_codecs import CFG as CODEC_CFG
+from tests.test_codecs import NUMEL
+from tests.test_codecs import inputs as codec_inputs
+from tests.test_codecs import profile as codec_profile
 from tests.test_lagfree import three_buckets
 from tests.test_runtime_delayed import LR, MOMENTUM, Linear, closed_form, coefficients
 from tests.test_runtime_recheck import comm_heavy_profile
@@ -405,3 +412,72 @@ def test_an_adaptation_decided_on_a_schedule_a_re_check_replaced_is_dropped() ->
     for s in (s for s in a["switches"] if s["source"] == "adapt"):
         decided = [r for r in a["adapt"] if r["iteration"] <= s["iteration"]][-1]
         assert decided["schedule"] == s["from"], (decided, s)
+
+
+# -- deft's own codec choice, made again on a calibration (module docstring, step 1) ------------------------
+def _coded_run(g: float, f: float) -> tuple[Adapter, Schedule, Profile, Profile, float]:
+    """A plan whose codecs deft chose on a profile (one link, buckets ready every 2 ms of backward, exact
+    sends of 1.9 and 3 x 5 ms): bucket 0's send ends (3.9 ms) before bucket 1 is ready (4 ms), so only 1-3
+    are coded. The "machine" computes ``g`` and runs the links ``f`` times slower than profiled. Returns
+    the adapter with the choice, the running schedule, the exact and the coded profile, and the
+    measured iteration."""
+    exact = codec_profile((1.9, 5.0, 5.0, 5.0))
+    decision = make_schedule(CODEC_CFG, exact, None, None, codec_inputs())
+    coded = planned_profile(exact, codec_inputs(), decision.info)
+    running = decision.schedule
+    truth = scaled(profile_for_schedule(coded, running, CODEC_CFG), g, f)
+    measured = simulate_schedule(truth, running).iteration_s
+    adapter = Adapter(CODEC_CFG, recoding=Recoding.of(exact, codec_inputs(), decision.info))
+    return adapter, running, exact, coded, measured
+
+
+def _replan(q: Profile) -> Schedule:
+    return make_schedule(CODEC_CFG, q, None, None).schedule
+
+
+def _coded_numel(schedule: Schedule) -> int:
+    return sum(n for n, c in zip(schedule.bucket_numel, schedule.codecs, strict=True) if c)
+
+
+def _profile_coded_numel(profile: Profile) -> int:
+    return sum(b.numel for b in profile.buckets if b.wire_nbytes is not None)
+
+
+def test_links_slower_than_profiled_make_the_adaptation_code_the_send_they_no_longer_hide() -> None:
+    adapter, running, _, coded, measured = _coded_run(1.0, 3.0)
+    # the first plan: bucket 0 hidden, exact (the planner splits buckets into pieces: counted in elements)
+    assert _coded_numel(running) == 3 * NUMEL and running.codecs[0] == "" and set(running.codecs) == {"", "fp16"}
+    new, corrected, rec = adapter.decide(running, coded, measured, coded.backward_s, replan=_replan)
+    # at 3x, bucket 0's send takes 5.7 ms from 2 ms and delays bucket 1's (ready at 4 ms) by 3.7 ms
+    # exact, 0.85 ms coded: 2.85 ms of a ~30 ms iteration, over the 1 % a bucket may cost to stay exact
+    assert rec["comm_factor"] == pytest.approx(3.0, rel=1e-2)
+    assert rec["codecs"]["coded"] == [0, 1, 2, 3] and "chosen again" in rec["decision"]
+    assert new is not None and set(new.codecs) == {"fp16"} and _coded_numel(new) == 4 * NUMEL
+    # the profile returned is the one the new schedule was planned on: its coded buckets are the
+    # schedule's, and it predicts the new schedule as planned
+    assert corrected is not None and corrected.n == new.n_buckets and _profile_coded_numel(corrected) == 4 * NUMEL
+    assert simulate_schedule(corrected, new).iteration_s == pytest.approx(new.predicted_iteration_s, rel=1e-6)
+    # that profile is the machine's (the calibration recovered its factor): the new schedule runs faster
+    assert new.predicted_iteration_s < 0.95 * measured
+
+
+def test_a_calibration_the_choice_still_fits_keeps_the_codecs_and_replans_the_corrected_profile() -> None:
+    # compute 1.5x slower: bucket 1 is ready at 6 ms, bucket 0's 1.9 ms send is hidden all the more
+    adapter, running, _, coded, measured = _coded_run(1.5, 1.0)
+    seen: list[Profile] = []
+
+    def replan(q: Profile) -> Schedule:
+        seen.append(q)
+        return _replan(q)
+
+    _, corrected, rec = adapter.decide(running, coded, measured, 1.5 * coded.backward_s, replan=replan)
+    assert rec["compute_factor"] == pytest.approx(1.5) and "codecs" not in rec
+    assert seen == [corrected] and corrected is not None
+    assert _profile_coded_numel(corrected) == 3 * NUMEL
+
+
+def test_without_deft_choosing_codecs_nothing_is_chosen_again() -> None:
+    exact = codec_profile((1.9, 5.0, 5.0, 5.0))
+    no_codec = make_schedule(CODEC_CFG, exact, None, None)
+    assert Recoding.of(exact, None, no_codec.info) is None  # no codec inputs (a user's hook, epsilon 0)
+    assert Recoding.of(exact, codec_inputs(), no_codec.info) is None  # no decision recorded

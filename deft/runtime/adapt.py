@@ -13,7 +13,13 @@ rank 0 gets the slowest rank's medians (one max-reduction) and decides (:class:`
    (``scipy.optimize.brentq``; the simulated time rises with ``f``). The corrected profile is planned
    again; a different schedule is tried (all ranks switch at a cycle boundary) only when predicted
    at least ``SWITCH_GAIN`` faster than the running one on the same corrected profile, since a
-   re-plan predicted slower than what runs would be a step back.
+   re-plan predicted slower than what runs would be a step back. Where deft chose the plan's codecs
+   itself (``compression = "auto"``: :class:`Recoding`), the choice is made again on the measured
+   exact profile corrected by the same factors; a different choice is planned on that profile
+   instead. Why: the choice priced each bucket on the profiled links, and a bucket whose exact
+   all-reduce looked hidden behind the compute is not where the links run slower beside it (on the
+   2-core testbed at 2 x 50 Mbit/s the factor was 1.4-1.8 and the plan left 1.2 MB exact that the
+   running schedule could not hide: benchmarks/results/slow_links.md, eleventh session).
 2. **Keep the fastest**: a schedule tried after a re-plan that measures slower than the best one
    measured so far is abandoned for that one, and adaptation stops. The schedule returned to carries
    its measured time as its prediction (it was planned on another partition of the buckets, so the
@@ -59,7 +65,7 @@ from deft.profile import BucketTimes, Link, Profile
 from deft.runtime.background import Background, JobSlot
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.control import ControlPlane
-from deft.runtime.planning import Planning, Switch, make_schedule
+from deft.runtime.planning import CodecInputs, Planning, Switch, choose_codec, make_schedule
 from deft.runtime.records import as_object
 from deft.schedule import Schedule, synchronous_schedule
 from deft.solver.partition import profile_for_schedule
@@ -109,6 +115,38 @@ def calibrate(profile: Profile, schedule: Schedule, config: DeftConfig, measured
     return Calibration(g, f, predicted(f))
 
 
+@dataclass(frozen=True)
+class Recoding:
+    """deft's own codec choice, to be made again on a calibrated profile (module docstring, step 1)."""
+
+    base: Profile  # the measured profile with every bucket exact, corrected as the running profile was
+    inputs: CodecInputs  # the codecs' measured costs on base's buckets and the gradients' scale
+    chosen: tuple[str, tuple[int, ...]]  # the running choice: its codec and base's coded buckets
+
+    @classmethod
+    def of(cls, base: Profile | None, inputs: CodecInputs | None, info: Mapping[str, object]) -> Recoding | None:
+        """From the first plan: its exact profile, the codec inputs and its record (``info["codecs"]``);
+        None where deft did not choose the codecs (no inputs, or no decision recorded)."""
+        record = info.get("codecs")
+        if base is None or inputs is None or not isinstance(record, dict):
+            return None
+        return cls(base, inputs, _choice(record))
+
+    def choose(self, config: DeftConfig) -> tuple[Profile, tuple[str, tuple[int, ...]], JsonDict]:
+        """The codec choice on ``base``: the coded profile, the choice and its record."""
+        profile, record = choose_codec(config, self.base, self.inputs)
+        record = record or {}
+        return profile, _choice(record), {k: record[k] for k in ("codec", "coded", "chosen_s", "reason") if k in record}
+
+
+def _choice(record: Mapping[str, object]) -> tuple[str, tuple[int, ...]]:
+    """The codec and coded buckets of a codec decision's record (none coded: ``("", ())``)."""
+    coded = record.get("coded")
+    buckets = tuple(int(b) for b in coded if isinstance(b, int)) if isinstance(coded, list) else ()
+    codec = record.get("codec")
+    return (str(codec), buckets) if buckets and isinstance(codec, str) else ("", ())
+
+
 @dataclass
 class Adapter:
     """Rank 0's adaptation state: what was tried, what it measured, whether to go on."""
@@ -119,6 +157,7 @@ class Adapter:
     best: tuple[float, Schedule] | None = None   # fastest measured schedule so far
     tried: set[str] = field(default_factory=set)  # digests already run
     synchronous: Synchronous | None = None        # the warm-up's schedule and its measured time (step 4)
+    recoding: Recoding | None = None              # deft's own codec choice, made again on a calibration
 
     def decide(self, running: Schedule, profile: Profile, measured_s: float, measured_backward_s: float,
                replan: Callable[[Profile], Schedule]) -> tuple[Schedule | None, Profile | None, JsonDict]:
@@ -163,7 +202,16 @@ class Adapter:
         corrected = scaled(profile_for_schedule(profile, running, cfg), cal.compute, cal.comm)
         record.update(compute_factor=cal.compute, comm_factor=cal.comm, calibrated_s=cal.predicted_s)
         self.replans += 1
-        new = replan(corrected)
+        target, chosen = corrected, None
+        if self.recoding is not None:
+            # the running profile becomes ``corrected`` (returned below): the exact one follows it, so the
+            # factors of later calibrations, measured against it, compose
+            self.recoding = replace(self.recoding, base=scaled(self.recoding.base, cal.compute, cal.comm))
+            coded, chosen, codec_record = self.recoding.choose(cfg)
+            if chosen != self.recoding.chosen:
+                target = coded
+                record["codecs"] = codec_record
+        new = replan(target)
         record["new_schedule"] = new.digest()
         record["new_predicted_s"] = new.predicted_iteration_s
         if new.digest() in self.tried:
@@ -176,6 +224,11 @@ class Adapter:
                                   f"({new.predicted_iteration_s * 1e3:.1f} ms against {cal.predicted_s * 1e3:.1f} ms "
                                   "for the running schedule): settled")
             return None, corrected, record
+        if self.recoding is not None and chosen is not None and target is not corrected:
+            # new codecs: the profile the new schedule was planned on, in its buckets
+            record["decision"] = "try the schedule planned on the corrected profile with the codecs chosen again"
+            self.recoding = replace(self.recoding, chosen=chosen)
+            return new, profile_for_schedule(target, new, cfg), record
         record["decision"] = "try the schedule planned on the corrected profile"
         return new, corrected, record
 
@@ -293,11 +346,13 @@ class Adaptation:
         self._iter_s, self._bwd_s = [], []
 
     # -- the loop ------------------------------------------------------------------------------------
-    def start(self, on: bool, warm_layout: FlatLayout | None, candidate: Schedule | None) -> None:
-        """The first plan is installed: adapt it (``on``) against the warm-up's ``candidate``."""
+    def start(self, on: bool, warm_layout: FlatLayout | None, candidate: Schedule | None,
+              recoding: Recoding | None = None) -> None:
+        """The first plan is installed: adapt it (``on``) against the warm-up's ``candidate``; ``recoding``:
+        deft's own codec choice, made again on each calibration (rank 0's; None: none)."""
         self.on, self.warm_layout = on, warm_layout
         if on:
-            self._adapter = Adapter(self.config) if self._control.rank == 0 else None
+            self._adapter = Adapter(self.config, recoding=recoding) if self._control.rank == 0 else None
             self.reset_window()
             self._candidate = candidate
 

@@ -33,7 +33,7 @@ from deft.errors import DeftError
 from deft.preserver.feedback import WalkStats
 from deft.profile import Profile
 from deft.runtime import codec_choice
-from deft.runtime.adapt import Adaptation, synchronous_candidate
+from deft.runtime.adapt import Adaptation, Recoding, synchronous_candidate
 from deft.runtime.background import JobSlot
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.calendar import Calendar, place, stats_after_plan
@@ -394,6 +394,7 @@ class Course:
             self._executor.unobserve(self.stats)
             self.stats = None
         warm = self._warm_layout  # the profile iterations' layout, which the adaptation's candidate ran on
+        exact = self.profile  # measured, every bucket exact: the adaptation chooses the codecs again on it
         if self.profile is not None:  # the profile rank 0 planned on: its coded buckets (codec_choice)
             self.profile = codec_choice.planned_profile(self.profile, self._codec, info)
         self._install(schedule, self._plan_layout(schedule, str(self.planning.schedule_path or "schedule")), t)
@@ -401,7 +402,8 @@ class Course:
         self.record.planned(info, t, self._stats_reason, background)
         # Adapt deft's own plans (not a schedule file) when there is a profile to correct.
         on = self.config.adapt and self.profile is not None and self.planning.schedule_path is None
-        self.adaptation.start(on, warm, self._synchronous(warm) if on and warm is not None else None)
+        self.adaptation.start(on, warm, self._synchronous(warm) if on and warm is not None else None,
+                              Recoding.of(exact, self._codec, info))
         self.adaptation.clock.exclude(time.perf_counter() - started)  # planning is deft's, not the schedule's
         log.info("deft: rank %d runs schedule %s from iteration %d (cycle %d, K=%s)", self._control.rank,
                  schedule.digest(), t, schedule.cycle, schedule.batch_sequence)
