@@ -30,7 +30,7 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from deft._json import Fields, JsonDict, JsonValue, read_json, write_json
@@ -228,6 +228,15 @@ class Profile:
         its buckets may be split anywhere and its sends overlap across links. Any other codec
         (PowerSGD, an unknown hook) is sent one bucket at a time and its tensors are kept whole."""
         return self.codec in ELEMENTWISE_CODECS
+
+    def scaled(self, compute: float = 1.0, comm: float = 1.0) -> Profile:
+        """This profile with every compute time (the codec's included) x ``compute`` and every all-reduce
+        (and link model) x ``comm``."""
+        times = tuple(BucketTimes(t.forward_s * compute, t.backward_s * compute,
+                                  {k: v * comm for k, v in t.comm_s.items()}, t.codec_s * compute) for t in self.times)
+        links = tuple(Link(lk.name, lk.backend, lk.ifname, lk.alpha_s * comm, lk.beta_s_per_byte * comm)
+                      for lk in self.links)
+        return replace(self, times=times, links=links)
 
     @property
     def forward_s(self) -> float:

@@ -99,6 +99,18 @@ def test_a_send_hidden_by_the_backward_stays_exact() -> None:
     assert choice.coded == (1, 2, 3)
 
 
+def test_a_send_hidden_only_at_the_profiled_speed_is_coded() -> None:
+    # Bucket 0's 1.9 ms send ends at 3.9 ms, before bucket 1 is ready (4 ms): hidden as profiled. With the
+    # links 1.5x slower (2.85 ms) it ends at 4.85 ms and delays bucket 1's send by 0.85 ms, coded (1.43 ms)
+    # not at all: 0.85 ms of a ~15 ms iteration, over the 1 % a bucket may cost to stay exact. So it is
+    # coded; priced as profiled (margin 1) it stays exact.
+    choice = choose(profile((1.9, 5.0, 5.0, 5.0)), cost(4), CFG)
+    assert choice.coded == (0, 1, 2, 3)
+    assert choose(profile((1.9, 5.0, 5.0, 5.0)), cost(4), CFG, margin=1.0).coded == (1, 2, 3)
+    # the predicted times stay those of the profile as measured
+    assert choice.chosen_s == pytest.approx(choice.all_s)
+
+
 def test_mark_names_the_codec_of_exactly_the_coded_elements() -> None:
     base = profile((0.2, 20.0, 20.0, 20.0))
     coded = encoded_profile(base, cost(4), [1, 2, 3])

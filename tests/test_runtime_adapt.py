@@ -23,7 +23,6 @@ from deft.runtime.adapt import (
     SynchronousClock,
     calibrate,
     plan_digest,
-    scaled,
 )
 from deft.runtime.codec_choice import planned_profile
 from deft.runtime.planning import make_schedule
@@ -50,7 +49,7 @@ def test_calibration_recovers_known_slowdowns(g: float, f: float) -> None:
     cfg = DeftConfig()
     sched = lagfree_plan(profile, cfg)
     part = profile_for_schedule(profile, sched, cfg)
-    measured = simulate_schedule(scaled(part, g, f), sched).iteration_s  # the "machine": known truth
+    measured = simulate_schedule(part.scaled(g, f), sched).iteration_s  # the "machine": known truth
     cal = calibrate(profile, sched, cfg, measured, g * part.backward_s)
     assert cal.compute == pytest.approx(g)
     assert cal.comm == pytest.approx(f, rel=2e-3)
@@ -59,7 +58,7 @@ def test_calibration_recovers_known_slowdowns(g: float, f: float) -> None:
 
 def test_scaled_profile_times() -> None:
     p = three_buckets()
-    s = scaled(p, 2.0, 3.0)
+    s = p.scaled(2.0, 3.0)
     assert [t.forward_s for t in s.times] == pytest.approx([0.02] * 3)
     assert [t.comm_s["net"] for t in s.times] == pytest.approx([0.075, 0.06, 0.015])
 
@@ -417,15 +416,15 @@ def test_an_adaptation_decided_on_a_schedule_a_re_check_replaced_is_dropped() ->
 # -- deft's own codec choice, made again on a calibration (module docstring, step 1) ------------------------
 def _coded_run(g: float, f: float) -> tuple[Adapter, Schedule, Profile, Profile, float]:
     """A plan whose codecs deft chose on a profile (one link, buckets ready every 2 ms of backward, exact
-    sends of 1.9 and 3 x 5 ms): bucket 0's send ends (3.9 ms) before bucket 1 is ready (4 ms), so only 1-3
-    are coded. The "machine" computes ``g`` and runs the links ``f`` times slower than profiled. Returns
-    the adapter with the choice, the running schedule, the exact and the coded profile, and the
-    measured iteration."""
-    exact = codec_profile((1.9, 5.0, 5.0, 5.0))
+    sends of 1.2 and 3 x 5 ms): bucket 0's send ends (3.2 ms; 3.8 ms under the choice's 1.5x margin)
+    before bucket 1 is ready (4 ms), so only 1-3 are coded. The "machine" computes ``g`` and runs the
+    links ``f`` times slower than profiled. Returns the adapter with the choice, the running schedule,
+    the exact and the coded profile, and the measured iteration."""
+    exact = codec_profile((1.2, 5.0, 5.0, 5.0))
     decision = make_schedule(CODEC_CFG, exact, None, None, codec_inputs())
     coded = planned_profile(exact, codec_inputs(), decision.info)
     running = decision.schedule
-    truth = scaled(profile_for_schedule(coded, running, CODEC_CFG), g, f)
+    truth = profile_for_schedule(coded, running, CODEC_CFG).scaled(g, f)
     measured = simulate_schedule(truth, running).iteration_s
     adapter = Adapter(CODEC_CFG, recoding=Recoding.of(exact, codec_inputs(), decision.info))
     return adapter, running, exact, coded, measured
@@ -448,8 +447,8 @@ def test_links_slower_than_profiled_make_the_adaptation_code_the_send_they_no_lo
     # the first plan: bucket 0 hidden, exact (the planner splits buckets into pieces: counted in elements)
     assert _coded_numel(running) == 3 * NUMEL and running.codecs[0] == "" and set(running.codecs) == {"", "fp16"}
     new, corrected, rec = adapter.decide(running, coded, measured, coded.backward_s, replan=_replan)
-    # at 3x, bucket 0's send takes 5.7 ms from 2 ms and delays bucket 1's (ready at 4 ms) by 3.7 ms
-    # exact, 0.85 ms coded: 2.85 ms of a ~30 ms iteration, over the 1 % a bucket may cost to stay exact
+    # at 3x, bucket 0's send takes 3.6 ms from 2 ms and delays bucket 1's (ready at 4 ms) by 1.6 ms
+    # exact, none coded: 1.6 ms of a ~30 ms iteration, over the 1 % a bucket may cost to stay exact
     assert rec["comm_factor"] == pytest.approx(3.0, rel=1e-2)
     assert rec["codecs"]["coded"] == [0, 1, 2, 3] and "chosen again" in rec["decision"]
     assert new is not None and set(new.codecs) == {"fp16"} and _coded_numel(new) == 4 * NUMEL
@@ -462,7 +461,7 @@ def test_links_slower_than_profiled_make_the_adaptation_code_the_send_they_no_lo
 
 
 def test_a_calibration_the_choice_still_fits_keeps_the_codecs_and_replans_the_corrected_profile() -> None:
-    # compute 1.5x slower: bucket 1 is ready at 6 ms, bucket 0's 1.9 ms send is hidden all the more
+    # compute 1.5x slower: bucket 1 is ready at 6 ms, bucket 0's 1.2 ms send is hidden all the more
     adapter, running, _, coded, measured = _coded_run(1.5, 1.0)
     seen: list[Profile] = []
 
@@ -477,7 +476,7 @@ def test_a_calibration_the_choice_still_fits_keeps_the_codecs_and_replans_the_co
 
 
 def test_without_deft_choosing_codecs_nothing_is_chosen_again() -> None:
-    exact = codec_profile((1.9, 5.0, 5.0, 5.0))
+    exact = codec_profile((1.2, 5.0, 5.0, 5.0))
     no_codec = make_schedule(CODEC_CFG, exact, None, None)
     assert Recoding.of(exact, None, no_codec.info) is None  # no codec inputs (a user's hook, epsilon 0)
     assert Recoding.of(exact, codec_inputs(), no_codec.info) is None  # no decision recorded

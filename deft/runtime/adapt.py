@@ -61,7 +61,7 @@ from scipy.optimize import brentq
 from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.preserver.feedback import WalkStats
-from deft.profile import BucketTimes, Link, Profile
+from deft.profile import Profile
 from deft.runtime.background import Background, JobSlot
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.control import ControlPlane
@@ -78,16 +78,6 @@ F_RANGE = (0.05, 50.0)  # search interval of the communication factor
 SWITCH_GAIN = 0.03
 
 
-def scaled(profile: Profile, compute: float = 1.0, comm: float = 1.0) -> Profile:
-    """``profile`` with every compute time (the codec's included) x ``compute`` and every all-reduce (and
-    link model) x ``comm``."""
-    times = tuple(BucketTimes(t.forward_s * compute, t.backward_s * compute, {k: v * comm for k, v in t.comm_s.items()},
-                              t.codec_s * compute) for t in profile.times)
-    links = tuple(Link(lk.name, lk.backend, lk.ifname, lk.alpha_s * comm, lk.beta_s_per_byte * comm)
-                  for lk in profile.links)
-    return replace(profile, times=times, links=links)
-
-
 @dataclass(frozen=True)
 class Calibration:
     compute: float   # g: measured / profiled compute
@@ -102,7 +92,7 @@ def calibrate(profile: Profile, schedule: Schedule, config: DeftConfig, measured
     g = measured_backward_s / part.backward_s if part.backward_s > 0 and measured_backward_s > 0 else 1.0
 
     def predicted(f: float) -> float:
-        return float(simulate_schedule(scaled(part, g, f), schedule).iteration_s)
+        return float(simulate_schedule(part.scaled(g, f), schedule).iteration_s)
 
     lo, hi = F_RANGE
     p_lo, p_hi = predicted(lo), predicted(hi)
@@ -199,14 +189,14 @@ class Adapter:
         # corrected profile and the running schedule always fit together (`deft simulate` on it, the
         # timeline of the run, a later calibration), even when adaptation keeps that schedule; a
         # re-plan partitions it again as any profile.
-        corrected = scaled(profile_for_schedule(profile, running, cfg), cal.compute, cal.comm)
+        corrected = profile_for_schedule(profile, running, cfg).scaled(cal.compute, cal.comm)
         record.update(compute_factor=cal.compute, comm_factor=cal.comm, calibrated_s=cal.predicted_s)
         self.replans += 1
         target, chosen = corrected, None
         if self.recoding is not None:
             # the running profile becomes ``corrected`` (returned below): the exact one follows it, so the
             # factors of later calibrations, measured against it, compose
-            self.recoding = replace(self.recoding, base=scaled(self.recoding.base, cal.compute, cal.comm))
+            self.recoding = replace(self.recoding, base=self.recoding.base.scaled(cal.compute, cal.comm))
             coded, chosen, codec_record = self.recoding.choose(cfg)
             if chosen != self.recoding.chosen:
                 target = coded
