@@ -24,7 +24,7 @@ from tests._dist import amp_steps
 
 STEPS = 4
 LR = 0.05
-PLAN_STEPS = 14
+PLAN_STEPS = 22  # past the plan (t0 < 10) and the adaptation's first decision (a 2-iteration window, 6 of lag)
 
 
 def make_model() -> nn.Module:
@@ -76,6 +76,7 @@ def main() -> None:
         print(json.dumps({"rank": rank, "codecs": ddp.plan_info.get("codecs"), "t0": ddp.plan_info.get("t0"),
                           "schedule_codecs": sorted(set(ddp.schedule.codecs)), "losses": losses,
                           "codecs_seen": seen, "profile_codec": ddp.plan_info["profile_codec"]["codec"],
+                          "adapt": ddp.plan_info.get("adapt", []),
                           "sums": [p.detach().double().sum().item() for p in ours.parameters()]}), flush=True)
         os._exit(0)
     if os.environ.get("DEFT_TEST_OVERFLOW") == "1":

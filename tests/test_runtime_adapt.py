@@ -450,7 +450,8 @@ def test_links_slower_than_profiled_make_the_adaptation_code_the_send_they_no_lo
     # at 3x, bucket 0's send takes 3.6 ms from 2 ms and delays bucket 1's (ready at 4 ms) by 1.6 ms
     # exact, none coded: 1.6 ms of a ~30 ms iteration, over the 1 % a bucket may cost to stay exact
     assert rec["comm_factor"] == pytest.approx(3.0, rel=1e-2)
-    assert rec["codecs"]["coded"] == [0, 1, 2, 3] and "chosen again" in rec["decision"]
+    assert rec["codecs"]["coded"] == [0, 1, 2, 3] and rec["codecs"]["changed"] is True
+    assert "chosen again" in rec["decision"]
     assert new is not None and set(new.codecs) == {"fp16"} and _coded_numel(new) == 4 * NUMEL
     # the profile returned is the one the new schedule was planned on: its coded buckets are the
     # schedule's, and it predicts the new schedule as planned
@@ -470,7 +471,9 @@ def test_a_calibration_the_choice_still_fits_keeps_the_codecs_and_replans_the_co
         return _replan(q)
 
     _, corrected, rec = adapter.decide(running, coded, measured, 1.5 * coded.backward_s, replan=replan)
-    assert rec["compute_factor"] == pytest.approx(1.5) and "codecs" not in rec
+    assert rec["compute_factor"] == pytest.approx(1.5)
+    assert rec["codecs"]["coded"] == [1, 2, 3] and rec["codecs"]["changed"] is False  # made again, the same
+    assert "chosen again" not in rec["decision"]
     assert seen == [corrected] and corrected is not None
     assert _profile_coded_numel(corrected) == 3 * NUMEL
 

@@ -95,7 +95,9 @@ def test_links_the_bound_even_in_16_bits_the_plan_sends_int8_and_the_ranks_agree
     than the compute, so the default's plan prices int8, the preserver accepts it and the plan takes it;
     the ranks decode the same bytes, so their parameters stay equal bit for bit."""
     with Testbed(hosts=2, links=2, rate_mbit=50) as tb:
-        config = tb.write_config(epsilon=0.01, warmup_iters=1, profile_iters=2, timeout_s=120)
+        # any prediction error calibrates (tolerance 1e-6): the adaptation makes deft's codec choice again
+        config = tb.write_config(epsilon=0.01, warmup_iters=1, profile_iters=2, timeout_s=120, adapt_window=2,
+                                 adapt_tolerance=1e-6)
         port = free_port()
         procs = [tb.popen(h, [sys.executable, "-m", "tests._testbed_worker"],
                           env={**tb.env_for(h, h, 2, port, config), "DEFT_TEST_PLAN": "1"},
@@ -119,6 +121,14 @@ def test_links_the_bound_even_in_16_bits_the_plan_sends_int8_and_the_ranks_agree
     before_plan = a["codecs_seen"][1:a["t0"] - 1]
     assert len(before_plan) >= 3 and all(c == ["int8"] for c in before_plan), a["codecs_seen"]
     assert all(math.isfinite(v) for v in a["losses"])
+    # the adaptation calibrated and made the codec choice again on the calibrated exact profile (a live
+    # run wires the first plan's exact profile, codec inputs and decision into it); every rank got the
+    # same decisions and, through any switch, kept the same parameters (the sums above)
+    assert a["adapt"] == b["adapt"]
+    calibrated = [r for r in a["adapt"] if "comm_factor" in r]
+    assert calibrated, a["adapt"]
+    again = calibrated[0]["codecs"]
+    assert again["codec"] in ("int8", "fp16") and again["coded"] and isinstance(again["changed"], bool), again
 
 
 @pytest.mark.slow

@@ -198,9 +198,10 @@ class Adapter:
             # factors of later calibrations, measured against it, compose
             self.recoding = replace(self.recoding, base=self.recoding.base.scaled(cal.compute, cal.comm))
             coded, chosen, codec_record = self.recoding.choose(cfg)
-            if chosen != self.recoding.chosen:
+            changed = chosen != self.recoding.chosen
+            record["codecs"] = {**codec_record, "changed": changed}  # the choice made again, kept or not
+            if changed:
                 target = coded
-                record["codecs"] = codec_record
         new = replan(target)
         record["new_schedule"] = new.digest()
         record["new_predicted_s"] = new.predicted_iteration_s
