@@ -34,6 +34,7 @@ ORDER = [
     "preserver_validation_seed1.md",
     "preserver_validation_seed2.md",
     "secant.md",
+    "readme_history.md",
 ]
 
 
