@@ -139,7 +139,7 @@ def make_solo_group(backend: str, timeout_s: float, ranks: Sequence[int] | None)
     return groups[members.index(dist.get_rank())]
 
 
-# -- gloo with CUDA tensors: pytorch issue 155714 --------------------------------------------------------
+# -- gloo with CUDA tensors: pytorch/pytorch#155714 --------------------------------------------------------
 GLOO_CUDA_FIX = "pytorch/pytorch#170812 (fixes #155714: gloo + CUDA futures lose their streams)"
 
 
@@ -156,7 +156,7 @@ class GlooCudaVerdict:
 def gloo_cuda_fix(version: str | None = None, hip: str | None = None) -> GlooCudaVerdict:
     """The verdict for ``version`` (default: the torch in use) from its release number.
 
-    The bug (pytorch issue 155714): a gloo work's future on CUDA tensors did not keep the streams its
+    The bug (pytorch/pytorch#155714): a gloo work's future on CUDA tensors did not keep the streams its
     copy back to the device ran on, so ``fut.wait()`` on another stream than the launching one (the DDP
     reducer's pattern, and a comm hook's future) could read the tensor before the copy had landed. PR
     170812 ("ProcessGroupGloo: fix CUDA tensor stream handling with futures") fixed it on main; AMD's
