@@ -4,7 +4,7 @@ gloo reads ``GLOO_SOCKET_IFNAME`` when a group creates its transport device (ins
 ``dist.new_group``; its ``pg_options`` are ignored for this), so the variable is set right before
 the call and restored right after. NCCL creates its communicator lazily, at the group's first
 collective, and reads ``NCCL_SOCKET_IFNAME`` then: for an NCCL group the variable is left set.
-Known limit (not testable here: no GPU): with two NCCL links on different NICs the variable holds
+Known limit (untested: it needs two NICs with GPUs): with two NCCL links on different NICs the variable holds
 the last link's NIC when both communicators initialise, so both may use it; one NCCL link plus gloo
 links (deft's default on GPUs) is not affected.
 """

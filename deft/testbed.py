@@ -409,7 +409,8 @@ class Testbed:
               **kwargs: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` inside host ``h``'s namespace (``ip netns exec``) with ``env`` added to ours.
 
-        The process gets its own session so :meth:`down` can stop it and its children by id.
+        The process leads its own process group (``start_new_session``) so :meth:`down` can stop it and
+        its children by id.
         """
         if not self._is_up:
             raise TestbedError("the testbed is not up: call up() or use it as a context manager")
@@ -460,7 +461,7 @@ def _toml_scalar(v: float | int | bool | str) -> str:
 
 
 def _stop(p: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
-    """SIGTERM the process group we started (its own session), SIGKILL after ``grace_s``."""
+    """SIGTERM the process group we started (``start_new_session``), SIGKILL after ``grace_s``."""
     if p.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):

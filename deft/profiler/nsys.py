@@ -587,13 +587,7 @@ def _ddp_rank(pid: int | None, comms: list[CommOp], ks: list[Kernel], ops: list[
     bwd_k = [k for k in compute if k.launch_tid == bwd_tid]
     fwd_k = [k for k in compute if k.launch_tid != bwd_tid]
     fwd_launch = [k.launch_ns or 0 for k in fwd_k]
-    iters: list[list[CommOp]] = []
-    for c in comms:
-        prev = iters[-1][-1].launch_ns if iters else None
-        if prev is None or bisect.bisect_left(fwd_launch, c.launch_ns) > bisect.bisect_right(fwd_launch, prev):
-            iters.append([c])
-        else:
-            iters[-1].append(c)
+    iters = _split_iterations(comms, fwd_launch)
     fwd_by_seq: dict[int, OpRange] = {}
     for o in ops:
         if o.tid != bwd_tid and o.seq is not None:
@@ -611,24 +605,8 @@ def _ddp_rank(pid: int | None, comms: list[CommOp], ks: list[Kernel], ops: list[
         mine = [k for k in bwd_k if lo < (k.launch_ns or 0) <= cs[-1].launch_ns]
         if not mine:
             continue
-        # Steps 1-2: the all-reduce's launch -> the backward thread's last kernel before it -> its end on
-        # the compute stream is the bucket's ready point r_b.
-        r_prev = min(k.start_ns for k in mine)
-        ready = []
-        for c in cs:
-            before = [k.end_ns for k in mine if (k.launch_ns or 0) <= c.launch_ns]
-            r = max(before) if before else r_prev
-            ready.append(max(r, r_prev))
-            r_prev = ready[-1]
-        # Steps 3-4: the last backward operator of bucket b (by seq) -> its forward operator, the first
-        # forward operator of bucket b -> the first kernel it launched is where b's forward begins.
-        starts: list[int | None] = []
-        prev_launch = lo
-        for c in cs:
-            cand = [o for o in bwd_ops if prev_launch < o.start_ns <= c.launch_ns and o.seq in fwd_by_seq]
-            prev_launch = c.launch_ns
-            f_op = fwd_by_seq[max(cand, key=lambda o: o.start_ns).seq or 0] if cand else None
-            starts.append(None if f_op is None else _first_kernel_start(fwd_k, f_op))
+        ready = _ready_points(cs, mine)
+        starts = _forward_starts(cs, lo, bwd_ops, fwd_by_seq, fwd_k)
         window = (_prev(iters, it) if it > 0 else None, fwd_end_launch)  # this iteration's forward side
         f_end = max((k.end_ns for k in fwd_k if _within(k.launch_ns or 0, window)), default=None)
         first = [o for o in fwd_ops if _within(o.start_ns, window)]
@@ -646,6 +624,48 @@ def _ddp_rank(pid: int | None, comms: list[CommOp], ks: list[Kernel], ops: list[
                                      fwd, (ready[b] - (ready[b - 1] if b else min(k.start_ns for k in mine))) * NS,
                                      c.dur_ns * NS))
     return out
+
+
+def _split_iterations(comms: list[CommOp], fwd_launch: list[int]) -> list[list[CommOp]]:
+    """The all-reduces grouped by iteration: a new one begins at an all-reduce launched after a launch
+    of the forward side (``fwd_launch``, sorted) that came after the previous all-reduce."""
+    iters: list[list[CommOp]] = []
+    for c in comms:
+        prev = iters[-1][-1].launch_ns if iters else None
+        if prev is None or bisect.bisect_left(fwd_launch, c.launch_ns) > bisect.bisect_right(fwd_launch, prev):
+            iters.append([c])
+        else:
+            iters[-1].append(c)
+    return iters
+
+
+def _ready_points(cs: list[CommOp], mine: list[Kernel]) -> list[int]:
+    """Steps 1-2 of the walk: the all-reduce's launch -> the backward thread's last kernel before it -> its
+    end on the compute stream is the bucket's ready point ``r_b`` (never before ``r_{b-1}``; ``mine``: the
+    iteration's backward kernels, not empty)."""
+    r_prev = min(k.start_ns for k in mine)
+    ready = []
+    for c in cs:
+        before = [k.end_ns for k in mine if (k.launch_ns or 0) <= c.launch_ns]
+        r = max(before) if before else r_prev
+        ready.append(max(r, r_prev))
+        r_prev = ready[-1]
+    return ready
+
+
+def _forward_starts(cs: list[CommOp], lo: int, bwd_ops: list[OpRange], fwd_by_seq: dict[int, OpRange],
+                    fwd_k: list[Kernel]) -> list[int | None]:
+    """Steps 3-4 of the walk: the last backward operator of bucket ``b`` (by seq) -> its forward operator,
+    the first forward operator of bucket ``b`` -> the first kernel it launched is where ``b``'s forward
+    begins (``None`` where no operator or kernel is found)."""
+    starts: list[int | None] = []
+    prev_launch = lo
+    for c in cs:
+        cand = [o for o in bwd_ops if prev_launch < o.start_ns <= c.launch_ns and o.seq in fwd_by_seq]
+        prev_launch = c.launch_ns
+        f_op = fwd_by_seq[max(cand, key=lambda o: o.start_ns).seq or 0] if cand else None
+        starts.append(None if f_op is None else _first_kernel_start(fwd_k, f_op))
+    return starts
 
 
 def _prev(iters: list[list[CommOp]], it: int) -> int | None:
@@ -699,29 +719,14 @@ def load_ddp(path: str | Path | Export, world_size: int | None = None) -> Profil
     if not steps:
         raise TraceError(source, "has NCCL all-reduce kernels but no backward compute kernels launched by their "
                                  "thread: not a torch DDP training run")
-    per_iter: dict[tuple[int | None, int], list[DdpBucketStep]] = defaultdict(list)
-    for s in steps:
-        per_iter[(s.pid, s.iteration)].append(s)
-    shape = Counter(tuple(s.numel for s in v) for v in per_iter.values()).most_common(1)[0][0]
-    kept = {key: v for key, v in per_iter.items() if tuple(s.numel for s in v) == shape}
+    per_iter, kept = _common_shape_iterations(steps)
     if any(s.forward_s is None for v in kept.values() for s in v):
         raise TraceError(source, "a torch DDP export without torch's autograd NVTX ranges ('aten::..., seq = N' "
                                  "and the backward nodes' 'seq = N'): the forward of a bucket cannot be found. "
                                  "Capture with torch.autograd.profiler.emit_nvtx() around the training loop "
                                  "and `nsys profile --trace=cuda,nvtx`")
     pids = sorted({p for p, _ in kept}, key=lambda p: -1 if p is None else p)
-    n = len(shape)
-
-    def field(b: int, get: str) -> float:
-        per_rank = []
-        for p in pids:
-            vals = [getattr(v[b], get) for (q, _), v in kept.items() if q == p]
-            if vals:
-                per_rank.append(median(vals))
-        return max(per_rank)
-
-    times = tuple(BucketTimes(forward_s=field(b, "forward_s"), backward_s=field(b, "backward_s"),
-                              comm_s={"primary": field(b, "comm_s")}) for b in range(n))
+    times = _reduced_times(kept, pids)
     first = next(iter(kept.values()))
     sizes_known = all(s.numel is not None and s.nbytes is not None for s in first)
     buckets = tuple(Bucket(id=b, params=(f"<unknown: bucket {b} of the nsys export>",), numel=s.numel or 0,
@@ -737,6 +742,36 @@ def load_ddp(path: str | Path | Export, world_size: int | None = None) -> Profil
                       "shapes and the NCCL kernels' dtype" + ("" if sizes_known else
                                                                 " (not recorded: numel/nbytes 0)")},
     )
+
+
+_StepsByIteration = dict[tuple[int | None, int], list[DdpBucketStep]]
+
+
+def _common_shape_iterations(steps: list[DdpBucketStep]) -> tuple[_StepsByIteration, _StepsByIteration]:
+    """Every (rank, iteration)'s buckets, and those whose bucket sizes are the most common ones (DDP
+    rebuilds its buckets after the first iteration)."""
+    per_iter: _StepsByIteration = defaultdict(list)
+    for s in steps:
+        per_iter[(s.pid, s.iteration)].append(s)
+    shape = Counter(tuple(s.numel for s in v) for v in per_iter.values()).most_common(1)[0][0]
+    kept = {key: v for key, v in per_iter.items() if tuple(s.numel for s in v) == shape}
+    return per_iter, kept
+
+
+def _reduced_times(kept: _StepsByIteration, pids: list[int | None]) -> tuple[BucketTimes, ...]:
+    """Each bucket's times: the median over iterations per rank, the maximum over ranks."""
+
+    def field(b: int, get: str) -> float:
+        per_rank = []
+        for p in pids:
+            vals = [getattr(v[b], get) for (q, _), v in kept.items() if q == p]
+            if vals:
+                per_rank.append(median(vals))
+        return max(per_rank)
+
+    n = len(next(iter(kept.values())))
+    return tuple(BucketTimes(forward_s=field(b, "forward_s"), backward_s=field(b, "backward_s"),
+                             comm_s={"primary": field(b, "comm_s")}) for b in range(n))
 
 
 # -- command line -----------------------------------------------------------------------------------------

@@ -29,9 +29,9 @@ log = logging.getLogger("deft.runtime")
 
 #: Python's GIL switch interval while a background job runs (seconds; Python's default is 0.005). The
 #: training thread gives the GIL up for every torch operation and takes it back after; while a job's
-#: thread runs Python (the planner's simulations) each take-back waits up to the interval. At 5 ms the
-#: first iteration beside rank 0's planner took 1.3-1.75 s at 2 x 50 Mbit/s on the testbed against
-#: 1.0-1.2 s at 0.5 ms, the others 1.0 s (benchmarks/results/slow_links.md).
+#: thread runs Python (the planner's simulations) each take-back waits up to the interval, so at
+#: Python's default the iteration that runs beside rank 0's planner is slowed; a short interval keeps it
+#: at the others' pace (benchmarks/results/slow_links.md).
 SWITCH_INTERVAL_S = 0.0005
 
 

@@ -54,7 +54,7 @@ def wait_work(work: Collective, link: str, what: str, rank: int, timeout_s: floa
             if not work.done() and not future_done_event(work).wait(timeout_s):
                 raise TimeoutError(f"not done after {timeout_s:g} s")
             # done, so wait() returns at once; on CUDA it also orders the current stream after the value's
-            # events, which value() does not (the gloo + CUDA corruption of pytorch issue 155714)
+            # events, which value() does not (the gloo + CUDA corruption of pytorch/pytorch#155714)
             return work.wait()
         if stream_ordered:
             work.wait()

@@ -7,7 +7,7 @@ else the free secant estimate :class:`deft.preserver.curvature.SecantCurvature` 
 mini-batch noise ``2 tr(Σ) / B`` removed, ``debiased``) over the lag-free
 single-iteration updates this rank applies while statistics run (every warm-up and profile iteration):
 the averaged gradient and the parameters it was computed at, both identical on every rank, so no
-collective. It is biased low on the digits CNN (2-3x, benchmarks/results/stability.md), a screen, not
+collective. It is biased low on the digits CNN (benchmarks/results/stability.md), a screen, not
 a measurement. The optimizer's rule is :meth:`deft.preserver.stability.OptimizerSpec.from_torch`; for
 Adam/AdamW the step scale is the median of ``1 / (sqrt(v_hat) + eps)`` (:func:`adam_scale`).
 

@@ -39,8 +39,8 @@ def warmup_layout(order: list[int], names: list[str], params: list[torch.Tensor]
     evenly (:func:`balanced_links`, and the profile iterations' rotation) even where one parameter
     holds most of the model (an all-reduce of a piece is the piece of the all-reduce: torch DDP's
     sums). The profile measures the pieces (:meth:`~deft.runtime.buckets.FlatLayout.bucket_names`) and
-    the planner fuses or cuts them again. Whole, the digits CNN's 13.6 MB fc weight held one link
-    while the other idled: 1.6 s per profile iteration at 2 x 50 Mbit/s against 1.0 s cut
+    the planner fuses or cuts them again. Whole, one large weight (the digits CNN's fc) holds one link
+    while the other idles, and each profile iteration takes that link's time for all the bytes
     (benchmarks/results/slow_links.md)."""
     if not chained_hook:
         cap = min(bucket_cap_mb, PROFILE_BUCKET_CAP_MB)

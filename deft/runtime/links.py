@@ -139,7 +139,7 @@ def make_solo_group(backend: str, timeout_s: float, ranks: Sequence[int] | None)
     return groups[members.index(dist.get_rank())]
 
 
-# -- gloo with CUDA tensors: pytorch issue 155714 --------------------------------------------------------
+# -- gloo with CUDA tensors: pytorch/pytorch#155714 --------------------------------------------------------
 GLOO_CUDA_FIX = "pytorch/pytorch#170812 (fixes #155714: gloo + CUDA futures lose their streams)"
 
 
@@ -156,15 +156,15 @@ class GlooCudaVerdict:
 def gloo_cuda_fix(version: str | None = None, hip: str | None = None) -> GlooCudaVerdict:
     """The verdict for ``version`` (default: the torch in use) from its release number.
 
-    The bug (pytorch issue 155714): a gloo work's future on CUDA tensors did not keep the streams its
+    The bug (pytorch/pytorch#155714): a gloo work's future on CUDA tensors did not keep the streams its
     copy back to the device ran on, so ``fut.wait()`` on another stream than the launching one (the DDP
     reducer's pattern, and a comm hook's future) could read the tensor before the copy had landed. PR
-    170812 ("ProcessGroupGloo: fix CUDA tensor stream handling with futures", opened 2025-12-18) fixed
-    it on main; AMD's fork cherry-picked the landed commit into its release/2.10 on 2026-03-16 (and
-    2.9, 2.8 on 2026-04-06), so it was on main before 2026-03-16. torch 2.11's branch was cut on
-    2026-02-16 (its "release only changes" PR), so 2.11 may or may not carry it; 2.12's branch was cut
-    later and every release from 2.12 on does; upstream 2.10 and older do not (ROCm builds of AMD's
-    fork of 2.8-2.10 may: ``hip`` set gives ``None`` there). Pre-releases of 2.12 may predate the
+    170812 ("ProcessGroupGloo: fix CUDA tensor stream handling with futures") fixed it on main; AMD's
+    fork cherry-picked the landed commit into its release/2.10 (and later 2.9, 2.8), so it was on main
+    before that backport. torch 2.11's branch was cut before the backport too (its "release only
+    changes" PR), so 2.11 may or may not carry it; 2.12's branch was cut later and every release from
+    2.12 on does; upstream 2.10 and older do not (ROCm builds of AMD's fork of 2.8-2.10 may: ``hip``
+    set gives ``None`` there). Pre-releases of 2.12 may predate the
     landing. The runtime test that settles it on a GPU is ``tests/test_cuda.py``'s exact pattern.
     """
     if version is None:
@@ -177,7 +177,7 @@ def gloo_cuda_fix(version: str | None = None, hip: str | None = None) -> GlooCud
     prerelease = bool(re.match(r"(a|b|rc|\.dev)", rest))
     if (major, minor) >= (2, 13) or ((major, minor) == (2, 12) and not prerelease):
         return GlooCudaVerdict(version, True, f"torch {major}.{minor} was branched after {GLOO_CUDA_FIX} "
-                                              "landed on main (before 2026-03-16)")
+                                              "landed on main (before AMD's backport to its 2.10)")
     if (major, minor) in ((2, 11), (2, 12)):
         return GlooCudaVerdict(version, None, f"torch {version}: branched near the landing of {GLOO_CUDA_FIX}; "
                                               "the version cannot tell whether it is in")

@@ -483,7 +483,7 @@ def _scaled_model(v: list[float], w: list[list[float]], c: list[float], cand: li
 
 def load_cp_sat() -> None:
     """Import OR-Tools' CP-SAT, which the exact method solves with (imported where it runs, so that
-    ``import deft`` stays light): 0.3-0.4 s of CPU, most of it the pandas that ``cp_model`` imports.
+    ``import deft`` stays light): the import is costly, most of it the pandas that ``cp_model`` imports.
     The runtime calls it on a thread when a run starts, so the first plan does not pay it."""
     from ortools.sat.python import cp_model  # noqa: F401  (imported for its side effect: loaded)
 

@@ -26,7 +26,7 @@ The plans (cycle 1, one update per iteration), all simulated and the fastest kep
 
 The deadline of bucket ``b`` is its module's forward start, so the search minimises the forward stall
 plus the step's wait. None of this is the exact deadline knapsack, but on the digits-CNN profile the
-best plan comes within a few percent of a lower bound of every lag-free plan (the buckets ready late in
+best plan comes close to a lower bound of every lag-free plan (the buckets ready late in
 the backward must be sent before the next forward reaches them; the bound and the measurement:
 benchmarks/results/replay.md).
 """
@@ -74,8 +74,8 @@ def candidate(part: Profile, j: int, base: Schedule) -> Schedule:
 #: The search's simulations: 1 warm-up and 2 measured iterations (a cycle-1 schedule is in its steady
 #: state after one, so on the reference profiles these times equal the default length's to rounding),
 #: at most ``SEARCH_EVALUATIONS`` per partition in the local search (each evaluation is one simulation,
-#: the search's cost). Against 2 and 4: the same plan on the 5 reference profiles, 10 compat-suite
-#: ones and 30 testbed runs' ones, in 0.6x the time (benchmarks/bench_planner_time.py, planner.md).
+#: the search's cost). Against 2 and 4 they give the same plans on the reference, compat-suite and
+#: testbed profiles in less time (benchmarks/results/planner.md).
 SEARCH_WARMUP, SEARCH_ITERATIONS, SEARCH_EVALUATIONS = 1, 2, 120
 #: Partitions tried by the early-send search, as multiples of the no-delay plan's capacity (the
 #: largest bucket's primary-link time): 1 is the no-delay plan's own partition; coarser pieces pay

@@ -229,9 +229,9 @@ def _best_effort_pieces(c: float, alpha: float) -> int:
     """The most pieces best effort cuts a bucket of primary-link time ``c`` into: at most
     :data:`BEST_EFFORT_MAX_PIECES`, and none whose bandwidth part ``(c - alpha) / k`` is under
     ``alpha``. Such a piece is latency-bound: rule 4 would fuse it back, and each one more adds
-    ``alpha`` to the link's time. (Without this bound the compat suite's 30 KB MLP, profiled on
-    loopback with alpha close to the capacity, was cut into 110-512 pieces in place of 9 and the
-    lag-free planner took up to 61 s over them: benchmarks/results/planner.md.)"""
+    ``alpha`` to the link's time. Without this bound a small model profiled with alpha close to the
+    capacity is cut into hundreds of pieces, and the lag-free planner's time grows with their number
+    (benchmarks/results/planner.md)."""
     if alpha <= 0:
         return BEST_EFFORT_MAX_PIECES
     return max(1, min(BEST_EFFORT_MAX_PIECES, math.floor((c - alpha) / alpha * (1 + 1e-9))))

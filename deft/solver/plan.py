@@ -124,9 +124,9 @@ DEFAULT_MAX_CYCLE = 64
 # Total CP-SAT work of one budget (one plan's, or one shared by a decision's plans: ExactBudget), in
 # units of the per-knapsack budget, before the greedy takes over.
 EXACT_BUDGET_LIMITS = 20
-# CP-SAT deterministic time granted per second of ``config.solver_time_limit_s``: a unit takes one to a
-# few seconds of wall time on a small machine (measured: benchmarks/results/knapsack.md), so a budget
-# costs about the wall time its name says on a quiet machine, while the answer never depends on the load.
+# CP-SAT deterministic time granted per second of ``config.solver_time_limit_s``: chosen from a unit's
+# wall time on a small machine (benchmarks/results/knapsack.md) so that a budget costs about the wall
+# time its name says on a quiet machine, while the answer never depends on the load.
 WORK_PER_SECOND = 0.5
 # Iterations of the state machine searched for a repeating queue state, per iteration of max_cycle.
 _SEARCH_PER_CYCLE = 4
@@ -218,14 +218,14 @@ class PlanResult:
 @dataclass
 class ExactBudget:
     """CP-SAT's deterministic work (units) the knapsacks of one or more plans may spend; past it the
-    paper's greedy answers the rest (0.2 % below the optimum on average: benchmarks/results/knapsack.md).
+    paper's greedy answers the rest (close to the optimum: benchmarks/results/knapsack.md).
 
     Invariant: the exact search starts only while ``spent < units``, so a holder of the budget spends at
     most ``units`` plus one knapsack's ``work_limit``. Spending is deterministic work, so plans sharing
     one budget in the same order come out the same under any load. A plan given none has its own
-    (:meth:`for_config`); the preserver shares one over its tries. (Until the tenth session of
-    2026-11-27 each try had its own: the stdlib char LM's profile, 49 buckets, then spent 22 units over
-    four tries, 24-55 s of one core, for the no-delay plan it fell back to; benchmarks/results/planner.md.)"""
+    (:meth:`for_config`); the preserver shares one over its tries, so that a decision's planning time is
+    bounded by one budget, not one per try: with a budget per try, a many-bucket profile spent several
+    budgets only to fall back to the no-delay plan (benchmarks/results/planner.md)."""
 
     units: float
     spent: float = 0.0
@@ -651,9 +651,8 @@ def _list_schedule(profile: Profile) -> tuple[tuple[str, ...], float]:
 #: The simulated window of a no-delay plan (warm-up, measured iterations): every one of its iterations
 #: starts after the previous one's update is applied (the step waits for every send of the backward),
 #: so the simulated timeline repeats from the second iteration on and a short window predicts what the
-#: default one does (relative difference at most 3e-14 on the example profiles, coded and not) in an
-#: eighth of the time: the codec choice prices n + 2 of them before the plan (0.44 s of CPU on the
-#: testbed's 2 cores with the default window).
+#: default one does (to rounding, on the example profiles, coded and not) at a fraction of its cost,
+#: which counts because the codec choice prices n + 2 of them before the plan.
 NO_DELAY_WINDOW = (2, 2)
 
 
