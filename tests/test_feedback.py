@@ -373,14 +373,15 @@ def test_lag_free_merge_preferred_unless_stale_is_much_faster():
 
 
 # ------------------------------------------------------------------------------------------------
-# issue 14: the crash after an accepted lag-free merge, and ratios that depend on how a cycle is written
+# A re-check after an accepted lag-free merge, and ratios that do not depend on how a cycle is written
 
 VGG19 = Path(__file__).resolve().parents[1] / "examples" / "profiles" / "vgg19.json"
 
 
 def test_recheck_after_a_lag_free_merge_accepted_when_every_deft_try_failed() -> None:
-    """Issue 14.1: every DeFT try fails, the lag-free merge K = (2,) is accepted; building the re-check
-    raised ``max() arg is an empty sequence`` (on rank 0, after the schedule was installed)."""
+    """Every DeFT try fails and the lag-free merge K = (2,) is accepted: the re-check is still built
+    from that result (no DeFT schedule to take its timing from) and later re-plans once the rejected
+    tries pass."""
     from deft.preserver.stability import OptimizerSpec
 
     # Noise-dominated (sigma 400 at batch 512): a merge keeps its progress (a deterministic walk would
@@ -414,10 +415,10 @@ def unrolled(s: Schedule, times: int) -> Schedule:
 
 
 def test_ratio_and_decision_do_not_depend_on_unrolling_a_cycle() -> None:
-    """Issue 14.3: the VGG-19 plan (cycle 3, K = (2, 1), both updates one or two iterations late) and the
-    same plan written as cycle 6 are one steady state; they must get one ratio and one decision. Counting
-    only the updates applied inside the written cycle gave 0.99247 (passes at epsilon 0.01) at cycle 3 and
-    0.98862 (fails) at cycle 6 with these statistics."""
+    """The VGG-19 plan (cycle 3, K = (2, 1), both updates one or two iterations late) and the same plan
+    written as cycle 6 are one steady state; they must get one ratio and one decision. A ratio counting
+    only the updates applied inside the written cycle would give 0.99247 (passes at epsilon 0.01) at
+    cycle 3 and 0.98862 (fails) at cycle 6 with these statistics."""
     stats = WalkStats(loss=2.0, mu=0.3, sigma=20.0, lr=0.025, batch=512)
     s = plan(Profile.load(VGG19), DeftConfig())
     for sched in (s, schedule_with((1, 2, 1), delayed=True), schedule_with((2, 1))):
@@ -520,7 +521,7 @@ def stale_planner(profile: Profile, config: DeftConfig, *, capacity_scale: float
 
 
 def test_with_the_stability_check_the_walk_stops_charging_the_lag() -> None:
-    """Issue 12: staleness is priced once. Without a curvature the walk counts a stale update's lag as
+    """Staleness is priced once. Without a curvature the walk counts a stale update's lag as
     missing progress; with the curvature and the optimizer known the stability check prices it, and the
     walk counts every update of the period: a stale-by-one ``K = (1, 1)`` makes as many steps of ``B``
     as DDP (ratio exactly 1), and a stale ``K = (1, 2, 1)`` gets the ratio of its merges alone."""
@@ -570,7 +571,7 @@ def test_recheck_judges_rejected_tries_on_the_statistics_of_the_time() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# issue 12: a schedule must not be slower to a target than the no-delay plan by the walk's own account
+# A schedule must not be slower to a target than the no-delay plan by the walk's own account
 
 # Deterministic walk far from S* (sigma = 0): every step takes lr * mu = 0.002 off the loss of 1. Over a
 # period of 2 iterations plain DDP reaches 0.996 and a merge of 2 (one step) 0.998: ratio 0.996 / 0.998

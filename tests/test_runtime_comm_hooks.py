@@ -1,4 +1,4 @@
-"""torch's comm hooks on deft's buckets (issue 11): the same parameters as torch DDP with the same hook.
+"""torch's comm hooks on deft's buckets: the same parameters as torch DDP with the same hook.
 
 Two gloo ranks, epsilon 0, one link: the whole loop is trained under deft with
 ``ddp.register_comm_hook(state, hook)`` and under ``torch.nn.parallel.DistributedDataParallel`` with

@@ -127,7 +127,7 @@ def test_format_stages_names_positions_within_the_cycle() -> None:
 
 
 def test_simulate_reports_the_plan_and_the_default_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 14.5: the headline deft row is the planner's first plan with the preserver off; what a user
+    """The headline deft row is the planner's first plan with the preserver off; what a user
     runs by default goes through the preserver, whose choice depends on the walk statistics. Both rows
     are printed, each with its conditions stated."""
     profile, config = Profile.load(VGG19), DeftConfig()

@@ -1,4 +1,4 @@
-"""examples/train_lm.py (issue 27): a HuggingFace GPT-2 on the standard library's source text.
+"""examples/train_lm.py: a HuggingFace GPT-2 on the standard library's source text.
 
 Launched as users launch it (torchrun, 2 gloo ranks, a tiny config), once with torch DDP and once with
 deft at epsilon 0: the trained parameters (``--save-model``), every iteration's training loss and every
