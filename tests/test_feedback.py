@@ -282,6 +282,7 @@ def test_default_planner_is_the_solver():
 # deterministic there (one step's progress instead of two), so the merge (predicted 0.80 of the no-delay
 # plan's time) is slower to a target, and a stale DeFT try (its lag an offset, not a rate) passes; mu =
 # 0.05, sigma = 50: noise dominates, a faster DeFT try passes.
+@pytest.mark.slow
 @pytest.mark.parametrize(("mu", "sigma", "rejections"),
                          [(0.5, 5.0, {"walk ratio", "slower to target"}),
                           (10.0, 5.0, {"no faster", "walk ratio"}),
@@ -337,6 +338,7 @@ def real_solver_loop(mu: float, sigma: float = 5.0) -> PreserveResult:
     return res
 
 
+@pytest.mark.slow
 def test_strong_gradient_keeps_every_update():
     # mu = 10 (one lost step is 10% of the loss): not merged, not delayed
     res = real_solver_loop(10.0)
@@ -715,6 +717,7 @@ def _cp_sat_work(res: PreserveResult) -> float:
     return sum(t.schedule.meta["solver_work"] for t in res.tries if t.kind == "deft" and t.schedule is not None)
 
 
+@pytest.mark.slow
 def test_the_tries_share_one_cp_sat_budget() -> None:
     """The default planner's tries share one ExactBudget: a decision's exact knapsacks spend at most
     EXACT_BUDGET_LIMITS knapsack budgets (plus the one solve that crosses the line), however many tries

@@ -235,6 +235,7 @@ def test_a_no_delay_plans_short_window_predicts_what_the_default_window_does(nam
     assert sched.predicted_iteration_s == pytest.approx(long, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_plans_sharing_a_budget_spend_it_once_then_solve_as_the_greedy() -> None:
     # A budget shared by two plans: the first spends (part of) it and says so; a plan that finds it
     # spent solves every knapsack as the greedy does, the same stages and updates as solver "greedy".
@@ -358,6 +359,7 @@ def profiles(draw: st.DrawFn) -> Profile:
     return Profile(tuple(buckets), tuple(times), tuple(links), 2, "synthetic")
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(profiles(), st.sampled_from([1.0, 1.3, 2.0]))
 def test_plan_is_always_a_valid_schedule_within_capacity(prof: Profile, scale: float) -> None:

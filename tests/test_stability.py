@@ -241,6 +241,7 @@ def test_radius_matches_torch_optimizer_growth(opt_name: str, sched_name: str, t
     assert rate == pytest.approx(math.log(target), abs=3e-4)
 
 
+@pytest.mark.slow
 def test_monte_carlo_random_momentum_and_curvature() -> None:
     """Random (schedule, lr, momentum, Nesterov, radius) draws: torch SGD's growth rate is the radius's log."""
     rng = np.random.default_rng(12)

@@ -57,6 +57,7 @@ def test_deft_at_epsilon_zero_trains_the_lm_as_torch_ddp_does(tmp_path: Path) ->
         assert rel < 1e-5, f"{name}: relative difference {rel}"
 
 
+@pytest.mark.slow
 def test_a_bad_flag_is_refused_naming_it() -> None:
     p = subprocess.run([sys.executable, str(SCRIPT), "--n-embd", "30", "--n-head", "4"], capture_output=True,
                        text=True, timeout=60, cwd=ROOT)
