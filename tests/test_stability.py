@@ -229,6 +229,7 @@ def curvature_with_radius(schedule: Schedule, spec: OptimizerSpec, target: float
     return brentq(lambda lam: schedule_radius(schedule, lam, spec) - target, grid[i], grid[i + 1])
 
 
+@pytest.mark.slow  # 64 cases of 2400 torch optimizer steps each
 @pytest.mark.parametrize("opt_name", sorted(TORCH_SPECS))
 @pytest.mark.parametrize("sched_name", sorted(SCHEDULES))
 @pytest.mark.parametrize("target", [0.99, 1.01])
