@@ -88,7 +88,7 @@ def _context() -> Any:
     """A forkserver that has imported torch and deft once: ranks fork from it in milliseconds.
 
     Forking the test process itself is unsafe (its OpenMP/intra-op threads may exist); the forkserver
-    is a clean single-threaded process started once per test session.
+    is a clean single-threaded process started once per pytest run.
     """
     global _CTX
     if _CTX is None:

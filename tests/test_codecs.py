@@ -1,4 +1,4 @@
-"""deft's own codec choice (issue 28, item 1): the schedule contract, the pricing (deft.solver.codecs),
+"""deft's own codec choice: the schedule contract, the pricing (deft.solver.codecs),
 the preserver's bound (deft.preserver.codec_error) and rank 0's decision (deft.runtime.planning).
 
 Expected outcomes are derived by hand in the comments from the profiles' numbers; the rounding bound
@@ -220,7 +220,7 @@ def test_decision_on_a_compute_bound_profile_records_why_nothing_is_coded() -> N
     assert codecs.coded_buckets(make_schedule(CFG, planned, None, None).schedule.codecs) == ()
 
 
-# -- a serial codec (PowerSGD): torch DDP's way unless the plan predicts a gain (issue 28, item 3) ---------
+# -- a serial codec (PowerSGD): torch DDP's way unless the plan predicts a gain --------------------------
 def serial_profile(second_ms: float) -> Profile:
     """Two buckets compressed by PowerSGD (sends one at a time over all links): 2 ms backward each,
     10 ms on the primary link, ``second_ms`` on the second."""

@@ -1,4 +1,4 @@
-"""Compression in the profile, the simulator and the CLI (issue 11, item 3).
+"""Compression in the profile, the simulator and the CLI.
 
 Expected numbers are derived by hand in the comments: the hook's wire sizes from torch's PowerSGD
 rule (``(n + m) r`` elements for an ``n x m`` matrix when ``(n + m) r * 2 < n m``), and the simulated

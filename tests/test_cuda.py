@@ -2,8 +2,9 @@
 
 Tests marked ``cuda`` need a GPU and skip with the reason where none is present (multi-process ones
 are also ``slow``); the decisions they rest on that need no GPU are tested here on CPU: NVTX ranges on
-by default for a model on CUDA, and the verdict on torch's gloo + CUDA futures fix (pytorch issue
-155714, PR 170812). Two ranks on one GPU use gloo links (NCCL refuses two ranks on one device).
+by default for a model on CUDA, and the verdict on torch's gloo + CUDA futures fix
+(pytorch/pytorch#155714, fixed by pytorch/pytorch#170812). Two ranks on one GPU use gloo links (NCCL
+refuses two ranks on one device).
 """
 
 from __future__ import annotations
@@ -166,8 +167,8 @@ def nccl_world_one_worker(rank: int, world: int) -> dict[str, object]:
 
 
 def gloo_future_stream_worker(rank: int, world: int) -> list[float]:
-    """pytorch issue 155714's exact pattern on CUDA tensors: ten gloo all-reduces, each future waited
-    for on a high-priority side stream and its tensor read there (corrupt without PR 170812)."""
+    """The exact pattern of pytorch/pytorch#155714 on CUDA tensors: ten gloo all-reduces, each future waited
+    for on a high-priority side stream and its tensor read there (corrupt without pytorch/pytorch#170812)."""
     import torch.distributed as dist
 
     torch.cuda.set_device(0)

@@ -73,6 +73,7 @@ def test_deft_epsilon_zero_run_is_torch_ddps_run(tmp_path: Path, torch_doc: dict
     assert doc["summary"]["final_test_acc"] == pytest.approx(torch_doc["summary"]["final_test_acc"], abs=0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("argv", "message"), [
     (["--epochs", "0"], "--epochs: expected an integer >= 1, got 0"),
     (["--batch-size", "-1"], "--batch-size: expected an integer >= 1, got -1"),

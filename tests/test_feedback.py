@@ -282,6 +282,7 @@ def test_default_planner_is_the_solver():
 # deterministic there (one step's progress instead of two), so the merge (predicted 0.80 of the no-delay
 # plan's time) is slower to a target, and a stale DeFT try (its lag an offset, not a rate) passes; mu =
 # 0.05, sigma = 50: noise dominates, a faster DeFT try passes.
+@pytest.mark.slow
 @pytest.mark.parametrize(("mu", "sigma", "rejections"),
                          [(0.5, 5.0, {"walk ratio", "slower to target"}),
                           (10.0, 5.0, {"no faster", "walk ratio"}),
@@ -337,6 +338,7 @@ def real_solver_loop(mu: float, sigma: float = 5.0) -> PreserveResult:
     return res
 
 
+@pytest.mark.slow
 def test_strong_gradient_keeps_every_update():
     # mu = 10 (one lost step is 10% of the loss): not merged, not delayed
     res = real_solver_loop(10.0)
@@ -373,14 +375,15 @@ def test_lag_free_merge_preferred_unless_stale_is_much_faster():
 
 
 # ------------------------------------------------------------------------------------------------
-# issue 14: the crash after an accepted lag-free merge, and ratios that depend on how a cycle is written
+# A re-check after an accepted lag-free merge, and ratios that do not depend on how a cycle is written
 
 VGG19 = Path(__file__).resolve().parents[1] / "examples" / "profiles" / "vgg19.json"
 
 
 def test_recheck_after_a_lag_free_merge_accepted_when_every_deft_try_failed() -> None:
-    """Issue 14.1: every DeFT try fails, the lag-free merge K = (2,) is accepted; building the re-check
-    raised ``max() arg is an empty sequence`` (on rank 0, after the schedule was installed)."""
+    """Every DeFT try fails and the lag-free merge K = (2,) is accepted: the re-check is still built
+    from that result (no DeFT schedule to take its timing from) and later re-plans once the rejected
+    tries pass."""
     from deft.preserver.stability import OptimizerSpec
 
     # Noise-dominated (sigma 400 at batch 512): a merge keeps its progress (a deterministic walk would
@@ -414,10 +417,10 @@ def unrolled(s: Schedule, times: int) -> Schedule:
 
 
 def test_ratio_and_decision_do_not_depend_on_unrolling_a_cycle() -> None:
-    """Issue 14.3: the VGG-19 plan (cycle 3, K = (2, 1), both updates one or two iterations late) and the
-    same plan written as cycle 6 are one steady state; they must get one ratio and one decision. Counting
-    only the updates applied inside the written cycle gave 0.99247 (passes at epsilon 0.01) at cycle 3 and
-    0.98862 (fails) at cycle 6 with these statistics."""
+    """The VGG-19 plan (cycle 3, K = (2, 1), both updates one or two iterations late) and the same plan
+    written as cycle 6 are one steady state; they must get one ratio and one decision. A ratio counting
+    only the updates applied inside the written cycle would give 0.99247 (passes at epsilon 0.01) at
+    cycle 3 and 0.98862 (fails) at cycle 6 with these statistics."""
     stats = WalkStats(loss=2.0, mu=0.3, sigma=20.0, lr=0.025, batch=512)
     s = plan(Profile.load(VGG19), DeftConfig())
     for sched in (s, schedule_with((1, 2, 1), delayed=True), schedule_with((2, 1))):
@@ -520,7 +523,7 @@ def stale_planner(profile: Profile, config: DeftConfig, *, capacity_scale: float
 
 
 def test_with_the_stability_check_the_walk_stops_charging_the_lag() -> None:
-    """Issue 12: staleness is priced once. Without a curvature the walk counts a stale update's lag as
+    """Staleness is priced once. Without a curvature the walk counts a stale update's lag as
     missing progress; with the curvature and the optimizer known the stability check prices it, and the
     walk counts every update of the period: a stale-by-one ``K = (1, 1)`` makes as many steps of ``B``
     as DDP (ratio exactly 1), and a stale ``K = (1, 2, 1)`` gets the ratio of its merges alone."""
@@ -570,7 +573,7 @@ def test_recheck_judges_rejected_tries_on_the_statistics_of_the_time() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# issue 12: a schedule must not be slower to a target than the no-delay plan by the walk's own account
+# A schedule must not be slower to a target than the no-delay plan by the walk's own account
 
 # Deterministic walk far from S* (sigma = 0): every step takes lr * mu = 0.002 off the loss of 1. Over a
 # period of 2 iterations plain DDP reaches 0.996 and a merge of 2 (one step) 0.998: ratio 0.996 / 0.998
@@ -714,6 +717,7 @@ def _cp_sat_work(res: PreserveResult) -> float:
     return sum(t.schedule.meta["solver_work"] for t in res.tries if t.kind == "deft" and t.schedule is not None)
 
 
+@pytest.mark.slow
 def test_the_tries_share_one_cp_sat_budget() -> None:
     """The default planner's tries share one ExactBudget: a decision's exact knapsacks spend at most
     EXACT_BUDGET_LIMITS knapsack budgets (plus the one solve that crosses the line), however many tries

@@ -173,7 +173,7 @@ def test_greedy_follows_the_paper() -> None:
 
 
 def test_greedy_fills_the_smaller_knapsack_in_primary_units_first() -> None:
-    """Issue 14.4, the paper's 6/5/5 example: items of 6, 5 and 5 ms on NCCL, 1.65x that on gloo, both
+    """The paper's 6/5/5 example: items of 6, 5 and 5 ms on NCCL, 1.65x that on gloo, both
     stages 10 ms. In NCCL units gloo's knapsack holds 10 / 1.65 = 6.06 ms: the smaller, filled first.
 
     By hand, paper order: gloo takes the longest item that fits, 6 (9.9 ms on gloo); 5 more would need

@@ -1,4 +1,4 @@
-"""The lag-free forward stage in the planner and the simulator (issue 15), checked against hand timelines.
+"""The lag-free forward stage in the planner and the simulator, checked against hand timelines.
 
 Three buckets, one link, forward = backward = 10 ms per bucket, all-reduces 25, 20, 5 ms (bucket 0 is
 nearest the output: ready first in backward, needed last in forward). Times from the forward start of

@@ -84,6 +84,7 @@ def test_fixture_summary(sendrecv: Path, sql: sqlite3.Connection) -> None:
         "SELECT value FROM META_DATA_EXPORT WHERE name = 'EXPORT_PRODUCT_VERSION'").fetchone()[0] == "2026.2.1.210"
 
 
+@pytest.mark.slow
 def test_fixture_kernels_join_their_launch_in_the_same_process(sendrecv: Path, sql: sqlite3.Connection) -> None:
     ks = nsys.kernels(sendrecv)
     assert len(ks) == one(sql, "SELECT COUNT(*) FROM CUPTI_ACTIVITY_KIND_KERNEL")

@@ -73,7 +73,7 @@ def test_vgg19_split_meets_both_caps_and_keeps_order() -> None:
 
 
 def test_cap_is_the_smallest_knapsack_in_primary_link_units() -> None:
-    """Issue 14.4 / paper III.D: a bucket's time must stay under the smallest knapsack, "typically the
+    """Paper III.D: a bucket's time must stay under the smallest knapsack, "typically the
     forward time divided by mu": with gloo 1.65x slower, its knapsack holds F / 1.65 of NCCL time.
 
     By hand: F = 2 x 10 = 20 ms < B = 40 ms; the cap is 20 / 1.65 = 12.12 ms. Bucket 0 (15 ms on NCCL,
@@ -111,7 +111,7 @@ def test_time_cap_alone_splits_with_latency_paid_per_piece() -> None:
 def test_simulated_pieces_pay_the_start_up_each(alpha_ms: float) -> None:
     # One bucket: forward 1 ms, backward 1 ms, all-reduce measured 10 ms, start-up alpha. Capacity 6 ms:
     # each piece pays alpha and half the rest: with alpha = 2 ms, two pieces of 2 + 8 / 2 = 6 ms (one
-    # piece of 10 ms is over the cap); with alpha = 0 (the fit the runtime used to find), two of 5 ms.
+    # piece of 10 ms is over the cap); with alpha = 0 (a fit that finds no start-up cost), two of 5 ms.
     # Sent on one link in their own backward: both are pieces of one parameter, whose gradient appears
     # at the end of its layer's 1 ms backward (not piece 0 after its 0.5 ms share); the link runs them
     # back to back from 1 ms: the iteration is 1 + 1 + 2 * (alpha + (10 - alpha) / 2) = 14 ms with

@@ -235,6 +235,7 @@ def test_a_no_delay_plans_short_window_predicts_what_the_default_window_does(nam
     assert sched.predicted_iteration_s == pytest.approx(long, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_plans_sharing_a_budget_spend_it_once_then_solve_as_the_greedy() -> None:
     # A budget shared by two plans: the first spends (part of) it and says so; a plan that finds it
     # spent solves every knapsack as the greedy does, the same stages and updates as solver "greedy".
@@ -358,6 +359,7 @@ def profiles(draw: st.DrawFn) -> Profile:
     return Profile(tuple(buckets), tuple(times), tuple(links), 2, "synthetic")
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(profiles(), st.sampled_from([1.0, 1.3, 2.0]))
 def test_plan_is_always_a_valid_schedule_within_capacity(prof: Profile, scale: float) -> None:
@@ -441,7 +443,7 @@ def test_bucket_above_every_capacity_is_sent_with_an_accepted_bubble() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# issue 14: the delayed tail (paper Sec. V.B.3) and plans that do not change with machine load
+# The delayed tail (paper Sec. V.B.3) and plans that do not change with machine load
 
 
 def tail_profile() -> Profile:
@@ -454,7 +456,7 @@ def tail_profile() -> Profile:
 
 @pytest.mark.parametrize("solver", ["greedy", "exact"])
 def test_planner_offers_the_delayed_tail(solver: str) -> None:
-    """Issue 14.2: WFBP hides everything but the last bucket's tail; the planner must still offer to
+    """WFBP hides everything but the last bucket's tail; the planner must still offer to
     delay that bucket into the next forward (the GPT-2 move of paper Sec. V.B.3)."""
     prof, cfg = tail_profile(), DeftConfig(solver=solver)
     # By hand, WFBP: bucket 0 is ready at 10 ms and sent in [10, 15], bucket 1 in [20, 25]; bucket 2 is
@@ -467,7 +469,7 @@ def test_planner_offers_the_delayed_tail(solver: str) -> None:
     for p in range(sched.cycle):
         assert [(c.bucket, c.origin) for c in sched.stage(p, "forward").comms] == [(2, 1)]
         assert sorted((c.bucket, c.origin) for c in sched.stage(p, "backward").comms) == [(0, 0), (1, 0)]
-    # Nothing is exposed any more: forward + backward = 60 ms (the issue asks for <= 65 ms).
+    # Nothing is exposed any more: forward + backward = 60 ms; the plan's own prediction may be 5 ms off.
     assert simulate_schedule(prof, sched).iteration_s == pytest.approx(60 * MS)
     assert sched.predicted_iteration_s <= 65 * MS
     assert_within_capacity(r)
@@ -492,10 +494,10 @@ for path in sys.argv[1:]:
 
 @pytest.mark.slow
 def test_same_schedule_byte_for_byte_in_fresh_processes_on_a_busy_machine() -> None:
-    """Issue 14.3: the exact solver ran under wall-clock limits, so a fresh process on a loaded machine
-    could plan another schedule (VGG-19: cycle 3 in one process, cycle 6 in another). One process plans
-    on the machine as it is, two more while two CPU burners keep both cores busy; the schedule files
-    (digest, and the whole JSON including meta) must be identical."""
+    """A plan must not depend on machine load: a solver under wall-clock limits would let a fresh
+    process on a loaded machine plan another schedule (VGG-19: cycle 3 in one process, cycle 6 in
+    another). One process plans on the machine as it is, two more while two CPU burners keep both cores
+    busy; the schedule files (digest, and the whole JSON including meta) must be identical."""
     root = Path(__file__).resolve().parents[1]
     profiles = [str(root / "examples" / "profiles" / f"{m}.json") for m in ("vgg19", "gpt2")]
     env = {**os.environ, "PYTHONPATH": str(root)}

@@ -245,6 +245,7 @@ def _heavy_tailed_draws(sigma: torch.Tensor, draws: int, batch: int = 32) -> lis
     return out
 
 
+@pytest.mark.slow
 def test_the_sampled_noise_bound_stays_below_a_heavy_tailed_gradients_noise() -> None:
     # 1M coordinates, the noise's scale log-normal (sigma 1.5: a few coordinates far noisier than the rest)
     gen = torch.Generator().manual_seed(0)

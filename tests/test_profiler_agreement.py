@@ -1,4 +1,4 @@
-"""The runtime's timing profile and the Kineto trace of the SAME run agree per bucket (issue 4).
+"""The runtime's timing profile and the Kineto trace of the SAME run agree per bucket.
 
 Two gloo ranks train a two-layer MLP whose buckets differ 64-fold in size (bucket 0: the 16-wide
 output layer, 16 K elements; bucket 1: the 1024 x 1024 hidden layer, 1 M elements, 4 MB), with

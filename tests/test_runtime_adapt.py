@@ -1,4 +1,4 @@
-"""Closing the loop (issue 10 item 2): calibration against measured time, bounded re-planning, exactness.
+"""Closing the loop: calibration against measured time, bounded re-planning, exactness.
 
 Unit tests drive :mod:`deft.runtime.adapt` with simulated "measurements" whose truth the test sets (a
 profile whose compute is slowed by a known factor and whose links by another); the 2-rank test runs

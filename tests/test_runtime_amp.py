@@ -1,4 +1,4 @@
-"""GradScaler and autocast in an unchanged loop (issue 13 item 1), against torch DDP + GradScaler.
+"""GradScaler and autocast in an unchanged loop, against torch DDP + GradScaler.
 
 Two gloo ranks on CPU, ``torch.autocast("cpu", torch.bfloat16)`` and ``torch.amp.GradScaler("cpu")``,
 the user's loop unchanged: ``scaler.scale(loss).backward(); scaler.unscale_(opt);

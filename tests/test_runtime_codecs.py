@@ -1,4 +1,4 @@
-"""A schedule's per-bucket codecs in a live run (issue 28, item 1), against real torch DDP.
+"""A schedule's per-bucket codecs in a live run, against real torch DDP.
 
 fp16 rounding is element-wise, so which bucket an element travels in does not change its value: torch
 DDP with a comm hook that sends the coded parameters' elements through torch's ``fp16_compress_hook``

@@ -1,4 +1,4 @@
-"""torch's comm hooks on deft's buckets (issue 11): the same parameters as torch DDP with the same hook.
+"""torch's comm hooks on deft's buckets: the same parameters as torch DDP with the same hook.
 
 Two gloo ranks, epsilon 0, one link: the whole loop is trained under deft with
 ``ddp.register_comm_hook(state, hook)`` and under ``torch.nn.parallel.DistributedDataParallel`` with
@@ -302,6 +302,7 @@ def _rng_around_codec_timing(rank: int, world: int) -> dict[str, Any]:
             "iter": st.iter, "memories": len(st.p_memory_dict) + len(st.q_memory_dict) + len(st.error_dict)}
 
 
+@pytest.mark.slow
 def test_codec_timing_leaves_the_global_rng_and_the_hook_state_alone() -> None:
     """PowerSGD reseeds torch's generator to draw its first Q; the codec timing runs on a scratch state
     and must not move the training's random stream (dropout, shuffling) nor the registered state."""

@@ -1,4 +1,4 @@
-"""A torch DDP constructor line works verbatim with deft (issue 8 item 5).
+"""A torch DDP constructor line works verbatim with deft.
 
 One gloo rank in a fresh process: torch DDP's positional order (``module, device_ids, output_device,
 dim, broadcast_buffers, ...``) and keyword arguments are accepted; deft's own arguments are

@@ -146,8 +146,9 @@ def parity_worker(rank: int, world: int, kind: str, branch: bool, accum: bool,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("kind", "branch", "accum"), [("sgd", False, False), ("adam", True, False),
-                                                       ("sgd", True, True)])
+# the cheapest end-to-end run (two ranks, SGD, against torch DDP): the fast lane's one multi-process test
+@pytest.mark.parametrize(("kind", "branch", "accum"), [pytest.param("sgd", False, False, marks=pytest.mark.e2e_fast),
+                                                       ("adam", True, False), ("sgd", True, True)])
 def test_epsilon_zero_matches_torch_ddp(kind: str, branch: bool, accum: bool) -> None:
     out = values(run_ranks(parity_worker, 2, (kind, branch, accum), timeout=120))
     for v in out:

@@ -1,4 +1,4 @@
-"""The preserver's re-check during training (issue 5 item 3): a failed check re-plans, and all ranks
+"""The preserver's re-check during training: a failed check re-plans, and all ranks
 switch to the new schedule at a cycle boundary without losing or repeating a gradient.
 
 Set-up: two gloo ranks, the closed-form model of tests/test_runtime_delayed.py (loss

@@ -120,7 +120,7 @@ def test_bytescheduler_priority_and_credit(credit: int, order: str, ready: float
 
 
 def test_mgwfbp_is_compared_as_its_paper_defines_it() -> None:
-    """Issue 14.4: the scheme named "mgwfbp" is MG-WFBP's Algorithm 1; the exact optimum of its timing
+    """The scheme named "mgwfbp" is MG-WFBP's Algorithm 1; the exact optimum of its timing
     model is the named option ``extra.mgwfbp_method = "optimal"``.
 
     Buckets 0 (output side), 1, 2: backward 0.5, 0.5 and 1 s (ready at 0.5, 1 and 2 s), 1 MB each, alpha

@@ -31,6 +31,7 @@ def table_rows(out: str) -> dict[str, list[str]]:
     return rows
 
 
+@pytest.mark.slow
 def test_simulate_prints_table_and_draws_picture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png = tmp_path / "out" / "vgg19_timeline.png"
     assert main(["simulate", str(VGG19), "--png", str(png)]) == 0
@@ -126,8 +127,9 @@ def test_format_stages_names_positions_within_the_cycle() -> None:
     assert "position 0 forward  1(1)@a" in text
 
 
+@pytest.mark.slow
 def test_simulate_reports_the_plan_and_the_default_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 14.5: the headline deft row is the planner's first plan with the preserver off; what a user
+    """The headline deft row is the planner's first plan with the preserver off; what a user
     runs by default goes through the preserver, whose choice depends on the walk statistics. Both rows
     are printed, each with its conditions stated."""
     profile, config = Profile.load(VGG19), DeftConfig()

@@ -229,6 +229,7 @@ def curvature_with_radius(schedule: Schedule, spec: OptimizerSpec, target: float
     return brentq(lambda lam: schedule_radius(schedule, lam, spec) - target, grid[i], grid[i + 1])
 
 
+@pytest.mark.slow  # 64 cases of 2400 torch optimizer steps each
 @pytest.mark.parametrize("opt_name", sorted(TORCH_SPECS))
 @pytest.mark.parametrize("sched_name", sorted(SCHEDULES))
 @pytest.mark.parametrize("target", [0.99, 1.01])
@@ -241,6 +242,7 @@ def test_radius_matches_torch_optimizer_growth(opt_name: str, sched_name: str, t
     assert rate == pytest.approx(math.log(target), abs=3e-4)
 
 
+@pytest.mark.slow
 def test_monte_carlo_random_momentum_and_curvature() -> None:
     """Random (schedule, lr, momentum, Nesterov, radius) draws: torch SGD's growth rate is the radius's log."""
     rng = np.random.default_rng(12)

@@ -1,4 +1,4 @@
-"""The first iteration's own sends on shaped links (issue 28): where the links are the bound even in
+"""The first iteration's own sends on shaped links: where the links are the bound even in
 16 bits, deft's default sends them in int8 from the first gradient, judges them on a sample once they
 are all out and keeps them (the update within int8's rounding of the exact one), or, int8 refused,
 sends them again in fp16 and computes what torch DDP with torch's fp16 hook computes in its first

@@ -1,4 +1,4 @@
-"""examples/train_lm.py (issue 27): a HuggingFace GPT-2 on the standard library's source text.
+"""examples/train_lm.py: a HuggingFace GPT-2 on the standard library's source text.
 
 Launched as users launch it (torchrun, 2 gloo ranks, a tiny config), once with torch DDP and once with
 deft at epsilon 0: the trained parameters (``--save-model``), every iteration's training loss and every
@@ -57,6 +57,7 @@ def test_deft_at_epsilon_zero_trains_the_lm_as_torch_ddp_does(tmp_path: Path) ->
         assert rel < 1e-5, f"{name}: relative difference {rel}"
 
 
+@pytest.mark.slow
 def test_a_bad_flag_is_refused_naming_it() -> None:
     p = subprocess.run([sys.executable, str(SCRIPT), "--n-embd", "30", "--n-head", "4"], capture_output=True,
                        text=True, timeout=60, cwd=ROOT)

@@ -44,6 +44,7 @@ def run(argv: list[str], tmp_path: Path, timeout: float = 180, **extra_env: str)
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_compute_only_is_one_rank_of_a_two_rank_job_without_communication(tmp_path: Path) -> None:
     doc = run([sys.executable, str(EXAMPLE), "--compute-only", *TINY, "--epochs", "1", "--max-iters", "4",
                "--eval-every", "4"], tmp_path)
@@ -55,6 +56,7 @@ def test_compute_only_is_one_rank_of_a_two_rank_job_without_communication(tmp_pa
     assert all(r["time_s"] >= r["train_s"] for r in doc["iters"])
 
 
+@pytest.mark.slow
 def test_compute_only_epoch_is_a_ranks_shard(tmp_path: Path) -> None:
     """One epoch = 22 batches: 1,437 train images / 2 shards (drop_last) = 718 // 32."""
     doc = run([sys.executable, str(EXAMPLE), "--compute-only", *TINY, "--epochs", "1"], tmp_path)
@@ -62,6 +64,7 @@ def test_compute_only_epoch_is_a_ranks_shard(tmp_path: Path) -> None:
     assert [e["iter"] for e in doc["evals"]] == [22]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("argv", "message"), [
     (["--compute-only", "--ddp", "torch"], "--compute-only runs no data-parallel scheme; drop --ddp torch"),
     (["--ddp", "localsgd", "--localsgd-period", "1"], "--localsgd-period: expected an integer >= 2, got 1"),

@@ -1,4 +1,4 @@
-"""Drop-in under the loops people write (issue 25): each recipe with torch DDP and deft side by side.
+"""Drop-in under the loops people write: each recipe with torch DDP and deft side by side.
 
 At ``epsilon = 0`` deft must give torch DDP's run: parameters (after ``ddp.flush()``), every loss,
 everything the loop logged (gradient norms, GradScaler's scale), to 1e-5, on every schedule mode of

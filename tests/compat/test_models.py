@@ -1,4 +1,4 @@
-"""Drop-in with models and launches users have (issue 25): a HuggingFace GPT-2, ``torch.compile`` before
+"""Drop-in with models and launches users have: a HuggingFace GPT-2, ``torch.compile`` before
 or after wrapping, world sizes 3 and 4, a meta-device model, and the default epsilon on a schedule that
 merges updates.
 
