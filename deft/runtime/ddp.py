@@ -176,7 +176,8 @@ class DistributedDataParallel(nn.Module):
 
     @property
     def schedule(self) -> Schedule:
-        """The schedule running now (the DDP-like synchronous one during warm-up)."""
+        """The schedule running now (the DDP-like synchronous one during warm-up; local-steps mode runs
+        none and raises :class:`deft.errors.DeftError`)."""
         return self._mode.schedule
 
     @property
