@@ -1,4 +1,6 @@
-"""The import graph of the ``deft`` package runs one way (issue 8; docs/DESIGN.md section 2).
+"""The package's shape: imports run one way, the facade stays a facade, functions stay short.
+
+The import graph of the ``deft`` package runs one way (docs/DESIGN.md section 2).
 
 Every module's imports are read with ``ast`` (module level and inside functions; ``if TYPE_CHECKING:``
 blocks are type-only and exempt) and mapped to layers::
@@ -13,6 +15,13 @@ blocks are type-only and exempt) and mapped to layers::
 A module may import its own layer or lower ones; an import of a higher layer, a solver <-> profiler
 edge, or a circle among deft's modules fails, naming the module, the line and the edge. The walker
 itself is tested on a small package written to a temporary directory, so the check provably can fail.
+
+The facade (``deft/runtime/ddp.py``) stays a facade: at most :data:`FACADE_LINES` lines, no training
+mode named in it (it forwards to the one :func:`deft.runtime.mode.start_mode` chose), and no runtime
+module sets an attribute of a collaborator it holds (``self._x.y = ...``) beyond the known cases in
+:data:`SET_FROM_OUTSIDE`, which may only shrink. No function in ``deft`` is longer than
+:data:`FUNCTION_LINES` lines, ``def`` to its last line. Each checker is also run on a small source
+that breaks its rule.
 """
 
 from __future__ import annotations
@@ -26,6 +35,16 @@ import pytest
 import deft
 
 PACKAGE = Path(deft.__file__).resolve().parent
+FACADE = PACKAGE / "runtime" / "ddp.py"
+FACADE_LINES = 450
+FUNCTION_LINES = 60
+#: Attributes of a collaborator still set from outside it (``self._x.y = ...``), each to become a method
+#: or a constructor argument of the collaborator's own; the list may only shrink.
+SET_FROM_OUTSIDE = {"self._executor.comm_hook", "self._course.init_broadcast", "self._course.calibrated",
+                    "self._updates.clip", "self._updates.first_use", "self._adapter.best",
+                    "self._adapter.synchronous"}
+#: What the facade must not name: the modes are chosen in deft.runtime.mode.
+MODE_NAMES = {"local_steps", "LocalSteps", "LocalStepsMode", "ScheduledRun", "local_mode", "scheduled"}
 # deft.profiler.report draws the simulated timeline of a measured profile: a tool over both layer-1 parts
 TOOLS = {"deft.cli", "deft.solver.cli", "deft.profiler.cli", "deft.profiler.report", "deft.testbed"}
 
@@ -178,3 +197,82 @@ def test_the_walker_finds_upward_edges_circles_and_ignores_type_checking(tmp_pat
                                                   ("deft.testbed", 4), ("deft.config", 0)])
 def test_layers(module: str, expected: int) -> None:
     assert layer(module)[0] == expected
+
+
+# -- the facade and the functions' length ------------------------------------------------------------------
+def long_functions(root: Path, limit: int) -> list[str]:
+    """``path:line name (n lines)`` of every function or method over ``limit`` lines, ``def`` to its end."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
+                if n > limit:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name} ({n} lines)")
+    return found
+
+
+def set_from_outside(source: str) -> list[str]:
+    """Every assignment target ``self._x.y`` (or deeper) in ``source``: an attribute of a collaborator
+    the object holds, set by the object instead of by the collaborator."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        while any(isinstance(t, (ast.Tuple, ast.List)) for t in targets):
+            targets = [e for t in targets for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])]
+        for t in targets:
+            chain, cur = [], t
+            while isinstance(cur, ast.Attribute):
+                chain.append(cur.attr)
+                cur = cur.value
+            if isinstance(cur, ast.Name) and cur.id == "self" and len(chain) >= 2 and chain[-1].startswith("_"):
+                found.append(".".join(["self", *reversed(chain)]))
+    return found
+
+
+def names_in(source: str) -> set[str]:
+    """Every name, attribute and imported module or name that ``source``'s code uses."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.ImportFrom):
+            found.update([*(node.module or "").split("."), *(a.name for a in node.names)])
+        elif isinstance(node, ast.Import):
+            found.update(part for a in node.names for part in a.name.split("."))
+    return found
+
+
+def test_the_facade_stays_small_and_names_no_mode() -> None:
+    source = FACADE.read_text(encoding="utf-8")
+    assert len(source.splitlines()) <= FACADE_LINES
+    assert names_in(source) & MODE_NAMES == set()
+
+
+def test_no_function_is_longer_than_the_limit() -> None:
+    assert long_functions(PACKAGE, FUNCTION_LINES) == []
+
+
+def test_no_runtime_module_sets_a_collaborators_attribute() -> None:
+    found = {t for p in (PACKAGE / "runtime").rglob("*.py") for t in set_from_outside(p.read_text(encoding="utf-8"))}
+    assert found - SET_FROM_OUTSIDE == set()
+
+
+def test_the_shape_checkers_find_what_they_look_for(tmp_path: Path) -> None:
+    body = "\n".join(f"    x = {i}" for i in range(59))
+    pkg = _write(tmp_path, {"short.py": f"def ok():\n{body}\n", "long.py": f"class C:\n    async def m(self):\n"
+                            f"    {body.replace(chr(10), chr(10) + '    ')}\n        return x\n"})
+    assert long_functions(pkg, FUNCTION_LINES) == ["deft/long.py:2 m (61 lines)"]
+    source = ("class A:\n    def f(self, o):\n        self._b.c = 1\n        self._b.c.d += 1\n"
+              "        self._b.e, (self.x, self._f.g) = 1, (2, 3)\n        self._h: int = 0\n"
+              "        self.i.j = 1\n        o._b.c = 1\n        self._k.l: int = 1\n")
+    assert set_from_outside(source) == ["self._b.c", "self._b.c.d", "self._b.e", "self._f.g", "self._k.l"]
+    assert names_in("from deft.runtime.local_steps import X\nif cfg.local_steps:\n    pass\n") >= \
+        {"local_steps", "X", "cfg"}
+    assert names_in("import deft.runtime.scheduled\n") & MODE_NAMES == {"scheduled"}

@@ -16,6 +16,8 @@ import pytest
 import torch
 from torch import nn
 
+from deft.errors import ContractError
+from deft.runtime.checkpoint import LocalStepsState, check_mode
 from tests._dist import run_ranks, slow_first_planner, values
 from tests.test_runtime_delayed import delayed_schedule
 
@@ -184,3 +186,34 @@ def test_a_checkpoint_taken_while_rank_0_plans_resumes_to_torch_ddps_parameters(
         "here and plans at iteration 6 (torch DDP's schedule until the plan is in)"]
     assert not [m for m in b["said"] if "before planning finished" in m]
     assert sorted(t for _, its in a["log"] for t in its) == list(range(LAG_TOTAL))  # each iteration once
+
+
+def test_local_steps_record_round_trips_and_names_what_it_refuses() -> None:
+    pending = {"pending": {"step": 3}}
+    st = LocalStepsState(rank=1, world=2, t=7, local_steps=pending)
+    doc = st.to_dict()
+    assert doc["mode"] == "local_steps" and LocalStepsState.from_dict(doc) == st
+    with pytest.raises(ContractError, match=r"_extra_state\.version: expected local-steps state version 1, got 2"):
+        LocalStepsState.from_dict({**doc, "version": 2})
+    with pytest.raises(ContractError, match=r"_extra_state: missing field\(s\) \['t'\]"):
+        LocalStepsState.from_dict({k: v for k, v in doc.items() if k != "t"})
+    with pytest.raises(ContractError, match=r"_extra_state: expected a dict, got list"):
+        LocalStepsState.from_dict([])
+    # an averaging in flight belongs to the rank that saved it; without one any rank of the same world loads
+    with pytest.raises(ContractError, match=r"_extra_state\.rank: this checkpoint holds rank 1's \(of 2\) snapshot"):
+        st.check_owner(0, 2)
+    st.check_owner(1, 2)
+    dataclasses.replace(st, local_steps={"pending": None}).check_owner(0, 2)
+    with pytest.raises(ContractError, match=r"_extra_state\.rank"):
+        dataclasses.replace(st, local_steps={"pending": None}).check_owner(0, 3)
+
+
+def test_a_record_is_loaded_only_by_the_mode_that_saved_it() -> None:
+    local_doc = LocalStepsState(rank=0, world=1, t=0, local_steps={}).to_dict()
+    check_mode(local_doc, local_steps=True)
+    check_mode({"version": 1}, local_steps=False)
+    with pytest.raises(ContractError, match=r"_extra_state\.mode: the checkpoint was saved in local-steps mode and "
+                                            r"this wrapper runs outside it \(config.local_steps must match\)"):
+        check_mode(local_doc, local_steps=False)
+    with pytest.raises(ContractError, match="saved outside local-steps mode and this wrapper runs in it"):
+        check_mode({"version": 1}, local_steps=True)

@@ -488,6 +488,48 @@ def test_adacomm_checkpoint_mid_period_resumes_bit_for_bit() -> None:
         assert r["saved"]["applied"] >= 2
 
 
+def modes_worker(rank: int, world: int) -> dict[str, Any]:
+    """A local-steps wrapper beside a scheduled one: what the mode refuses, what its views say, and that
+    neither loads the other's checkpoint."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import deft
+    from deft.errors import DeftError
+
+    out: dict[str, Any] = {}
+    local_model, sched_model = _model(), _model()
+    local = deft.DistributedDataParallel(local_model, optimizer=torch.optim.SGD(local_model.parameters(), lr=LR),
+                                         config=DeftConfig(local_steps=2, local_overlap=False))
+    scheduled = deft.DistributedDataParallel(sched_model, optimizer=torch.optim.SGD(sched_model.parameters(), lr=LR))
+    for name, call in (("hook", lambda: local.register_comm_hook(None, default_hooks.fp16_compress_hook)),
+                       ("schedule", lambda: local.schedule),
+                       ("local_into_scheduled", lambda: scheduled.load_state_dict(local.state_dict())),
+                       ("scheduled_into_local", lambda: local.load_state_dict(scheduled.state_dict()))):
+        try:
+            call()
+            out[name] = None
+        except (DeftError, ContractError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    x, y = _batch(rank, 0)
+    out["calibrate"] = local.calibrate(lambda: nn.functional.cross_entropy(local.module(x), y))
+    out["views"] = [str(local.phase), local.pending_updates, local.update_log, local.profile, local.comm_hook,
+                    local.last_grad_norm, local.iteration]
+    local.load_state_dict(local.state_dict())  # its own record loads
+    return out
+
+
+@pytest.mark.slow
+def test_local_steps_mode_refusals_views_and_foreign_checkpoints() -> None:
+    for r in values(run_ranks(modes_worker, 2)):
+        assert "no bucket to hook" in r["hook"] and r["hook"].startswith("DeftError: register_comm_hook")
+        assert r["schedule"].startswith("DeftError: schedule: local-steps mode")
+        assert "_extra_state.mode" in r["local_into_scheduled"]
+        assert "saved in local-steps mode and this wrapper runs outside it" in r["local_into_scheduled"]
+        assert "saved outside local-steps mode and this wrapper runs in it" in r["scheduled_into_local"]
+        assert r["calibrate"] is None
+        assert r["views"] == ["idle", [], [], None, None, None, 0]
+
+
 def test_local_state_of_another_version_or_damaged_is_refused() -> None:
     from deft.runtime.local_steps import LocalSteps
 

@@ -1,13 +1,18 @@
-"""deft's runtime state in a checkpoint: a typed, versioned record carried by ``state_dict()``.
+"""deft's state in a checkpoint: a typed, versioned record per training mode, carried by ``state_dict()``.
 
-The record travels through ``nn.Module.get_extra_state`` as tensors and plain types only, so
-``torch.load(..., weights_only=True)`` reads it. It holds what a resumed run needs to continue
-exactly: the iteration counter, the schedule and where its cycle started, the flat layout's order,
-the queued *local* gradient buffers of every pending update group (and which of their buckets were
-already reduced), the update log and ``plan_info``.
+A record travels through ``nn.Module.get_extra_state`` as tensors and plain types only, so
+``torch.load(..., weights_only=True)`` reads it. Two records, one per mode (:mod:`deft.runtime.mode`):
 
-Because pending buffers are this rank's local gradients, every rank saves and loads its own
-checkpoint while an update is pending; loading another rank's fails with a clear error.
+* :class:`RuntimeState` (the scheduled run): the iteration counter, the schedule and where its cycle
+  started, the flat layout's order, the queued *local* gradient buffers of every pending update group
+  (and which of their buckets were already reduced), the update log and ``plan_info``;
+* :class:`LocalStepsState` (local-steps mode, marked ``mode = "local_steps"``): the iteration counter
+  and :class:`deft.runtime.local_steps.LocalSteps`'s own record (the averaging in flight, the anchor,
+  the outer momentum, the period).
+
+A record is refused by the other mode (:func:`check_mode`). Because pending buffers and an averaging's
+snapshot are this rank's own, every rank saves and loads its own checkpoint while one is pending;
+loading another rank's fails with a clear error.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from deft.errors import ContractError
 from deft.schedule import CODECS, Schedule
 
 STATE_VERSION = 1
+#: The version of local-steps mode's record (its engine's own record has its own version).
+LOCAL_STATE_VERSION = 1
+LOCAL_MODE = "local_steps"
 SOURCE = "deft checkpoint"
 
 #: A saved document of tensors and plain types (what ``torch.load(..., weights_only=True)`` gives back):
@@ -103,6 +111,53 @@ class RuntimeState:
             raise ContractError(SOURCE, "_extra_state.rank",
                                 f"this checkpoint holds rank {self.rank}'s (of {self.world}) local gradients "
                                 f"not yet communicated; load it on rank {self.rank} of {self.world} (this is "
+                                f"rank {rank} of {world}) or call ddp.flush() before saving")
+
+
+def check_mode(state: object, local_steps: bool) -> None:
+    """A record is loaded by the mode that saved it (``config.local_steps`` must match)."""
+    saved_local = isinstance(state, dict) and state.get("mode") == LOCAL_MODE
+    if saved_local != local_steps:
+        raise ContractError(SOURCE, "_extra_state.mode",
+                            f"the checkpoint was saved {'in' if saved_local else 'outside'} local-steps mode and this "
+                            f"wrapper runs {'in' if local_steps else 'outside'} it (config.local_steps must match)")
+
+
+@dataclass
+class LocalStepsState:
+    """One rank's local-steps state between iterations."""
+
+    rank: int
+    world: int
+    t: int                      # the next training iteration
+    local_steps: object         # LocalSteps.state_dict(): checked by LocalSteps.load_state_dict
+
+    def to_dict(self) -> StateDoc:
+        return {"version": LOCAL_STATE_VERSION, "mode": LOCAL_MODE, "rank": self.rank, "world": self.world,
+                "t": self.t, "local_steps": self.local_steps}
+
+    @classmethod
+    def from_dict(cls, state: object) -> LocalStepsState:
+        """Read and check a saved record; every problem names the field."""
+        if not isinstance(state, dict):
+            raise ContractError(SOURCE, "_extra_state", f"expected a dict, got {type(state).__name__}")
+        if state.get("version") != LOCAL_STATE_VERSION:
+            raise ContractError(SOURCE, "_extra_state.version", f"expected local-steps state version "
+                                f"{LOCAL_STATE_VERSION}, got {state.get('version')!r}")
+        missing = [k for k in ("rank", "world", "t", "local_steps") if k not in state]
+        if missing:
+            raise ContractError(SOURCE, "_extra_state", f"missing field(s) {missing}")
+        return cls(rank=int(state["rank"]), world=int(state["world"]), t=int(state["t"]),
+                   local_steps=state["local_steps"])
+
+    def check_owner(self, rank: int, world: int) -> None:
+        """An averaging in flight holds the saving rank's own snapshot."""
+        doc = self.local_steps
+        pending = isinstance(doc, dict) and doc.get("pending") is not None
+        if self.world != world or (pending and self.rank != rank):
+            raise ContractError(SOURCE, "_extra_state.rank",
+                                f"this checkpoint holds rank {self.rank}'s (of {self.world}) snapshot of an "
+                                f"averaging in flight; load it on rank {self.rank} of {self.world} (this is "
                                 f"rank {rank} of {world}) or call ddp.flush() before saving")
 
 

@@ -6,20 +6,18 @@ Use it like torch DDP; a torch DDP constructor line works as it is::
     loss = loss_fn(ddp(x), y); loss.backward(); ddp.observe_loss(loss)   # observe_loss is optional
     optimizer.step(); optimizer.zero_grad()
 
-This module is the facade: torch-compatible construction, the public API and the per-iteration phase
-machine (:mod:`deft.runtime.phase`), which calls its collaborators at a few named events (a forward
-begins, a gradient is ready, the backward ends, the step begins and ends) and installs what they
-decide. One module per job (docs/DESIGN.md, "Runtime", has the table).
+This module is the facade: torch-compatible construction (the control plane, the links, rank 0's
+state on every rank), the buffers' broadcast and the public API, forwarded to one training mode chosen
+at construction (:mod:`deft.runtime.mode`: DeFT's schedule, or local steps). One module per job
+(docs/DESIGN.md, "Runtime", has the table).
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import time
-import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
@@ -29,32 +27,21 @@ from torch import nn
 
 from deft._json import JsonDict
 from deft.config import DeftConfig
-from deft.errors import ContractError, DeftError
+from deft.errors import DeftError
 from deft.profile import Profile
-from deft.runtime.buckets import FlatLayout
-from deft.runtime.checkpoint import RuntimeState, StateDoc
+from deft.runtime.checkpoint import StateDoc
 from deft.runtime.codec_choice import TimedBroadcast
-from deft.runtime.comm_hooks import CommHook, carry_buckets, from_config
+from deft.runtime.comm_hooks import CommHook
 from deft.runtime.compat import Device, check_device_ids, check_torch_args, for_compiled, shared_config, trainable
 from deft.runtime.control import ControlPlane, broadcast_state, digest, wait_work
-from deft.runtime.course import Course
-from deft.runtime.executor import Executor, PendingUpdate
-from deft.runtime.first_use import FirstUseRecorder
-from deft.runtime.grad_stats import check_probe_args, probe_curvature
+from deft.runtime.executor import PendingUpdate
 from deft.runtime.links import CommLink, make_buffer_group, make_control_group, make_links
-from deft.runtime.local_steps import LocalSteps
-from deft.runtime.optimizer_hooks import OptimizerBinding
+from deft.runtime.mode import SyncSwitch, Wiring, start_mode
 from deft.runtime.phase import Phase
 from deft.runtime.planning import check_schedule_file, resolve_profile
 from deft.runtime.records import PlanInfoView
-from deft.runtime.tensors import batch_size
-from deft.runtime.tracing import Tracing
-from deft.runtime.updates import LogEntry, UpdateApplier
+from deft.runtime.updates import LogEntry
 from deft.schedule import Schedule
-
-log = logging.getLogger("deft.runtime")
-#: The version of local-steps mode's checkpoint record (``get_extra_state``).
-LOCAL_STATE_VERSION = 1
 
 
 class DistributedDataParallel(nn.Module):
@@ -141,68 +128,21 @@ class DistributedDataParallel(nn.Module):
                                                   sum(t.numel() * t.element_size() for t in state))
 
     def _build(self, given_profile: Profile | None, optimizer: torch.optim.Optimizer | None) -> None:
-        """The collaborators, the iteration state, the warm-up schedule and the hooks."""
-        cfg = self.config
-        self._executor = Executor(self._params, self._links, self.rank, self.world, cfg.timeout_s, self.device)
-        self._executor.comm_hook = from_config(cfg)
-        self._optim = OptimizerBinding(self._params, self._before_step, self._after_step, optimizer)
-        self._updates = UpdateApplier(self.module, self._params, self._executor, self._optim, cfg, self._compiled)
-        self._course = Course(cfg, self._control, self.module, self._names, self._params, self._links,
-                              self._executor, self._optim, self._updates.log, given_profile, self._ranks,
-                              self._install)
-        self._course.init_broadcast = self._init_broadcast
-        self._tracing = Tracing(self.module, self._params, self._executor, dist.get_rank(), self._cuda,
-                                self._course.calendar.warm_end, self._course.profile_iters)
-        self._first_use: FirstUseRecorder | None = FirstUseRecorder(self._params) if cfg.forward_updates else None
-        self._t = 0  # index of the current (or next) training iteration
-        self._phase = Phase.IDLE
-        self._step_open = False  # the user's step began (its post hook ends the iteration)
-        self._no_sync = False
-        self._course.install_warmup(list(reversed(range(len(self._params)))), t0=0)
-        # Local-steps mode (config.local_steps > 0): its own collaborator at the step events; no gradient
-        # capture, no schedule (deft.runtime.local_steps).
-        self._local = LocalSteps(cfg, self._params, self._links, self.rank, self.world) if cfg.local_steps else None
-        me = weakref.ref(self)
-        self._hooks = [] if self._local is not None else \
-            [p.register_post_accumulate_grad_hook(_grad_hook(me, i)) for i, p in enumerate(self._params)]
-        # Whoever reads the module's state_dict gets the parameters torch DDP would have.
-        self._hooks.append(self.module.register_state_dict_pre_hook(_state_dict_hook(me)))
+        """The training mode (:func:`deft.runtime.mode.start_mode`), its hooks installed."""
+        self._sync = SyncSwitch()
+        wiring = Wiring(self.config, self.module, self._names, self._params, self.device, self._compiled,
+                        self._control, self._links, self._ranks, self._init_broadcast, self._sync)
+        self._mode = start_mode(wiring, given_profile, optimizer)
 
     # -- public API ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # the wrapped module's own signature
         self._sync_buffers_now()
-        if self._local is not None:
-            return self.module(*args, **kwargs)  # gradients stay local; the step events do the rest
-        if not torch.is_grad_enabled():
-            out = self.module(*args, **kwargs)  # evaluation: no gradient communication, nothing counted
-            self._updates.finish_deferred()  # parameters of modules the evaluation did not run
-            return out
-        if self._phase is Phase.BACKWARD_DONE:
-            if not self._updates.exposed:
-                raise DeftError(f"the forward of a new iteration started before optimizer.step() of iteration "
-                                f"{self._t}; deft runs forward, backward, optimizer.step() once per iteration, "
-                                "with an optimizer over this module's parameters (wrap forwards that are not "
-                                "training, e.g. metrics, in torch.no_grad())")
-            self._skip_step()  # gradients were there and no step took them: a skipped step
-        if self._phase is Phase.IDLE:
-            self._begin_iteration()
-            self._course.note_batch(batch_size(args, kwargs))
-        if self._first_use is not None:  # once, in the first training forward (deft.runtime.first_use)
-            recorder, self._first_use = self._first_use, None
-            with recorder.watching(self.module):
-                out = self.module(*args, **kwargs)
-            self._updates.first_use = recorder.first
-        else:
-            out = self.module(*args, **kwargs)
-        self._updates.finish_deferred()  # parameters of modules this forward did not run
-        self._course.forward_ends(out)
-        self._tracing.forward_ends(out)
-        return out
+        return self._mode.forward(args, kwargs)
 
     def _sync_buffers_now(self) -> None:
         """Collective: buffers (BatchNorm statistics) follow rank 0 at a forward that comes after a
         training forward outside ``no_sync()``, evaluation forwards included: torch DDP's rule."""
-        sync, self._buffers_due = self._buffers_due, torch.is_grad_enabled() and not self._no_sync
+        sync, self._buffers_due = self._buffers_due, torch.is_grad_enabled() and not self._sync.off
         # one rank's buffers are rank 0's already: nothing to send (torch DDP sends them anyway)
         if sync and self._sync_buffers and self.world > 1 and any(True for _ in self.module.buffers()):
             if self._buffer_group is not None:
@@ -215,10 +155,7 @@ class DistributedDataParallel(nn.Module):
     def observe_loss(self, loss: torch.Tensor | float) -> None:
         """Report this iteration's loss (optional; feeds the preserver's convergence statistics, and in
         local-steps mode ``local_period = "adacomm"``'s period)."""
-        value = float(loss.detach().item()) if isinstance(loss, torch.Tensor) else float(loss)
-        self._course.losses.append(value)
-        if self._local is not None:
-            self._local.observe_loss(value)
+        self._mode.observe_loss(float(loss.detach().item()) if isinstance(loss, torch.Tensor) else float(loss))
 
     def calibrate(self, closure: Callable[[], torch.Tensor], *, tol: float = 0.05, ncv: int | None = 4,
                   maxiter: int = 300) -> JsonDict | None:
@@ -235,67 +172,50 @@ class DistributedDataParallel(nn.Module):
         reported on every rank, not raised, and the secant estimate stays in use. The other ranks wait
         for the probe up to ``config.timeout_s``.
         """
-        self._require_idle("calibrate()")
-        check_probe_args(closure, tol, ncv, maxiter)
-        if self.config.epsilon == 0 or not self.config.preserver or self.world < 2 or self._local is not None:
-            return None
-        # Every rank: an update finishing in the forward is applied now, so the closure's forward (rank 0
-        # only) cannot trigger it on one rank. The forward changes batch-norm running statistics on
-        # rank 0; the next iteration's buffer broadcast (broadcast_buffers) gives them to every rank.
-        self._updates.finish_deferred()
-        doc = probe_curvature(closure, self._optim.optimizer, self._params, tol, ncv, maxiter) if self.rank == 0 else {}
-        doc = self._control.broadcast_json(doc, "curvature probe")
-        self._course.record.calibrations.append({"iteration": self._t, **doc})
-        if "error" in doc:
-            log.warning("deft: curvature probe failed (%s); the preserver keeps the secant estimate", doc["error"])
-            return None
-        self._course.calibrated = doc
-        return doc
+        return self._mode.calibrate(closure, tol, ncv, maxiter)
 
     @property
     def schedule(self) -> Schedule:
-        """The schedule running now (the DDP-like synchronous one during warm-up)."""
-        assert self._executor.schedule is not None
-        return self._executor.schedule
+        """The schedule running now (the DDP-like synchronous one during warm-up; local-steps mode runs
+        none and raises :class:`deft.errors.DeftError`)."""
+        return self._mode.schedule
 
     @property
     def iteration(self) -> int:
         """The index of the current (or next) training iteration."""
-        return self._t
+        return self._mode.iteration
 
     @property
     def phase(self) -> Phase:
         """Where the current iteration stands (:class:`deft.runtime.phase.Phase`)."""
-        return self._phase
+        return self._mode.phase
 
     @property
     def pending_updates(self) -> list[PendingUpdate]:
         """Updates whose gradients are queued but not yet applied, oldest first: the iterations each
         merges so far and the buckets already sent."""
-        return self._executor.pending()
+        return self._mode.pending_updates
 
     @property
     def update_log(self) -> list[LogEntry]:
         """Every applied update: (the iteration at whose step it was applied, the iterations it merges)."""
-        return self._updates.log
+        return self._mode.update_log
 
     @property
     def plan_info(self) -> PlanInfoView:
         """What deft decided, read-only (:mod:`deft.runtime.records` lists the keys; in local-steps mode
         only ``local_steps``: :meth:`deft.runtime.local_steps.LocalSteps.info`)."""
-        if self._local is not None:
-            return PlanInfoView({"local_steps": self._local.info()})
-        return self._course.record.view()
+        return self._mode.plan_info
 
     @property
     def profile(self) -> Profile | None:
         """The profile the running schedule was planned from (corrected by adaptation; None before)."""
-        return self._course.profile
+        return self._mode.profile
 
     @property
     def last_grad_norm(self) -> float | None:
         """With :meth:`clip_grad_norm_on_update`: the last update's norm before clipping."""
-        return self._updates.last_grad_norm
+        return self._mode.last_grad_norm
 
     @property
     def link_stats(self) -> dict[str, dict[str, int]]:
@@ -305,7 +225,7 @@ class DistributedDataParallel(nn.Module):
     @property
     def comm_hook(self) -> CommHook | None:
         """The registered comm hook and its state (None: plain all-reduces)."""
-        return self._executor.comm_hook
+        return self._mode.comm_hook
 
     def register_comm_hook(self, state: object, hook: Callable[..., torch.futures.Future[torch.Tensor]]) -> None:
         """torch DDP's ``register_comm_hook``: ``hook(state, bucket) -> Future`` runs on every bucket deft
@@ -314,16 +234,7 @@ class DistributedDataParallel(nn.Module):
         before ``load_state_dict`` when resuming: the checkpoint restores the hook's state)."""
         if not callable(hook):
             raise DeftError(f"register_comm_hook: hook must be callable(state, bucket), got {type(hook).__name__}")
-        if self._local is not None:
-            raise DeftError("register_comm_hook: local-steps mode (config.local_steps > 0) communicates no "
-                            "gradients after its warm-up and averages parameters exactly; there is no bucket to hook")
-        if self._executor.comm_hook is not None:
-            raise DeftError(f"register_comm_hook: a comm hook ({self._executor.comm_hook.name}) is already "
-                            "registered (from this call or the config's compression); one hook per model")
-        self._require_idle("register_comm_hook()")
-        self._course.hook_registered(self._t)
-        self._executor.comm_hook = CommHook(state, hook, getattr(hook, "__name__", type(hook).__name__))
-        self._course.hook_placed(self._t)
+        self._mode.register_comm_hook(state, hook)
 
     def flush(self) -> None:
         """Communicate and apply every pending update now (collective: every rank calls it).
@@ -331,16 +242,7 @@ class DistributedDataParallel(nn.Module):
         For the end of training or before an evaluation that must see every gradient. A group cut
         short merges the iterations it has; the schedule restarts its cycle at the next iteration.
         """
-        self._require_idle("flush()")
-        if self._local is not None:
-            self._local.flush()  # the averaging in flight, applied now
-            return
-        self._updates.finish_deferred()
-        if self._executor.idle:
-            return
-        if self._course.stats is not None:
-            self._course.stats.discard()  # groups cut short: no clean per-group statistics
-        self._updates.drain(self._t)
+        self._mode.flush()
 
     def clip_grad_norm_on_update(self, max_norm: float | None, norm_type: float = 2.0) -> None:
         """Clip every update's averaged gradient to ``max_norm`` right before the optimizer applies it.
@@ -353,230 +255,21 @@ class DistributedDataParallel(nn.Module):
         """
         if max_norm is not None and not max_norm > 0:
             raise ValueError(f"max_norm must be > 0 or None, got {max_norm}")
-        self._updates.clip = None if max_norm is None else (float(max_norm), float(norm_type))
+        self._mode.clip_on_update(None if max_norm is None else (float(max_norm), float(norm_type)))
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> AbstractContextManager[None]:
         """Like torch DDP's: backwards inside only accumulate (micro-batches of one iteration); the
         first backward outside completes the iteration's gradient and communicates it as scheduled."""
-        previous = self._no_sync
-        self._no_sync = True
-        try:
-            yield
-        finally:
-            self._no_sync = previous
+        return self._sync.suspended()
 
     def close(self) -> None:
         """Remove deft's hooks from the parameters and the optimizer (the wrapper is unusable after)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        self._updates.close()
-        self._optim.remove()
-        self._course.close()
-        self._tracing.close()
+        self._mode.close()
 
     # -- checkpoint (deft.runtime.checkpoint) ----------------------------------------------------
     def get_extra_state(self) -> StateDoc:
-        """deft's runtime state for ``state_dict()``: tensors and plain types only."""
-        self._require_idle("deft's state can only be saved; saving")
-        if self._local is not None:
-            return {"version": LOCAL_STATE_VERSION, "mode": "local_steps", "rank": self.rank, "world": self.world,
-                    "t": self._t, "local_steps": self._local.state_dict()}
-        self._updates.finish_deferred()  # no collective: waits only for what every rank launched
-        ex = self._executor
-        ex.settle_all()  # in-flight buckets become reduced values; recorded as launched
-        assert ex.schedule is not None and ex.layout is not None
-        return RuntimeState(rank=self.rank, world=self.world, t=self._t, t0=ex.t0, order=list(ex.layout.order),
-                            schedule=ex.schedule, groups=ex.group_states(), update_log=list(self._updates.log),
-                            comm_hook=None if ex.comm_hook is None else ex.comm_hook.state_dict(),
-                            codec_hooks=ex.codec_hook_states(),
-                            **self._course.state()).to_dict()
+        """deft's runtime state for ``state_dict()``: tensors and plain types only (the mode's record)."""
+        return self._mode.state()
 
     def set_extra_state(self, state: object) -> None:
-        local = isinstance(state, dict) and state.get("mode") == "local_steps"
-        if local != (self._local is not None):
-            raise ContractError("deft checkpoint", "_extra_state.mode",
-                                f"the checkpoint was saved {'in' if local else 'outside'} local-steps mode and this "
-                                f"wrapper runs {'in' if self._local is not None else 'outside'} it "
-                                "(config.local_steps must match)")
-        if self._local is not None:
-            assert isinstance(state, dict)
-            self._require_idle("deft's state can only be loaded; loading")
-            self._load_local(state)
-            return
-        st = RuntimeState.from_dict(state)
-        self._require_idle("deft's state can only be loaded; loading")
-        st.check_owner(self.rank, self.world)
-        # first, so that a damaged codec state is refused before anything of this wrapper changes
-        self._executor.load_codec_hook_states(st.codec_hooks, "deft checkpoint")
-        layout = FlatLayout(st.order, self._names, self._params, st.schedule.bucket_numel, "deft checkpoint: schedule")
-        self._executor.forget_groups()
-        self._course.restore(st)
-        self._install(st.schedule, layout, st.t0)
-        self._executor.restore_groups(st.groups, "deft checkpoint")
-        self._t = st.t
-        self._updates.log[:] = st.update_log
-        if st.comm_hook is not None:
-            if self._executor.comm_hook is None:
-                raise ContractError("deft checkpoint", "_extra_state.comm_hook",
-                                    "the checkpoint holds a comm hook's state but no hook is registered: call "
-                                    "ddp.register_comm_hook(...) before load_state_dict")
-            self._executor.comm_hook.load_state_dict(st.comm_hook, "deft checkpoint")
-
-    def _load_local(self, state: dict[str, Any]) -> None:
-        """Local-steps mode's checkpoint: an averaging in flight holds this rank's own snapshot."""
-        assert self._local is not None
-        if state.get("version") != LOCAL_STATE_VERSION:
-            raise ContractError("deft checkpoint", "_extra_state.version", f"expected local-steps state version "
-                                f"{LOCAL_STATE_VERSION}, got {state.get('version')!r}")
-        doc = state.get("local_steps")
-        pending = isinstance(doc, dict) and doc.get("pending") is not None
-        if state.get("world") != self.world or (pending and state.get("rank") != self.rank):
-            raise ContractError("deft checkpoint", "_extra_state.rank",
-                                f"this checkpoint holds rank {state.get('rank')}'s (of {state.get('world')}) "
-                                f"snapshot of an averaging in flight; load it on rank {state.get('rank')} of "
-                                f"{state.get('world')} (this is rank {self.rank} of {self.world}) or call "
-                                "ddp.flush() before saving")
-        self._local.load_state_dict(doc)
-        self._t = int(state["t"])
-
-    # -- the phase machine's events (deft.runtime.phase) ----------------------------------------
-    def _require_idle(self, what: str) -> None:
-        if self._phase is Phase.BACKWARD_DONE and self._updates.exposed:
-            self._skip_step()  # the last step was skipped (GradScaler found inf/NaN): the iteration is over
-        if self._phase is not Phase.IDLE:
-            raise DeftError(f"{what} must be called between iterations (after optimizer.step()); iteration "
-                            f"{self._t} is in its {self._phase} phase. A forward with gradients enabled starts "
-                            "an iteration: run evaluation under torch.no_grad()")
-
-    def _begin_iteration(self) -> None:
-        """A forward begins (or a first gradient arrives through the bare module)."""
-        self._phase = Phase.FORWARD
-        self._course.before_forward(self._t, self._cuda)
-        self._tracing.begin(self._t, self._executor.layout)
-        self._executor.begin_iteration(self._t)
-        self._course.forward_begins()
-        self._tracing.forward_begins(self._t)
-
-    def _on_grad(self, index: int, p: torch.Tensor) -> None:
-        """A parameter's gradient of this backward is accumulated (post-accumulate-grad hook)."""
-        if p.grad is None:
-            return
-        if self._phase is Phase.IDLE:  # backward through the bare module: still an iteration
-            self._begin_iteration()
-        self._course.gradient_seen(index)
-        if self._no_sync and self._phase is Phase.FORWARD:
-            self._executor.add_grad(index, p.grad, final=False)  # a micro-batch: accumulate only
-            p.grad = None
-            return
-        if self._phase is Phase.FORWARD:
-            self._phase = Phase.BACKWARD
-            self._course.adaptation.backward_begins(time.perf_counter())
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-            self._tracing.first_gradient()
-        self._executor.add_grad(index, p.grad)
-        p.grad = None
-        self._tracing.after_gradient()
-
-    def _on_backward_end(self) -> None:
-        if self._phase is Phase.BACKWARD:
-            self._course.backward_ends(time.perf_counter())
-            self._executor.end_backward()
-            self._phase = Phase.BACKWARD_DONE
-            self._expose()
-        self._tracing.backward_ends()
-
-    def _expose(self) -> None:
-        """End of backward (or the step, if no backward ended): the due updates into ``p.grad``
-        (:meth:`deft.runtime.updates.UpdateApplier.expose`), whole when something couples them or the
-        preserver's statistics need the whole gradient at the step."""
-        if self._updates.exposing:
-            return
-        ex = self._executor
-        self._updates.finish_deferred()  # an update finishing in a forward that did not run through deft
-        lasts = ex.due(self._t)
-        coupled, record = self._updates.couples(), self._course.record
-        if coupled is not None and any(ex.finishes_in_forward(last) for last in lasts) \
-                and record.finish_in_forward is None:
-            record.finish_in_forward = f"off: whole updates applied at the step: {coupled}"
-            log.warning("deft: updates are applied whole at the step, not module by module in the forward: %s",
-                        coupled)
-        # Whole also before the first step has shown deft the optimizer (a deferred part needs its
-        # hyperparameters) and while the preserver measures the whole averaged gradient.
-        whole = coupled is not None or self._optim.optimizer is None or self._course.measuring()
-        updates = [ex.take_update(last, whole=whole) for last in lasts]
-        self._course.on_due(lasts, updates, self._t, self.device)
-        self._updates.expose(updates, self._t, partial=bool(ex.deferred), placeholders=self._course.planned)
-
-    def _before_step(self) -> None:
-        """Before the user's ``optimizer.step()``: the due update's gradient is in ``p.grad``."""
-        if self._local is not None:
-            self._local.before_step()  # the warm-up's gradient mean; then nothing
-            return
-        if self._phase is Phase.IDLE:
-            self._updates.clear_grads()  # a step without an iteration changes nothing
-            self._step_open = False
-            return
-        self._step_open = True
-        if self._phase in (Phase.FORWARD, Phase.BACKWARD):
-            self._executor.end_backward()  # no backward, or one without gradients for deft: unused = zero
-            self._phase = Phase.BACKWARD_DONE
-            self._tracing.backward_ends()
-        self._expose()
-        self._updates.before_step()
-
-    def _skip_step(self) -> None:
-        """A forward began after backward() without optimizer.step(): the step was skipped (GradScaler
-        found inf/NaN, or the loop chose to). As with torch DDP, the exposed update is dropped; updates
-        applied before it stay applied, other queued gradients stay queued."""
-        self._updates.skip()
-        self._course.record.skipped_steps.append(self._t)
-        self._step_open = True
-        self._after_step()
-
-    def _after_step(self) -> None:
-        """After the user's ``optimizer.step()``: the iteration ends; warm-up, planning, re-checks follow."""
-        if self._local is not None:
-            self._local.after_step()  # an averaging applied or launched at its step
-            self._t += 1
-            return
-        self._updates.restore_lr()
-        if not self._step_open:
-            return
-        self._step_open = False
-        self._updates.end_step(self._t)
-        self._phase = Phase.IDLE
-        self._course.iteration_ends()
-        self._t += 1
-        self._tracing.after_step(self._t)
-        self._course.after_step(self._t, self.flush)
-
-    # -- installing schedules ----------------------------------------------------------------------
-    def _install(self, schedule: Schedule, layout: FlatLayout, t0: int) -> None:
-        """The one way a schedule starts running: executor, trace ranges, statistics follow the layout."""
-        old = self._executor.layout
-        if old is not None and (old.bucket_params, old.bucket_numel) != (layout.bucket_params, layout.bucket_numel):
-            carry_buckets(self._executor.comm_hook, old, layout, self._params)  # memory follows its elements
-        self._executor.install(schedule, layout, t0)
-        self._updates.set_forward_hooks(any(u.finish_in_forward for u in schedule.updates))
-        self._tracing.set_layout(layout)
-        if self._course.stats is not None:
-            self._course.stats.on_layout()
-
-
-def _grad_hook(me: weakref.ref[DistributedDataParallel], index: int) -> Callable[[torch.Tensor], None]:
-    """Gradient capture; a weak reference, so a dropped wrapper does not keep capturing."""
-    def hook(p: torch.Tensor) -> None:
-        d = me()
-        if d is not None:
-            d._on_grad(index, p)
-    return hook
-
-
-def _state_dict_hook(me: weakref.ref[DistributedDataParallel]) -> Callable[[nn.Module, str, bool], None]:
-    def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        d = me()
-        if d is not None:
-            d._updates.finish_deferred()
-    return hook
+        self._mode.load_state(state)

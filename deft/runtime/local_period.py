@@ -39,9 +39,9 @@ from typing import Any
 from deft._json import JsonDict
 
 #: ``f``: the exposed communication per step H_0 allows, as a fraction of the compute per step. AdaComm
-#: starts from the period that makes the run compute-bound (its communication costs at most ~10 % on top
-#: of the compute: a longer period buys little more speed, only more error), then lowers the period as
-#: the loss falls to cut the error floor.
+#: starts from the period that makes the run compute-bound (its exposed communication a small fraction of
+#: the compute: a longer period buys little more speed, only more error), then lowers the period as the
+#: loss falls to cut the error floor.
 EXPOSED_FRACTION = 0.1
 #: plan_info keeps the latest choices only, so a long run's report stays small.
 HISTORY_LIMIT = 256

@@ -78,7 +78,8 @@ from deft.runtime.layouts import balanced_links
 from deft.runtime.links import CommLink
 from deft.runtime.local_period import AdaComm, period_floor
 
-#: 2: the running period and the next averaging point are state (local_period "adacomm").
+#: The version of :meth:`LocalSteps.state_dict`'s record (inside the mode's record,
+#: :class:`deft.runtime.checkpoint.LocalStepsState`): it holds the running period and the next point.
 STATE_VERSION = 2
 SOURCE = "deft checkpoint (local steps)"
 
@@ -100,8 +101,9 @@ def _flat(params: list[torch.Tensor]) -> torch.Tensor:
 
 
 class LocalSteps:
-    """The local-steps mode's state and decisions (module docstring); the facade calls
-    :meth:`before_step`, :meth:`after_step`, :meth:`flush` and the checkpoint methods."""
+    """The local-steps mode's state and decisions (module docstring); the mode
+    (:class:`deft.runtime.local_mode.LocalStepsMode`) calls :meth:`before_step`, :meth:`after_step`,
+    :meth:`observe_loss`, :meth:`flush` and the checkpoint methods."""
 
     def __init__(self, config: DeftConfig, params: list[torch.Tensor], links: dict[str, CommLink], rank: int,
                  world: int) -> None:

@@ -1,0 +1,364 @@
+"""The scheduled run: DeFT's gradient schedule as the wrapper's training mode (``config.local_steps = 0``).
+
+The per-iteration phase machine (:mod:`deft.runtime.phase`): gradient capture, then calls to its
+collaborators at a few named events (a forward begins, a gradient is ready, the backward ends, the
+step begins and ends), installing what they decide:
+
+* :class:`deft.runtime.executor.Executor` queues, sends and reduces the buckets of the running schedule;
+* :class:`deft.runtime.updates.UpdateApplier` puts due updates into ``p.grad`` and through the optimizer;
+* :class:`deft.runtime.course.Course` decides between iterations (warm-up, profile, plan, adaptation);
+* :class:`deft.runtime.tracing.Tracing` shows a trace tool what runs.
+
+The checkpoint record is :class:`deft.runtime.checkpoint.RuntimeState`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from deft._json import JsonDict
+from deft.errors import ContractError, DeftError
+from deft.profile import Profile
+from deft.runtime.buckets import FlatLayout
+from deft.runtime.checkpoint import RuntimeState, StateDoc, check_mode
+from deft.runtime.comm_hooks import CommHook, carry_buckets, from_config
+from deft.runtime.course import Course
+from deft.runtime.executor import Executor, PendingUpdate
+from deft.runtime.first_use import FirstUseRecorder
+from deft.runtime.grad_stats import check_probe_args, probe_curvature
+from deft.runtime.optimizer_hooks import OptimizerBinding
+from deft.runtime.phase import Phase
+from deft.runtime.records import PlanInfoView
+from deft.runtime.tensors import batch_size
+from deft.runtime.tracing import Tracing
+from deft.runtime.updates import LogEntry, UpdateApplier
+from deft.schedule import Schedule
+
+if TYPE_CHECKING:
+    from deft.runtime.mode import Wiring
+
+log = logging.getLogger("deft.runtime")
+
+
+class ScheduledRun:
+    """The facade's events under DeFT's schedule (module docstring)."""
+
+    def __init__(self, wiring: Wiring, given_profile: Profile | None,
+                 optimizer: torch.optim.Optimizer | None) -> None:
+        cfg = self.config = wiring.config
+        self.module, self._names, self._params, self.device = wiring.module, wiring.names, wiring.params, wiring.device
+        self.rank, self.world, self._cuda = wiring.rank, wiring.world, wiring.device.type == "cuda"
+        self._control, self._links, self._sync = wiring.control, wiring.links, wiring.sync
+        self._executor = Executor(self._params, self._links, self.rank, self.world, cfg.timeout_s, self.device)
+        self._executor.comm_hook = from_config(cfg)
+        self._optim = OptimizerBinding(self._params, self._before_step, self._after_step, optimizer)
+        self._updates = UpdateApplier(self.module, self._params, self._executor, self._optim, cfg, wiring.compiled)
+        self._course = Course(cfg, self._control, self.module, self._names, self._params, self._links,
+                              self._executor, self._optim, self._updates.log, given_profile, wiring.ranks,
+                              self._install)
+        self._course.init_broadcast = wiring.init_broadcast
+        self._tracing = Tracing(self.module, self._params, self._executor, dist.get_rank(), self._cuda,
+                                self._course.calendar.warm_end, self._course.profile_iters)
+        self._first_use: FirstUseRecorder | None = FirstUseRecorder(self._params) if cfg.forward_updates else None
+        self._t = 0  # index of the current (or next) training iteration
+        self._phase = Phase.IDLE
+        self._step_open = False  # the user's step began (its post hook ends the iteration)
+        self._course.install_warmup(list(reversed(range(len(self._params)))), t0=0)
+        me = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(_grad_hook(me, i)) for i, p in enumerate(self._params)]
+        # Whoever reads the module's state_dict gets the parameters torch DDP would have.
+        self._hooks.append(self.module.register_state_dict_pre_hook(_state_dict_hook(me)))
+
+    # -- the facade's events ---------------------------------------------------------------------------
+    def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not torch.is_grad_enabled():
+            out = self.module(*args, **kwargs)  # evaluation: no gradient communication, nothing counted
+            self._updates.finish_deferred()  # parameters of modules the evaluation did not run
+            return out
+        if self._phase is Phase.BACKWARD_DONE:
+            if not self._updates.exposed:
+                raise DeftError(f"the forward of a new iteration started before optimizer.step() of iteration "
+                                f"{self._t}; deft runs forward, backward, optimizer.step() once per iteration, "
+                                "with an optimizer over this module's parameters (wrap forwards that are not "
+                                "training, e.g. metrics, in torch.no_grad())")
+            self._skip_step()  # gradients were there and no step took them: a skipped step
+        if self._phase is Phase.IDLE:
+            self._begin_iteration()
+            self._course.note_batch(batch_size(args, kwargs))
+        if self._first_use is not None:  # once, in the first training forward (deft.runtime.first_use)
+            recorder, self._first_use = self._first_use, None
+            with recorder.watching(self.module):
+                out = self.module(*args, **kwargs)
+            self._updates.first_use = recorder.first
+        else:
+            out = self.module(*args, **kwargs)
+        self._updates.finish_deferred()  # parameters of modules this forward did not run
+        self._course.forward_ends(out)
+        self._tracing.forward_ends(out)
+        return out
+
+    def observe_loss(self, loss: float) -> None:
+        self._course.losses.append(loss)
+
+    def calibrate(self, closure: Callable[[], torch.Tensor], tol: float, ncv: int | None,
+                  maxiter: int) -> JsonDict | None:
+        """Rank 0's curvature probe for the preserver, on every rank (the facade's ``calibrate``)."""
+        self._require_idle("calibrate()")
+        check_probe_args(closure, tol, ncv, maxiter)
+        if self.config.epsilon == 0 or not self.config.preserver or self.world < 2:
+            return None
+        # Every rank: an update finishing in the forward is applied now, so the closure's forward (rank 0
+        # only) cannot trigger it on one rank. The forward changes batch-norm running statistics on
+        # rank 0; the next iteration's buffer broadcast (broadcast_buffers) gives them to every rank.
+        self._updates.finish_deferred()
+        doc = probe_curvature(closure, self._optim.optimizer, self._params, tol, ncv, maxiter) if self.rank == 0 else {}
+        doc = self._control.broadcast_json(doc, "curvature probe")
+        self._course.record.calibrations.append({"iteration": self._t, **doc})
+        if "error" in doc:
+            log.warning("deft: curvature probe failed (%s); the preserver keeps the secant estimate", doc["error"])
+            return None
+        self._course.calibrated = doc
+        return doc
+
+    def register_comm_hook(self, state: object, hook: Callable[..., torch.futures.Future[torch.Tensor]]) -> None:
+        if self._executor.comm_hook is not None:
+            raise DeftError(f"register_comm_hook: a comm hook ({self._executor.comm_hook.name}) is already "
+                            "registered (from this call or the config's compression); one hook per model")
+        self._require_idle("register_comm_hook()")
+        self._course.hook_registered(self._t)
+        self._executor.comm_hook = CommHook(state, hook, getattr(hook, "__name__", type(hook).__name__))
+        self._course.hook_placed(self._t)
+
+    def flush(self) -> None:
+        self._require_idle("flush()")
+        self._updates.finish_deferred()
+        if self._executor.idle:
+            return
+        if self._course.stats is not None:
+            self._course.stats.discard()  # groups cut short: no clean per-group statistics
+        self._updates.drain(self._t)
+
+    def clip_on_update(self, clip: tuple[float, float] | None) -> None:
+        self._updates.clip = clip
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._updates.close()
+        self._optim.remove()
+        self._course.close()
+        self._tracing.close()
+
+    # -- views -----------------------------------------------------------------------------------------
+    @property
+    def iteration(self) -> int:
+        return self._t
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
+    def schedule(self) -> Schedule:
+        assert self._executor.schedule is not None
+        return self._executor.schedule
+
+    @property
+    def pending_updates(self) -> list[PendingUpdate]:
+        return self._executor.pending()
+
+    @property
+    def update_log(self) -> list[LogEntry]:
+        return self._updates.log
+
+    @property
+    def plan_info(self) -> PlanInfoView:
+        return self._course.record.view()
+
+    @property
+    def profile(self) -> Profile | None:
+        return self._course.profile
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        return self._updates.last_grad_norm
+
+    @property
+    def comm_hook(self) -> CommHook | None:
+        return self._executor.comm_hook
+
+    # -- checkpoint (deft.runtime.checkpoint) ----------------------------------------------------------
+    def state(self) -> StateDoc:
+        self._require_idle("deft's state can only be saved; saving")
+        self._updates.finish_deferred()  # no collective: waits only for what every rank launched
+        ex = self._executor
+        ex.settle_all()  # in-flight buckets become reduced values; recorded as launched
+        assert ex.schedule is not None and ex.layout is not None
+        return RuntimeState(rank=self.rank, world=self.world, t=self._t, t0=ex.t0, order=list(ex.layout.order),
+                            schedule=ex.schedule, groups=ex.group_states(), update_log=list(self._updates.log),
+                            comm_hook=None if ex.comm_hook is None else ex.comm_hook.state_dict(),
+                            codec_hooks=ex.codec_hook_states(),
+                            **self._course.state()).to_dict()
+
+    def load_state(self, state: object) -> None:
+        check_mode(state, local_steps=False)
+        st = RuntimeState.from_dict(state)
+        self._require_idle("deft's state can only be loaded; loading")
+        st.check_owner(self.rank, self.world)
+        # first, so that a damaged codec state is refused before anything of this wrapper changes
+        self._executor.load_codec_hook_states(st.codec_hooks, "deft checkpoint")
+        layout = FlatLayout(st.order, self._names, self._params, st.schedule.bucket_numel, "deft checkpoint: schedule")
+        self._executor.forget_groups()
+        self._course.restore(st)
+        self._install(st.schedule, layout, st.t0)
+        self._executor.restore_groups(st.groups, "deft checkpoint")
+        self._t = st.t
+        self._updates.log[:] = st.update_log
+        if st.comm_hook is not None:
+            if self._executor.comm_hook is None:
+                raise ContractError("deft checkpoint", "_extra_state.comm_hook",
+                                    "the checkpoint holds a comm hook's state but no hook is registered: call "
+                                    "ddp.register_comm_hook(...) before load_state_dict")
+            self._executor.comm_hook.load_state_dict(st.comm_hook, "deft checkpoint")
+
+    # -- the phase machine's events (deft.runtime.phase) -----------------------------------------------
+    def _require_idle(self, what: str) -> None:
+        if self._phase is Phase.BACKWARD_DONE and self._updates.exposed:
+            self._skip_step()  # the last step was skipped (GradScaler found inf/NaN): the iteration is over
+        if self._phase is not Phase.IDLE:
+            raise DeftError(f"{what} must be called between iterations (after optimizer.step()); iteration "
+                            f"{self._t} is in its {self._phase} phase. A forward with gradients enabled starts "
+                            "an iteration: run evaluation under torch.no_grad()")
+
+    def _begin_iteration(self) -> None:
+        """A forward begins (or a first gradient arrives through the bare module)."""
+        self._phase = Phase.FORWARD
+        self._course.before_forward(self._t, self._cuda)
+        self._tracing.begin(self._t, self._executor.layout)
+        self._executor.begin_iteration(self._t)
+        self._course.forward_begins()
+        self._tracing.forward_begins(self._t)
+
+    def _on_grad(self, index: int, p: torch.Tensor) -> None:
+        """A parameter's gradient of this backward is accumulated (post-accumulate-grad hook)."""
+        if p.grad is None:
+            return
+        if self._phase is Phase.IDLE:  # backward through the bare module: still an iteration
+            self._begin_iteration()
+        self._course.gradient_seen(index)
+        if self._sync.off and self._phase is Phase.FORWARD:
+            self._executor.add_grad(index, p.grad, final=False)  # a micro-batch: accumulate only
+            p.grad = None
+            return
+        if self._phase is Phase.FORWARD:
+            self._phase = Phase.BACKWARD
+            self._course.adaptation.backward_begins(time.perf_counter())
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+            self._tracing.first_gradient()
+        self._executor.add_grad(index, p.grad)
+        p.grad = None
+        self._tracing.after_gradient()
+
+    def _on_backward_end(self) -> None:
+        if self._phase is Phase.BACKWARD:
+            self._course.backward_ends(time.perf_counter())
+            self._executor.end_backward()
+            self._phase = Phase.BACKWARD_DONE
+            self._expose()
+        self._tracing.backward_ends()
+
+    def _expose(self) -> None:
+        """End of backward (or the step, if no backward ended): the due updates into ``p.grad``
+        (:meth:`deft.runtime.updates.UpdateApplier.expose`), whole when something couples them or the
+        preserver's statistics need the whole gradient at the step."""
+        if self._updates.exposing:
+            return
+        ex = self._executor
+        self._updates.finish_deferred()  # an update finishing in a forward that did not run through deft
+        lasts = ex.due(self._t)
+        coupled, record = self._updates.couples(), self._course.record
+        if coupled is not None and any(ex.finishes_in_forward(last) for last in lasts) \
+                and record.finish_in_forward is None:
+            record.finish_in_forward = f"off: whole updates applied at the step: {coupled}"
+            log.warning("deft: updates are applied whole at the step, not module by module in the forward: %s",
+                        coupled)
+        # Whole also before the first step has shown deft the optimizer (a deferred part needs its
+        # hyperparameters) and while the preserver measures the whole averaged gradient.
+        whole = coupled is not None or self._optim.optimizer is None or self._course.measuring()
+        updates = [ex.take_update(last, whole=whole) for last in lasts]
+        self._course.on_due(lasts, updates, self._t, self.device)
+        self._updates.expose(updates, self._t, partial=bool(ex.deferred), placeholders=self._course.planned)
+
+    def _before_step(self) -> None:
+        """Before the user's ``optimizer.step()``: the due update's gradient is in ``p.grad``."""
+        if self._phase is Phase.IDLE:
+            self._updates.clear_grads()  # a step without an iteration changes nothing
+            self._step_open = False
+            return
+        self._step_open = True
+        if self._phase in (Phase.FORWARD, Phase.BACKWARD):
+            self._executor.end_backward()  # no backward, or one without gradients for deft: unused = zero
+            self._phase = Phase.BACKWARD_DONE
+            self._tracing.backward_ends()
+        self._expose()
+        self._updates.before_step()
+
+    def _skip_step(self) -> None:
+        """A forward began after backward() without optimizer.step(): the step was skipped (GradScaler
+        found inf/NaN, or the loop chose to). As with torch DDP, the exposed update is dropped; updates
+        applied before it stay applied, other queued gradients stay queued."""
+        self._updates.skip()
+        self._course.record.skipped_steps.append(self._t)
+        self._step_open = True
+        self._after_step()
+
+    def _after_step(self) -> None:
+        """After the user's ``optimizer.step()``: the iteration ends; warm-up, planning, re-checks follow."""
+        self._updates.restore_lr()
+        if not self._step_open:
+            return
+        self._step_open = False
+        self._updates.end_step(self._t)
+        self._phase = Phase.IDLE
+        self._course.iteration_ends()
+        self._t += 1
+        self._tracing.after_step(self._t)
+        self._course.after_step(self._t, self.flush)
+
+    # -- installing schedules ----------------------------------------------------------------------
+    def _install(self, schedule: Schedule, layout: FlatLayout, t0: int) -> None:
+        """The one way a schedule starts running: executor, trace ranges, statistics follow the layout."""
+        old = self._executor.layout
+        if old is not None and (old.bucket_params, old.bucket_numel) != (layout.bucket_params, layout.bucket_numel):
+            carry_buckets(self._executor.comm_hook, old, layout, self._params)  # memory follows its elements
+        self._executor.install(schedule, layout, t0)
+        self._updates.set_forward_hooks(any(u.finish_in_forward for u in schedule.updates))
+        self._tracing.set_layout(layout)
+        if self._course.stats is not None:
+            self._course.stats.on_layout()
+
+
+def _grad_hook(me: weakref.ref[ScheduledRun], index: int) -> Callable[[torch.Tensor], None]:
+    """Gradient capture; a weak reference, so a dropped wrapper does not keep capturing."""
+    def hook(p: torch.Tensor) -> None:
+        d = me()
+        if d is not None:
+            d._on_grad(index, p)
+    return hook
+
+
+def _state_dict_hook(me: weakref.ref[ScheduledRun]) -> Callable[[nn.Module, str, bool], None]:
+    def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        d = me()
+        if d is not None:
+            d._updates.finish_deferred()
+    return hook
