@@ -33,8 +33,8 @@ from deft.errors import ContractError, DeftError
 from deft.profile import Profile
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.checkpoint import RuntimeState, StateDoc
-from deft.runtime.codec_choice import TimedBroadcast
-from deft.runtime.comm_hooks import CommHook, carry_buckets, from_config
+from deft.runtime.codecs.first_iteration import TimedBroadcast
+from deft.runtime.codecs.hooks import CommHook, from_config
 from deft.runtime.compat import Device, check_device_ids, check_torch_args, for_compiled, shared_config, trainable
 from deft.runtime.control import ControlPlane, broadcast_state, digest, wait_work
 from deft.runtime.course import Course
@@ -132,7 +132,7 @@ class DistributedDataParallel(nn.Module):
         if init_sync:
             state = list(self.module.parameters()) + list(self.module.buffers())
             # set the group up first (NCCL creates its communicator at the first collective), so the
-            # broadcast's time measures the link (codec_choice: the first iteration's judgement)
+            # broadcast's time measures the link (codecs.first_iteration: the first iteration's judgement)
             wait_work(dist.all_reduce(torch.zeros(1, device=self.device), group=self._primary.group, async_op=True),
                       self._primary.name, "first collective", self.rank, cfg.timeout_s)
             start = time.perf_counter()
@@ -144,13 +144,11 @@ class DistributedDataParallel(nn.Module):
         """The collaborators, the iteration state, the warm-up schedule and the hooks."""
         cfg = self.config
         self._executor = Executor(self._params, self._links, self.rank, self.world, cfg.timeout_s, self.device)
-        self._executor.comm_hook = from_config(cfg)
         self._optim = OptimizerBinding(self._params, self._before_step, self._after_step, optimizer)
         self._updates = UpdateApplier(self.module, self._params, self._executor, self._optim, cfg, self._compiled)
         self._course = Course(cfg, self._control, self.module, self._names, self._params, self._links,
                               self._executor, self._optim, self._updates.log, given_profile, self._ranks,
-                              self._install)
-        self._course.init_broadcast = self._init_broadcast
+                              self._install, from_config(cfg), self._init_broadcast)
         self._tracing = Tracing(self.module, self._params, self._executor, dist.get_rank(), self._cuda,
                                 self._course.calendar.warm_end, self._course.profile_iters)
         self._first_use: FirstUseRecorder | None = FirstUseRecorder(self._params) if cfg.forward_updates else None
@@ -305,11 +303,11 @@ class DistributedDataParallel(nn.Module):
     @property
     def comm_hook(self) -> CommHook | None:
         """The registered comm hook and its state (None: plain all-reduces)."""
-        return self._executor.comm_hook
+        return self._course.codecs.comm_hook
 
     def register_comm_hook(self, state: object, hook: Callable[..., torch.futures.Future[torch.Tensor]]) -> None:
         """torch DDP's ``register_comm_hook``: ``hook(state, bucket) -> Future`` runs on every bucket deft
-        sends, on the scheduled link and stage (see :mod:`deft.runtime.comm_hooks`). torch's own hooks
+        sends, on the scheduled link and stage (see :mod:`deft.runtime.codecs.hooks`). torch's own hooks
         work unchanged (fp16/bf16 compression, PowerSGD). Register it once, before training (and
         before ``load_state_dict`` when resuming: the checkpoint restores the hook's state)."""
         if not callable(hook):
@@ -317,13 +315,11 @@ class DistributedDataParallel(nn.Module):
         if self._local is not None:
             raise DeftError("register_comm_hook: local-steps mode (config.local_steps > 0) communicates no "
                             "gradients after its warm-up and averages parameters exactly; there is no bucket to hook")
-        if self._executor.comm_hook is not None:
-            raise DeftError(f"register_comm_hook: a comm hook ({self._executor.comm_hook.name}) is already "
+        if self._course.codecs.comm_hook is not None:
+            raise DeftError(f"register_comm_hook: a comm hook ({self._course.codecs.comm_hook.name}) is already "
                             "registered (from this call or the config's compression); one hook per model")
         self._require_idle("register_comm_hook()")
-        self._course.hook_registered(self._t)
-        self._executor.comm_hook = CommHook(state, hook, getattr(hook, "__name__", type(hook).__name__))
-        self._course.hook_placed(self._t)
+        self._course.register_hook(self._t, CommHook(state, hook, getattr(hook, "__name__", type(hook).__name__)))
 
     def flush(self) -> None:
         """Communicate and apply every pending update now (collective: every rank calls it).
@@ -389,8 +385,8 @@ class DistributedDataParallel(nn.Module):
         assert ex.schedule is not None and ex.layout is not None
         return RuntimeState(rank=self.rank, world=self.world, t=self._t, t0=ex.t0, order=list(ex.layout.order),
                             schedule=ex.schedule, groups=ex.group_states(), update_log=list(self._updates.log),
-                            comm_hook=None if ex.comm_hook is None else ex.comm_hook.state_dict(),
-                            codec_hooks=ex.codec_hook_states(),
+                            comm_hook=self._course.codecs.comm_hook_state(),
+                            codec_hooks=self._course.codecs.hook_states(),
                             **self._course.state()).to_dict()
 
     def set_extra_state(self, state: object) -> None:
@@ -409,7 +405,7 @@ class DistributedDataParallel(nn.Module):
         self._require_idle("deft's state can only be loaded; loading")
         st.check_owner(self.rank, self.world)
         # first, so that a damaged codec state is refused before anything of this wrapper changes
-        self._executor.load_codec_hook_states(st.codec_hooks, "deft checkpoint")
+        self._course.codecs.load_hook_states(st.codec_hooks, "deft checkpoint")
         layout = FlatLayout(st.order, self._names, self._params, st.schedule.bucket_numel, "deft checkpoint: schedule")
         self._executor.forget_groups()
         self._course.restore(st)
@@ -417,12 +413,7 @@ class DistributedDataParallel(nn.Module):
         self._executor.restore_groups(st.groups, "deft checkpoint")
         self._t = st.t
         self._updates.log[:] = st.update_log
-        if st.comm_hook is not None:
-            if self._executor.comm_hook is None:
-                raise ContractError("deft checkpoint", "_extra_state.comm_hook",
-                                    "the checkpoint holds a comm hook's state but no hook is registered: call "
-                                    "ddp.register_comm_hook(...) before load_state_dict")
-            self._executor.comm_hook.load_state_dict(st.comm_hook, "deft checkpoint")
+        self._course.codecs.load_comm_hook_state(st.comm_hook, "deft checkpoint")
 
     def _load_local(self, state: dict[str, Any]) -> None:
         """Local-steps mode's checkpoint: an averaging in flight holds this rank's own snapshot."""
@@ -557,8 +548,8 @@ class DistributedDataParallel(nn.Module):
         """The one way a schedule starts running: executor, trace ranges, statistics follow the layout."""
         old = self._executor.layout
         if old is not None and (old.bucket_params, old.bucket_numel) != (layout.bucket_params, layout.bucket_numel):
-            carry_buckets(self._executor.comm_hook, old, layout, self._params)  # memory follows its elements
-        self._executor.install(schedule, layout, t0)
+            self._course.codecs.carry_buckets(old, layout)  # memory follows its elements
+        self._executor.install(schedule, layout, t0, self._course.codecs.hooks_for(schedule))
         self._updates.set_forward_hooks(any(u.finish_in_forward for u in schedule.updates))
         self._tracing.set_layout(layout)
         if self._course.stats is not None:

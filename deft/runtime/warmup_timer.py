@@ -104,7 +104,7 @@ from torch.utils.hooks import RemovableHandle
 from deft._json import JsonDict
 from deft.profile import Bucket, BucketTimes, Link, Profile
 from deft.runtime.buckets import FlatLayout
-from deft.runtime.comm_hooks import Codec
+from deft.runtime.codecs.timing import Codec
 from deft.runtime.control import FUTURE_TYPES, Collective, ControlPlane, wait_work
 from deft.runtime.links import CommLink
 from deft.runtime.tensors import tensors_in
