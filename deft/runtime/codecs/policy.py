@@ -89,7 +89,8 @@ class CodecPolicy:
             ex.use_hooks(self.hooks_for(ex.schedule))
 
     def plain_iterations(self) -> int:
-        """Iterations the comm hook still sends uncompressed (:func:`hooks.plain_iterations`)."""
+        """Iterations the comm hook still sends uncompressed
+        (:func:`~deft.runtime.codecs.hooks.plain_iterations`)."""
         return plain_iterations(self._comm_hook)
 
     def _hook(self, codec: str) -> CommHook:

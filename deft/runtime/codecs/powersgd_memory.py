@@ -38,8 +38,9 @@ def _compressed_q(shapes: Sequence[torch.Size], st: powerSGD_hook.PowerSGDState)
     """Where torch's ``powerSGD_hook`` keeps each compressed tensor's ``Q`` in a bucket's
     ``q_memory_dict`` entry: ``(position in the bucket's gradients, offset, length)``.
 
-    The hook views every gradient as ``n x (numel / n)``, compresses some (:func:`powersgd_matrix`),
-    groups the compressed ones by matrix shape in order of first appearance, and lays their ``Q``
+    The hook views every gradient as ``n x (numel / n)``, compresses some
+    (:func:`~deft.runtime.codecs.wire.powersgd_matrix`), groups the compressed ones by matrix shape in
+    order of first appearance, and lays their ``Q``
     (``m x r`` each) out group by group; a batched group is one ``(batch, m, r)`` block, so tensor
     ``j`` of a group is still at ``j m r`` past the group's start, as in the unbatched layout."""
     groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
@@ -65,8 +66,8 @@ def _p_length(shapes: Sequence[torch.Size], st: powerSGD_hook.PowerSGDState) -> 
 
 
 def _gradient_shapes(layout: FlatLayout, params: Sequence[torch.Tensor], b: int) -> list[torch.Size] | None:
-    """The shapes of bucket ``b``'s gradients as :func:`hook_bucket` hands them to the hook (a split
-    parameter's piece is 1-D); None when the bucket is not one contiguous slice of one dtype."""
+    """The shapes of bucket ``b``'s gradients as :func:`~deft.runtime.codecs.hooks.hook_bucket` hands them
+    to the hook (a split parameter's piece is 1-D); None when the bucket is not one contiguous slice of one dtype."""
     segs = [s for s in layout.segments[b] if s.end > s.start]
     if len(segs) != 1:
         return None
@@ -82,7 +83,7 @@ def _gradient_shapes(layout: FlatLayout, params: Sequence[torch.Tensor], b: int)
 
 def carry_buckets(hook: CommHook | None, old: FlatLayout, new: FlatLayout, params: Sequence[torch.Tensor]) -> None:
     """Move the hook's per-bucket memory from the buckets of ``old`` to those of ``new`` (module
-    docstring, "Per-bucket memory").
+    docstring).
 
     For torch's per-tensor ``powerSGD_hook``:
 
