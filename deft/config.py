@@ -32,7 +32,7 @@ SOLVERS = ("exact", "greedy")
 #: ``"none"``: every bucket exact; ``"fp16" | "bf16" | "powersgd"``: torch's comm hook on every bucket;
 #: ``"int8"``: deft's 8-bit hook on every bucket (deft.runtime.int8_hook: block-scaled, stochastically rounded).
 COMPRESSIONS = ("auto", "none", "fp16", "bf16", "int8", "powersgd")
-#: Under ``compression = "auto"``: the codec of the profile iterations (deft.runtime.codec_choice). ``"auto"``:
+#: Under ``compression = "auto"``: the profile iterations' codec (deft.runtime.codecs.first_iteration). ``"auto"``:
 #: every bucket is sent with the codec the preserver accepts on the first iteration's gradients when
 #: that iteration's all-reduces waited longer after the backward than its forward and backward took
 #: (the links are the bound; int8 where they stay the bound even in 16 bits); ``"always"``: whenever the

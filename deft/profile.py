@@ -38,7 +38,7 @@ from deft.errors import ContractError
 
 SCHEMA_VERSION = 2
 SCHEMAS = (1, 2)  # schema 1: no compression fields
-#: Codec names (``Profile.codec``) of torch's fp16/bf16 hooks and deft's int8 hook: ``deft.runtime.comm_hooks``
+#: Codec names (``Profile.codec``) of torch's fp16/bf16 hooks and deft's int8 hook: ``deft.runtime.codecs.hooks``
 #: names them so.
 ELEMENTWISE_CODECS = ("fp16", "bf16", "int8")
 SOURCES = ("timing", "kineto", "nsys", "reference", "synthetic")

@@ -18,8 +18,8 @@ itself is tested on a small package written to a temporary directory, so the che
 
 The facade (``deft/runtime/ddp.py``) stays a facade: at most :data:`FACADE_LINES` lines, no training
 mode named in it (it forwards to the one :func:`deft.runtime.mode.start_mode` chose), and no runtime
-module sets an attribute of a collaborator it holds (``self._x.y = ...``) beyond the known cases in
-:data:`SET_FROM_OUTSIDE`, which may only shrink. No function in ``deft`` is longer than
+module sets an attribute of a collaborator it holds (``self._x.y = ...``): a collaborator changes its
+state through its own methods (:data:`SET_FROM_OUTSIDE` is empty and stays so). No function in ``deft`` is longer than
 :data:`FUNCTION_LINES` lines, ``def`` to its last line. Each checker is also run on a small source
 that breaks its rule.
 """
@@ -40,9 +40,7 @@ FACADE_LINES = 450
 FUNCTION_LINES = 60
 #: Attributes of a collaborator still set from outside it (``self._x.y = ...``), each to become a method
 #: or a constructor argument of the collaborator's own; the list may only shrink.
-SET_FROM_OUTSIDE = {"self._executor.comm_hook", "self._course.init_broadcast", "self._course.calibrated",
-                    "self._updates.clip", "self._updates.first_use", "self._adapter.best",
-                    "self._adapter.synchronous"}
+SET_FROM_OUTSIDE: set[str] = set()
 #: What the facade must not name: the modes are chosen in deft.runtime.mode.
 MODE_NAMES = {"local_steps", "LocalSteps", "LocalStepsMode", "ScheduledRun", "local_mode", "scheduled"}
 # deft.profiler.report draws the simulated timeline of a measured profile: a tool over both layer-1 parts

@@ -17,9 +17,11 @@ from deft.config import DeftConfig, LinkConfig
 from deft.errors import ContractError
 from deft.preserver.codec_error import FP16_HEADROOM, FP16_MAX, GradientScale, judge, pick, variance_bound
 from deft.profile import Bucket, BucketTimes, Link, Profile
-from deft.runtime import int8_hook
+from deft.runtime.codecs import int8
+from deft.runtime.codecs.choice import CodecInputs, choose_codec
+from deft.runtime.codecs.wire import int8_nbytes
 from deft.runtime.layouts import warmup_layout
-from deft.runtime.planning import CodecInputs, Decision, choose_codec, make_schedule, torch_way_without_gain
+from deft.runtime.planning import Decision, make_schedule, torch_way_without_gain
 from deft.schedule import Schedule, synchronous_schedule
 from deft.solver import codecs
 from deft.solver.codecs import CodecCost, choose, encoded_profile, mark
@@ -268,7 +270,7 @@ def test_warmup_buckets_under_a_chained_hook_follow_torchs_first_bucket_rule() -
     assert default.bucket_numel == (300_000, 600_000) and given.bucket_numel == (900_000,)
 
 
-# -- the 8-bit codec (deft.runtime.int8_hook) ------------------------------------------------------------
+# -- the 8-bit codec (deft.runtime.codecs.int8) ------------------------------------------------------------
 def block_peak_of(g: torch.Tensor) -> float:
     """sum_k n_k max_{i in k} g_i² over blocks of 256, the last one counted whole (written out here)."""
     return sum(256 * float(g[lo:lo + 256].abs().max()) ** 2 for lo in range(0, g.numel(), 256))
@@ -283,8 +285,8 @@ def test_int8_variance_bound_holds_for_the_real_rounding(world: int) -> None:
     exact = torch.stack(grads).mean(0)
     err = 0.0
     for k in range(draws):
-        payloads = [int8_hook.encode(g, torch.Generator().manual_seed(1000 * k + r)) for r, g in enumerate(grads)]
-        err += float((int8_hook.decode(payloads, d) - exact).pow(2).sum()) / draws
+        payloads = [int8.encode(g, torch.Generator().manual_seed(1000 * k + r)) for r, g in enumerate(grads)]
+        err += float((int8.decode(payloads, d) - exact).pow(2).sum()) / draws
     # tr Σ / b per rank = 9 d (noise 3 per element), Euclidean: the scale's inputs, by construction
     scale = GradientScale(world=world, batch=b, mu=float(signal.pow(2).sum()), trace=9.0 * d * b, max_abs=10.0,
                           block_peak=max(block_peak_of(g) for g in grads), raw_trace=9.0 * d * b)
@@ -308,7 +310,7 @@ def test_int8_is_judged_only_with_block_peaks_and_refused_where_peaks_dwarf_the_
 
 
 def int8_inputs(block_peak: float = 10.0, codec_ms: float = 0.1) -> CodecInputs:
-    eight = CodecCost("int8", (int8_hook.wire_nbytes(NUMEL, 2),) * 4, (codec_ms * MS,) * 4)
+    eight = CodecCost("int8", (int8_nbytes(NUMEL, 2),) * 4, (codec_ms * MS,) * 4)
     return CodecInputs(cost(4), GradientScale(world=2, batch=32, mu=1.0, trace=100.0, max_abs=1.0,
                                               block_peak=block_peak, raw_trace=100.0), eight)
 
@@ -319,7 +321,7 @@ def test_decision_takes_int8_where_it_pays_and_records_both() -> None:
     assert [a["codec"] for a in record["alternatives"]] == ["fp16", "int8"]
     assert [v["codec"] for v in record["verdicts"]] == ["fp16", "bf16", "int8"]
     assert planned.codec == "int8"
-    assert planned.buckets[0].wire_nbytes == int8_hook.wire_nbytes(NUMEL, 2)
+    assert planned.buckets[0].wire_nbytes == int8_nbytes(NUMEL, 2)
     decision = make_schedule(CFG, profile((20.0,) * 4), None, None, int8_inputs())
     assert set(decision.schedule.codecs) == {"int8"}
 
@@ -335,7 +337,7 @@ def test_decision_keeps_fp16_where_int8_is_refused_or_does_not_pay() -> None:
 
 
 def test_int8_is_measured_only_where_16_bits_leave_the_links_the_bound_and_it_has_fewer_bytes() -> None:
-    from deft.runtime.codec_choice import int8_may_pay
+    from deft.runtime.codecs.choice import int8_may_pay
 
     # 4 x 20 ms exact on one link: 40 ms in 16 bits against 12 ms of forward and backward
     assert int8_may_pay(profile((20.0,) * 4), 2)
@@ -351,7 +353,7 @@ def test_int8_is_measured_only_where_16_bits_leave_the_links_the_bound_and_it_ha
 def test_decision_takes_int8_alone_where_both_16_bit_codecs_are_refused() -> None:
     # fp16: no headroom; bf16: delta = 8 x 2^-16 x (32 x 100 / 10 + 1) = 0.039, outside epsilon 0.01;
     # int8: delta = 32 x 10 / (4 x 127² x 10) = 5e-4
-    eight = CodecCost("int8", (int8_hook.wire_nbytes(NUMEL, 2),) * 4, (0.1 * MS,) * 4)
+    eight = CodecCost("int8", (int8_nbytes(NUMEL, 2),) * 4, (0.1 * MS,) * 4)
     scale = GradientScale(world=2, batch=32, mu=100.0, trace=10.0, max_abs=FP16_MAX, block_peak=10.0, raw_trace=10.0)
     _, record = choose_codec(CFG, profile((20.0,) * 4), CodecInputs(cost(4), scale, eight))
     assert record is not None and [v["accepted"] for v in record["verdicts"]] == [False, False, True]
@@ -359,7 +361,7 @@ def test_decision_takes_int8_alone_where_both_16_bit_codecs_are_refused() -> Non
 
 
 def test_the_iterations_beside_the_plan_keep_the_profile_codec_while_it_passes() -> None:
-    from deft.runtime.codec_choice import lag_codec
+    from deft.runtime.codecs.choice import lag_codec
 
     assert lag_codec("int8", int8_inputs(), 0.01) == "int8"
     assert lag_codec("int8", int8_inputs(block_peak=1e6), 0.01) == "fp16"  # int8 refused now: 16 bits

@@ -21,7 +21,9 @@ from deft.cli import main
 from deft.config import DeftConfig
 from deft.errors import ContractError
 from deft.profile import Bucket, BucketTimes, Link, Profile
-from deft.runtime.comm_hooks import CommHook, forget_buckets, plain_iterations, wire_nbytes
+from deft.runtime.codecs.hooks import CommHook, plain_iterations
+from deft.runtime.codecs.powersgd_memory import forget_buckets
+from deft.runtime.codecs.wire import wire_nbytes
 from deft.schedule import CommTask, Schedule, StagePlan, Update
 from deft.solver.partition import partition
 from deft.solver.simulate import simulate_baseline, simulate_schedule
@@ -64,7 +66,7 @@ def counted_worker(rank: int, world: int, name: str) -> list[int]:
     """Bytes of every all-reduce torch's hook really issues for one bucket of MLP_SHAPES (one rank)."""
     import torch.distributed as dist
 
-    from deft.runtime.comm_hooks import HookBucket
+    from deft.runtime.codecs.hooks import HookBucket
 
     sizes: list[int] = []
     real = dist.all_reduce
@@ -309,7 +311,7 @@ def test_powersgd_is_profiled_compressed() -> None:
 def _powersgd_round(state: Any, layout: Any, params: list[torch.Tensor],
                     grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """One iteration of torch's powerSGD_hook over every bucket of ``layout`` (one rank); per-parameter results."""
-    from deft.runtime.comm_hooks import hook_bucket
+    from deft.runtime.codecs.hooks import hook_bucket
 
     buffers = layout.new_buffers(torch.device("cpu"))
     for i, g in enumerate(grads):
@@ -339,7 +341,7 @@ def test_powersgd_memory_follows_its_elements_to_a_new_layout(one_rank_group: An
     depend on bucket boundaries once the error residual and Q follow their elements, so iteration 2 on
     the new layout must give the reference's per-parameter results; dropping the memory must not."""
     from deft.runtime.buckets import FlatLayout
-    from deft.runtime.comm_hooks import carry_buckets
+    from deft.runtime.codecs.powersgd_memory import carry_buckets
 
     torch.manual_seed(0)
     params = [torch.zeros(sh) for sh in MLP_SHAPES]
@@ -380,7 +382,7 @@ def test_powersgd_memory_follows_its_elements_to_a_new_layout(one_rank_group: An
 
 def test_batched_powersgd_memory_is_dropped_on_a_new_layout() -> None:
     from deft.runtime.buckets import FlatLayout
-    from deft.runtime.comm_hooks import carry_buckets
+    from deft.runtime.codecs.powersgd_memory import carry_buckets
 
     params = [torch.zeros(sh) for sh in MLP_SHAPES]
     names = [f"p{i}" for i in range(len(params))]

@@ -392,12 +392,12 @@ def test_deft_profile_nsys_run_is_read_back(tmp_path: Path) -> None:
 def test_int8_codec_encodes_and_decodes_on_the_device() -> None:
     """deft's int8 codec on CUDA tensors (its draws from a CUDA generator): the payload stays on the
     device and two ranks' payloads decode to their average within the per-element bound."""
-    from deft.runtime import int8_hook
+    from deft.runtime.codecs import int8
 
     grads = [torch.randn(1000, device="cuda") * (r + 1) for r in range(2)]
-    payloads = [int8_hook.encode(g, torch.Generator(device="cuda").manual_seed(r)) for r, g in enumerate(grads)]
+    payloads = [int8.encode(g, torch.Generator(device="cuda").manual_seed(r)) for r, g in enumerate(grads)]
     assert all(p.is_cuda and p.dtype == torch.int8 for p in payloads)
-    out = int8_hook.decode(payloads, 1000)
+    out = int8.decode(payloads, 1000)
     bound = torch.zeros(1000, device="cuda")
     for g in grads:  # (1 / R) sum_r s_r per element, s the block's largest over 127
         for lo in range(0, 1000, 256):

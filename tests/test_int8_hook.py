@@ -1,4 +1,5 @@
-"""deft's 8-bit codec (``deft.runtime.int8_hook``): unbiased, within its error bound, the same on every rank.
+"""deft's 8-bit codec (``deft.runtime.codecs.int8``; public: ``deft.runtime.int8_hook``): unbiased,
+within its error bound, the same on every rank.
 
 Two gloo ranks call the hook directly on heavy-tailed gradients whose exact average the test computes
 with a plain all-reduce; the block scales of the bound are recomputed here from the gathered
@@ -17,9 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 from deft.config import DeftConfig
-from deft.runtime import int8_hook
-from deft.runtime.comm_hooks import HookBucket, codec_hook, from_config, wire_nbytes
-from deft.runtime.int8_hook import Int8State, int8_compress_hook
+from deft.runtime.codecs.hooks import HookBucket, codec_hook, from_config
+from deft.runtime.codecs.wire import int8_nbytes, wire_nbytes
+from deft.runtime.int8_hook import Int8State, int8_compress_hook  # the public path (README)
 from deft.schedule import CommTask, Schedule, StagePlan, Update
 from tests._dist import amp_steps, run_ranks, train_steps, values
 
@@ -105,8 +106,8 @@ def test_wire_bytes_are_the_all_reduce_that_costs_as_much_as_the_all_gather() ->
     # 1000 elements: 4 blocks of 256 (1024 bytes) and 4 float32 scales (16 bytes) per rank; a ring
     # all-gather over 2 ranks sends 1040 bytes per rank, as a ring all-reduce of 1040 bytes does; over 4
     # ranks 3 x 1040, as an all-reduce of 2080 bytes (2 x 3/4 x 2080)
-    assert int8_hook.wire_nbytes(1000, 2) == 1040
-    assert int8_hook.wire_nbytes(1000, 4) == 2080
+    assert int8_nbytes(1000, 2) == 1040
+    assert int8_nbytes(1000, 4) == 2080
     config_hook = from_config(DeftConfig(compression="int8"))
     assert config_hook is not None and config_hook.name == "int8" and not config_hook.chained
 

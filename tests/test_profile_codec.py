@@ -1,4 +1,4 @@
-"""The profile iterations' codec (``config.profile_codec``, deft.runtime.codec_choice) and the first
+"""The profile iterations' codec (``config.profile_codec``, deft.runtime.codecs.first_iteration) and the first
 iteration's layout over several links (deft.runtime.layouts): the pure decisions, every branch.
 
 Each expected outcome follows from the rule in the module docstring applied by hand to the numbers here.
@@ -14,11 +14,11 @@ import torch
 from deft.config import DeftConfig
 from deft.errors import ContractError, DeftError
 from deft.preserver.codec_error import FP16_HEADROOM, FP16_MAX, GradientScale, judge, pick
-from deft.runtime.codec_choice import (
-    ProfileCodec,
+from deft.runtime.codecs.first_iteration import (
+    CodecDecision,
     TimedBroadcast,
     first_sends_codec,
-    profile_codec,
+    profile_iterations_codec,
     sample_coordinates,
     sampled_scale,
     screen_first_sends,
@@ -33,7 +33,7 @@ QUIET = GradientScale(world=2, batch=32, mu=1.0, trace=100.0, max_abs=1.0)
 
 def test_links_the_bound_and_the_preserver_accepting_codes_the_profile_in_fp16() -> None:
     # 2.5 s of all-reduce after the backward against 0.9 s of compute: the links are the bound
-    d = profile_codec("auto", pick(QUIET, EPS), exposed_s=2.5, compute_s=0.9)
+    d = profile_iterations_codec("auto", pick(QUIET, EPS), exposed_s=2.5, compute_s=0.9)
     assert d.codec == "fp16"
     assert d.delta == pytest.approx(8 * 2.0 ** -22 * 1.32)
     assert "2.5 s after the backward" in d.reason
@@ -41,7 +41,7 @@ def test_links_the_bound_and_the_preserver_accepting_codes_the_profile_in_fp16()
 
 def test_compute_the_bound_keeps_the_profile_exact() -> None:
     # 0.02 s after the backward of a 0.38 s iteration: at most 0.02 s saved, under 10 % (0.04 s)
-    d = profile_codec("auto", pick(QUIET, EPS), exposed_s=0.02, compute_s=0.36, comm_s=0.3)
+    d = profile_iterations_codec("auto", pick(QUIET, EPS), exposed_s=0.02, compute_s=0.36, comm_s=0.3)
     assert d.codec == "" and "saves too little" in d.reason
 
 
@@ -49,54 +49,55 @@ def test_the_profile_is_coded_where_coding_saves_a_tenth_of_the_first_iteration(
     # 250 Mbit/s on the testbed, the first iteration's sends overlapped with its backward: 0.12 s after
     # it, 0.45 s of compute, a 0.30 s all-reduce predicted. Coding saves min(0.12, 0.15) = 0.12 s
     # against a bar of 10 % of 0.57 s = 0.057 s: coded (the old rule, exposed > compute, kept it exact)
-    d = profile_codec("auto", pick(QUIET, EPS), exposed_s=0.12, compute_s=0.45, comm_s=0.3)
+    d = profile_iterations_codec("auto", pick(QUIET, EPS), exposed_s=0.12, compute_s=0.45, comm_s=0.3)
     assert d.codec == "fp16" and "saves up to 0.12 s" in d.reason
     # 1000 Mbit/s: 0.07 s after a 0.38 s backward, an 0.084 s all-reduce: at most 0.042 s against 0.045 s
-    fast = profile_codec("auto", pick(QUIET, EPS), exposed_s=0.07, compute_s=0.38, comm_s=0.084)
+    fast = profile_iterations_codec("auto", pick(QUIET, EPS), exposed_s=0.07, compute_s=0.38, comm_s=0.084)
     assert fast.codec == "" and "0.042 s saved" in fast.reason
     # without a timed broadcast half the exposed time is what coding surely saves: 0.06 against 0.057
-    assert profile_codec("auto", pick(QUIET, EPS), exposed_s=0.12, compute_s=0.45).codec == "fp16"
-    assert profile_codec("auto", pick(QUIET, EPS), exposed_s=0.10, compute_s=0.45).codec == ""  # 0.05 < 0.055
+    assert profile_iterations_codec("auto", pick(QUIET, EPS), exposed_s=0.12, compute_s=0.45).codec == "fp16"
+    assert profile_iterations_codec("auto", pick(QUIET, EPS), exposed_s=0.10,
+                                    compute_s=0.45).codec == ""  # 0.05 < 0.055
 
 
 def test_always_codes_whatever_the_times() -> None:
-    assert profile_codec("always", pick(QUIET, EPS), exposed_s=0.0, compute_s=1.0).codec == "fp16"
+    assert profile_iterations_codec("always", pick(QUIET, EPS), exposed_s=0.0, compute_s=1.0).codec == "fp16"
 
 
 def test_never_keeps_the_profile_exact() -> None:
-    d = profile_codec("never", pick(QUIET, EPS), exposed_s=9.0, compute_s=0.1)
+    d = profile_iterations_codec("never", pick(QUIET, EPS), exposed_s=9.0, compute_s=0.1)
     assert d.codec == "" and "never" in d.reason
 
 
 def test_the_preserver_refusing_keeps_the_profile_exact_and_says_why() -> None:
-    d = profile_codec("always", pick(QUIET, 0.0), exposed_s=9.0, compute_s=0.1)  # epsilon 0: no codec
+    d = profile_iterations_codec("always", pick(QUIET, 0.0), exposed_s=9.0, compute_s=0.1)  # epsilon 0: no codec
     assert d.codec == "" and "accepts no codec" in d.reason and "fp16" in d.reason and "bf16" in d.reason
 
 
 def test_gradients_without_fp16_headroom_code_the_profile_in_bf16() -> None:
     big = GradientScale(world=2, batch=32, mu=1.0, trace=100.0, max_abs=FP16_MAX / FP16_HEADROOM)
-    assert profile_codec("auto", pick(big, EPS), exposed_s=2.0, compute_s=1.0).codec == "bf16"
+    assert profile_iterations_codec("auto", pick(big, EPS), exposed_s=2.0, compute_s=1.0).codec == "bf16"
 
 
 def test_the_record_round_trips_and_bad_records_are_refused() -> None:
-    d = profile_codec("auto", pick(QUIET, EPS), exposed_s=2.5, compute_s=0.9)
-    assert ProfileCodec.from_dict(d.to_dict()) == d
+    d = profile_iterations_codec("auto", pick(QUIET, EPS), exposed_s=2.5, compute_s=0.9)
+    assert CodecDecision.from_dict(d.to_dict()) == d
     with pytest.raises(DeftError, match=r"profile_codec\.codec"):
-        ProfileCodec.from_dict({**d.to_dict(), "codec": "int4"})
-    assert ProfileCodec.from_dict({**d.to_dict(), "codec": "int8"}).codec == "int8"  # the profile may send int8
+        CodecDecision.from_dict({**d.to_dict(), "codec": "int4"})
+    assert CodecDecision.from_dict({**d.to_dict(), "codec": "int8"}).codec == "int8"  # the profile may send int8
     with pytest.raises(DeftError, match=r"plan_info\.profile_codec"):
-        ProfileCodec.from_dict({"codec": "fp16"})
+        CodecDecision.from_dict({"codec": "fp16"})
 
 
 def test_a_record_with_the_first_sends_round_trips_and_a_bad_one_is_refused() -> None:
     first = first_sends_codec("auto", pick(QUIET, EPS), comm_s=1.4, compute_s=0.4)
-    d = profile_codec("auto", pick(QUIET, EPS), exposed_s=0.1, compute_s=0.4, first_codec=first.codec)
-    d = ProfileCodec(d.codec, d.reason, d.exposed_s, d.compute_s, d.delta, first.to_dict())
-    assert ProfileCodec.from_dict(d.to_dict()) == d
+    d = profile_iterations_codec("auto", pick(QUIET, EPS), exposed_s=0.1, compute_s=0.4, first_codec=first.codec)
+    d = CodecDecision(d.codec, d.reason, d.exposed_s, d.compute_s, d.delta, first.to_dict())
+    assert CodecDecision.from_dict(d.to_dict()) == d
     with pytest.raises(DeftError, match=r"profile_codec\.first"):
-        ProfileCodec.from_dict({**d.to_dict(), "first": "fp16"})
+        CodecDecision.from_dict({**d.to_dict(), "first": "fp16"})
     old = {k: v for k, v in d.to_dict().items() if k != "first"}  # a checkpoint of before the first sends
-    assert ProfileCodec.from_dict(old).first is None
+    assert CodecDecision.from_dict(old).first is None
 
 
 # -- the first iteration's own sends ---------------------------------------------------------------------
@@ -140,12 +141,12 @@ def test_the_screen_leaves_the_sends_unjudged_without_a_broadcast_and_always_jud
 
 def test_the_speculative_codec_round_trips_and_a_bad_one_is_refused() -> None:
     d = replace(first_sends_codec("always", pick(QUIET, 0.0), comm_s=9.0, compute_s=0.1), speculative="fp16")
-    assert d.codec == "" and ProfileCodec.from_dict(d.to_dict()) == d  # sent again exact after fp16
-    assert ProfileCodec.from_dict({**d.to_dict(), "speculative": "int8"}).speculative == "int8"
+    assert d.codec == "" and CodecDecision.from_dict(d.to_dict()) == d  # sent again exact after fp16
+    assert CodecDecision.from_dict({**d.to_dict(), "speculative": "int8"}).speculative == "int8"
     with pytest.raises(DeftError, match=r"profile_codec\.speculative"):
-        ProfileCodec.from_dict({**d.to_dict(), "speculative": "powersgd"})
+        CodecDecision.from_dict({**d.to_dict(), "speculative": "powersgd"})
     old = {k: v for k, v in d.to_dict().items() if k != "speculative"}  # a checkpoint of before speculation
-    assert ProfileCodec.from_dict(old).speculative == ""
+    assert CodecDecision.from_dict(old).speculative == ""
 
 
 def test_the_first_sends_speculate_in_int8_where_the_links_stay_the_bound_in_16_bits_under_four_ranks() -> None:
@@ -184,9 +185,9 @@ def test_int8_sends_stand_where_int8_passes_on_the_sample_else_they_go_again_in_
 
 def test_coded_first_sends_make_the_profile_skip_the_time_screen() -> None:
     # the first iteration ran coded, so its short exposed time says nothing: the codec stays if accepted
-    d = profile_codec("auto", pick(QUIET, EPS), exposed_s=0.1, compute_s=0.4, first_codec="fp16")
+    d = profile_iterations_codec("auto", pick(QUIET, EPS), exposed_s=0.1, compute_s=0.4, first_codec="fp16")
     assert d.codec == "fp16" and "first iteration was sent in fp16" in d.reason
-    refused = profile_codec("auto", pick(QUIET, 0.0), exposed_s=0.1, compute_s=0.4, first_codec="fp16")
+    refused = profile_iterations_codec("auto", pick(QUIET, 0.0), exposed_s=0.1, compute_s=0.4, first_codec="fp16")
     assert refused.codec == "" and "accepts no codec" in refused.reason
 
 
@@ -326,47 +327,50 @@ def test_the_profile_iterations_go_int8_where_it_passes_and_16_bits_leave_the_li
     int8 = judge("int8", PEAKY_OK, EPS)
     assert int8.accepted
     # the all-reduce predicts 1.4 s: 0.7 s in 16 bits, above the 0.4 s of forward and backward
-    d = profile_codec("auto", pick(PEAKY_OK, EPS), exposed_s=1.0, compute_s=0.4, comm_s=1.4, int8=int8)
+    d = profile_iterations_codec("auto", pick(PEAKY_OK, EPS), exposed_s=1.0, compute_s=0.4, comm_s=1.4, int8=int8)
     assert d.codec == "int8" and d.delta == pytest.approx(int8.delta) and "int8" in d.reason
     # 0.35 s of all-reduce: 0.175 s in 16 bits, under half the compute: fp16 hides, int8 would only cost its codec
-    d = profile_codec("auto", pick(PEAKY_OK, EPS), exposed_s=0.5, compute_s=0.4, comm_s=0.35, int8=int8)
+    d = profile_iterations_codec("auto", pick(PEAKY_OK, EPS), exposed_s=0.5, compute_s=0.4, comm_s=0.35, int8=int8)
     assert d.codec == "fp16"
     # 0.7 s: 0.35 s in 16 bits, above half the 0.4 s: int8
-    assert profile_codec("auto", pick(PEAKY_OK, EPS), exposed_s=0.5, compute_s=0.4, comm_s=0.7, int8=int8).codec \
-        == "int8"
+    assert profile_iterations_codec("auto", pick(PEAKY_OK, EPS), exposed_s=0.5, compute_s=0.4, comm_s=0.7,
+                                    int8=int8).codec == "int8"
 
 
 def test_the_profile_iterations_continue_in_int8_where_the_first_iterations_sends_stood_in_it() -> None:
     int8 = judge("int8", PEAKY_OK, EPS)
     # the first backward measured 1.6 s against a 1.48 s all-reduce: half of it is not above half that, but
     # the screen at the first gradient judged int8 to pay and its sends stood: the same codec goes on
-    d = profile_codec("auto", pick(PEAKY_OK, EPS), exposed_s=0.2, compute_s=1.6, first_codec="int8",
+    d = profile_iterations_codec("auto", pick(PEAKY_OK, EPS), exposed_s=0.2, compute_s=1.6, first_codec="int8",
                       comm_s=1.48, int8=int8)
     assert d.codec == "int8" and d.delta == pytest.approx(int8.delta) and "as the first iteration's" in d.reason
     # a 16-bit first iteration does not make the profile int8 where the measured times do not
-    sixteen = profile_codec("auto", pick(PEAKY_OK, EPS), exposed_s=0.2, compute_s=1.6, first_codec="fp16",
+    sixteen = profile_iterations_codec("auto", pick(PEAKY_OK, EPS), exposed_s=0.2, compute_s=1.6, first_codec="fp16",
                             comm_s=1.48, int8=int8)
     assert sixteen.codec == "fp16"
     # int8 refused on the statistics (a resumed run's), or "never": not int8
     refused = judge("int8", replace(QUIET, block_peak=1e6, raw_trace=100.0), EPS)
-    assert profile_codec("auto", pick(QUIET, EPS), 0.2, 1.44, first_codec="int8", comm_s=1.48,
+    assert profile_iterations_codec("auto", pick(QUIET, EPS), 0.2, 1.44, first_codec="int8", comm_s=1.48,
                          int8=refused).codec == "fp16"
-    assert profile_codec("never", pick(PEAKY_OK, EPS), 0.2, 1.44, first_codec="int8", comm_s=1.48,
+    assert profile_iterations_codec("never", pick(PEAKY_OK, EPS), 0.2, 1.44, first_codec="int8", comm_s=1.48,
                          int8=int8).codec == ""
 
 
 def test_the_profile_iterations_stay_16_bit_where_int8_is_refused_unjudged_or_nothing_is_coded() -> None:
     refused = judge("int8", replace(QUIET, block_peak=1e6, raw_trace=100.0), EPS)
     assert not refused.accepted
-    kept = profile_codec("auto", pick(QUIET, EPS), 1.0, 0.4, comm_s=1.4, int8=refused)
+    kept = profile_iterations_codec("auto", pick(QUIET, EPS), 1.0, 0.4, comm_s=1.4, int8=refused)
     assert kept.codec == "fp16" and "int8 not taken" in kept.reason and "outside 1 +- 0.01" in kept.reason
-    assert profile_codec("auto", pick(QUIET, EPS), 1.0, 0.4, comm_s=1.4, int8=None).codec == "fp16"
-    assert profile_codec("auto", pick(QUIET, EPS), 1.0, 0.4, comm_s=None, int8=judge("int8", PEAKY_OK, EPS)).codec \
-        == "fp16"  # no timed broadcast: the links' bound in 16 bits unknown
-    never = profile_codec("never", pick(PEAKY_OK, EPS), 1.0, 0.4, comm_s=1.4, int8=judge("int8", PEAKY_OK, EPS))
+    assert profile_iterations_codec("auto", pick(QUIET, EPS), 1.0, 0.4, comm_s=1.4, int8=None).codec == "fp16"
+    # no timed broadcast: the links' bound in 16 bits unknown
+    assert profile_iterations_codec("auto", pick(QUIET, EPS), 1.0, 0.4, comm_s=None,
+                                    int8=judge("int8", PEAKY_OK, EPS)).codec == "fp16"
+    never = profile_iterations_codec("never", pick(PEAKY_OK, EPS), 1.0, 0.4, comm_s=1.4,
+                                     int8=judge("int8", PEAKY_OK, EPS))
     assert never.codec == ""
     # "always" codes whatever the timing, so it keeps to 16 bits (int8 is chosen by the timing)
-    always = profile_codec("always", pick(PEAKY_OK, EPS), 1.0, 0.4, comm_s=1.4, int8=judge("int8", PEAKY_OK, EPS))
+    always = profile_iterations_codec("always", pick(PEAKY_OK, EPS), 1.0, 0.4, comm_s=1.4,
+                                      int8=judge("int8", PEAKY_OK, EPS))
     assert always.codec == "fp16"
 
 

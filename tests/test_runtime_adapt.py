@@ -18,13 +18,12 @@ from deft import DeftConfig, Profile
 from deft.runtime.adapt import (
     SWITCH_GAIN,
     Adapter,
-    Recoding,
     Synchronous,
     SynchronousClock,
     calibrate,
     plan_digest,
 )
-from deft.runtime.codec_choice import planned_profile
+from deft.runtime.codecs.choice import Recoding, planned_profile
 from deft.runtime.planning import make_schedule
 from deft.schedule import Schedule, synchronous_schedule
 from deft.solver.lagfree import lagfree_plan

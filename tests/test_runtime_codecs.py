@@ -141,7 +141,7 @@ def test_default_config_judges_the_codec_and_ranks_agree() -> None:
     a, b = values(run_ranks(auto_worker, 2, timeout=300))
     fp16 = a["record"]["verdicts"][0]
     assert fp16["codec"] == "fp16" and fp16["accepted"] is True and fp16["delta"] < 1e-3
-    # on loopback 16 bits already hide under the compute: int8 is not measured (codec_choice.int8_may_pay)
+    # on loopback 16 bits already hide under the compute: int8 is not measured (codecs.choice.int8_may_pay)
     assert [v["codec"] for v in a["record"]["verdicts"]] == ["fp16", "bf16"]
     assert a["record"] == b["record"]
     assert a["known"]  # the coded parameters (or their pieces) are named as the model names them

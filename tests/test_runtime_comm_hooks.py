@@ -205,12 +205,12 @@ def test_hook_registered_after_profiling_began_is_refused() -> None:
 
 
 def in_place_worker(rank: int, world: int) -> dict[str, Any]:
-    """torch's hooks that deft hands its own buffer (comm_hooks.IN_PLACE_HOOKS): where each leaves its result."""
+    """torch's hooks that deft hands its own buffer (codecs.hooks.IN_PLACE_HOOKS): where each leaves its result."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-    from deft.runtime.comm_hooks import IN_PLACE_HOOKS, CommHook, HookBucket, hook_result
-    from deft.runtime.int8_hook import Int8State, int8_compress_hook
+    from deft.runtime.codecs.hooks import IN_PLACE_HOOKS, CommHook, HookBucket, hook_result
+    from deft.runtime.codecs.int8 import Int8State, int8_compress_hook
 
     model = make_model()
     params = list(model.parameters())
@@ -285,7 +285,8 @@ def _rng_around_codec_timing(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from deft.config import DeftConfig
-    from deft.runtime.comm_hooks import HookBucket, from_config, time_codec
+    from deft.runtime.codecs.hooks import HookBucket, from_config
+    from deft.runtime.codecs.timing import time_hook
 
     hook = from_config(DeftConfig(compression="powersgd", powersgd_rank=2))
     assert hook is not None
@@ -295,7 +296,7 @@ def _rng_around_codec_timing(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(7)
     without = torch.rand(6).tolist()
     torch.manual_seed(7)
-    seconds = time_codec(hook, dist.group.WORLD, [bucket])
+    seconds = time_hook(hook, dist.group.WORLD, [bucket])
     after = torch.rand(6).tolist()
     st = hook.state
     return {"without": without, "after": after, "timed": seconds is not None and len(seconds) == 1,

@@ -4,7 +4,7 @@ are all out and keeps them (the update within int8's rounding of the exact one),
 sends them again in fp16 and computes what torch DDP with torch's fp16 hook computes in its first
 iteration; the profile iterations after it go int8 where the sample passes it. On loopback the
 links are never the bound, so this branch of
-:mod:`deft.runtime.codec_choice` runs only here, on the testbed (two hosts, two 50 Mbit/s links).
+:mod:`deft.runtime.codecs.first_iteration` runs only here, on the testbed (two hosts, two 50 Mbit/s links).
 """
 
 from __future__ import annotations

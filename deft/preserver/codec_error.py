@@ -27,7 +27,7 @@ estimate: the rounding errors are in fact unbiased and mostly cancel. Elementwis
 scale like the gradient under Adam's diagonal metric, so ``δ`` is the same in either metric as long
 as ``|g|²`` and ``tr Σ`` come from one.
 
-The 8-bit codec (``int8``, :mod:`deft.runtime.int8_hook`) is not a rounding relative to each element:
+The 8-bit codec (``int8``, :mod:`deft.runtime.codecs.int8`) is not a rounding relative to each element:
 each block of 256 elements is rounded stochastically to 255 levels of its largest element. Its error is
 unbiased and, with ``P`` the largest over ranks of ``sum_k n_k max_{i in k} g_{r,i}²`` (blocks ``k`` of
 ``n_k`` elements, measured on the profile's buckets), ``E|e|² <= P / (4 · 127² · R)``, so against the
@@ -59,7 +59,7 @@ from deft.preserver.feedback import passes
 
 #: Unit roundoff of the 16-bit formats (round to nearest): half an ulp of 1.
 UNIT_ROUNDOFF = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
-#: The 8-bit codec's largest level (deft.runtime.int8_hook.LEVELS; the preserver does not import the runtime).
+#: The 8-bit codec's largest level (deft.runtime.codecs.int8.LEVELS; the preserver does not import the runtime).
 INT8_LEVELS = 127
 #: Every codec the preserver judges.
 CODECS = (*UNIT_ROUNDOFF, "int8")

@@ -14,12 +14,11 @@ rank 0 gets the slowest rank's medians (one max-reduction) and decides (:class:`
    again; a different schedule is tried (all ranks switch at a cycle boundary) only when predicted
    at least ``SWITCH_GAIN`` faster than the running one on the same corrected profile, since a
    re-plan predicted slower than what runs would be a step back. Where deft chose the plan's codecs
-   itself (``compression = "auto"``: :class:`Recoding`), the choice is made again on the measured
-   exact profile corrected by the same factors; a different choice is planned on that profile
-   instead. Why: the choice priced each bucket on the profiled links, and a bucket whose exact
-   all-reduce looked hidden behind the compute is not where the links run slower beside it (on the
-   2-core testbed at 2 x 50 Mbit/s the factor was 1.4-1.8 and the plan left 1.2 MB exact that the
-   running schedule could not hide: benchmarks/results/slow_links.md, eleventh session).
+   itself (``compression = "auto"``: :class:`deft.runtime.codecs.choice.Recoding`), the choice is made
+   again on the measured exact profile corrected by the same factors; a different choice is planned on
+   that profile instead. Why: the choice priced each bucket on the profiled links, and a bucket whose
+   exact all-reduce looked hidden behind the compute is not hidden where the links run slower beside
+   it (benchmarks/results/slow_links.md).
 2. **Keep the fastest**: a schedule tried after a re-plan that measures slower than the best one
    measured so far is abandoned for that one, and adaptation stops. The schedule returned to carries
    its measured time as its prediction (it was planned on another partition of the buckets, so the
@@ -64,8 +63,9 @@ from deft.preserver.feedback import WalkStats
 from deft.profile import Profile
 from deft.runtime.background import Background, JobSlot
 from deft.runtime.buckets import FlatLayout
+from deft.runtime.codecs.choice import Recoding
 from deft.runtime.control import ControlPlane
-from deft.runtime.planning import CodecInputs, Planning, Switch, choose_codec, make_schedule
+from deft.runtime.planning import Planning, Switch, make_schedule
 from deft.runtime.records import as_object
 from deft.schedule import Schedule, synchronous_schedule
 from deft.solver.partition import profile_for_schedule
@@ -105,38 +105,6 @@ def calibrate(profile: Profile, schedule: Schedule, config: DeftConfig, measured
     return Calibration(g, f, predicted(f))
 
 
-@dataclass(frozen=True)
-class Recoding:
-    """deft's own codec choice, to be made again on a calibrated profile (module docstring, step 1)."""
-
-    base: Profile  # the measured profile with every bucket exact, corrected as the running profile was
-    inputs: CodecInputs  # the codecs' measured costs on base's buckets and the gradients' scale
-    chosen: tuple[str, tuple[int, ...]]  # the running choice: its codec and base's coded buckets
-
-    @classmethod
-    def of(cls, base: Profile | None, inputs: CodecInputs | None, info: Mapping[str, object]) -> Recoding | None:
-        """From the first plan: its exact profile, the codec inputs and its record (``info["codecs"]``);
-        None where deft did not choose the codecs (no inputs, or no decision recorded)."""
-        record = info.get("codecs")
-        if base is None or inputs is None or not isinstance(record, dict):
-            return None
-        return cls(base, inputs, _choice(record))
-
-    def choose(self, config: DeftConfig) -> tuple[Profile, tuple[str, tuple[int, ...]], JsonDict]:
-        """The codec choice on ``base``: the coded profile, the choice and its record."""
-        profile, record = choose_codec(config, self.base, self.inputs)
-        record = record or {}
-        return profile, _choice(record), {k: record[k] for k in ("codec", "coded", "chosen_s", "reason") if k in record}
-
-
-def _choice(record: Mapping[str, object]) -> tuple[str, tuple[int, ...]]:
-    """The codec and coded buckets of a codec decision's record (none coded: ``("", ())``)."""
-    coded = record.get("coded")
-    buckets = tuple(int(b) for b in coded if isinstance(b, int)) if isinstance(coded, list) else ()
-    codec = record.get("codec")
-    return (str(codec), buckets) if buckets and isinstance(codec, str) else ("", ())
-
-
 @dataclass
 class Adapter:
     """Rank 0's adaptation state: what was tried, what it measured, whether to go on."""
@@ -149,16 +117,43 @@ class Adapter:
     synchronous: Synchronous | None = None        # the warm-up's schedule and its measured time (step 4)
     recoding: Recoding | None = None              # deft's own codec choice, made again on a calibration
 
+    def forget_best(self) -> None:
+        """Forget the fastest schedule measured so far (a re-check replaced it, for accuracy)."""
+        self.best = None
+
+    def know_synchronous(self, synchronous: Synchronous) -> None:
+        """The warm-up's synchronous schedule and its measured time: a candidate from now on."""
+        self.synchronous = synchronous
+
     def decide(self, running: Schedule, profile: Profile, measured_s: float, measured_backward_s: float,
                replan: Callable[[Profile], Schedule]) -> tuple[Schedule | None, Profile | None, JsonDict]:
         """After a measurement window: the schedule to switch to (or None), the corrected profile (or
         None) and the record. ``replan(profile) -> Schedule`` plans on a corrected profile."""
-        cfg = self.config
         predicted = running.predicted_iteration_s
         error = (predicted - measured_s) / measured_s if measured_s > 0 else 0.0
         record: JsonDict = {"schedule": running.digest(), "predicted_s": predicted, "measured_s": measured_s,
-                                  "error": error}
+                            "error": error}
         self.tried.add(running.digest())
+        back = self._back(running, measured_s, record)
+        if back is not None:
+            return back, None, record
+        if self.best is None or measured_s < self.best[0]:
+            self.best = (measured_s, running)
+        if abs(error) <= self.config.adapt_tolerance:
+            return self._settle(record, "prediction within tolerance: settled")
+        if self.replans >= self.config.adapt_max_replans:
+            return self._settle(record, f"{self.replans} re-plans made: settled")
+        return self._replan(running, profile, measured_s, measured_backward_s, replan, record)
+
+    def _settle(self, record: JsonDict, why: str,
+                corrected: Profile | None = None) -> tuple[None, Profile | None, JsonDict]:
+        self.done = True
+        record["decision"] = why
+        return None, corrected, record
+
+    def _back(self, running: Schedule, measured_s: float, record: JsonDict) -> Schedule | None:
+        """Steps 4 and 2 (module docstring): back to the warm-up's synchronous schedule, or to the fastest
+        measured one, where the running schedule measures slower; None: keep going."""
         sync = self.synchronous
         if sync is not None:
             record["synchronous_s"] = sync.measured_s
@@ -168,22 +163,19 @@ class Adapter:
                 self.done = True
                 record["decision"] = (f"slower than the warm-up's synchronous schedule {sync.schedule.digest()} "
                                       f"({measured_s * 1e3:.1f} ms against {sync.measured_s * 1e3:.1f} ms): back to it")
-                return replace(sync.schedule, predicted_iteration_s=sync.measured_s), None, record
+                return replace(sync.schedule, predicted_iteration_s=sync.measured_s)
         if self.best is not None and measured_s > self.best[0] and self.best[1].digest() != running.digest():
             self.done = True
             record["decision"] = f"slower than {self.best[1].digest()} ({self.best[0] * 1e3:.1f} ms): back to it"
-            back = replace(self.best[1], predicted_iteration_s=self.best[0])  # measured: module docstring, step 2
-            return back, None, record
-        if self.best is None or measured_s < self.best[0]:
-            self.best = (measured_s, running)
-        if abs(error) <= cfg.adapt_tolerance:
-            self.done = True
-            record["decision"] = "prediction within tolerance: settled"
-            return None, None, record
-        if self.replans >= cfg.adapt_max_replans:
-            self.done = True
-            record["decision"] = f"{self.replans} re-plans made: settled"
-            return None, None, record
+            return replace(self.best[1], predicted_iteration_s=self.best[0])  # measured: module docstring, step 2
+        return None
+
+    def _replan(self, running: Schedule, profile: Profile, measured_s: float, measured_backward_s: float,
+                replan: Callable[[Profile], Schedule],
+                record: JsonDict) -> tuple[Schedule | None, Profile | None, JsonDict]:
+        """Step 1 (module docstring): calibrate, choose the codecs again, re-plan, and try the new
+        schedule where it is predicted at least :data:`SWITCH_GAIN` faster."""
+        cfg = self.config
         cal = calibrate(profile, running, cfg, measured_s, measured_backward_s)
         # Corrected in the buckets the running schedule refers to (its partition of ``profile``): then the
         # corrected profile and the running schedule always fit together (`deft simulate` on it, the
@@ -192,29 +184,16 @@ class Adapter:
         corrected = profile_for_schedule(profile, running, cfg).scaled(cal.compute, cal.comm)
         record.update(compute_factor=cal.compute, comm_factor=cal.comm, calibrated_s=cal.predicted_s)
         self.replans += 1
-        target, chosen = corrected, None
-        if self.recoding is not None:
-            # the running profile becomes ``corrected`` (returned below): the exact one follows it, so the
-            # factors of later calibrations, measured against it, compose
-            self.recoding = replace(self.recoding, base=self.recoding.base.scaled(cal.compute, cal.comm))
-            coded, chosen, codec_record = self.recoding.choose(cfg)
-            changed = chosen != self.recoding.chosen
-            record["codecs"] = {**codec_record, "changed": changed}  # the choice made again, kept or not
-            if changed:
-                target = coded
+        target, chosen = self._recode(cal, corrected, record)
         new = replan(target)
         record["new_schedule"] = new.digest()
         record["new_predicted_s"] = new.predicted_iteration_s
         if new.digest() in self.tried:
-            self.done = True
-            record["decision"] = "the corrected profile gives a schedule already run: settled"
-            return None, corrected, record
+            return self._settle(record, "the corrected profile gives a schedule already run: settled", corrected)
         if new.predicted_iteration_s >= (1.0 - SWITCH_GAIN) * cal.predicted_s:
-            self.done = True
-            record["decision"] = (f"the corrected profile's plan is not predicted faster "
-                                  f"({new.predicted_iteration_s * 1e3:.1f} ms against {cal.predicted_s * 1e3:.1f} ms "
-                                  "for the running schedule): settled")
-            return None, corrected, record
+            return self._settle(record, f"the corrected profile's plan is not predicted faster "
+                                f"({new.predicted_iteration_s * 1e3:.1f} ms against {cal.predicted_s * 1e3:.1f} ms "
+                                "for the running schedule): settled", corrected)
         if self.recoding is not None and chosen is not None and target is not corrected:
             # new codecs: the profile the new schedule was planned on, in its buckets
             record["decision"] = "try the schedule planned on the corrected profile with the codecs chosen again"
@@ -222,6 +201,20 @@ class Adapter:
             return new, profile_for_schedule(target, new, cfg), record
         record["decision"] = "try the schedule planned on the corrected profile"
         return new, corrected, record
+
+    def _recode(self, cal: Calibration, corrected: Profile,
+                record: JsonDict) -> tuple[Profile, tuple[str, tuple[int, ...]] | None]:
+        """The profile to re-plan on: ``corrected``, or where the codec choice made again on the exact
+        profile (corrected alike) differs, that coded profile; and the choice (None: deft chose none)."""
+        if self.recoding is None:
+            return corrected, None
+        # the running profile becomes ``corrected``: the exact one follows it, so the factors of later
+        # calibrations, measured against it, compose
+        self.recoding = self.recoding.scaled(cal.compute, cal.comm)
+        coded, chosen, codec_record = self.recoding.choose(self.config)
+        changed = chosen != self.recoding.chosen
+        record["codecs"] = {**codec_record, "changed": changed}  # the choice made again, kept or not
+        return (coded if changed else corrected), chosen
 
 
 def plan_digest(schedule: Schedule) -> str:
@@ -351,7 +344,7 @@ class Adaptation:
         """A re-check replaced the schedule, for accuracy: adaptation must not go back to one measured
         before (it may be what the re-check rejected); the warm-up's synchronous schedule stays."""
         if self._adapter is not None:
-            self._adapter.best = None
+            self._adapter.forget_best()
 
     def after_step(self, t: int, running: Schedule, profile: Profile | None) -> Outcome | None:
         """Collective, between iterations while adapting: collect a decision in flight, or end a full
@@ -389,7 +382,7 @@ class Adaptation:
         if self._adapter is None:
             return None
         if self._adapter.synchronous is None and self._candidate is not None and synchronous_s > 0:
-            self._adapter.synchronous = Synchronous(self._candidate, synchronous_s)
+            self._adapter.know_synchronous(Synchronous(self._candidate, synchronous_s))
         return _decision(self.config, self._adapter, running, profile, measured, backward, self.walk)
 
     def _apply(self, t: int, doc: Decision, running: Schedule) -> Outcome:
@@ -439,12 +432,9 @@ def _decision(cfg: DeftConfig, adapter: Adapter, running: Schedule, profile: Pro
         try:
             assert profile is not None
 
-            # Re-plans solve their knapsacks with the paper's greedy (0.2 % below the optimum on average:
-            # benchmarks/results/knapsack.md): the preserver's tries with exact knapsacks could spend
-            # EXACT_BUDGET_LIMITS budgets each, and one adaptation re-plan on a coded profile took over
-            # 200 s in the background on the 2-core CI machine while every rank waited for it. Shared over
-            # the tries since the tenth session of 2026-11-27, they still took 16 s of one core on the stored
-            # GPT-2 profile (benchmarks/results/planner.md): too long for every rank to wait.
+            # Re-plans solve their knapsacks with the paper's greedy, close to the optimum
+            # (benchmarks/results/knapsack.md): the preserver's tries with exact knapsacks can take longer
+            # than every rank can wait for an adaptation (benchmarks/results/planner.md).
             quick = replace(cfg, solver="greedy")
 
             def replan(corrected: Profile) -> Schedule:

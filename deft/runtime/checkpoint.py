@@ -68,7 +68,7 @@ class RuntimeState:
     groups: list[GroupState]    # pending update groups
     update_log: list[tuple[int, tuple[int, ...]]]
     plan_info: JsonDict = field(default_factory=dict)  # saved as JSON text (a non-JSON value as its str)
-    comm_hook: StateDoc | None = None  # the comm hook's state (deft.runtime.comm_hooks)
+    comm_hook: StateDoc | None = None  # the comm hook's state (deft.runtime.codecs.hooks)
     codec_hooks: dict[str, StateDoc] = field(default_factory=dict)  # the schedule's codecs' states (int8's generator)
 
     def to_dict(self) -> StateDoc:

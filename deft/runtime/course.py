@@ -20,11 +20,9 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TypedDict
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from deft._json import JsonDict
@@ -32,27 +30,26 @@ from deft.config import DeftConfig
 from deft.errors import DeftError
 from deft.preserver.feedback import WalkStats
 from deft.profile import Profile
-from deft.runtime import codec_choice
-from deft.runtime.adapt import Adaptation, Recoding, synchronous_candidate
+from deft.runtime.adapt import Adaptation, synchronous_candidate
 from deft.runtime.background import JobSlot
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.calendar import Calendar, place, stats_after_plan
 from deft.runtime.checkpoint import RuntimeState
-from deft.runtime.codec_choice import FirstIteration, FirstSendsJudge, ProfileCodec, TimedBroadcast
-from deft.runtime.comm_hooks import Codec, agree_codec, codec_hook, plain_iterations
+from deft.runtime.codecs.first_iteration import TimedBroadcast
+from deft.runtime.codecs.hooks import CommHook
+from deft.runtime.codecs.policy import CodecPolicy
 from deft.runtime.control import Collective, ControlPlane
 from deft.runtime.executor import DueUpdate, Executor, Pending
 from deft.runtime.grad_stats import GradStats, walk_stats
 from deft.runtime.layouts import balanced_links, plan_order, ready_order, warmup_layout
-from deft.runtime.links import CommLink, make_solo_group
+from deft.runtime.links import CommLink
 from deft.runtime.optimizer_hooks import OptimizerBinding
-from deft.runtime.planning import CodecInputs, Planning
+from deft.runtime.planning import Planning
 from deft.runtime.records import RunRecord, SwitchRecord
 from deft.runtime.tracing import profile_iters_from_env
 from deft.runtime.updates import LogEntry
 from deft.runtime.warmup_timer import WarmupTimer
 from deft.schedule import Schedule, synchronous_schedule
-from deft.solver.codecs import CHOSEN, exact_profile
 
 log = logging.getLogger("deft.runtime")
 
@@ -75,12 +72,16 @@ class Course:
     def __init__(self, config: DeftConfig, control: ControlPlane, module: nn.Module, names: list[str],
                  params: list[torch.Tensor], links: dict[str, CommLink], executor: Executor,
                  optim: OptimizerBinding, update_log: list[LogEntry], given_profile: Profile | None,
-                 ranks: list[int] | None, install: Install) -> None:
+                 ranks: list[int] | None, install: Install, comm_hook: CommHook | None = None,
+                 init_broadcast: TimedBroadcast | None = None) -> None:
         self.config, self._control, self._module = config, control, module
         self._names, self._params, self._links, self._executor = names, params, links, executor
-        self._optim, self._log, self._ranks, self._install = optim, update_log, ranks, install
+        self._optim, self._log, self._install = optim, update_log, install
         self._primary = next(iter(links.values()))
         self.planning = Planning(config, control, given_profile, config.schedule_path)
+        # which codec sends which bucket; init_broadcast: the facade's timed broadcast at construction
+        self.codecs = CodecPolicy(config, control, executor, params, self._primary, ranks, self.planning.measuring,
+                                  comm_hook, init_broadcast, self.planning.preload_solver)
         self.jobs = JobSlot(control)  # the plan's, then the adaptation's background decision
         self.adaptation = Adaptation(config, control, self.planning, self.jobs)
         self.record = RunRecord()
@@ -91,14 +92,7 @@ class Course:
         self.ready_order: list[int] | None = None  # rank 0's observed order, once agreed
         self.order_seen: dict[int, None] = {}  # parameters in the order their gradients arrived
         self._timer: WarmupTimer | None = None
-        self._solo: dist.ProcessGroup | None = None  # this rank's one-rank group, for timing a comm hook's codec
-        self._codec: CodecInputs | None = None  # deft's own codec choice: its measured inputs (codec_choice)
-        # The profile iterations' codec (codec_choice, "The profile iterations' codec") is judged on the
-        # first iteration, whose statistics and times FirstIteration gathers (its record: profile_codec).
-        self._first: FirstIteration | None = None
         self._warm_layout: FlatLayout | None = None  # the layout the profile iterations ran (set at the plan)
-        self.init_broadcast: TimedBroadcast | None = None  # the facade's timed broadcast at construction
-        self._profiled_codec: Codec | None = None  # deft's profile codec measured on the profiled layout
         # The preserver's live inputs.
         self.losses: collections.deque[float] = collections.deque(maxlen=64)
         self.batch: int | None = None
@@ -106,23 +100,26 @@ class Course:
         self.calibrated: JsonDict | None = None  # rank 0's Lanczos probe (ddp.calibrate), on every rank
         self._stats_reason = ""
 
+    def use_curvature(self, doc: JsonDict) -> None:
+        """``ddp.calibrate``'s measured curvature (every rank): the next plan and re-check use it."""
+        self.calibrated = doc
+
     # -- the calendar --------------------------------------------------------------------------------
     def place(self) -> Calendar:
         """Where warm-up ends and planning happens, with the comm hook registered now."""
         measuring = self.planning.measuring
-        plain = plain_iterations(self._executor.comm_hook) if measuring else 0
+        plain = self.codecs.plain_iterations() if measuring else 0
         return place(plain, self.config.warmup_iters, self.profile_iters, measuring)
 
-    def hook_registered(self, t: int) -> None:
-        """A comm hook is being registered before iteration ``t``: refused once profiling has begun
-        without it (a profile mixing both would be wrong); before, the calendar moves with it."""
+    def register_hook(self, t: int, hook: CommHook) -> None:
+        """A comm hook is registered before iteration ``t``: refused once profiling has begun without it
+        (a profile mixing both would be wrong); before, the calendar moves with it."""
         cal = self.calendar
         if self.planning.measuring and cal.warm_end < t <= cal.plan_at and not self.planned:
             raise DeftError(f"register_comm_hook: profiling began at iteration {cal.warm_end} without a hook; "
                             "register the hook before training starts (or before iteration "
                             f"{cal.warm_end}), as with torch DDP")
-
-    def hook_placed(self, t: int) -> None:
+        self.codecs.register(hook)
         if t <= self.calendar.warm_end and not self.planned:
             self.calendar = self.place()
 
@@ -133,15 +130,8 @@ class Course:
         cal, ex = self.calendar, self._executor
         self.adaptation.forward_begins(t, time.perf_counter(), cal.warm_end if self.planning.measuring else 1,
                                        cal.plan_at)
-        if t == 0 and not self.planned and self.record.profile_codec is None and cal.warm_end < cal.plan_at \
-                and codec_choice.considered(self.config, self._control.world, self.planning.measuring,
-                                            ex.comm_hook is not None, ex.layout):
-            self._first = FirstIteration()
-            assert self._first.stats is not None
-            ex.observe(self._first.stats)
-            if self.config.profile_codec != "never":  # its sends are judged at the end of its backward
-                ex.judge = FirstSendsJudge(self._first, self.config, self._control, lambda: self.batch,
-                                           self.init_broadcast, self.planning.preload_solver)
+        if t == 0 and not self.planned and cal.warm_end < cal.plan_at:
+            self.codecs.first_iteration_begins(lambda: self.batch)
         if cal.profiling(t) and not self.planned and self._timer is None:
             if self.ready_order is not None and ex.idle:
                 # The warm-up's layout (a checkpoint may have been taken on another: the plan's)
@@ -152,22 +142,21 @@ class Course:
             self._timer = WarmupTimer(self._module, self._params, ex.layout, self._links, cuda, self._wait_work)
             ex.observe(self._timer)
         if self._timer is not None and ex.idle and ex.layout is not None:
-            ex.install(self._coded(self._timer.schedule(), self.profile_codec), ex.layout, t)
+            coded = self.codecs.profile_schedule(self._timer.schedule())
+            ex.install(coded, ex.layout, t, self.codecs.hooks_for(coded))
 
     def forward_begins(self) -> None:
         """The executor's forward stage is launched; the model's forward begins."""
         if self.stats is not None:
             self.stats.begin_iteration(self._executor, self._params, self._optim.optimizer, self.stats_wanted())
-        if self._first is not None:
-            self._first.forward_begins(self._executor, self._params, self._optim.optimizer)
+        self.codecs.forward_begins(self._optim.optimizer)
         if self._timer is not None:  # after deft's own set-up: the forward is the model's alone
             self._timer.begin_iteration()
 
     def backward_ends(self, now: float) -> None:
         """The autograd pass of this iteration ended (the collectives of its backward may run on)."""
         self.adaptation.backward_ends(now)
-        if self._first is not None:
-            self._first.backward_ends(now)
+        self.codecs.backward_ends(now)
 
     def forward_ends(self, output: object) -> None:
         if self._timer is not None:
@@ -186,14 +175,12 @@ class Course:
 
     def measuring(self) -> bool:
         """Do this step's updates feed the preserver's statistics (then they are applied whole)?"""
-        return (self.stats is not None and self.stats_wanted()) or self._first is not None
+        return (self.stats is not None and self.stats_wanted()) or self.codecs.first_iteration_running
 
     def on_due(self, lasts: list[int], updates: list[DueUpdate], t: int, device: torch.device) -> None:
         if self.stats is not None and not self.stats.on_due(lasts, updates, t, self._control.group, device):
             self.record.nonfinite_steps.append(t)
-        if self._first is not None and self._first.stats is not None:
-            # a non-finite first gradient leaves no estimate: the profile stays exact
-            self._first.stats.on_due(lasts, updates, t, self._control.group, device)
+        self.codecs.on_due(lasts, updates, t, device)
 
     def stats_wanted(self) -> bool:
         """Gather statistics now? Before planning, in the calendar's window (a plan in flight was made
@@ -210,8 +197,7 @@ class Course:
         """The step of the iteration is over (before the iteration counter moves on)."""
         if self._timer is not None:
             self._timer.end_iteration()
-        if self._first is not None:
-            self._first.iteration_ends()
+        self.codecs.iteration_ends()
 
     def after_step(self, t: int, flush: Callable[[], None]) -> None:
         """Collective: iteration ``t - 1`` ended. The ready order after the first; then planning (or
@@ -220,8 +206,9 @@ class Course:
             self.ready_order = self._control.broadcast_ints(ready_order(list(self.order_seen), len(self._params)),
                                                             "gradient ready order")
             self.install_warmup(self.ready_order, t)
-        if self._first is not None:
-            self._decide_profile_codec()
+        decision = self.codecs.after_first_iteration(self.batch)
+        if decision is not None:
+            self.record.profile_codec = decision.to_dict()
         if not self.planned:
             if self.stats is None:
                 self.stats = GradStats.start(self.config, self._control.world)
@@ -258,36 +245,12 @@ class Course:
         bytes, the large buckets cut so that the links share the bytes evenly (the first iteration, the
         profile iterations, those run while rank 0 plans). A chained hook's sends run one at a time, as
         torch DDP's on one link, on whole buckets."""
-        hook = self._executor.comm_hook
-        chained = hook is not None and hook.chained
+        chained = self.codecs.chained
         links = (self._primary.name,) if chained else tuple(self._links)
         layout = warmup_layout(order, self._names, self._params, self.config.bucket_cap_mb, chained,
                                self.config.first_bucket_cap_mb, split_over=len(links))
         return synchronous_schedule(layout.bucket_numel, layout.bucket_nbytes(), links,
                                     balanced_links(layout.bucket_nbytes(), links)), layout
-
-    @property
-    def profile_codec(self) -> str:
-        """The codec of the profile iterations (``""``: exact, or not decided yet), from the run's record."""
-        pc = self.record.profile_codec
-        return "" if pc is None else str(pc["codec"])
-
-    @staticmethod
-    def _coded(schedule: Schedule, codec: str) -> Schedule:
-        """``schedule`` with every bucket sent with ``codec`` (``""``: unchanged)."""
-        return replace(schedule, codecs=(codec,) * len(schedule.bucket_numel)) if codec else schedule
-
-    def _decide_profile_codec(self) -> None:
-        """Collective, after the first iteration: the profile iterations' codec (codec_choice)."""
-        first, self._first = self._first, None
-        assert first is not None
-        if first.stats is not None:
-            self._executor.unobserve(first.stats)
-        decision = first.decide(self.config, self._control, self.batch)
-        self.record.profile_codec = decision.to_dict()
-        if self._control.rank == 0:
-            log.info("deft: profile iterations %s (%s)", f"in {decision.codec}" if decision.codec else "exact",
-                     decision.reason)
 
     def _plan_layout(self, schedule: Schedule, what: str) -> FlatLayout:
         order = plan_order(self.profile, self.planning.given_profile is not None, self._names, self.ready_order)
@@ -309,7 +272,7 @@ class Course:
         started = time.perf_counter()
         self.profile = self._measured_profile() if self.planning.measuring else self.planning.given_profile
         stats, self._stats_reason = self._walk_stats()
-        codec = self._codec = self._codec_inputs()
+        codec = self.codecs.plan_inputs(self.stats, self.batch, self.profile)
         cfg = self.config
         if stats is None and self._control.rank == 0 and cfg.epsilon > 0 and cfg.preserver \
                 and self.planning.schedule_path is None:
@@ -323,7 +286,7 @@ class Course:
             self.jobs.hold("plan", self.planning.start(self.profile, stats, self._control.world, codec),
                            t + cfg.plan_lag_iters)
             lag, lag_layout = self._lag(layout)
-            self._install(self._coded(lag, self._lag_codec(codec)), lag_layout, t)
+            self._install(self.codecs.lag_schedule(lag), lag_layout, t)
             self.adaptation.clock.exclude(time.perf_counter() - started)
             return
         schedule, info = self.planning.agree(self.profile, stats, self._control.world, codec)
@@ -334,40 +297,16 @@ class Course:
         warm-up's (:meth:`_warmup`: the profile's layout, its links by bytes); a given profile keeps its
         own layout and the primary link, and a chained hook (whose sends run one at a time on whole
         buckets) the profile's layout and links (:meth:`_synchronous`)."""
-        hook = self._executor.comm_hook
-        if not self.planning.measuring or self.ready_order is None or (hook is not None and hook.chained):
+        if not self.planning.measuring or self.ready_order is None or self.codecs.chained:
             return self._synchronous(layout), layout
         return self._warmup(self.ready_order)
-
-    def _lag_codec(self, codec: CodecInputs | None) -> str:
-        """The codec of the iterations run while rank 0 plans (:func:`codec_choice.lag_codec`)."""
-        return codec_choice.lag_codec(self.profile_codec, codec, self.config.epsilon)
-
-    def _codec_inputs(self) -> CodecInputs | None:
-        """Collective where deft chooses codecs (:mod:`deft.runtime.codec_choice`): what rank 0 needs."""
-        ex = self._executor
-        if not codec_choice.considered(self.config, self._control.world, self.planning.measuring,
-                                       ex.comm_hook is not None, ex.layout):
-            return None
-        assert ex.layout is not None
-        if self._solo is None:  # dist.new_group is collective over the world
-            self._solo = make_solo_group(self._primary.backend, self.config.timeout_s, self._ranks)
-        return codec_choice.measure(ex.layout, self._params, self._solo, ex.device, self._control, self.stats,
-                                    self.batch, self._profiled_codec, self.profile)
 
     def _measured_profile(self) -> Profile:
         """Collective: the profile iterations' timings (and the comm hook's codec) as a Profile."""
         timer, ex = self._timer, self._executor
         assert timer is not None and ex.layout is not None
-        # The profile iterations ran a comm hook (the user's) or deft's profile codec on every bucket.
-        coded = ex.comm_hook is None and bool(self.profile_codec)
-        hook = codec_hook(self.profile_codec) if coded else ex.comm_hook
-        if hook is not None and self._solo is None:  # dist.new_group is collective over the world
-            self._solo = make_solo_group(self._primary.backend, self.config.timeout_s, self._ranks)
-        codec = agree_codec(hook, ex.layout, self._params, self._solo, ex.device, self._control)
-        # deft's own 16-bit codec on this layout: the plan's codec choice prices with it too (None: a
-        # user's hook or an exact profile, so that choice times fp16 itself)
-        self._profiled_codec = codec if coded else None
+        # The profile iterations ran a comm hook or deft's profile codec on every bucket.
+        codec = self.codecs.measure_profiled(ex.layout)
         backends = {n: lk.backend for n, lk in self._links.items()}
         profile = timer.profile(self._control, self._control.world, backends, type(self._module).__name__, codec)
         ex.unobserve(timer)
@@ -375,9 +314,7 @@ class Course:
         out = os.environ.get("DEFT_PROFILE_OUT")
         if out and self._control.rank == 0:
             profile.save(out)
-        if coded:  # deft's codec, not the user's: the plan starts from the exact times (codec_choice)
-            profile = exact_profile(replace(profile, meta={**profile.meta, CHOSEN: self.profile_codec}))
-        return profile
+        return self.codecs.exact(profile)
 
     def _finish_plan(self, t: int) -> None:
         """Collective: collect the plan :meth:`_plan` began in the background and install it."""
@@ -395,15 +332,15 @@ class Course:
             self.stats = None
         warm = self._warm_layout  # the profile iterations' layout, which the adaptation's candidate ran on
         exact = self.profile  # measured, every bucket exact: the adaptation chooses the codecs again on it
-        if self.profile is not None:  # the profile rank 0 planned on: its coded buckets (codec_choice)
-            self.profile = codec_choice.planned_profile(self.profile, self._codec, info)
+        if self.profile is not None:  # the profile rank 0 planned on: its coded buckets
+            self.profile = self.codecs.planned_profile(self.profile, info)
         self._install(schedule, self._plan_layout(schedule, str(self.planning.schedule_path or "schedule")), t)
         self.planned = True
         self.record.planned(info, t, self._stats_reason, background)
         # Adapt deft's own plans (not a schedule file) when there is a profile to correct.
         on = self.config.adapt and self.profile is not None and self.planning.schedule_path is None
         self.adaptation.start(on, warm, self._synchronous(warm) if on and warm is not None else None,
-                              Recoding.of(exact, self._codec, info))
+                              self.codecs.recoding(exact, info))
         self.adaptation.clock.exclude(time.perf_counter() - started)  # planning is deft's, not the schedule's
         log.info("deft: rank %d runs schedule %s from iteration %d (cycle %d, K=%s)", self._control.rank,
                  schedule.digest(), t, schedule.cycle, schedule.batch_sequence)
@@ -451,9 +388,7 @@ class Course:
                             "profiles again from here and plans at iteration %d (torch DDP's schedule until the "
                             "plan is in)", st.t, self.calendar.plan_at)
         self.record = RunRecord.from_view(st.plan_info)
-        self._first = None
-        if self.record.profile_codec is not None:
-            ProfileCodec.from_dict(self.record.profile_codec)  # a damaged record is refused here, naming it
+        self.codecs.restore(self.record.profile_codec)  # a damaged record is refused here, naming it
 
     def close(self) -> None:
         if self._timer is not None:

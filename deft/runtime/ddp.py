@@ -30,8 +30,8 @@ from deft.config import DeftConfig
 from deft.errors import DeftError
 from deft.profile import Profile
 from deft.runtime.checkpoint import StateDoc
-from deft.runtime.codec_choice import TimedBroadcast
-from deft.runtime.comm_hooks import CommHook
+from deft.runtime.codecs.first_iteration import TimedBroadcast
+from deft.runtime.codecs.hooks import CommHook
 from deft.runtime.compat import Device, check_device_ids, check_torch_args, for_compiled, shared_config, trainable
 from deft.runtime.control import ControlPlane, broadcast_state, digest, wait_work
 from deft.runtime.executor import PendingUpdate
@@ -119,7 +119,7 @@ class DistributedDataParallel(nn.Module):
         if init_sync:
             state = list(self.module.parameters()) + list(self.module.buffers())
             # set the group up first (NCCL creates its communicator at the first collective), so the
-            # broadcast's time measures the link (codec_choice: the first iteration's judgement)
+            # broadcast's time measures the link (codecs.first_iteration: the first iteration's judgement)
             wait_work(dist.all_reduce(torch.zeros(1, device=self.device), group=self._primary.group, async_op=True),
                       self._primary.name, "first collective", self.rank, cfg.timeout_s)
             start = time.perf_counter()
@@ -229,7 +229,7 @@ class DistributedDataParallel(nn.Module):
 
     def register_comm_hook(self, state: object, hook: Callable[..., torch.futures.Future[torch.Tensor]]) -> None:
         """torch DDP's ``register_comm_hook``: ``hook(state, bucket) -> Future`` runs on every bucket deft
-        sends, on the scheduled link and stage (see :mod:`deft.runtime.comm_hooks`). torch's own hooks
+        sends, on the scheduled link and stage (see :mod:`deft.runtime.codecs.hooks`). torch's own hooks
         work unchanged (fp16/bf16 compression, PowerSGD). Register it once, before training (and
         before ``load_state_dict`` when resuming: the checkpoint restores the hook's state)."""
         if not callable(hook):

@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -50,8 +50,8 @@ import torch
 from deft.errors import CommunicationError, DeftError
 from deft.profiler import nvtx
 from deft.runtime.buckets import FlatLayout
-from deft.runtime.checkpoint import GroupState, StateDoc
-from deft.runtime.comm_hooks import CommHook, codec_hook, hook_bucket, hook_result
+from deft.runtime.checkpoint import GroupState
+from deft.runtime.codecs.hooks import CommHook, hook_bucket, hook_result
 from deft.runtime.control import FUTURE_TYPES, Collective, wait_work
 from deft.runtime.links import CommLink
 from deft.schedule import CommTask, Schedule
@@ -73,16 +73,17 @@ class ExecutorObserver(Protocol):
 
 
 class SendJudge(Protocol):
-    """Judges one iteration's backward sends once its backward is over (the first iteration's codec,
-    :mod:`deft.runtime.codec_choice`), while they run. Both calls are collective; every rank makes them."""
+    """Called at one iteration's first gradient and at the end of its backward, around its sends (the
+    first iteration's codec, :mod:`deft.runtime.codecs.first_iteration`). Both calls are collective;
+    every rank makes them. The judge decides; the executor only sends with the hooks it is given."""
 
     def at_first_gradient(self, executor: Executor) -> bool:
-        """At the iteration's first gradient, before any of its sends: whether they are judged at the end
-        of the backward (meanwhile they may go :meth:`Executor.speculate`-d); False: they go as they are."""
+        """At the iteration's first gradient, before any of its sends: whether :meth:`at_backward_end` is
+        wanted (meanwhile the judge may :meth:`Executor.use_hooks`); False: the sends go as they are."""
 
     def at_backward_end(self, executor: Executor) -> None:
-        """At the end of the backward, every one of its sends launched: the judgement (it may
-        :meth:`Executor.resend` them)."""
+        """At the end of the backward, every one of its sends launched (it may
+        :meth:`Executor.send_again` them)."""
 
 
 T = TypeVar("T")
@@ -173,18 +174,19 @@ class Executor:
         self._queues: dict[str, deque[CommTask]] = {}
         self._stage = ""
         self.observers: list[ExecutorObserver] = []
-        # Set for one iteration: its backward sends are judged at the end of its backward (SendJudge):
-        # the first iteration's codec. Speculative sends leave the buffers exact until the verdict.
-        self.judge: SendJudge | None = None
-        self._speculative = False
-        self.comm_hook: CommHook | None = None  # deft.runtime.comm_hooks: torch's comm hooks on buckets
-        self._codec_hooks: dict[str, CommHook] = {}  # the schedule's per-bucket codecs (_hook_for)
+        # Set for one iteration (judge_backward): called around its backward sends.
+        self._judge: SendJudge | None = None
+        self._copies = False  # this iteration's hooks get copies of their buckets (use_hooks)
+        # The hook of each bucket (None: a plain all-reduce; empty: none hooked), given with the schedule
+        self._hooks: tuple[CommHook | None, ...] = ()
+        self._chained_hooks = False  # some bucket's hook is chained (CommHook.chained): so is the used map
         # The last chained launch (_chained): a hook's bucket or the used map, so its value type is open.
         self._hook_tail: torch.futures.Future[Any] | None = None
 
     # -- schedule ------------------------------------------------------------------------------
-    def install(self, schedule: Schedule, layout: FlatLayout, t0: int) -> None:
-        """Run ``schedule`` from iteration ``t0`` on; no group instance may be pending."""
+    def install(self, schedule: Schedule, layout: FlatLayout, t0: int, hooks: Sequence[CommHook | None] = ()) -> None:
+        """Run ``schedule`` from iteration ``t0`` on, bucket ``b`` sent by ``hooks[b]`` (None or no hooks: a
+        plain all-reduce); no group instance may be pending."""
         if self.groups:
             raise DeftError("internal: a schedule can only be installed when no update is pending")
         missing = [n for n in schedule.links if n not in self.links]
@@ -197,6 +199,7 @@ class Executor:
             self._pool.clear()
         self._views.clear()  # slices of the old layout (the buffers themselves may be reused)
         self.schedule, self.layout, self.t0 = schedule, layout, t0
+        self.use_hooks(hooks)
 
     def observe(self, observer: ExecutorObserver) -> None:
         self.observers.append(observer)
@@ -223,26 +226,29 @@ class Executor:
         """This rank's summed gradient of the current iteration's group (its flat buffers, by dtype)."""
         return self.groups[self.group_last(self.t)].buffers
 
-    def recode(self, codec: str) -> None:
-        """Send every bucket not launched yet with ``codec`` (``Schedule.codecs``; ``""``: exact): the
-        running schedule with its codecs replaced, nothing else changed."""
-        assert self.schedule is not None
-        self.schedule = replace(self.schedule, codecs=(codec,) * len(self.schedule.bucket_numel) if codec else ())
+    def use_hooks(self, hooks: Sequence[CommHook | None], copies: bool = False) -> None:
+        """Send every bucket not launched yet with ``hooks[b]`` (None or no hooks: a plain all-reduce).
+        ``copies`` (for this iteration): each hook gets a copy of its bucket, so the buffers keep this
+        rank's exact local gradient until the result is waited for (:meth:`send_again` may still send
+        them otherwise)."""
+        n = self.layout.n_buckets if self.layout is not None else 0
+        if hooks and len(hooks) != n:
+            raise DeftError(f"internal: {len(hooks)} hooks for {n} buckets")
+        self._hooks = tuple(hooks)
+        self._chained_hooks = any(h is not None and h.chained for h in self._hooks)
+        self._copies = copies
 
-    def speculate(self, codec: str) -> None:
-        """This iteration's sends go with ``codec`` before it is known whether they may: each send's hook
-        gets a copy of its bucket, so the buffers keep this rank's exact local gradient until the result is
-        waited for (:meth:`resend` can still send them otherwise). Set at the first gradient."""
-        self.recode(codec)
-        self._speculative = True
+    def judge_backward(self, judge: SendJudge) -> None:
+        """Call ``judge`` around the next backward's sends (:class:`SendJudge`)."""
+        self._judge = judge
 
-    def resend(self, codec: str) -> None:
-        """After :meth:`speculate`, at the end of the backward with every bucket of this iteration launched
-        (on every rank, so each link has seen the same collectives everywhere): wait for those sends, drop
-        their results, and send every bucket again with ``codec`` (``""``: exact), in the stage's listed
-        order. Only for an iteration whose sends are all its own (``origin == 0``), as the first is."""
+    def send_again(self, hooks: Sequence[CommHook | None]) -> None:
+        """At the end of a backward whose hooks got copies (:meth:`use_hooks`), every bucket of this
+        iteration launched (on every rank, so each link has seen the same collectives everywhere): wait
+        for those sends, drop their results, and send every bucket again with ``hooks``, in the stage's
+        listed order. Only for an iteration whose sends are all its own (``origin == 0``), as the first is."""
         s, lay = self.schedule, self.layout
-        assert s is not None and lay is not None and self._speculative
+        assert s is not None and lay is not None and self._copies
         g = self.groups[self.group_last(self.t)]
         tasks = s.stage(self.position(self.t), "backward").comms
         if any(task.origin != 0 for task in tasks) or len(g.launched) != lay.n_buckets:
@@ -251,11 +257,10 @@ class Executor:
                             f"{[t.bucket for t in tasks if t.origin != 0]})")
         for b in sorted(g.launched):
             for p in g.pending.pop(b, ()):
-                p.post = None  # the speculative result is not this iteration's: the buffer stays exact
+                p.post = None  # the dropped result is not this iteration's: the buffer stays exact
                 self.wait(p)
         g.launched.clear()
-        self.recode(codec)
-        self._speculative = False
+        self.use_hooks(hooks)
         self._start_stage("backward")
 
     def current_group(self) -> GroupInstance | None:
@@ -308,8 +313,8 @@ class Executor:
         if self.in_backward or self.backward_done:
             return
         self.in_backward = True
-        if self.judge is not None and not self.judge.at_first_gradient(self):
-            self.judge = None
+        if self._judge is not None and not self._judge.at_first_gradient(self):
+            self._judge = None
         self._start_stage("backward")
         for b, missing in enumerate(self._bucket_missing):
             if missing == 0:  # an empty bucket is ready at once
@@ -355,10 +360,10 @@ class Executor:
         left = {n: list(q) for n, q in self._queues.items() if q}
         if left:
             raise DeftError(f"internal: tasks {left} of iteration {self.t} could not be launched")
-        if self.judge is not None:
-            judge, self.judge = self.judge, None
+        if self._judge is not None:
+            judge, self._judge = self._judge, None
             judge.at_backward_end(self)
-        self._speculative = False
+        self._copies = False
         self.in_backward, self.backward_done = False, True
         g = self.groups[self.group_last(self.t)]
         if g.complete and not g.used_launched:
@@ -456,29 +461,9 @@ class Executor:
         g.launched.add(b)
         return works
 
-    def codec_hook_states(self) -> dict[str, StateDoc]:
-        """The states of the schedule's codec hooks that keep one (int8's generator), by codec name."""
-        states = {name: hook.state_dict() for name, hook in self._codec_hooks.items()}
-        return {name: st for name, st in states.items() if st is not None}
-
-    def load_codec_hook_states(self, saved: dict[str, StateDoc], source: str) -> None:
-        """Restore :meth:`codec_hook_states` (a resumed run rounds as the uninterrupted one)."""
-        for name, st in saved.items():
-            if name not in self._codec_hooks:
-                self._codec_hooks[name] = codec_hook(name)
-            self._codec_hooks[name].load_state_dict(st, source, f"_extra_state.codec_hooks.{name}")
-
     def _hook_for(self, b: int) -> CommHook | None:
-        """The user's (or the config's) comm hook for every bucket, else the schedule's codec for
-        bucket ``b`` (``Schedule.codecs``, deft's own choice), else None: a plain all-reduce."""
-        if self.comm_hook is not None:
-            return self.comm_hook
-        name = self.schedule.codec_of(b) if self.schedule is not None else ""
-        if not name:
-            return None
-        if name not in self._codec_hooks:
-            self._codec_hooks[name] = codec_hook(name)
-        return self._codec_hooks[name]
+        """The hook that sends bucket ``b`` (:meth:`use_hooks`; None: a plain all-reduce)."""
+        return self._hooks[b] if self._hooks else None
 
     def _hooked(self, g: GroupInstance, b: int, link_name: str, views: list[torch.Tensor], what: str,
                 hook: CommHook) -> torch.futures.Future[torch.Tensor]:
@@ -492,9 +477,9 @@ class Executor:
         # does: their result is left there (_hook_post then copies nothing). Any other hook gets its own
         # copy, as torch DDP's hooks get a standalone bucket tensor: hooks write into it and may even
         # resize it (batched PowerSGD pads it to a square); the result is copied back into deft's
-        # buffer when it is waited for. A speculative send (speculate) gets a copy too: the buffer must
-        # stay exact until the judgement, which may send it again.
-        view = views[0] if hook.in_place and not self._speculative else views[0].clone()
+        # buffer when it is waited for. Under use_hooks(copies=True) every hook gets a copy: the buffer
+        # stays exact until the judge has spoken, who may send it again.
+        view = views[0] if hook.in_place and not self._copies else views[0].clone()
         bucket = hook_bucket(self.layout, self.params, b, view, is_last=len(g.launched) + 1 == self.layout.n_buckets)
         link = self.links[link_name]
         link.stats.calls += 1
@@ -559,7 +544,7 @@ class Executor:
         # a pageable host tensor: the copy is staged at once, without waiting for the device
         used_map = torch.tensor(g.local_used, dtype=torch.int32).to(self.device, non_blocking=True)
         g.used_map = used_map
-        if self.comm_hook is not None and self.comm_hook.chained:  # the hooks' collectives are chained: join
+        if self._chained_hooks:  # the hooks' collectives are chained: join
             w: Collective = self._chained(lambda: link.all_reduce(used_map).get_future())
         else:
             w = link.all_reduce(used_map)

@@ -54,10 +54,10 @@ from deft.preserver.noise import (
 )
 from deft.preserver.stability import OptimizerSpec
 from deft.runtime.buckets import FlatLayout
+from deft.runtime.codecs.int8 import BLOCK as INT8_BLOCK
+from deft.runtime.codecs.int8 import block_maxima
 from deft.runtime.control import Collective, ControlPlane
 from deft.runtime.executor import DueUpdate, Executor
-from deft.runtime.int8_hook import BLOCK as INT8_BLOCK
-from deft.runtime.int8_hook import block_maxima
 
 log = logging.getLogger("deft.runtime")
 

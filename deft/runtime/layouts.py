@@ -25,7 +25,7 @@ def warmup_layout(order: list[int], names: list[str], params: list[torch.Tensor]
     """torch DDP's buckets during warm-up: whole parameters in ready order, a large one cut.
 
     Their cap is :data:`PROFILE_BUCKET_CAP_MB`, except under a chained comm hook (PowerSGD, a user's
-    hook: :attr:`deft.runtime.comm_hooks.CommHook.chained`), where it is ``bucket_cap_mb`` as in torch
+    hook: :attr:`deft.runtime.codecs.hooks.CommHook.chained`), where it is ``bucket_cap_mb`` as in torch
     DDP: such sends run one at a time over all links and each pays the hook's collectives and its
     per-call compute, so small buckets would make the warm-up and profile iterations slow and their
     per-bucket times too noisy to choose a bucket count (benchmarks/RESULTS.md, "Figures behind the

@@ -17,7 +17,7 @@ from deft._json import JsonDict
 from deft.errors import DeftError
 from deft.profile import Profile
 from deft.runtime.checkpoint import LocalStepsState, StateDoc, check_mode
-from deft.runtime.comm_hooks import CommHook
+from deft.runtime.codecs.hooks import CommHook
 from deft.runtime.executor import PendingUpdate
 from deft.runtime.grad_stats import check_probe_args
 from deft.runtime.local_steps import LocalSteps

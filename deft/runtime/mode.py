@@ -31,8 +31,8 @@ from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.profile import Profile
 from deft.runtime.checkpoint import StateDoc
-from deft.runtime.codec_choice import TimedBroadcast
-from deft.runtime.comm_hooks import CommHook
+from deft.runtime.codecs.first_iteration import TimedBroadcast
+from deft.runtime.codecs.hooks import CommHook
 from deft.runtime.control import ControlPlane
 from deft.runtime.executor import PendingUpdate
 from deft.runtime.links import CommLink

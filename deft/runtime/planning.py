@@ -42,16 +42,15 @@ from torch import nn
 from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.errors import ContractError, DeftError
-from deft.preserver import codec_error, feedback
-from deft.preserver.codec_error import GradientScale
+from deft.preserver import feedback
 from deft.preserver.feedback import PreserveResult, Recheck, WalkStats
 from deft.profile import Profile
 from deft.runtime.background import Background
+from deft.runtime.codecs.choice import CodecInputs, choose_codec
 from deft.runtime.control import ControlPlane
 from deft.runtime.records import as_object
 from deft.schedule import Schedule, synchronous_schedule
 from deft.solver import codecs, knapsack
-from deft.solver.codecs import CodecCost
 from deft.solver.lagfree import lagfree_plan
 from deft.solver.plan import no_delay_plan, plan
 from deft.solver.simulate import serial_codec, simulate_schedule
@@ -110,55 +109,6 @@ def preserver_info(source: str, res: PreserveResult, stats: WalkStats | None) ->
             "stats": None if stats is None else stats.to_dict(), "try_log": [t.to_dict() for t in res.tries]}
 
 
-@dataclass(frozen=True)
-class CodecInputs:
-    """What deft's own codec choice (``compression = "auto"``) needs, the same on every rank: the 16-bit
-    codec measured on the profile's buckets, the gradients' scale it is judged against, and the 8-bit
-    codec measured likewise (None: not considered, as where it would not put fewer bytes on the wire)."""
-
-    cost: CodecCost
-    scale: GradientScale
-    int8: CodecCost | None = None
-
-    def cost_of(self, name: str) -> CodecCost:
-        """The measured cost of the codec ``name`` (``int8``, else the 16-bit measurement under that name)."""
-        if name == "int8":
-            if self.int8 is None:
-                raise DeftError("internal: the plan chose int8, which was not measured")
-            return self.int8
-        return dataclasses.replace(self.cost, name=name)
-
-
-def choose_codec(cfg: DeftConfig, profile: Profile, codec: CodecInputs | None) -> tuple[Profile, JsonDict | None]:
-    """Rank 0: the profile to plan on, with the buckets deft sends coded (:func:`deft.solver.codecs.choose`)
-    and the record of why (None: not considered). The 16-bit codec the preserver accepts first
-    (:func:`deft.preserver.codec_error.pick`) is chosen as before; where int8 was measured and the
-    preserver accepts it too, its choice replaces the 16-bit one when it predicts at least
-    :data:`deft.solver.codecs.MIN_GAIN` less per iteration (fewer bits only where they clearly pay)."""
-    if codec is None or cfg.epsilon == 0:
-        return profile, None
-    verdicts = codec_error.pick(codec.scale, cfg.epsilon)
-    if codec.int8 is not None:
-        verdicts = (*verdicts, codec_error.judge("int8", codec.scale, cfg.epsilon))
-    record: JsonDict = {"verdicts": [v.to_dict() for v in verdicts], "coded": []}
-    sixteen = next((v for v in verdicts if v.accepted and v.codec != "int8"), None)
-    eight = next((v for v in verdicts if v.accepted and v.codec == "int8"), None)
-    if sixteen is None and eight is None:
-        record["reason"] = "the preserver accepts no codec"
-        return profile, record
-    choices = [codecs.choose(profile, codec.cost_of(v.codec), cfg) for v in (sixteen, eight) if v is not None]
-    choice = choices[0]
-    if len(choices) == 2:
-        record["alternatives"] = [c.to_dict() for c in choices]
-        if choices[1].coded and (not choice.coded or
-                                 choices[1].chosen_s < choice.chosen_s * (1.0 - codecs.MIN_GAIN)):
-            choice = choices[1]
-    cost = codec.cost_of(choice.codec)
-    record.update(choice.to_dict())
-    record["parameters"] = [name for b in choice.coded for name in profile.buckets[b].params]
-    return codecs.encoded_profile(profile, cost, choice.coded), record
-
-
 def _load_solver() -> dict[str, object]:
     knapsack.load_cp_sat()
     return {}
@@ -189,8 +139,8 @@ def torch_way_without_gain(profile: Profile, decision: Decision) -> Decision:
     hook and buckets) unless ``decision``'s plan predicts at least :data:`TORCH_WAY_GAIN` less per
     iteration. Why: such a plan can only reorder the serial sends and move some into the next
     forward, while each extra bucket or stage pays the hook's collectives and per-call compute, which
-    the profile prices only on average (deft + PowerSGD ran 0.92-0.95x torch DDP + PowerSGD per
-    iteration on plans predicted 1-7 % faster: benchmarks/results/slow_links.md)."""
+    the profile prices only on average, so plans predicted a little faster ran slower
+    (benchmarks/results/slow_links.md)."""
     if not serial_codec(profile):
         return decision
     sync = synchronous_schedule(tuple(b.numel for b in profile.buckets), tuple(b.nbytes for b in profile.buckets),
@@ -254,11 +204,10 @@ class Planning:
     _preloading: bool = field(default=False, repr=False)  # preload_solver began
 
     def preload_solver(self) -> None:
-        """Rank 0 plans with CP-SAT: load its import (0.3-0.4 s of CPU) on a low-priority thread now,
-        not on the first plan's path. Called where the links look like the bound (the first
-        iteration's screen), so the import runs while the iterations wait for the links; where the
-        compute is the bound it would only slow them (0.1-0.2 s at 1000 Mbit/s on the testbed,
-        benchmarks/results/slow_links.md), and the plan loads it itself. Once."""
+        """Rank 0 plans with CP-SAT: load its import on a low-priority thread now, not on the first plan's
+        path. Called where the links look like the bound (the first iteration's screen), so the import
+        runs while the iterations wait for the links; where the compute is the bound it would only slow
+        them (benchmarks/results/slow_links.md), and the plan loads it itself. Once."""
         if self._preloading or self.control.rank != 0 or self.schedule_path is not None \
                 or self.config.solver != "exact" or self.config.epsilon <= 0:
             return

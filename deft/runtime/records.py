@@ -10,7 +10,7 @@ The view's keys: the agreed plan's own (``source``, ``accepted``, ``tries``, ``r
 iteration it began), ``stats_reason``, ``background`` (planned in the background: how long), and,
 when not empty, ``finish_in_forward``, ``skipped_steps``, ``calibrations``, ``rechecks``,
 ``switches`` and ``adapt``, ``profile_codec`` (the codec of the profile iterations and why,
-:class:`deft.runtime.codec_choice.ProfileCodec`), ``nonfinite_steps`` (iterations whose gradient
+:class:`deft.runtime.codecs.first_iteration.CodecDecision`), ``nonfinite_steps`` (iterations whose gradient
 statistics were skipped: a gradient was inf/NaN, as GradScaler's overflow steps have). Before the first plan only
 ``skipped_steps``, ``nonfinite_steps``, ``calibrations`` and ``profile_codec`` can be present.
 """
@@ -81,7 +81,7 @@ class RunRecord:
     rechecks: list[Doc] = field(default_factory=list)
     switches: list[Doc] = field(default_factory=list)
     adapt: list[Doc] = field(default_factory=list)
-    profile_codec: Doc | None = None  # the profile iterations' codec and why (deft.runtime.codec_choice)
+    profile_codec: Doc | None = None  # the profile iterations' codec and why (deft.runtime.codecs.first_iteration)
 
     def planned(self, info: Mapping[str, JsonValue], t0: int, stats_reason: str, background: Doc | None) -> None:
         """The first plan is installed: its record starts the run's; what happened before it (skipped

@@ -25,11 +25,11 @@ import torch.distributed as dist
 from torch import nn
 
 from deft._json import JsonDict
-from deft.errors import ContractError, DeftError
+from deft.errors import DeftError
 from deft.profile import Profile
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.checkpoint import RuntimeState, StateDoc, check_mode
-from deft.runtime.comm_hooks import CommHook, carry_buckets, from_config
+from deft.runtime.codecs.hooks import CommHook, from_config
 from deft.runtime.course import Course
 from deft.runtime.executor import Executor, PendingUpdate
 from deft.runtime.first_use import FirstUseRecorder
@@ -58,13 +58,11 @@ class ScheduledRun:
         self.rank, self.world, self._cuda = wiring.rank, wiring.world, wiring.device.type == "cuda"
         self._control, self._links, self._sync = wiring.control, wiring.links, wiring.sync
         self._executor = Executor(self._params, self._links, self.rank, self.world, cfg.timeout_s, self.device)
-        self._executor.comm_hook = from_config(cfg)
         self._optim = OptimizerBinding(self._params, self._before_step, self._after_step, optimizer)
         self._updates = UpdateApplier(self.module, self._params, self._executor, self._optim, cfg, wiring.compiled)
         self._course = Course(cfg, self._control, self.module, self._names, self._params, self._links,
                               self._executor, self._optim, self._updates.log, given_profile, wiring.ranks,
-                              self._install)
-        self._course.init_broadcast = wiring.init_broadcast
+                              self._install, from_config(cfg), wiring.init_broadcast)
         self._tracing = Tracing(self.module, self._params, self._executor, dist.get_rank(), self._cuda,
                                 self._course.calendar.warm_end, self._course.profile_iters)
         self._first_use: FirstUseRecorder | None = FirstUseRecorder(self._params) if cfg.forward_updates else None
@@ -97,7 +95,7 @@ class ScheduledRun:
             recorder, self._first_use = self._first_use, None
             with recorder.watching(self.module):
                 out = self.module(*args, **kwargs)
-            self._updates.first_use = recorder.first
+            self._updates.record_first_use(recorder.first)
         else:
             out = self.module(*args, **kwargs)
         self._updates.finish_deferred()  # parameters of modules this forward did not run
@@ -125,17 +123,15 @@ class ScheduledRun:
         if "error" in doc:
             log.warning("deft: curvature probe failed (%s); the preserver keeps the secant estimate", doc["error"])
             return None
-        self._course.calibrated = doc
+        self._course.use_curvature(doc)
         return doc
 
     def register_comm_hook(self, state: object, hook: Callable[..., torch.futures.Future[torch.Tensor]]) -> None:
-        if self._executor.comm_hook is not None:
-            raise DeftError(f"register_comm_hook: a comm hook ({self._executor.comm_hook.name}) is already "
+        if self._course.codecs.comm_hook is not None:
+            raise DeftError(f"register_comm_hook: a comm hook ({self._course.codecs.comm_hook.name}) is already "
                             "registered (from this call or the config's compression); one hook per model")
         self._require_idle("register_comm_hook()")
-        self._course.hook_registered(self._t)
-        self._executor.comm_hook = CommHook(state, hook, getattr(hook, "__name__", type(hook).__name__))
-        self._course.hook_placed(self._t)
+        self._course.register_hook(self._t, CommHook(state, hook, getattr(hook, "__name__", type(hook).__name__)))
 
     def flush(self) -> None:
         self._require_idle("flush()")
@@ -147,7 +143,7 @@ class ScheduledRun:
         self._updates.drain(self._t)
 
     def clip_on_update(self, clip: tuple[float, float] | None) -> None:
-        self._updates.clip = clip
+        self._updates.set_clip(clip)
 
     def close(self) -> None:
         for h in self._hooks:
@@ -194,7 +190,7 @@ class ScheduledRun:
 
     @property
     def comm_hook(self) -> CommHook | None:
-        return self._executor.comm_hook
+        return self._course.codecs.comm_hook
 
     # -- checkpoint (deft.runtime.checkpoint) ----------------------------------------------------------
     def state(self) -> StateDoc:
@@ -205,8 +201,8 @@ class ScheduledRun:
         assert ex.schedule is not None and ex.layout is not None
         return RuntimeState(rank=self.rank, world=self.world, t=self._t, t0=ex.t0, order=list(ex.layout.order),
                             schedule=ex.schedule, groups=ex.group_states(), update_log=list(self._updates.log),
-                            comm_hook=None if ex.comm_hook is None else ex.comm_hook.state_dict(),
-                            codec_hooks=ex.codec_hook_states(),
+                            comm_hook=self._course.codecs.comm_hook_state(),
+                            codec_hooks=self._course.codecs.hook_states(),
                             **self._course.state()).to_dict()
 
     def load_state(self, state: object) -> None:
@@ -215,7 +211,7 @@ class ScheduledRun:
         self._require_idle("deft's state can only be loaded; loading")
         st.check_owner(self.rank, self.world)
         # first, so that a damaged codec state is refused before anything of this wrapper changes
-        self._executor.load_codec_hook_states(st.codec_hooks, "deft checkpoint")
+        self._course.codecs.load_hook_states(st.codec_hooks, "deft checkpoint")
         layout = FlatLayout(st.order, self._names, self._params, st.schedule.bucket_numel, "deft checkpoint: schedule")
         self._executor.forget_groups()
         self._course.restore(st)
@@ -223,12 +219,7 @@ class ScheduledRun:
         self._executor.restore_groups(st.groups, "deft checkpoint")
         self._t = st.t
         self._updates.log[:] = st.update_log
-        if st.comm_hook is not None:
-            if self._executor.comm_hook is None:
-                raise ContractError("deft checkpoint", "_extra_state.comm_hook",
-                                    "the checkpoint holds a comm hook's state but no hook is registered: call "
-                                    "ddp.register_comm_hook(...) before load_state_dict")
-            self._executor.comm_hook.load_state_dict(st.comm_hook, "deft checkpoint")
+        self._course.codecs.load_comm_hook_state(st.comm_hook, "deft checkpoint")
 
     # -- the phase machine's events (deft.runtime.phase) -----------------------------------------------
     def _require_idle(self, what: str) -> None:
@@ -339,8 +330,8 @@ class ScheduledRun:
         """The one way a schedule starts running: executor, trace ranges, statistics follow the layout."""
         old = self._executor.layout
         if old is not None and (old.bucket_params, old.bucket_numel) != (layout.bucket_params, layout.bucket_numel):
-            carry_buckets(self._executor.comm_hook, old, layout, self._params)  # memory follows its elements
-        self._executor.install(schedule, layout, t0)
+            self._course.codecs.carry_buckets(old, layout)  # memory follows its elements
+        self._executor.install(schedule, layout, t0, self._course.codecs.hooks_for(schedule))
         self._updates.set_forward_hooks(any(u.finish_in_forward for u in schedule.updates))
         self._tracing.set_layout(layout)
         if self._course.stats is not None:

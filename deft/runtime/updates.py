@@ -69,6 +69,14 @@ class UpdateApplier:
         self._fwd_hooks: list[RemovableHandle] = []
         self._finish_hparams: list[dict[str, object]] = []
 
+    def set_clip(self, clip: tuple[float, float] | None) -> None:
+        """``clip_grad_norm_on_update``: clip each update to ``(max_norm, norm_type)`` (None: off)."""
+        self.clip = clip
+
+    def record_first_use(self, first: dict[int, nn.Module]) -> None:
+        """Where each parameter is first used (the first training forward's record)."""
+        self.first_use = first
+
     @property
     def exposed(self) -> bool:
         """Is an update (or an empty one: no update due) in ``p.grad``, waiting for the step?"""

@@ -74,7 +74,7 @@ Compression (a comm hook, DESIGN.md "Compression in the profile"). Hooked sends 
 in launch order (the executor chains them), so a send's interval starts when the chain reaches it
 (:meth:`WarmupTimer.hook_started`), not at deft's launch call, and ends at the hook's future: the
 codec's encode, the hook's collectives and its decode, alone on the links. The codec's compute
-``codec_s[b]`` (timed apart, :func:`deft.runtime.comm_hooks.time_codec`) is taken out of each group's
+``codec_s[b]`` (timed apart, :func:`deft.runtime.codecs.timing.time_hook`) is taken out of each group's
 time (never below 0) and the links are fitted over *wire* bytes (the hook's compressed sizes, from its
 maths): ``comm_s`` and alpha-beta are then what the wire costs, and the profile carries
 ``codec``, ``wire_nbytes`` and ``codec_s`` for the planner and the simulator.
@@ -104,7 +104,7 @@ from torch.utils.hooks import RemovableHandle
 from deft._json import JsonDict
 from deft.profile import Bucket, BucketTimes, Link, Profile
 from deft.runtime.buckets import FlatLayout
-from deft.runtime.comm_hooks import Codec
+from deft.runtime.codecs.timing import Codec
 from deft.runtime.control import FUTURE_TYPES, Collective, ControlPlane, wait_work
 from deft.runtime.links import CommLink
 from deft.runtime.tensors import tensors_in

@@ -4,7 +4,7 @@ The decision (DESIGN.md section 4, "Codecs in the plan")
 --------------------------------------------------------
 A bucket sent with an element-wise codec is cast to 16 bits before its all-reduce and back after it,
 as torch's ``fp16_compress_hook`` does (divided by the world size first), or sent through deft's 8-bit
-hook (``deft.runtime.int8_hook``: blocks rounded to 8 bits, one all-gather; its ``wire`` bytes are those
+hook (``deft.runtime.codecs.int8``: blocks rounded to 8 bits, one all-gather; its ``wire`` bytes are those
 of an all-reduce costing as much). It puts ``wire`` bytes on the link instead of ``nbytes`` and costs
 ``codec_s`` of compute beside the model. Whether that pays
 depends on the rest of the plan: a bucket whose all-reduce already hides behind the backward gains
@@ -22,10 +22,9 @@ nothing and would only round its gradient. So the choice is made on predicted it
   first, while ``T`` stays within :data:`TOLERANCE` of coding all, priced with the links
   :data:`COMM_MARGIN` times slower than profiled: the fewest coded buckets at about the fastest time,
   each left exact only where its send stays hidden should the links run slower beside the model than
-  they were profiled alone. (Until 2026-11-28 priced on the profile as measured: on the 2-core testbed
-  at 2 x 50 Mbit/s the adaptation then measured the links 1.4-1.8x slower than profiled, and the 1.2 MB
-  bucket the choice had left exact as hidden cost the default 5-15 % per iteration against deft +
-  int8 set by hand: benchmarks/results/slow_links.md, eleventh session.)
+  they were profiled alone. Why the margin: the links run slower beside the model than profiled alone
+  (the adaptation's measured factor), and a bucket left exact as hidden on the profile as measured is
+  then exposed (benchmarks/results/slow_links.md).
 
 The planner then plans on the chosen :func:`encoded_profile`, so its knapsacks are weighted by the
 coded buckets' wire times; :func:`mark` reads the per-bucket codecs of the schedule it returns off the
@@ -63,7 +62,7 @@ _SOURCE = "<codecs>"
 @dataclass(frozen=True)
 class CodecCost:
     """An element-wise codec measured on the profile's buckets: the bytes it puts on the wire and its
-    encode + decode compute, per bucket (``deft.runtime.comm_hooks.agree_codec`` measures both)."""
+    encode + decode compute, per bucket (``deft.runtime.codecs.timing.measure_codec`` measures both)."""
 
     name: str
     wire_nbytes: tuple[int, ...]

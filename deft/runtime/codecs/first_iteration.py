@@ -1,112 +1,49 @@
-"""deft's own codec choice in a live run (``compression = "auto"``, the default).
+"""The first iteration's codec: its own sends, and the codec of the profile iterations after it.
 
-When it is considered: ``epsilon > 0`` with the preserver on, two ranks or more, deft measuring its own
-profile (no profile or schedule file), no comm hook registered (a user's or the config's, which runs
-on every bucket instead), and every trainable parameter in float32 or float64 (casting 16-bit
-gradients to 16 bits saves nothing; a mixed-dtype bucket cannot be cast as one tensor).
+Where the links are the bound, the iterations before the plan (the first, the profile iterations,
+those run while rank 0 plans) cost what torch DDP's do, several times a coded iteration. So the codec
+is judged on the first iteration itself; every rank decides alike (gathered samples, times maximised
+over the ranks). Rules:
 
-What it measures, collectively at the end of the profile (every rank, the same result):
-
-* the codec's wire bytes and compute per profiled bucket: torch's ``fp16_compress_hook`` timed on a
-  one-rank group (:func:`deft.runtime.comm_hooks.agree_codec`, the maximum over ranks); bf16's cast
-  costs the same passes over memory, so one measurement prices both; deft's 8-bit hook
-  (:mod:`deft.runtime.int8_hook`) likewise, where it puts fewer bytes on the wire than 16 bits (under
-  four ranks);
-* the scale the rounding is judged against (:func:`deft.runtime.grad_stats.gradient_scale`).
-
-Rank 0 then decides inside its plan (:func:`deft.runtime.planning.choose_codec`); every rank rebuilds
-the profile the schedule was planned on from the decision's record (:func:`planned_profile`), so the
-adaptation and the re-checks calibrate and re-plan on coded times.
-
-The profile iterations' codec (``config.profile_codec``)
---------------------------------------------------------
-(16 bits as below; under ``"auto"``, int8 in their place where int8's bound passes on the same
-statistics, block peaks included, and the first iteration's sends stood in int8 or the links stay the
-bound in 16 bits: :func:`profile_codec`.)
-
-Where the links are the bound, the iterations before the plan (profile iterations, and those run
-while rank 0 plans in the background) cost what torch DDP's do, several times a coded iteration. So
-the codec is judged once before them, on the *first* iteration (whose own sends are judged on a
-sample of its gradients: below; that sample then decides): :class:`FirstIteration` gathers that
-iteration's gradient statistics (the same estimators as the plan's, a separate instance: the
-preserver's own statistics start where they always did) and times it. :func:`profile_codec`
-decides: the codec the preserver accepts on those statistics
-(:func:`deft.preserver.codec_error.pick`, the same bound the plan applies), used where coding saves
-at least :data:`PROFILE_GAIN` of the first iteration's time (forward, backward and the all-reduces
-still running after it). The profile iterations run torch DDP's synchronous schedule, so what coding
-saves is what it takes off the all-reduces after the backward: at most that exposed time, and at most
-half the whole all-reduce (16 bits for 32), ``saving = min(exposed, comm / 2)`` with ``comm`` the
-construction's broadcast scaled to the gradients' all-reduce (``exposed / 2`` where none was timed).
-The bar is higher than the plan's 3 % because a coded profile gives the plan exact times derived
-from coded ones. (Until 2026-11-27 the rule was ``exposed > compute``; measured on the testbed at
-250 Mbit/s it kept the profile exact, 0.74 s per profile iteration against 0.47 s coded, whenever the
-first iteration's sends overlapped its backward: saving 0.09-0.15 s against a 0.06 s bar there; at
-1000 Mbit/s 0.03-0.04 s against 0.04-0.07 s, exact. benchmarks/results/slow_links.md.) The first
-iteration's compute includes one-off costs, so the screen errs towards exact. Then every
-bucket of the profile iterations is sent with it (``Schedule.codecs``); the profile is measured coded
-and :func:`deft.solver.codecs.exact_profile` gives the exact times the plan's choice starts from
-(the wire time scaled by the bytes, the start-up kept). At the plan the codec is judged again on all
-the statistics; the iterations run while rank 0 plans stay coded only if it still passes.
-
-The first iteration's own sends
--------------------------------
-The first iteration is judged on its own gradients (``profile_codec`` "auto" or "always"), at the end
-of its backward, where each rank contributes ``SAMPLE_SIZE`` coordinates of its local gradient, drawn
-with a seed every rank shares, and its largest element. The sample's mean over ranks and spread
-between ranks estimate ``|g|²`` and ``tr Σ`` as the preserver's estimators do on whole gradients
-(:func:`sampled_scale`: ``E |g_r|² = |g|² + tr Σ / b`` and ``E |ḡ|² = |g|² + tr Σ / (R b)``, each
-coordinate sum scaled by ``n / k``). The noise is then taken at the low end of what the sample can
-tell: ``SAMPLE_Z`` standard errors below its estimate (each sampled coordinate is an unbiased estimate
-of the whole trace; their spread gives the interval), and ``SAMPLE_MARGIN`` times smaller again, for
-the iterations to come whose noise it stands for. (Until 2026-11-27 (ninth session) a fixed 100x
-smaller: fine for fp16, whose bound δ of :mod:`deft.preserver.codec_error` is ~10⁻⁶ here against the
-0.02 that epsilon 0.01 allows, but it put int8's ~2·10⁻⁴ at the limit and kept the profile iterations
-16-bit in 2 of 3 seeds at 2 x 50 Mbit/s although the plan then chose int8 in every one.)
-The one timing judgement of the first iteration is the screen at its first gradient (below): the
-links may be the bound where the construction's broadcast of the model, scaled to an all-reduce of the
-gradients over the links, is longer than the forward and backward estimated there. Every rank decides
-alike (gathered samples, times maximised over the ranks). Where the sends are judged, that verdict is
-the profile iterations' codec too, on the same sample (:meth:`FirstIteration.sample_only`): the
-whole-gradient statistics are not gathered then (their passes over the gradient cost rank 0 30-90 ms
-of the first backward on the testbed at 2 x 50 Mbit/s), and the sample's margin judges more strictly
-than they would. Until 2026-11-27 the whole statistics judged the profile iterations again.
-
-The sends do not wait for the judgement: they go **speculatively** in :data:`SPECULATIVE_CODEC` from
-the first gradient (:meth:`deft.runtime.executor.Executor.speculate`: each send's hook gets a copy of
-its bucket, so the buffers keep the exact local gradient), and the judgement comes once every one of
-them is launched, on every rank, so each link has carried the same collectives everywhere. Where it
-names another codec, or none (the preserver refuses, or a non-finite sample as GradScaler's overflow
-gives), every bucket is sent again with it
-(:meth:`~deft.runtime.executor.Executor.resend`): the speculative results are waited for and dropped,
-so the iteration's update is exactly the judged codec's, as if the sends had waited. Until 2026-11-27
-they did wait (the backward's overlap lost: the first iteration took 1.2-1.34 s at 50 Mbit/s on the
-testbed against 0.95-1.03 s for deft + torch's fp16 hook set by hand, benchmarks/results/slow_links.md).
-A refusal costs the speculative sends' link time; where the links are the bound that is the coded
-all-reduce, half the exact one that follows it. The verdict does not judge the timing again: the
-sends are on the wire, and sending them again exact costs the whole exact all-reduce on top of them.
-(Until 2026-11-28 it did, with a stricter bar than the screen's: the predicted all-reduce more than
-twice the forward and backward measured to the end of the backward, a bar from when the sends waited
-for the verdict. The measured backward carries the first iteration's one-off costs and the gloo
-threads' contention with it: on a slower testbed machine, at 2 x 50 Mbit/s, it was 0.73-1.44 s against a
-1.48 s all-reduce, so the verdict flipped between runs of one seed and, where it refused, the first
-iteration sent everything twice and took 3.0-3.2 s against 0.9-1.0 s: benchmarks/results/slow_links.md.)
-
-The speculative codec is int8 where the screen predicts that int8 pays (:func:`speculative_codec`:
-under four ranks, and half the predicted all-reduce above half the estimated forward and backward:
-:func:`links_bound_in_16_bits`, the rule the profile iterations and the plan apply); the verdict then
-keeps int8 where its bound passes on the same sample, else it sends everything again with the 16-bit
-codec that passes (or exact). A 16-bit speculation is never turned into int8: by the end of the
-backward most of its bytes are on the wire.
-(Until 2026-11-27, ninth session, the first iteration always went fp16: on the testbed at 2 x 50
-Mbit/s it took 1.13-1.15 s against 0.74-0.77 s for deft + int8 set by hand, whose steady iterations the
-default's equal: benchmarks/results/slow_links.md.)
-
-Speculating costs nothing where the screen says the links cannot be the bound: at the first gradient
-(:func:`screen_first_sends`, collective, every rank alike) the sends go exact and are not judged where
-the predicted all-reduce is no longer than the forward and backward estimated from the time to the
-first gradient (a layer's backward computes two products to its forward's one: ``3 x``): an exact
-all-reduce that fits within the compute is hidden by it, and coding it saves nothing. The estimate is
-made before the backward's own one-off costs, which inflate the measured forward and backward.
+* **The screen** (:func:`screen_first_sends`, at the first gradient, collective): the sends are judged
+  only where the links may be the bound: the construction's broadcast of the model, scaled to an
+  all-reduce of the gradients over the links (:class:`TimedBroadcast`), is longer than the forward and
+  backward, estimated as :data:`COMPUTE_PER_FIRST_GRADIENT` times the time to the first gradient (a
+  layer's backward computes two products to its forward's one). An exact all-reduce that fits within
+  the compute is hidden by it, so elsewhere the sends go exact, unjudged. The estimate is made before
+  the backward's one-off costs, which inflate the measured forward and backward.
+* **Speculation**: judged sends do not wait for the verdict, so the backward keeps its overlap. They go
+  in :func:`speculative_codec` from the first gradient, each hook on a copy of its bucket so that the
+  buffers keep the exact local gradient: int8 where it puts fewer bytes than 16 bits and the links stay
+  the bound in 16 bits (:func:`deft.runtime.codecs.choice.links_bound_in_16_bits`), else
+  :data:`SPECULATIVE_CODEC`.
+* **The verdict** (:func:`first_sends_codec`, at the end of the backward, once every send is launched on
+  every rank, so each link has carried the same collectives everywhere): the preserver judges the codec
+  on a sample of the gradients (below). Where it names another codec, or none (the preserver refuses,
+  or a non-finite sample as GradScaler's overflow gives), every bucket is sent again with it and the
+  speculative results are dropped: the update is exactly the judged codec's. The verdict does not judge
+  the timing again: the sends are on the wire, and sending them again exact costs the whole exact
+  all-reduce on top of them. int8 sends stand where int8's bound passes, and a 16-bit speculation never
+  becomes int8: by the end of the backward most of the bytes are sent.
+* **The sample**: each rank contributes :data:`SAMPLE_SIZE` coordinates of its local gradient (drawn
+  with a seed every rank shares), its largest element and its int8 block peak. The sample's mean over
+  ranks and spread between ranks estimate ``|g|²`` and ``tr Σ`` as the preserver's estimators do on
+  whole gradients (:func:`sampled_scale`); the noise is taken :data:`SAMPLE_Z` standard errors below its
+  estimate and :data:`SAMPLE_MARGIN` times smaller again, because one iteration's noise judges the
+  iterations to come.
+* **The profile iterations' codec** (``config.profile_codec``, :func:`profile_iterations_codec`, decided
+  after the first iteration): where the sends were judged, their sample decides it too (the
+  whole-gradient statistics are then not gathered: their passes over the gradient would slow the first
+  backward, and the sample's margin judges more strictly); elsewhere :class:`FirstIteration`'s
+  whole-gradient statistics do. The preserver's accepted codec is used where coding saves at least
+  :data:`PROFILE_GAIN` of the first iteration's time: the profile iterations run torch DDP's synchronous
+  schedule, so coding saves at most the all-reduce time exposed after the backward and at most half the
+  whole all-reduce, ``saving = min(exposed, comm / 2)`` (``exposed / 2`` where no broadcast was timed).
+  The bar is above the plan's because a coded profile gives the plan exact times derived from coded
+  ones; the first iteration's compute includes one-off costs, so the rule errs towards exact. Under
+  ``"auto"`` a 16-bit decision becomes int8 where int8 passes and either the first sends went in int8 or
+  the links stay the bound in 16 bits. The profile is then measured coded, and
+  :func:`deft.solver.codecs.exact_profile` gives the exact times the plan's choice starts from.
 """
 
 from __future__ import annotations
@@ -114,7 +51,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -125,27 +62,22 @@ from deft.config import DeftConfig
 from deft.errors import DeftError
 from deft.preserver import codec_error
 from deft.preserver.codec_error import CodecVerdict, GradientScale
-from deft.profile import Profile
-from deft.runtime import int8_hook
-from deft.runtime.buckets import FlatLayout
-from deft.runtime.comm_hooks import Codec, agree_codec, codec_hook
+from deft.runtime.codecs.choice import INT8_COMPUTE_SHARE, links_bound_in_16_bits
+from deft.runtime.codecs.hooks import CommHook
+from deft.runtime.codecs.int8 import BLOCK as INT8_BLOCK
+from deft.runtime.codecs.int8 import block_maxima
+from deft.runtime.codecs.wire import int8_fewer_bytes
 from deft.runtime.control import ControlPlane
 from deft.runtime.executor import Executor
 from deft.runtime.grad_stats import GradStats, gradient_scale
-from deft.runtime.planning import CodecInputs
-from deft.solver import codecs
-from deft.solver.codecs import CodecCost
 
-#: Gradient dtypes a 16-bit codec makes smaller.
-WIDE_DTYPES = (torch.float32, torch.float64)
 #: Coordinates of the first iteration's local gradient each rank contributes to the judgement of its sends.
 SAMPLE_SIZE = 65536
 #: The sampled noise is taken this many standard errors below its estimate (its confidence interval over
 #: the sampled coordinates, one-sided: a chance of about 3e-5 that the whole gradient's is lower) ...
 SAMPLE_Z = 4.0
 #: ... and then this many times smaller: one iteration's noise judges the iterations to come, whose own
-#: estimate (the plan's, over the profile iterations) may be smaller (on the testbed's CNN it was not: the
-#: bound without this factor was 1.1-1.4x the plan's, benchmarks/results/slow_links.md, ninth session).
+#: estimate (the plan's, over the profile iterations) may be smaller (benchmarks/results/slow_links.md).
 SAMPLE_MARGIN = 4.0
 #: The seed of the sampled coordinates (the same on every rank).
 SAMPLE_SEED = 0x5EED
@@ -154,12 +86,8 @@ PROFILE_GAIN = 0.10
 #: The first iteration's forward and backward, estimated as this many times its time to the first
 #: gradient (the screen at it: a layer's backward computes two products to its forward's one).
 COMPUTE_PER_FIRST_GRADIENT = 3.0
-#: int8 is weighed where the 16-bit all-reduce exceeds this share of the forward and backward
-#: (:func:`links_bound_in_16_bits`).
-INT8_COMPUTE_SHARE = 0.5
 #: The codecs of the first iteration's own sends and of the profile iterations: 16 bits, or int8 where
-#: its bound passes on the first iteration's sample and the links are the bound even in 16 bits
-#: (:func:`speculative_codec`, :func:`first_sends_codec`, :func:`profile_codec`).
+#: its bound passes on the first iteration's sample and the links are the bound even in 16 bits.
 PROFILE_CODECS = (*codec_error.UNIT_ROUNDOFF, "int8")
 #: The codec the first iteration's judged sends go in before the verdict where int8 cannot pay (the
 #: preserver's first choice): :func:`speculative_codec`.
@@ -168,95 +96,10 @@ SPECULATIVE_CODEC = "fp16"
 log = logging.getLogger("deft.runtime")
 
 
-def considered(cfg: DeftConfig, world: int, measuring: bool, hooked: bool, layout: FlatLayout | None) -> bool:
-    """Whether deft chooses codecs in this run (module docstring); the same on every rank."""
-    return (cfg.compression == "auto" and cfg.epsilon > 0 and cfg.preserver and world >= 2 and measuring
-            and not hooked and layout is not None and set(layout.dtype_numel) <= set(WIDE_DTYPES)
-            and len(layout.dtype_numel) == 1)
-
-
-def measure(layout: FlatLayout, params: list[torch.Tensor], solo: dist.ProcessGroup, device: torch.device,
-            control: ControlPlane, stats: GradStats | None, batch: int | None,
-            profiled: Codec | None = None, profile: Profile | None = None) -> CodecInputs | None:
-    """Collective: the codec's cost on ``layout``'s buckets and the gradients' scale; None while the
-    scale is unknown (no noise estimate yet: the preserver could not judge the rounding). ``profiled``:
-    the profile iterations' own codec (16-bit or int8), already measured on ``layout`` (every rank has
-    it), reused;
-    ``profile``: the measured profile (every rank has it), which says whether int8 is measured
-    (:func:`int8_may_pay`)."""
-    eight = profiled if profiled is not None and profiled.name == "int8" else None
-    sixteen = profiled if profiled is not None and profiled.name != "int8" else None
-    measured = sixteen if sixteen is not None else agree_codec(codec_hook("fp16"), layout, params, solo, device,
-                                                               control)
-    scale = gradient_scale(stats, control, batch)
-    if measured is None or scale is None:
-        return None
-    if eight is None and int8_may_pay(profile, control.world):
-        eight = agree_codec(codec_hook("int8"), layout, params, solo, device, control)
-    int8 = None if eight is None else CodecCost("int8", eight.wire_nbytes, eight.codec_s)
-    return CodecInputs(CodecCost("fp16", measured.wire_nbytes, measured.codec_s), scale, int8)
-
-
-def lag_codec(profile_codec: str, inputs: CodecInputs | None, epsilon: float) -> str:
-    """Pure: the codec of the iterations run while rank 0 plans: the profile iterations' (``profile_codec``,
-    ``""`` exact) while the preserver still accepts a codec on every statistic so far (``inputs``, the
-    same on every rank): int8 where they were int8 and it still passes (and was measured), else the
-    16-bit codec that passes, else exact."""
-    if not profile_codec or inputs is None:
-        return ""
-    if profile_codec == "int8" and inputs.int8 is not None \
-            and codec_error.judge("int8", inputs.scale, epsilon).accepted:
-        return "int8"
-    accepted = next((v for v in codec_error.pick(inputs.scale, epsilon) if v.accepted), None)
-    return "" if accepted is None else accepted.codec
-
-
-def links_bound_in_16_bits(comm_s: float, compute_s: float) -> bool:
-    """Pure: whether the links stay the bound in 16 bits, so that fewer bytes may pay, from the exact
-    all-reduce's time over the links ``comm_s`` and the forward and backward ``compute_s``: the 16-bit
-    all-reduce, ``comm_s / 2``, exceeds :data:`INT8_COMPUTE_SHARE` of the compute. Not the
-    whole compute: sends start only as the backward produces their buckets, the last one's is exposed
-    whatever the compute, and on the 2-core testbed machine the all-reduces beside the model ran 1.4-1.8x
-    their profiled time (the adaptation's measured factor). So where the 16-bit all-reduce about
-    equals the compute, the links are still the bound: at 2 x 50 Mbit/s on a testbed machine whose
-    16-bit all-reduce was 0.71 s against 0.72 s of forward and backward, deft + int8 set by hand ran
-    650-700 ms per iteration against 750-800 ms for the default's 16-bit plan
-    (benchmarks/results/slow_links.md, eleventh session). Where it does not pay after all, the plan's
-    simulation leaves it out (:func:`deft.runtime.planning.choose_codec`)."""
-    return comm_s / 2.0 > INT8_COMPUTE_SHARE * compute_s
-
-
-def int8_may_pay(profile: Profile | None, world: int) -> bool:
-    """Pure: whether the 8-bit codec is measured for the plan's choice: it puts fewer bytes on the wire
-    than 16 bits (under four ranks) and :func:`links_bound_in_16_bits` on the profile's exact all-reduce
-    time, spread over its links, and its forward and backward. Elsewhere
-    the 16-bit sends hide under the compute, and timing int8's encode and decode (4 passes over every
-    bucket, ~0.3 s on the testbed's CNN) would only delay the plan (measured: 250 / 1000 Mbit/s,
-    benchmarks/results/slow_links.md, eighth session)."""
-    if profile is None or not int8_hook.fewer_bytes_than_16_bits(world):
-        return False
-    exact = codecs.exact_profile(profile)
-    comm = sum(min(exact.comm_time(b, lk) for lk in exact.link_names) for b in range(exact.n))
-    return links_bound_in_16_bits(comm / len(exact.link_names), exact.forward_s + exact.backward_s)
-
-
-def planned_profile(profile: Profile, inputs: CodecInputs | None, info: JsonDict) -> Profile:
-    """The profile rank 0 planned on: ``profile`` with the buckets its decision coded (``info["codecs"]``)."""
-    record = info.get("codecs")
-    if inputs is None or not isinstance(record, dict):
-        return profile
-    coded, name = record.get("coded"), record.get("codec")
-    if not coded:
-        return profile
-    if not (isinstance(coded, list) and all(isinstance(b, int) for b in coded) and isinstance(name, str)):
-        raise DeftError(f"internal: rank 0's codec decision is malformed: {record!r}")
-    return codecs.encoded_profile(profile, inputs.cost_of(name), [int(b) for b in coded])  # ints: checked above
-
-
-# -- the profile iterations' codec (module docstring) ------------------------------------------------------
 @dataclass(frozen=True)
-class ProfileCodec:
-    """The codec every bucket of the profile iterations is sent with (``""``: exact), and why."""
+class CodecDecision:
+    """A codec decision of the first iteration, and why: its own sends' (:func:`first_sends_codec`) or the
+    profile iterations' (:func:`profile_iterations_codec`, ``plan_info["profile_codec"]``); ``""``: exact."""
 
     codec: str
     reason: str
@@ -272,7 +115,7 @@ class ProfileCodec:
                 "speculative": self.speculative}
 
     @classmethod
-    def from_dict(cls, doc: object) -> ProfileCodec:
+    def from_dict(cls, doc: object) -> CodecDecision:
         """A checkpoint's ``plan_info["profile_codec"]`` (the run resumes sending what it sent)."""
         if not isinstance(doc, dict) or not isinstance(doc.get("codec"), str) or not isinstance(doc.get("reason"), str):
             raise DeftError(f"deft checkpoint: plan_info.profile_codec: expected an object with the strings "
@@ -314,21 +157,21 @@ class TimedBroadcast:
 
 
 def _screen(mode: str, verdicts: tuple[CodecVerdict, ...], whose: str, exposed_s: float | None,
-            compute_s: float | None) -> ProfileCodec | CodecVerdict:
+            compute_s: float | None) -> CodecDecision | CodecVerdict:
     """The rules both decisions share: ``"never"`` and a preserver accepting no codec (on ``whose``
     gradients) keep the sends exact (that decision is returned); otherwise the accepted verdict."""
     if mode == "never":
-        return ProfileCodec("", "profile_codec = \"never\"", exposed_s=exposed_s, compute_s=compute_s)
+        return CodecDecision("", "profile_codec = \"never\"", exposed_s=exposed_s, compute_s=compute_s)
     accepted = next((v for v in verdicts if v.accepted), None)
     if accepted is None:
-        return ProfileCodec("", f"the preserver accepts no codec on {whose} gradients: "
+        return CodecDecision("", f"the preserver accepts no codec on {whose} gradients: "
                             + "; ".join(f"{v.codec}: {v.reason}" for v in verdicts),
                             exposed_s=exposed_s, compute_s=compute_s)
     return accepted
 
 
 def first_sends_codec(mode: str, verdicts: tuple[CodecVerdict, ...], comm_s: float | None,
-                      compute_s: float, int8: CodecVerdict | None = None, speculative: str = "") -> ProfileCodec:
+                      compute_s: float, int8: CodecVerdict | None = None, speculative: str = "") -> CodecDecision:
     """Pure: the codec of the first iteration's own sends (module docstring), from the preserver's
     verdicts on the sampled statistics, ``comm_s`` (the construction's broadcast scaled to the
     gradients' all-reduce over the links; None: not measured) and the iteration's forward and backward
@@ -346,13 +189,13 @@ def first_sends_codec(mode: str, verdicts: tuple[CodecVerdict, ...], comm_s: flo
 
 
 def _first_sends_codec(mode: str, verdicts: tuple[CodecVerdict, ...], comm_s: float | None,
-                       compute_s: float) -> ProfileCodec:
+                       compute_s: float) -> CodecDecision:
     accepted = _screen(mode, verdicts, "the first iteration's sampled", comm_s, compute_s)
-    if isinstance(accepted, ProfileCodec):
+    if isinstance(accepted, CodecDecision):
         return accepted
     if mode == "auto":
         if comm_s is None:
-            return ProfileCodec("", "no timed broadcast of the model at construction (init_sync off)",
+            return CodecDecision("", "no timed broadcast of the model at construction (init_sync off)",
                                 exposed_s=comm_s, compute_s=compute_s)
         # No timing rule here: the screen at the first gradient judged the links possibly the bound and
         # the sends are on the wire; sending them again exact would add the whole exact all-reduce.
@@ -360,11 +203,11 @@ def _first_sends_codec(mode: str, verdicts: tuple[CodecVerdict, ...], comm_s: fl
                "measured)")
     else:
         why = "profile_codec = \"always\""
-    return ProfileCodec(accepted.codec, f"{why}; on a sample of the gradients, {accepted.reason}",
+    return CodecDecision(accepted.codec, f"{why}; on a sample of the gradients, {accepted.reason}",
                         delta=accepted.delta, exposed_s=comm_s, compute_s=compute_s)
 
 
-def screen_first_sends(mode: str, comm_s: float | None, to_first_grad_s: float) -> ProfileCodec | None:
+def screen_first_sends(mode: str, comm_s: float | None, to_first_grad_s: float) -> CodecDecision | None:
     """Pure: the screen at the first iteration's first gradient (module docstring). None: its sends are
     judged at the end of its backward (speculatively coded meanwhile); else the decision to send them
     exact, unjudged, and why. ``comm_s``: the construction's broadcast scaled to the gradients'
@@ -374,10 +217,10 @@ def screen_first_sends(mode: str, comm_s: float | None, to_first_grad_s: float) 
         return None
     compute = COMPUTE_PER_FIRST_GRADIENT * to_first_grad_s
     if comm_s is None:
-        return ProfileCodec("", "no timed broadcast of the model at construction (init_sync off)", compute_s=compute)
+        return CodecDecision("", "no timed broadcast of the model at construction (init_sync off)", compute_s=compute)
     if comm_s > compute:
         return None
-    return ProfileCodec("", f"the links cannot be the bound: the gradients' all-reduce predicts {comm_s:.3g} s from "
+    return CodecDecision("", f"the links cannot be the bound: the gradients' all-reduce predicts {comm_s:.3g} s from "
                         f"the construction's broadcast, against about {compute:.3g} s of forward and backward "
                         f"({COMPUTE_PER_FIRST_GRADIENT:g}x the {to_first_grad_s:.3g} s to the first gradient); "
                         "sent exact, not judged", exposed_s=comm_s, compute_s=compute)
@@ -388,11 +231,12 @@ def speculative_codec(mode: str, comm_s: float | None, compute_s: float, world: 
     (``mode``: ``config.profile_codec``), int8 where it puts fewer bytes on the wire than 16 bits (under
     four ranks) and the links would stay the bound in 16 bits (:func:`links_bound_in_16_bits` on the
     predicted all-reduce ``comm_s`` and ``compute_s``, the screen's estimate of the forward and backward:
-    the rule of :func:`profile_codec` and :func:`int8_may_pay`), else :data:`SPECULATIVE_CODEC`. ``"always"`` codes
+    the rule of :func:`profile_iterations_codec` and :func:`deft.runtime.codecs.choice.int8_may_pay`),
+    else :data:`SPECULATIVE_CODEC`. ``"always"`` codes
     whatever the timing, so it keeps to the 16-bit codec, which no timing chooses. A verdict refusing
     int8 sends every bucket again in 16 bits (or exact): the int8 sends' link time lost, a quarter of the
     exact all-reduce's at two ranks."""
-    if (mode == "auto" and comm_s is not None and int8_hook.fewer_bytes_than_16_bits(world)
+    if (mode == "auto" and comm_s is not None and int8_fewer_bytes(world)
             and links_bound_in_16_bits(comm_s, compute_s)):
         return "int8"
     return SPECULATIVE_CODEC
@@ -440,9 +284,9 @@ def sample_coordinates(numel: int, k: int = SAMPLE_SIZE) -> torch.Tensor:
     return torch.randint(0, numel, (k,), generator=torch.Generator().manual_seed(SAMPLE_SEED))
 
 
-def profile_codec(mode: str, verdicts: tuple[CodecVerdict, ...], exposed_s: float, compute_s: float,
+def profile_iterations_codec(mode: str, verdicts: tuple[CodecVerdict, ...], exposed_s: float, compute_s: float,
                   first_codec: str = "", comm_s: float | None = None,
-                  int8: CodecVerdict | None = None) -> ProfileCodec:
+                  int8: CodecVerdict | None = None) -> CodecDecision:
     """Pure: the profile iterations' codec from the preserver's verdicts on the first iteration's
     statistics and its timing (module docstring); ``mode`` is ``config.profile_codec``;
     ``first_codec``: the codec the first iteration's own sends used (its time then says nothing of
@@ -453,7 +297,7 @@ def profile_codec(mode: str, verdicts: tuple[CodecVerdict, ...], exposed_s: floa
     screen at its first gradient judged int8 to pay: :func:`speculative_codec`) or the links stay the
     bound in 16 bits (:func:`links_bound_in_16_bits`, the plan's measuring rule: :func:`int8_may_pay`);
     ``"always"`` codes whatever the timing, so it keeps to 16 bits, which no timing chooses."""
-    decision = _profile_codec(mode, verdicts, exposed_s, compute_s, first_codec, comm_s)
+    decision = _profile_iterations_codec(mode, verdicts, exposed_s, compute_s, first_codec, comm_s)
     if mode == "auto" and decision.codec and int8 is not None and int8.accepted and first_codec == "int8":
         return replace(decision, codec="int8", delta=int8.delta,
                        reason=f"{decision.reason}; int8, as the first iteration's sends: {int8.reason}")
@@ -468,30 +312,30 @@ def profile_codec(mode: str, verdicts: tuple[CodecVerdict, ...], exposed_s: floa
     return decision
 
 
-def _profile_codec(mode: str, verdicts: tuple[CodecVerdict, ...], exposed_s: float, compute_s: float,
-                   first_codec: str, comm_s: float | None) -> ProfileCodec:
+def _profile_iterations_codec(mode: str, verdicts: tuple[CodecVerdict, ...], exposed_s: float, compute_s: float,
+                   first_codec: str, comm_s: float | None) -> CodecDecision:
     accepted = _screen(mode, verdicts, "the first iteration's", exposed_s, compute_s)
-    if isinstance(accepted, ProfileCodec):
+    if isinstance(accepted, CodecDecision):
         return accepted
     if first_codec:
-        return ProfileCodec(accepted.codec, f"the first iteration was sent in {first_codec} (the links judged the "
+        return CodecDecision(accepted.codec, f"the first iteration was sent in {first_codec} (the links judged the "
                             f"bound before it); on the same sample, {accepted.reason}",
                             delta=accepted.delta, exposed_s=exposed_s, compute_s=compute_s)
     saving = min(exposed_s, comm_s / 2.0) if comm_s is not None else exposed_s / 2.0
     bar = PROFILE_GAIN * (compute_s + exposed_s)
     if mode == "auto" and not saving >= bar:
-        return ProfileCodec("", f"coding saves too little in the first iteration: its all-reduces ran "
+        return CodecDecision("", f"coding saves too little in the first iteration: its all-reduces ran "
                             f"{exposed_s:.3g} s after the backward ({compute_s:.3g} s of forward and backward), at "
                             f"most {saving:.3g} s saved against {PROFILE_GAIN:.0%} of the iteration ({bar:.3g} s)",
                             exposed_s=exposed_s, compute_s=compute_s)
     why = (f"coding saves up to {saving:.3g} s of the first iteration's {compute_s + exposed_s:.3g} s (its all-reduces "
            f"ran {exposed_s:.3g} s after the backward)" if mode == "auto" else "profile_codec = \"always\"")
-    return ProfileCodec(accepted.codec, f"{why}; {accepted.reason}", delta=accepted.delta,
+    return CodecDecision(accepted.codec, f"{why}; {accepted.reason}", delta=accepted.delta,
                         exposed_s=exposed_s, compute_s=compute_s)
 
 
 class FirstIteration:
-    """The first iteration's gradient statistics and timing, for :func:`profile_codec` (an executor
+    """The first iteration's gradient statistics and timing, for :func:`profile_iterations_codec` (an executor
     observer while that iteration runs; the facade's events give the times)."""
 
     def __init__(self) -> None:
@@ -506,7 +350,7 @@ class FirstIteration:
         self._screen_wait = 0.0  # seconds screen_sends waited for the other ranks
         self._comm_s: float | None = None  # the predicted all-reduce the ranks agreed on (None: not timed)
         self._screened_compute_s = 0.0  # the screen's estimate of the forward and backward (max over ranks)
-        self.sends: ProfileCodec | None = None  # the first iteration's own sends (judge_sends), once judged
+        self.sends: CodecDecision | None = None  # the first iteration's own sends (judge_sends), once judged
 
     def _compute_s(self) -> float | None:
         """This rank's forward and backward of the first iteration so far (to the end of its backward
@@ -551,8 +395,8 @@ class FirstIteration:
     def sample_only(self, executor: Executor) -> None:
         """The sends are judged (:meth:`judge_sends`): its sample decides the profile iterations' codec
         too, so the whole-gradient statistics stop before the backward's first bucket (their passes over
-        the gradient cost rank 0 30-90 ms of that backward on the testbed). The sample keeps its margin
-        (module docstring), so the profile iterations are judged more strictly than on whole gradients."""
+        the gradient would slow that backward). The sample keeps its margin (module docstring), so the
+        profile iterations are judged more strictly than on whole gradients."""
         if self.stats is not None:
             executor.unobserve(self.stats)
             self.stats = None
@@ -567,9 +411,9 @@ class FirstIteration:
         (flat,) = executor.local_gradient().values()  # considered(): one dtype
         with torch.no_grad():
             local = flat.detach()
-            maxima = int8_hook.block_maxima(local)
+            maxima = block_maxima(local)
             largest = maxima.amax().reshape(1).to(local.dtype) if local.numel() else local.new_zeros(1)
-            peak = (maxima.double().square().sum() * int8_hook.BLOCK).reshape(1).to(local.dtype)
+            peak = (maxima.double().square().sum() * INT8_BLOCK).reshape(1).to(local.dtype)
             # the sampled coordinates, this rank's largest element and its int8 block peak: one row of the
             # gather, in the gradient's own dtype (a float32 gradient's sample loses nothing; half the
             # bytes of float64)
@@ -584,7 +428,7 @@ class FirstIteration:
                                               block_peak=float(gathered[:, -1].max()))
         self._judged = True
         if scale is None:
-            self.sends = ProfileCodec("", "no usable sample of the first iteration's gradients (non-finite, "
+            self.sends = CodecDecision("", "no usable sample of the first iteration's gradients (non-finite, "
                                       "no spread between ranks, or no batch size)", comm, compute)
         else:
             int8 = codec_error.judge("int8", scale, cfg.epsilon) if speculative == "int8" else None
@@ -593,7 +437,7 @@ class FirstIteration:
         self.sends = replace(self.sends, speculative=speculative)
         return self.sends.codec
 
-    def decide(self, cfg: DeftConfig, control: ControlPlane, batch: int | None) -> ProfileCodec:
+    def decide(self, cfg: DeftConfig, control: ControlPlane, batch: int | None) -> CodecDecision:
         """Collective (control group): the same decision on every rank (gathered statistics, times
         maximised over the ranks)."""
         compute, bwd, end = self._compute_s(), self._backward_end, self._end
@@ -604,11 +448,11 @@ class FirstIteration:
         scale = self._sampled if self._judged else gradient_scale(self.stats, control, batch)
         first = None if self.sends is None else self.sends.to_dict()
         if scale is None:
-            return ProfileCodec("", "no gradient statistics from the first iteration", exposed, compute, first=first)
+            return CodecDecision("", "no gradient statistics from the first iteration", exposed, compute, first=first)
         int8 = None
-        if int8_hook.fewer_bytes_than_16_bits(control.world):
+        if int8_fewer_bytes(control.world):
             int8 = codec_error.judge("int8", scale, cfg.epsilon)
-        decision = profile_codec(cfg.profile_codec, codec_error.pick(scale, cfg.epsilon), exposed, compute,
+        decision = profile_iterations_codec(cfg.profile_codec, codec_error.pick(scale, cfg.epsilon), exposed, compute,
                                  "" if self.sends is None else self.sends.codec, self._comm_s, int8)
         return replace(decision, first=first)
 
@@ -616,13 +460,15 @@ class FirstIteration:
 class FirstSendsJudge:
     """The first iteration's :class:`~deft.runtime.executor.SendJudge`: screened at its first gradient
     (:meth:`FirstIteration.screen_sends`), sent speculatively (:func:`speculative_codec`), judged at the
-    end of its backward (:meth:`FirstIteration.judge_sends`) and sent again where the verdict differs."""
+    end of its backward (:meth:`FirstIteration.judge_sends`) and sent again where the verdict differs.
+    ``hooks(codec)``: the executor's hook table sending every bucket with ``codec`` (``""``: exact)."""
 
     def __init__(self, first: FirstIteration, cfg: DeftConfig, control: ControlPlane,
                  batch: Callable[[], int | None], broadcast: TimedBroadcast | None,
-                 links_bound: Callable[[], None]) -> None:
+                 links_bound: Callable[[], None], hooks: Callable[[str], Sequence[CommHook | None]]) -> None:
         self.first, self.cfg, self.control, self.batch, self.broadcast = first, cfg, control, batch, broadcast
         self.links_bound = links_bound  # called where the screen judges the sends (the links may be the bound)
+        self.hooks = hooks
         self.speculative = SPECULATIVE_CODEC  # the codec the judged sends went in (the same on every rank)
 
     def _comm_s(self, executor: Executor) -> float | None:
@@ -637,7 +483,8 @@ class FirstSendsJudge:
         if judged:
             self.first.sample_only(executor)
             self.speculative = self.first.speculative_codec(self.cfg, self.control.world)
-            executor.speculate(self.speculative)
+            # each hook on a copy of its bucket: the buffers stay exact until the verdict
+            executor.use_hooks(self.hooks(self.speculative), copies=True)
             self.links_bound()
         else:
             self._log()
@@ -646,7 +493,7 @@ class FirstSendsJudge:
     def at_backward_end(self, executor: Executor) -> None:
         codec = self.first.judge_sends(executor, self.cfg, self.control, self.batch(), self.speculative)
         if codec != self.speculative:
-            executor.resend(codec)
+            executor.send_again(self.hooks(codec))
         self._log()
 
     def _log(self) -> None:
