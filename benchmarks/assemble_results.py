@@ -16,6 +16,7 @@ ORDER = [
     "peers.md",
     "peers_lm.md",
     "slow_links.md",
+    "house.md",
     "gpu.md",
     "seeds.md",
     "testbed.md",
