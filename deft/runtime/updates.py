@@ -210,7 +210,7 @@ class UpdateApplier:
         """The iteration ``t`` ends: the exposed update, if the step took it, goes into the log."""
         self._exposed = None
         if self._exposed_iterations is not None:
-            self.log.extend((t, its) for its in self._carried_iterations + [self._exposed_iterations] if its)
+            self.log.extend((t, its) for its in [*self._carried_iterations, self._exposed_iterations] if its)
             self._carried_iterations = []
             self._exposed_iterations = None
         self.clear_grads()
