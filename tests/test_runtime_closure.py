@@ -35,7 +35,8 @@ def train(wrapped: nn.Module, opt: torch.optim.Optimizer, rank: int, style: str)
         xs, ys = torch.randn(2, 8, 16, generator=g), torch.randint(0, 4, (2, 8), generator=g)
         scale = 0.5 if style == "accumulate" else 1.0
 
-        def closure(micro: int = 1) -> torch.Tensor:
+        def closure(micro: int = 1, xs: torch.Tensor = xs, ys: torch.Tensor = ys, scale: float = scale
+                    ) -> torch.Tensor:
             if style != "accumulate":
                 opt.zero_grad()
             loss = loss_fn(wrapped(xs[micro]), ys[micro]) * scale
@@ -112,7 +113,7 @@ def lbfgs_worker(rank: int, world: int) -> dict[str, Any]:
         error = ""
     except DeftError as e:
         error = str(e)
-    return {"error": error, "unchanged": all(torch.equal(a, b) for a, b in zip(before, ours.parameters()))}
+    return {"error": error, "unchanged": all(torch.equal(a, b) for a, b in zip(before, ours.parameters(), strict=True))}
 
 
 @pytest.mark.slow
