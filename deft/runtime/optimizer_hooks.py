@@ -14,6 +14,13 @@ module's parameters, which would silently never see a gradient (one optimizer pe
 
 Hooks hold a weak reference to their owner, so a dropped wrapper stops intercepting.
 
+``optimizer.step(closure)`` (torch's documented form; Lightning's precision plugins step this way): the
+closure runs forward and backward inside the step, after the pre hook, so the pre hook does not call
+``before()`` itself; it wraps the closure, whose wrapper calls ``before()`` once the closure returns,
+right before the optimizer reads ``p.grad`` (:func:`wrap_closure`). An optimizer that evaluates its
+closure several times per step (``torch.optim.LBFGS``: each evaluation needs the averaged gradient at
+the parameters it just moved to) is refused at its first step, before anything is applied.
+
 Merged updates (``config.merge_lr_scaling``): the one optimizer step that applies an update merging
 ``k`` iterations runs with every param group's ``lr`` multiplied by ``1``, ``k`` or ``sqrt k``
 (:func:`scale_lr` before, :func:`restore_lr` right after, in the step's pre and post hooks), so an LR
@@ -36,6 +43,9 @@ from deft.preserver.gaussian_walk import merge_lr_factor
 #: A param group's learning rate: a float, or a tensor (torch accepts both).
 LearningRate = float | torch.Tensor
 
+#: An optimizer step's call arguments as torch's step hooks get them: ``(args, kwargs)``, ``args[0]`` the optimizer.
+StepArgs = tuple[tuple[object, ...], dict[str, object]]
+
 
 class OptimizerBinding:
     """Finds the module's one optimizer and calls ``before()``/``after()`` (the runtime's bound methods,
@@ -55,9 +65,9 @@ class OptimizerBinding:
                                 "trainable parameters")
             self.optimizer = optimizer
             self._handles += [optimizer.register_step_pre_hook(_hook(self, "pre", bound=True)),
-                              optimizer.register_step_post_hook(_hook(self, "post", bound=True))]
+                              optimizer.register_step_post_hook(_post_hook(self, bound=True))]
         self._handles += [register_optimizer_step_pre_hook(_hook(self, "pre", bound=False)),
-                          register_optimizer_step_post_hook(_hook(self, "post", bound=False))]
+                          register_optimizer_step_post_hook(_post_hook(self, bound=False))]
 
     def _steps_mine(self, opt: torch.optim.Optimizer) -> bool:
         return any(id(p) in self._mine for g in opt.param_groups for p in g["params"])
@@ -81,21 +91,31 @@ class OptimizerBinding:
         self.optimizer = opt
         return True
 
-    def fire(self, which: str, opt: torch.optim.Optimizer, bound: bool) -> None:
+    def fire(self, which: str, opt: torch.optim.Optimizer, bound: bool, args: StepArgs) -> StepArgs | None:
+        """One step hook: ``before()`` or ``after()`` when it is the module's optimizer's; returns the
+        step's arguments with the closure wrapped when the step has one (:func:`wrap_closure`)."""
         before, after = self._before(), self._after()
         if before is None or after is None or self.internal:
-            return
+            return None
         if bound:
-            (before if which == "pre" else after)()
+            act = True
         elif not self._bound:
             # Global hooks: the pre hook claims (and checks for a second optimizer); the post hook
             # only follows the claimed optimizer.
-            if which == "pre" and self.claims(opt):
-                before()
-            elif which == "post" and opt is self.optimizer:
-                after()
-        elif which == "pre":
-            self.claims(opt)  # bound: the global hook only checks for a second optimizer
+            act = self.claims(opt) if which == "pre" else opt is self.optimizer
+        else:
+            act = False
+            if which == "pre":
+                self.claims(opt)  # bound: the global hook only checks for a second optimizer
+        if not act:
+            return None
+        if which == "post":
+            after()
+            return None
+        wrapped = wrap_closure(opt, args, before)
+        if wrapped is None:
+            before()
+        return wrapped
 
     def step_internally(self) -> None:
         """Run ``optimizer.step()`` for an update the user's step does not apply (several due at once)."""
@@ -115,15 +135,56 @@ class OptimizerBinding:
 
 
 def _hook(binding: OptimizerBinding, which: str, bound: bool
-          ) -> Callable[[torch.optim.Optimizer, tuple[object, ...], dict[str, object]], None]:
+          ) -> Callable[[torch.optim.Optimizer, tuple[object, ...], dict[str, object]], StepArgs | None]:
     """The one hook factory: a weak reference to the binding, so a dropped wrapper stops intercepting."""
     ref = weakref.ref(binding)
 
-    def hook(opt: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+    def hook(opt: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> StepArgs | None:
         b = ref()
-        if b is not None:
-            b.fire(which, opt, bound)
+        return None if b is None else b.fire(which, opt, bound, (args, kwargs))
     return hook
+
+
+def _post_hook(binding: OptimizerBinding, bound: bool
+               ) -> Callable[[torch.optim.Optimizer, tuple[object, ...], dict[str, object]], None]:
+    """A post hook returns nothing (torch's signature)."""
+    fire = _hook(binding, "post", bound)
+
+    def hook(opt: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+        fire(opt, args, kwargs)
+    return hook
+
+
+def wrap_closure(opt: torch.optim.Optimizer, step_args: StepArgs, before: Callable[[], None]) -> StepArgs | None:
+    """``optimizer.step(closure)``: the step's arguments with the closure replaced by one that calls
+    ``before()`` after it returns (None: the step has no closure). ``args[0]`` is the optimizer itself
+    (torch passes the bound call's arguments). Refuses an optimizer that calls its closure more than once
+    per step, by type before the step, or at the second call."""
+    args, kwargs = step_args
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if closure is None:
+        return None
+    if not callable(closure):
+        raise DeftError(f"optimizer.step(closure): the closure is not callable ({type(closure).__name__})")
+    if isinstance(opt, torch.optim.LBFGS):
+        raise DeftError("deft.DistributedDataParallel does not support torch.optim.LBFGS: it evaluates its "
+                        "closure several times per step, each needing the averaged gradient at parameters it "
+                        "just moved, while deft applies one update per step; use torch DDP for LBFGS")
+    calls = 0
+
+    def deft_closure() -> object:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            raise DeftError(f"{type(opt).__name__}.step(closure) called its closure a second time in one step; "
+                            "deft applies one update per step (the first evaluation's gradient)")
+        loss = closure()
+        before()  # the closure's backward put the due update into p.grad: the optimizer reads it next
+        return loss
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": deft_closure}
+    return (args[0], deft_closure, *args[2:]), kwargs
 
 
 # -- learning-rate scaling of merged updates (config.merge_lr_scaling) -----------------------------

@@ -87,7 +87,7 @@ class ScheduledRun:
                                 f"{self._t}; deft runs forward, backward, optimizer.step() once per iteration, "
                                 "with an optimizer over this module's parameters (wrap forwards that are not "
                                 "training, e.g. metrics, in torch.no_grad())")
-            self._skip_step()  # gradients were there and no step took them: a skipped step
+            self._next_micro_batch()
         if self._phase is Phase.IDLE:
             self._begin_iteration()
             self._course.note_batch(batch_size(args, kwargs))
@@ -302,6 +302,17 @@ class ScheduledRun:
             self._tracing.backward_ends()
         self._expose()
         self._updates.before_step()
+
+    def _next_micro_batch(self) -> None:
+        """A training forward began after backward() without optimizer.step(). ``p.grad`` kept: the loop
+        accumulates without no_sync(), the gradients are carried into the next step, the sum applied as
+        torch DDP applies it (:meth:`deft.runtime.updates.UpdateApplier.carry`). ``p.grad`` cleared: the
+        step was skipped. Either way this iteration ends here and the micro-batch is the next one."""
+        if not self._updates.carry():
+            self._skip_step()
+            return
+        self._step_open = True
+        self._after_step()
 
     def _skip_step(self) -> None:
         """A forward began after backward() without optimizer.step(): the step was skipped (GradScaler

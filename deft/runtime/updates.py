@@ -13,6 +13,11 @@ Invariants (docs/DESIGN.md, "Runtime"):
   one, or (an update finishing in the forward) one internal step per module just before its forward,
   for the parameters whose buckets were still in flight at the step. A skipped step (GradScaler found
   inf/NaN) drops the exposed update as torch DDP does, deferred part included.
+* **Accumulated when the loop keeps it.** A training forward after ``backward()`` without a step, with
+  the exposed gradients still in ``p.grad``, accumulates (micro-batches without ``no_sync()``): what
+  ``p.grad`` holds is carried (:meth:`UpdateApplier.carry`) and added to the next exposed update, whose
+  step applies the sum, as torch DDP's ``p.grad`` would hold it. Gone from ``p.grad`` (``zero_grad()``
+  after a skipped step), it is a skipped step.
 * **Applied whole when it must be.** A deferred part gets the step's hyperparameters as they were at
   the step (an LR scheduler may have stepped since), and is possible only when the optimizer updates
   each parameter from its own gradient and state and deft itself does nothing global to the
@@ -63,6 +68,9 @@ class UpdateApplier:
         self._exposed: bool | None = None
         self._exposed_iterations: tuple[int, ...] | None = None
         self._lr_saved: list[LearningRate] | None = None  # the groups' lr while a merged step runs scaled
+        # Accumulation without no_sync(): what p.grad held at the next forward, and the iterations it sums.
+        self._carried: list[torch.Tensor | None] | None = None
+        self._carried_iterations: list[tuple[int, ...]] = []
         # Updates finishing in the forward: module pre-hooks, and the step's hyperparameters.
         self._owned: dict[int, list[int]] = {}  # id(module) -> parameters updated before its forward
         self.first_use: dict[int, nn.Module] = {}  # parameter -> module of its first use (recorded once)
@@ -117,7 +125,9 @@ class UpdateApplier:
             self.set_grads(upd.grads)
             self.step_merged(len(upd.iterations))
             self.log.append((t, upd.iterations))
-        if updates:
+        if self._carried is not None:
+            self._expose_with_carried(updates[-1] if updates else None)
+        elif updates:
             self.set_grads(updates[-1].grads)
             self._exposed_iterations = updates[-1].iterations  # logged when the step takes it
             for i in self._executor.deferred:  # futures: waited for only if the loop touches them
@@ -128,6 +138,43 @@ class UpdateApplier:
         else:
             self.clear_grads()
         self._exposed = any(p.grad is not None for p in self._params)
+
+    def _expose_with_carried(self, last: DueUpdate | None) -> None:
+        """Accumulation: ``p.grad`` is the carried gradient plus the last due update's (whole: its
+        deferred part is waited for, as a loop touching it would), so the user's step applies the sum."""
+        carried, self._carried = self._carried, None
+        assert carried is not None
+        grads: list[torch.Tensor | None] = list(last.grads) if last is not None else [None] * len(self._params)
+        if last is not None and self._executor.deferred:
+            for i, g in enumerate(self._executor.finish()):
+                if g is not None:
+                    grads[i] = g
+        self.set_grads([c if g is None else g if c is None else g + c for g, c in zip(grads, carried, strict=True)])
+        self._exposed_iterations = last.iterations if last is not None else ()
+
+    def carry(self) -> bool:
+        """A training forward after ``backward()`` with no step between: if the loop left gradients in
+        ``p.grad`` (it accumulates micro-batches without ``no_sync()``), carry them into the next exposed
+        update (a placeholder carries nothing) and return True; if it cleared them (a skipped step),
+        return False.
+
+        Note: every rank takes the same decision. Whether ``p.grad`` is kept is the loop's control flow
+        (``zero_grad()`` or not), and every rank runs the same loop; GradScaler's skip decision reads the
+        all-reduced gradient, the same on every rank. Either way no collective follows from it: both
+        paths only wait for buckets every rank launched."""
+        kept = [p.grad for p in self._params]
+        if all(g is None for g in kept):
+            return False
+        # a deferred gradient the loop kept is waited for; the rest of the deferred (dropped by the loop) too
+        carried = [None if g is None or (isinstance(g, PendingGrad) and g.placeholder)
+                   else g.value() if isinstance(g, PendingGrad) else g for g in kept]
+        self._executor.finish()
+        self.clear_grads()
+        self._carried = carried
+        if self._exposed_iterations is not None:
+            self._carried_iterations.append(self._exposed_iterations)
+            self._exposed_iterations = None
+        return True
 
     def _resolver(self, i: int) -> Callable[[], torch.Tensor]:
         """Parameter ``i``'s deferred gradient, now: its bucket is waited for and it stops being deferred."""
@@ -142,13 +189,14 @@ class UpdateApplier:
         touched are applied by it, untouched deferred ones in the next forward (:mod:`pending_grads`)."""
         settle_for_step(self._params)
         # A merge of k iterations steps with the lr scaled, restored in after_step before any LR scheduler.
-        if self._exposed_iterations is not None and self.optim.optimizer is not None:
+        if self._exposed_iterations and self.optim.optimizer is not None:
             self._lr_saved = scale_lr(self.optim.optimizer, merge_lr_factor(len(self._exposed_iterations),
                                                                             self._scaling))
 
     def skip(self) -> None:
         """The step was skipped: the exposed update is dropped, its deferred part too."""
         self._exposed_iterations = None
+        self._carried_iterations = []  # accumulated micro-batches are dropped with it
         if self._exposed:
             self._executor.finish()
 
@@ -162,7 +210,8 @@ class UpdateApplier:
         """The iteration ``t`` ends: the exposed update, if the step took it, goes into the log."""
         self._exposed = None
         if self._exposed_iterations is not None:
-            self.log.append((t, self._exposed_iterations))
+            self.log.extend((t, its) for its in [*self._carried_iterations, self._exposed_iterations] if its)
+            self._carried_iterations = []
             self._exposed_iterations = None
         self.clear_grads()
 
