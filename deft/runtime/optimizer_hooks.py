@@ -49,12 +49,14 @@ StepArgs = tuple[tuple[object, ...], dict[str, object]]
 
 class OptimizerBinding:
     """Finds the module's one optimizer and calls ``before()``/``after()`` (the runtime's bound methods,
-    held weakly) right before and right after each of its steps."""
+    held weakly) right before and right after each of its steps, and ``fresh()`` before its
+    ``state_dict()`` is taken, so that a checkpoint of the optimizer alone holds every update applied."""
 
     def __init__(self, params: list[torch.Tensor], before: Callable[[], None], after: Callable[[], None],
-                 optimizer: torch.optim.Optimizer | None) -> None:
+                 optimizer: torch.optim.Optimizer | None, fresh: Callable[[], None] | None = None) -> None:
         self._mine = {id(p) for p in params}
         self._before, self._after = weakref.WeakMethod(before), weakref.WeakMethod(after)
+        self._fresh = None if fresh is None else weakref.WeakMethod(fresh)
         self.optimizer: torch.optim.Optimizer | None = None
         self.internal = False  # deft's own step (an earlier due update): no interception
         self._bound = optimizer is not None
@@ -63,11 +65,25 @@ class OptimizerBinding:
             if not self._steps_mine(optimizer):
                 raise DeftError("the optimizer given to deft.DistributedDataParallel steps none of the module's "
                                 "trainable parameters")
-            self.optimizer = optimizer
+            self._adopt(optimizer)
             self._handles += [optimizer.register_step_pre_hook(_hook(self, "pre", bound=True)),
                               optimizer.register_step_post_hook(_post_hook(self, bound=True))]
         self._handles += [register_optimizer_step_pre_hook(_hook(self, "pre", bound=False)),
                           register_optimizer_step_post_hook(_post_hook(self, bound=False))]
+
+    def _adopt(self, opt: torch.optim.Optimizer) -> None:
+        """``opt`` is the module's optimizer: its ``state_dict()`` first finishes what is in flight."""
+        self.optimizer = opt
+        fresh = self._fresh
+        if fresh is None:
+            return
+
+        def before_state_dict(_: torch.optim.Optimizer) -> None:
+            fn = fresh()
+            if fn is not None:
+                fn()
+
+        self._handles.append(opt.register_state_dict_pre_hook(before_state_dict))
 
     def _steps_mine(self, opt: torch.optim.Optimizer) -> bool:
         return any(id(p) in self._mine for g in opt.param_groups for p in g["params"])
@@ -88,7 +104,7 @@ class OptimizerBinding:
             return False
         if not self._steps_mine(opt):
             return False
-        self.optimizer = opt
+        self._adopt(opt)
         return True
 
     def fire(self, which: str, opt: torch.optim.Optimizer, bound: bool, args: StepArgs) -> StepArgs | None:

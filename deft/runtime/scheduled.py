@@ -58,7 +58,8 @@ class ScheduledRun:
         self.rank, self.world, self._cuda = wiring.rank, wiring.world, wiring.device.type == "cuda"
         self._control, self._links, self._sync = wiring.control, wiring.links, wiring.sync
         self._executor = Executor(self._params, self._links, self.rank, self.world, cfg.timeout_s, self.device)
-        self._optim = OptimizerBinding(self._params, self._before_step, self._after_step, optimizer)
+        self._optim = OptimizerBinding(self._params, self._before_step, self._after_step, optimizer,
+                                       fresh=self._finish_deferred)
         self._updates = UpdateApplier(self.module, self._params, self._executor, self._optim, cfg, wiring.compiled)
         self._course = Course(cfg, self._control, self.module, self._names, self._params, self._links,
                               self._executor, self._optim, self._updates.log, given_profile, wiring.ranks,
@@ -222,6 +223,11 @@ class ScheduledRun:
         self._course.codecs.load_comm_hook_state(st.comm_hook, "deft checkpoint")
 
     # -- the phase machine's events (deft.runtime.phase) -----------------------------------------------
+    def _finish_deferred(self) -> None:
+        """Before the optimizer's ``state_dict()``: the updates finishing in the next forward are
+        applied now, as before the module's (no collective: every rank launched them)."""
+        self._updates.finish_deferred()
+
     def _require_idle(self, what: str) -> None:
         if self._phase is Phase.BACKWARD_DONE and self._updates.exposed:
             self._skip_step()  # the last step was skipped (GradScaler found inf/NaN): the iteration is over
