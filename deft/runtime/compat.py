@@ -101,3 +101,12 @@ def for_compiled(module: torch.nn.Module, cfg: DeftConfig) -> tuple[DeftConfig, 
                 log.warning("deft: %s: updates are applied whole at the step (forward_updates = false)", why)
             return replace(cfg, forward_updates=False), why
     return cfg, None
+
+
+def refuse_join(what: str) -> DeftError:
+    """torch DDP's uneven-inputs support (``join()``, ``Join([ddp])``, Accelerate's
+    ``join_uneven_inputs``) is not deft's: a rank that runs out of batches would leave the others'
+    scheduled collectives waiting. Refused when the context is entered, before any training in it."""
+    return DeftError(f"{what}: deft.DistributedDataParallel does not support uneven inputs (torch DDP's join); "
+                     "give every rank the same number of batches, e.g. DistributedSampler(..., drop_last=True) "
+                     "or a loader cut to the shortest rank's length")

@@ -32,7 +32,15 @@ from deft.profile import Profile
 from deft.runtime.checkpoint import StateDoc
 from deft.runtime.codecs.first_iteration import TimedBroadcast
 from deft.runtime.codecs.hooks import CommHook
-from deft.runtime.compat import Device, check_device_ids, check_torch_args, for_compiled, shared_config, trainable
+from deft.runtime.compat import (
+    Device,
+    check_device_ids,
+    check_torch_args,
+    for_compiled,
+    refuse_join,
+    shared_config,
+    trainable,
+)
 from deft.runtime.control import ControlPlane, broadcast_state, digest, wait_work
 from deft.runtime.executor import PendingUpdate
 from deft.runtime.links import CommLink, make_buffer_group, make_control_group, make_links
@@ -261,6 +269,15 @@ class DistributedDataParallel(nn.Module):
         """Like torch DDP's: backwards inside only accumulate (micro-batches of one iteration); the
         first backward outside completes the iteration's gradient and communicates it as scheduled."""
         return self._sync.suspended()
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> AbstractContextManager[None]:
+        """torch DDP's uneven-inputs context: refused (:func:`deft.runtime.compat.refuse_join`)."""
+        raise refuse_join("ddp.join()")
+
+    def join_hook(self, **kwargs: Any) -> Any:
+        """What ``torch.distributed.algorithms.Join([ddp])`` asks for: refused, as :meth:`join`."""
+        raise refuse_join("Join([ddp])")
 
     def close(self) -> None:
         """Remove deft's hooks from the parameters and the optimizer (the wrapper is unusable after)."""
