@@ -87,17 +87,9 @@ def test_accumulation_without_no_sync_matches_torch_ddp(accum: int) -> None:
 
 
 def deferred_worker(rank: int, world: int, path: str) -> dict[str, Any]:
-    import deft
-    from tests.test_runtime_parity import Net, finish_in_forward_schedule
+    from tests.test_runtime_parity import Net, deferring_run
 
-    path = f"{path}.{rank}"  # each rank its own file: no race on the write
-    finish_in_forward_schedule(path, branch=False, early=True)
-    torch.manual_seed(0)
-    ours = Net()
-    opt = torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9)
-    ddp = deft.DistributedDataParallel(ours, config={"epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2,
-                                                     "bucket_cap_mb": 0.001, "schedule_path": path,
-                                                     "links": [{"name": "primary"}, {"name": "second"}]})
+    ours, opt, ddp = deferring_run(path, rank)
     loss_fn = nn.CrossEntropyLoss()
 
     def loop(wrapped: nn.Module, o: torch.optim.Optimizer) -> None:

@@ -45,17 +45,9 @@ def _loop(wrapped: nn.Module, opt: torch.optim.Optimizer, rank: int, via_state_d
 
 
 def state_worker(rank: int, world: int, path: str, via_state_dict: bool) -> dict[str, Any]:
-    import deft
-    from tests.test_runtime_parity import Net, finish_in_forward_schedule
+    from tests.test_runtime_parity import Net, deferring_run
 
-    path = f"{path}.{rank}"
-    finish_in_forward_schedule(path, branch=False, early=True)
-    torch.manual_seed(0)
-    ours = Net()
-    opt = torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9)
-    ddp = deft.DistributedDataParallel(ours, config={"epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2,
-                                                     "bucket_cap_mb": 0.001, "schedule_path": path,
-                                                     "links": [{"name": "primary"}, {"name": "second"}]})
+    _, opt, ddp = deferring_run(path, rank)
     got = _loop(ddp, opt, rank, via_state_dict)
     torch.manual_seed(0)
     ref = Net()

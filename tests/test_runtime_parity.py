@@ -105,6 +105,23 @@ def finish_in_forward_schedule(path: str, branch: bool, early: bool = False) -> 
              updates=(Update((0,), 0, finish_in_forward=True, deferred=(0, 1) if early else ()),)).save(path)
 
 
+def deferring_run(path: str, rank: int) -> tuple[Net, torch.optim.Optimizer, nn.Module]:
+    """A fresh ``Net`` (seed 0), its SGD with momentum and deft at epsilon 0 running the ``early``
+    :func:`finish_in_forward_schedule` (updates finishing in the next forward) from this rank's own
+    copy of the schedule file."""
+    import deft
+
+    path = f"{path}.{rank}"  # each rank its own file: no race on the write
+    finish_in_forward_schedule(path, branch=False, early=True)
+    torch.manual_seed(0)
+    ours = Net()
+    opt = torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9)
+    ddp = deft.DistributedDataParallel(ours, config={"epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2,
+                                                     "bucket_cap_mb": 0.001, "schedule_path": path,
+                                                     "links": [{"name": "primary"}, {"name": "second"}]})
+    return ours, opt, ddp
+
+
 def parity_worker(rank: int, world: int, kind: str, branch: bool, accum: bool,
                   schedule_path: str | None = None) -> dict[str, object]:
     import deft
