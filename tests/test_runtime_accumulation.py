@@ -183,9 +183,11 @@ def test_accumulation_under_a_merged_schedule_applies_each_gradient_once(accum: 
     assert out[0]["params"] == out[1]["params"]
 
 
-def amp_accumulate(model: nn.Module, wrapped: nn.Module, rank: int, inf_at: tuple[int, int]) -> float:
+def amp_accumulate(model: nn.Module, wrapped: nn.Module, rank: int, inf_at: tuple[int, int],
+                   set_to_none: bool = True) -> float:
     """torch's AMP loop accumulating two micro-batches without ``no_sync()``; rank 0's loss infinite at
-    micro-batch ``inf_at = (step, micro)``: GradScaler skips that whole step, ``zero_grad()`` drops it."""
+    micro-batch ``inf_at = (step, micro)``: GradScaler skips that whole step, ``zero_grad()`` drops it
+    (``set_to_none=False``: leaves zeros in ``p.grad``)."""
     opt = _opt(model)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
     for step in range(STEPS):
@@ -200,29 +202,31 @@ def amp_accumulate(model: nn.Module, wrapped: nn.Module, rank: int, inf_at: tupl
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         scaler.step(opt)
         scaler.update()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
     return float(scaler.get_scale())
 
 
-def amp_worker(rank: int, world: int, micro: int) -> dict[str, Any]:
+def amp_worker(rank: int, world: int, micro: int, set_to_none: bool) -> dict[str, Any]:
     import deft
 
     ours = make_model()
     ddp = deft.DistributedDataParallel(ours, config={"epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2,
                                                      "timeout_s": 30})
-    scale = amp_accumulate(ours, ddp, rank, (3, micro))
+    scale = amp_accumulate(ours, ddp, rank, (3, micro), set_to_none)
     ddp.flush()
     ref = make_model()
-    ref_scale = amp_accumulate(ref, nn.parallel.DistributedDataParallel(ref), rank, (3, micro))
+    ref_scale = amp_accumulate(ref, nn.parallel.DistributedDataParallel(ref), rank, (3, micro), set_to_none)
     return {"worst": _worst(ours, ref), "scale": scale, "ref_scale": ref_scale,
             "applied": sorted(t for _, its in ddp.update_log for t in its), "skipped": ddp.plan_info["skipped_steps"]}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("micro", [0, 1])
-def test_accumulation_with_grad_scaler_skipping_a_step(micro: int) -> None:
-    """An inf in either micro-batch of step 3: the whole step is skipped, both micro-batches dropped."""
-    for v in values(run_ranks(amp_worker, 2, (micro,), timeout=120)):
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_accumulation_with_grad_scaler_skipping_a_step(micro: int, set_to_none: bool) -> None:
+    """An inf in either micro-batch of step 3: the whole step is skipped, both micro-batches dropped,
+    whether ``zero_grad()`` sets ``p.grad`` to None or to zeros."""
+    for v in values(run_ranks(amp_worker, 2, (micro, set_to_none), timeout=120)):
         assert v["worst"] < 1e-5, v
         assert v["scale"] == v["ref_scale"] == 2.0 ** 11, v  # x2 after steps 0-2, halved at 3, x2 after 4-6
         assert v["applied"] == [t for t in range(2 * STEPS) if t not in (6, 7)], v

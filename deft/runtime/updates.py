@@ -155,15 +155,16 @@ class UpdateApplier:
     def carry(self) -> bool:
         """A training forward after ``backward()`` with no step between: if the loop left gradients in
         ``p.grad`` (it accumulates micro-batches without ``no_sync()``), carry them into the next exposed
-        update (a placeholder carries nothing) and return True; if it cleared them (a skipped step),
-        return False.
+        update (a placeholder carries nothing) and return True; if it cleared them (a skipped step:
+        ``p.grad`` None, or all zeros after ``zero_grad(set_to_none=False)``), return False.
 
         Note: every rank takes the same decision. Whether ``p.grad`` is kept is the loop's control flow
         (``zero_grad()`` or not), and every rank runs the same loop; GradScaler's skip decision reads the
         all-reduced gradient, the same on every rank. Either way no collective follows from it: both
         paths only wait for buckets every rank launched."""
         kept = [p.grad for p in self._params]
-        if all(g is None for g in kept):
+        # zero_grad(set_to_none=False) leaves zeros: cleared all the same, a skipped step to record
+        if all(g is None or (not isinstance(g, PendingGrad) and not bool(g.any())) for g in kept):
             return False
         # a deferred gradient the loop kept is waited for; the rest of the deferred (dropped by the loop) too
         carried = [None if g is None or (isinstance(g, PendingGrad) and g.placeholder)
