@@ -11,6 +11,8 @@ blocks are type-only and exempt) and mapped to layers::
     3 runtime    deft/runtime/*
     4 tools      deft/cli.py, deft/solver/cli.py, deft/profiler/cli.py, deft/profiler/report.py,
                  deft/testbed.py
+    4 integrations  deft/integrations/* (the trainers' one-line switches; tools and integrations do not
+                 import each other)
 
 A module may import its own layer or lower ones; an import of a higher layer, a solver <-> profiler
 edge, or a circle among deft's modules fails, naming the module, the line and the edge. The walker
@@ -113,7 +115,7 @@ def layer(module: str) -> tuple[int, str]:
     parts = module.split(".")
     sub = parts[1] if len(parts) > 1 else ""
     return {"solver": (1, "solver"), "profiler": (1, "profiler"), "preserver": (2, "preserver"),
-            "runtime": (3, "runtime")}.get(sub, (0, "contract"))
+            "runtime": (3, "runtime"), "integrations": (4, "integrations")}.get(sub, (0, "contract"))
 
 
 def violations(modules: set[str], edges: list[Edge], facade: str) -> list[str]:
@@ -126,6 +128,8 @@ def violations(modules: set[str], edges: list[Edge], facade: str) -> list[str]:
             bad.append(f"{e.source}:{e.line} imports {e.target}: {ns} (layer {ls}) must not import {nt} (layer {lt})")
         elif ls == lt == 1 and ns != nt:
             bad.append(f"{e.source}:{e.line} imports {e.target}: the solver and the profiler are independent")
+        elif ls == lt == 4 and ns != nt:
+            bad.append(f"{e.source}:{e.line} imports {e.target}: the tools and the integrations are independent")
     return bad + circles(modules, [e for e in edges if e.source != facade])
 
 
@@ -192,7 +196,8 @@ def test_the_walker_finds_upward_edges_circles_and_ignores_type_checking(tmp_pat
 
 @pytest.mark.parametrize(("module", "expected"), [("deft.solver.plan", 1), ("deft.profiler.nsys", 1),
                                                   ("deft.preserver.noise", 2), ("deft.runtime.ddp", 3),
-                                                  ("deft.testbed", 4), ("deft.config", 0)])
+                                                  ("deft.testbed", 4), ("deft.integrations.lightning", 4),
+                                                  ("deft.config", 0)])
 def test_layers(module: str, expected: int) -> None:
     assert layer(module)[0] == expected
 

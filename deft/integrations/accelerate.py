@@ -1,0 +1,1 @@
+"""deft under accelerate (being written)."""

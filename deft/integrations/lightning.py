@@ -1,0 +1,1 @@
+"""deft under lightning (being written)."""

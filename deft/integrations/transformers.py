@@ -1,0 +1,1 @@
+"""deft under transformers (being written)."""
