@@ -1,7 +1,11 @@
 """deft's state in a checkpoint: a typed, versioned record per training mode, carried by ``state_dict()``.
 
-A record travels through ``nn.Module.get_extra_state`` as tensors and plain types only, so
-``torch.load(..., weights_only=True)`` reads it. Two records, one per mode (:mod:`deft.runtime.mode`):
+A record is a document of tensors and plain types; ``nn.Module.get_extra_state`` carries it as one
+``uint8`` tensor holding the document in ``torch.save``'s format (:func:`encode_record`), so a
+state_dict holds tensors only: ``safetensors`` (Accelerate's and the HuggingFace Trainer's default)
+and ``torch.distributed.checkpoint`` save it as they save parameters, and ``torch.load(...,
+weights_only=True)`` reads it (:func:`decode_record`, which also takes the document itself). Two
+records, one per mode (:mod:`deft.runtime.mode`):
 
 * :class:`RuntimeState` (the scheduled run): the iteration counter, the schedule and where its cycle
   started, the flat layout's order, the queued *local* gradient buffers of every pending update group
@@ -17,7 +21,9 @@ loading another rank's fails with a clear error.
 
 from __future__ import annotations
 
+import io
 import json
+import pickle
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, TypedDict
 
@@ -36,6 +42,29 @@ SOURCE = "deft checkpoint"
 #: A saved document of tensors and plain types (what ``torch.load(..., weights_only=True)`` gives back):
 #: its fields are typed by the code that reads them back, which checks them there.
 StateDoc: TypeAlias = dict[str, Any]
+
+
+def encode_record(doc: StateDoc) -> torch.Tensor:
+    """``doc`` as a 1-D ``uint8`` CPU tensor (its ``torch.save`` bytes): a state_dict entry every
+    tensor format saves."""
+    buf = io.BytesIO()
+    torch.save(doc, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def decode_record(state: object, device: torch.device | str = "cpu") -> object:
+    """The document :func:`encode_record` encoded (its tensors on ``device``); a document given as
+    such (a dict, as older checkpoints hold) is returned unchanged for the mode's reader to check."""
+    if not isinstance(state, torch.Tensor):
+        return state
+    if state.dtype != torch.uint8 or state.dim() != 1:
+        raise ContractError(SOURCE, "_extra_state", f"expected deft's record (a 1-D uint8 tensor or a dict), "
+                            f"got a {state.dim()}-D {state.dtype} tensor")
+    try:
+        return torch.load(io.BytesIO(state.cpu().numpy().tobytes()), map_location=device, weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as e:
+        raise ContractError(SOURCE, "_extra_state", "the uint8 tensor is not a deft record (torch.load "
+                            f"could not read it: {type(e).__name__})") from e
 
 
 class GroupState(TypedDict):

@@ -29,7 +29,7 @@ from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.errors import DeftError
 from deft.profile import Profile
-from deft.runtime.checkpoint import StateDoc
+from deft.runtime.checkpoint import decode_record, encode_record
 from deft.runtime.codecs.first_iteration import TimedBroadcast
 from deft.runtime.codecs.hooks import CommHook
 from deft.runtime.compat import (
@@ -284,9 +284,11 @@ class DistributedDataParallel(nn.Module):
         self._mode.close()
 
     # -- checkpoint (deft.runtime.checkpoint) ----------------------------------------------------
-    def get_extra_state(self) -> StateDoc:
-        """deft's runtime state for ``state_dict()``: tensors and plain types only (the mode's record)."""
-        return self._mode.state()
+    def get_extra_state(self) -> torch.Tensor:
+        """deft's runtime state for ``state_dict()``: the mode's record as one uint8 tensor, so the
+        state_dict saves with safetensors too (:func:`deft.runtime.checkpoint.encode_record`)."""
+        return encode_record(self._mode.state())
 
     def set_extra_state(self, state: object) -> None:
-        self._mode.load_state(state)
+        """Restore :meth:`get_extra_state` (or the record itself, a dict)."""
+        self._mode.load_state(decode_record(state, self.device))
