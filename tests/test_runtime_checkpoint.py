@@ -19,8 +19,10 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from deft.config import DeftConfig
 from deft.errors import ContractError
-from deft.runtime.checkpoint import LocalStepsState, check_mode, decode_record, encode_record
+from deft.runtime.checkpoint import LocalStepsState, check_mode, check_stamp, decode_record, encode_record, stamp
+from deft.runtime.compat import shared_config
 from tests._dist import run_ranks, slow_first_planner, values
 from tests.test_runtime_delayed import delayed_schedule
 
@@ -236,3 +238,18 @@ def test_the_record_travels_as_one_uint8_tensor_and_bad_bytes_are_named() -> Non
         decode_record(torch.zeros(16, dtype=torch.uint8))
     with pytest.raises(ContractError, match=r"_extra_state: expected deft's record .* got a 2-D torch.float32"):
         decode_record(torch.zeros(2, 2))
+
+
+def test_a_record_of_another_world_or_config_is_refused_naming_the_field() -> None:
+    shared = shared_config(DeftConfig.resolve({"epsilon": 0.1}))
+    doc = stamp({"version": 1, "world": 2}, shared)
+    check_stamp(doc, 2, shared)
+    check_stamp(doc, 2, shared_config(DeftConfig.resolve({"epsilon": 0.1, "timeout_s": 5, "adapt": False})))
+    with pytest.raises(ContractError, match=r"_extra_state\.world: the checkpoint was saved by a job of 2 ranks "
+                                            r"and this one has 4"):
+        check_stamp(doc, 4, shared)
+    other = shared_config(DeftConfig.resolve({"epsilon": 0.0, "compression": "fp16"}))
+    with pytest.raises(ContractError, match=r"_extra_state\.config: .*epsilon \(saved 0\.1, now 0\.0\); "
+                                            r"compression \(saved 'auto', now 'fp16'\)"):
+        check_stamp(doc, 2, other)
+    check_stamp({"version": 1, "world": 2}, 2, other)  # no stamp (an older checkpoint): its mode checks it
