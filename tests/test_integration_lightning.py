@@ -88,6 +88,7 @@ def test_manual_optimization_is_refused_at_setup(ranks: list[dict[str, Any]]) ->
         assert "automatic optimization only" in v["manual"], v["manual"]
 
 
+@pytest.mark.slow  # imports Lightning: seconds
 def test_the_name_is_registered_in_both_lightning_packages() -> None:
     import lightning.pytorch as pl
     import pytorch_lightning
@@ -104,6 +105,7 @@ def test_the_name_is_registered_in_both_lightning_packages() -> None:
     assert given.deft_config == {"epsilon": 0.0}
 
 
+@pytest.mark.slow
 def test_model_averaging_is_refused() -> None:
     from deft.errors import DeftError
     from deft.integrations.lightning import DeftStrategy
