@@ -10,6 +10,7 @@ and ``accelerator.clip_grad_norm_`` at a max norm that engages. The same loop ru
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -76,14 +77,16 @@ def lm_run(rank: int, world: int, *, deft: dict[str, Any] | None, mixed_precisio
     CPU; ``inf_at``: rank 0's loss is made infinite at that micro-batch. ``save_at``: stop after that
     many optimizer steps with ``save_state`` into ``tmp``; ``resume``: ``load_state`` from there and
     run the rest. ``clip``: clip at :data:`MAX_NORM`; ``observe``: report each iteration's loss to deft
-    (``model.observe_loss``); ``join``: try ``join_uneven_inputs`` first (its error text is returned). Returns the parameters, the losses, the clipped norms, deft's update log
+    (``model.observe_loss``); ``join``: enter ``join_uneven_inputs`` first, with even and uneven batches (the
+    error text of the latter is returned). Returns the parameters, the losses, the clipped norms, deft's update log
     and whether an update was left finishing in the next forward after each step.
     """
     import accelerate
-
-    from deft.integrations.accelerate import Accelerator
     from transformers import get_linear_schedule_with_warmup
 
+    from deft.integrations.accelerate import Accelerator
+
+    began = time.perf_counter()
     _reset()
     if deft is None:
         acc = accelerate.Accelerator(cpu=True, mixed_precision=mixed_precision, gradient_accumulation_steps=ACCUM)
@@ -98,10 +101,12 @@ def lm_run(rank: int, world: int, *, deft: dict[str, Any] | None, mixed_precisio
     model, opt, loader, sched = acc.prepare(model, opt, _loader(world), sched)
     first, refused = 0, None
     if join:
+        with acc.join_uneven_inputs([model]):  # even batches: nothing to join
+            pass
         try:
-            with acc.join_uneven_inputs([model]):
+            with acc.join_uneven_inputs([model], even_batches=False):
                 pass
-        except Exception as e:  # what deft's wrapper says, checked by the test
+        except Exception as e:  # what deft says, checked by the test
             refused = f"{type(e).__name__}: {e}"
     if resume is not None:
         acc.load_state(resume)
@@ -131,7 +136,8 @@ def lm_run(rank: int, world: int, *, deft: dict[str, Any] | None, mixed_precisio
             if save_at is not None and resume is None and steps == save_at:
                 acc.save_state(os.path.join(tmp, "ckpt"))
                 break
-    out: dict[str, Any] = {"losses": losses, "norms": norms, "skipped": skipped, "steps": steps,
+    out: dict[str, Any] = {"seconds": time.perf_counter() - began, "losses": losses, "norms": norms,
+                           "skipped": skipped, "steps": steps,
                            "finishing": finishing, "join": refused}
     if deft is not None:
         ddp = acc.deft_wrappers[0]

@@ -12,7 +12,8 @@ step, as torch DDP's is), the prepared optimizer, scheduler and data loaders. Wh
 * :meth:`Accelerator.unwrap_model` returns the user's model from deft's wrapper too;
 * :meth:`Accelerator.save_state` / :meth:`Accelerator.load_state` also keep each rank's deft record
   (see there), so a resumed run continues the schedule and applies every gradient once;
-* ``join_uneven_inputs`` is refused by the wrapper (deft does not support uneven inputs).
+* ``join_uneven_inputs`` is a no-op with even batches (Accelerate's default) and refused with uneven ones:
+  deft does not support uneven inputs.
 
 Accelerate's other distributed modes (FSDP, DeepSpeed, Megatron-LM, XLA, tensor parallelism) build no
 torch DDP for deft to replace: :class:`Accelerator` refuses them at construction. Without Accelerate
@@ -21,8 +22,10 @@ installed, importing this module raises ``ImportError`` naming ``pip install def
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -39,6 +42,7 @@ from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.errors import DeftError
 from deft.profile import Profile
+from deft.runtime.compat import refuse_join
 from deft.runtime.ddp import DistributedDataParallel
 
 #: Accelerate's modes in which it builds torch DDP (or nothing, one process): the ones deft can take.
@@ -118,8 +122,9 @@ class Accelerator(accelerate.Accelerator):
         if self.ddp_handler is not None:
             self.ddp_handler.register_comm_hook(wrapper)
         self.deft_wrappers.append(wrapper)
-        out: nn.Module = torch.compile(wrapper, **self.state.dynamo_plugin.to_kwargs()) if compiled else wrapper
-        out._is_accelerate_prepared = True
+        out = torch.compile(wrapper, **self.state.dynamo_plugin.to_kwargs()) if compiled else wrapper
+        out.__dict__["_is_accelerate_prepared"] = True  # what Accelerate marks a prepared model with
+        assert isinstance(out, nn.Module)
         return out
 
     def _deft_wraps(self, model: nn.Module) -> bool:
@@ -130,11 +135,24 @@ class Accelerator(accelerate.Accelerator):
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = True) -> nn.Module:
         """The user's model, from deft's wrapper too (compiled or not: the compile was of the wrapper)."""
-        core = model._orig_mod if is_compiled_module(model) else model
+        core = _core(model)
         if isinstance(core, DistributedDataParallel):
             model = core.module
         result: nn.Module = super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
         return result
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None) -> Iterator[None]:
+        """Accelerate's, for deft's wrapper: with even batches (Accelerate's default: its loaders give every
+        rank as many batches) there is nothing to join, as Accelerate's ``Join(enable=False)`` for torch
+        DDP; uneven inputs (``even_batches=False``) are refused, as deft's ``join()`` refuses them."""
+        if not any(isinstance(_core(j), DistributedDataParallel) for j in joinables):
+            with super().join_uneven_inputs(joinables, even_batches):
+                yield
+            return
+        if not (self.even_batches if even_batches is None else even_batches):
+            raise refuse_join("Accelerator.join_uneven_inputs(even_batches=False)")
+        yield
 
     def free_memory(self, *objects: Any) -> Any:
         self.deft_wrappers = []
@@ -179,6 +197,11 @@ class Accelerator(accelerate.Accelerator):
                             "deft model(s): prepare the same models as the run that saved it")
         for w, record in zip(self.deft_wrappers, records, strict=True):
             w.set_extra_state(record)
+
+
+def _core(model: object) -> object:
+    """The module under a whole-model ``torch.compile``, else the module itself."""
+    return model._orig_mod if isinstance(model, nn.Module) and is_compiled_module(model) else model
 
 
 def _loaded_folder(acc: accelerate.Accelerator, input_dir: str | None) -> Path:
