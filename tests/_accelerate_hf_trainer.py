@@ -72,6 +72,7 @@ def trainer_run(rank: int, world: int, *, deft: dict[str, Any] | None, out: str,
         ddp = trainer.model_wrapped
         res["update_log"] = [[int(t), [int(i) for i in its]] for t, its in ddp.update_log]
         res["iterations"] = ddp.iteration
+        res["plan_info"] = {k: str(v) for k, v in ddp.plan_info.items()}
         ddp.close()
     return res
 

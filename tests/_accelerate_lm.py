@@ -68,7 +68,7 @@ def _schedule(path: str, model: torch.nn.Module) -> str:
 
 def lm_run(rank: int, world: int, *, deft: dict[str, Any] | None, mixed_precision: str = "no",
            scaler: bool = False, inf_at: int | None = None, save_at: int | None = None,
-           resume: str | None = None, tmp: str = "", clip: bool = True, observe: bool = False,
+           resume: str | None = None, tmp: str = "", clip: bool = True,
            join: bool = False) -> dict[str, Any]:
     """One training run; ``deft``: deft's config (None: plain Accelerate, torch DDP).
 
@@ -76,10 +76,10 @@ def lm_run(rank: int, world: int, *, deft: dict[str, Any] | None, mixed_precisio
     ``clip_grad_norm_``, ``scaler.step``), installed by hand because Accelerate turns fp16 off on the
     CPU; ``inf_at``: rank 0's loss is made infinite at that micro-batch. ``save_at``: stop after that
     many optimizer steps with ``save_state`` into ``tmp``; ``resume``: ``load_state`` from there and
-    run the rest. ``clip``: clip at :data:`MAX_NORM`; ``observe``: report each iteration's loss to deft
-    (``model.observe_loss``); ``join``: enter ``join_uneven_inputs`` first, with even and uneven batches (the
-    error text of the latter is returned). Returns the parameters, the losses, the clipped norms, deft's update log
-    and whether an update was left finishing in the next forward after each step.
+    run the rest. ``clip``: clip at :data:`MAX_NORM`; ``join``: enter ``join_uneven_inputs`` first,
+    with even and uneven batches (the error text of the latter is returned). Returns the parameters,
+    the losses, the clipped norms, deft's update log and whether an update was left finishing in the
+    next forward after each step.
     """
     import accelerate
     from transformers import get_linear_schedule_with_warmup
@@ -122,8 +122,6 @@ def lm_run(rank: int, world: int, *, deft: dict[str, Any] | None, mixed_precisio
             acc.backward(loss)
             if acc.sync_gradients and clip:
                 norms.append(float(acc.clip_grad_norm_(model.parameters(), MAX_NORM)))
-            if acc.sync_gradients and observe:
-                model.observe_loss(loss)
             opt.step()
             sched.step()
             opt.zero_grad()
@@ -176,6 +174,5 @@ def cases(rank: int, world: int, tmp: str) -> dict[str, Any]:
     res["noclip_torch"] = lm_run(rank, world, deft=None, clip=False)
     res["deferring_deft"] = lm_run(rank, world, deft=deferring, clip=False)
     res["deferring_clipped_deft"] = lm_run(rank, world, deft=deferring)
-    res["default_deft"] = lm_run(rank, world, deft={"warmup_iters": 1, "profile_iters": 2, "bucket_cap_mb": 0.001},
-                                 observe=True)
+    res["default_deft"] = lm_run(rank, world, deft={"warmup_iters": 1, "profile_iters": 2, "bucket_cap_mb": 0.001})
     return res

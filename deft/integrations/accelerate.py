@@ -9,6 +9,7 @@ step, as torch DDP's is), the prepared optimizer, scheduler and data loaders. Wh
 
 * ``torch.compile`` (``dynamo_backend``) compiles the wrapper, as torch advises for DDP, so deft's
   per-module hooks stay (regional compilation compiles the model's blocks before wrapping);
+* :meth:`Accelerator.backward` reports each iteration's loss to deft (``observe_loss``);
 * :meth:`Accelerator.unwrap_model` returns the user's model from deft's wrapper too;
 * :meth:`Accelerator.save_state` / :meth:`Accelerator.load_state` also keep each rank's deft record
   (see there), so a resumed run continues the schedule and applies every gradient once;
@@ -96,6 +97,7 @@ class Accelerator(accelerate.Accelerator):
         self.deft_config = DeftConfig.resolve(deft_config)
         self.deft_profile = deft_profile
         self.deft_wrappers: list[DistributedDataParallel] = []
+        self._deft_loss: torch.Tensor | None = None  # the iteration's loss so far (backward)
 
     # -- the wrapper where Accelerate builds torch DDP -------------------------------------------------
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
@@ -131,6 +133,19 @@ class Accelerator(accelerate.Accelerator):
         """Where Accelerate would build torch DDP: a distributed run and a model with a trainable parameter."""
         return self.distributed_type != DistributedType.NO and self.num_processes > 1 \
             and any(p.requires_grad for p in model.parameters())
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Accelerate's ``backward``; the iteration's loss (its micro-batches' losses as given, summed)
+        also reaches every deft wrapper's ``observe_loss`` after the iteration's last backward: the
+        preserver's convergence statistics need it to accept a schedule with delayed updates (so do not
+        call ``observe_loss`` yourself as well)."""
+        given = loss.detach()
+        self._deft_loss = given if self._deft_loss is None else self._deft_loss + given
+        super().backward(loss, **kwargs)
+        if self.sync_gradients and self.deft_wrappers:
+            for w in self.deft_wrappers:
+                w.observe_loss(self._deft_loss)
+            self._deft_loss = None
 
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = True) -> nn.Module:

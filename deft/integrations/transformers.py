@@ -5,7 +5,8 @@ only makes the accelerator it builds deft's (:class:`deft.integrations.accelerat
 right after ``create_accelerator_and_postprocess``, before anything is prepared). The rest is the
 ``Trainer``'s own: ``gradient_accumulation_steps`` (through ``accelerator.no_sync``, deft's
 ``no_sync()``), ``max_grad_norm`` (``accelerator.clip_grad_norm_``), the optimizer, scheduler, logging,
-evaluation and checkpoints. Tested on the transformers versions the ``deft[transformers]`` extra pins.
+evaluation and checkpoints; each iteration's loss reaches deft's preserver through
+``accelerator.backward``. Tested on the transformers versions the ``deft[transformers]`` extra pins.
 
 A ``Trainer`` checkpoint is the user's model, the optimizer, the scheduler and each rank's RNG state:
 it has no place for deft's record. So deft's pending updates are applied before each checkpoint
