@@ -40,11 +40,12 @@ from deft.runtime.codecs.hooks import CommHook
 from deft.runtime.codecs.policy import CodecPolicy
 from deft.runtime.control import Collective, ControlPlane
 from deft.runtime.executor import DueUpdate, Executor, Pending
+from deft.runtime.failover import LinkFailover, without_links
 from deft.runtime.grad_stats import GradStats, walk_stats
 from deft.runtime.layouts import balanced_links, plan_order, ready_order, warmup_layout
 from deft.runtime.links import CommLink
 from deft.runtime.optimizer_hooks import OptimizerBinding
-from deft.runtime.planning import Planning
+from deft.runtime.planning import Planning, Switch
 from deft.runtime.records import RunRecord, SwitchRecord
 from deft.runtime.tracing import profile_iters_from_env
 from deft.runtime.updates import LogEntry
@@ -85,6 +86,8 @@ class Course:
         self.jobs = JobSlot(control)  # the plan's, then the adaptation's background decision
         self.adaptation = Adaptation(config, control, self.planning, self.jobs)
         self.record = RunRecord()
+        self.failover = LinkFailover(config, control, list(links))  # a non-primary link that dies
+        executor.guard_links(self.failover)
         self.profile_iters = profile_iters_from_env(config.profile_iters)
         self.calendar = self.place()
         self.planned = False
@@ -139,7 +142,8 @@ class Course:
                 if ex.layout is None or (ex.layout.order, ex.layout.bucket_numel) != (lay.order, lay.bucket_numel):
                     self._install(sched, lay, t)
             assert ex.layout is not None
-            self._timer = WarmupTimer(self._module, self._params, ex.layout, self._links, cuda, self._wait_work)
+            live = {n: lk for n, lk in self._links.items() if n in self._live()}
+            self._timer = WarmupTimer(self._module, self._params, ex.layout, live, cuda, self._wait_work)
             ex.observe(self._timer)
         if self._timer is not None and ex.idle and ex.layout is not None:
             coded = self.codecs.profile_schedule(self._timer.schedule())
@@ -209,6 +213,7 @@ class Course:
         decision = self.codecs.after_first_iteration(self.batch)
         if decision is not None:
             self.record.profile_codec = decision.to_dict()
+        self._links_lost(t)
         if not self.planned:
             if self.stats is None:
                 self.stats = GradStats.start(self.config, self._control.world)
@@ -246,7 +251,7 @@ class Course:
         profile iterations, those run while rank 0 plans). A chained hook's sends run one at a time, as
         torch DDP's on one link, on whole buckets."""
         chained = self.codecs.chained
-        links = (self._primary.name,) if chained else tuple(self._links)
+        links = (self._primary.name,) if chained else self._live()
         layout = warmup_layout(order, self._names, self._params, self.config.bucket_cap_mb, chained,
                                self.config.first_bucket_cap_mb, split_over=len(links))
         return synchronous_schedule(layout.bucket_numel, layout.bucket_nbytes(), links,
@@ -259,7 +264,11 @@ class Course:
     def _synchronous(self, layout: FlatLayout) -> Schedule:
         """torch DDP's timing on ``layout``, its buckets over the links the profile measured (the primary
         alone when the profile was given): what runs while rank 0 plans, and what adaptation may go back to."""
-        return synchronous_candidate(layout, tuple(self._links) if self.planning.measuring else (self._primary.name,))
+        return synchronous_candidate(layout, self._live() if self.planning.measuring else (self._primary.name,))
+
+    def _live(self) -> tuple[str, ...]:
+        """The links not lost (:mod:`deft.runtime.failover`), primary first."""
+        return tuple(self.failover.live(list(self._links)))
 
     # -- the first plan ------------------------------------------------------------------------------------
     def _walk_stats(self) -> tuple[WalkStats | None, str]:
@@ -271,6 +280,8 @@ class Course:
         (now, or when rank 0's background decision is collected: :meth:`_finish_plan`)."""
         started = time.perf_counter()
         self.profile = self._measured_profile() if self.planning.measuring else self.planning.given_profile
+        if self.profile is not None and self.failover.dead:
+            self.profile = without_links(self.profile, self.failover.dead)
         stats, self._stats_reason = self._walk_stats()
         codec = self.codecs.plan_inputs(self.stats, self.batch, self.profile)
         cfg = self.config
@@ -320,6 +331,8 @@ class Course:
         """Collective: collect the plan :meth:`_plan` began in the background and install it."""
         started = time.perf_counter()
         schedule, info, timing = self.planning.finish(self.jobs.take())
+        if self._uses_lost(schedule):  # planned before a link was lost
+            schedule, info = self._replan_live()
         self._install_plan(t, schedule, info, {"lag_iters": self.config.plan_lag_iters,
                                                **{k: round(v, 4) for k, v in timing.items()}}, started)
 
@@ -331,6 +344,7 @@ class Course:
             self._executor.unobserve(self.stats)
             self.stats = None
         warm = self._warm_layout  # the profile iterations' layout, which the adaptation's candidate ran on
+        self.failover.use_profile(self.profile)
         exact = self.profile  # measured, every bucket exact: the adaptation chooses the codecs again on it
         if self.profile is not None:  # the profile rank 0 planned on: its coded buckets
             self.profile = self.codecs.planned_profile(self.profile, info)
@@ -353,11 +367,14 @@ class Course:
             return
         switch = self.planning.take_switch()
         assert switch is not None
+        if self._uses_lost(switch.schedule):  # decided before a link was lost (every rank drops it)
+            return
         applied = len(self._log)
         flush()
         warm = self.adaptation.warm_layout
         use_warm = switch.warm_layout and warm is not None
         layout = warm if use_warm and warm is not None else self._plan_layout(switch.schedule, "re-planned schedule")
+        layout = switch.layout or layout
         old = self.schedule.digest()
         self._install(switch.schedule, layout, t)
         self.adaptation.reset_window()
@@ -366,6 +383,41 @@ class Course:
         self.record.switched(SwitchRecord(t, old, switch.schedule, len(self._log) - applied, switch.info))
         log.info("deft: rank %d switches to re-planned schedule %s at iteration %d (K=%s)", self._control.rank,
                  switch.schedule.digest(), t, switch.schedule.batch_sequence)
+
+    # -- a link lost (deft.runtime.failover) -------------------------------------------------------------
+    def _links_lost(self, t: int) -> None:
+        """Collective (every rank agreed on the same losses in the iteration that ended): adaptation stops
+        (its measurements and candidates used the lost links), a switch waiting is dropped, and the run
+        re-plans on the links left, switching at the next cycle boundary; before the first plan, the
+        plan itself is made on them."""
+        records = self.failover.take_lost()
+        if not records:
+            return
+        if self.profile is not None:
+            self.profile = without_links(self.profile, self.failover.dead)
+        self.adaptation.stop()
+        self.planning.forget_switch()
+        replan: JsonDict = {"iteration": t, "source": "the first plan, on the links left"}
+        if self.planned:
+            schedule, info = self._replan_live()
+            layout = None if self.profile is not None and self.planning.schedule_path is None else self._executor.layout
+            self.planning.offer(Switch(schedule, {**info, "source": f"link lost: {info.get('source')}"}, layout=layout))
+            replan = {"iteration": t, "source": info.get("source"), "schedule": schedule.digest(),
+                      "links": list(schedule.links)}
+        for rec in records:
+            self.record.link_failures.append({**rec, "replan": replan})
+
+    def _uses_lost(self, schedule: Schedule) -> bool:
+        return any(n in self.failover.dead for n in schedule.links)
+
+    def _replan_live(self) -> tuple[Schedule, JsonDict]:
+        """Collective: the schedule on the links left. With a profile, rank 0 plans on it without the lost
+        links (the config's planner: at epsilon 0 the lag-free plan); else torch DDP's synchronous
+        schedule on the running layout."""
+        if self.profile is not None and self.planning.schedule_path is None:
+            return self.planning.agree(self.profile, None, self._control.world)
+        assert self._executor.layout is not None
+        return synchronous_candidate(self._executor.layout, self._live()), {"source": "synchronous"}
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def state(self) -> CourseState:
