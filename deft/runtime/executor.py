@@ -35,6 +35,12 @@ Waiting happens only in :meth:`Executor.take_update`, :meth:`Executor.finish` (a
 :meth:`Executor.drain`), i.e. where the update's averaged gradient is needed, and in
 :meth:`Executor.settle_all` before a checkpoint. Every wait is bounded by ``timeout_s`` and a failure
 becomes a :class:`~deft.errors.CommunicationError` naming this rank, the link and the collective.
+
+Sends on a non-primary link are *guarded* (:mod:`deft.runtime.failover`, :meth:`Executor.guard_links`):
+they run on a copy of the bucket, each wait for them is bounded by the link's deadline, and every rank
+agrees on the links lost before any of their results is copied into the buffers; a lost link's
+buckets are all-reduced again on the primary from the buffers, and its later sends go on the primary.
+Every rank settles the same sends at the same points, so the agreements match.
 """
 
 from __future__ import annotations
