@@ -595,47 +595,62 @@ class Executor:
                                          f"{pending.link!r} is unusable: {e}") from e
 
     def _settle(self, g: GroupInstance, buckets: Iterable[int] | None = None, keep: bool = True) -> None:
-        """Wait for the collectives of ``buckets`` of ``g`` (default: all, the used map included);
-        ``keep=False``: drop their results (the buffers keep the local gradients)."""
+        """Wait for the collectives of ``buckets`` of ``g`` (default: all, the used map included), in order;
+        ``keep=False``: drop their results (the buffers keep the local gradients). Guarded sends are
+        judged together at the end (:meth:`_judge_guarded`)."""
         waits = [p for b in (list(g.pending) if buckets is None else list(buckets)) for p in g.pending.pop(b, ())]
-        guarded = [p for p in waits if p.resend is not None]
+        judged: list[tuple[Pending, object]] = []
+        failed: dict[str, str] = {}  # link -> this rank's first failure on it
+        watch = Stopwatch()
         for p in waits:
-            if p.resend is None:
-                if not keep:
-                    p.post = None
+            if not keep:
+                p.post = None
+            if p.resend is not None:
+                judged.append((p, self._wait_guarded(p, failed, watch)))
+                continue
+            try:
                 self.wait(p)
-        if guarded:
-            self._judge_guarded(guarded, keep)
+            except CommunicationError as e:  # after a guarded link failed: a peer is gone, not the link
+                if not failed:
+                    raise
+                raise CommunicationError(f"{next(iter(failed.values()))} Then: {e}") from None
+        if judged:
+            self._judge_guarded(judged, failed, watch)
 
-    def _judge_guarded(self, guarded: list[Pending], keep: bool) -> None:
-        """Guarded sends (:mod:`deft.runtime.failover`), collective: wait for each within its link's deadline,
-        agree with every rank which links are lost, use the others' results and all-reduce the lost
-        links' buckets again on the primary from the local gradients they kept."""
+    def _wait_guarded(self, p: Pending, failed: dict[str, str], watch: Stopwatch) -> object:
+        """A guarded send's value within its link's deadline; None, with the failure in ``failed``, if it
+        failed or ran out (a link already lost or failed here is not waited for)."""
+        fo = self.failover
+        assert fo is not None and p.resend is not None
+        if p.link in fo.dead or p.link in failed:
+            return None
+        began = time.perf_counter()
+        try:
+            return wait_work(p.work, p.link, p.what, self.rank,
+                             fo.deadline(p.link, p.resend.numel() * p.resend.element_size()))
+        except CommunicationError as e:
+            watch.failed_wait(began)
+            failed[p.link] = str(e)
+            return None
+
+    def _judge_guarded(self, judged: list[tuple[Pending, object]], failed: dict[str, str], watch: Stopwatch) -> None:
+        """Collective (:mod:`deft.runtime.failover`): agree with every rank which links are lost; the other
+        guarded sends' results go into the buffers (``post``), the lost links' buckets are all-reduced again
+        on the primary from the local gradients they kept (a dropped result, ``post`` None: not sent)."""
         fo = self.failover
         assert fo is not None
-        failed: dict[str, str] = {}
-        values: list[object] = []
-        watch = Stopwatch()
-        for p in guarded:
-            assert p.resend is not None
-            values.append(None)
-            if p.link in fo.dead or p.link in failed:
-                continue
-            began = time.perf_counter()
-            try:
-                values[-1] = wait_work(p.work, p.link, p.what, self.rank,
-                                       fo.deadline(p.link, p.resend.numel() * p.resend.element_size()))
-            except CommunicationError as e:
-                watch.failed_wait(began)
-                failed[p.link] = str(e)
         before = set(fo.dead)
-        lost = fo.agree(failed)
+        try:
+            lost = fo.agree(failed)
+        except CommunicationError as e:  # the control group failed too: a peer is gone, not a link
+            first = judged[0][0]
+            seen = next(iter(failed.values()), f"rank {self.rank}: {first.what} on link {first.link!r} completed here.")
+            raise CommunicationError(f"{seen} The ranks could not agree whether the link is lost: {e}") from None
         again: list[tuple[Pending, Pending]] = []
-        for p, value in zip(guarded, values, strict=True):
+        for p, value in judged:
             if p.link not in lost:
-                if keep:
-                    self._post(p, value)
-            elif keep:
+                self._post(p, value)
+            elif p.post is not None:
                 assert p.resend is not None
                 what = f"{p.what}, sent again on the primary link (link {p.link!r} lost)"
                 again.append((p, Pending(self.links[self.primary].all_reduce(p.resend), self.primary, what)))
