@@ -21,7 +21,7 @@ from torch import nn
 
 from tests._dist import run_ranks, values
 
-STEPS = 18
+STEPS = 22  # a loss at 12 is found by 13; the plan without it is collected by 13 + plan_lag_iters
 DEADLINE_S = 3.0  # the links' deadline floor in these runs: a wait on a link that long means it is lost
 
 
@@ -172,6 +172,11 @@ def test_a_lost_link_is_survived_with_torch_ddps_parameters() -> None:
             assert rec["links_left"] == [n for n in links if n not in lost[:lost.index(rec["link"]) + 1]]
             assert "replan" in rec, (name, rec)
         assert a["links"] == ["primary"], (name, a["links"])  # re-planned on the link left
+        # after the plan: torch DDP's schedule at once, then the lag-free plan rank 0 made without the lost link
+        last = a["failures"][-1]["replan"]
+        expected = (("the first plan, on the links left", None, None) if name == "during the plan"
+                    else ("synchronous", "lagfree_plan (epsilon = 0)", ["primary"]))
+        assert (last["source"], last.get("plan", {}).get("source"), last.get("plan", {}).get("links")) == expected
 
 
 def primary_worker(rank: int, world: int) -> dict[str, object]:

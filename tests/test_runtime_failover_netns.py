@@ -73,4 +73,5 @@ def test_second_nic_down_mid_run_finishes_with_torch_ddps_parameters(tmp_path: P
         rec = r["failures"][0]
         assert DOWN_AT <= rec["iteration"] <= DOWN_AT + 1, rec
         assert rec["links_left"] == ["primary"] and rec["replan"]["links"] == ["primary"], rec
+        assert rec["replan"]["plan"]["source"] == "lagfree_plan (epsilon = 0)", rec  # made in the background
         assert r["links"] == ["primary"]

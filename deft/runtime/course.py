@@ -35,6 +35,7 @@ from deft.runtime.background import JobSlot
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.calendar import Calendar, place, stats_after_plan
 from deft.runtime.checkpoint import RuntimeState
+from deft.runtime.codecs.choice import CodecInputs
 from deft.runtime.codecs.first_iteration import TimedBroadcast
 from deft.runtime.codecs.hooks import CommHook
 from deft.runtime.codecs.policy import CodecPolicy
@@ -46,7 +47,7 @@ from deft.runtime.layouts import balanced_links, plan_order, ready_order, warmup
 from deft.runtime.links import CommLink
 from deft.runtime.optimizer_hooks import OptimizerBinding
 from deft.runtime.planning import Planning, Switch
-from deft.runtime.records import RunRecord, SwitchRecord
+from deft.runtime.records import RunRecord, SwitchRecord, as_object
 from deft.runtime.tracing import profile_iters_from_env
 from deft.runtime.updates import LogEntry
 from deft.runtime.warmup_timer import WarmupTimer
@@ -102,6 +103,7 @@ class Course:
         self.stats: GradStats | None = None
         self.calibrated: JsonDict | None = None  # rank 0's Lanczos probe (ddp.calibrate), on every rank
         self._stats_reason = ""
+        self._plan_inputs: tuple[WalkStats | None, int, CodecInputs | None] | None = None  # the first plan's
 
     def use_curvature(self, doc: JsonDict) -> None:
         """``ddp.calibrate``'s measured curvature (every rank): the next plan and re-check use it."""
@@ -227,6 +229,8 @@ class Course:
         elif self.planning.recheck_on and t % self.config.recheck_every == 0 and not self.planning.switch_waiting:
             stats, stats_reason = self._walk_stats()
             self.record.rechecks.append(self.planning.recheck(t, stats, stats_reason, self.schedule, self.profile))
+        if self.jobs.holds("replan") and self.jobs.ready(t):
+            self._finish_replan(t)
         if self.adaptation.on:
             outcome = self.adaptation.after_step(t, self.schedule, self.profile)
             if outcome is not None:
@@ -284,6 +288,7 @@ class Course:
             self.profile = without_links(self.profile, self.failover.dead)
         stats, self._stats_reason = self._walk_stats()
         codec = self.codecs.plan_inputs(self.stats, self.batch, self.profile)
+        self._plan_inputs = (stats, self._control.world, codec)
         cfg = self.config
         if stats is None and self._control.rank == 0 and cfg.epsilon > 0 and cfg.preserver \
                 and self.planning.schedule_path is None:
@@ -331,8 +336,8 @@ class Course:
         """Collective: collect the plan :meth:`_plan` began in the background and install it."""
         started = time.perf_counter()
         schedule, info, timing = self.planning.finish(self.jobs.take())
-        if self._uses_lost(schedule):  # planned before a link was lost
-            schedule, info = self._replan_live()
+        if self._uses_lost(schedule):  # planned before a link was lost, and not started again (lag 0)
+            schedule, info = self.planning.agree(self.profile, None, self._control.world)
         self._install_plan(t, schedule, info, {"lag_iters": self.config.plan_lag_iters,
                                                **{k: round(v, 4) for k, v in timing.items()}}, started)
 
@@ -387,9 +392,10 @@ class Course:
     # -- a link lost (deft.runtime.failover) -------------------------------------------------------------
     def _links_lost(self, t: int) -> None:
         """Collective (every rank agreed on the same losses in the iteration that ended): adaptation stops
-        (its measurements and candidates used the lost links), a switch waiting is dropped, and the run
-        re-plans on the links left, switching at the next cycle boundary; before the first plan, the
-        plan itself is made on them."""
+        (its measurements and candidates used the lost links) and a decision in flight about them is
+        dropped. Planned: torch DDP's synchronous schedule over the links left runs from the next cycle
+        boundary on, while rank 0 plans on the profile without the lost links in the background
+        (:meth:`_finish_replan`); before the first plan, the plan is made on the links left."""
         records = self.failover.take_lost()
         if not records:
             return
@@ -397,27 +403,45 @@ class Course:
             self.profile = without_links(self.profile, self.failover.dead)
         self.adaptation.stop()
         self.planning.forget_switch()
+        job = self.jobs.kind
+        if job is not None:
+            self.jobs.take()  # rank 0's thread finishes on its own; its result is about the lost links
+        lag = max(1, self.config.plan_lag_iters)
         replan: JsonDict = {"iteration": t, "source": "the first plan, on the links left"}
+        if job == "plan" and self._plan_inputs is not None:  # the first plan, started again without them
+            self.jobs.hold("plan", self.planning.start(self.profile, *self._plan_inputs), t + lag)
         if self.planned:
-            schedule, info = self._replan_live()
-            layout = None if self.profile is not None and self.planning.schedule_path is None else self._executor.layout
-            self.planning.offer(Switch(schedule, {**info, "source": f"link lost: {info.get('source')}"}, layout=layout))
-            replan = {"iteration": t, "source": info.get("source"), "schedule": schedule.digest(),
-                      "links": list(schedule.links)}
+            layout = self._executor.layout
+            assert layout is not None
+            sync = synchronous_candidate(layout, self._live())
+            self.planning.offer(Switch(sync, {"source": "link lost: synchronous"}, layout=layout))
+            replan = {"iteration": t, "source": "synchronous", "links": list(sync.links)}
+            if self.profile is not None and self.planning.schedule_path is None:
+                self.jobs.hold("replan", self.planning.start(self.profile, None, self._control.world), t + lag)
         for rec in records:
             self.record.link_failures.append({**rec, "replan": replan})
 
+    def _finish_replan(self, t: int) -> None:
+        """Collective: rank 0's plan without the lost links, every rank switching to it at the next cycle
+        boundary (ahead of the synchronous schedule if that still waits)."""
+        started = time.perf_counter()
+        schedule, info, timing = self.planning.finish(self.jobs.take())
+        if self._uses_lost(schedule):
+            return  # another link was lost while rank 0 planned: _links_lost started again
+        self.planning.forget_switch()
+        self.planning.offer(Switch(schedule, {**info, "source": f"link lost: {info.get('source')}"}))
+        plan = {"iteration": t, "source": info.get("source"), "schedule": schedule.digest(),
+                "links": list(schedule.links), "plan_s": round(timing["plan_s"], 4),
+                "waited_s": round(timing["waited_s"] + time.perf_counter() - started, 4)}
+        if self.record.link_failures:
+            self.record.link_failures[-1]["replan"] = {**as_object(self.record.link_failures[-1], "replan"),
+                                                      "plan": plan}
+        log.warning("deft: rank %d re-planned on %s after losing %s (%s, rank 0 planned %.3f s in the "
+                    "background): schedule %s from the next cycle", self._control.rank, list(schedule.links),
+                    sorted(self.failover.dead), info.get("source"), timing["plan_s"], schedule.digest())
+
     def _uses_lost(self, schedule: Schedule) -> bool:
         return any(n in self.failover.dead for n in schedule.links)
-
-    def _replan_live(self) -> tuple[Schedule, JsonDict]:
-        """Collective: the schedule on the links left. With a profile, rank 0 plans on it without the lost
-        links (the config's planner: at epsilon 0 the lag-free plan); else torch DDP's synchronous
-        schedule on the running layout."""
-        if self.profile is not None and self.planning.schedule_path is None:
-            return self.planning.agree(self.profile, None, self._control.world)
-        assert self._executor.layout is not None
-        return synchronous_candidate(self._executor.layout, self._live()), {"source": "synchronous"}
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def state(self) -> CourseState:
