@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,7 +91,10 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
 
 
-def _train(wrapped: nn.Module, model: nn.Module, rank: int, injector: Injector | None = None) -> None:
+def _train(wrapped: nn.Module, model: nn.Module, rank: int, injector: Injector | None = None,
+           alone: bool = False) -> None:
+    """``STEPS`` iterations; ``alone``: rank 0 evaluates and reads the module's state_dict after each step,
+    by itself (deft applies the deferred parameters first, with no collective the other rank would miss)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     for step in range(STEPS):
@@ -100,6 +104,10 @@ def _train(wrapped: nn.Module, model: nn.Module, rank: int, injector: Injector |
         loss_fn(wrapped(x), y).backward()
         opt.step()
         opt.zero_grad()
+        if alone and rank == 0:
+            with torch.no_grad():
+                wrapped(x)
+            model.state_dict()
 
 
 def _reference(rank: int) -> list[torch.Tensor]:
@@ -124,7 +132,8 @@ def _slow_replan() -> None:
     planning.make_schedule = slow  # type: ignore[assignment]
 
 
-def _deft_run(rank: int, links: list[str], faults: list[Fault], **config: object) -> tuple[nn.Module, nn.Module]:
+def _deft_run(rank: int, links: list[str], faults: list[Fault], alone: bool = False,
+              **config: object) -> tuple[nn.Module, nn.Module]:
     import deft
 
     torch.manual_seed(0)
@@ -134,7 +143,7 @@ def _deft_run(rank: int, links: list[str], faults: list[Fault], **config: object
     ddp = deft.DistributedDataParallel(ours, config=cfg)
     injector = Injector(faults)
     try:
-        _train(ddp, ours, rank, injector)
+        _train(ddp, ours, rank, injector, alone)
         ddp.flush()
     finally:
         injector.remove()
@@ -144,7 +153,7 @@ def _deft_run(rank: int, links: list[str], faults: list[Fault], **config: object
 #: name -> (links, faults, config): the branches of a lost link.
 CASES: dict[str, tuple[list[str], list[Fault], dict[str, object]]] = {
     # the NIC goes between two iterations: nothing completes on it any more, on any rank
-    "between sends": (["primary", "second"], [Fault("second", 12)], {}),
+    "between sends": (["primary", "second"], [Fault("second", 12)], {"alone": True}),
     # one rank's all-reduce completes, the other is told it failed: both must drop it and send again
     "one rank sees a success": (["primary", "second"], [Fault("second", 12, "lie", (0,))], {}),
     # during a send, one rank's end is gone: the other's real all-reduce waits for it until the deadline
@@ -217,3 +226,44 @@ def primary_worker(rank: int, world: int) -> dict[str, object]:
 def test_the_primary_link_lost_stops_the_run_naming_it() -> None:
     for r in values(run_ranks(primary_worker, 2, timeout=180)):
         assert r["error"] is not None and "link 'primary'" in r["error"], r
+
+
+def alone_worker(rank: int, world: int, path: str) -> dict[str, object]:
+    """deft on a schedule whose update finishes in the next forward with a bucket of the second link
+    deferred (tests/test_runtime_parity.py's early schedule); after each step rank 0 alone reads the
+    module's state_dict, which applies the deferred parameters on rank 0 only (an evaluation forward is
+    collective with this model: its batch-norm buffers are broadcast, as torch DDP does)."""
+    from tests.test_runtime_parity import Net as ParityNet
+    from tests.test_runtime_parity import _batch as parity_batch
+    from tests.test_runtime_parity import deferring_run
+
+    ours, opt, ddp = deferring_run(path, rank)
+    loss_fn = nn.CrossEntropyLoss()
+    for step in range(8):
+        x, y = parity_batch(rank, step)
+        loss_fn(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if rank == 0:
+            ours.state_dict()
+    ddp.flush()
+    torch.manual_seed(0)
+    ref = ParityNet()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    tddp = nn.parallel.DistributedDataParallel(ref)
+    for step in range(8):
+        x, y = parity_batch(rank, step)
+        loss_fn(tddp(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return {"worst": max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+                         for a, b in zip(ours.parameters(), ref.parameters(), strict=True)),
+            "second": ddp.link_stats["second"]["calls"]}
+
+
+@pytest.mark.slow
+def test_one_rank_alone_applies_a_deferred_guarded_bucket_without_a_collective(tmp_path: Path) -> None:
+    """What one rank does alone between iterations (a state_dict) needs no agreement: the guarded sends
+    were judged by every rank after the step."""
+    for r in values(run_ranks(alone_worker, 2, (str(tmp_path / "schedule.json"),), timeout=120)):
+        assert r["second"] > 0 and r["worst"] < 1e-5, r

@@ -763,7 +763,7 @@ class Executor:
             take = sorted(g.deferred if indices is None else g.deferred.intersection(indices))
             if not take:
                 continue
-            self._settle(g, self._judged_with(g, {b for i in take for b in self.layout.param_buckets[i]}))
+            self._settle(g, sorted({b for i in take for b in self.layout.param_buckets[i]}))
             for i, gr in enumerate(self._grads(g, take)):
                 if gr is not None:
                     grads[i] = gr
@@ -772,12 +772,20 @@ class Executor:
                 self._close(g)
         return grads
 
-    def _judged_with(self, g: GroupInstance, buckets: set[int]) -> list[int]:
-        """``buckets``, and where they include a guarded send, every guarded send of ``g`` still pending:
-        one agreement for the group's deferred sends, not one per module (each is a round trip over the
-        primary's NIC, queued behind its gradients). The same on every rank: what ``g`` launched is."""
-        guarded = {b for b, ps in g.pending.items() if any(p.resend is not None for p in ps)}
-        return sorted(buckets | guarded if buckets & guarded else buckets)
+    def judge_pending(self) -> None:
+        """Collective, between iterations (every rank after its step): wait for every guarded send still in
+        flight and judge them all with one agreement (:meth:`_judge_guarded`). Then nothing after the step
+        needs an agreement: a forward's deferred parameters, or a ``state_dict()`` or an evaluation that
+        one rank runs alone, only wait for what every rank launched and the ranks judged."""
+        judged: list[tuple[Pending, object]] = []
+        failed: dict[str, str] = {}
+        watch = Stopwatch()
+        for last in sorted(self.groups):
+            g = self.groups[last]
+            for b in [b for b, ps in g.pending.items() if any(p.resend is not None for p in ps)]:
+                judged.extend((p, self._wait_guarded(p, failed, watch)) for p in g.pending.pop(b))
+        if judged:
+            self._judge_guarded(judged, failed, watch)
 
     def drain(self) -> list[DueUpdate]:
         """Send every bucket not yet sent (primary link, bucket order), wait, return all updates.

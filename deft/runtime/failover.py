@@ -7,7 +7,10 @@ good. Each wait on it is bounded by the link's *deadline* (:meth:`LinkFailover.d
 ``link_deadline_s`` (the deadline alone before a profile exists), never above ``timeout_s``.
 
 Every wait that took a guarded result ends with :meth:`LinkFailover.agree`, one all-reduce (max) over the
-control group of a flag per link: the links some rank saw fail or miss its deadline. The control group
+control group of a flag per link: the links some rank saw fail or miss its deadline. The ranks wait for
+and judge the sends the step needs at the step, and every other guarded send in flight right after the
+step (:meth:`deft.runtime.executor.Executor.judge_pending`), where every rank is: what one rank does alone
+between iterations (its ``state_dict()``) never needs an agreement. The control group
 runs on the primary link's NIC (:func:`deft.runtime.links.make_control_group`), so the agreement does not
 depend on the link it judges. All ranks get the same set and take the same branch for every bucket: a
 good link's results are used; a lost link's are dropped on every rank (one rank may have seen its
