@@ -236,11 +236,14 @@ def report(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
              f"per phase, the first {args.settle} iterations of the slow and recovered phases left out (before: "
              f"iterations 21-{args.slow_at}). 2 shared cores: other work ran on the machine beside these runs (load "
              "column: 1-minute load average at the run's start).", "",
-             "| run | before (ms) | slow (ms) | after recovery (ms) | wall (s) | load | fault applied at (it.) |",
-             "|---|---|---|---|---|---|---|"]
+             "| run | before (ms) | slow (ms) | after recovery (ms) | iterations "
+             f"{args.slow_at + 1}-{args.recover_at} (s) | all iterations (s) | wall (s) | load | "
+             "fault applied at (it.) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for n, d in runs.items():
         ev = ", ".join(f"{e['what']} {e['seen_at']}-{e['done_at']}" for e in d["events"]) or "-"
         lines.append(f"| {n} | {ms(ph[n]['before'])} | {ms(ph[n]['slow'])} | {ms(ph[n]['after'])} | "
+                     f"{sum(d['iter_s'][args.slow_at:args.recover_at]):.1f} | {sum(d['iter_s']):.1f} | "
                      f"{d['wall_s']:.0f} | {d['load']:.1f} | {ev} |")
     lines.append("")
     for n, d in runs.items():
@@ -250,9 +253,10 @@ def report(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         sw = [(s.get("iteration"), s.get("source"), s.get("layout", "")) for s in pi.get("switches", [])]
         ad = [(a.get("iteration"), str(a.get("decision", a.get("error", "")))[:90],
                a.get("comm_factor")) for a in pi.get("adapt", [])]
+        once = d["merged"] == list(range(len(d["iter_s"])))
         lines.append(f"- {n}: plan at iteration {pi.get('t0')}, switches {sw}, adapt {ad}, "
                      f"bytes per cycle by link at the end {d['link_bytes']}, updates {d['updates']} "
-                     f"of {len(d['iter_s'])} iterations")
+                     f"of {len(d['iter_s'])} iterations, every iteration's gradient applied once: {once}")
     lines.append("")
     ref = [n for n in ("deft-full", "torch-full", "torch-fault") if n in runs][:2]
     for n in runs:

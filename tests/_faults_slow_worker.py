@@ -70,6 +70,8 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         ratios.append(per_byte_ratio(ddp.profile))
+        if rank == 0 and ddp.profile is not None and not (progress.parent / "profile.json").exists():
+            ddp.profile.save(str(progress.parent / "profile.json"))  # what the first plan was made from
         if rank == 0:
             tmp = progress.with_suffix(".tmp")
             tmp.write_text(str(t + 1), encoding="utf-8")

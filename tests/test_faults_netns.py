@@ -46,7 +46,10 @@ def _live_slowdown(work: Path) -> tuple[list[dict[str, Any]], list[tuple[str, in
     events: list[tuple[str, int]] = []
     todo = [(SLOW, RATE_MBIT / FACTOR, "slow"), (RECOVER, RATE_MBIT, "recover")]
     with Testbed(hosts=2, links=2, rate_mbit=RATE_MBIT, prefix="faultt") as tb:
-        config = tb.write_config(epsilon=0.0, bucket_cap_mb=0.5, adapt_window=WINDOW, timeout_s=120)
+        # planner_nice 0 and the greedy knapsacks: on a busy machine the first plan of this model took
+        # 40-80 s otherwise, every rank waiting (the lag is 6 iterations of 0.1 s), which is not under test
+        config = tb.write_config(epsilon=0.0, bucket_cap_mb=0.5, adapt_window=WINDOW, timeout_s=120, planner_nice=0,
+                                 solver="greedy")
         port = free_port()
         env = {"FAULTS_STEPS": str(STEPS), "FAULTS_PROGRESS": str(progress)}
         logs = [(work / f"out{h}", work / f"err{h}") for h in range(2)]
@@ -86,7 +89,8 @@ def test_a_link_slowed_mid_run_loses_no_gradient_and_keeps_torch_ddps_parameters
     for r in reports:
         assert r["merged"] == list(range(STEPS))  # every iteration's gradient applied, once
         assert r["vs_torch"] < 1e-5, r["vs_torch"]
-    assert reports[0]["plan_info"] == reports[1]["plan_info"]
+    for key in ("source", "t0", "adapt", "switches"):  # the ranks agreed (rank 0's planning times aside)
+        assert reports[0]["plan_info"].get(key) == reports[1]["plan_info"].get(key), key
 
 
 @pytest.mark.slow
