@@ -10,6 +10,7 @@ second link slower than the primary, and follow it back when it recovers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -53,18 +54,20 @@ def _live_slowdown(work: Path) -> tuple[list[dict[str, Any]], list[tuple[str, in
         port = free_port()
         env = {"FAULTS_STEPS": str(STEPS), "FAULTS_PROGRESS": str(progress)}
         logs = [(work / f"out{h}", work / f"err{h}") for h in range(2)]
-        procs = [tb.popen(h, [sys.executable, "-m", "tests._faults_slow_worker"],
-                          env={**tb.env_for(h, h, 2, port, config), **env}, cwd=ROOT,
-                          stdout=logs[h][0].open("w"), stderr=logs[h][1].open("w")) for h in range(2)]
-        deadline = time.monotonic() + DEADLINE_S
-        while any(p.poll() is None for p in procs):
-            assert time.monotonic() < deadline, f"the run did not finish within {DEADLINE_S:.0f} s"
-            done = int(progress.read_text(encoding="utf-8") or 0)
-            if todo and done >= todo[0][0]:
-                _, rate, what = todo.pop(0)
-                tb.reshape(1, rate)
-                events.append((what, int(progress.read_text(encoding="utf-8") or 0)))
-            time.sleep(0.02)
+        with contextlib.ExitStack() as files:
+            procs = [tb.popen(h, [sys.executable, "-m", "tests._faults_slow_worker"],
+                              env={**tb.env_for(h, h, 2, port, config), **env}, cwd=ROOT,
+                              stdout=files.enter_context(out.open("w")), stderr=files.enter_context(err.open("w")))
+                     for h, (out, err) in enumerate(logs)]
+            deadline = time.monotonic() + DEADLINE_S
+            while any(p.poll() is None for p in procs):
+                assert time.monotonic() < deadline, f"the run did not finish within {DEADLINE_S:.0f} s"
+                done = int(progress.read_text(encoding="utf-8") or 0)
+                if todo and done >= todo[0][0]:
+                    _, rate, what = todo.pop(0)
+                    tb.reshape(1, rate)
+                    events.append((what, int(progress.read_text(encoding="utf-8") or 0)))
+                time.sleep(0.02)
     for p, (_, err) in zip(procs, logs, strict=True):
         assert p.returncode == 0, err.read_text(encoding="utf-8")[-3000:]
     reports = [json.loads(out.read_text(encoding="utf-8").strip().splitlines()[-1]) for out, _ in logs]
