@@ -1,7 +1,8 @@
 """A link that slows mid-run on the two-link testbed: what deft's adaptation does, and torch DDP beside it.
 
     sudo .venv/bin/python benchmarks/bench_faults.py [--rate 250] [--factor 5] [--slow-at 40]
-                                                     [--recover-at 110] [--iters 170] [--schemes ...]
+                                                     [--recover-at 80] [--iters 120] [--schemes ...]
+                                                     [--save DIR] [--from-runs DIR] [--section NAME]
                                                      [--no-write]
 
 One testbed per run (2 hosts x 2 links, every NIC ``tc tbf``-shaped to ``--rate``; fresh namespaces
@@ -28,13 +29,16 @@ Runs (``--schemes``; all in one invocation, one after the other, same seed and d
   (``GLOO_SOCKET_IFNAME=nic0,nic1``: gloo round-robins whole collectives over both devices; DDP's
   default buckets): the fair comparison for a slowed second link, since this torch DDP does use it.
 
-Reported: per run the steady iteration time in each phase (before the fault, while slow, after the
-recovery: the median over the phase's iterations, its first ``--settle`` iterations left out; deft's
-own planning iterations are in the "before" phase), the adaptation's records after the fault (which
-iteration it decided at, what), the switches, the bytes the running schedule puts on each link, and
-the final parameters against the uninterrupted run's (deft-fault against deft-full and torch-full:
-epsilon 0 promises torch DDP's maths). The table goes to ``benchmarks/results/faults.md`` (between the
-``faults_slow`` markers; text outside them is kept). The machine has 2 cores, shared with whatever else
+The default runs all but ``torch-full`` (``torch-fault`` without a fault on a link it does not use).
+Reported: per run the steady iteration time in each phase (before the fault: iterations
+21 to ``--slow-at``, after deft's planning; while slow; after the recovery: the median over the phase's
+iterations, its first ``--settle`` left out), the sums of the iteration times, deft's plan, adaptation
+records and switches (which iteration, what), the bytes the running schedule puts on each link per
+cycle, whether every iteration's gradient was applied once, and the final parameters against the
+uninterrupted run's (epsilon 0 promises torch DDP's maths). ``--save DIR`` keeps every run and
+``--from-runs DIR`` reports them again without running. The report goes to
+``benchmarks/results/faults.md``, between the ``--section`` markers (``faults_slow``); text outside them is
+kept. The machine has 2 cores, shared with whatever else
 runs on it: the load average at each run's start is in the table.
 """
 
