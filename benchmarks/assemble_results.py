@@ -17,6 +17,7 @@ ORDER = [
     "peers_lm.md",
     "slow_links.md",
     "house.md",
+    "faults.md",
     "gpu.md",
     "seeds.md",
     "testbed.md",
