@@ -24,8 +24,11 @@ accuracy is not taken mid-swing) for ``--epochs`` epochs with every scheme and e
   ``localsgd``, the older name of ``localsgd4``, is still accepted and read from older records);
 * ``diloco``: DiLoCo (Douillard et al. 2023, ``examples/diloco.py``): H = 8 local steps of the same SGD,
   then the averaged pseudo-gradient (one flat all-reduce) steps the global model with an outer SGD,
-  Nesterov momentum 0.9, lr 0.7 (the paper's); torchft's DiLoCo needs its lighthouse server, so
-  not that one;
+  Nesterov momentum 0.9, lr 0.7 (the paper's), written out on the default process group;
+* ``torchft-diloco8``, ``torchft-localsgd4``, ``torchft-localsgd8``: torchft's own ``DiLoCo`` (the
+  diloco row's H and outer optimizer) and ``LocalSGD`` (parameters averaged every 4th or 8th step, no
+  warm-up phase), each host one replica group of one rank under a ``torchft.Manager``, the lighthouse
+  in-process on host 0, torchft's gloo process group on nic0 (``examples/torchft_peers.py``);
 * ``deft-eps0``: deft with epsilon = 0 on nic0 only (reordering and re-bucketing, nothing delayed);
 * ``deft``: deft with its default config (epsilon 0.01, preserver on) on both links;
 * ``deft-fp16``, ``deft-powersgd``: the same with deft's ``compression`` knob (``--compression``):
@@ -199,6 +202,11 @@ SCHEMES: dict[str, Scheme] = {
     "diloco": Scheme("DiLoCo (H 8, outer Nesterov lr 0.7 momentum 0.9)",
                      ("--ddp", "diloco", "--diloco-h", "8", "--diloco-outer-lr", "0.7",
                       "--diloco-outer-momentum", "0.9")),
+    "torchft-diloco8": Scheme("torchft DiLoCo (H 8, outer Nesterov lr 0.7 momentum 0.9)",
+                              ("--ddp", "torchft-diloco", "--diloco-h", "8", "--diloco-outer-lr", "0.7",
+                               "--diloco-outer-momentum", "0.9")),
+    "torchft-localsgd4": Scheme("torchft LocalSGD (period 4)", ("--ddp", "torchft-localsgd", "--localsgd-period", "4")),
+    "torchft-localsgd8": Scheme("torchft LocalSGD (period 8)", ("--ddp", "torchft-localsgd", "--localsgd-period", "8")),
     "deft-eps0": Scheme("deft, epsilon 0, one link", ("--ddp", "deft", "--epsilon", "0")),
     "deft": Scheme("deft default, two links", ("--ddp", "deft"), links=2),
     # deft's default before it chose codecs itself (compression = "none": every bucket exact)

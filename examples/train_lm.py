@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         if (it + 1) % args.eval_every == 0 or it + 1 == args.iters:
             run_eval(it + 1)
 
+    w.info.update(w.report())
     summary = {"ddp": args.ddp, "world_size": world, "params": n_params, "iters": args.iters,
                "updates": w.updates(steps), "updates_per_iter": w.updates(steps) / args.iters,
                "iter_s_mean": steady_mean(iters, args.skip_iters),
@@ -233,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.save(model.state_dict(), args.save_model)
     if not compute:
         dist.barrier()
+        w.close()
         dist.destroy_process_group()
     return 0
 
