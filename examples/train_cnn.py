@@ -218,7 +218,7 @@ def check_scheme_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.bucket_cap_mb is not None and args.ddp in ("deft", "powersgd", "compute", "torchft-diloco",
                                                        "torchft-localsgd"):
         why = {"deft": "deft buckets by its own plan", "powersgd": "powersgd keeps one bucket (see wrap())",
-               "compute": "--compute-only communicates nothing"}.get(args.ddp, "torchft's schemes bucket as torchft does")
+               "compute": "--compute-only communicates nothing"}.get(args.ddp, "torchft buckets as torchft does")
         ap.error(f"--bucket-cap-mb does not apply to --ddp {args.ddp}: {why}")
 
 
@@ -302,6 +302,29 @@ def one_bucket_mb(model: nn.Module) -> float:
     return max(25.0, 2 * sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20)
 
 
+def deft_config(args: argparse.Namespace, total_iters: int) -> Any:
+    """The ``deft.DeftConfig`` of the deft scheme: ``--config`` (or deft's defaults) with the flags applied."""
+    import deft
+
+    cfg = deft.DeftConfig.resolve(args.config)
+    if args.epsilon is not None:
+        cfg = dataclasses.replace(cfg, epsilon=args.epsilon)
+    if args.no_preserver:
+        cfg = dataclasses.replace(cfg, preserver=False)
+    if args.compression is not None:  # the same PowerSGD settings as the torch scheme
+        cfg = dataclasses.replace(cfg, compression=args.compression, powersgd_rank=args.powersgd_rank,
+                                  powersgd_start_iter=args.powersgd_start or default_start(total_iters, 2))
+    if args.local_steps is not None:
+        warm = args.local_warmup if args.local_warmup is not None else \
+            (default_start(total_iters, 1) if args.local_outer == "average" else 0)
+        cfg = dataclasses.replace(cfg, local_steps=args.local_steps, local_outer=args.local_outer,
+                                  local_warmup_iters=warm, local_outer_lr=args.diloco_outer_lr,
+                                  local_outer_momentum=args.diloco_outer_momentum,
+                                  local_overlap=not args.no_local_overlap,
+                                  local_overlap_iters=args.local_overlap_iters, local_period=args.local_period)
+    return cfg
+
+
 def wrap(model: nn.Module, args: argparse.Namespace, total_iters: int,
          optimizer: torch.optim.Optimizer | None = None) -> Wrapped:
     """The lines that differ between the schemes: the wrapper, its hook, its optimizer (``optimizer``, by
@@ -313,25 +336,12 @@ def wrap(model: nn.Module, args: argparse.Namespace, total_iters: int,
     if args.ddp == "deft":
         import deft
 
-        cfg = deft.DeftConfig.resolve(args.config)
-        if args.epsilon is not None:
-            cfg = dataclasses.replace(cfg, epsilon=args.epsilon)
-        if args.no_preserver:
-            cfg = dataclasses.replace(cfg, preserver=False)
-        if args.compression is not None:  # the same PowerSGD settings as the torch scheme
-            cfg = dataclasses.replace(cfg, compression=args.compression, powersgd_rank=args.powersgd_rank,
-                                      powersgd_start_iter=args.powersgd_start or default_start(total_iters, 2))
+        cfg = deft_config(args, total_iters)
         if args.local_steps is not None:
-            warm = args.local_warmup if args.local_warmup is not None else \
-                (default_start(total_iters, 1) if args.local_outer == "average" else 0)
-            cfg = dataclasses.replace(cfg, local_steps=args.local_steps, local_outer=args.local_outer,
-                                      local_warmup_iters=warm, local_outer_lr=args.diloco_outer_lr,
-                                      local_outer_momentum=args.diloco_outer_momentum,
-                                      local_overlap=not args.no_local_overlap,
-                                      local_overlap_iters=args.local_overlap_iters, local_period=args.local_period)
             ddp = deft.DistributedDataParallel(model, optimizer=sgd, config=cfg)
             info = {"epsilon": cfg.epsilon, "links": [dataclasses.asdict(lk) for lk in cfg.links],
-                    "local_steps": cfg.local_steps, "local_outer": cfg.local_outer, "local_warmup_iters": warm,
+                    "local_steps": cfg.local_steps, "local_outer": cfg.local_outer,
+                    "local_warmup_iters": cfg.local_warmup_iters,
                     "local_overlap": cfg.local_overlap, "local_overlap_iters": cfg.local_overlap_iters,
                     "local_period": cfg.local_period}
             if cfg.local_outer == "diloco":
