@@ -268,6 +268,7 @@ def accelerate_loop(accelerator: Any, model: nn.Module, opt: torch.optim.Optimiz
     from torch.utils.data import DataLoader
     from transformers import get_cosine_schedule_with_warmup
 
+    rng = torch.get_rng_state()
     n = accelerator.num_processes
     loader = DataLoader(LoopWindows(train, args, n), batch_size=args.batch_size, shuffle=False)
     sched = get_cosine_schedule_with_warmup(opt, max(1, args.iters // 10) * n, args.iters * n)
@@ -290,7 +291,15 @@ def accelerate_loop(accelerator: Any, model: nn.Module, opt: torch.optim.Optimiz
     if args.ddp == "deft":
         info["epsilon"] = deft_config(args, args.iters).epsilon
     w = Wrapped(ddp, popt, info, updates=(lambda steps: steps) if log is None else (lambda _steps: len(log)))
-    return Loop(w, iter(loader), step, accelerator.unwrap_model(ddp))
+    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        it = iter(loader)
+        first = next(it)
+        # starting the loader drew from the global generator; dropout then continues where the own loop's does
+        torch.set_rng_state(rng)
+        yield first
+        yield from it
+
+    return Loop(w, batches(), step, accelerator.unwrap_model(ddp))
 
 
 def main(argv: list[str] | None = None) -> int:
