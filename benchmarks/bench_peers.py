@@ -623,6 +623,14 @@ def trainer_table(rows: list[Row], wl: Workload, targets: tuple[float, ...]) -> 
     return lines
 
 
+def default_schemes(workload: str, trainer: str | None) -> list[str]:
+    """The schemes a run without ``--schemes`` trains: with a trainer, the four rows of its table (each
+    wrapper in the own loop, then through the trainer); else every scheme the workload can run."""
+    if trainer is not None:
+        return [n for pair in zip(*TRAINER_PAIRS[trainer], strict=True) for n in pair]
+    return [n for n, sch in SCHEMES.items() if workload == "lm" or sch.trainer is None]
+
+
 def report(args: argparse.Namespace, docs: list[dict[str, Any]], names: list[str], rates: list[float],
            failed: dict[tuple[str, float], str], command: str, plots: dict[float, Path]) -> str:
     first, wl = docs[0]["summary"], WORKLOADS[args.workload]
@@ -716,8 +724,7 @@ def main() -> int:
     if args.trainer is not None and args.workload != "lm":
         ap.error(f"--trainer {args.trainer}: the trainers run the lm workload (add --workload lm)")
     if args.schemes is None:
-        args.schemes = ",".join(n for pair in TRAINER_PAIRS[args.trainer] for n in pair) if args.trainer else \
-            ",".join(n for n, sch in SCHEMES.items() if not cnn or sch.trainer is None)
+        args.schemes = ",".join(default_schemes(args.workload, args.trainer))
     names = list(dict.fromkeys(canonical(n) for n in args.schemes.split(",") if n))
     unknown = [n for n in names if n not in SCHEMES]
     if unknown:
