@@ -285,12 +285,13 @@ def accelerate_loop(accelerator: Any, model: nn.Module, opt: torch.optim.Optimiz
             popt.zero_grad()
         return loss, bool(accelerator.sync_gradients)
 
-    log = getattr(ddp, "update_log", None)
     info = {"trainer": "accelerate", "accelerator": f"{type(accelerator).__module__}.{type(accelerator).__name__}",
             "wrapper": f"{type(ddp).__module__}.{type(ddp).__name__}"}
     if args.ddp == "deft":
         info["epsilon"] = deft_config(args, args.iters).epsilon
-    w = Wrapped(ddp, popt, info, updates=(lambda steps: steps) if log is None else (lambda _steps: len(log)))
+    deft_wrapper = hasattr(ddp, "update_log")
+    w = Wrapped(ddp, popt, info, updates=(lambda _steps: len(ddp.update_log)) if deft_wrapper else (lambda s: s))
+
     def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         it = iter(loader)
         first = next(it)
