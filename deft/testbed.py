@@ -315,6 +315,16 @@ class Testbed:
             if self.switch_ns is not None:
                 self._shape(self.switch_ns, f"h{h}l{link}", rate_mbit, replace=True)
 
+    def set_link(self, link: int, up: bool, hosts: list[int] | None = None) -> None:
+        """Take ``link``'s NIC down (or back up) in ``hosts`` (default: every host), as
+        ``ip link set nic<link> down`` would on a machine: its traffic stops, its address stays."""
+        self._check_link(link)
+        if not self._is_up:
+            raise TestbedError("set_link: the testbed is not up")
+        for h in range(self.hosts) if hosts is None else hosts:
+            self._check_host(h)
+            _run(["ip", "-n", self.host_ns(h), "link", "set", self.ifname(link), "up" if up else "down"])
+
     def down(self) -> None:
         """Stop the processes started here, delete the namespaces made here. Idempotent, never partial.
 

@@ -231,3 +231,38 @@ def test_accumulation_with_grad_scaler_skipping_a_step(micro: int, set_to_none: 
         assert v["scale"] == v["ref_scale"] == 2.0 ** 11, v  # x2 after steps 0-2, halved at 3, x2 after 4-6
         assert v["applied"] == [t for t in range(2 * STEPS) if t not in (6, 7)], v
         assert v["skipped"] == [7], v
+
+
+def between_micro_batches_worker(rank: int, world: int) -> dict[str, Any]:
+    import deft
+
+    model = make_model()
+    opt = _opt(model)
+    ddp = deft.DistributedDataParallel(model, config={"epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2})
+    train(ddp, opt, rank, 1, steps=2)
+    loss_fn = nn.CrossEntropyLoss()
+    with ddp.no_sync():
+        loss_fn(ddp(_batch(rank, 2, 0)[0]), _batch(rank, 2, 0)[1]).backward()
+    said = []
+    for call in (ddp.flush, ddp.state_dict):
+        try:
+            call()
+            said.append("no error")
+        except deft.DeftError as e:
+            said.append(str(e))
+    x, y = _batch(rank, 2, 1)
+    loss_fn(ddp(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    ddp.flush()  # after the step that ends the accumulation: allowed
+    return {"said": said, "applied": sorted(t for _, its in ddp.update_log for t in its)}
+
+
+@pytest.mark.slow
+def test_flush_and_save_between_micro_batches_are_refused_naming_the_step() -> None:
+    for v in values(run_ranks(between_micro_batches_worker, 2, timeout=120)):
+        assert len(v["said"]) == 2
+        for said in v["said"]:
+            assert "between the micro-batches of a gradient accumulation" in said, said
+            assert "after the step that ends the accumulation" in said, said
+        assert v["applied"] == [0, 1, 2]

@@ -3,8 +3,10 @@
 The checkpoint is taken after iteration 6 of a delayed schedule (cycle 4 from t0 = 1): the update
 merging iterations 5 and 6 has two buckets in flight and one not yet sent. Every rank saves its own
 ``ddp.state_dict()`` (which carries its local, not yet communicated gradients) and the optimizer's,
-loads them with ``torch.load(weights_only=True)`` in fresh processes and finishes the run; the final
-parameters and the update log must equal those of the uninterrupted run bit for bit.
+loads them in fresh processes and finishes the run; the final parameters and the update log must equal
+those of the uninterrupted run bit for bit. The wrapper's state_dict is saved twice, with ``torch.save``
+and with ``safetensors`` (tensors only: deft's record is one uint8 tensor); the resumed run loads the
+safetensors file, the torch.save one is loaded with ``weights_only=True`` for the checks of bad input.
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 
+from deft.config import DeftConfig
 from deft.errors import ContractError
-from deft.runtime.checkpoint import LocalStepsState, check_mode
+from deft.runtime.checkpoint import LocalStepsState, check_mode, check_stamp, decode_record, encode_record, stamp
+from deft.runtime.compat import shared_config
 from tests._dist import run_ranks, slow_first_planner, values
 from tests.test_runtime_delayed import delayed_schedule
 
@@ -71,6 +76,7 @@ def first_half_worker(rank: int, world: int, schedule_path: str, ckpt_dir: str,
     train(ddp, opt, rank, 0, STOP)
     groups = {u.iterations[-1]: (list(u.buckets_sent), list(u.iterations)) for u in ddp.pending_updates}
     torch.save({"ddp": ddp.state_dict(), "opt": opt.state_dict()}, Path(ckpt_dir) / f"rank{rank}.pt")
+    safetensors.torch.save_file(ddp.state_dict(), Path(ckpt_dir) / f"rank{rank}.safetensors")
     return {"full": full, "pending_at_stop": {str(k): v for k, v in groups.items()}}
 
 
@@ -94,16 +100,17 @@ def resume_worker(rank: int, world: int, schedule_path: str, ckpt_dir: str,
     ckpt = torch.load(Path(ckpt_dir) / f"rank{rank}.pt", weights_only=True)
     if compression == "int8-schedule":  # a damaged codec state is refused, naming the field, before any change
         key = next(k for k in ckpt["ddp"] if k.endswith("_extra_state"))
-        state = ckpt["ddp"][key]
+        state = decode_record(ckpt["ddp"][key])
+        assert isinstance(state, dict)
         assert state["codec_hooks"]["int8"]["state"]["calls"] > 0  # the schedule's int8 hook ran and counted
         for bad, says in (({"int4": {}}, "codec_hooks: expected codec names"),
                           ({"int8": {"kind": "state_dict", "state": {"seed": "x"}}}, "codec_hooks.int8: Int8State")):
             try:
-                ddp.load_state_dict({**ckpt["ddp"], key: {**state, "codec_hooks": bad}})
+                ddp.load_state_dict({**ckpt["ddp"], key: encode_record({**state, "codec_hooks": bad})})
                 raise AssertionError(f"a damaged codec state must be refused: {bad}")
             except deft.ContractError as e:
                 assert says in str(e), e
-    ddp.load_state_dict(ckpt["ddp"])
+    ddp.load_state_dict(safetensors.torch.load_file(Path(ckpt_dir) / f"rank{rank}.safetensors"))
     opt.load_state_dict(ckpt["opt"])
     assert ddp.iteration == STOP
     train(ddp, opt, rank, STOP, TOTAL)
@@ -217,3 +224,32 @@ def test_a_record_is_loaded_only_by_the_mode_that_saved_it() -> None:
         check_mode(local_doc, local_steps=False)
     with pytest.raises(ContractError, match="saved outside local-steps mode and this wrapper runs in it"):
         check_mode({"version": 1}, local_steps=True)
+
+
+def test_the_record_travels_as_one_uint8_tensor_and_bad_bytes_are_named() -> None:
+    doc = {"version": 1, "order": torch.arange(4), "groups": [{"buffers": {"float32": torch.ones(3)}}]}
+    t = encode_record(doc)
+    assert t.dtype == torch.uint8 and t.dim() == 1
+    back = decode_record(t)
+    assert isinstance(back, dict) and back["version"] == 1 and back["order"].tolist() == [0, 1, 2, 3]
+    assert back["groups"][0]["buffers"]["float32"].tolist() == [1.0, 1.0, 1.0]
+    assert decode_record({"version": 1}) == {"version": 1}  # the document itself (an older checkpoint)
+    with pytest.raises(ContractError, match=r"_extra_state: the uint8 tensor is not a deft record"):
+        decode_record(torch.zeros(16, dtype=torch.uint8))
+    with pytest.raises(ContractError, match=r"_extra_state: expected deft's record .* got a 2-D torch.float32"):
+        decode_record(torch.zeros(2, 2))
+
+
+def test_a_record_of_another_world_or_config_is_refused_naming_the_field() -> None:
+    shared = shared_config(DeftConfig.resolve({"epsilon": 0.1}))
+    doc = stamp({"version": 1, "world": 2}, shared)
+    check_stamp(doc, 2, shared)
+    check_stamp(doc, 2, shared_config(DeftConfig.resolve({"epsilon": 0.1, "timeout_s": 5, "adapt": False})))
+    with pytest.raises(ContractError, match=r"_extra_state\.world: the checkpoint was saved by a job of 2 ranks "
+                                            r"and this one has 4"):
+        check_stamp(doc, 4, shared)
+    other = shared_config(DeftConfig.resolve({"epsilon": 0.0, "compression": "fp16"}))
+    with pytest.raises(ContractError, match=r"_extra_state\.config: .*epsilon \(saved 0\.1, now 0\.0\); "
+                                            r"compression \(saved 'auto', now 'fp16'\)"):
+        check_stamp(doc, 2, other)
+    check_stamp({"version": 1, "world": 2}, 2, other)  # no stamp (an older checkpoint): its mode checks it

@@ -214,6 +214,26 @@ def test_reshape_one_link_leaves_the_other() -> None:
 
 @pytest.mark.netns
 @pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
+def test_a_link_taken_down_stops_its_traffic_and_comes_back() -> None:
+    with Testbed(hosts=2, links=2, rate_mbit=200) as tb:
+        tb.set_link(1, up=False)
+        for h in range(2):
+            state = {link: json.loads(tb.run(h, ["ip", "-j", "link", "show", "dev", tb.ifname(link)]))[0]["operstate"]
+                     for link in range(2)}
+            assert state == {0: "UP", 1: "DOWN"}
+        connect = f"import socket; socket.create_connection(({tb.addr(1, 1)!r}, 29431), timeout=2)"
+        with pytest.raises(TestbedError, match=r"unreachable|timed out"):  # nothing crosses the link that is down
+            tb.run(0, [sys.executable, "-c", connect])
+        tb.set_link(1, up=True)
+        transfer(tb, 0, 1, 1, 100_000, port=29430)  # and everything again once it is back
+        with pytest.raises(TestbedError, match="host 2 out of range"):
+            tb.set_link(1, up=False, hosts=[2])
+    with pytest.raises(TestbedError, match="not up"):
+        tb.set_link(0, up=False)
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
 def test_three_hosts_through_a_bridge_per_link() -> None:
     with Testbed(hosts=3, links=2, rate_mbit=200) as tb:
         assert tb.switch_ns is not None and tb.switch_ns in list_namespaces()

@@ -1,7 +1,11 @@
 """deft's state in a checkpoint: a typed, versioned record per training mode, carried by ``state_dict()``.
 
-A record travels through ``nn.Module.get_extra_state`` as tensors and plain types only, so
-``torch.load(..., weights_only=True)`` reads it. Two records, one per mode (:mod:`deft.runtime.mode`):
+A record is a document of tensors and plain types; ``nn.Module.get_extra_state`` carries it as one
+``uint8`` tensor holding the document in ``torch.save``'s format (:func:`encode_record`), so a
+state_dict holds tensors only: ``safetensors`` (Accelerate's and the HuggingFace Trainer's default)
+and ``torch.distributed.checkpoint`` save it as they save parameters, and ``torch.load(...,
+weights_only=True)`` reads it (:func:`decode_record`, which also takes the document itself). Two
+records, one per mode (:mod:`deft.runtime.mode`):
 
 * :class:`RuntimeState` (the scheduled run): the iteration counter, the schedule and where its cycle
   started, the flat layout's order, the queued *local* gradient buffers of every pending update group
@@ -10,14 +14,17 @@ A record travels through ``nn.Module.get_extra_state`` as tensors and plain type
   and :class:`deft.runtime.local_steps.LocalSteps`'s own record (the averaging in flight, the anchor,
   the outer momentum, the period).
 
-A record is refused by the other mode (:func:`check_mode`). Because pending buffers and an averaging's
-snapshot are this rank's own, every rank saves and loads its own checkpoint while one is pending;
-loading another rank's fails with a clear error.
+A record is refused by the other mode (:func:`check_mode`), by another world size, and by a config
+that differs in a field the record's meaning rests on (:data:`RECORD_FIELDS`, :func:`check_stamp`).
+Because pending buffers and an averaging's snapshot are this rank's own, every rank saves and loads
+its own checkpoint while one is pending; loading another rank's fails with a clear error.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import pickle
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, TypedDict
 
@@ -36,6 +43,67 @@ SOURCE = "deft checkpoint"
 #: A saved document of tensors and plain types (what ``torch.load(..., weights_only=True)`` gives back):
 #: its fields are typed by the code that reads them back, which checks them there.
 StateDoc: TypeAlias = dict[str, Any]
+
+
+#: The config fields a saved record is only valid under: the schedule was accepted at its epsilon and
+#: names its links, the queued groups and codec states follow the compression, a merged update's
+#: learning rate its scaling, and local-steps mode's averaging its settings. The others (timeouts, the
+#: solver's and the adaptation's knobs) may change between a save and a resume.
+RECORD_FIELDS = ("epsilon", "links", "compression", "powersgd_rank", "merge_lr_scaling", "forward_updates",
+                 "local_steps", "local_outer", "local_outer_lr", "local_outer_momentum", "local_period")
+
+
+def stamp(doc: StateDoc, shared: JsonDict) -> StateDoc:
+    """``doc`` with the :data:`RECORD_FIELDS` of the config it was made under (``shared``: the
+    settings every rank shares, :func:`deft.runtime.compat.shared_config`)."""
+    return {**doc, "config": json.dumps({k: shared.get(k) for k in RECORD_FIELDS}, sort_keys=True)}
+
+
+def check_stamp(doc: object, world: int, shared: JsonDict) -> None:
+    """Refuse a record saved at another world size or under another value of a :data:`RECORD_FIELDS`
+    field, naming each; a record without a stamp (older checkpoints) is checked by its mode only."""
+    if not isinstance(doc, dict):
+        return  # the mode's reader names what it expected
+    check_mode(doc, local_steps=bool(shared.get("local_steps")))
+    saved_world = doc.get("world")
+    if isinstance(saved_world, int) and saved_world != world:
+        raise ContractError(SOURCE, "_extra_state.world",
+                            f"the checkpoint was saved by a job of {saved_world} ranks and this one has {world}; "
+                            "to resume at another world size load only ddp.module's and the optimizer's state "
+                            "dicts (deft profiles and plans anew)")
+    if not isinstance(doc.get("config"), str):
+        return
+    saved = json.loads(doc["config"])
+    now = {k: shared.get(k) for k in RECORD_FIELDS}
+    diff = [f"{k} (saved {saved.get(k)!r}, now {now[k]!r})" for k in RECORD_FIELDS if saved.get(k) != now[k]]
+    if diff:
+        raise ContractError(SOURCE, "_extra_state.config",
+                            f"the checkpoint was saved under another deft config: {'; '.join(diff)}. Build the "
+                            "wrapper with the saved values, or load only ddp.module's and the optimizer's state "
+                            "dicts (deft profiles and plans anew)")
+
+
+def encode_record(doc: StateDoc) -> torch.Tensor:
+    """``doc`` as a 1-D ``uint8`` CPU tensor (its ``torch.save`` bytes): a state_dict entry every
+    tensor format saves."""
+    buf = io.BytesIO()
+    torch.save(doc, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def decode_record(state: object, device: torch.device | str = "cpu") -> object:
+    """The document :func:`encode_record` encoded (its tensors on ``device``); a document given as
+    such (a dict, as older checkpoints hold) is returned unchanged for the mode's reader to check."""
+    if not isinstance(state, torch.Tensor):
+        return state
+    if state.dtype != torch.uint8 or state.dim() != 1:
+        raise ContractError(SOURCE, "_extra_state", f"expected deft's record (a 1-D uint8 tensor or a dict), "
+                            f"got a {state.dim()}-D {state.dtype} tensor")
+    try:
+        return torch.load(io.BytesIO(state.cpu().numpy().tobytes()), map_location=device, weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as e:
+        raise ContractError(SOURCE, "_extra_state", "the uint8 tensor is not a deft record (torch.load "
+                            f"could not read it: {type(e).__name__})") from e
 
 
 class GroupState(TypedDict):

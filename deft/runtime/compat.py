@@ -44,6 +44,22 @@ def check_torch_args(given: dict[str, object], device_ids: object) -> None:
                         "launch with torchrun and call torch.distributed.init_process_group()")
 
 
+def warn_shared_rendezvous_store(environ: Mapping[str, str]) -> bool:
+    """Warn (and return True) where torchrun may restart this job on a rendezvous store it shares with
+    the workers (``--rdzv-backend c10d``, ``--standalone``): in a restarted attempt torch's
+    ``new_group`` can read the previous attempt's addresses and fail or hang (pytorch/pytorch#135712),
+    and deft creates groups of its own (the control plane, the links). torch DDP alone creates none."""
+    shared = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    restarts = environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if not (shared and restarts.isdigit() and int(restarts) > 0 and environ.get("TORCHELASTIC_RESTART_COUNT") == "0"):
+        return False  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes TORCHELASTIC_USE_AGENT_STORE False
+    log.warning("deft: torchrun may restart this job (--max-restarts %s) on a rendezvous store shared with the "
+                "workers; a restarted attempt can fail to create deft's process groups (pytorch/pytorch#135712). "
+                "Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment (or use --rdzv-backend "
+                "static)", restarts)
+    return True
+
+
 def check_device_ids(device_ids: object, output_device: object, device: torch.device) -> None:
     """torch DDP's single-device rule: ``device_ids`` is None for a CPU module, else the one device
     the module is on (an int index or a device); ``output_device`` likewise."""

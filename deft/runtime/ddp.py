@@ -29,7 +29,7 @@ from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.errors import DeftError
 from deft.profile import Profile
-from deft.runtime.checkpoint import StateDoc
+from deft.runtime.checkpoint import check_stamp, decode_record, encode_record, stamp
 from deft.runtime.codecs.first_iteration import TimedBroadcast
 from deft.runtime.codecs.hooks import CommHook
 from deft.runtime.compat import (
@@ -40,6 +40,7 @@ from deft.runtime.compat import (
     refuse_join,
     shared_config,
     trainable,
+    warn_shared_rendezvous_store,
 )
 from deft.runtime.control import ControlPlane, broadcast_state, digest, wait_work
 from deft.runtime.executor import PendingUpdate
@@ -99,6 +100,7 @@ class DistributedDataParallel(nn.Module):
         self._names, self._params, self.device = trainable(module)
         self.config, self._compiled = for_compiled(module, self.config)
         check_device_ids(device_ids, output_device, self.device)
+        warn_shared_rendezvous_store(os.environ)
         self._cuda = self.device.type == "cuda"
         self._ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
         # torch DDP all-reduces on process_group (default: the default group): deft's primary link follows its backend
@@ -284,9 +286,14 @@ class DistributedDataParallel(nn.Module):
         self._mode.close()
 
     # -- checkpoint (deft.runtime.checkpoint) ----------------------------------------------------
-    def get_extra_state(self) -> StateDoc:
-        """deft's runtime state for ``state_dict()``: tensors and plain types only (the mode's record)."""
-        return self._mode.state()
+    def get_extra_state(self) -> torch.Tensor:
+        """deft's runtime state for ``state_dict()``: the mode's record as one uint8 tensor, so the
+        state_dict saves with safetensors too (:func:`deft.runtime.checkpoint.encode_record`)."""
+        return encode_record(stamp(self._mode.state(), shared_config(self.config)))
 
     def set_extra_state(self, state: object) -> None:
-        self._mode.load_state(state)
+        """Restore :meth:`get_extra_state` (or the record itself, a dict); a record of another world
+        size or config is refused first (:func:`deft.runtime.checkpoint.check_stamp`)."""
+        doc = decode_record(state, self.device)
+        check_stamp(doc, self.world, shared_config(self.config))
+        self._mode.load_state(doc)

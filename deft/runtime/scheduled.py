@@ -70,6 +70,7 @@ class ScheduledRun:
         self._t = 0  # index of the current (or next) training iteration
         self._phase = Phase.IDLE
         self._step_open = False  # the user's step began (its post hook ends the iteration)
+        self._micro_batches = False  # a backward under no_sync() in this iteration (saving must wait for the step)
         self._course.install_warmup(list(reversed(range(len(self._params)))), t0=0)
         me = weakref.ref(self)
         self._hooks = [p.register_post_accumulate_grad_hook(_grad_hook(me, i)) for i, p in enumerate(self._params)]
@@ -231,6 +232,10 @@ class ScheduledRun:
     def _require_idle(self, what: str) -> None:
         if self._phase is Phase.BACKWARD_DONE and self._updates.exposed:
             self._skip_step()  # the last step was skipped (GradScaler found inf/NaN): the iteration is over
+        if self._phase is Phase.FORWARD and self._micro_batches:
+            raise DeftError(f"{what} must be called between iterations (after optimizer.step()); iteration "
+                            f"{self._t} is between the micro-batches of a gradient accumulation (a backward under "
+                            "no_sync() and no step yet): call it after the step that ends the accumulation")
         if self._phase is not Phase.IDLE:
             raise DeftError(f"{what} must be called between iterations (after optimizer.step()); iteration "
                             f"{self._t} is in its {self._phase} phase. A forward with gradients enabled starts "
@@ -239,6 +244,7 @@ class ScheduledRun:
     def _begin_iteration(self) -> None:
         """A forward begins (or a first gradient arrives through the bare module)."""
         self._phase = Phase.FORWARD
+        self._micro_batches = False
         self._course.before_forward(self._t, self._cuda)
         self._tracing.begin(self._t, self._executor.layout)
         self._executor.begin_iteration(self._t)
@@ -253,6 +259,7 @@ class ScheduledRun:
             self._begin_iteration()
         self._course.gradient_seen(index)
         if self._sync.off and self._phase is Phase.FORWARD:
+            self._micro_batches = True
             self._executor.add_grad(index, p.grad, final=False)  # a micro-batch: accumulate only
             p.grad = None
             return

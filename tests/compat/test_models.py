@@ -78,8 +78,9 @@ def world_worker(rank: int, world: int, recipe: str, workdir: str) -> dict[str, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "recipe"), [(3, "amp_bf16_documented"), (4, "plain"), (4, "grad_norm_logging")])
-def test_world_sizes_three_and_four(world: int, recipe: str, tmp_path: Any) -> None:
+@pytest.mark.parametrize(("world", "recipe"), [(3, "amp_bf16_documented"), (4, "plain"), (4, "grad_norm_logging"),
+                                               (8, "clip_from_start")])
+def test_world_sizes_three_to_eight(world: int, recipe: str, tmp_path: Any) -> None:
     out = values(run_ranks(world_worker, world, (recipe, str(tmp_path)), timeout=240))
     check_exact(out)
     assert all(v["deft"]["params"] == out[0]["deft"]["params"] for v in out)
@@ -143,11 +144,21 @@ def default_epsilon_worker(rank: int, world: int, recipe: str, workdir: str) -> 
 @pytest.mark.parametrize("recipe", ["amp_bf16_documented", "amp_fp16_inf_after_plan", "clip_from_start",
                                     "grad_norm_logging", "plain"])
 def test_default_epsilon_on_a_merging_schedule_trains(recipe: str, tmp_path: Any) -> None:
+    check_merged_runs(values(run_ranks(default_epsilon_worker, 2, (recipe, str(tmp_path)), timeout=180)), recipe)
+
+
+@pytest.mark.slow
+def test_merged_updates_apply_each_iteration_once_on_eight_ranks(tmp_path: Any) -> None:
+    out = values(run_ranks(default_epsilon_worker, 8, ("plain", str(tmp_path)), timeout=240))
+    check_merged_runs(out, "plain")
+    assert all(v["deft"]["params"] == out[0]["deft"]["params"] for v in out)
+
+
+def check_merged_runs(out: list[Any], recipe: str) -> None:
     """Two iterations per update: every other step has no update due. GradScaler still finds gradients
     to check there (no "No inf checks were recorded"), every iteration is applied exactly once (a
     skipped step drops its pair), the parameters stay finite and the loss goes down. (Half as many
     steps as torch DDP's run: the maths is gradient accumulation's, not torch DDP's, so no equality.)"""
-    out = values(run_ranks(default_epsilon_worker, 2, (recipe, str(tmp_path)), timeout=180))
     for v in out:
         ours = v["deft"]
         assert all(math.isfinite(x) for p in ours["params"] for x in p)

@@ -1,0 +1,227 @@
+"""Rank workers for tests/test_integration_lightning.py: Lightning's Trainer in ranks started by
+tests._dist.run_ranks.
+
+The ranks exist before the Trainer: ``LOCAL_RANK`` in the environment makes Lightning's
+``LightningEnvironment`` report that the processes were created externally (no launch), and
+``devices=world, num_nodes=1`` give every rank its global rank; the default process group is already
+initialized, so Lightning uses it. Every case trains the same classifier from the same seed on the
+same data (each rank its shard through Lightning's ``DistributedSampler``), with
+``accumulate_grad_batches=2``, norm clipping that engages, and a validation pass in the middle of the
+epoch and at its end, through the strategy's wrapper.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+BATCH = 8
+FEATURES = 16
+CLASSES = 4
+BATCHES_PER_EPOCH = 6  # per rank: 3 optimizer steps per epoch with accumulation 2
+CLIP = 0.05
+EXACT: dict[str, Any] = {"epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2, "bucket_cap_mb": 0.001,
+                         "timeout_s": 30, "solver_time_limit_s": 0.1}
+DEFAULT_EPSILON: dict[str, Any] = {k: v for k, v in EXACT.items() if k != "epsilon"}
+
+
+def deferring(ckpt_dir: str, rank: int) -> dict[str, Any]:
+    """``EXACT`` with a forced schedule (from this rank's own file) whose updates finish in the next
+    forward: every bucket is sent in the backward, buckets 0 and 1 (the output side) are waited for and
+    applied module by module just before their forward (``Update.deferred``). Checkpoints, validation
+    and the end of ``fit`` then come while an update is still finishing. (Not with a global clip: deft
+    applies a clipped update whole, at the step.)"""
+    from deft.schedule import CommTask, Schedule, StagePlan, Update
+
+    path = os.path.join(ckpt_dir, f"schedule.json.{rank}")
+    net = module_class()()
+    total = sum(p.numel() for p in net.parameters())
+    numel = (total // 3, total // 3, total - 2 * (total // 3))
+    P, S = "primary", "second"
+    Schedule(cycle=1, links=(P, S), bucket_numel=numel, bucket_nbytes=tuple(4 * n for n in numel),
+             stages=(StagePlan(0, "forward"),
+                     StagePlan(0, "backward", (CommTask(0, 0, P), CommTask(1, 0, S), CommTask(2, 0, S)))),
+             updates=(Update((0,), 0, finish_in_forward=True, deferred=(0, 1)),)).save(path)
+    return {**EXACT, "schedule_path": path, "links": [{"name": P}, {"name": S}]}
+
+
+def _quiet() -> None:
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+
+def dataset(world: int) -> torch.utils.data.TensorDataset:
+    """Inputs with labels from a fixed random teacher, so that the loss can fall."""
+    g = torch.Generator().manual_seed(7)
+    n = BATCH * BATCHES_PER_EPOCH * world
+    x = torch.randn(n, FEATURES, generator=g)
+    y = (x @ torch.randn(FEATURES, CLASSES, generator=g)).argmax(1)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def module_class() -> type:
+    import lightning.pytorch as pl
+
+    class Classifier(pl.LightningModule):
+        def __init__(self, manual: bool = False, norms: bool = True) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                                     nn.Linear(64, CLASSES))
+            self.automatic_optimization = not manual
+            self.losses: list[float] = []
+            self.val_losses: list[float] = []
+            self.norms: list[float] = []
+            self.record_norms = norms  # touching every gradient waits for it: no update is left finishing
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch: list[torch.Tensor], idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = nn.functional.cross_entropy(self(x), y)
+            self.losses.append(float(loss))
+            if not self.automatic_optimization:
+                opt = self.optimizers()
+                opt.zero_grad()
+                self.manual_backward(loss)
+                opt.step()
+            return loss
+
+        def validation_step(self, batch: list[torch.Tensor], idx: int) -> None:
+            x, y = batch
+            self.val_losses.append(float(nn.functional.cross_entropy(self(x), y)))
+
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:  # before clipping
+            if not self.record_norms:
+                return
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            self.norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
+                                                                          for g in grads]))))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+
+    return Classifier
+
+
+def fit(world: int, strategy: Any, steps: int, precision: str = "32-true", ckpt_dir: str | None = None,
+        ckpt_path: str | None = None, module: Any = None, callbacks: list[Any] | None = None,
+        manual: bool = False, clip: bool = True) -> Any:
+    """A fresh module trained by a fresh Trainer for ``steps`` optimizer steps; the module."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    module = module_class()(manual, norms=clip)
+    data = dataset(world)
+    train = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=False)
+    val = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=False)
+    callbacks = list(callbacks or [])
+    if ckpt_dir is not None:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}-{step}", save_top_k=-1))
+    trainer = pl.Trainer(accelerator="cpu", devices=world, num_nodes=1, strategy=strategy, precision=precision,
+                         max_steps=steps, accumulate_grad_batches=1 if manual else 2,
+                         gradient_clip_val=CLIP if clip and not manual else None,
+                         val_check_interval=BATCHES_PER_EPOCH // 2, limit_val_batches=2, num_sanity_val_steps=0,
+                         logger=False, enable_checkpointing=ckpt_dir is not None, callbacks=callbacks,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=ckpt_dir)
+    trainer.fit(module, train, val, ckpt_path=ckpt_path)
+    return module
+
+
+def params(module: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def worst(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+def strategy(config: dict[str, Any]) -> Any:
+    from deft.integrations.lightning import DeftStrategy
+
+    return DeftStrategy(deft_config=config)
+
+
+def naive_strategy(config: dict[str, Any]) -> Any:
+    """The obvious integration: ``DDPStrategy`` building deft's wrapper in ``_setup_model``, nothing else."""
+    import lightning.pytorch as pl
+
+    import deft
+
+    class NaiveDeftStrategy(pl.strategies.DDPStrategy):
+        def _setup_model(self, model: nn.Module) -> nn.Module:
+            return deft.DistributedDataParallel(model, config=config)
+
+    return NaiveDeftStrategy()
+
+
+def keeper() -> Any:
+    """A callback holding the strategy's deft wrapper (``DeftStrategy.deft_ddp``), whose ``update_log``
+    stays readable after ``fit`` has handed back the bare module."""
+    import lightning.pytorch as pl
+
+    class KeepWrapper(pl.Callback):
+        ddp: Any = None
+
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            self.ddp = trainer.strategy.deft_ddp
+
+    return KeepWrapper()
+
+
+def _deft_fit(world: int, config: dict[str, Any], steps: int, **kw: Any) -> tuple[Any, list[int]]:
+    """``fit`` under ``DeftStrategy``; the module and the iterations its wrapper applied, in order."""
+    keep = keeper()
+    module = fit(world, strategy(config), steps, callbacks=[keep], **kw)
+    return module, sorted(t for _, its in keep.ddp.update_log for t in its)
+
+
+def parity_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
+    """Every case, in the same ranks: torch DDP's run first, then deft's from the same seed; each a
+    dict of plain values (``worst``: the largest parameter difference from its reference)."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    _quiet()
+    from deft.errors import DeftError
+
+    # two epochs and one step of the third: fit() stops right after that step, with no validation after
+    # it (a validation forward would apply what is still finishing)
+    steps = BATCHES_PER_EPOCH + 2
+    out: dict[str, Any] = {}
+    for precision in ("32-true", "bf16-mixed"):  # clipping engaged, deft's own plan
+        ref = fit(world, "ddp", steps, precision)
+        ours, its = _deft_fit(world, EXACT, steps, precision=precision)
+        out[precision] = {"worst": worst(params(ours), params(ref)), "applied": its, "norms": ref.norms,
+                          "val": ours.val_losses, "ref_val": ref.val_losses, "losses": ours.losses,
+                          "ref_losses": ref.losses}
+    # updates finishing in the next forward, checkpoints saved by ModelCheckpoint at every validation
+    forced = deferring(ckpt_dir, rank)
+    ref = fit(world, "ddp", steps, clip=False)
+    ours, its = _deft_fit(world, forced, steps, ckpt_dir=ckpt_dir, clip=False)
+    out["deferring"] = {"worst": worst(params(ours), params(ref)), "applied": its,
+                        "val": ours.val_losses, "ref_val": ref.val_losses}
+    saved = sorted(os.path.basename(f) for f in glob.glob(os.path.join(ckpt_dir, "*.ckpt")))
+    end_of_second = os.path.join(ckpt_dir, f"epoch=1-step={BATCHES_PER_EPOCH}.ckpt")
+    resumed, its = _deft_fit(world, forced, steps, ckpt_path=end_of_second, clip=False)
+    out["resumed"] = {"worst": worst(params(resumed), params(ours)), "applied": its, "saved": saved}
+    # the obvious integration, on the same schedule
+    naive = fit(world, naive_strategy(forced), steps, clip=False)
+    out["naive"] = {"worst": worst(params(naive), params(ref))}
+    # the default epsilon: more steps, so that a plan runs after the profile
+    default, its = _deft_fit(world, DEFAULT_EPSILON, 3 * steps)
+    out["default"] = {"applied": its, "losses": default.losses, "steps": 3 * steps,
+                      "finite": all(bool(p.isfinite().all()) for p in default.parameters())}
+    # manual optimization: refused at setup
+    try:
+        fit(world, strategy(EXACT), steps, manual=True)
+        out["manual"] = ""
+    except DeftError as e:
+        out["manual"] = str(e)
+    return out

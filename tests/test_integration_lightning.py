@@ -1,0 +1,123 @@
+"""``Trainer(strategy="deft")`` against Lightning's own ``strategy="ddp"`` (2 gloo ranks on CPU).
+
+One rank-spawn runs every case (tests/_lightning_workers.py): a small classifier, AdamW,
+``accumulate_grad_batches=2``, validation every 3 batches (between the micro-batches of a step, and
+after it) through the strategy's wrapper, 8 optimizer steps. At epsilon 0 deft's parameters and
+validation losses must equal torch DDP's: with norm clipping that engages in 32-true and bf16-mixed;
+and on a forced schedule whose updates finish in the next forward, with ``ModelCheckpoint`` saving at
+every validation and a run resumed from the end of the second epoch equal to the uninterrupted one.
+The obvious integration (a ``DDPStrategy`` that only builds deft's wrapper) must be caught: it ends
+``fit`` with the last update still unapplied. At the default epsilon every gradient is applied once
+and the loss falls; manual optimization is refused at setup.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests._dist import run_ranks, values
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    from tests import _lightning_workers
+
+    out: list[dict[str, Any]] = values(run_ranks(_lightning_workers.parity_worker, 2,
+                                                 (str(tmp_path_factory.mktemp("lightning")),), timeout=240))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_deft_strategy_matches_ddp_with_accumulation_and_clipping(ranks: list[dict[str, Any]],
+                                                                  precision: str) -> None:
+    from tests._lightning_workers import CLIP
+
+    for v in ranks:
+        case = v[precision]
+        assert case["worst"] < 1e-5, case["worst"]
+        assert min(case["norms"]) > CLIP  # the clip engaged at every step
+        assert case["val"] == pytest.approx(case["ref_val"], abs=1e-5)
+        assert case["losses"] == pytest.approx(case["ref_losses"], abs=1e-5)
+        assert case["applied"] == list(range(STEPS))  # one deft iteration per optimizer step, each applied once
+
+
+@pytest.mark.slow
+def test_updates_finishing_in_the_forward_checkpoints_and_resume(ranks: list[dict[str, Any]]) -> None:
+    for v in ranks:
+        case = v["deferring"]
+        assert case["worst"] < 1e-5, case["worst"]
+        assert case["val"] == pytest.approx(case["ref_val"], abs=1e-5)
+        assert case["applied"] == list(range(STEPS))
+        # saved at every validation, the one between a step's micro-batches included
+        assert v["resumed"]["saved"] == ["epoch=0-step=1.ckpt", "epoch=0-step=3.ckpt", "epoch=1-step=4.ckpt",
+                                         "epoch=1-step=6.ckpt", "epoch=2-step=7.ckpt"]
+        assert v["resumed"]["worst"] < 1e-5, v["resumed"]["worst"]
+        assert v["resumed"]["applied"] == list(range(STEPS))  # the record came back with the checkpoint
+
+
+@pytest.mark.slow
+def test_the_check_detects_the_naive_integration(ranks: list[dict[str, Any]]) -> None:
+    """A ``DDPStrategy`` that only builds deft's wrapper leaves ``fit`` with the last update still
+    finishing: its parameters are not torch DDP's (by far more than the tolerance)."""
+    for v in ranks:
+        assert v["naive"]["worst"] > 1e-3, v["naive"]
+
+
+@pytest.mark.slow
+def test_default_epsilon_applies_each_gradient_once_and_the_loss_falls(ranks: list[dict[str, Any]]) -> None:
+    for v in ranks:
+        case = v["default"]
+        assert case["applied"] == list(range(case["steps"]))
+        assert case["finite"]
+        losses = case["losses"]
+        assert sum(losses[-6:]) / 6 < 0.8 * sum(losses[:6]) / 6, losses
+
+
+@pytest.mark.slow
+def test_manual_optimization_is_refused_at_setup(ranks: list[dict[str, Any]]) -> None:
+    for v in ranks:
+        assert "automatic optimization only" in v["manual"], v["manual"]
+
+
+@pytest.mark.slow  # imports Lightning: seconds
+def test_the_name_is_registered_in_both_lightning_packages() -> None:
+    import lightning.pytorch as pl
+    import pytorch_lightning
+
+    from deft.integrations.lightning import DeftStrategy, PytorchLightningDeftStrategy
+
+    assert isinstance(pl.Trainer(strategy="deft", accelerator="cpu", devices=1, logger=False).strategy,
+                      DeftStrategy)
+    assert PytorchLightningDeftStrategy is not None
+    assert isinstance(pytorch_lightning.Trainer(strategy="deft", accelerator="cpu", devices=1,
+                                                logger=False).strategy, PytorchLightningDeftStrategy)
+    given = DeftStrategy(deft_config={"epsilon": 0.0})
+    assert pl.Trainer(strategy=given, accelerator="cpu", devices=1, logger=False).strategy is given
+    assert given.deft_config == {"epsilon": 0.0}
+
+
+@pytest.mark.slow
+def test_model_averaging_is_refused() -> None:
+    from deft.errors import DeftError
+    from deft.integrations.lightning import DeftStrategy
+
+    with pytest.raises(DeftError, match="local_steps"):
+        DeftStrategy(model_averaging_period=4)
+
+
+@pytest.mark.slow
+def test_without_lightning_the_import_names_the_extra() -> None:
+    code = ("import sys; sys.modules['lightning'] = None; sys.modules['pytorch_lightning'] = None\n"
+            "try:\n    import deft.integrations.lightning\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    assert "pip install deft[lightning]" in out.stdout, out.stdout + out.stderr
