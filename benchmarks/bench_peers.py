@@ -355,14 +355,15 @@ def run_all(args: argparse.Namespace, names: list[str], rates: list[float], out_
 
 def warm_up(beds: dict[float, Testbed], first: tuple[int, int, str, float], args: argparse.Namespace,
             out_dir: Path) -> None:
-    """One epoch of the pass's first run, discarded: the first run of a pass had its first iteration
-    1-2 s slower than any other (forward and backward 1.3-1.7 s against 0.4 s, at 50 and at 250 Mbit/s,
-    benchmarks/results/slow_links.md), and the rotation always starts with the first scheme."""
+    """One epoch (lm: one evaluation period) of the pass's first run, discarded: the first run of a pass had
+    its first iteration 1-2 s slower than any other (forward and backward 1.3-1.7 s against 0.4 s, at 50 and
+    at 250 Mbit/s, benchmarks/results/slow_links.md), and the rotation always starts with the first scheme."""
     rep, seed, name, rate = first
     scratch = out_dir / "warm-up"
     scratch.mkdir(parents=True, exist_ok=True)
     try:
-        run_one(beds[rate], name, rep, seed, argparse.Namespace(**{**vars(args), "epochs": 1}), scratch)
+        short = {"epochs": 1, "iters": min(args.iters, args.eval_every)}  # cnn: one epoch; lm: one evaluation's
+        run_one(beds[rate], name, rep, seed, argparse.Namespace(**{**vars(args), **short}), scratch)
     except RuntimeError as e:  # the measured runs report their own failures
         print(f"[bench_peers] warm-up run failed (ignored): {str(e).splitlines()[0]}", flush=True)
 
