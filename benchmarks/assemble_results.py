@@ -15,6 +15,8 @@ ORDER = [
     "summary.md",
     "peers.md",
     "peers_lm.md",
+    "peers_torchft.md",
+    "peers_trainer.md",
     "slow_links.md",
     "house.md",
     "faults.md",
