@@ -3,6 +3,8 @@
     sudo .venv/bin/python benchmarks/bench_peers.py [--rates 50,250,1000] [--epochs 4] [--seeds 0,1,2]
                                                     [--repeats 1] [--schemes compute,torch,deft]
                                                     [--save-runs DIR] [--from-runs DIR[,DIR...]]
+                                                    [--results benchmarks/results/FRAGMENT.md]
+    sudo .venv/bin/python benchmarks/bench_peers.py --workload lm --trainer accelerate [--rates 250]
 
 Builds one testbed per rate (DESIGN.md section 6: 2 hosts x 2 links, every NIC ``tc tbf``-shaped to
 the rate; all of them up at once, in separate namespaces) and trains ``examples/train_cnn.py``
@@ -24,8 +26,11 @@ accuracy is not taken mid-swing) for ``--epochs`` epochs with every scheme and e
   ``localsgd``, the older name of ``localsgd4``, is still accepted and read from older records);
 * ``diloco``: DiLoCo (Douillard et al. 2023, ``examples/diloco.py``): H = 8 local steps of the same SGD,
   then the averaged pseudo-gradient (one flat all-reduce) steps the global model with an outer SGD,
-  Nesterov momentum 0.9, lr 0.7 (the paper's); torchft's DiLoCo needs its lighthouse server, so
-  not that one;
+  Nesterov momentum 0.9, lr 0.7 (the paper's), written out on the default process group;
+* ``torchft-diloco8``, ``torchft-localsgd4``, ``torchft-localsgd8``: torchft's own ``DiLoCo`` (the
+  diloco row's H and outer optimizer) and ``LocalSGD`` (parameters averaged every 4th or 8th step, no
+  warm-up phase), each host one replica group of one rank under a ``torchft.Manager``, the lighthouse
+  in-process on host 0, torchft's gloo process group on nic0 (``examples/torchft_peers.py``);
 * ``deft-eps0``: deft with epsilon = 0 on nic0 only (reordering and re-bucketing, nothing delayed);
 * ``deft``: deft with its default config (epsilon 0.01, preserver on) on both links;
 * ``deft-fp16``, ``deft-powersgd``: the same with deft's ``compression`` knob (``--compression``):
@@ -35,6 +40,13 @@ accuracy is not taken mid-swing) for ``--epochs`` epochs with every scheme and e
   post-local SGD or DiLoCo at a fixed period; ``deft-adacomm``, ``deft-diloco-ada``: the same with
   ``--local-period adacomm`` and ``--local-steps 16`` as the largest period: deft chooses the period
   from measurements and shortens it as the loss falls (AdaComm).
+
+Through a trainer (``--workload lm``): ``torch+accelerate`` and ``deft+accelerate`` train
+``examples/train_lm.py --trainer accelerate``, Accelerate's ``no_trainer`` loop with
+``accelerate.Accelerator`` (torch DDP) or ``deft.integrations.accelerate.Accelerator`` (deft's default
+config, both links). ``--trainer accelerate`` runs torch, deft and both of these (unless ``--schemes``
+says otherwise) and adds, per rate, deft's ratio to torch DDP under the trainer beside its ratio in
+train_lm.py's own loop, from the same interleaved run.
 
 The runs are interleaved: for each repeat and seed the scheme order is rotated by one, and each scheme
 runs at every rate before the next scheme starts, so a slow spell of the shared machine hits all alike.
@@ -47,7 +59,8 @@ repeats) each figure is the median over them (times to a target with their range
 as a mean, and per seed). Under each table: which scheme is first on each figure and, for every deft row,
 each figure on which another scheme beats it ("Where deft loses"). One accuracy-vs-time plot per rate
 (``benchmarks/peers_<rate>.png``); the tables go to ``benchmarks/results/peers.md`` (between the
-``peers`` markers; text outside them is kept), with the machine's load average at the start of each
+``peers`` markers; text outside them is kept; ``--results FILE`` writes another fragment instead, and the
+plots are then named after it), with the machine's load average at the start of each
 run. The testbeds are removed at the end, also on an error, Ctrl-C or SIGTERM. Three seeds for every
 scheme at 50 Mbit/s take hours; ``--save-runs`` one pass of every scheme at seed 0 and another of the
 rows that decide the winner at seeds 1,2, then ``--from-runs DIR0,DIR12`` writes one report of both.
@@ -154,6 +167,8 @@ class Scheme:
     # the ranks import deft from the source tree named by $DEFT_BEFORE_TREE (a git worktree of an earlier
     # commit): the same scheme before a change, interleaved with the runs after it
     before: bool = False
+    # the training loop of a trainer library (train_lm.py --trainer): lm workload only
+    trainer: str | None = None
 
     def env(self, tb: Testbed) -> dict[str, str]:
         """What this scheme's ranks get on top of :meth:`Testbed.env_for` (which binds gloo to nic0)."""
@@ -199,6 +214,16 @@ SCHEMES: dict[str, Scheme] = {
     "diloco": Scheme("DiLoCo (H 8, outer Nesterov lr 0.7 momentum 0.9)",
                      ("--ddp", "diloco", "--diloco-h", "8", "--diloco-outer-lr", "0.7",
                       "--diloco-outer-momentum", "0.9")),
+    "torchft-diloco8": Scheme("torchft DiLoCo (H 8, outer Nesterov lr 0.7 momentum 0.9)",
+                              ("--ddp", "torchft-diloco", "--diloco-h", "8", "--diloco-outer-lr", "0.7",
+                               "--diloco-outer-momentum", "0.9")),
+    "torchft-localsgd4": Scheme("torchft LocalSGD (period 4)", ("--ddp", "torchft-localsgd", "--localsgd-period", "4")),
+    "torchft-localsgd8": Scheme("torchft LocalSGD (period 8)", ("--ddp", "torchft-localsgd", "--localsgd-period", "8")),
+    # the lm workload through Accelerate's loop (train_lm.py --trainer accelerate)
+    "torch+accelerate": Scheme("torch DDP through Accelerate", ("--ddp", "torch", "--trainer", "accelerate"),
+                               trainer="accelerate"),
+    "deft+accelerate": Scheme("deft default through Accelerate, two links",
+                              ("--ddp", "deft", "--trainer", "accelerate"), links=2, trainer="accelerate"),
     "deft-eps0": Scheme("deft, epsilon 0, one link", ("--ddp", "deft", "--epsilon", "0")),
     "deft": Scheme("deft default, two links", ("--ddp", "deft"), links=2),
     # deft's default before it chose codecs itself (compression = "none": every bucket exact)
@@ -330,14 +355,15 @@ def run_all(args: argparse.Namespace, names: list[str], rates: list[float], out_
 
 def warm_up(beds: dict[float, Testbed], first: tuple[int, int, str, float], args: argparse.Namespace,
             out_dir: Path) -> None:
-    """One epoch of the pass's first run, discarded: the first run of a pass had its first iteration
-    1-2 s slower than any other (forward and backward 1.3-1.7 s against 0.4 s, at 50 and at 250 Mbit/s,
-    benchmarks/results/slow_links.md), and the rotation always starts with the first scheme."""
+    """One epoch (lm: one evaluation period) of the pass's first run, discarded: the first run of a pass had
+    its first iteration 1-2 s slower than any other (forward and backward 1.3-1.7 s against 0.4 s, at 50 and
+    at 250 Mbit/s, benchmarks/results/slow_links.md), and the rotation always starts with the first scheme."""
     rep, seed, name, rate = first
     scratch = out_dir / "warm-up"
     scratch.mkdir(parents=True, exist_ok=True)
     try:
-        run_one(beds[rate], name, rep, seed, argparse.Namespace(**{**vars(args), "epochs": 1}), scratch)
+        short = {"epochs": 1, "iters": min(args.iters, args.eval_every)}  # cnn: one epoch; lm: one evaluation's
+        run_one(beds[rate], name, rep, seed, argparse.Namespace(**{**vars(args), **short}), scratch)
     except RuntimeError as e:  # the measured runs report their own failures
         print(f"[bench_peers] warm-up run failed (ignored): {str(e).splitlines()[0]}", flush=True)
 
@@ -564,6 +590,48 @@ def run_lr_schedule(docs: list[dict[str, Any]]) -> str:
     return found[0] if found else "constant"
 
 
+#: (the scheme in the script's own loop, the same scheme through the trainer) for the trainer table
+TRAINER_PAIRS = {"accelerate": (("torch", "torch+accelerate"), ("deft", "deft+accelerate"))}
+
+
+def trainer_table(rows: list[Row], wl: Workload, targets: tuple[float, ...]) -> list[str]:
+    """deft's ratio to torch DDP in train_lm.py's own loop beside the same ratio through each trainer whose
+    four rows ran: iteration time and time to each target; the last column, the trainer's ratio over the
+    own loop's (1.00: the trainer changes nothing in deft's standing)."""
+    by = {r.name: r for r in rows}
+    lines: list[str] = []
+    for trainer, ((t_own, t_tr), (d_own, d_tr)) in TRAINER_PAIRS.items():
+        if not all(n in by for n in (t_own, t_tr, d_own, d_tr)):
+            continue
+        to = [f"time to {wl.fmt(t)}" for t in targets]
+        lines += ["", f"deft's ratio to torch DDP in train_lm.py's own loop and through {trainer} "
+                  "(torch DDP's figure / deft's, > 1: deft faster; the last column: the ratio through the "
+                  "trainer / the ratio in the own loop):", "",
+                  "| figure | own loop: torch DDP | own loop: deft | own loop: ratio | "
+                  f"{trainer}: torch DDP | {trainer}: deft | {trainer}: ratio | {trainer} / own |",
+                  "|---|---|---|---|---|---|---|---|"]
+        figures = [("iteration (ms)", lambda r: r.iter_s * 1e3)] + [
+            (label, lambda r, t=t: r.to_target[t][0]) for label, t in zip(to, targets, strict=True)]
+        for label, get in figures:
+            a, b, c, d = (get(by[n]) for n in (t_own, d_own, t_tr, d_tr))
+            own = None if a is None or b is None or b <= 0 else a / b
+            tr = None if c is None or d is None or d <= 0 else c / d
+            cells = [label, *("never" if v is None else f"{v:.1f}" if "time" in label else f"{v:.0f}"
+                              for v in (a, b)), "-" if own is None else f"{own:.2f}x",
+                     *("never" if v is None else f"{v:.1f}" if "time" in label else f"{v:.0f}" for v in (c, d)),
+                     "-" if tr is None else f"{tr:.2f}x", "-" if own is None or tr is None else f"{tr / own:.2f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def default_schemes(workload: str, trainer: str | None) -> list[str]:
+    """The schemes a run without ``--schemes`` trains: with a trainer, the four rows of its table (each
+    wrapper in the own loop, then through the trainer); else every scheme the workload can run."""
+    if trainer is not None:
+        return [n for pair in zip(*TRAINER_PAIRS[trainer], strict=True) for n in pair]
+    return [n for n, sch in SCHEMES.items() if workload == "lm" or sch.trainer is None]
+
+
 def report(args: argparse.Namespace, docs: list[dict[str, Any]], names: list[str], rates: list[float],
            failed: dict[tuple[str, float], str], command: str, plots: dict[float, Path]) -> str:
     first, wl = docs[0]["summary"], WORKLOADS[args.workload]
@@ -599,6 +667,7 @@ def report(args: argparse.Namespace, docs: list[dict[str, Any]], names: list[str
         rows = [summarize(n, [d for d in at if d["summary"]["name"] == n], wl, targets) for n in names
                 if any(d["summary"]["name"] == n for d in at)]
         lines += table(rate, rows, wl, targets)
+        lines += trainer_table(rows, wl, targets)
         lost = [f"- {SCHEMES[n].label}: {why}" for (n, r), why in failed.items() if r == rate]
         if lost:
             lines += ["", "Not measured:", "", *lost]
@@ -615,8 +684,15 @@ def main() -> int:
                     help="cnn: examples/train_cnn.py (accuracy); lm: examples/train_lm.py (validation loss)")
     ap.add_argument("--epochs", type=int, default=4, help="cnn: epochs")
     ap.add_argument("--iters", type=int, default=200, help="lm: iterations")
-    ap.add_argument("--schemes", default=",".join(SCHEMES),
-                    help=f"comma-separated subset of {','.join(SCHEMES)} (localsgd: localsgd4, its older name)")
+    ap.add_argument("--schemes", default=None,
+                    help=f"comma-separated subset of {','.join(SCHEMES)} (localsgd: localsgd4, its older name; "
+                         "default: every scheme the workload runs, or with --trainer the four of the trainer table)")
+    ap.add_argument("--trainer", choices=sorted(TRAINER_PAIRS), default=None,
+                    help="lm: run torch and deft in train_lm.py's own loop and through this trainer's loop, and "
+                         "report deft's ratio to torch DDP in each")
+    ap.add_argument("--results", default=None,
+                    help="the fragment to write (default benchmarks/results/peers.md, lm: peers_lm.md); the "
+                         "plots are named after it")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each (scheme, rate, seed)")
     ap.add_argument("--no-warm-run", dest="warm_run", action="store_false",
                     help="skip the discarded one-epoch run of the first scheme that starts each pass")
@@ -646,10 +722,17 @@ def main() -> int:
     for key, (for_cnn, for_lm) in {"eval_every": (11, 20), "batch_size": (32, 4), "lr": (0.02, 1e-3)}.items():
         if getattr(args, key) is None:
             setattr(args, key, for_cnn if cnn else for_lm)
+    if args.trainer is not None and args.workload != "lm":
+        ap.error(f"--trainer {args.trainer}: the trainers run the lm workload (add --workload lm)")
+    if args.schemes is None:
+        args.schemes = ",".join(default_schemes(args.workload, args.trainer))
     names = list(dict.fromkeys(canonical(n) for n in args.schemes.split(",") if n))
     unknown = [n for n in names if n not in SCHEMES]
     if unknown:
         ap.error(f"--schemes: unknown scheme {unknown[0]!r}; choose from {', '.join(SCHEMES)}")
+    through = [n for n in names if SCHEMES[n].trainer is not None]
+    if cnn and through:
+        ap.error(f"--schemes: {through[0]} trains through a trainer, which only the lm workload runs")
     try:
         args.seeds = ([int(x) for x in args.seeds.split(",") if x.strip()] if args.seeds is not None
                       else [args.seed])
@@ -693,11 +776,13 @@ def main() -> int:
         return 1
     plots: dict[float, Path] = {}
     wl = WORKLOADS[args.workload]
+    results = Path(args.results).resolve() if args.results else wl.results
+    plot_stem = results.stem if args.results else f"peers{'' if wl.name == 'cnn' else '_lm'}"
     if not args.no_write:
         for rate in rates:
             at = [d for d in docs if d["summary"]["rate_mbit"] == rate]
             if at:
-                plots[rate] = ROOT / "benchmarks" / f"peers{'' if wl.name == 'cnn' else '_lm'}_{rate:g}.png"
+                plots[rate] = ROOT / "benchmarks" / f"{plot_stem}_{rate:g}.png"
                 plot(rate, at, names, plots[rate], wl, wl.targets(at))
     text = report(args, docs, names, rates, failed, command, plots)
     print(text[text.index("### "):] if args.live else text)  # live: the tables, under the runs on screen
@@ -709,11 +794,11 @@ def main() -> int:
         print(deft_timeline(first, Path(args.timeline), first["summary"]["rate_mbit"]) if first
               else "no timeline: no deft run in this benchmark")
     if not args.no_write:
-        if not wl.results.exists():
-            wl.results.write_text(HEADER if wl.name == "cnn" else "# deft and its peers on a GPT-2\n",
-                                  encoding="utf-8")
-        update_section("peers", text, wl.results)
-        print(f"[bench_peers] wrote {wl.results.relative_to(ROOT)} and {', '.join(p.name for p in plots.values())}")
+        if not results.exists():
+            results.write_text(HEADER if wl.name == "cnn" else "# deft and its peers on a GPT-2\n",
+                               encoding="utf-8")
+        update_section("peers", text, results)
+        print(f"[bench_peers] wrote {results} and {', '.join(p.name for p in plots.values())}")
     return 1 if failed else 0
 
 

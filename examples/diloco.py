@@ -1,9 +1,10 @@
 """DiLoCo (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language Models",
 arXiv:2311.08105), Algorithm 1, for the examples' ``--ddp diloco`` scheme.
 
-torchft (``torchft.local_sgd.DiLoCo``) implements it too, but only under a ``torchft.Manager``, whose
-rank 0 needs a lighthouse server (``lighthouse_addr`` / ``$TORCHFT_LIGHTHOUSE``) and adds a quorum
-round per sync; this module is the paper's algorithm on the default process group and nothing else.
+torchft implements it too (``torchft.local_sgd.DiLoCo``, run by ``examples/torchft_peers.py`` for the
+``--ddp torchft-diloco`` scheme) under a ``torchft.Manager``, with its lighthouse, a quorum round per sync
+and a fault-tolerant process group; this module is the paper's algorithm on the default process group and
+nothing else, the peer without torchft's machinery.
 """
 
 from __future__ import annotations

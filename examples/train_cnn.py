@@ -6,6 +6,8 @@
     torchrun --nproc-per-node 2 examples/train_cnn.py --ddp deft --local-steps 4 [--local-outer average|diloco]
                                                              [--local-period fixed|adacomm]
     torchrun --nproc-per-node 2 examples/train_cnn.py --ddp fp16|powersgd|accum2|localsgd|diloco
+    torchrun --nproc-per-node 2 examples/train_cnn.py --ddp torchft-diloco [--diloco-h 8]
+    torchrun --nproc-per-node 2 examples/train_cnn.py --ddp torchft-localsgd [--localsgd-period 4]
     python examples/train_cnn.py --compute-only          # one process, one rank's work, no communication
 
 Schemes (``--ddp``), all with the same model, data, optimizer (SGD, ``--lr``, ``--momentum``) and
@@ -41,6 +43,12 @@ learning rate:
   outer step on. No warm-up phase (the paper's runs start from a pretrained model; this one does not).
   Every iteration applies a local update; the test accuracy is rank 0's model (its local parameters
   between outer steps, like localsgd).
+* ``torchft-diloco``, ``torchft-localsgd``: torchft's own ``torchft.local_sgd.DiLoCo`` (``--diloco-h``
+  inner steps, the outer Nesterov SGD of ``--diloco-outer-lr`` and ``--diloco-outer-momentum``) and
+  ``LocalSGD`` (parameters averaged every ``--localsgd-period`` steps, no warm-up phase) under a
+  ``torchft.Manager``, every rank its own replica group, the lighthouse in-process on rank 0
+  (``examples/torchft_peers.py``). Every iteration applies a local update; the test accuracy is rank
+  0's model, as for localsgd and diloco.
 * ``deft``: ``deft.DistributedDataParallel`` (plus the optional ``ddp.observe_loss(loss)`` that feeds
   deft's preserver); ``--epsilon``, ``--no-preserver`` and ``--config`` set its config.
   ``--compression fp16|int8|powersgd`` sets deft's ``compression`` knob: torch's ``fp16_compress_hook``,
@@ -102,7 +110,7 @@ from models import DigitsCNN, num_parameters
 
 from deft.errors import DeftError
 
-SCHEMES = ("torch", "fp16", "powersgd", "accum2", "localsgd", "diloco", "deft")
+SCHEMES = ("torch", "fp16", "powersgd", "accum2", "localsgd", "diloco", "torchft-diloco", "torchft-localsgd", "deft")
 
 
 def load_digits_split(seed: int, size: int = 32, test_fraction: float = 0.2
@@ -207,9 +215,10 @@ def check_scheme_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.local_steps is not None and not args.no_local_overlap and args.local_overlap_iters > args.local_steps:
         ap.error(f"--local-overlap-iters: expected at most --local-steps ({args.local_steps}), "
                  f"got {args.local_overlap_iters}")
-    if args.bucket_cap_mb is not None and args.ddp in ("deft", "powersgd", "compute"):
+    if args.bucket_cap_mb is not None and args.ddp in ("deft", "powersgd", "compute", "torchft-diloco",
+                                                       "torchft-localsgd"):
         why = {"deft": "deft buckets by its own plan", "powersgd": "powersgd keeps one bucket (see wrap())",
-               "compute": "--compute-only communicates nothing"}[args.ddp]
+               "compute": "--compute-only communicates nothing"}.get(args.ddp, "torchft buckets as torchft does")
         ap.error(f"--bucket-cap-mb does not apply to --ddp {args.ddp}: {why}")
 
 
@@ -272,6 +281,8 @@ class Wrapped:
     info: dict[str, Any]
     accumulate: int = 1
     updates: Callable[[int], int] = lambda steps: steps
+    report: Callable[[], dict[str, Any]] = dict  # at the end of training: what to add to ``info``
+    close: Callable[[], None] = lambda: None    # after the last barrier: stop what the scheme started
 
 
 def lr_schedule(name: str, optimizer: Any, steps: int) -> torch.optim.lr_scheduler.LRScheduler | None:
@@ -291,6 +302,29 @@ def one_bucket_mb(model: nn.Module) -> float:
     return max(25.0, 2 * sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20)
 
 
+def deft_config(args: argparse.Namespace, total_iters: int) -> Any:
+    """The ``deft.DeftConfig`` of the deft scheme: ``--config`` (or deft's defaults) with the flags applied."""
+    import deft
+
+    cfg = deft.DeftConfig.resolve(args.config)
+    if args.epsilon is not None:
+        cfg = dataclasses.replace(cfg, epsilon=args.epsilon)
+    if args.no_preserver:
+        cfg = dataclasses.replace(cfg, preserver=False)
+    if args.compression is not None:  # the same PowerSGD settings as the torch scheme
+        cfg = dataclasses.replace(cfg, compression=args.compression, powersgd_rank=args.powersgd_rank,
+                                  powersgd_start_iter=args.powersgd_start or default_start(total_iters, 2))
+    if args.local_steps is not None:
+        warm = args.local_warmup if args.local_warmup is not None else \
+            (default_start(total_iters, 1) if args.local_outer == "average" else 0)
+        cfg = dataclasses.replace(cfg, local_steps=args.local_steps, local_outer=args.local_outer,
+                                  local_warmup_iters=warm, local_outer_lr=args.diloco_outer_lr,
+                                  local_outer_momentum=args.diloco_outer_momentum,
+                                  local_overlap=not args.no_local_overlap,
+                                  local_overlap_iters=args.local_overlap_iters, local_period=args.local_period)
+    return cfg
+
+
 def wrap(model: nn.Module, args: argparse.Namespace, total_iters: int,
          optimizer: torch.optim.Optimizer | None = None) -> Wrapped:
     """The lines that differ between the schemes: the wrapper, its hook, its optimizer (``optimizer``, by
@@ -302,25 +336,12 @@ def wrap(model: nn.Module, args: argparse.Namespace, total_iters: int,
     if args.ddp == "deft":
         import deft
 
-        cfg = deft.DeftConfig.resolve(args.config)
-        if args.epsilon is not None:
-            cfg = dataclasses.replace(cfg, epsilon=args.epsilon)
-        if args.no_preserver:
-            cfg = dataclasses.replace(cfg, preserver=False)
-        if args.compression is not None:  # the same PowerSGD settings as the torch scheme
-            cfg = dataclasses.replace(cfg, compression=args.compression, powersgd_rank=args.powersgd_rank,
-                                      powersgd_start_iter=args.powersgd_start or default_start(total_iters, 2))
+        cfg = deft_config(args, total_iters)
         if args.local_steps is not None:
-            warm = args.local_warmup if args.local_warmup is not None else \
-                (default_start(total_iters, 1) if args.local_outer == "average" else 0)
-            cfg = dataclasses.replace(cfg, local_steps=args.local_steps, local_outer=args.local_outer,
-                                      local_warmup_iters=warm, local_outer_lr=args.diloco_outer_lr,
-                                      local_outer_momentum=args.diloco_outer_momentum,
-                                      local_overlap=not args.no_local_overlap,
-                                      local_overlap_iters=args.local_overlap_iters, local_period=args.local_period)
             ddp = deft.DistributedDataParallel(model, optimizer=sgd, config=cfg)
             info = {"epsilon": cfg.epsilon, "links": [dataclasses.asdict(lk) for lk in cfg.links],
-                    "local_steps": cfg.local_steps, "local_outer": cfg.local_outer, "local_warmup_iters": warm,
+                    "local_steps": cfg.local_steps, "local_outer": cfg.local_outer,
+                    "local_warmup_iters": cfg.local_warmup_iters,
                     "local_overlap": cfg.local_overlap, "local_overlap_iters": cfg.local_overlap_iters,
                     "local_period": cfg.local_period}
             if cfg.local_outer == "diloco":
@@ -335,6 +356,13 @@ def wrap(model: nn.Module, args: argparse.Namespace, total_iters: int,
             info.update(matrix_approximation_rank=cfg.powersgd_rank, start_powerSGD_iter=cfg.powersgd_start_iter,
                         use_error_feedback=True, warm_start=True, bucket_cap_mb=cap)
         return Wrapped(ddp, sgd, info, updates=lambda _steps: len(ddp.update_log))
+    if args.ddp.startswith("torchft-"):
+        import torchft_peers
+
+        period = args.diloco_h if args.ddp == "torchft-diloco" else args.localsgd_period
+        peer = torchft_peers.start(args.ddp, model, sgd, period, args.diloco_outer_lr, args.diloco_outer_momentum)
+
+        return Wrapped(model, sgd, peer.info, report=lambda: {"syncs": peer.syncs()}, close=peer.close)
     if args.ddp == "diloco":
         from diloco import DiLoCo
 
@@ -547,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
     if args.ddp == "diloco":
         w.info["outer_steps"] = optimizer.outer_steps
+    w.info.update(w.report())
 
     steady = [r["iter_s"] for r in iters[args.skip_iters:]] or [r["iter_s"] for r in iters]
     updates = w.updates(steps)
@@ -571,6 +600,7 @@ def main(argv: list[str] | None = None) -> int:
                                        + "\n", encoding="utf-8")
     if args.ddp != "compute":
         dist.barrier()
+        w.close()
         dist.destroy_process_group()
     return 0
 

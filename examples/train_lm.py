@@ -4,6 +4,7 @@ data-parallel on CPU, with the scheme of your choice.
     torchrun --nproc-per-node 2 examples/train_lm.py --ddp torch
     torchrun --nproc-per-node 2 examples/train_lm.py --ddp deft [--epsilon 0.01] [--compression fp16]
     torchrun --nproc-per-node 2 examples/train_lm.py --ddp fp16|powersgd|accum2|localsgd
+    torchrun --nproc-per-node 2 examples/train_lm.py --ddp torch|deft --trainer accelerate
     python examples/train_lm.py --compute-only
 
 The schemes (``--ddp``) are ``examples/train_cnn.py``'s, with the same flags (its ``wrap``); only the
@@ -25,6 +26,19 @@ model, the data and the optimizer differ:
 * **Validation**: the mean cross-entropy over ``--val-windows`` (32) fixed windows of the validation
   text every ``--eval-every`` iterations (and at the end), and its perplexity.
 
+``--trainer accelerate`` trains the same model on the same windows with the same optimizer, schedule
+and clipping through HuggingFace Accelerate instead of this script's loop, in the shape of Accelerate's
+``no_trainer`` examples: ``accelerator.prepare(model, optimizer, loader, scheduler)``, then
+``accelerator.accumulate``, ``accelerator.backward``, ``accelerator.clip_grad_norm_`` on the steps that
+sync, ``optimizer.step()``, ``scheduler.step()``, ``optimizer.zero_grad()``. ``--ddp torch`` uses
+``accelerate.Accelerator`` (which wraps the model in torch DDP); ``--ddp deft`` uses
+``deft.integrations.accelerate.Accelerator(deft_config=...)`` (the deft scheme's config, as ``--ddp deft``
+without the trainer). The loader is a map-style dataset of this loop's windows (:class:`LoopWindows`),
+so each rank trains on the windows it would draw here; the scheduler is built for
+``iters x processes`` steps, as the ``no_trainer`` examples do (Accelerate's prepared scheduler steps
+once per process). ``--bf16`` becomes ``mixed_precision="bf16"``. The loop does not call deft's optional
+``observe_loss``, as a user of Accelerate would not.
+
 ``--json FILE`` (rank 0) writes every iteration, every evaluation and a summary in train_cnn.py's layout
 (``val_loss`` where train_cnn.py has ``test_loss``).
 """
@@ -39,6 +53,8 @@ import statistics
 import sys
 import sysconfig
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +63,16 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_cnn import add_scheme_args, check_scheme_args, init_distributed, schedule_info, steady_mean, wrap
+from train_cnn import (
+    Wrapped,
+    add_scheme_args,
+    check_scheme_args,
+    deft_config,
+    init_distributed,
+    schedule_info,
+    steady_mean,
+    wrap,
+)
 
 from deft.errors import DeftError
 
@@ -78,6 +103,33 @@ def windows(data: torch.Tensor, n: int, seq: int, g: torch.Generator) -> tuple[t
     starts = torch.randint(0, len(data) - seq - 1, (n,), generator=g)
     x = torch.stack([data[s:s + seq + 1] for s in starts.tolist()])
     return x[:, :-1], x[:, 1:]
+
+
+class LoopWindows(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """The script loop's windows as a map-style dataset, for a loader that a trainer shards.
+
+    Item ``j`` is window ``j mod B`` of batch ``b = j // B`` (``B`` the per-rank batch), and batch ``b``
+    is what rank ``b mod world`` draws at iteration ``b // world`` in this script's loop. A sequential
+    loader of batch ``B`` sharded the way Accelerate shards it (rank ``r`` takes batches ``r, r + world,
+    ...``) so gives every rank, at every iteration, the windows of the script's loop.
+    """
+
+    def __init__(self, data: torch.Tensor, args: argparse.Namespace, world: int) -> None:
+        self.data, self.args, self.world = data, args, world
+
+    def __len__(self) -> int:
+        return self.args.iters * self.world * self.args.batch_size
+
+    def __getitem__(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b, pos = divmod(j, self.args.batch_size)
+        it, rank = divmod(b, self.world)
+        x, y = windows(self.data, self.args.batch_size, self.args.seq, loop_generator(self.args.seed, rank, it))
+        return x[pos], y[pos]
+
+
+def loop_generator(seed: int, rank: int, it: int) -> torch.Generator:
+    """The generator of rank ``rank``'s windows at iteration ``it``."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + rank * 10_007 + it)
 
 
 def make_model(args: argparse.Namespace) -> nn.Module:
@@ -128,6 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--skip-iters", type=int, default=10,
                     help="iterations left out of the steady-state iteration time (warm-up, planning)")
+    ap.add_argument("--trainer", choices=("none", "accelerate"), default="none",
+                    help="accelerate: train through HuggingFace Accelerate's loop (--ddp torch or deft)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write per-iteration and per-evaluation records (rank 0)")
     ap.add_argument("--save-model", default=None,
@@ -146,30 +200,135 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--lr: expected > 0, got {args.lr}")
     args.momentum = 0.0  # read by train_cnn.wrap only when it builds its own SGD (never here)
     check_scheme_args(ap, args)
+    if args.trainer == "accelerate" and args.ddp not in ("torch", "deft"):
+        ap.error(f"--trainer accelerate runs --ddp torch or --ddp deft, got --ddp {args.ddp}")
+    if args.trainer == "accelerate" and args.bucket_cap_mb is not None:
+        ap.error("--bucket-cap-mb does not apply to --trainer accelerate (Accelerate builds torch DDP itself)")
     return args
+
+
+@dataclass
+class Loop:
+    """How one training run steps: ``step(it, x, y)`` runs iteration ``it`` on its windows and returns (the
+    loss, whether the optimizer stepped); ``batches`` yields each iteration's windows; ``model`` is the
+    bare model (validated, saved)."""
+
+    w: Wrapped
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
+    step: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, bool]]
+    model: nn.Module
+
+
+def own_loop(model: nn.Module, opt: torch.optim.Optimizer, train: torch.Tensor, args: argparse.Namespace,
+             rank: int) -> Loop:
+    """This script's loop: ``wrap``'s scheme, ``no_sync`` on accumulated iterations, clipping, the schedule."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    w = wrap(model, args, args.iters, optimizer=opt)
+    sched = get_cosine_schedule_with_warmup(opt, max(1, args.iters // 10), args.iters)
+
+    def step(it: int, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        sync = (it + 1) % w.accumulate == 0 or it + 1 == args.iters
+        with w.ddp.no_sync() if not sync else contextlib.nullcontext():
+            loss = lm_loss(w.ddp, x, y, args.bf16)
+            (loss / w.accumulate if w.accumulate > 1 else loss).backward()
+        if args.ddp == "deft":
+            w.ddp.observe_loss(loss)
+        if sync:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            w.optimizer.step()
+            w.optimizer.zero_grad()
+        sched.step()
+        return loss, sync
+
+    batches = (windows(train, args.batch_size, args.seq, loop_generator(args.seed, rank, it))
+               for it in range(args.iters))
+    return Loop(w, batches, step, model)
+
+
+def make_accelerator(args: argparse.Namespace) -> Any:
+    """Accelerate's ``Accelerator`` (torch DDP), or deft's (``deft_config=`` the deft scheme's config)."""
+    kwargs: dict[str, Any] = {"cpu": True, "mixed_precision": "bf16" if args.bf16 else "no"}
+    if args.ddp == "deft":
+        from deft.integrations import accelerate as deft_accelerate
+
+        if not hasattr(deft_accelerate, "Accelerator"):
+            raise SystemExit("train_lm.py: error: --trainer accelerate --ddp deft needs "
+                             "deft.integrations.accelerate.Accelerator, which this deft does not have")
+        return deft_accelerate.Accelerator(deft_config=deft_config(args, args.iters), **kwargs)
+    from accelerate import Accelerator
+
+    return Accelerator(**kwargs)
+
+
+def accelerate_loop(accelerator: Any, model: nn.Module, opt: torch.optim.Optimizer, train: torch.Tensor,
+                    args: argparse.Namespace) -> Loop:
+    """Accelerate's ``no_trainer`` loop: everything through ``prepare``; the schedule built for
+    ``iters x processes`` steps, because a prepared scheduler steps once per process."""
+    from torch.utils.data import DataLoader
+    from transformers import get_cosine_schedule_with_warmup
+
+    rng = torch.get_rng_state()
+    n = accelerator.num_processes
+    loader = DataLoader(LoopWindows(train, args, n), batch_size=args.batch_size, shuffle=False)
+    sched = get_cosine_schedule_with_warmup(opt, max(1, args.iters // 10) * n, args.iters * n)
+    ddp, popt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+
+    def step(it: int, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        with accelerator.accumulate(ddp):
+            loss = lm_loss(ddp, x, y, False)  # --bf16: the accelerator's mixed precision
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(ddp.parameters(), 1.0)
+            popt.step()
+            sched.step()
+            popt.zero_grad()
+        return loss, bool(accelerator.sync_gradients)
+
+    info = {"trainer": "accelerate", "accelerator": f"{type(accelerator).__module__}.{type(accelerator).__name__}",
+            "wrapper": f"{type(ddp).__module__}.{type(ddp).__name__}"}
+    if args.ddp == "deft":
+        info["epsilon"] = deft_config(args, args.iters).epsilon
+    deft_wrapper = hasattr(ddp, "update_log")
+    w = Wrapped(ddp, popt, info, updates=(lambda _steps: len(ddp.update_log)) if deft_wrapper else (lambda s: s))
+
+    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        it = iter(loader)
+        first = next(it)
+        # starting the loader drew from the global generator; dropout then continues where the own loop's does
+        torch.set_rng_state(rng)
+        yield first
+        yield from it
+
+    return Loop(w, batches(), step, accelerator.unwrap_model(ddp))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     compute = args.ddp == "compute"
-    rank, world = (0, 1) if compute else init_distributed()
+    accelerator = make_accelerator(args) if args.trainer == "accelerate" else None  # it joins the job itself
+    if accelerator is not None:
+        rank, world = accelerator.process_index, accelerator.num_processes
+    else:
+        rank, world = (0, 1) if compute else init_distributed()
+    distributed = dist.is_available() and dist.is_initialized()
     train, val = split(load_text(args.data_bytes))
     torch.manual_seed(args.seed)
     model = make_model(args)
     opt = make_optimizer(model, args.lr)
     start = time.perf_counter()
     try:
-        w = wrap(model, args, args.iters, optimizer=opt)
+        loop = (own_loop(model, opt, train, args, rank) if accelerator is None
+                else accelerate_loop(accelerator, model, opt, train, args))
     except DeftError as e:
         raise SystemExit(f"train_lm.py: error: {e}") from None
-    from transformers import get_cosine_schedule_with_warmup
-
-    sched = get_cosine_schedule_with_warmup(opt, max(1, args.iters // 10), args.iters)
+    w = loop.w
     n_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
-        print(f"[train_lm] ddp={args.ddp} world={world} params={n_params:,} train={len(train):,} bytes "
-              f"val={len(val):,} bytes batch={args.batch_size}x{args.seq}/rank iters={args.iters}", flush=True)
+        print(f"[train_lm] ddp={args.ddp} trainer={args.trainer} world={world} params={n_params:,} "
+              f"train={len(train):,} bytes val={len(val):,} bytes batch={args.batch_size}x{args.seq}/rank "
+              f"iters={args.iters}", flush=True)
     iters: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
     train_s = eval_s = 0.0
@@ -181,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         flush = getattr(w.ddp, "flush", None)
         if callable(flush):
             flush()
-        loss = validate(model, val, args)
-        if not compute:
+        loss = validate(loop.model, val, args)
+        if distributed:
             dist.barrier()
         now = time.perf_counter()
         evals.append({"iter": it, "time_s": t_eval - start - eval_s, "train_s": train_s, "val_loss": loss,
@@ -193,21 +352,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"time {evals[-1]['time_s']:.1f}s", flush=True)
 
     for it in range(args.iters):
-        g = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 10_007 + it)
-        x, y = windows(train, args.batch_size, args.seq, g)
+        x, y = next(loop.batches)
         t0 = time.perf_counter()
-        sync = (it + 1) % w.accumulate == 0 or it + 1 == args.iters
-        with w.ddp.no_sync() if not sync else contextlib.nullcontext():
-            loss = lm_loss(w.ddp, x, y, args.bf16)
-            (loss / w.accumulate if w.accumulate > 1 else loss).backward()
-        if args.ddp == "deft":
-            w.ddp.observe_loss(loss)
-        if sync:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            w.optimizer.step()
-            w.optimizer.zero_grad()
-            steps += 1
-        sched.step()
+        loss, stepped = loop.step(it, x, y)
+        steps += stepped
         dt = time.perf_counter() - t0
         train_s += dt
         iters.append({"iter": it + 1, "time_s": time.perf_counter() - start - eval_s, "train_s": train_s,
@@ -215,8 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         if (it + 1) % args.eval_every == 0 or it + 1 == args.iters:
             run_eval(it + 1)
 
-    summary = {"ddp": args.ddp, "world_size": world, "params": n_params, "iters": args.iters,
-               "updates": w.updates(steps), "updates_per_iter": w.updates(steps) / args.iters,
+    w.info.update(w.report())
+    summary = {"ddp": args.ddp, "trainer": args.trainer, "world_size": world, "params": n_params,
+               "iters": args.iters, "updates": w.updates(steps), "updates_per_iter": w.updates(steps) / args.iters,
                "iter_s_mean": steady_mean(iters, args.skip_iters),
                "iter_s_median": statistics.median(r["iter_s"] for r in iters[args.skip_iters:] or iters),
                "time_s": evals[-1]["time_s"], "final_val_loss": evals[-1]["val_loss"],
@@ -230,9 +379,10 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps({"summary": summary, "evals": evals, "iters": iters}, indent=1)
                                        + "\n", encoding="utf-8")
         if args.save_model:  # the last evaluation flushed deft's queued updates: these are the trained weights
-            torch.save(model.state_dict(), args.save_model)
-    if not compute:
+            torch.save(loop.model.state_dict(), args.save_model)
+    if distributed:
         dist.barrier()
+        w.close()
         dist.destroy_process_group()
     return 0
 

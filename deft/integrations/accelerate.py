@@ -157,6 +157,18 @@ class Accelerator(accelerate.Accelerator):
         return result
 
     @contextlib.contextmanager
+    def trigger_sync_in_backward(self, model: nn.Module) -> Iterator[None]:
+        """Accelerate's: backwards inside communicate even where their forward ran under ``no_sync``
+        (deft's :meth:`~deft.runtime.ddp.DistributedDataParallel.trigger_sync_in_backward`)."""
+        core = _core(model)
+        if not isinstance(core, DistributedDataParallel):
+            with super().trigger_sync_in_backward(model):
+                yield
+            return
+        with core.trigger_sync_in_backward():
+            yield
+
+    @contextlib.contextmanager
     def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None) -> Iterator[None]:
         """Accelerate's, for deft's wrapper: with even batches (Accelerate's default: its loaders give every
         rank as many batches) there is nothing to join, as Accelerate's ``Join(enable=False)`` for torch

@@ -268,9 +268,15 @@ class DistributedDataParallel(nn.Module):
         self._mode.clip_on_update(None if max_norm is None else (float(max_norm), float(norm_type)))
 
     def no_sync(self) -> AbstractContextManager[None]:
-        """Like torch DDP's: backwards inside only accumulate (micro-batches of one iteration); the
-        first backward outside completes the iteration's gradient and communicates it as scheduled."""
+        """Like torch DDP's: the backward of a forward run inside only accumulates (micro-batches of one
+        iteration; as in torch, the forward decides); the first backward of a forward outside
+        completes the iteration's gradient and communicates it as scheduled."""
         return self._sync.suspended()
+
+    def trigger_sync_in_backward(self) -> AbstractContextManager[None]:
+        """Backwards inside communicate even where their forward ran under :meth:`no_sync` (what
+        Accelerate's ``trigger_sync_in_backward`` does to torch DDP's reducer)."""
+        return self._sync.triggered()
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> AbstractContextManager[None]:

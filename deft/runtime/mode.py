@@ -46,10 +46,19 @@ from deft.schedule import Schedule
 
 class SyncSwitch:
     """torch DDP's ``no_sync()`` state, shared by the facade (the buffers' broadcast) and the mode (whether
-    a backward only accumulates)."""
+    a backward only accumulates).
+
+    As in torch DDP, a training forward decides for its backward: a forward under ``no_sync()`` makes a
+    micro-batch whose backward only accumulates, wherever the backward runs, and a forward outside
+    makes a backward that communicates (torch's reducer is prepared in the forward).
+    :meth:`triggered` is Accelerate's ``trigger_sync_in_backward``: backwards inside communicate whatever
+    their forward said. A backward with no forward through the wrapper follows the state of the moment.
+    """
 
     def __init__(self) -> None:
         self.off = False
+        self._at_forward: bool | None = None  # the state at this iteration's last training forward
+        self._triggered = False
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -58,6 +67,27 @@ class SyncSwitch:
             yield
         finally:
             self.off = previous
+
+    @contextlib.contextmanager
+    def triggered(self) -> Iterator[None]:
+        previous, self._triggered = self._triggered, True
+        try:
+            yield
+        finally:
+            self._triggered = previous
+
+    def forward_begins(self) -> None:
+        """A training forward through the wrapper: its backward follows the state of now."""
+        self._at_forward = self.off
+
+    def iteration_ends(self) -> None:
+        self._at_forward = None
+
+    def backward_accumulates(self) -> bool:
+        """Whether the backward running now only accumulates (a micro-batch)."""
+        if self._triggered:
+            return False
+        return self.off if self._at_forward is None else self._at_forward
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,7 @@ class ScheduledRun:
         if self._phase is Phase.IDLE:
             self._begin_iteration()
             self._course.note_batch(batch_size(args, kwargs))
+        self._sync.forward_begins()
         if self._first_use is not None:  # once, in the first training forward (deft.runtime.first_use)
             recorder, self._first_use = self._first_use, None
             with recorder.watching(self.module):
@@ -258,7 +259,7 @@ class ScheduledRun:
         if self._phase is Phase.IDLE:  # backward through the bare module: still an iteration
             self._begin_iteration()
         self._course.gradient_seen(index)
-        if self._sync.off and self._phase is Phase.FORWARD:
+        if self._sync.backward_accumulates() and self._phase is Phase.FORWARD:
             self._micro_batches = True
             self._executor.add_grad(index, p.grad, final=False)  # a micro-batch: accumulate only
             p.grad = None
@@ -308,6 +309,11 @@ class ScheduledRun:
             self._updates.clear_grads()  # a step without an iteration changes nothing
             self._step_open = False
             return
+        if self._phase is Phase.FORWARD and self._micro_batches:
+            raise DeftError(f"optimizer.step() of iteration {self._t} follows only backwards whose forward ran "
+                            "under no_sync(): torch DDP would step every rank on its own local gradient (the "
+                            "ranks drift apart). End the accumulation with a forward and backward outside "
+                            "no_sync(), or run the last backward under ddp.trigger_sync_in_backward()")
         self._step_open = True
         if self._phase in (Phase.FORWARD, Phase.BACKWARD):
             self._executor.end_backward()  # no backward, or one without gradients for deft: unused = zero
@@ -343,6 +349,7 @@ class ScheduledRun:
             return
         self._step_open = False
         self._updates.end_step(self._t)
+        self._sync.iteration_ends()
         self._phase = Phase.IDLE
         self._course.iteration_ends()
         self._t += 1

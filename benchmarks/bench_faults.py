@@ -1,0 +1,319 @@
+"""A link that slows mid-run on the two-link testbed: what deft's adaptation does, and torch DDP beside it.
+
+    sudo .venv/bin/python benchmarks/bench_faults.py [--rate 250] [--factor 5] [--slow-at 40]
+                                                     [--recover-at 80] [--iters 120] [--schemes ...]
+                                                     [--save DIR] [--from-runs DIR] [--section NAME]
+                                                     [--no-write]
+
+One testbed per run (2 hosts x 2 links, every NIC ``tc tbf``-shaped to ``--rate``; fresh namespaces
+each time, so no run inherits another's queues) and one rank per host training the digits CNN of
+``examples/train_cnn.py`` (4.4M parameters, batch 32 per rank, SGD lr 0.02 momentum 0.9, ``--seed``)
+for ``--iters`` iterations. Rank 0 writes its iteration count to a file after every step; this
+driver polls it and, when the run reaches ``--slow-at``, reshapes the second link (``nic1``, deft's
+``second``) to ``rate / --factor`` on both hosts (``Testbed.reshape``: ``tc qdisc replace``), and at
+``--recover-at`` back to ``--rate``. The iteration the run had reached when each ``tc`` command
+returned is recorded (the fault lands between iterations, not at one).
+
+Runs (``--schemes``; all in one invocation, one after the other, same seed and data):
+
+* ``deft-fault``: deft at epsilon 0 on both links, the second link slowed at ``--slow-at`` and
+  restored at ``--recover-at``;
+* ``deft-slow``: the same config with the second link at ``rate / factor`` from the start (before
+  the ranks start): the plan made knowing the slow link, the target after the slowdown;
+* ``deft-full``: the same config, both links at ``--rate`` throughout: the uninterrupted run, the
+  target after the recovery and the reference for the parameters;
+* ``torch-fault`` / ``torch-full``: torch DDP on ``nic0`` only (what ``torch.nn.parallel`` uses) under
+  the same fault / without it. The fault is on ``nic1``, which this torch DDP never touches: the row shows
+  it is unaffected, not that it copes;
+* ``torch2-fault`` / ``torch2-full``: torch DDP on both NICs the way torch offers it
+  (``GLOO_SOCKET_IFNAME=nic0,nic1``: gloo round-robins whole collectives over both devices; DDP's
+  default buckets): the fair comparison for a slowed second link, since this torch DDP does use it.
+
+The default runs all but ``torch-full`` (``torch-fault`` without a fault on a link it does not use).
+Reported: per run the steady iteration time in each phase (before the fault: iterations
+21 to ``--slow-at``, after deft's planning; while slow; after the recovery: the median over the phase's
+iterations, its first ``--settle`` left out), the sums of the iteration times, deft's plan, adaptation
+records and switches (which iteration, what), the bytes the running schedule puts on each link per
+cycle, whether every iteration's gradient was applied once, and the final parameters against the
+uninterrupted run's (epsilon 0 promises torch DDP's maths). ``--save DIR`` keeps every run and
+``--from-runs DIR`` reports them again without running. The report goes to
+``benchmarks/results/faults.md``, between the ``--section`` markers (``faults_slow``); text outside them is
+kept. The machine has 2 cores, shared with whatever else
+runs on it: the load average at each run's start is in the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_links import ROOT, command_line, handle_signals, machine, run_ranks, update_section
+
+RESULTS = ROOT / "benchmarks" / "results" / "faults.md"
+SCHEMES = ("deft-fault", "deft-slow", "deft-full", "torch-fault", "torch-full", "torch2-fault", "torch2-full")
+DEFAULT_SCHEMES = ("deft-fault", "deft-slow", "deft-full", "torch-fault", "torch2-fault", "torch2-full")
+
+
+# -- one rank (run inside a host's namespace: `bench_faults.py rank ...`) ---------------------------------
+def rank_main(argv: list[str]) -> int:
+    """Train the digits CNN with ``--ddp`` for ``--iters`` iterations; rank 0 writes its progress after
+    every step and, at the end, a JSON of iteration times, deft's records and the parameters' path."""
+    ap = argparse.ArgumentParser(prog="bench_faults.py rank")
+    ap.add_argument("--ddp", choices=("deft", "torch"), required=True)
+    ap.add_argument("--iters", type=int, required=True)
+    ap.add_argument("--epsilon", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--progress", required=True)
+    ap.add_argument("--out", required=True, help="rank 0's JSON; the parameters go to OUT.pt")
+    args = ap.parse_args(argv)
+
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from models import DigitsCNN
+    from train_cnn import load_digits_split
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(args.seed)
+    x_train, y_train, _, _ = load_digits_split(args.seed)
+    model = DigitsCNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    if args.ddp == "deft":
+        import deft
+
+        cfg = dataclasses.replace(deft.DeftConfig.resolve(os.environ.get("DEFT_CONFIG")), epsilon=args.epsilon)
+        ddp: Any = deft.DistributedDataParallel(model, optimizer=opt, config=cfg)
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+    data = TensorDataset(x_train, y_train)
+    sampler = DistributedSampler(data, num_replicas=dist.get_world_size(), rank=rank, shuffle=True,
+                                 seed=args.seed, drop_last=True)
+    loader = DataLoader(data, batch_size=32, sampler=sampler, drop_last=True)
+    torch.manual_seed(args.seed * 1000 + rank + 1)
+    iter_s: list[float] = []
+    digests: list[str] = []
+    progress = Path(args.progress)
+    epoch = 0
+    while len(iter_s) < args.iters:
+        sampler.set_epoch(epoch)
+        epoch += 1
+        for x, y in loader:
+            t0 = time.perf_counter()
+            F.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            iter_s.append(time.perf_counter() - t0)
+            if args.ddp == "deft":
+                digests.append(ddp.schedule.digest())
+            if rank == 0:
+                tmp = progress.with_suffix(".tmp")
+                tmp.write_text(str(len(iter_s)), encoding="utf-8")
+                tmp.replace(progress)
+            if len(iter_s) >= args.iters:
+                break
+    doc: dict[str, Any] = {"iter_s": iter_s}
+    if args.ddp == "deft":
+        ddp.flush()
+        doc.update(plan_info=json.loads(json.dumps(dict(ddp.plan_info), default=str)),
+                   updates=len(ddp.update_log), merged=sorted(i for _, its in ddp.update_log for i in its),
+                   digests=digests, link_bytes=link_bytes(ddp.schedule))
+    if rank == 0:
+        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        torch.save(params, args.out + ".pt")
+        Path(args.out).write_text(json.dumps(doc) + "\n", encoding="utf-8")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def link_bytes(schedule: Any) -> dict[str, int]:
+    """Bytes one cycle of ``schedule`` sends on each link (before any codec)."""
+    out = dict.fromkeys(schedule.links, 0)
+    for stage in schedule.stages:
+        for c in stage.comms:
+            out[c.link] += schedule.bucket_nbytes[c.bucket]
+    return out
+
+
+# -- the driver ------------------------------------------------------------------------------------------
+def watch(tb: Any, progress: Path, slow_at: int | None, recover_at: int | None, rate: float, factor: float,
+          stop: threading.Event, events: list[dict[str, Any]]) -> None:
+    """Poll rank 0's progress; reshape link 1 to ``rate / factor`` at ``slow_at`` and back at ``recover_at``."""
+    plan = [(at, rate / factor, "slow") for at in [slow_at] if at is not None]
+    plan += [(at, rate, "recover") for at in [recover_at] if at is not None]
+    while plan and not stop.is_set():
+        try:
+            it = int(progress.read_text(encoding="utf-8") or 0)
+        except (OSError, ValueError):
+            it = 0
+        if it >= plan[0][0]:
+            _, r, what = plan.pop(0)
+            tb.reshape(1, r)
+            done = int(progress.read_text(encoding="utf-8") or 0)
+            events.append({"what": what, "rate_mbit": r, "seen_at": it, "done_at": done})
+        time.sleep(0.02)
+
+
+def one_run(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from deft.testbed import Testbed
+
+    fault = name.endswith("-fault")
+    ddp = "deft" if name.startswith("deft") else "torch"
+    load = os.getloadavg()[0]
+    events: list[dict[str, Any]] = []
+    with Testbed(hosts=2, links=2, rate_mbit=args.rate, prefix="fault") as tb:
+        if name == "deft-slow":
+            tb.reshape(1, args.rate / args.factor)
+        progress, out = work / f"{name}.progress", work / f"{name}.json"
+        progress.write_text("0", encoding="utf-8")
+        config = tb.write_config()
+        argv = [sys.executable, str(Path(__file__).resolve()), "rank", "--ddp", ddp, "--iters", str(args.iters),
+                "--seed", str(args.seed), "--progress", str(progress), "--out", str(out)]
+        if name.startswith("torch2"):
+            argv = ["env", "GLOO_SOCKET_IFNAME=nic0,nic1", *argv]
+        stop = threading.Event()
+        watcher = threading.Thread(target=watch, args=(tb, progress, args.slow_at if fault else None,
+                                                       args.recover_at if fault else None, args.rate, args.factor,
+                                                       stop, events), daemon=True)
+        watcher.start()
+        started = time.perf_counter()
+        try:
+            run_ranks(tb, argv, args.timeout, name, config=config, echo=lambda r, line: "rror" in line)
+        finally:
+            stop.set()
+            watcher.join(timeout=10)
+        wall = time.perf_counter() - started
+    doc = json.loads(out.read_text(encoding="utf-8"))
+    doc.update(name=name, events=events, load=load, wall_s=wall, params_path=str(out) + ".pt")
+    (work / f"{name}.run.json").write_text(json.dumps(doc) + "\n", encoding="utf-8")
+    return doc
+
+
+def phases(doc: dict[str, Any], args: argparse.Namespace) -> dict[str, float | None]:
+    """Median iteration time before the fault, while slow, after the recovery (1-based iterations; the
+    first ``args.settle`` of the slow and recovered phases left out, and the first 20 of the run)."""
+    t = doc["iter_s"]
+
+    def med(lo: int, hi: int) -> float | None:
+        xs = t[lo:hi]
+        return statistics.median(xs) if xs else None
+
+    s, r = args.slow_at, args.recover_at
+    return {"before": med(20, s), "slow": med(s + args.settle, r), "after": med(r + args.settle, len(t))}
+
+
+def adapt_after(doc: dict[str, Any], at: int) -> list[dict[str, Any]]:
+    return [a for a in doc.get("plan_info", {}).get("adapt", []) if int(a.get("iteration", 0)) >= at]
+
+
+def param_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    import torch
+
+    return float((torch.load(a["params_path"]) - torch.load(b["params_path"])).abs().max())
+
+
+def report(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
+    ph = {n: phases(d, args) for n, d in runs.items()}
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1e3:.0f}"
+
+    lines = [f"Second link (`nic1`) reshaped from {args.rate:g} to {args.rate / args.factor:g} Mbit/s at iteration "
+             f"{args.slow_at}, back to {args.rate:g} at {args.recover_at}; {args.iters} iterations of the digits CNN "
+             f"(4.4M parameters, batch 32 per rank, seed {args.seed}), deft at epsilon 0. Iteration times: median "
+             f"per phase, the first {args.settle} iterations of the slow and recovered phases left out (before: "
+             f"iterations 21-{args.slow_at}). 2 shared cores: other work ran on the machine beside these runs (load "
+             "column: 1-minute load average at the run's start).", "",
+             "| run | before (ms) | slow (ms) | after recovery (ms) | iterations "
+             f"{args.slow_at + 1}-{args.recover_at} (s) | all iterations (s) | wall (s) | load | "
+             "fault applied at (it.) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for n, d in runs.items():
+        ev = ", ".join(f"{e['what']} {e['seen_at']}-{e['done_at']}" for e in d["events"]) or "-"
+        lines.append(f"| {n} | {ms(ph[n]['before'])} | {ms(ph[n]['slow'])} | {ms(ph[n]['after'])} | "
+                     f"{sum(d['iter_s'][args.slow_at:args.recover_at]):.1f} | {sum(d['iter_s']):.1f} | "
+                     f"{d['wall_s']:.0f} | {d['load']:.1f} | {ev} |")
+    lines.append("")
+    for n, d in runs.items():
+        if "plan_info" not in d:
+            continue
+        pi = d["plan_info"]
+        sw = [(s.get("iteration"), s.get("source"), s.get("layout", "")) for s in pi.get("switches", [])]
+        ad = [(a.get("iteration"), str(a.get("decision", a.get("error", "")))[:90],
+               a.get("comm_factor")) for a in pi.get("adapt", [])]
+        once = d["merged"] == list(range(len(d["iter_s"])))
+        lines.append(f"- {n}: plan at iteration {pi.get('t0')}, switches {sw}, adapt {ad}, "
+                     f"bytes per cycle by link at the end {d['link_bytes']}, updates {d['updates']} "
+                     f"of {len(d['iter_s'])} iterations, every iteration's gradient applied once: {once}")
+    lines.append("")
+    ref = next((n for n in ("deft-full", "torch-full", "torch-fault") if n in runs), None)
+    if ref is not None:
+        diffs = ", ".join(f"{n} {param_diff(d, runs[ref]):.1e}" for n, d in runs.items() if n != ref)
+        lines.append(f"Final parameters against {ref}'s (max abs difference): {diffs}.")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "rank":
+        return rank_main(sys.argv[2:])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rate", type=float, default=250.0)
+    ap.add_argument("--factor", type=float, default=5.0)
+    ap.add_argument("--slow-at", type=int, default=40)
+    ap.add_argument("--recover-at", type=int, default=80)
+    ap.add_argument("--iters", type=int, default=120)
+    ap.add_argument("--settle", type=int, default=10, help="iterations left out at the start of a phase")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES))
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--save", default=None, help="also keep every run's JSON in this directory")
+    ap.add_argument("--from-runs", default=None, help="report the runs --save kept in this directory, run nothing")
+    ap.add_argument("--section", default="faults_slow", help="the marked section of faults.md to (re)write")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    handle_signals()
+    names = args.schemes.split(",")
+    bad = [n for n in names if n not in SCHEMES]
+    if bad:
+        raise SystemExit(f"bench_faults: unknown schemes {bad}; known: {', '.join(SCHEMES)}")
+    work = Path(args.save or args.from_runs or tempfile.mkdtemp(prefix="bench-faults-"))
+    work.mkdir(parents=True, exist_ok=True)
+    os.chmod(work, 0o755)
+    runs = {}
+    if args.from_runs:
+        done = Path(args.from_runs)
+        runs = {n: json.loads((done / f"{n}.run.json").read_text(encoding="utf-8")) for n in names}
+        command = (done / "command.txt").read_text(encoding="utf-8").strip()
+    else:
+        command = command_line()
+        (work / "command.txt").write_text(command + "\n", encoding="utf-8")
+    for n in names:
+        if n not in runs:
+            print(f"== {n}", flush=True)
+            runs[n] = one_run(n, args, work)
+            print(f"   {n}: {phases(runs[n], args)}", flush=True)
+    text = f"Command: `{command}`\n\nMachine: {machine()}\n\n{report(runs, args)}"
+    print(text)
+    if not args.no_write:
+        update_section(args.section, text, RESULTS)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

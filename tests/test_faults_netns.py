@@ -1,0 +1,126 @@
+"""A link that slows during a live run, on the testbed (two hosts, two 100 Mbit/s links).
+
+``tc`` reshapes the second link to a fifth of its rate once the adaptation has settled on the first plan
+(iteration ``SLOW``) and back at ``RECOVER``, triggered from outside while the ranks train
+(tests/_faults_slow_worker.py, deft at epsilon 0 after torch DDP in the same ranks). Whatever the
+adaptation does, the run must finish with every gradient applied once and torch DDP's parameters. The
+adaptation should see the slow link: re-plan within ``BOUND`` iterations on a profile that prices the
+second link slower than the primary, and follow it back when it recovers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deft.testbed import Testbed
+from tests._dist import free_port
+from tests._netns import NETNS_REASON, can_netns, skip_netns_when_refused
+
+ROOT = Path(__file__).resolve().parents[1]
+RATE_MBIT = 100.0
+FACTOR = 5.0
+SLOW = 30      # the adaptation's first decision (plan + lag + window) is long made by then
+RECOVER = 55
+STEPS = 80
+WINDOW = 4
+# a window measured on the slow link, one more for a decision, the planner's lag, a cycle boundary
+BOUND = 2 * WINDOW + 6 + 2
+DEADLINE_S = 300.0
+
+
+@pytest.fixture(autouse=True)
+def _skip_netns_when_refused(request: pytest.FixtureRequest) -> None:
+    skip_netns_when_refused(request)
+
+
+def _live_slowdown(work: Path) -> tuple[list[dict[str, Any]], list[tuple[str, int]]]:
+    """Both ranks' reports, and (what, the iteration rank 0 had finished when ``tc`` returned)."""
+    progress = work / "progress"
+    progress.write_text("0", encoding="utf-8")
+    events: list[tuple[str, int]] = []
+    todo = [(SLOW, RATE_MBIT / FACTOR, "slow"), (RECOVER, RATE_MBIT, "recover")]
+    with Testbed(hosts=2, links=2, rate_mbit=RATE_MBIT, prefix="faultt") as tb:
+        # planner_nice 0 and the greedy knapsacks: on a busy machine the first plan of this model took
+        # 40-80 s otherwise, every rank waiting (the lag is 6 iterations of 0.1 s), which is not under test
+        config = tb.write_config(epsilon=0.0, bucket_cap_mb=0.5, adapt_window=WINDOW, timeout_s=120, planner_nice=0,
+                                 solver="greedy")
+        port = free_port()
+        env = {"FAULTS_STEPS": str(STEPS), "FAULTS_PROGRESS": str(progress)}
+        logs = [(work / f"out{h}", work / f"err{h}") for h in range(2)]
+        with contextlib.ExitStack() as files:
+            procs = [tb.popen(h, [sys.executable, "-m", "tests._faults_slow_worker"],
+                              env={**tb.env_for(h, h, 2, port, config), **env}, cwd=ROOT,
+                              stdout=files.enter_context(out.open("w")), stderr=files.enter_context(err.open("w")))
+                     for h, (out, err) in enumerate(logs)]
+            deadline = time.monotonic() + DEADLINE_S
+            while any(p.poll() is None for p in procs):
+                assert time.monotonic() < deadline, f"the run did not finish within {DEADLINE_S:.0f} s"
+                done = int(progress.read_text(encoding="utf-8") or 0)
+                if todo and done >= todo[0][0]:
+                    _, rate, what = todo.pop(0)
+                    tb.reshape(1, rate)
+                    events.append((what, int(progress.read_text(encoding="utf-8") or 0)))
+                time.sleep(0.02)
+    for p, (_, err) in zip(procs, logs, strict=True):
+        assert p.returncode == 0, err.read_text(encoding="utf-8")[-3000:]
+    reports = [json.loads(out.read_text(encoding="utf-8").strip().splitlines()[-1]) for out, _ in logs]
+    return reports, events
+
+
+@pytest.fixture(scope="module")
+def slowed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], list[tuple[str, int]]]:
+    work = tmp_path_factory.mktemp("slowed")
+    work.chmod(0o755)
+    return _live_slowdown(work)
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+@pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
+def test_a_link_slowed_mid_run_loses_no_gradient_and_keeps_torch_ddps_parameters(
+        slowed_run: tuple[list[dict[str, Any]], list[tuple[str, int]]]) -> None:
+    reports, events = slowed_run
+    assert [what for what, _ in events] == ["slow", "recover"]
+    assert SLOW <= events[0][1] < RECOVER <= events[1][1] < STEPS, events  # the faults landed mid-run
+    for r in reports:
+        assert r["merged"] == list(range(STEPS))  # every iteration's gradient applied, once
+        assert r["vs_torch"] < 1e-5, r["vs_torch"]
+    for key in ("source", "t0", "adapt", "switches"):  # the ranks agreed (rank 0's planning times aside)
+        assert reports[0]["plan_info"].get(key) == reports[1]["plan_info"].get(key), key
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+@pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
+@pytest.mark.xfail(strict=True, reason=(
+    "the adaptation does not follow a link that slows after it settled: it stops for good once the "
+    "prediction is within adapt_tolerance or after adapt_max_replans (deft/runtime/adapt.py, 'a stop is "
+    "final'), and its calibration scales every link by one factor, so no re-plan can price one link "
+    "slower than the other (benchmarks/results/faults.md)"))
+def test_the_adaptation_replans_on_a_slowed_link_within_a_bounded_number_of_iterations(
+        slowed_run: tuple[list[dict[str, Any]], list[tuple[str, int]]]) -> None:
+    reports, events = slowed_run
+    slowed_at = events[0][1]
+    info = reports[0]["plan_info"]
+    replans = [a for a in info.get("adapt", []) if slowed_at < a["iteration"] <= slowed_at + BOUND
+               and str(a.get("decision", "")).startswith("try the schedule")]
+    assert replans, info.get("adapt")
+    switched = [s for s in info.get("switches", []) if s.get("source") == "adapt" and s["iteration"] > slowed_at]
+    assert switched, info.get("switches")
+    # the re-plan's profile prices the second link (per byte) at least 2.5x slower against the primary
+    # than the profile before the fault did: the slow link's measured rate, within a factor of 2 of 1/5
+    ratios = reports[0]["ratios"]
+    before, after = ratios[slowed_at - 1], ratios[min(slowed_at + BOUND, RECOVER) - 1]
+    assert before is not None and after is not None
+    assert after >= 2.5 * before, (before, after)
+    recovered_at = events[1][1]
+    back = [s for s in info.get("switches", []) if s.get("source") == "adapt" and s["iteration"] > recovered_at]
+    assert back, info.get("switches")  # and back: the plan follows the link's recovery
+    assert ratios[-1] is not None and ratios[-1] <= 1.5 * before, (before, ratios[-1])
