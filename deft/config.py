@@ -115,6 +115,13 @@ class DeftConfig:
     # prices the same factor). Off by default (measured: benchmarks/results/preserver_validation.md).
     merge_lr_scaling: str = "none"
     timeout_s: float = 300.0
+    # A non-primary link whose collective fails or misses its deadline is lost: the ranks agree, send its
+    # buckets again on the primary and re-plan without it (deft.runtime.failover). The deadline is
+    # link_deadline_factor x the profiled time of the bytes on that link, at least link_deadline_s (the
+    # floor alone before the profile), at most timeout_s. false: every wait has timeout_s, a loss ends the run.
+    link_failover: bool = True
+    link_deadline_s: float = 30.0
+    link_deadline_factor: float = 20.0
     # Local-steps mode (deft.runtime.local_steps, docs/DESIGN.md "Local steps"): H > 0 replaces the gradient
     # schedule: every rank steps on its own gradient and every H steps the ranks average (local_outer).
     # 0: off. Needs epsilon > 0 (epsilon 0 promises torch DDP's maths).
@@ -165,7 +172,7 @@ class DeftConfig:
             raise bad("partition_numel", f"expected >= 1, got {self.partition_numel}")
         if self.solver not in SOLVERS:
             raise bad("solver", f"expected one of {', '.join(SOLVERS)}, got {self.solver!r}")
-        for name in ("solver_time_limit_s", "timeout_s"):
+        for name in ("solver_time_limit_s", "timeout_s", "link_deadline_s", "link_deadline_factor"):
             if getattr(self, name) <= 0:
                 raise bad(name, f"expected > 0, got {getattr(self, name)}")
         if not 0 <= self.solver_relative_gap < 1:

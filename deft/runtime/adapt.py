@@ -340,6 +340,11 @@ class Adaptation:
             self.reset_window()
             self._candidate = candidate
 
+    def stop(self) -> None:
+        """A link was lost (:mod:`deft.runtime.failover`): the schedules measured, the candidate and the
+        profile all used it; adaptation ends on every rank at once (a decision in flight is dropped)."""
+        self.on = False
+
     def forget_measured(self) -> None:
         """A re-check replaced the schedule, for accuracy: adaptation must not go back to one measured
         before (it may be what the re-check rejected); the warm-up's synchronous schedule stays."""

@@ -113,8 +113,8 @@ class Background:
         return self._doc, self._waited
 
 
-#: What a background decision is for: the first plan, or an adaptation's re-plan.
-JobKind = Literal["plan", "adapt"]
+#: What a background decision is for: the first plan, an adaptation's re-plan, or the plan without a lost link.
+JobKind = Literal["plan", "adapt", "replan"]
 
 
 @dataclass
@@ -123,7 +123,8 @@ class JobSlot:
 
     A decision is *held* from the iteration it began until the iteration boundary at which every rank
     collects it (:meth:`ready`, then :meth:`take`). The first plan and the adaptation never overlap (one
-    runs before the plan is installed, the other after), so one slot serves both."""
+    runs before the plan is installed, the other after), and a lost link's re-plan drops either and
+    stops the adaptation, so one slot serves all three."""
 
     control: ControlPlane
     kind: JobKind | None = None

@@ -35,17 +35,19 @@ from deft.runtime.background import JobSlot
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.calendar import Calendar, place, stats_after_plan
 from deft.runtime.checkpoint import RuntimeState
+from deft.runtime.codecs.choice import CodecInputs
 from deft.runtime.codecs.first_iteration import TimedBroadcast
 from deft.runtime.codecs.hooks import CommHook
 from deft.runtime.codecs.policy import CodecPolicy
 from deft.runtime.control import Collective, ControlPlane
 from deft.runtime.executor import DueUpdate, Executor, Pending
+from deft.runtime.failover import LinkFailover, without_links
 from deft.runtime.grad_stats import GradStats, walk_stats
 from deft.runtime.layouts import balanced_links, plan_order, ready_order, warmup_layout
 from deft.runtime.links import CommLink
 from deft.runtime.optimizer_hooks import OptimizerBinding
-from deft.runtime.planning import Planning
-from deft.runtime.records import RunRecord, SwitchRecord
+from deft.runtime.planning import Planning, Switch
+from deft.runtime.records import RunRecord, SwitchRecord, as_object
 from deft.runtime.tracing import profile_iters_from_env
 from deft.runtime.updates import LogEntry
 from deft.runtime.warmup_timer import WarmupTimer
@@ -85,6 +87,8 @@ class Course:
         self.jobs = JobSlot(control)  # the plan's, then the adaptation's background decision
         self.adaptation = Adaptation(config, control, self.planning, self.jobs)
         self.record = RunRecord()
+        self.failover = LinkFailover(config, control, list(links))  # a non-primary link that dies
+        executor.guard_links(self.failover)
         self.profile_iters = profile_iters_from_env(config.profile_iters)
         self.calendar = self.place()
         self.planned = False
@@ -99,6 +103,7 @@ class Course:
         self.stats: GradStats | None = None
         self.calibrated: JsonDict | None = None  # rank 0's Lanczos probe (ddp.calibrate), on every rank
         self._stats_reason = ""
+        self._plan_inputs: tuple[WalkStats | None, int, CodecInputs | None] | None = None  # the first plan's
 
     def use_curvature(self, doc: JsonDict) -> None:
         """``ddp.calibrate``'s measured curvature (every rank): the next plan and re-check use it."""
@@ -139,7 +144,8 @@ class Course:
                 if ex.layout is None or (ex.layout.order, ex.layout.bucket_numel) != (lay.order, lay.bucket_numel):
                     self._install(sched, lay, t)
             assert ex.layout is not None
-            self._timer = WarmupTimer(self._module, self._params, ex.layout, self._links, cuda, self._wait_work)
+            live = {n: lk for n, lk in self._links.items() if n in self._live()}
+            self._timer = WarmupTimer(self._module, self._params, ex.layout, live, cuda, self._wait_work)
             ex.observe(self._timer)
         if self._timer is not None and ex.idle and ex.layout is not None:
             coded = self.codecs.profile_schedule(self._timer.schedule())
@@ -202,6 +208,8 @@ class Course:
     def after_step(self, t: int, flush: Callable[[], None]) -> None:
         """Collective: iteration ``t - 1`` ended. The ready order after the first; then planning (or
         collecting a background plan), re-checks, adaptation and a switch at a cycle boundary."""
+        if self.failover.on:
+            self._executor.judge_pending()  # before anything reads a deferred parameter (Executor.judge_pending)
         if self.ready_order is None:
             self.ready_order = self._control.broadcast_ints(ready_order(list(self.order_seen), len(self._params)),
                                                             "gradient ready order")
@@ -209,6 +217,7 @@ class Course:
         decision = self.codecs.after_first_iteration(self.batch)
         if decision is not None:
             self.record.profile_codec = decision.to_dict()
+        self._links_lost(t)
         if not self.planned:
             if self.stats is None:
                 self.stats = GradStats.start(self.config, self._control.world)
@@ -222,6 +231,8 @@ class Course:
         elif self.planning.recheck_on and t % self.config.recheck_every == 0 and not self.planning.switch_waiting:
             stats, stats_reason = self._walk_stats()
             self.record.rechecks.append(self.planning.recheck(t, stats, stats_reason, self.schedule, self.profile))
+        if self.jobs.holds("replan") and self.jobs.ready(t):
+            self._finish_replan(t)
         if self.adaptation.on:
             outcome = self.adaptation.after_step(t, self.schedule, self.profile)
             if outcome is not None:
@@ -246,7 +257,7 @@ class Course:
         profile iterations, those run while rank 0 plans). A chained hook's sends run one at a time, as
         torch DDP's on one link, on whole buckets."""
         chained = self.codecs.chained
-        links = (self._primary.name,) if chained else tuple(self._links)
+        links = (self._primary.name,) if chained else self._live()
         layout = warmup_layout(order, self._names, self._params, self.config.bucket_cap_mb, chained,
                                self.config.first_bucket_cap_mb, split_over=len(links))
         return synchronous_schedule(layout.bucket_numel, layout.bucket_nbytes(), links,
@@ -259,7 +270,11 @@ class Course:
     def _synchronous(self, layout: FlatLayout) -> Schedule:
         """torch DDP's timing on ``layout``, its buckets over the links the profile measured (the primary
         alone when the profile was given): what runs while rank 0 plans, and what adaptation may go back to."""
-        return synchronous_candidate(layout, tuple(self._links) if self.planning.measuring else (self._primary.name,))
+        return synchronous_candidate(layout, self._live() if self.planning.measuring else (self._primary.name,))
+
+    def _live(self) -> tuple[str, ...]:
+        """The links not lost (:mod:`deft.runtime.failover`), primary first."""
+        return tuple(self.failover.live(list(self._links)))
 
     # -- the first plan ------------------------------------------------------------------------------------
     def _walk_stats(self) -> tuple[WalkStats | None, str]:
@@ -271,8 +286,11 @@ class Course:
         (now, or when rank 0's background decision is collected: :meth:`_finish_plan`)."""
         started = time.perf_counter()
         self.profile = self._measured_profile() if self.planning.measuring else self.planning.given_profile
+        if self.profile is not None and self.failover.dead:
+            self.profile = without_links(self.profile, self.failover.dead)
         stats, self._stats_reason = self._walk_stats()
         codec = self.codecs.plan_inputs(self.stats, self.batch, self.profile)
+        self._plan_inputs = (stats, self._control.world, codec)
         cfg = self.config
         if stats is None and self._control.rank == 0 and cfg.epsilon > 0 and cfg.preserver \
                 and self.planning.schedule_path is None:
@@ -320,6 +338,8 @@ class Course:
         """Collective: collect the plan :meth:`_plan` began in the background and install it."""
         started = time.perf_counter()
         schedule, info, timing = self.planning.finish(self.jobs.take())
+        if self._uses_lost(schedule):  # planned before a link was lost, and not started again (lag 0)
+            schedule, info = self.planning.agree(self.profile, None, self._control.world)
         self._install_plan(t, schedule, info, {"lag_iters": self.config.plan_lag_iters,
                                                **{k: round(v, 4) for k, v in timing.items()}}, started)
 
@@ -331,6 +351,7 @@ class Course:
             self._executor.unobserve(self.stats)
             self.stats = None
         warm = self._warm_layout  # the profile iterations' layout, which the adaptation's candidate ran on
+        self.failover.use_profile(self.profile)
         exact = self.profile  # measured, every bucket exact: the adaptation chooses the codecs again on it
         if self.profile is not None:  # the profile rank 0 planned on: its coded buckets
             self.profile = self.codecs.planned_profile(self.profile, info)
@@ -353,11 +374,14 @@ class Course:
             return
         switch = self.planning.take_switch()
         assert switch is not None
+        if self._uses_lost(switch.schedule):  # decided before a link was lost (every rank drops it)
+            return
         applied = len(self._log)
         flush()
         warm = self.adaptation.warm_layout
         use_warm = switch.warm_layout and warm is not None
         layout = warm if use_warm and warm is not None else self._plan_layout(switch.schedule, "re-planned schedule")
+        layout = switch.layout or layout
         old = self.schedule.digest()
         self._install(switch.schedule, layout, t)
         self.adaptation.reset_window()
@@ -366,6 +390,60 @@ class Course:
         self.record.switched(SwitchRecord(t, old, switch.schedule, len(self._log) - applied, switch.info))
         log.info("deft: rank %d switches to re-planned schedule %s at iteration %d (K=%s)", self._control.rank,
                  switch.schedule.digest(), t, switch.schedule.batch_sequence)
+
+    # -- a link lost (deft.runtime.failover) -------------------------------------------------------------
+    def _links_lost(self, t: int) -> None:
+        """Collective (every rank agreed on the same losses in the iteration that ended): adaptation stops
+        (its measurements and candidates used the lost links) and a decision in flight about them is
+        dropped. Planned: torch DDP's synchronous schedule over the links left runs from the next cycle
+        boundary on, while rank 0 plans on the profile without the lost links in the background
+        (:meth:`_finish_replan`); before the first plan, the plan is made on the links left."""
+        records = self.failover.take_lost()
+        if not records:
+            return
+        if self.profile is not None:
+            self.profile = without_links(self.profile, self.failover.dead)
+        self.adaptation.stop()
+        self.planning.forget_switch()
+        job = self.jobs.kind
+        if job is not None:
+            self.jobs.take()  # rank 0's thread finishes on its own; its result is about the lost links
+        lag = max(1, self.config.plan_lag_iters)
+        replan: JsonDict = {"iteration": t, "source": "the first plan, on the links left"}
+        if job == "plan" and self._plan_inputs is not None:  # the first plan, started again without them
+            self.jobs.hold("plan", self.planning.start(self.profile, *self._plan_inputs), t + lag)
+        if self.planned:
+            layout = self._executor.layout
+            assert layout is not None
+            sync = synchronous_candidate(layout, self._live())
+            self.planning.offer(Switch(sync, {"source": "link lost: synchronous"}, layout=layout))
+            replan = {"iteration": t, "source": "synchronous", "links": list(sync.links)}
+            if self.profile is not None and self.planning.schedule_path is None:
+                self.jobs.hold("replan", self.planning.start(self.profile, None, self._control.world), t + lag)
+        for rec in records:
+            self.record.link_failures.append({**rec, "replan": replan})
+
+    def _finish_replan(self, t: int) -> None:
+        """Collective: rank 0's plan without the lost links, every rank switching to it at the next cycle
+        boundary (ahead of the synchronous schedule if that still waits)."""
+        started = time.perf_counter()
+        schedule, info, timing = self.planning.finish(self.jobs.take())
+        if self._uses_lost(schedule):
+            return  # another link was lost while rank 0 planned: _links_lost started again
+        self.planning.forget_switch()
+        self.planning.offer(Switch(schedule, {**info, "source": f"link lost: {info.get('source')}"}))
+        plan = {"iteration": t, "source": info.get("source"), "schedule": schedule.digest(),
+                "links": list(schedule.links), "plan_s": round(timing["plan_s"], 4),
+                "waited_s": round(timing["waited_s"] + time.perf_counter() - started, 4)}
+        if self.record.link_failures:
+            self.record.link_failures[-1]["replan"] = {**as_object(self.record.link_failures[-1], "replan"),
+                                                      "plan": plan}
+        log.warning("deft: rank %d re-planned on %s after losing %s (%s, rank 0 planned %.3f s in the "
+                    "background): schedule %s from the next cycle", self._control.rank, list(schedule.links),
+                    sorted(self.failover.dead), info.get("source"), timing["plan_s"], schedule.digest())
+
+    def _uses_lost(self, schedule: Schedule) -> bool:
+        return any(n in self.failover.dead for n in schedule.links)
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def state(self) -> CourseState:

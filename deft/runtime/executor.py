@@ -35,6 +35,12 @@ Waiting happens only in :meth:`Executor.take_update`, :meth:`Executor.finish` (a
 :meth:`Executor.drain`), i.e. where the update's averaged gradient is needed, and in
 :meth:`Executor.settle_all` before a checkpoint. Every wait is bounded by ``timeout_s`` and a failure
 becomes a :class:`~deft.errors.CommunicationError` naming this rank, the link and the collective.
+
+Sends on a non-primary link are *guarded* (:mod:`deft.runtime.failover`, :meth:`Executor.guard_links`):
+they run on a copy of the bucket, each wait for them is bounded by the link's deadline, and every rank
+agrees on the links lost before any of their results is copied into the buffers; a lost link's
+buckets are all-reduced again on the primary from the buffers, and its later sends go on the primary.
+Every rank settles the same sends at the same points, so the agreements match.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from deft.runtime.buckets import FlatLayout
 from deft.runtime.checkpoint import GroupState
 from deft.runtime.codecs.hooks import CommHook, hook_bucket, hook_result
 from deft.runtime.control import FUTURE_TYPES, Collective, wait_work
+from deft.runtime.failover import LinkFailover, Stopwatch
 from deft.runtime.links import CommLink
 from deft.schedule import CommTask, Schedule
 
@@ -93,12 +100,15 @@ T = TypeVar("T")
 class Pending:
     """One launched collective (a Work, or a comm hook's Future) and what it was, for error messages.
 
-    ``post``: run once with the future's value after it completes (a hook's result into the buffer)."""
+    ``post``: run once with the future's value after it completes (a hook's result into the buffer).
+    ``resend``: a guarded send's bucket (:mod:`deft.runtime.failover`), this rank's local gradient, which
+    the collective runs on a copy of: all-reduced again on the primary link if its link is lost."""
 
     work: Collective
     link: str
     what: str
     post: Callable[[object], None] | None = None
+    resend: torch.Tensor | None = None
 
 
 @dataclass
@@ -182,6 +192,7 @@ class Executor:
         self._chained_hooks = False  # some bucket's hook is chained (CommHook.chained): so is the used map
         # The last chained launch (_chained): a hook's bucket or the used map, so its value type is open.
         self._hook_tail: torch.futures.Future[Any] | None = None
+        self.failover: LinkFailover | None = None  # guards the sends on non-primary links (guard_links)
 
     # -- schedule ------------------------------------------------------------------------------
     def install(self, schedule: Schedule, layout: FlatLayout, t0: int, hooks: Sequence[CommHook | None] = ()) -> None:
@@ -200,6 +211,10 @@ class Executor:
         self._views.clear()  # slices of the old layout (the buffers themselves may be reused)
         self.schedule, self.layout, self.t0 = schedule, layout, t0
         self.use_hooks(hooks)
+
+    def guard_links(self, failover: LinkFailover) -> None:
+        """Sends on the links ``failover`` guards run on copies; a lost link's traffic goes on the primary."""
+        self.failover = failover
 
     def observe(self, observer: ExecutorObserver) -> None:
         self.observers.append(observer)
@@ -255,10 +270,8 @@ class Executor:
             raise DeftError(f"internal: iteration {self.t} cannot be sent again ({len(g.launched)} of "
                             f"{lay.n_buckets} buckets launched, tasks of earlier iterations: "
                             f"{[t.bucket for t in tasks if t.origin != 0]})")
-        for b in sorted(g.launched):
-            for p in g.pending.pop(b, ()):
-                p.post = None  # the dropped result is not this iteration's: the buffer stays exact
-                self.wait(p)
+        # the dropped results are not this iteration's: the buffer stays exact
+        self._settle(g, sorted(g.launched), keep=False)
         g.launched.clear()
         self.use_hooks(hooks)
         self._start_stage("backward")
@@ -446,18 +459,32 @@ class Executor:
             o.launched(task.bucket, link_name, works, t_start)
 
     def _send(self, g: GroupInstance, b: int, link_name: str, what: str) -> list[Collective]:
-        """Launch bucket ``b`` of ``g`` on ``link_name``: one all-reduce per dtype segment, or the comm hook."""
+        """Launch bucket ``b`` of ``g`` on ``link_name``: one all-reduce per dtype segment, or the comm hook.
+        A lost link's sends go on the primary; a guarded link's run on copies (:mod:`deft.runtime.failover`)."""
         assert self.layout is not None
+        fo = self.failover
+        if fo is not None and link_name in fo.dead:
+            link_name = self.primary
         link = self.links[link_name]
         views = self.layout.bucket_views(g.buffers, b)
         hook = self._hook_for(b)
+        guarded = fo is not None and fo.guards(link_name) and not (hook is not None and hook.chained)
+        pending = g.pending.setdefault(b, [])
+        works: list[Collective] = []
         if hook is None:
-            works: list[Collective] = [link.all_reduce(v) for v in views]
-            g.pending.setdefault(b, []).extend(Pending(w, link_name, what) for w in works)
+            for v in views:
+                if not guarded:
+                    works.append(link.all_reduce(v))
+                    pending.append(Pending(works[-1], link_name, what))
+                    continue
+                staged = v.clone()
+                works.append(_launched(link.all_reduce, staged))
+                pending.append(Pending(works[-1], link_name, what, post=_copy_back(staged, v), resend=v))
         else:
-            fut = self._hooked(g, b, link_name, views, what, hook)
-            works = [fut]
-            g.pending.setdefault(b, []).append(Pending(fut, link_name, what, post=_hook_post(views[0], self.world)))
+            fut = self._hooked(g, b, link_name, views, what, hook, copy=guarded)
+            works.append(fut)
+            pending.append(Pending(fut, link_name, what, post=_hook_post(views[0], self.world),
+                                   resend=views[0] if guarded else None))
         g.launched.add(b)
         return works
 
@@ -466,7 +493,7 @@ class Executor:
         return self._hooks[b] if self._hooks else None
 
     def _hooked(self, g: GroupInstance, b: int, link_name: str, views: list[torch.Tensor], what: str,
-                hook: CommHook) -> torch.futures.Future[torch.Tensor]:
+                hook: CommHook, copy: bool = False) -> torch.futures.Future[torch.Tensor]:
         """Call ``hook`` on bucket ``b`` (one dtype), with the link's process group."""
         assert self.layout is not None
         where = f"comm hook {hook.name!r} on bucket {b} ({what}) on link {link_name!r}"
@@ -479,7 +506,7 @@ class Executor:
         # resize it (batched PowerSGD pads it to a square); the result is copied back into deft's
         # buffer when it is waited for. Under use_hooks(copies=True) every hook gets a copy: the buffer
         # stays exact until the judge has spoken, who may send it again.
-        view = views[0] if hook.in_place and not self._copies else views[0].clone()
+        view = views[0] if hook.in_place and not (self._copies or copy) else views[0].clone()
         bucket = hook_bucket(self.layout, self.params, b, view, is_last=len(g.launched) + 1 == self.layout.n_buckets)
         link = self.links[link_name]
         link.stats.calls += 1
@@ -556,6 +583,9 @@ class Executor:
     def wait(self, pending: Pending) -> None:
         value = wait_work(pending.work, pending.link, pending.what, self.rank, self.timeout_s,
                           stream_ordered=self.links[pending.link].backend == "nccl")
+        self._post(pending, value)
+
+    def _post(self, pending: Pending, value: object) -> None:
         if pending.post is not None:
             post, pending.post = pending.post, None  # once, even if waited for again
             try:
@@ -564,11 +594,70 @@ class Executor:
                 raise CommunicationError(f"rank {self.rank}: the comm hook's result for the {pending.what} on link "
                                          f"{pending.link!r} is unusable: {e}") from e
 
-    def _settle(self, g: GroupInstance, buckets: Iterable[int] | None = None) -> None:
-        """Wait for the collectives of ``buckets`` of ``g`` (default: all, the used map included)."""
-        for b in list(g.pending) if buckets is None else buckets:
-            for p in g.pending.pop(b, ()):
+    def _settle(self, g: GroupInstance, buckets: Iterable[int] | None = None, keep: bool = True) -> None:
+        """Wait for the collectives of ``buckets`` of ``g`` (default: all, the used map included), in order;
+        ``keep=False``: drop their results (the buffers keep the local gradients). Guarded sends are
+        judged together at the end (:meth:`_judge_guarded`)."""
+        waits = [p for b in (list(g.pending) if buckets is None else list(buckets)) for p in g.pending.pop(b, ())]
+        judged: list[tuple[Pending, object]] = []
+        failed: dict[str, str] = {}  # link -> this rank's first failure on it
+        watch = Stopwatch()
+        for p in waits:
+            if not keep:
+                p.post = None
+            if p.resend is not None:
+                judged.append((p, self._wait_guarded(p, failed, watch)))
+                continue
+            try:
                 self.wait(p)
+            except CommunicationError as e:  # after a guarded link failed: a peer is gone, not the link
+                if not failed:
+                    raise
+                raise CommunicationError(f"{next(iter(failed.values()))} Then: {e}") from None
+        if judged:
+            self._judge_guarded(judged, failed, watch)
+
+    def _wait_guarded(self, p: Pending, failed: dict[str, str], watch: Stopwatch) -> object:
+        """A guarded send's value within its link's deadline; None, with the failure in ``failed``, if it
+        failed or ran out (a link already lost or failed here is not waited for)."""
+        fo = self.failover
+        assert fo is not None and p.resend is not None
+        if p.link in fo.dead or p.link in failed:
+            return None
+        began = time.perf_counter()
+        try:
+            return wait_work(p.work, p.link, p.what, self.rank,
+                             fo.deadline(p.link, p.resend.numel() * p.resend.element_size()))
+        except CommunicationError as e:
+            watch.failed_wait(began)
+            failed[p.link] = str(e)
+            return None
+
+    def _judge_guarded(self, judged: list[tuple[Pending, object]], failed: dict[str, str], watch: Stopwatch) -> None:
+        """Collective (:mod:`deft.runtime.failover`): agree with every rank which links are lost; the other
+        guarded sends' results go into the buffers (``post``), the lost links' buckets are all-reduced again
+        on the primary from the local gradients they kept (a dropped result, ``post`` None: not sent)."""
+        fo = self.failover
+        assert fo is not None
+        before = set(fo.dead)
+        try:
+            lost = fo.agree(failed)
+        except CommunicationError as e:  # the control group failed too: a peer is gone, not a link
+            first = judged[0][0]
+            seen = next(iter(failed.values()), f"rank {self.rank}: {first.what} on link {first.link!r} completed here.")
+            raise CommunicationError(f"{seen} The ranks could not agree whether the link is lost: {e}") from None
+        again: list[tuple[Pending, Pending]] = []
+        for p, value in judged:
+            if p.link not in lost:
+                self._post(p, value)
+            elif p.post is not None:
+                assert p.resend is not None
+                what = f"{p.what}, sent again on the primary link (link {p.link!r} lost)"
+                again.append((p, Pending(self.links[self.primary].all_reduce(p.resend), self.primary, what)))
+        for _, q in again:
+            self.wait(q)
+        for name in sorted(lost - before):
+            fo.lost(name, self.t, sum(1 for p, _ in again if p.link == name), watch.seconds(), failed.get(name, ""))
 
     def due(self, t: int) -> list[int]:
         """Last-iteration keys of the group instances whose update is applied after the step of ``t``."""
@@ -683,6 +772,21 @@ class Executor:
                 self._close(g)
         return grads
 
+    def judge_pending(self) -> None:
+        """Collective, between iterations (every rank after its step): wait for every guarded send still in
+        flight and judge them all with one agreement (:meth:`_judge_guarded`). Then nothing after the step
+        needs an agreement: a forward's deferred parameters, or a ``state_dict()`` or an evaluation that
+        one rank runs alone, only wait for what every rank launched and the ranks judged."""
+        judged: list[tuple[Pending, object]] = []
+        failed: dict[str, str] = {}
+        watch = Stopwatch()
+        for last in sorted(self.groups):
+            g = self.groups[last]
+            for b in [b for b, ps in g.pending.items() if any(p.resend is not None for p in ps)]:
+                judged.extend((p, self._wait_guarded(p, failed, watch)) for p in g.pending.pop(b))
+        if judged:
+            self._judge_guarded(judged, failed, watch)
+
     def drain(self) -> list[DueUpdate]:
         """Send every bucket not yet sent (primary link, bucket order), wait, return all updates.
 
@@ -792,6 +896,24 @@ def _hook_post(view: torch.Tensor, world: int) -> Callable[[object], None]:
             view.copy_(result.reshape(-1))
         view.mul_(world)
     return post
+
+
+def _copy_back(staged: torch.Tensor, view: torch.Tensor) -> Callable[[object], None]:
+    """A guarded all-reduce's result (on its copy) into the bucket's buffer."""
+    def post(_: object) -> None:
+        view.copy_(staged)
+    return post
+
+
+def _launched(launch: Callable[[torch.Tensor], Collective], tensor: torch.Tensor) -> Collective:
+    """``launch(tensor)``, or a failed future when it raises: a guarded send's failure is judged at its
+    wait, where every rank agrees on it, not where this rank launched it."""
+    try:
+        return launch(tensor)
+    except Exception as e:
+        fut: torch.futures.Future[object] = torch.futures.Future()
+        fut.set_exception(e)
+        return fut
 
 
 def _int_set(values: list[int] | None) -> set[int] | None:

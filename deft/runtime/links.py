@@ -97,8 +97,10 @@ def _new_group(backend: str, ifname: str | None, timeout_s: float, ranks: Sequen
 
 
 def make_control_group(config: DeftConfig, ranks: Sequence[int] | None) -> dist.ProcessGroup:
-    """A CPU gloo group for deft's own small messages (digests, schedule JSON, profile reduction)."""
-    return _new_group("gloo", None, config.timeout_s, ranks)
+    """A CPU gloo group for deft's own small messages (digests, schedule JSON, profile reduction), on the
+    primary link's NIC (none named: the default one): the ranks agree over it that another link is lost
+    (:mod:`deft.runtime.failover`), so it must not ride on that link."""
+    return _new_group("gloo", config.links[0].ifname, config.timeout_s, ranks)
 
 
 def make_links(config: DeftConfig, cuda: bool, ranks: Sequence[int] | None,

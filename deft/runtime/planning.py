@@ -46,6 +46,7 @@ from deft.preserver import feedback
 from deft.preserver.feedback import PreserveResult, Recheck, WalkStats
 from deft.profile import Profile
 from deft.runtime.background import Background
+from deft.runtime.buckets import FlatLayout
 from deft.runtime.codecs.choice import CodecInputs, choose_codec
 from deft.runtime.control import ControlPlane
 from deft.runtime.records import as_object
@@ -188,6 +189,7 @@ class Switch:
     schedule: Schedule
     info: JsonDict  # its record: source ("preserver (re-plan)", "adapt"), reason, ...
     warm_layout: bool = False  # the warm-up's synchronous schedule, on the layout it was measured on
+    layout: FlatLayout | None = None  # the layout it runs on (None: the plan's order of its buckets)
 
 
 @dataclass

@@ -9,10 +9,12 @@ The view's keys: the agreed plan's own (``source``, ``accepted``, ``tries``, ``r
 ``try_log``, ``recheck``, ``fallback``, ...; :func:`deft.runtime.planning.make_schedule`), ``t0`` (the
 iteration it began), ``stats_reason``, ``background`` (planned in the background: how long), and,
 when not empty, ``finish_in_forward``, ``skipped_steps``, ``calibrations``, ``rechecks``,
-``switches`` and ``adapt``, ``profile_codec`` (the codec of the profile iterations and why,
+``switches``, ``adapt`` and ``link_failures`` (a link lost: when, what was sent again, what it cost,
+the re-plan; :mod:`deft.runtime.failover`), ``profile_codec`` (the codec of the profile iterations and why,
 :class:`deft.runtime.codecs.first_iteration.CodecDecision`), ``nonfinite_steps`` (iterations whose gradient
 statistics were skipped: a gradient was inf/NaN, as GradScaler's overflow steps have). Before the first plan only
-``skipped_steps``, ``nonfinite_steps``, ``calibrations`` and ``profile_codec`` can be present.
+``skipped_steps``, ``nonfinite_steps``, ``calibrations``, ``link_failures`` and ``profile_codec`` can be
+present.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class RunRecord:
     rechecks: list[Doc] = field(default_factory=list)
     switches: list[Doc] = field(default_factory=list)
     adapt: list[Doc] = field(default_factory=list)
+    link_failures: list[Doc] = field(default_factory=list)  # links lost and the re-plans without them
     profile_codec: Doc | None = None  # the profile iterations' codec and why (deft.runtime.codecs.first_iteration)
 
     def planned(self, info: Mapping[str, JsonValue], t0: int, stats_reason: str, background: Doc | None) -> None:
@@ -104,7 +107,7 @@ class RunRecord:
         lists: dict[str, list[int] | list[Doc]] = {
             "skipped_steps": self.skipped_steps, "nonfinite_steps": self.nonfinite_steps,
             "calibrations": self.calibrations, "rechecks": self.rechecks, "switches": self.switches,
-            "adapt": self.adapt}
+            "adapt": self.adapt, "link_failures": self.link_failures}
         out.update({key: copy.deepcopy(value) for key, value in lists.items() if value})
         return PlanInfoView(out)
 
@@ -119,12 +122,13 @@ class RunRecord:
                    profile_codec=None if pc is None else dict(pc),
                    skipped_steps=_ints(doc, "skipped_steps"), nonfinite_steps=_ints(doc, "nonfinite_steps"),
                    calibrations=_objects(doc, "calibrations"), rechecks=_objects(doc, "rechecks"),
-                   switches=_objects(doc, "switches"), adapt=_objects(doc, "adapt"))
+                   switches=_objects(doc, "switches"), adapt=_objects(doc, "adapt"),
+                   link_failures=_objects(doc, "link_failures"))
 
 
 #: The keys of a view that are the record's own fields, not the plan's.
 _RECORD_KEYS = ("finish_in_forward", "profile_codec", "skipped_steps", "nonfinite_steps", "calibrations", "rechecks",
-                "switches", "adapt")
+                "switches", "adapt", "link_failures")
 
 
 def _items(doc: Mapping[str, JsonValue], key: str) -> list[JsonValue]:
