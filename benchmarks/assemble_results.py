@@ -20,6 +20,7 @@ ORDER = [
     "slow_links.md",
     "house.md",
     "faults.md",
+    "failover.md",
     "gpu.md",
     "seeds.md",
     "testbed.md",
