@@ -23,5 +23,5 @@ bash scripts/setup.sh
 if [ "$fast" = 1 ]; then
   .venv/bin/python -m pytest -q -ra -m "$FAST_LANE" ${args[@]+"${args[@]}"}
 else
-  .venv/bin/python -m pytest -q -ra ${args[@]+"${args[@]}"}
+  .venv/bin/python -m pytest -q -ra --durations=20 ${args[@]+"${args[@]}"}
 fi
