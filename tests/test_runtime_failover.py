@@ -12,7 +12,9 @@ success, the other a failure). Each run is bounded: a hang fails the test throug
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,6 +134,26 @@ def _slow_replan() -> None:
     planning.make_schedule = slow  # type: ignore[assignment]
 
 
+@contextlib.contextmanager
+def _slow_first_plan(on: bool) -> Iterator[None]:
+    """Rank 0's plans on a profile with the ``second`` link take 4 s more (in this process, while on)."""
+    import deft.runtime.planning as planning
+
+    plain = planning.make_schedule
+
+    def slow(cfg: object, profile: object, *args: object, **kwargs: object) -> object:
+        if "second" in getattr(profile, "link_names", ()):
+            time.sleep(4.0)
+        return plain(cfg, profile, *args, **kwargs)  # type: ignore[arg-type]
+
+    if on:
+        planning.make_schedule = slow  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        planning.make_schedule = plain  # type: ignore[assignment]
+
+
 def _deft_run(rank: int, links: list[str], faults: list[Fault], alone: bool = False,
               **config: object) -> tuple[nn.Module, nn.Module]:
     import deft
@@ -165,6 +187,8 @@ CASES: dict[str, tuple[list[str], list[Fault], dict[str, object]]] = {
     "two in a row": (["primary", "second", "third"], [Fault("second", 10), Fault("third", 12)], {}),
 }
 SLOW_REPLAN = {"two in a row"}
+#: the first plan (with every link) of rank 0 slowed, so that the loss surely falls while it is made
+SLOW_FIRST_PLAN = {"during the plan"}
 #: name -> per loss, whether the re-plan in the background was run (default: the one loss's was)
 PLANNED = {"during the plan": [False], "two in a row": [False, True]}
 
@@ -176,7 +200,8 @@ def survive_worker(rank: int, world: int, names: list[str]) -> dict[str, object]
         links, faults, config = CASES[name]
         if name in SLOW_REPLAN:
             _slow_replan()
-        ddp, ours = _deft_run(rank, links, faults, **config)
+        with _slow_first_plan(name in SLOW_FIRST_PLAN):
+            ddp, ours = _deft_run(rank, links, faults, **config)
         worst = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
                     for a, b in zip(ours.parameters(), ref, strict=True))
         merged = sorted(t for _, its in ddp.update_log for t in its)
