@@ -15,23 +15,13 @@ from typing import Any
 import pytest
 
 from tests._dist import run_ranks
+from tests._scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 H, ITERS = 3, 6  # two synchronisations
 
 
-def _load(path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Import a benchmark or example by path, its siblings importable by plain name (as when run)."""
-    import importlib.util
-
-    monkeypatch.syspath_prepend(str(path.parent))
-    spec = importlib.util.spec_from_file_location(f"_torchft_{path.stem}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize(("name", "ddp", "period"), [
@@ -39,8 +29,8 @@ def _load(path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     ("torchft-localsgd8", "torchft-localsgd", 8)])
 def test_bench_peers_torchft_schemes_parse_to_torchfts_algorithm_and_period(
         name: str, ddp: str, period: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    peers = _load(REPO / "benchmarks" / "bench_peers.py", monkeypatch)
-    example = _load(EXAMPLES / "train_cnn.py", monkeypatch)
+    peers = load_script(REPO / "benchmarks" / "bench_peers.py", monkeypatch)
+    example = load_script(EXAMPLES / "train_cnn.py", monkeypatch)
     args = example.parse_args(list(peers.SCHEMES[name].argv))
     assert args.ddp == ddp
     assert (args.diloco_h if ddp == "torchft-diloco" else args.localsgd_period) == period
@@ -53,11 +43,11 @@ def test_bench_peers_torchft_schemes_parse_to_torchfts_algorithm_and_period(
 
 def test_torchft_schemes_refuse_a_bucket_size_and_unknown_names(monkeypatch: pytest.MonkeyPatch,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    example = _load(EXAMPLES / "train_cnn.py", monkeypatch)
+    example = load_script(EXAMPLES / "train_cnn.py", monkeypatch)
     with pytest.raises(SystemExit):
         example.parse_args(["--ddp", "torchft-diloco", "--bucket-cap-mb", "4"])
     assert "--bucket-cap-mb does not apply to --ddp torchft-diloco" in capsys.readouterr().err
-    peers = _load(EXAMPLES / "torchft_peers.py", monkeypatch)
+    peers = load_script(EXAMPLES / "torchft_peers.py", monkeypatch)
     with pytest.raises(ValueError, match="unknown scheme 'torchft-streaming'"):
         peers.start("torchft-streaming", None, None, 4)  # type: ignore[arg-type]
 

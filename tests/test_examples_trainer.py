@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests._dist import free_port
+from tests._scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train_lm.py"
@@ -29,24 +30,13 @@ TINY = ["--n-embd", "32", "--n-layer", "1", "--n-head", "2", "--seq", "16", "--i
         "3", "--skip-iters", "1", "--data-bytes", "20000", "--val-windows", "4"]
 
 
-def _load(path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Import an example by path, its siblings importable by plain name (as when run)."""
-    import importlib.util
-
-    monkeypatch.syspath_prepend(str(path.parent))
-    spec = importlib.util.spec_from_file_location(f"_trainer_{path.stem}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_accelerates_sharded_loader_gives_every_rank_the_own_loops_windows(monkeypatch: pytest.MonkeyPatch) -> None:
     from accelerate.data_loader import BatchSamplerShard
     from torch.utils.data import BatchSampler, SequentialSampler
 
-    lm = _load(SCRIPT, monkeypatch)
+    lm = load_script(SCRIPT, monkeypatch)
     data = torch.arange(5000) % 256
     args = argparse.Namespace(iters=5, batch_size=3, seq=8, seed=4)
     world = 2
@@ -72,7 +62,7 @@ def test_accelerates_sharded_loader_gives_every_rank_the_own_loops_windows(monke
 ])
 def test_trainer_flags_that_cannot_apply_are_refused(argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    lm = _load(SCRIPT, monkeypatch)
+    lm = load_script(SCRIPT, monkeypatch)
     with pytest.raises(SystemExit):
         lm.parse_args(argv)
     assert message in capsys.readouterr().err
@@ -92,7 +82,7 @@ def test_deft_scheme_gets_defts_accelerator_with_the_schemes_config(monkeypatch:
     monkeypatch.setitem(sys.modules, "deft.integrations.accelerate", fake)
     monkeypatch.setattr(deft.integrations, "accelerate", fake, raising=False)
     monkeypatch.delenv("DEFT_CONFIG", raising=False)
-    lm = _load(SCRIPT, monkeypatch)
+    lm = load_script(SCRIPT, monkeypatch)
     acc = lm.make_accelerator(lm.parse_args(["--ddp", "deft", "--trainer", "accelerate", "--epsilon", "0", "--bf16"]))
     assert isinstance(acc, Recording)
     assert made[0]["deft_config"].epsilon == 0.0 and made[0]["cpu"] is True and made[0]["mixed_precision"] == "bf16"

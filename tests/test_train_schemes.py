@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from tests._scripts import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_cnn.py"
 TINY = ["--width", "8", "--hidden", "64", "--batch-size", "32", "--lr", "0.05", "--skip-iters", "2", "--no-progress"]
@@ -91,31 +93,20 @@ def test_compute_only_epoch_is_a_ranks_shard(tmp_path: Path) -> None:
 def test_bad_scheme_arguments_name_the_flag(argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     """The script's own argument parser (what ``python examples/train_cnn.py ...`` runs first), in process."""
-    script = _load_script(EXAMPLE, monkeypatch)
+    script = load_script(EXAMPLE, monkeypatch)
     with pytest.raises(SystemExit) as exit_:
         script.parse_args(argv)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err and "Traceback" not in err, err
 
 
-def _load_script(path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Import a benchmark or example by path, its siblings importable by plain name (as when run)."""
-    import importlib.util
-
-    monkeypatch.syspath_prepend(str(path.parent))
-    spec = importlib.util.spec_from_file_location(f"_scheme_{path.stem}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize(("name", "outer"), [("deft-adacomm", "average"), ("deft-diloco-ada", "diloco")])
 def test_bench_peers_adacomm_schemes_parse_to_local_steps_with_the_adacomm_period(
         name: str, outer: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    scheme = _load_script(REPO / "benchmarks" / "bench_peers.py", monkeypatch).SCHEMES[name]
-    args = _load_script(EXAMPLE, monkeypatch).parse_args(list(scheme.argv))
+    scheme = load_script(REPO / "benchmarks" / "bench_peers.py", monkeypatch).SCHEMES[name]
+    args = load_script(EXAMPLE, monkeypatch).parse_args(list(scheme.argv))
     assert (args.ddp, args.local_steps, args.local_period, args.local_outer) == ("deft", 16, "adacomm", outer)
     assert scheme.links == 2 and "AdaComm" in scheme.label and "H <= 16" in scheme.label
     assert ("DiLoCo" in scheme.label) == (outer == "diloco")
@@ -125,7 +116,7 @@ def test_cosine_lr_schedule_decays_to_zero_and_needs_a_torch_optimizer(monkeypat
     # train_cnn.py --lr-schedule cosine: lr_0 (1 + cos(pi t / T)) / 2 after t of T optimizer steps
     import torch
 
-    example = _load_script(EXAMPLE, monkeypatch)
+    example = load_script(EXAMPLE, monkeypatch)
     assert example.lr_schedule("constant", None, 4) is None
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.02)
     schedule = example.lr_schedule("cosine", sgd, 4)
@@ -139,7 +130,7 @@ def test_cosine_lr_schedule_decays_to_zero_and_needs_a_torch_optimizer(monkeypat
     with pytest.raises(SystemExit, match="--lr-schedule cosine needs a torch optimizer"):
         example.lr_schedule("cosine", object(), 4)
     # bench_peers hands the schedule to every CNN run
-    peers = _load_script(REPO / "benchmarks" / "bench_peers.py", monkeypatch)
+    peers = load_script(REPO / "benchmarks" / "bench_peers.py", monkeypatch)
     import argparse
 
     args = argparse.Namespace(epochs=2, lr_schedule="cosine", eval_every=11, skip_iters=12, batch_size=32, lr=0.02)
