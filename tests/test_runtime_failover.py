@@ -274,17 +274,20 @@ CASES: dict[str, tuple[list[str], list[Fault], dict[str, object]]] = {
     "in a profile iteration": (["primary", "second"], [Fault("second", 1, ranks=(0,))], {}),
     # ... and in the probe of the links' start-up after the last one (iteration 2's step)
     "in the alpha probe": (["primary", "second"], [Fault("second", 2, ranks=(0,), probe=True)], {}),
+    # in the first iteration: the warm-up's layout is made for the links left
+    "in the first iteration": (["primary", "second"], [Fault("second", 0, ranks=(0,))], {}),
 }
 SLOW_REPLAN = {"two in a row"}
 #: the first plan (with every link) of rank 0 slowed, so that the loss surely falls while it is made
 SLOW_FIRST_PLAN = {"during the plan"}
 #: the cases whose loss falls before the first plan is installed: that plan is made on the links left
-BEFORE_PLAN = {"during the plan", "in a profile iteration", "in the alpha probe"}
+BEFORE_PLAN = {"during the plan", "in a profile iteration", "in the alpha probe", "in the first iteration"}
 #: name -> per loss, whether the re-plan in the background was run (default: the one loss's was)
 PLANNED = {"two in a row": [False, True], **{name: [False] for name in BEFORE_PLAN}}
 #: name -> per loss, the phase ``plan_info["link_failures"]`` names (default: one loss, in training)
 PHASES = {"during the plan": ["waiting for the first plan"], "two in a row": ["training", "training"],
-          "in a profile iteration": ["profile iteration"], "in the alpha probe": ["alpha probe"]}
+          "in a profile iteration": ["profile iteration"], "in the alpha probe": ["alpha probe"],
+          "in the first iteration": ["first iteration"]}
 
 
 def survive_worker(rank: int, world: int, names: list[str]) -> dict[str, object]:

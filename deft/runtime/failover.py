@@ -125,7 +125,10 @@ class LinkFailover:
         iteration, where :meth:`lost` was not told); the course re-plans without them and keeps them in
         ``plan_info["link_failures"]``."""
         out, self._unplanned = self._unplanned, []
-        return [{**rec, "phase": rec.get("phase") or phase_of(_ints([rec["iteration"]])[0])} for rec in out]
+        for rec in out:
+            t = rec["iteration"]
+            rec.setdefault("phase", phase_of(t if isinstance(t, int) else -1))
+        return out
 
     def resume(self, records: list[JsonDict], t: int) -> list[str]:
         """A checkpoint's ``plan_info["link_failures"]`` is loaded at iteration ``t``: the links it records

@@ -9,7 +9,8 @@ and nothing is waited for early, so a profile iteration costs about what a torch
 * **links** (:func:`link_rotation`): in profile iteration ``j`` bucket ``b`` is all-reduced on link
   ``(b + j) mod L`` (a synchronous schedule, :meth:`WarmupTimer.schedule`). Every link carries real
   traffic at the same time as the others and as the compute, as it will under a plan; each bucket
-  is sent once per iteration, and over ``L`` iterations on every link.
+  is sent once per iteration, and over ``L`` iterations on every link. A link lost in a profile
+  iteration (:mod:`deft.runtime.failover`) leaves the rotation from the next one on.
 * **forward**: forward pre/post hooks on every module that owns trainable parameters measure its
   *exclusive* time (time inside nested owners is charged to them); a module's time is split over the
   buckets holding its parameters in proportion to element counts. The rest of the forward (modules
@@ -51,7 +52,9 @@ measured:
   all-reduces of one element on each link, in link order (collectives: every rank issues the same
   calls in the same order on each link's group); a link's ``alpha`` is the median of the timed ones,
   then the *maximum over ranks* (the control plane). A one-element message is all start-up (its 4
-  bytes' own transfer time is negligible on any link). Then ``beta`` is the one-parameter
+  bytes' own transfer time is negligible on any link). A non-primary link's probe waits for its
+  deadline, and the ranks then agree which links are lost (:meth:`WarmupTimer._probe`); the profile is
+  made on the links left. Then ``beta`` is the one-parameter
   least-squares fit with ``alpha`` fixed (:func:`fit_group_beta`)::
 
       minimize_{beta >= 0}  sum_i (T_i - alpha m_i - beta B_i)^2
@@ -473,7 +476,7 @@ class WarmupTimer:
         lost for every rank (the agreement) and has no start-up; the primary's failure raises."""
         fo = self._failover
         names = self.live()
-        deadlines = {k: fo.deadline(k, 4) for k in names if fo.guards(k)} if fo is not None else {}
+        deadlines = {k: fo.deadline(k, 4) for k in names if fo.guards(k)} if fo is not None else {}  # 4 B: a float
         mine: dict[str, float] = {}
         failed: dict[str, str] = {}
         watch = Stopwatch()
