@@ -304,7 +304,9 @@ def real_solver_loop(mu: float, sigma: float = 5.0) -> PreserveResult:
     prof = Profile(buckets=tuple(Bucket(i, (f"p{i}",), 10**6, 4 * 10**6) for i in range(n)),
                    times=tuple(BucketTimes(0.01, 0.02, {"primary": 0.06, "second": 0.09}) for _ in range(n)),
                    links=(Link("primary", "gloo"), Link("second", "gloo")), world_size=2, source="synthetic")
-    config = DeftConfig(epsilon=0.01, links=(LinkConfig("primary"), LinkConfig("second")))
+    # No curvature here: opted in to stale schedules judged by the walk alone, whose rules this exercises
+    # (without the opt-in they are refused: tests/test_preserver_safe_path.py).
+    config = DeftConfig(epsilon=0.01, links=(LinkConfig("primary"), LinkConfig("second")), stale_unchecked=True)
     stats = WalkStats(loss=1.0, mu=mu, sigma=sigma, lr=0.01, batch=256)
     res = preserve(prof, config, stats)
     nd = no_delay_plan(prof, config).predicted_iteration_s
