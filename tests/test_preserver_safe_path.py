@@ -20,7 +20,6 @@ from deft.config import DeftConfig
 from deft.preserver.feedback import (
     LR_RECHECK_GROWTH,
     Recheck,
-    WalkStats,
     lr_outgrown,
     needs_stability_check,
     preserve,

@@ -326,7 +326,8 @@ class Planning:
         doc: JsonDict = {}
         if self.control.rank == 0:
             try:
-                decision = None if self._recheck is None else self._recheck.check(t, stats, trigger)
+                rc = self._recheck
+                decision = None if rc is None else rc.check(t, stats, trigger) if trigger else rc.check(t, stats)
                 if decision is not None:
                     doc["check"] = {"ratio": decision.ratio, "replan": decision.replan, "reason": decision.reason}
                     if decision.replan:
