@@ -65,8 +65,9 @@ step every ``k`` iterations, radius ``ρ_1^{1/k}``, torch DDP's edge whatever th
 costs is progress, which the walk prices without a curvature. A merge whose learning rate is scaled
 (``merge_lr_scaling``) steps ``f(k)`` times further and has ``1 / f(k)`` of that edge, so it needs the
 check too. The reason on record names the opt-ins (:data:`UNCHECKED_OPT_IN`): ``ddp.calibrate(closure)``
-measures the curvature, ``stale_unchecked = true`` lets the walk alone judge stale schedules, as it
-did before this rule, and ``preserver = false`` takes the solver's plan untested.
+measures the curvature, ``stale_unchecked = true`` lets the walk alone judge them (it then prices a
+stale update's lag as missing progress: :func:`applied_sequence`), and ``preserver = false`` takes the
+solver's plan untested.
 
 The learning rate
 -----------------
@@ -434,7 +435,8 @@ def unchecked_note(tries: Sequence[Try], stats: WalkStats | None) -> str:
     if not n:
         return ""
     why = (stats.unchecked if stats is not None else "") or "no curvature or optimizer rule"
-    return (f"{n} tr{'y' if n == 1 else 'ies'} with stale updates refused, the stability check could not run "
+    return (f"{n} tr{'y' if n == 1 else 'ies'} with stale updates (or lr-scaled merges) refused, the stability "
+            "check could not run "
             f"({why}): torch DDP's maths is the safe path; to allow them, {UNCHECKED_OPT_IN}")
 
 
