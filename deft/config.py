@@ -94,6 +94,10 @@ class DeftConfig:
     preserver_max_tries: int = 10
     capacity_growth: float = 1.25
     recheck_every: int = 200
+    # Stale (delayed) updates when the stability check cannot run (no curvature, an optimizer it does not
+    # model): refused by default, torch DDP's maths being the safe path; true lets the walk alone judge them
+    # (deft.preserver.feedback, "Stability").
+    stale_unchecked: bool = False
     forward_updates: bool = True   # lag-free plans: updates may finish in the next forward (deft.solver.lagfree)
     compression: str = "auto"      # see COMPRESSIONS
     profile_codec: str = "auto"    # see PROFILE_CODECS
