@@ -14,11 +14,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
+import deft
 from deft.runtime.codecs.hooks import HookBucket
 from deft.runtime.codecs.wire import int8_fewer_bytes, int8_nbytes
 from deft.runtime.int8_hook import Int8State, int8_compress_hook
-from tests._dist import run_ranks, values
+from tests._dist import run_ranks, train_steps, values
+from tests.test_int8_hook import one_bucket_schedule
 
 N = 3000  # 12 blocks, the last padded: chunks of 3 blocks at four ranks
 SEED = 5
@@ -135,3 +138,57 @@ def test_int8_wire_bytes_at_n_take_the_cheaper_path() -> None:
     assert int8_fewer_bytes(3, [2560 * 100], scatter_ok=False)  # gather at three: 3/4 of fp16's
     assert not int8_fewer_bytes(4, [2560 * 100], scatter_ok=False)  # ... at four: as much
     assert not int8_fewer_bytes(8, [256] * 10)  # one-block buckets at eight ranks: 1040 bytes each against 512
+
+
+STEPS, LR = 3, 0.05
+
+
+def ddp_worker(rank: int, world: int, schedule_path: str) -> dict[str, Any]:
+    """deft with ``compression = "int8"`` (one bucket of 2560 elements: the scatter path at four ranks)
+    against torch DDP exact and torch DDP with the same hook; plain SGD, so each step moves a weight by
+    ``LR`` times its averaged gradient's error."""
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Linear(64, 40, bias=False)
+
+    def train(model: nn.Module, wrapped: nn.Module) -> None:
+        train_steps(wrapped, torch.optim.SGD(model.parameters(), lr=LR), rank, STEPS, batch=16, features=64,
+                    classes=40)
+
+    exact = make()
+    tddp = nn.parallel.DistributedDataParallel(exact)
+    train(exact, tddp)
+    # the largest local gradient element of the exact run's first step, over the ranks
+    probe = make()
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(rank))
+    y = torch.randint(0, 40, (16,), generator=torch.Generator().manual_seed(rank))
+    nn.functional.cross_entropy(probe(x), y).backward()
+    g_max = probe.weight.grad.abs().max().reshape(1)
+    dist.all_reduce(g_max, op=dist.ReduceOp.MAX)
+    hooked = make()
+    hddp = nn.parallel.DistributedDataParallel(hooked)
+    hddp.register_comm_hook(Int8State(seed=0), int8_compress_hook)
+    train(hooked, hddp)
+    ours = make()
+    ddp = deft.DistributedDataParallel(ours, config={"epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2,
+                                                     "timeout_s": 30, "compression": "int8",
+                                                     "schedule_path": schedule_path})
+    train(ours, ddp)
+    ddp.flush()
+    everyone = [torch.empty_like(ours.weight) for _ in range(world)]
+    dist.all_gather(everyone, ours.weight.detach().contiguous())
+    return {"same_everywhere": all(torch.equal(everyone[0], w) for w in everyone),
+            "vs_hook": float((ours.weight - hooked.weight).abs().max()),
+            "vs_exact": float((ours.weight - exact.weight).abs().max()),
+            "g_max": float(g_max)}
+
+
+@pytest.mark.slow
+def test_deft_int8_at_four_ranks_is_the_same_everywhere_and_within_the_codecs_error(tmp_path: Any) -> None:
+    results = values(run_ranks(ddp_worker, 4, (one_bucket_schedule(tmp_path),), timeout=180))
+    for r in results:
+        assert r["same_everywhere"]
+        assert r["vs_hook"] < 1e-6  # deft runs the hook torch DDP runs, call for call
+        # per step and element, each rounding errs by less than a block scale, at most max |g| / 127:
+        # two roundings, STEPS steps (gradients along the exact run's path, 1.5 x for the drift)
+        assert 0.0 < r["vs_exact"] <= STEPS * LR * 2 * 1.5 * r["g_max"] / 127

@@ -1,0 +1,147 @@
+"""What gloo's all-reduce costs at N = 2, 4, 8 ranks on loopback, against the ring model; and the
+planner's time at N = 8 against the plan-lag limit. Prints markdown (``--out`` writes it too).
+
+    .venv/bin/python benchmarks/bench_allreduce_n.py [--worlds 2,4,8] [--iters 10] [--out FILE]
+    .venv/bin/python benchmarks/bench_allreduce_n.py --planner [--workers 8] [--out FILE]
+
+All-reduce: for each world size, ``world`` gloo ranks on 127.0.0.1 time a float32 all-reduce per size
+(:func:`deft.profiler.links.measure`: median over ``--iters`` after a warm-up, the slowest rank's), and
+the samples are fitted ``T = alpha + beta b`` (:func:`deft.profiler.links.fit`, as ``deft-profile``
+fits a link). The ring model (:func:`deft.solver.simulate.scale_workers`) rescales the ``N = 2`` fit to
+``N``: start-up ``x (N - 1)``, transfer ``x 2 (N - 1) / N``; the table gives its prediction beside the
+measurement at every size. On a machine with fewer cores than ranks the ranks' reductions and copies
+share the cores, so the transfer term there measures the CPU as much as loopback's bandwidth.
+
+``--planner``: every reference profile of ``examples/profiles`` rescaled to ``--workers`` ranks by the
+ring model, planned as a run plans it (``deft.runtime.planning.make_schedule`` at the default
+``epsilon`` without walk statistics: the no-delay and lag-free plans and their local search), timed
+(median of ``--repeats``) against the plan-lag limit, ``plan_lag_iters`` iterations of the plan's own
+predicted iteration: rank 0 plans in the background for at most that many iterations before every rank
+waits for it (docs/DESIGN.md, "Rank 0 plans in the background").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = (4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank(rank: int, world: int, port: int, iters: int, statistic: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from deft.profiler.links import measure
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    samples = measure(None, SIZES, iters=iters, warmup=3, statistic=statistic)
+    if rank == 0:
+        Path(out).write_text(json.dumps([[s.nbytes, s.seconds] for s in samples]))
+    dist.destroy_process_group()
+
+
+def measure_world(world: int, iters: int, statistic: str) -> list[tuple[int, float]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "samples.json")
+        mp.spawn(_rank, args=(world, _free_port(), iters, statistic, out), nprocs=world)
+        return [(int(b), float(t)) for b, t in json.loads(Path(out).read_text())]
+
+
+def allreduce_table(worlds: list[int], iters: int, statistic: str) -> str:
+    from deft.profiler.links import Sample, fit
+
+    measured = {n: measure_world(n, iters, statistic) for n in worlds}
+    fits = {n: fit([Sample(nbytes=b, seconds=t, iters=iters, spread_s=0.0) for b, t in measured[n]])
+            for n in worlds}
+    base = min(worlds)
+    a0, b0 = fits[base].alpha_s, fits[base].beta_s_per_byte
+    lines = [f"Fits (`T = alpha + beta b`, float32 all-reduce, gloo on loopback, {os.cpu_count()} cores, "
+             f"{statistic} of {iters} per size):", "",
+             f"| N | alpha (us) | beta (ns/B) | r2 | ring model from N = {base}: alpha (us) | beta (ns/B) |",
+             "|---|---|---|---|---|---|"]
+    for n in worlds:
+        f = fits[n]
+        ra, rb = a0 * (n - 1) / (base - 1), b0 * ((n - 1) / n) / ((base - 1) / base)
+        lines.append(f"| {n} | {f.alpha_s * 1e6:.0f} | {f.beta_s_per_byte * 1e9:.3f} | {f.r2:.3f} | "
+                     f"{ra * 1e6:.0f} | {rb * 1e9:.3f} |")
+    lines += ["", f"Measured against the ring model's prediction from the N = {base} fit (ms):", "",
+              "| bytes | " + " | ".join(f"N = {n}: measured / ring" for n in worlds) + " |",
+              "|---|" + "---|" * len(worlds)]
+    for i, size in enumerate(SIZES):
+        cells = []
+        for n in worlds:
+            t = measured[n][i][1]
+            ring = a0 * (n - 1) / (base - 1) + b0 * ((n - 1) / n) / ((base - 1) / base) * measured[n][i][0]
+            cells.append(f"{t * 1e3:.2f} / {ring * 1e3:.2f}")
+        lines.append(f"| {size} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def planner_table(workers: int, repeats: int) -> str:
+    from deft.config import DeftConfig
+    from deft.profile import Profile
+    from deft.runtime.planning import make_schedule
+    from deft.solver.simulate import scale_workers
+
+    cfg = DeftConfig()
+    lines = [f"Planner at N = {workers} (reference profiles rescaled by the ring model; median of {repeats}; "
+             f"limit: plan_lag_iters = {cfg.plan_lag_iters} predicted iterations):", "",
+             "| profile | measured N | buckets | plan (s) | predicted iteration (s) | limit (s) | within |",
+             "|---|---|---|---|---|---|---|"]
+    for path in sorted((ROOT / "examples" / "profiles").glob("*.json")):
+        profile = scale_workers(Profile.load(str(path)), workers)
+        times, sched = [], None
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            sched = make_schedule(cfg, profile, None, None).schedule
+            times.append(time.perf_counter() - t0)
+        assert sched is not None
+        it = sched.predicted_iteration_s
+        took = statistics.median(times)
+        limit = cfg.plan_lag_iters * it
+        lines.append(f"| {path.stem} | {Profile.load(str(path)).world_size} | {profile.n} | {took:.3f} | {it:.4f} | "
+                     f"{limit:.3f} | {'yes' if took <= limit else 'NO'} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worlds", default="2,4,8")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--statistic", choices=("median", "min"), default="median")
+    ap.add_argument("--planner", action="store_true")
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.planner:
+        text = planner_table(args.workers, args.repeats)
+    else:
+        text = allreduce_table([int(w) for w in args.worlds.split(",")], args.iters, args.statistic)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
