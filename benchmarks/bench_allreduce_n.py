@@ -1,16 +1,19 @@
 """What gloo's all-reduce costs at N = 2, 4, 8 ranks on loopback, against the ring model; and the
 planner's time at N = 8 against the plan-lag limit. Prints markdown (``--out`` writes it too).
 
-    .venv/bin/python benchmarks/bench_allreduce_n.py [--worlds 2,4,8] [--iters 10] [--out FILE]
+    .venv/bin/python benchmarks/bench_allreduce_n.py [--worlds 2,4,8] [--iters 10] [--statistic min]
+        [--cores C] [--out FILE]
     .venv/bin/python benchmarks/bench_allreduce_n.py --planner [--workers 8] [--out FILE]
 
 All-reduce: for each world size, ``world`` gloo ranks on 127.0.0.1 time a float32 all-reduce per size
 (:func:`deft.profiler.links.measure`: median over ``--iters`` after a warm-up, the slowest rank's), and
 the samples are fitted ``T = alpha + beta b`` (:func:`deft.profiler.links.fit`, as ``deft-profile``
 fits a link). The ring model (:func:`deft.solver.simulate.scale_workers`) rescales the ``N = 2`` fit to
-``N``: start-up ``x (N - 1)``, transfer ``x 2 (N - 1) / N``; the table gives its prediction beside the
-measurement at every size. On a machine with fewer cores than ranks the ranks' reductions and copies
-share the cores, so the transfer term there measures the CPU as much as loopback's bandwidth.
+``N``: start-up ``x (N - 1)``, transfer ``x 2 (N - 1) / N``, and with ``--cores`` (default: this
+machine's) the start-up also ``x c(N) / c(2)``, ``c(k) = max(1, k / cores)²`` (ranks waiting to be
+scheduled); the table gives both predictions beside the measurement at every size. On a machine with
+fewer cores than ranks the ranks' reductions and copies share the cores, so the transfer term there
+measures the CPU as much as loopback's bandwidth.
 
 ``--planner``: every reference profile of ``examples/profiles`` rescaled to ``--workers`` ranks by the
 ring model, planned as a run plans it (``deft.runtime.planning.make_schedule`` at the default
@@ -66,32 +69,38 @@ def measure_world(world: int, iters: int, statistic: str) -> list[tuple[int, flo
         return [(int(b), float(t)) for b, t in json.loads(Path(out).read_text())]
 
 
-def allreduce_table(worlds: list[int], iters: int, statistic: str) -> str:
+def allreduce_table(worlds: list[int], iters: int, statistic: str, cores: int) -> str:
     from deft.profiler.links import Sample, fit
+    from deft.solver.simulate import ring_factors
 
     measured = {n: measure_world(n, iters, statistic) for n in worlds}
     fits = {n: fit([Sample(nbytes=b, seconds=t, iters=iters, spread_s=0.0) for b, t in measured[n]])
             for n in worlds}
     base = min(worlds)
     a0, b0 = fits[base].alpha_s, fits[base].beta_s_per_byte
+    ring = {n: ring_factors(base, n) for n in worlds}
+    crowded = {n: ring_factors(base, n, cores) for n in worlds}
     lines = [f"Fits (`T = alpha + beta b`, float32 all-reduce, gloo on loopback, {os.cpu_count()} cores, "
-             f"{statistic} of {iters} per size):", "",
-             f"| N | alpha (us) | beta (ns/B) | r2 | ring model from N = {base}: alpha (us) | beta (ns/B) |",
-             "|---|---|---|---|---|---|"]
+             f"{statistic} of {iters} per size), and the N = {base} fit rescaled by the ring model "
+             f"(`ring_factors`), plain and with the ranks sharing {cores} cores:", "",
+             "| N | alpha (us) | beta (ns/B) | r2 | ring: alpha (us) | beta (ns/B) | "
+             f"ring on {cores} cores: alpha (us) |",
+             "|---|---|---|---|---|---|---|"]
     for n in worlds:
         f = fits[n]
-        ra, rb = a0 * (n - 1) / (base - 1), b0 * ((n - 1) / n) / ((base - 1) / base)
         lines.append(f"| {n} | {f.alpha_s * 1e6:.0f} | {f.beta_s_per_byte * 1e9:.3f} | {f.r2:.3f} | "
-                     f"{ra * 1e6:.0f} | {rb * 1e9:.3f} |")
-    lines += ["", f"Measured against the ring model's prediction from the N = {base} fit (ms):", "",
-              "| bytes | " + " | ".join(f"N = {n}: measured / ring" for n in worlds) + " |",
+                     f"{a0 * ring[n][0] * 1e6:.0f} | {b0 * ring[n][1] * 1e9:.3f} | {a0 * crowded[n][0] * 1e6:.0f} |")
+    lines += ["", f"Measured against the predictions from the N = {base} fit (ms): measured / ring / ring on "
+              f"{cores} cores", "",
+              "| bytes | " + " | ".join(f"N = {n}" for n in worlds) + " |",
               "|---|" + "---|" * len(worlds)]
     for i, size in enumerate(SIZES):
         cells = []
         for n in worlds:
-            t = measured[n][i][1]
-            ring = a0 * (n - 1) / (base - 1) + b0 * ((n - 1) / n) / ((base - 1) / base) * measured[n][i][0]
-            cells.append(f"{t * 1e3:.2f} / {ring * 1e3:.2f}")
+            b, t = measured[n][i]
+            plain = a0 * ring[n][0] + b0 * ring[n][1] * b
+            crowd = a0 * crowded[n][0] + b0 * crowded[n][1] * b
+            cells.append(f"{t * 1e3:.2f} / {plain * 1e3:.2f} / {crowd * 1e3:.2f}")
         lines.append(f"| {size} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -128,6 +137,7 @@ def main() -> int:
     ap.add_argument("--worlds", default="2,4,8")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--statistic", choices=("median", "min"), default="median")
+    ap.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="the crowded model's cores")
     ap.add_argument("--planner", action="store_true")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
@@ -136,7 +146,7 @@ def main() -> int:
     if args.planner:
         text = planner_table(args.workers, args.repeats)
     else:
-        text = allreduce_table([int(w) for w in args.worlds.split(",")], args.iters, args.statistic)
+        text = allreduce_table([int(w) for w in args.worlds.split(",")], args.iters, args.statistic, args.cores)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n", encoding="utf-8")
