@@ -167,8 +167,8 @@ def int8_may_pay(profile: Profile | None, world: int) -> bool:
     """Pure: whether the 8-bit codec is measured for the plan's choice: it puts fewer bytes on the wire
     than 16 bits (:func:`deft.runtime.codecs.wire.int8_fewer_bytes` on the profile's buckets at ``world``
     ranks, the scatter path counted where every link is gloo) and :func:`links_bound_in_16_bits` holds
-    on the profile's exact
-    all-reduce time, spread over its links, and its forward and backward. Elsewhere the 16-bit sends
+    on the profile's exact all-reduce time, spread over its links, and its forward and backward.
+    Elsewhere the 16-bit sends
     hide under the compute, and timing int8's encode and decode (four passes over every bucket) would
     only delay the plan."""
     if profile is None:
