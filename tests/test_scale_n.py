@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from deft.preserver.codec_error import GradientScale, variance_bound
+from deft.preserver.codec_error import GradientScale, judge, variance_bound
 from deft.preserver.noise import LocalStats, step_estimate
 from deft.runtime.codecs.first_iteration import TimedBroadcast, sampled_scale
 
@@ -64,3 +64,19 @@ def test_first_iterations_screen_scales_the_broadcast_to_the_ring_all_reduce_at_
     assert timed.allreduce_s(10_000, 2, 1) == pytest.approx(0.1)
     assert timed.allreduce_s(10_000, 4, 1) == pytest.approx(0.15)  # R = 2 would say 0.1
     assert timed.allreduce_s(10_000, 8, 2) == pytest.approx(0.0875)
+
+
+def test_first_iterations_int8_verdict_at_four_ranks_charges_the_second_rounding() -> None:
+    # a sample whose int8 bound is 0.01 of the noise with one rounding: 1 / sqrt(1.01) passes epsilon
+    # 0.01; at four ranks the reduce-scatter path's (R + 1) = 5 roundings' worth, 0.05, does not
+    gen = torch.Generator().manual_seed(2)
+    g4 = local_gradients(gen, torch.zeros(D, dtype=torch.float64))
+    probe = sampled_scale(g4, D, BATCH, max_abs=1.0, margin=1.0, z=0.0, block_peak=1.0)
+    assert probe is not None and probe.raw_trace is not None
+    peak = 0.01 * 4 * 127 ** 2 * probe.raw_trace / BATCH  # delta = b P / (4 127² tr Σ) = 0.01 at one rounding
+    four = sampled_scale(g4, D, BATCH, max_abs=1.0, margin=1.0, z=0.0, block_peak=peak)
+    two = sampled_scale(g4[:2], D, BATCH, max_abs=1.0, margin=1.0, z=0.0, block_peak=peak)
+    assert four is not None and two is not None
+    assert judge("int8", four, 0.01).delta == pytest.approx(0.05)
+    assert not judge("int8", four, 0.01).accepted
+    assert judge("int8", two, 0.01).delta == pytest.approx(0.01 * four.raw_trace / two.raw_trace)
