@@ -26,7 +26,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 CONFIG_ENV = "DEFT_CONFIG"
 LINK_BACKENDS = ("auto", "nccl", "gloo")
 SOLVERS = ("exact", "greedy")
-#: ``"auto"``: the plan sends a bucket in fp16 or bf16 (or, under four ranks, int8) where the links are the
+#: ``"auto"``: the plan sends a bucket in fp16 or bf16 (or int8, where fewer bytes) where the links are the
 #: bound and the preserver accepts the rounding (deft.solver.codecs, deft.preserver.codec_error; never at
 #: ``epsilon == 0``);
 #: ``"none"``: every bucket exact; ``"fp16" | "bf16" | "powersgd"``: torch's comm hook on every bucket;
