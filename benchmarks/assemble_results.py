@@ -27,6 +27,7 @@ ORDER = [
     "replay.md",
     "simulate.md",
     "planner.md",
+    "allreduce_n.md",
     "knapsack.md",
     "runtime.md",
     "design_figures.md",

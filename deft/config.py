@@ -26,7 +26,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 CONFIG_ENV = "DEFT_CONFIG"
 LINK_BACKENDS = ("auto", "nccl", "gloo")
 SOLVERS = ("exact", "greedy")
-#: ``"auto"``: the plan sends a bucket in fp16 or bf16 (or, under four ranks, int8) where the links are the
+#: ``"auto"``: the plan sends a bucket in fp16 or bf16 (or int8, where fewer bytes) where the links are the
 #: bound and the preserver accepts the rounding (deft.solver.codecs, deft.preserver.codec_error; never at
 #: ``epsilon == 0``);
 #: ``"none"``: every bucket exact; ``"fp16" | "bf16" | "powersgd"``: torch's comm hook on every bucket;
@@ -94,6 +94,10 @@ class DeftConfig:
     preserver_max_tries: int = 10
     capacity_growth: float = 1.25
     recheck_every: int = 200
+    # Stale (delayed) updates when the stability check cannot run (no curvature, an optimizer it does not
+    # model): refused by default, torch DDP's maths being the safe path; true lets the walk alone judge them
+    # (deft.preserver.feedback, "Stability").
+    stale_unchecked: bool = False
     forward_updates: bool = True   # lag-free plans: updates may finish in the next forward (deft.solver.lagfree)
     compression: str = "auto"      # see COMPRESSIONS
     profile_codec: str = "auto"    # see PROFILE_CODECS

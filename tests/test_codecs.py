@@ -276,8 +276,26 @@ def block_peak_of(g: torch.Tensor) -> float:
     return sum(256 * float(g[lo:lo + 256].abs().max()) ** 2 for lo in range(0, g.numel(), 256))
 
 
-@pytest.mark.parametrize("world", [2, 3])
+def int8_average(grads: list[torch.Tensor], gens: list[torch.Generator]) -> torch.Tensor:
+    """What the ranks decode: the gather path at two ranks, the scatter path beyond (every chunk averaged
+    in rank order and rounded again with its owner's generator), run here without a process group."""
+    world, n = len(grads), grads[0].numel()
+    if not int8.uses_scatter(n, world):
+        return int8.decode([int8.encode(g, gen) for g, gen in zip(grads, gens, strict=True)], n)
+    c = int8.chunk_blocks(n, world)
+    sent = []
+    for g, gen in zip(grads, gens, strict=True):
+        blocks = torch.zeros(world * c, 256)
+        blocks.view(-1)[:n] = g
+        sent.append(int8.chunk_payloads(*int8.round_blocks(blocks, gen), world))
+    owned = [int8.chunk_payloads(*int8.round_blocks(int8.chunk_average(torch.stack([p[j] for p in sent])), gens[j]),
+                                 1)[0] for j in range(world)]
+    return int8.chunk_concat(torch.stack(owned))[:n]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_int8_variance_bound_holds_for_the_real_rounding(world: int) -> None:
+    # two ranks: one rounding (the gather path); three and four: two (the scatter path), charged R + 1 times
     gen = torch.Generator().manual_seed(world)
     b, d, draws = 16, 20_000, 40
     signal = torch.randn(d, generator=gen)
@@ -285,8 +303,8 @@ def test_int8_variance_bound_holds_for_the_real_rounding(world: int) -> None:
     exact = torch.stack(grads).mean(0)
     err = 0.0
     for k in range(draws):
-        payloads = [int8.encode(g, torch.Generator().manual_seed(1000 * k + r)) for r, g in enumerate(grads)]
-        err += float((int8.decode(payloads, d) - exact).pow(2).sum()) / draws
+        gens = [torch.Generator().manual_seed(1000 * k + r) for r in range(world)]
+        err += float((int8_average(grads, gens) - exact).pow(2).sum()) / draws
     # tr Σ / b per rank = 9 d (noise 3 per element), Euclidean: the scale's inputs, by construction
     scale = GradientScale(world=world, batch=b, mu=float(signal.pow(2).sum()), trace=9.0 * d * b, max_abs=10.0,
                           block_peak=max(block_peak_of(g) for g in grads), raw_trace=9.0 * d * b)
@@ -295,6 +313,15 @@ def test_int8_variance_bound_holds_for_the_real_rounding(world: int) -> None:
     assert err / noise <= delta
     assert err / noise > 0.2 * delta  # the bound is not vacuous
     assert judge("int8", scale, 0.01).accepted  # 8 bits of a noisy gradient: far below its noise
+
+
+def test_int8_charges_the_second_rounding_from_three_ranks() -> None:
+    def scale(world: int) -> GradientScale:
+        return GradientScale(world=world, batch=8, mu=1.0, trace=100.0, max_abs=1.0, block_peak=50.0, raw_trace=100.0)
+    one = 8 * 50.0 / (4 * 127 ** 2 * 100.0)
+    assert variance_bound("int8", scale(2)) == pytest.approx(one)
+    assert variance_bound("int8", scale(4)) == pytest.approx(5 * one)  # (R + 1): taking R = 2 would give one
+    assert variance_bound("int8", scale(8)) == pytest.approx(9 * one)
 
 
 def test_int8_is_judged_only_with_block_peaks_and_refused_where_peaks_dwarf_the_noise() -> None:
@@ -342,7 +369,13 @@ def test_int8_is_measured_only_where_16_bits_leave_the_links_the_bound_and_it_ha
     # 4 x 20 ms exact on one link: 40 ms in 16 bits against 12 ms of forward and backward
     assert int8_may_pay(profile((20.0,) * 4), 2)
     assert int8_may_pay(profile((20.0,) * 4), 3)
-    assert not int8_may_pay(profile((20.0,) * 4), 4)  # as many bytes as fp16 from 4 ranks
+    # gloo: the scatter path, about one byte an element at any world size
+    assert int8_may_pay(profile((20.0,) * 4), 8)
+    # another backend: the all-gather path only, as many bytes as fp16 from 4 ranks
+    nccl = profile((20.0,) * 4)
+    nccl = dataclasses.replace(nccl, links=tuple(dataclasses.replace(lk, backend="nccl") for lk in nccl.links))
+    assert int8_may_pay(nccl, 3)
+    assert not int8_may_pay(nccl, 4)
     # 4 x 5 ms exact: 10 ms in 16 bits, above half the 12 ms of compute (6 ms): the links may stay the bound
     assert int8_may_pay(profile((5.0,) * 4), 2)
     # 4 x 2.5 ms exact: 5 ms in 16 bits, under half the compute: fp16 hides

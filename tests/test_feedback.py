@@ -304,7 +304,9 @@ def real_solver_loop(mu: float, sigma: float = 5.0) -> PreserveResult:
     prof = Profile(buckets=tuple(Bucket(i, (f"p{i}",), 10**6, 4 * 10**6) for i in range(n)),
                    times=tuple(BucketTimes(0.01, 0.02, {"primary": 0.06, "second": 0.09}) for _ in range(n)),
                    links=(Link("primary", "gloo"), Link("second", "gloo")), world_size=2, source="synthetic")
-    config = DeftConfig(epsilon=0.01, links=(LinkConfig("primary"), LinkConfig("second")))
+    # No curvature here: opted in to stale schedules judged by the walk alone, whose rules this exercises
+    # (without the opt-in they are refused: tests/test_preserver_safe_path.py).
+    config = DeftConfig(epsilon=0.01, links=(LinkConfig("primary"), LinkConfig("second")), stale_unchecked=True)
     stats = WalkStats(loss=1.0, mu=mu, sigma=sigma, lr=0.01, batch=256)
     res = preserve(prof, config, stats)
     nd = no_delay_plan(prof, config).predicted_iteration_s
@@ -504,9 +506,9 @@ def test_recheck_replans_a_stale_schedule_that_became_unstable():
     from deft.preserver.stability import OptimizerSpec
 
     fp = FakePlanner([(1, 2, 1)], delayed=True)
-    config = DeftConfig(epsilon=0.2, recheck_every=10)
+    config = DeftConfig(epsilon=0.2, recheck_every=10, stale_unchecked=True)
     res = preserve(profile(), config, STATS, planner=fp.plan, no_delay_planner=fp.no_delay)
-    assert res.accepted and res.schedule.batch_sequence == (1, 2, 1)  # no curvature known: the walk decides
+    assert res.accepted and res.schedule.batch_sequence == (1, 2, 1)  # no curvature, opted in: the walk decides
     rc = Recheck(config, res)
     spec = OptimizerSpec.sgd(0.02, momentum=0.9)
     calm = dataclasses.replace(STATS, curvature=1.0, optimizer=spec)
@@ -554,15 +556,17 @@ def test_with_the_stability_check_the_walk_stops_charging_the_lag() -> None:
     assert res.schedule.meta["preserver"]["log"][-2]["rejected_on"] == "unstable"
 
 
-def test_recheck_judges_rejected_tries_on_the_statistics_of_the_time() -> None:
-    """A stale try rejected on its walk ratio while the curvature was unknown (the lag priced) is found
-    passing at the re-check once a stable curvature is known (the lag no longer charged)."""
+@pytest.mark.parametrize(("opted_in", "rejected_on"), [(True, "walk ratio"), (False, "stability unchecked")])
+def test_recheck_judges_rejected_tries_on_the_statistics_of_the_time(opted_in: bool, rejected_on: str) -> None:
+    """A stale try rejected while the curvature was unknown (on its walk ratio, the lag priced, when
+    opted in to unchecked stale schedules; else as unchecked) is found passing at the re-check once a
+    stable curvature is known (the lag no longer charged)."""
     from deft.preserver.stability import OptimizerSpec
 
     strong = WalkStats(loss=1.0, mu=2.0, sigma=5.0, lr=0.01, batch=256)  # one lagged step: 2% of the loss
-    config = DeftConfig(epsilon=0.01, recheck_every=10, preserver_max_tries=1)
+    config = DeftConfig(epsilon=0.01, recheck_every=10, preserver_max_tries=1, stale_unchecked=opted_in)
     res = preserve(profile(), config, strong, planner=stale_planner, no_delay_planner=FakePlanner([(1,)]).no_delay)
-    assert [t.rejected_on for t in res.tries if t.kind == "deft"] == ["walk ratio"]
+    assert [t.rejected_on for t in res.tries if t.kind == "deft"] == [rejected_on]
     assert res.schedule.batch_sequence == (1,)
     rc = Recheck(config, res)
     d = rc.check(10, strong)

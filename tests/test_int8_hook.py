@@ -105,9 +105,11 @@ def test_int8_hook_is_unbiased_within_its_bound_and_the_same_on_every_rank() -> 
 def test_wire_bytes_are_the_all_reduce_that_costs_as_much_as_the_all_gather() -> None:
     # 1000 elements: 4 blocks of 256 (1024 bytes) and 4 float32 scales (16 bytes) per rank; a ring
     # all-gather over 2 ranks sends 1040 bytes per rank, as a ring all-reduce of 1040 bytes does; over 4
-    # ranks 3 x 1040, as an all-reduce of 2080 bytes (2 x 3/4 x 2080)
+    # ranks 3 x 1040, as an all-reduce of 2080 bytes (2 x 3/4 x 2080); on gloo the scatter path sends
+    # 2 x 3 chunks of one block (260 bytes), as an all-reduce of 1040 bytes does
     assert int8_nbytes(1000, 2) == 1040
-    assert int8_nbytes(1000, 4) == 2080
+    assert int8_nbytes(1000, 4, scatter_ok=False) == 2080
+    assert int8_nbytes(1000, 4) == 1040
     config_hook = from_config(DeftConfig(compression="int8"))
     assert config_hook is not None and config_hook.name == "int8" and not config_hook.chained
 

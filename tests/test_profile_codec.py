@@ -149,11 +149,15 @@ def test_the_speculative_codec_round_trips_and_a_bad_one_is_refused() -> None:
     assert CodecDecision.from_dict(old).speculative == ""
 
 
-def test_the_first_sends_speculate_in_int8_where_the_links_stay_the_bound_in_16_bits_under_four_ranks() -> None:
+def test_the_first_sends_speculate_in_int8_where_the_links_stay_the_bound_in_16_bits_in_fewer_bytes() -> None:
     # 1.4 s of predicted all-reduce: 0.7 s in 16 bits, above 0.4 s of forward and backward
     assert speculative_codec("auto", comm_s=1.4, compute_s=0.4, world=2) == "int8"
     assert speculative_codec("auto", comm_s=1.4, compute_s=0.4, world=3) == "int8"
-    assert speculative_codec("auto", comm_s=1.4, compute_s=0.4, world=4) == "fp16"  # as many bytes as fp16 at 4
+    assert speculative_codec("auto", comm_s=1.4, compute_s=0.4, world=8) == "int8"  # the scatter path: ~1 B/element
+    # all-gathered only (not gloo), as many bytes as fp16 at four ranks
+    assert speculative_codec("auto", comm_s=1.4, compute_s=0.4, world=4, scatter_ok=False) == "fp16"
+    # one-block buckets at eight ranks: either path sends more than fp16's 512 bytes
+    assert speculative_codec("auto", comm_s=1.4, compute_s=0.4, world=8, numels=[256] * 10) == "fp16"
     # 16 bits must exceed half the compute: 0.4 s of 16-bit all-reduce against 0.4 s of compute does (the
     # testbed's 0.74 s against 0.72 s, where int8 set by hand ran 10-15 % faster than 16 bits), 0.2 s not
     assert speculative_codec("auto", comm_s=0.8, compute_s=0.4, world=2) == "int8"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -18,6 +19,7 @@ from deft.solver.simulate import (
     BASELINES,
     link_model,
     message_time,
+    ring_factors,
     scale_workers,
     simulate_schedule,
     usbyte_plan_for,
@@ -277,6 +279,24 @@ def test_scale_workers_follows_the_ring_model() -> None:
     one = make_profile([1.0], [1.0], [{"a": 0.0}], world_size=1)
     with pytest.raises(ContractError, match="world_size"):
         scale_workers(one, 8)
+
+
+def test_ring_factors_at_n_and_int8_profiles_are_not_rescaled() -> None:
+    # from two ranks: start-ups x (N - 1), transfers x 2 (N - 1) / N
+    assert ring_factors(2, 4) == pytest.approx((3.0, 1.5))
+    assert ring_factors(2, 8) == pytest.approx((7.0, 1.75))
+    assert ring_factors(4, 8) == pytest.approx((7 / 3, 1.75 / 1.5))
+    assert ring_factors(4, 4) == (1.0, 1.0)
+    with pytest.raises(ContractError):
+        ring_factors(1, 4)
+    # eight ranks on two cores: each of the 14 steps waits for its ranks, (8 / 2)² as long as at two
+    assert ring_factors(2, 8, cores=2) == pytest.approx((7.0 * 16, 1.75))
+    assert ring_factors(2, 2, cores=2) == (1.0, 1.0)
+    assert ring_factors(4, 8, cores=8) == ring_factors(4, 8)  # a core each: the plain ring
+    # int8's bytes per element change with the world size (its gather path grows with N): not rescaled
+    coded = dataclasses.replace(linear_profile([1.0], [1.0], [8_000_000], 1e-3, 1e-9), codec="int8")
+    with pytest.raises(ContractError, match="int8"):
+        scale_workers(coded, 8)
 
 
 def test_more_workers_never_faster_for_ddp() -> None:

@@ -35,7 +35,17 @@ averaged gradient's noise ``tr Σ / (R b)``
 
     δ = b P / (4 · 127² · tr Σ),
 
-judged by the same walk ratio. ``P >= mean_r |g_r|²``, so ``δ`` is at least ``(b |g|² / tr Σ + 1) / 64516``:
+judged by the same walk ratio. From three ranks on, the codec may instead reduce-scatter: each rank
+averages one chunk of every rank's rounded blocks and rounds that average again before the chunks are
+exchanged. The second rounding is unbiased given the first's result, so the two errors add in variance,
+and each block's average is at most the ranks' mean block maximum, so its error is at most ``P / (4 · 127²)``:
+not divided by ``R``, since it rounds the average itself. Then ``E|e|² <= (R + 1) P / (4 · 127² · R)`` and
+
+    δ = (R + 1) b P / (4 · 127² · tr Σ),
+
+charged at every ``R >= 3`` (:func:`int8_rounding_factor`), whichever path each bucket takes (the
+gather path's bound is the smaller, so this overstates where it runs, never understates).
+``P >= mean_r |g_r|²``, so the gather path's ``δ`` is at least ``(b |g|² / tr Σ + 1) / 64516``:
 the bound passes where the gradient's noise dominates its mean (small batches, most of training) and its
 largest elements are not far above the rest. The block maxima are not relative to each element, so
 ``P`` and ``tr Σ`` are Euclidean (``raw_trace``; Adam's metric would scale the error and the noise
@@ -112,12 +122,19 @@ class CodecVerdict:
                 "reason": self.reason}
 
 
+def int8_rounding_factor(world: int) -> float:
+    """The int8 bound's factor for its roundings at ``world`` ranks: 1 where only the all-gather path
+    runs (two ranks), ``R + 1`` where the reduce-scatter path may (module docstring)."""
+    return 1.0 if world <= 2 else float(world + 1)
+
+
 def variance_bound(codec: str, scale: GradientScale) -> float:
     """``δ``: the codec's error variance over the averaged gradient's noise, at most (module docstring)."""
     if codec == "int8":
         if scale.block_peak is None or scale.raw_trace is None or scale.raw_trace <= 0.0:
             return math.inf
-        return scale.batch * scale.block_peak / (4.0 * INT8_LEVELS ** 2 * scale.raw_trace)
+        return (int8_rounding_factor(scale.world) * scale.batch * scale.block_peak
+                / (4.0 * INT8_LEVELS ** 2 * scale.raw_trace))
     u = UNIT_ROUNDOFF[codec]
     if scale.trace <= 0.0:
         return math.inf  # no measured noise to hide the rounding in

@@ -55,6 +55,27 @@ never rejected on these grounds. Each try records the radius, edge and verdict (
 With the check available the walk stops charging a stale update's lag as missing progress
 (:func:`applied_sequence`): the two would price the same staleness twice.
 
+Without the check (no curvature estimate, or an optimizer :meth:`~deft.preserver.stability.OptimizerSpec.from_torch`
+does not model) a schedule that needs it is refused (``"stability unchecked"``, :func:`needs_stability_check`):
+torch DDP's maths is the safe path, and the walk alone does not see what staleness costs. One
+iteration of delay shrinks heavy ball's edge from ``2 (1 + β)`` to ``1 - β`` in ``h`` (38-fold at
+``β = 0.9``; :mod:`deft.preserver.stability`), so whether a stale update is safe depends on a curvature
+nobody measured. Lag-free merges stay: at the optimizer's own learning rate a merge of ``k`` is one
+step every ``k`` iterations, radius ``ρ_1^{1/k}``, torch DDP's edge whatever the curvature; what it
+costs is progress, which the walk prices without a curvature. A merge whose learning rate is scaled
+(``merge_lr_scaling``) steps ``f(k)`` times further and has ``1 / f(k)`` of that edge, so it needs the
+check too. The reason on record names the opt-ins (:data:`UNCHECKED_OPT_IN`): ``ddp.calibrate(closure)``
+measures the curvature, ``stale_unchecked = true`` lets the walk alone judge them (it then prices a
+stale update's lag as missing progress: :func:`applied_sequence`), and ``preserver = false`` takes the
+solver's plan untested.
+
+The learning rate
+-----------------
+Both the walk and the check read ``stats.lr`` (and the spec's): :func:`deft.preserver.stability.planning_lr`,
+the rate the plan will run at (a warm-up's peak, not its current fraction). When the optimizer's
+rate grows beyond what was judged anyway (:func:`lr_outgrown`), the runtime re-checks at once
+(:meth:`Recheck.check` with ``trigger``), re-planning if the running schedule no longer passes.
+
 Speed
 -----
 Epsilon bounds how much progress per iteration a schedule may lose; it does not ask whether the time
@@ -84,7 +105,7 @@ import dataclasses
 import functools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -128,7 +149,7 @@ class WalkStats:
       (:mod:`deft.preserver.curvature`) and the optimizer's update rule
       (:meth:`deft.preserver.stability.OptimizerSpec.from_torch`). With both, a schedule whose update
       recurrence is unstable along the sharpest direction (:func:`deft.preserver.stability.check_stability`)
-      is rejected whatever its walk ratio.
+      is rejected whatever its walk ratio. Without them, ``unchecked`` says why (for the record).
     """
 
     loss: float
@@ -140,6 +161,7 @@ class WalkStats:
     curvature: float | None = None
     optimizer: OptimizerSpec | None = None
     metric: str = "euclidean"
+    unchecked: str = ""  # without curvature or optimizer: why the stability check cannot run
 
     def __post_init__(self) -> None:
         # One evaluation validates every field with errors that name it.
@@ -293,10 +315,21 @@ def schedule_ratio(schedule: Schedule, stats: WalkStats, merge_lr_scaling: str =
 #: Why a try was not taken (``Try.rejected_on``), in the order they are tested. The first is about
 #: speed alone: such a try is not judged on accuracy grounds at all.
 NO_FASTER = "no faster"  # predicted no faster per iteration than the no-delay plan
+UNCHECKED = "stability unchecked"  # needs the stability check, which cannot run (needs_stability_check)
 UNSTABLE = "unstable"  # the update recurrence diverges along the sharpest direction (stability)
 WALK_RATIO = "walk ratio"  # the walk's loss ratio outside [1 - epsilon, 1 + epsilon]
 SLOWER_TO_TARGET = "slower to target"  # the walk's progress per second below the no-delay plan's
-REJECTIONS = (NO_FASTER, UNSTABLE, WALK_RATIO, SLOWER_TO_TARGET)
+REJECTIONS = (NO_FASTER, UNCHECKED, UNSTABLE, WALK_RATIO, SLOWER_TO_TARGET)
+#: How a user lets deft take the schedules refused as :data:`UNCHECKED` (said in the preserver's reason).
+UNCHECKED_OPT_IN = ("call ddp.calibrate(closure) so that the curvature is measured, or set stale_unchecked = true "
+                    "to let the walk alone judge them (preserver = false: the solver's plan, untested)")
+
+
+def needs_stability_check(schedule: Schedule, merge_lr_scaling: str = "none") -> bool:
+    """Whether ``schedule``'s stability depends on the curvature (module docstring, "Stability"): it has
+    a stale update, or a merged one stepped with a scaled learning rate. A lag-free schedule at the
+    optimizer's learning rate has torch DDP's edge and does not."""
+    return _is_stale(schedule) or (merge_lr_scaling != "none" and any(k > 1 for k in schedule.batch_sequence))
 
 
 def progress_kept(schedule: Schedule, stats: WalkStats, merge_lr_scaling: str = "none") -> float:
@@ -337,10 +370,12 @@ def judge(schedule: Schedule, stats: WalkStats, config: DeftConfig, no_delay_s: 
     1. ``"no faster"``: predicted per iteration no faster than the no-delay plan (``no_delay_s``), which
        keeps torch DDP's parameters; a schedule that gains nothing per iteration is not worth any risk,
        so its accuracy is not judged (its ratio and stability are still recorded).
-    2. ``"unstable"``: its delayed-update recurrence diverges along the sharpest direction (only with the
+    2. ``"stability unchecked"``: it needs the stability check (:func:`needs_stability_check`) and the
+       curvature or the optimizer's rule is unknown, unless ``config.stale_unchecked``.
+    3. ``"unstable"``: its delayed-update recurrence diverges along the sharpest direction (only with the
        curvature known; lag-free schedules never do: :mod:`deft.preserver.stability`).
-    3. ``"walk ratio"``: the paper's test, :func:`passes`.
-    4. ``"slower to target"``: the walk predicts it reaches a loss later than the no-delay plan. Over a
+    4. ``"walk ratio"``: the paper's test, :func:`passes`.
+    5. ``"slower to target"``: the walk predicts it reaches a loss later than the no-delay plan. Over a
        period the schedule makes ``p = progress_kept`` of the baseline's progress in
        ``t_schedule / t_no_delay`` of the no-delay plan's time; it is slower to any nearby loss when
        ``p < t_schedule / t_no_delay``. Epsilon bounds how much progress per iteration may be lost; this
@@ -348,7 +383,7 @@ def judge(schedule: Schedule, stats: WalkStats, config: DeftConfig, no_delay_s: 
        gradient dominates needs a 2x faster iteration). Independent of epsilon, so a larger epsilon still
        accepts a superset and never gives a slower schedule.
 
-    Rules 1 and 4 need both predicted times (``schedule.predicted_iteration_s`` and ``no_delay_s``
+    Rules 1 and 5 need both predicted times (``schedule.predicted_iteration_s`` and ``no_delay_s``
     positive); without them they are skipped."""
     ratio = schedule_ratio(schedule, stats, config.merge_lr_scaling)
     chk = stats.stability(schedule)
@@ -358,6 +393,8 @@ def judge(schedule: Schedule, stats: WalkStats, config: DeftConfig, no_delay_s: 
     why = None
     if timed and t_s >= no_delay_s:
         why = NO_FASTER
+    elif chk is None and not config.stale_unchecked and needs_stability_check(schedule, config.merge_lr_scaling):
+        why = UNCHECKED
     elif chk is not None and not chk.stable:
         log.info("preserver: K=%s rejected as unstable: %s", schedule.batch_sequence, chk.reason)
         why = UNSTABLE
@@ -391,9 +428,23 @@ def _checked(schedule: object, who: str) -> Schedule:
     return schedule
 
 
+def unchecked_note(tries: Sequence[Try], stats: WalkStats | None) -> str:
+    """What the record says when tries were refused as :data:`UNCHECKED`: how many, why, and the opt-ins
+    (empty when none was)."""
+    n = sum(t.rejected_on == UNCHECKED for t in tries)
+    if not n:
+        return ""
+    why = (stats.unchecked if stats is not None else "") or "no curvature or optimizer rule"
+    return (f"{n} tr{'y' if n == 1 else 'ies'} with stale updates (or lr-scaled merges) refused, the stability "
+            "check could not run "
+            f"({why}): torch DDP's maths is the safe path; to allow them, {UNCHECKED_OPT_IN}")
+
+
 def _finish(schedule: Schedule, tries: list[Try], accepted: bool, config: DeftConfig,
             stats: WalkStats | None, reason: str, no_delay_s: float = 0.0) -> PreserveResult:
     chosen = next(t for t in reversed(tries) if t.schedule is schedule)  # every path records its schedule
+    note = unchecked_note(tries, stats)
+    reason = f"{reason}; {note}" if note else reason
     record: JsonDict = {
         "accepted": accepted,
         "reason": reason,
@@ -458,7 +509,7 @@ def _best_merge(profile: Profile, config: DeftConfig, stats: WalkStats, accumula
         tries.append(t)
         log.info("preserver: lag-free merge of %d iterations, ratio %.5f: %s", k, t.ratio,
                  "passes" if t.accepted else f"fails ({t.rejected_on})")
-        if t.rejected_on in (UNSTABLE, WALK_RATIO):
+        if t.rejected_on in (UNCHECKED, UNSTABLE, WALK_RATIO):
             break
         if t.accepted:
             best = s
@@ -592,6 +643,18 @@ def _feedback_loop(profile: Profile, config: DeftConfig, stats: WalkStats, plann
                          accepted=False)
 
 
+#: The runtime re-checks out of turn when the optimizer's learning rate exceeds this multiple of the one
+#: judged: a stale schedule accepted at ``margin`` x its edge (0.5) keeps ``margin * LR_RECHECK_GROWTH``
+#: of it (edges scale as ``1 / lr``), still inside the edge, until the re-check judges the new rate.
+LR_RECHECK_GROWTH = 1.25
+
+
+def lr_outgrown(judged: float, now: float) -> bool:
+    """Whether the learning rate ``now`` has grown beyond ``LR_RECHECK_GROWTH`` x the one ``judged``
+    (:func:`deft.preserver.stability.planning_lr` of the optimizer's groups, both)."""
+    return judged > 0.0 and now > judged * LR_RECHECK_GROWTH
+
+
 @dataclass(frozen=True)
 class RecheckDecision:
     """What :meth:`Recheck.check` concluded: the current schedule's ratio now, and whether to re-plan."""
@@ -619,6 +682,8 @@ class Recheck:
     3. the running schedule is the no-delay fallback taken while mu and sigma were unknown, and they
        are known now.
 
+    :meth:`check` runs every ``config.recheck_every`` iterations, or at once with a ``trigger`` (the
+    runtime's, when the learning rate outgrew what was judged: :func:`lr_outgrown`).
     With ``epsilon == 0`` or the preserver disabled there is nothing to re-check.
     """
 
@@ -648,10 +713,18 @@ class Recheck:
     def due(self, iteration: int) -> bool:
         return iteration > 0 and iteration % self.config.recheck_every == 0
 
-    def check(self, iteration: int, stats: WalkStats | None) -> RecheckDecision | None:
-        """``None`` when not due, when there is nothing to check, or while the statistics are unknown."""
-        if not self.due(iteration) or not self.config.preserver or self.config.epsilon == 0.0 or stats is None:
+    def check(self, iteration: int, stats: WalkStats | None, trigger: str = "") -> RecheckDecision | None:
+        """``None`` when not due (and no ``trigger``), when there is nothing to check, or while the
+        statistics are unknown. ``trigger``: why this check runs now, out of turn (said in its reason)."""
+        if not (trigger or self.due(iteration)) or not self.config.preserver or self.config.epsilon == 0.0 \
+                or stats is None:
             return None
+        decision = self._check(iteration, stats)
+        if trigger:
+            decision = dataclasses.replace(decision, reason=f"{trigger}: {decision.reason}")
+        return decision
+
+    def _check(self, iteration: int, stats: WalkStats) -> RecheckDecision:
         eps = self.config.epsilon
         k = self.result.schedule.batch_sequence
         nd_s = self.result.no_delay_s

@@ -96,6 +96,7 @@ from typing import TYPE_CHECKING
 from deft.errors import ContractError
 from deft.preserver.curvature import adam_denominator
 from deft.preserver.float64 import dot64
+from deft.preserver.stability import planning_lr
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -426,7 +427,9 @@ def all_gather_stats(local: LocalStats, group: dist.ProcessGroup | None = None) 
 
 def walk_geometry(optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor] | None = None, *,
                   with_roots: bool = True) -> WalkGeometry:
-    """The walk's metric and learning rate for ``optimizer`` (the first param group's ``lr``).
+    """The walk's metric and learning rate for ``optimizer``: the ``lr`` is
+    :func:`deft.preserver.stability.planning_lr` (the largest over the groups, a scheduler's base or
+    peak included: the rate the plan will run at, not a warm-up's current fraction of it).
 
     * SGD (any other optimizer is treated alike): Euclidean; ``lr / (1 - momentum)`` with momentum in
       ``(0, 1)`` (heavy ball and Nesterov: in steady state one gradient moves the parameters that far).
@@ -444,7 +447,7 @@ def walk_geometry(optimizer: torch.optim.Optimizer | None, params: Sequence[torc
     if optimizer is None:
         return WalkGeometry("euclidean", None, None, "optimizer unknown")
     group = optimizer.param_groups[0]
-    lr = float(group.get("lr", 0.0))
+    lr = planning_lr(optimizer.param_groups)
     if not lr > 0.0:
         return WalkGeometry("euclidean", None, None, f"learning rate {lr} is not positive")
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):

@@ -49,6 +49,30 @@ The optimizer step (one per applied update), as torch implements it
   ``preconditioner=``) and keep ``scale = 1``. Coupled (Adam) weight decay is modelled as ``ω`` seen
   through the same scalar step; it is negligible next to ``lam`` in practice.
 
+Parameter groups and the learning rate judged
+---------------------------------------------
+One spec stands for every parameter group (:meth:`OptimizerSpec.from_torch`), because the sharpest
+direction may lie in any of them. Groups may differ in ``lr`` and ``weight_decay`` (GPT-2 recipes decay
+the matrices, not the biases and LayerNorm gains); the spec takes the largest ``lr`` and the smallest
+``ω``, which is at least as hard to pass as any one group:
+
+* ``lr``: ``h = step * lam``, so every edge in ``lam`` scales as ``1 / lr``: the largest ``lr`` has the
+  lowest edges.
+* ``ω``: weight decay pulls on the *current* parameters, undelayed, in both forms above. For torch
+  DDP's plan it adds to the curvature (GD: ``eta (lam + ω) < 2``), lowering its edge; for a stale
+  update it is a restoring force that damps the oscillation the delayed gradient drives, so it never
+  lowers a stale schedule's edge (delayed GD: ``z² - (1 - eta ω) z + h = 0``, complex roots with
+  ``|z|² = h`` whatever ``ω``: edge ``h = 1``). So the smallest ``ω`` gives a stale schedule its lowest
+  edge and torch DDP its highest: the rejection ``lam > margin * edge`` and the exemption
+  ``edge >= ddp_edge`` are both hardest to pass there (checked on a grid by tests/test_stability.py).
+
+The learning rate is the one the plan will run at, not the one at planning time: :func:`planning_lr`
+also reads what torch's LR schedulers record in a group (``initial_lr``, the base a warm-up rises to;
+OneCycleLR's ``max_lr``). A schedule judged during a warm-up at a quarter of the peak ``lr`` would
+otherwise pass with four times too little room. The runtime re-checks when the ``lr`` grows beyond
+what was judged anyway (:func:`deft.preserver.feedback.lr_outgrown`), which covers schedules that
+raise the ``lr`` above its base (a lambda above 1, CyclicLR).
+
 The companion matrix and the one-cycle transfer matrix
 ------------------------------------------------------
 With ``L`` the largest lag, the state between iterations is ``s_t = (w_t, w_{t-1}, …, w_{t-L}, b_t)``
@@ -112,7 +136,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -145,6 +169,26 @@ def _num(source: str, name: str, value: object, low: float | None = None, high: 
     if high is not None and (x >= high if open_high else x > high):
         raise ContractError(source, name, f"expected {'<' if open_high else '<='} {high}, got {x}")
     return x
+
+
+#: The keys of a torch param group that hold a learning rate the run uses or will reach: ``lr`` now,
+#: ``initial_lr`` (every torch LR scheduler's base: the peak of a warm-up, which scales it by at most 1)
+#: and ``max_lr`` (OneCycleLR's peak).
+LR_KEYS = ("lr", "initial_lr", "max_lr")
+
+
+def planning_lr(param_groups: Sequence[Mapping[str, object]]) -> float:
+    """The learning rate a plan is judged at: the largest value of :data:`LR_KEYS` over the groups.
+
+    Read from ``param_groups`` only (what torch's schedulers write there), so it needs neither the
+    scheduler object nor torch; 0.0 when no group has a positive one."""
+    best = 0.0
+    for g in param_groups:
+        for key in LR_KEYS:
+            v = g.get(key)
+            if isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(float(v)):
+                best = max(best, float(v))
+    return best
 
 
 @dataclass(frozen=True)
@@ -213,17 +257,18 @@ class OptimizerSpec:
     def from_torch(cls, optimizer: torch.optim.Optimizer, scale: float = 1.0) -> OptimizerSpec:
         """From a ``torch.optim.SGD``, ``Adam`` or ``AdamW`` (read from ``param_groups``; torch not imported).
 
-        Groups must agree on everything but ``lr``; the largest ``lr`` is taken (the sharpest direction
-        may lie in any group, and the largest step is the least stable). ``scale`` is Adam's (see the
-        class docstring).
+        Groups must agree on everything but ``lr`` and ``weight_decay``; the spec takes the largest
+        :func:`planning_lr` and the smallest ``weight_decay``, the hardest combination to pass (module
+        docstring, "Parameter groups and the learning rate judged"). ``scale`` is Adam's (see the class
+        docstring).
         """
         name = type(optimizer).__name__
         groups = getattr(optimizer, "param_groups", None)
         if name not in ("SGD", "Adam", "AdamW") or not groups:
             raise ContractError("optimizer", "type", f"expected torch.optim.SGD, Adam or AdamW, got {name}; "
                                                      "build an OptimizerSpec by hand for other optimizers")
-        keys = ("momentum", "dampening", "nesterov", "weight_decay") if name == "SGD" else \
-            ("betas", "weight_decay", "decoupled_weight_decay", "amsgrad")
+        keys = ("momentum", "dampening", "nesterov") if name == "SGD" else \
+            ("betas", "decoupled_weight_decay", "amsgrad")
         first = groups[0]
         for i, g in enumerate(groups[1:], start=1):
             for key in keys:
@@ -235,11 +280,12 @@ class OptimizerSpec:
                          ("amsgrad", "AMSGrad's max of second moments is not modelled")):
             if first.get(key):
                 raise ContractError("optimizer", f"param_groups[0].{key}", f"{why}; build an OptimizerSpec by hand")
-        lr = max(float(g["lr"]) for g in groups)
+        lr = planning_lr(groups)
+        decay = min(float(g.get("weight_decay", 0.0) or 0.0) for g in groups)
         if name == "SGD":
-            return cls.sgd(lr, first["momentum"], first["dampening"], bool(first["nesterov"]), first["weight_decay"])
+            return cls.sgd(lr, first["momentum"], first["dampening"], bool(first["nesterov"]), decay)
         decoupled = name == "AdamW" or bool(first.get("decoupled_weight_decay", False))
-        return cls.adam(lr, float(first["betas"][0]), scale, first["weight_decay"], decoupled)
+        return cls.adam(lr, float(first["betas"][0]), scale, decay, decoupled)
 
     def to_dict(self) -> JsonDict:
         return {"kind": self.kind, "lr": self.lr, "momentum": self.momentum, "dampening": self.dampening,

@@ -5,7 +5,11 @@ The solver needs the all-reduce time of any bucket on any link (DESIGN.md sectio
 
     T(b) = alpha + beta * b        (alpha: per-collective latency, 1/beta: effective bandwidth)
 
-at the current world size, so the fitted model already contains the ring's ``2(N-1)/N`` factor.
+at the current world size ``N``, so the fitted model already contains whatever the collective costs at
+``N``: the ring's ``2(N-1)/N`` on the bytes, its ``2(N-1)`` steps of start-up, and the wait of each step
+for its ranks where they share cores (benchmarks/results/allreduce_n.md). deft's runtime profiles the
+links at the run's own world size, so its plans rest on this fit; rescaling a fit to another ``N`` is the
+simulator's what-if (``deft.solver.simulate.ring_factors``).
 
 Measurement (:func:`measure`): for every size, ``warmup`` untimed all-reduces, then ``iters`` timed
 ones (or ``iters`` rounds over all sizes with ``interleave=True``), each started right after a

@@ -28,7 +28,8 @@ from torch import nn
 from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.errors import DeftError
-from deft.preserver.feedback import WalkStats
+from deft.preserver.feedback import LR_RECHECK_GROWTH, WalkStats, lr_outgrown
+from deft.preserver.stability import planning_lr
 from deft.profile import Profile
 from deft.runtime.adapt import Adaptation, synchronous_candidate
 from deft.runtime.background import JobSlot
@@ -104,6 +105,7 @@ class Course:
         self.calibrated: JsonDict | None = None  # rank 0's Lanczos probe (ddp.calibrate), on every rank
         self._stats_reason = ""
         self._plan_inputs: tuple[WalkStats | None, int, CodecInputs | None] | None = None  # the first plan's
+        self._judged_lr: float | None = None  # the learning rate the running plan was judged at (_lr_trigger)
 
     def use_curvature(self, doc: JsonDict) -> None:
         """``ddp.calibrate``'s measured curvature (every rank): the next plan and re-check use it."""
@@ -228,9 +230,14 @@ class Course:
                 return self._plan(t)
             if self.jobs.holds("plan") and self.jobs.ready(t):
                 return self._finish_plan(t)
-        elif self.planning.recheck_on and t % self.config.recheck_every == 0 and not self.planning.switch_waiting:
-            stats, stats_reason = self._walk_stats()
-            self.record.rechecks.append(self.planning.recheck(t, stats, stats_reason, self.schedule, self.profile))
+        elif self.planning.recheck_on and not self.planning.switch_waiting:
+            trigger = self._lr_trigger()
+            if trigger or t % self.config.recheck_every == 0:
+                stats, stats_reason = self._walk_stats()
+                self.record.rechecks.append(self.planning.recheck(t, stats, stats_reason, self.schedule, self.profile,
+                                                                  trigger))
+                if stats is not None:  # the adaptation re-plans on the statistics of the last decision
+                    self.adaptation.walk = stats
         if self.jobs.holds("replan") and self.jobs.ready(t):
             self._finish_replan(t)
         if self.adaptation.on:
@@ -239,6 +246,22 @@ class Course:
                 self.record.adapt.append(outcome.record)
                 self.profile = outcome.profile or self.profile
         self._maybe_switch(t, flush)
+
+    def _lr_trigger(self) -> str:
+        """Why a re-check runs out of turn: the optimizer's learning rate outgrew the one the running
+        plan was judged at (:func:`deft.preserver.feedback.lr_outgrown`); empty otherwise. Each rank
+        reads its own optimizer: the rates are the same on every rank (their parameters stay equal only
+        so), hence so is the decision to run this collective."""
+        opt = self._optim.optimizer
+        if opt is None:
+            return ""
+        now = planning_lr(opt.param_groups)
+        if self._judged_lr is None:
+            self._judged_lr = now
+        if not lr_outgrown(self._judged_lr, now):
+            return ""
+        judged, self._judged_lr = self._judged_lr, now
+        return f"learning rate {now:.4g} above {LR_RECHECK_GROWTH:g} x the {judged:.4g} judged"
 
     @property
     def schedule(self) -> Schedule:
@@ -290,6 +313,8 @@ class Course:
         if self.profile is not None and self.failover.dead:
             self.profile = without_links(self.profile, self.failover.dead)
         stats, self._stats_reason = self._walk_stats()
+        opt = self._optim.optimizer
+        self._judged_lr = None if opt is None else planning_lr(opt.param_groups)
         codec = self.codecs.plan_inputs(self.stats, self.batch, self.profile)
         self._plan_inputs = (stats, self._control.world, codec)
         cfg = self.config

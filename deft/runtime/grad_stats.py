@@ -8,8 +8,15 @@ mini-batch noise ``2 tr(Σ) / B`` removed, ``debiased``) over the lag-free
 single-iteration updates this rank applies while statistics run (every warm-up and profile iteration):
 the averaged gradient and the parameters it was computed at, both identical on every rank, so no
 collective. It is biased low on the digits CNN (benchmarks/results/stability.md), a screen, not
-a measurement. The optimizer's rule is :meth:`deft.preserver.stability.OptimizerSpec.from_torch`; for
-Adam/AdamW the step scale is the median of ``1 / (sqrt(v_hat) + eps)`` (:func:`adam_scale`).
+a measurement. The optimizer's rule is :meth:`deft.preserver.stability.OptimizerSpec.from_torch` (param
+groups that differ in ``lr`` or ``weight_decay``: the hardest combination); for Adam/AdamW the step
+scale is the median of ``1 / (sqrt(v_hat) + eps)`` (:func:`adam_scale`). Without a curvature or a rule
+the stats say why (``WalkStats.unchecked``) and the preserver refuses stale schedules.
+
+The learning rate the walk and the check judge is :func:`deft.preserver.stability.planning_lr`: the
+largest over the groups of the ``lr`` now and what torch's LR schedulers record as its base or peak
+(``initial_lr``, ``max_lr``), so that statistics taken during a warm-up judge the rate the plan will
+run at. The runtime re-checks when the ``lr`` outgrows it anyway (:mod:`deft.runtime.course`).
 
 The walk's metric (:func:`deft.preserver.noise.walk_geometry`): for Adam/AdamW, ``mu`` and ``sigma``
 are measured on the gradients scaled elementwise by ``sqrt(P)``, ``P = 1 / (sqrt(v_hat) + eps)`` from
@@ -391,6 +398,8 @@ def walk_stats(config: DeftConfig, control: ControlPlane, losses: collections.de
         how = f"secant ({RAW_SCREEN})"
     if walk is not None and lam is not None:
         walk = dataclasses.replace(walk, curvature=lam, optimizer=spec)
+    elif walk is not None:  # the preserver then refuses stale schedules and says why
+        walk = dataclasses.replace(walk, unchecked=how)
     return walk, f"estimated during warm-up; curvature: {how}" + ("" if lam is None else f" {lam:.4g}")
 
 

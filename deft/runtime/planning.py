@@ -11,9 +11,10 @@
   error rather than waiting for a broadcast that never comes. Every rank validates the schedule and
   the ranks compare its digest.
 * :meth:`Planning.recheck` (collective, every ``recheck_every`` iterations while a preserver plan
-  runs): rank 0 re-evaluates it (:class:`deft.preserver.feedback.Recheck`) and re-plans when asked;
-  the new schedule waits as a :class:`Switch` until the next cycle boundary, where the runtime
-  flushes and switches (all ranks at the same iteration).
+  runs, and out of turn when the learning rate outgrew the one judged): rank 0 re-evaluates it
+  (:class:`deft.preserver.feedback.Recheck`) and re-plans when asked; the new schedule waits as a
+  :class:`Switch` until the next cycle boundary, where the runtime flushes and switches (all ranks at
+  the same iteration).
 * **Planning in the background** (``config.plan_lag_iters`` > 0): :meth:`Planning.start` runs rank 0's
   decision in a :class:`Background` thread while every rank trains on with the warm-up's synchronous
   schedule. At the end of each following iteration rank 0 broadcasts whether its thread is done (one
@@ -315,16 +316,18 @@ class Planning:
         self._switch = None
 
     def recheck(self, t: int, stats: WalkStats | None, stats_reason: str, running: Schedule,
-                profile: Profile | None) -> JsonDict:
+                profile: Profile | None, trigger: str = "") -> JsonDict:
         """Collective: the re-check at iteration ``t``; returns the record for ``plan_info["rechecks"]``.
 
         A new schedule (different from the running one) waits as a :class:`Switch` (:meth:`offer`).
+        ``trigger``: why it runs out of turn (every rank passes the same; :meth:`Recheck.check`).
         """
         cfg = self.config
         doc: JsonDict = {}
         if self.control.rank == 0:
             try:
-                decision = None if self._recheck is None else self._recheck.check(t, stats)
+                rc = self._recheck
+                decision = None if rc is None else rc.check(t, stats, trigger) if trigger else rc.check(t, stats)
                 if decision is not None:
                     doc["check"] = {"ratio": decision.ratio, "replan": decision.replan, "reason": decision.reason}
                     if decision.replan:
@@ -337,7 +340,7 @@ class Planning:
             except Exception as e:  # re-planning never ends a run: keep the running schedule
                 doc = {"error": f"{type(e).__name__}: {e}"}
         doc = self.control.broadcast_json(doc, "re-check decision")
-        record: JsonDict = {"iteration": t, "schedule": running.digest()}
+        record: JsonDict = {"iteration": t, "schedule": running.digest(), **({"trigger": trigger} if trigger else {})}
         if "error" in doc:
             log.warning("deft: preserver re-check at iteration %d failed (%s); keeping the schedule", t, doc["error"])
             record["error"] = doc["error"]

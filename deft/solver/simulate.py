@@ -58,7 +58,14 @@ Scaling out (:func:`scale_workers`): ring all-reduce costs ``a = 2(N-1) alpha`` 
 ``b = 2(N-1)/N beta`` (MG-WFBP Table 2, the reduction term ``gamma`` folded into ``beta``). Assumption:
 the profile's fitted ``alpha_s`` is the whole start-up term ``a`` at the measured world size ``P`` and
 the rest of each measured time is the transfer term, so at ``N`` workers start-ups scale by
-``(N-1)/(P-1)`` and transfers by ``((N-1)/N) / ((P-1)/P)``.
+``(N-1)/(P-1)`` and transfers by ``((N-1)/N) / ((P-1)/P)`` (:func:`ring_factors`). gloo runs that ring
+on CPU tensors, and the model holds where every rank has a core of its own. Where ``N`` ranks share
+``cores`` cores (the testbed's hosts on one machine), each of the ring's ``2 (N - 1)`` steps waits for
+its ranks to be scheduled: ``cores`` given, start-ups are also multiplied by ``c(N) / c(P)``,
+``c(k) = max(1, k / cores)²``, the growth gloo showed on loopback (benchmarks/results/allreduce_n.md).
+A profile coded in int8 is not rescaled: that codec's
+bytes per element depend on the world size (``deft.runtime.codecs.wire.int8_nbytes``), so the exact
+profile is rescaled and the codec chosen again at ``N``.
 """
 
 from __future__ import annotations
@@ -165,8 +172,22 @@ def message_time(profile: Profile, link: str, parts: Sequence[tuple[int, float]]
     return start + transfer
 
 
-def scale_workers(profile: Profile, workers: int) -> Profile:
-    """The profile as it would be measured with ``workers`` ranks under the ring all-reduce model."""
+def ring_factors(measured: int, workers: int, cores: int | None = None) -> tuple[float, float]:
+    """``(start-up, transfer)``: what a ring all-reduce's two terms fitted at ``measured`` ranks are
+    multiplied by at ``workers`` ranks (module docstring): ``(N-1)/(P-1)`` and ``((N-1)/N) / ((P-1)/P)``;
+    ``cores``: the ranks share that many cores, and start-ups grow with the crowding too."""
+    if measured < 2 or workers < 1 or (cores is not None and cores < 1):
+        raise ContractError("<workers>", "workers", f"expected a fit at >= 2 ranks rescaled to >= 1 (on >= 1 "
+                            f"core), got {measured} -> {workers} (cores {cores})")
+    start = (workers - 1) / (measured - 1)
+    if cores is not None:
+        start *= max(1.0, workers / cores) ** 2 / max(1.0, measured / cores) ** 2
+    return start, ((workers - 1) / workers) / ((measured - 1) / measured)
+
+
+def scale_workers(profile: Profile, workers: int, cores: int | None = None) -> Profile:
+    """The profile as it would be measured with ``workers`` ranks under the ring all-reduce model
+    (``cores``: the ranks share that many cores, :func:`ring_factors`)."""
     if workers < 1:
         raise ContractError("<workers>", "workers", f"expected >= 1, got {workers}")
     p = profile.world_size
@@ -175,8 +196,10 @@ def scale_workers(profile: Profile, workers: int) -> Profile:
     if p < 2:
         raise ContractError("<profile>", "world_size",
                             "a profile measured on 1 rank has no communication to rescale; profile with >= 2 ranks")
-    f_start = (workers - 1) / (p - 1)
-    f_transfer = ((workers - 1) / workers) / ((p - 1) / p)
+    if profile.codec == "int8":
+        raise ContractError("<profile>", "codec", "int8's wire bytes depend on the world size: rescale the "
+                            "exact profile and choose the codec at the new size")
+    f_start, f_transfer = ring_factors(p, workers, cores)
     models = {lk.name: link_model(profile, lk.name) for lk in profile.links}
     links = tuple(replace(lk, alpha_s=models[lk.name][0] * f_start,
                           beta_s_per_byte=models[lk.name][1] * f_transfer) for lk in profile.links)

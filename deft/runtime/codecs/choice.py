@@ -17,7 +17,8 @@ Rules:
   :data:`deft.solver.codecs.MIN_GAIN` less per iteration (:func:`choose_codec`). Every rank rebuilds
   the coded profile the schedule was planned on from the decision's record (:func:`planned_profile`),
   so the adaptation and the re-checks calibrate and re-plan on coded times.
-* **int8 is weighed** only where it puts fewer bytes on the wire than 16 bits (under four ranks) and
+* **int8 is weighed** only where it puts fewer bytes on the wire than 16 bits (its wire bytes on the
+  profile's buckets at the run's world size, by the path each bucket takes: :func:`int8_may_pay`) and
   the links stay the bound in 16 bits (:func:`links_bound_in_16_bits`); the first iteration's
   speculation and the profile iterations apply the same rule.
 * **While rank 0 plans** the iterations keep the profile iterations' codec while the preserver still
@@ -164,11 +165,16 @@ def links_bound_in_16_bits(comm_s: float, compute_s: float) -> bool:
 
 def int8_may_pay(profile: Profile | None, world: int) -> bool:
     """Pure: whether the 8-bit codec is measured for the plan's choice: it puts fewer bytes on the wire
-    than 16 bits (under four ranks) and :func:`links_bound_in_16_bits` holds on the profile's exact
-    all-reduce time, spread over its links, and its forward and backward. Elsewhere the 16-bit sends
+    than 16 bits (:func:`deft.runtime.codecs.wire.int8_fewer_bytes` on the profile's buckets at ``world``
+    ranks, the scatter path counted where every link is gloo) and :func:`links_bound_in_16_bits` holds
+    on the profile's exact all-reduce time, spread over its links, and its forward and backward.
+    Elsewhere the 16-bit sends
     hide under the compute, and timing int8's encode and decode (four passes over every bucket) would
     only delay the plan."""
-    if profile is None or not int8_fewer_bytes(world):
+    if profile is None:
+        return False
+    gloo = all(profile.link(lk).backend == "gloo" for lk in profile.link_names)
+    if not int8_fewer_bytes(world, [b.numel for b in profile.buckets], scatter_ok=gloo):
         return False
     exact = codecs.exact_profile(profile)
     comm = sum(min(exact.comm_time(b, lk) for lk in exact.link_names) for b in range(exact.n))

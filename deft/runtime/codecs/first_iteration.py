@@ -62,6 +62,7 @@ from deft.config import DeftConfig
 from deft.errors import DeftError
 from deft.preserver import codec_error
 from deft.preserver.codec_error import CodecVerdict, GradientScale
+from deft.runtime.codecs import int8
 from deft.runtime.codecs.choice import INT8_COMPUTE_SHARE, links_bound_in_16_bits
 from deft.runtime.codecs.hooks import CommHook
 from deft.runtime.codecs.int8 import BLOCK as INT8_BLOCK
@@ -226,17 +227,19 @@ def screen_first_sends(mode: str, comm_s: float | None, to_first_grad_s: float) 
                         "sent exact, not judged", exposed_s=comm_s, compute_s=compute)
 
 
-def speculative_codec(mode: str, comm_s: float | None, compute_s: float, world: int) -> str:
+def speculative_codec(mode: str, comm_s: float | None, compute_s: float, world: int,
+                      numels: Sequence[int] = (2 ** 20,), scatter_ok: bool = True) -> str:
     """Pure: the codec the first iteration's judged sends go in before the verdict: under ``"auto"``
-    (``mode``: ``config.profile_codec``), int8 where it puts fewer bytes on the wire than 16 bits (under
-    four ranks) and the links would stay the bound in 16 bits (:func:`links_bound_in_16_bits` on the
-    predicted all-reduce ``comm_s`` and ``compute_s``, the screen's estimate of the forward and backward:
-    the rule of :func:`profile_iterations_codec` and :func:`deft.runtime.codecs.choice.int8_may_pay`),
-    else :data:`SPECULATIVE_CODEC`. ``"always"`` codes
+    (``mode``: ``config.profile_codec``), int8 where it puts fewer bytes on the wire than 16 bits
+    (:func:`deft.runtime.codecs.wire.int8_fewer_bytes` on buckets of ``numels`` elements at ``world``
+    ranks; ``scatter_ok``: its scatter path may run) and the links would stay the bound in 16 bits
+    (:func:`links_bound_in_16_bits` on the predicted all-reduce ``comm_s`` and ``compute_s``, the screen's
+    estimate of the forward and backward: the rule of :func:`profile_iterations_codec` and
+    :func:`deft.runtime.codecs.choice.int8_may_pay`), else :data:`SPECULATIVE_CODEC`. ``"always"`` codes
     whatever the timing, so it keeps to the 16-bit codec, which no timing chooses. A verdict refusing
     int8 sends every bucket again in 16 bits (or exact): the int8 sends' link time lost, a quarter of the
     exact all-reduce's at two ranks."""
-    if (mode == "auto" and comm_s is not None and int8_fewer_bytes(world)
+    if (mode == "auto" and comm_s is not None and int8_fewer_bytes(world, numels, scatter_ok)
             and links_bound_in_16_bits(comm_s, compute_s)):
         return "int8"
     return SPECULATIVE_CODEC
@@ -292,7 +295,7 @@ def profile_iterations_codec(mode: str, verdicts: tuple[CodecVerdict, ...], expo
     ``first_codec``: the codec the first iteration's own sends used (its time then says nothing of
     the exact sends: the links were judged the bound before it); ``comm_s``: the predicted
     all-reduce of the gradients (None: no timed broadcast); ``int8``: the preserver's verdict on int8 on
-    the same statistics (None: not judged, as over four ranks or more). Under ``"auto"`` a 16-bit
+    the same statistics (None: not judged, as where it puts no fewer bytes on the wire). Under ``"auto"`` a 16-bit
     decision becomes int8 where int8 passes and either the first iteration's sends stood in int8 (the
     screen at its first gradient judged int8 to pay: :func:`speculative_codec`) or the links stay the
     bound in 16 bits (:func:`links_bound_in_16_bits`, the plan's measuring rule: :func:`int8_may_pay`);
@@ -351,6 +354,8 @@ class FirstIteration:
         self._comm_s: float | None = None  # the predicted all-reduce the ranks agreed on (None: not timed)
         self._screened_compute_s = 0.0  # the screen's estimate of the forward and backward (max over ranks)
         self.sends: CodecDecision | None = None  # the first iteration's own sends (judge_sends), once judged
+        # int8's wire bytes: the buckets' elements and whether its scatter path may run (FirstSendsJudge)
+        self.wire_buckets: tuple[Sequence[int], bool] = ((2 ** 20,), True)
 
     def _compute_s(self) -> float | None:
         """This rank's forward and backward of the first iteration so far (to the end of its backward
@@ -390,7 +395,7 @@ class FirstIteration:
 
     def speculative_codec(self, cfg: DeftConfig, world: int) -> str:
         """After :meth:`screen_sends` judged the sends: the codec they go in meanwhile (:func:`speculative_codec`)."""
-        return speculative_codec(cfg.profile_codec, self._comm_s, self._screened_compute_s, world)
+        return speculative_codec(cfg.profile_codec, self._comm_s, self._screened_compute_s, world, *self.wire_buckets)
 
     def sample_only(self, executor: Executor) -> None:
         """The sends are judged (:meth:`judge_sends`): its sample decides the profile iterations' codec
@@ -450,7 +455,7 @@ class FirstIteration:
         if scale is None:
             return CodecDecision("", "no gradient statistics from the first iteration", exposed, compute, first=first)
         int8 = None
-        if int8_fewer_bytes(control.world):
+        if int8_fewer_bytes(control.world, *self.wire_buckets):
             int8 = codec_error.judge("int8", scale, cfg.epsilon)
         decision = profile_iterations_codec(cfg.profile_codec, codec_error.pick(scale, cfg.epsilon), exposed, compute,
                                  "" if self.sends is None else self.sends.codec, self._comm_s, int8)
@@ -479,6 +484,9 @@ class FirstSendsJudge:
         return self.broadcast.allreduce_s(sum(executor.layout.bucket_nbytes()), self.control.world, links)
 
     def at_first_gradient(self, executor: Executor) -> bool:
+        if executor.layout is not None:
+            self.first.wire_buckets = (executor.layout.bucket_numel,
+                                       int8.scatter_supported(self.control.group, executor.device))
         judged = self.first.screen_sends(self.cfg, self.control, self._comm_s(executor))
         if judged:
             self.first.sample_only(executor)

@@ -88,7 +88,9 @@ class HookBucket:
 
 #: Hooks that start one collective synchronously and keep no cross-bucket state but int8's count of calls,
 #: read in the call (their codec names, ``fp16``, ``bf16`` and ``int8``, are
-#: :data:`deft.profile.ELEMENTWISE_CODECS`).
+#: :data:`deft.profile.ELEMENTWISE_CODECS`). int8's reduce-scatter path exchanges its rounded chunks
+#: after its all-to-all by point-to-point sends matched by tag, on the state's own thread in call order,
+#: so they cannot interleave with the other collectives differently on different ranks.
 SINGLE_COLLECTIVE_HOOKS = (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook,
                            int8.int8_compress_hook)
 

@@ -55,7 +55,8 @@ def measure_here(hook: CommHook, layout: FlatLayout, params: Sequence[torch.Tens
         view = views[0]
         view.copy_(torch.randn(view.shape, generator=torch.Generator().manual_seed(b)).to(view.dtype))
         hb = hook_bucket(layout, params, b, view, is_last=b == layout.n_buckets - 1)
-        size = wire_nbytes(hook, [tuple(g.shape) for g in hb.gradients()], view.element_size())
+        size = wire_nbytes(hook, [tuple(g.shape) for g in hb.gradients()], view.element_size(),
+                           int8.scatter_supported(None, view.device))
         known &= size is not None
         wire.append(size if size is not None else view.numel() * view.element_size())
         buckets.append(hb)

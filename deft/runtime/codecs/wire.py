@@ -2,9 +2,12 @@
 the plan's codec choice and the simulator's link times all read it).
 
 * **16 bits** (torch's fp16/bf16 hooks): 2 bytes per element.
-* **int8** (:mod:`deft.runtime.codecs.int8`): one all-gather of ``m`` bytes per rank (the rounded
-  blocks and their float32 scales); it costs what an all-reduce of ``R m / 2`` bytes costs
-  (:func:`int8_nbytes`), fewer bytes than 16 bits under four ranks (:func:`int8_fewer_bytes`).
+* **int8** (:mod:`deft.runtime.codecs.int8`), bucket by bucket the cheaper of its two paths
+  (:func:`int8_nbytes`): one all-gather of ``m`` bytes per rank (the rounded blocks and their float32
+  scales), which costs what an all-reduce of ``R m / 2`` bytes costs; or, on gloo with three ranks or
+  more, an all-to-all and an exchange of ``R`` chunks of ``c`` blocks, an all-reduce of ``R c (BLOCK + 4)``
+  bytes, about one byte an element at every ``R``. Whether int8 sends fewer bytes than 16 bits is
+  computed from these at the run's world size (:func:`int8_fewer_bytes`), not assumed.
 * **PowerSGD** views each gradient of ``n`` rows as an ``n x m`` matrix and sends ``(n + m) r``
   elements (``r = min(n, m, rank)``; P is ``n x r``, Q is ``m x r``) where ``(n + m) r *
   min_compression_rate < n m``, the whole tensor elsewhere (1-D tensors: ``m = 1``)
@@ -25,29 +28,35 @@ from deft.runtime.codecs import int8
 from deft.runtime.codecs.hooks import CommHook
 
 
-def int8_nbytes(n: int, world: int) -> int:
-    """The bytes of an all-reduce that costs what int8's all-gather of a bucket of ``n`` elements over
-    ``world`` ranks costs (module docstring)."""
-    return math.ceil(world * int8.payload_nbytes(n) / 2)
+def int8_nbytes(n: int, world: int, scatter_ok: bool = True) -> int:
+    """The bytes of an all-reduce that costs what int8's path for a bucket of ``n`` elements over
+    ``world`` ranks costs (module docstring); ``scatter_ok``: the scatter path may run
+    (:func:`deft.runtime.codecs.int8.scatter_supported`)."""
+    if int8.uses_scatter(n, world, scatter_ok):
+        return int8.scatter_nbytes(n, world)
+    return int8.gather_nbytes(n, world)
 
 
-def int8_fewer_bytes(world: int) -> bool:
-    """Whether int8 puts fewer bytes on the wire than a 16-bit all-reduce over ``world`` ranks (under
-    four; the scales and the last block's padding ignored)."""
-    return int8_nbytes(int8.BLOCK, world) < 2 * int8.BLOCK
+def int8_fewer_bytes(world: int, numels: Sequence[int] = (2 ** 20,), scatter_ok: bool = True) -> bool:
+    """Whether int8 puts fewer bytes on the wire than a 16-bit all-reduce, summed over buckets of
+    ``numels`` elements at ``world`` ranks (default: one bucket of a million elements, where the scales'
+    and the padding's share is small): the honest break-even of the path the hook takes."""
+    return sum(int8_nbytes(n, world, scatter_ok) for n in numels) < 2 * sum(numels)
 
 
-def wire_nbytes(hook: CommHook, shapes: Sequence[Sequence[int]], element_size: int) -> int | None:
+def wire_nbytes(hook: CommHook, shapes: Sequence[Sequence[int]], element_size: int,
+                scatter_ok: bool = True) -> int | None:
     """Bytes the hook puts on the wire for one bucket whose gradients have ``shapes`` (module docstring).
 
-    ``None`` for a hook whose maths deft does not know. Summed over the hook's collectives, as each
+    ``None`` for a hook whose maths deft does not know; ``scatter_ok``: int8's scatter path may run.
+    Summed over the hook's collectives, as each
     carries its tensor through the same all-reduce (PowerSGD: the uncompressed tensors, P, then Q).
     """
     numel = sum(math.prod(sh) for sh in shapes)
     if hook.hook in (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook):
         return 2 * numel
     if hook.hook is int8.int8_compress_hook:
-        return int8_nbytes(numel, dist.get_world_size() if dist.is_initialized() else 1)
+        return int8_nbytes(numel, dist.get_world_size() if dist.is_initialized() else 1, scatter_ok)
     st = hook.state
     if not isinstance(st, powerSGD_hook.PowerSGDState):
         return None
