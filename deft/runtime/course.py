@@ -42,7 +42,7 @@ from deft.runtime.codecs.hooks import CommHook
 from deft.runtime.codecs.policy import CodecPolicy
 from deft.runtime.control import Collective, ControlPlane
 from deft.runtime.executor import DueUpdate, Executor, Pending
-from deft.runtime.failover import LinkFailover, without_links
+from deft.runtime.failover import LinkFailover, loss_phase, without_links
 from deft.runtime.grad_stats import GradStats, walk_stats
 from deft.runtime.layouts import balanced_links, plan_order, ready_order, warmup_layout
 from deft.runtime.links import CommLink
@@ -88,7 +88,7 @@ class Course:
         self.jobs = JobSlot(control)  # the plan's, then the adaptation's background decision
         self.adaptation = Adaptation(config, control, self.planning, self.jobs)
         self.record = RunRecord()
-        self.failover = LinkFailover(config, control, list(links))  # a non-primary link that dies
+        self.failover = LinkFailover(config, control, links)  # a non-primary link that dies
         executor.guard_links(self.failover)
         self.profile_iters = profile_iters_from_env(config.profile_iters)
         self.calendar = self.place()
@@ -147,7 +147,7 @@ class Course:
                     self._install(sched, lay, t)
             assert ex.layout is not None
             live = {n: lk for n, lk in self._links.items() if n in self._live()}
-            self._timer = WarmupTimer(self._module, self._params, ex.layout, live, cuda, self._wait_work)
+            self._timer = WarmupTimer(self._module, self._params, ex.layout, live, cuda, self._wait_work, self.failover)
             ex.observe(self._timer)
         if self._timer is not None and ex.idle and ex.layout is not None:
             coded = self.codecs.profile_schedule(self._timer.schedule())
@@ -309,6 +309,7 @@ class Course:
         (now, or when rank 0's background decision is collected: :meth:`_finish_plan`)."""
         started = time.perf_counter()
         self.profile = self._measured_profile() if self.planning.measuring else self.planning.given_profile
+        self._links_lost(t)  # one lost in the probe: the plan is made without it
         if self.profile is not None and self.failover.dead:
             self.profile = without_links(self.profile, self.failover.dead)
         stats, self._stats_reason = self._walk_stats()
@@ -351,7 +352,8 @@ class Course:
         # The profile iterations ran a comm hook or deft's profile codec on every bucket.
         codec = self.codecs.measure_profiled(ex.layout)
         backends = {n: lk.backend for n, lk in self._links.items()}
-        profile = timer.profile(self._control, self._control.world, backends, type(self._module).__name__, codec)
+        profile = timer.profile(self._control, self._control.world, backends, type(self._module).__name__, codec,
+                                ex.t)
         ex.unobserve(timer)
         self.close()
         out = os.environ.get("DEFT_PROFILE_OUT")
@@ -423,7 +425,7 @@ class Course:
         dropped. Planned: torch DDP's synchronous schedule over the links left runs from the next cycle
         boundary on, while rank 0 plans on the profile without the lost links in the background
         (:meth:`_finish_replan`); before the first plan, the plan is made on the links left."""
-        records = self.failover.take_lost()
+        records = self.failover.take_lost(lambda i: loss_phase(self.calendar, self.planned, i))
         if not records:
             return
         if self.profile is not None:
@@ -491,6 +493,7 @@ class Course:
                             "profiles again from here and plans at iteration %d (torch DDP's schedule until the "
                             "plan is in)", st.t, self.calendar.plan_at)
         self.record = RunRecord.from_view(st.plan_info)
+        self.failover.resume(self.record.link_failures, st.t)  # lost links stay lost (deft.runtime.failover)
         self.codecs.restore(self.record.profile_codec)  # a damaged record is refused here, naming it
 
     def close(self) -> None:

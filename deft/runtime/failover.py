@@ -18,19 +18,37 @@ all-reduce complete, another not) and the buckets are all-reduced again on the p
 local gradients the failed collective never touched. From then on the executor sends that link's
 traffic on the primary, and the course re-plans on the links left (:meth:`LinkFailover.take_lost`).
 
+Before the first plan the same rules hold: the first iteration's sends and the profile iterations'
+are guarded sends of the executor; the warm-up timer rotates the buckets over the links left and
+waits only for the completion stamps of sends that completed (a lost one never stamps). Its probe of
+each link's start-up (:func:`deft.runtime.warmup_timer.probe_alpha`) waits on a non-primary link for
+that link's deadline and ends with an agreement too; the profile is built on the links left (a lost
+link is dropped with whatever it measured) and the plan is made on them. Each record names the phase
+the link was lost in (:func:`loss_phase`, or ``"alpha probe"``).
+
+A checkpoint remembers lost links: ``plan_info["link_failures"]`` is in it, and a run resumed from it
+starts without those links (:meth:`LinkFailover.resume`: their traffic goes on the primary link, a
+profile is measured and planned without them) and says so in each record (``resumed_at``). It does not
+probe them: a link that failed once is not trusted with the gradients again without a new run.
+
 Note:
     The primary link carries the control group and the used-parameter maps, so its loss is not
     survivable: its waits keep ``timeout_s`` and end the run with a CommunicationError naming it. A
-    lost link's group is never used again; a collective stuck on it ends with gloo's own timeout, on
-    memory nobody reads. A chained comm hook (PowerSGD) runs its sends one after another on one chain,
-    which a stuck send would block: its buckets are not guarded, and a failure ends the run as before.
+    lost link's group is never used again, and never destroyed: gloo has no abort, and its group's
+    destructor joins its worker threads, one of which may be stuck in a collective on the dead link
+    until gloo's own timeout (``timeout_s``), on memory nobody reads. So the group is kept for the life
+    of the process (:func:`keep_forever`) and neither ``ddp.close()`` nor the interpreter's exit waits
+    for it. A chained comm hook (PowerSGD) runs its sends one after another on one chain, which a
+    stuck send would block: its buckets are not guarded, and a failure ends the run as before.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import time
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -38,19 +56,25 @@ import torch.distributed as dist
 from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.profile import Link, Profile
+from deft.runtime.calendar import Calendar
 from deft.runtime.control import ControlPlane
+from deft.runtime.links import CommLink
 
 log = logging.getLogger("deft.runtime")
+
+#: The phase of a loss found by the probe of the links' start-up (:mod:`deft.runtime.warmup_timer`).
+ALPHA_PROBE = "alpha probe"
 
 
 class LinkFailover:
     """The run's lost links, the deadlines of the others and the agreement (module docstring)."""
 
-    def __init__(self, config: DeftConfig, control: ControlPlane, links: list[str]) -> None:
+    def __init__(self, config: DeftConfig, control: ControlPlane, links: Mapping[str, CommLink]) -> None:
         self.config, self._control = config, control
         self.links = list(links)
-        self.primary = links[0]
-        self.on = config.link_failover and len(links) > 1
+        self._groups = {n: lk.group for n, lk in links.items()}
+        self.primary = self.links[0]
+        self.on = config.link_failover and len(self.links) > 1
         self.dead: set[str] = set()
         self._models: dict[str, Link] = {}
         self._unplanned: list[JsonDict] = []  # the records of links lost, not yet re-planned without (take_lost)
@@ -82,25 +106,68 @@ class LinkFailover:
                            "all-reduce of the links' health")
         return {n for n, f in zip(self.links, flags.tolist(), strict=True) if f}
 
-    def lost(self, link: str, t: int, buckets: int, seconds: float, why: str) -> None:
+    def lost(self, link: str, t: int, buckets: int, seconds: float, why: str, phase: str | None = None) -> None:
         """Every rank agreed ``link`` is gone at iteration ``t``; ``buckets`` sends were all-reduced again
-        on the primary link, ``seconds`` this rank's time from the first failed wait to their end."""
+        on the primary link, ``seconds`` this rank's time from the first failed wait to their end;
+        ``phase``: where the run was (None: :meth:`take_lost` names it from the iteration)."""
         self.dead.add(link)
+        keep_forever(self._groups[link])
         left = [n for n in self.links if n not in self.dead]
-        self._unplanned.append({"link": link, "iteration": t, "resent_buckets": buckets, "lost_s": round(seconds, 4),
-                             "deadline_s": round(self.deadline(link, 0), 4), "why": why, "links_left": left})
-        log.warning("deft: rank %d lost link %r at iteration %d (%s): %d bucket send(s) all-reduced again on %r, "
-                    "%.3f s lost; re-planning on %s", self._control.rank, link, t, why or "a peer saw it fail",
-                    buckets, self.primary, seconds, left)
+        self._unplanned.append({"link": link, "iteration": t, **({} if phase is None else {"phase": phase}),
+                                "resent_buckets": buckets, "lost_s": round(seconds, 4),
+                                "deadline_s": round(self.deadline(link, 0), 4), "why": why, "links_left": left})
+        log.warning("deft: rank %d lost link %r at iteration %d%s (%s): %d bucket send(s) all-reduced again on %r, "
+                    "%.3f s lost; re-planning on %s", self._control.rank, link, t, f" ({phase})" if phase else "",
+                    why or "a peer saw it fail", buckets, self.primary, seconds, left)
 
-    def take_lost(self) -> list[JsonDict]:
-        """The records of the links lost since the last call (the course re-plans without them and keeps
-        them in ``plan_info["link_failures"]``)."""
+    def take_lost(self, phase_of: Callable[[int], str]) -> list[JsonDict]:
+        """The records of the links lost since the last call, each naming its phase (``phase_of`` its
+        iteration, where :meth:`lost` was not told); the course re-plans without them and keeps them in
+        ``plan_info["link_failures"]``."""
         out, self._unplanned = self._unplanned, []
+        for rec in out:
+            t = rec["iteration"]
+            rec.setdefault("phase", phase_of(t if isinstance(t, int) else -1))
         return out
+
+    def resume(self, records: list[JsonDict], t: int) -> list[str]:
+        """A checkpoint's ``plan_info["link_failures"]`` is loaded at iteration ``t``: the links it records
+        as lost stay lost (module docstring); each record gets ``t`` in ``resumed_at``. Returns them."""
+        names = [str(rec.get("link")) for rec in records]
+        gone = [n for n in self.links if n in names and n != self.primary]
+        for rec in records:
+            rec["resumed_at"] = [*_ints(rec.get("resumed_at")), t]
+        self.dead.update(gone)
+        if gone:
+            log.warning("deft: rank %d resumes at iteration %d without link(s) %s, lost before the checkpoint; "
+                        "their traffic goes on %r", self._control.rank, t, gone, self.primary)
+        return gone
 
     def live(self, names: list[str]) -> list[str]:
         return [n for n in names if n not in self.dead]
+
+
+def loss_phase(calendar: Calendar, planned: bool, t: int) -> str:
+    """Where a run was when it lost a link in iteration ``t``: the first iteration, a warm-up or profile
+    iteration, waiting for the first plan, or training on a plan."""
+    if planned:
+        return "training"
+    if t == 0:
+        return "first iteration"
+    if t < calendar.warm_end:
+        return "warm-up"
+    return "profile iteration" if calendar.profiling(t) else "waiting for the first plan"
+
+
+def keep_forever(group: dist.ProcessGroup) -> None:
+    """Never destroy ``group`` (module docstring, Note): its reference count is raised once more than any
+    holder will drop, so neither the wrapper's end nor the interpreter's finalization runs its destructor,
+    which would wait for a collective stuck on a dead link."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+
+
+def _ints(value: object) -> list[int]:
+    return [int(v) for v in value if isinstance(v, int)] if isinstance(value, list) else []
 
 
 def without_links(profile: Profile, dead: set[str]) -> Profile:

@@ -9,7 +9,8 @@ and nothing is waited for early, so a profile iteration costs about what a torch
 * **links** (:func:`link_rotation`): in profile iteration ``j`` bucket ``b`` is all-reduced on link
   ``(b + j) mod L`` (a synchronous schedule, :meth:`WarmupTimer.schedule`). Every link carries real
   traffic at the same time as the others and as the compute, as it will under a plan; each bucket
-  is sent once per iteration, and over ``L`` iterations on every link.
+  is sent once per iteration, and over ``L`` iterations on every link. A link lost in a profile
+  iteration (:mod:`deft.runtime.failover`) leaves the rotation from the next one on.
 * **forward**: forward pre/post hooks on every module that owns trainable parameters measure its
   *exclusive* time (time inside nested owners is charged to them); a module's time is split over the
   buckets holding its parameters in proportion to element counts. The rest of the forward (modules
@@ -51,7 +52,9 @@ measured:
   all-reduces of one element on each link, in link order (collectives: every rank issues the same
   calls in the same order on each link's group); a link's ``alpha`` is the median of the timed ones,
   then the *maximum over ranks* (the control plane). A one-element message is all start-up (its 4
-  bytes' own transfer time is negligible on any link). Then ``beta`` is the one-parameter
+  bytes' own transfer time is negligible on any link). A non-primary link's probe waits for its
+  deadline, and the ranks then agree which links are lost (:meth:`WarmupTimer._probe`); the profile is
+  made on the links left. Then ``beta`` is the one-parameter
   least-squares fit with ``alpha`` fixed (:func:`fit_group_beta`)::
 
       minimize_{beta >= 0}  sum_i (T_i - alpha m_i - beta B_i)^2
@@ -102,10 +105,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from deft._json import JsonDict
+from deft.errors import CommunicationError
 from deft.profile import Bucket, BucketTimes, Link, Profile
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.codecs.timing import Codec
 from deft.runtime.control import FUTURE_TYPES, Collective, ControlPlane, wait_work
+from deft.runtime.failover import ALPHA_PROBE, LinkFailover, Stopwatch
 from deft.runtime.links import CommLink
 from deft.runtime.tensors import tensors_in
 from deft.schedule import Schedule, synchronous_schedule
@@ -213,6 +218,7 @@ class _Launch:
     works: int
     stamps: list[float] = field(default_factory=list)
     stamped: list[torch._C.Future[object]] = field(default_factory=list)  # the stamping callbacks' own futures
+    sources: list[torch._C.Future[object]] = field(default_factory=list)  # the collectives' futures
 
     @property
     def completed(self) -> float | None:
@@ -258,8 +264,10 @@ class WarmupTimer:
     """
 
     def __init__(self, module: nn.Module, params: Sequence[torch.Tensor], layout: FlatLayout,
-                 links: dict[str, CommLink], cuda: bool, wait: Callable[[Collective, str, int], None]) -> None:
+                 links: dict[str, CommLink], cuda: bool, wait: Callable[[Collective, str, int], None],
+                 failover: LinkFailover | None = None) -> None:
         self._wait = wait  # waits for a launched collective (NCCL's completion is stamped after it)
+        self._failover = failover  # the links lost (none: every link lives); the probe's agreement
         self.layout = layout
         self.links = links
         self.cuda = cuda
@@ -301,9 +309,15 @@ class WarmupTimer:
             torch.cuda.synchronize()
         return time.perf_counter()
 
+    def live(self) -> list[str]:
+        """The links not lost (:mod:`deft.runtime.failover`), in link order."""
+        names = list(self.links)
+        return names if self._failover is None else self._failover.live(names)
+
     def schedule(self) -> Schedule:
-        """The synchronous schedule of the next profile iteration: buckets on :func:`link_rotation`'s links."""
-        names = tuple(self.links)
+        """The synchronous schedule of the next profile iteration: buckets on :func:`link_rotation`'s
+        links, the links left after a loss."""
+        names = tuple(self.live())
         return synchronous_schedule(self.layout.bucket_numel, self.layout.bucket_nbytes(), names,
                                     link_rotation(self.n, names, len(self.samples)))
 
@@ -389,6 +403,7 @@ class WarmupTimer:
                 # ``then`` (not a bare done-callback): the step's wait returns once the collective is
                 # marked complete, possibly before its callbacks ran; end_iteration waits for these.
                 fut = w if isinstance(w, FUTURE_TYPES) else w.get_future()  # a comm hook's Future, or a Work
+                rec.sources.append(fut)
                 rec.stamped.append(fut.then(functools.partial(_stamp, stamps=rec.stamps)))
         self._mark = self._now()  # deft's launch call is not backward time
 
@@ -405,9 +420,12 @@ class WarmupTimer:
             cur["launch"] = {name: [None] * self.n for name in self.links}
             cur["comm"] = {name: [None] * self.n for name in self.links}
             for r in self._launches:
-                for f in r.stamped:  # the collectives are complete (the step waited): their stamps follow
-                    with contextlib.suppress(Exception):  # a failed collective is reported by the step
-                        f.wait()
+                # the step waited for the collectives: a complete one's stamp follows; one on a lost link
+                # may never complete (deft.runtime.failover), and stamps nothing
+                for src, f in zip(r.sources, r.stamped, strict=True):
+                    if src.done():
+                        with contextlib.suppress(Exception):  # a failed collective is reported by the step
+                            f.wait()
                 done = r.completed
                 if done is not None:  # a failed collective stamps nothing
                     start = max(r.launched, self._started.get(r.bucket, r.launched))
@@ -419,27 +437,26 @@ class WarmupTimer:
 
     # -- reduction -----------------------------------------------------------------------------
     def profile(self, control: ControlPlane, world: int, link_backends: dict[str, str], model: str,
-                codec: Codec | None = None) -> Profile:
+                codec: Codec | None = None, t: int = -1) -> Profile:
         """Reduce the samples (module docstring); collective on the control group. ``codec``: the comm
         hook's bytes on the wire and compute per bucket (None: no hook). A bucket names its parameters
         as the layout does (:meth:`~deft.runtime.buckets.FlatLayout.bucket_names`: a piece of a cut one
-        by its range)."""
+        by its range). The profile is on the links left: one lost before or in the probe (at iteration
+        ``t``, :meth:`_probe`) is not in it, whatever it measured before."""
         if not self.samples:
             raise RuntimeError("internal: no profile iteration was timed")
-        link_names = list(self.links)
         n = self.n
         fwd, bwd = self._compute_times(control)
         nbytes = list(self.layout.bucket_nbytes())
         wire = list(codec.wire_nbytes) if codec is not None else nbytes
         codec_s = list(codec.codec_s) if codec is not None else [0.0] * n
-        loads = self._busy_groups(control, codec_s)
+        every_link = self._busy_groups(control, codec_s)
+        alphas = self._probe(control, t)
+        link_names = list(alphas)
+        loads = {k: every_link[k] for k in link_names}
         pooled = [g for k in link_names for g in loads[k]]
         if not pooled:
             raise RuntimeError("internal: no all-reduce of the profile iterations completed")
-        mine_alpha = probe_alpha(self.links, self.cuda, control.rank, control.timeout_s)
-        alphas = dict(zip(link_names, control.max_rows([[mine_alpha[k] for k in link_names]],
-                                                       "per-message start-up (one-element all-reduces)")[0],
-                          strict=True))
         links, comm = self._fit_links(loads, pooled, alphas, wire, link_backends)
         buckets = tuple(Bucket(id=b, params=self.layout.bucket_names(b),
                                numel=self.layout.bucket_numel[b], nbytes=nbytes[b],
@@ -451,6 +468,35 @@ class WarmupTimer:
         return Profile(buckets=buckets, times=times, links=tuple(links), world_size=world, source="timing",
                        versions={"torch": torch.__version__}, model=model,
                        meta=self._meta(loads, alphas, comm, codec), codec=codec.name if codec is not None else "")
+
+    def _probe(self, control: ControlPlane, t: int) -> dict[str, float]:
+        """Each link's per-message start-up (:func:`probe_alpha`), the maximum over ranks, for the links
+        left. Collective on every link left and the control group. A guarded link's probe waits for
+        the link's deadline (:mod:`deft.runtime.failover`); one that fails or misses it on any rank is
+        lost for every rank (the agreement) and has no start-up; the primary's failure raises."""
+        fo = self._failover
+        names = self.live()
+        deadlines = {k: fo.deadline(k, 4) for k in names if fo.guards(k)} if fo is not None else {}  # 4 B: a float
+        mine: dict[str, float] = {}
+        failed: dict[str, str] = {}
+        watch = Stopwatch()
+        for k in names:
+            began = time.perf_counter()
+            try:
+                mine[k] = probe_alpha({k: self.links[k]}, self.cuda, control.rank,
+                                      deadlines.get(k, control.timeout_s))[k]
+            except CommunicationError as e:
+                if k not in deadlines:
+                    raise
+                watch.failed_wait(began)
+                failed[k] = str(e)
+        if fo is not None and deadlines:
+            before = set(fo.dead)
+            for k in sorted(fo.agree(failed) - before):
+                fo.lost(k, t, 0, watch.seconds(), failed.get(k, ""), ALPHA_PROBE)
+            names = fo.live(names)
+        rows = control.max_rows([[mine[k] for k in names]], "per-message start-up (one-element all-reduces)")
+        return dict(zip(names, rows[0], strict=True))
 
     def _compute_times(self, control: ControlPlane) -> tuple[list[float], list[float]]:
         """Each bucket's forward and backward seconds: the median over this rank's profile iterations
@@ -493,7 +539,7 @@ class WarmupTimer:
         only: every rank holds the same groups and alphas, so every rank gets the same result."""
         links: list[Link] = []
         comm: list[dict[int, float]] = []
-        for k in self.links:
+        for k in alphas:
             groups = loads[k] or pooled
             alpha = alphas[k]
             beta = fit_group_beta([len(g.buckets) for g in groups], [sum(wire[b] for b in g.buckets) for g in groups],
@@ -511,8 +557,9 @@ class WarmupTimer:
               comm: Sequence[dict[int, float]], codec: Codec | None) -> JsonDict:
         """The profile's ``meta``: how it was reduced, so that a reader can tell measured times from
         modelled ones (the probe, the busy groups per link, which buckets were measured alone, the
-        codec's sources, and the links that carried nothing and took ``beta`` from all links)."""
-        link_names = list(self.links)
+        codec's sources, the links that carried nothing and took ``beta`` from all links, and the links
+        lost before the profile was made)."""
+        link_names = list(alphas)
         meta: JsonDict = {
             "profile_iterations": len(self.samples),
             "reduction": "forward/backward: median over iterations, max over ranks; comm: per link, the busy "
@@ -531,6 +578,9 @@ class WarmupTimer:
         unmeasured = [k for k in link_names if not loads[k]]
         if unmeasured:
             meta["unmeasured_links"] = unmeasured
+        lost = [k for k in self.links if k not in alphas]
+        if lost:
+            meta["lost_links"] = lost
         return meta
 
 
