@@ -10,7 +10,9 @@ rank 0 gets the slowest rank's medians (one max-reduction) and decides (:class:`
 1. **Calibrate** when the measured iteration differs from the prediction by more than
    ``adapt_tolerance``: compute is scaled by ``g = measured backward / profiled backward``, then
    communication by the factor ``f`` for which the simulator predicts exactly the measured iteration
-   (``scipy.optimize.brentq``; the simulated time rises with ``f``). The corrected profile is planned
+   (``scipy.optimize.brentq``; the simulated time rises with ``f``); a link whose measured time per byte
+   left the others' has its own factor ``s_l`` on top (:func:`deft.runtime.link_timing.link_factors`:
+   link ``l`` is scaled by ``f * s_l``). The corrected profile is planned
    again; a different schedule is tried (all ranks switch at a cycle boundary) only when predicted
    at least ``SWITCH_GAIN`` faster than the running one on the same corrected profile, since a
    re-plan predicted slower than what runs would be a step back. Where deft chose the plan's codecs
@@ -20,16 +22,21 @@ rank 0 gets the slowest rank's medians (one max-reduction) and decides (:class:`
    exact all-reduce looked hidden behind the compute is not hidden where the links run slower beside
    it (benchmarks/results/slow_links.md).
 2. **Keep the fastest**: a schedule tried after a re-plan that measures slower than the best one
-   measured so far is abandoned for that one, and adaptation stops. The schedule returned to carries
+   measured so far is abandoned for that one, and adaptation settles. The schedule returned to carries
    its measured time as its prediction (it was planned on another partition of the buckets, so the
    corrected profile cannot simulate it; and a measurement is the better prediction anyway).
-3. **Settle**: adaptation stops when the prediction is within tolerance, when a re-plan yields the
-   running schedule again, or after ``adapt_max_replans`` re-plans. It never oscillates: a schedule
-   abandoned once is never tried again, and a stop is final.
+3. **Settle, watch, re-open**: adaptation settles when the prediction is within tolerance, when a
+   re-plan yields the running schedule again, or after ``adapt_max_replans`` re-plans. It never
+   oscillates within an *episode*: a schedule abandoned once is not tried again. Settled, it keeps
+   measuring; links that drift from the window it settled on (:mod:`deft.runtime.link_timing`: a link
+   slowed or recovered, or the iteration moved beyond its noise) re-open it, for ``REOPEN_WINDOWS``
+   windows in a row: a new episode (:meth:`Adapter.reopen`) that calibrates each link with its own
+   factor and re-plans as in step 1, with its own bound. Where a link was slowed, one factor for every
+   link would re-plan on a profile in which both slowed alike and keep the split of the bytes.
 4. **Never slower than the warm-up**: the synchronous schedule deft warmed up and profiled with is a
    measured candidate too (:class:`Synchronous`). When the running schedule measures more than
    ``SWITCH_GAIN`` slower than it (and it is the fastest measured so far), every rank switches back
-   to it on the layout it was measured on, and adaptation stops. The simulator does not model every
+   to it on the layout it was measured on, and adaptation settles. The simulator does not model every
    contention (a comm hook's compute on the gloo threads against the model's), so a plan can lose
    to the warm-up in ways no calibration of two factors sees.
 
@@ -44,7 +51,8 @@ rank 0 gets the slowest rank's medians (one max-reduction) and decides (:class:`
    benchmarks/RESULTS.md, "Figures behind the runtime's constants".
 
 At ``epsilon == 0`` every candidate is a lag-free plan or the synchronous schedule and every switch
-flushes, so the parameters stay torch DDP's. Each decision is recorded in ``plan_info["adapt"]``.
+flushes, so the parameters stay torch DDP's. Each decision is recorded in ``plan_info["adapt"]``, each
+re-planned schedule offered in ``plan_info["replans"]``.
 """
 
 from __future__ import annotations
