@@ -10,7 +10,9 @@ rank 0 gets the slowest rank's medians (one max-reduction) and decides (:class:`
 1. **Calibrate** when the measured iteration differs from the prediction by more than
    ``adapt_tolerance``: compute is scaled by ``g = measured backward / profiled backward``, then
    communication by the factor ``f`` for which the simulator predicts exactly the measured iteration
-   (``scipy.optimize.brentq``; the simulated time rises with ``f``). The corrected profile is planned
+   (``scipy.optimize.brentq``; the simulated time rises with ``f``); a link whose measured time per byte
+   left the others' has its own factor ``s_l`` on top (:func:`deft.runtime.link_timing.link_factors`:
+   link ``l`` is scaled by ``f * s_l``). The corrected profile is planned
    again; a different schedule is tried (all ranks switch at a cycle boundary) only when predicted
    at least ``SWITCH_GAIN`` faster than the running one on the same corrected profile, since a
    re-plan predicted slower than what runs would be a step back. Where deft chose the plan's codecs
@@ -20,16 +22,21 @@ rank 0 gets the slowest rank's medians (one max-reduction) and decides (:class:`
    exact all-reduce looked hidden behind the compute is not hidden where the links run slower beside
    it (benchmarks/results/slow_links.md).
 2. **Keep the fastest**: a schedule tried after a re-plan that measures slower than the best one
-   measured so far is abandoned for that one, and adaptation stops. The schedule returned to carries
+   measured so far is abandoned for that one, and adaptation settles. The schedule returned to carries
    its measured time as its prediction (it was planned on another partition of the buckets, so the
    corrected profile cannot simulate it; and a measurement is the better prediction anyway).
-3. **Settle**: adaptation stops when the prediction is within tolerance, when a re-plan yields the
-   running schedule again, or after ``adapt_max_replans`` re-plans. It never oscillates: a schedule
-   abandoned once is never tried again, and a stop is final.
+3. **Settle, watch, re-open**: adaptation settles when the prediction is within tolerance, when a
+   re-plan yields the running schedule again, or after ``adapt_max_replans`` re-plans. It never
+   oscillates within an *episode*: a schedule abandoned once is not tried again. Settled, it keeps
+   measuring; links that drift from the window it settled on (:mod:`deft.runtime.link_timing`: a link
+   slowed or recovered, or the iteration moved beyond its noise) re-open it, for ``REOPEN_WINDOWS``
+   windows in a row: a new episode (:meth:`Adapter.reopen`) that calibrates each link with its own
+   factor and re-plans as in step 1, with its own bound. Where a link was slowed, one factor for every
+   link would re-plan on a profile in which both slowed alike and keep the split of the bytes.
 4. **Never slower than the warm-up**: the synchronous schedule deft warmed up and profiled with is a
    measured candidate too (:class:`Synchronous`). When the running schedule measures more than
    ``SWITCH_GAIN`` slower than it (and it is the fastest measured so far), every rank switches back
-   to it on the layout it was measured on, and adaptation stops. The simulator does not model every
+   to it on the layout it was measured on, and adaptation settles. The simulator does not model every
    contention (a comm hook's compute on the gloo threads against the model's), so a plan can lose
    to the warm-up in ways no calibration of two factors sees.
 
@@ -44,7 +51,8 @@ rank 0 gets the slowest rank's medians (one max-reduction) and decides (:class:`
    benchmarks/RESULTS.md, "Figures behind the runtime's constants".
 
 At ``epsilon == 0`` every candidate is a lag-free plan or the synchronous schedule and every switch
-flushes, so the parameters stay torch DDP's. Each decision is recorded in ``plan_info["adapt"]``.
+flushes, so the parameters stay torch DDP's. Each decision is recorded in ``plan_info["adapt"]``, each
+re-planned schedule offered in ``plan_info["replans"]``.
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ from deft.runtime.background import Background, JobSlot
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.codecs.choice import Recoding
 from deft.runtime.control import ControlPlane
+from deft.runtime.link_timing import LinkClock, Watch, WindowFigures, link_factors, scale_links, spread
 from deft.runtime.planning import Planning, Switch, make_schedule
 from deft.runtime.records import as_object
 from deft.schedule import Schedule, synchronous_schedule
@@ -83,16 +92,33 @@ class Calibration:
     compute: float   # g: measured / profiled compute
     comm: float      # f: the communication factor that makes the simulation match
     predicted_s: float  # the running schedule simulated on the corrected profile
+    links: Mapping[str, float] = field(default_factory=dict)  # s_l: link l's own factor, on top of f
+
+    def corrected(self, part: Profile) -> Profile:
+        """``part`` (in the running schedule's buckets) corrected by these factors."""
+        return scale_links(part, self.links).scaled(self.compute, self.comm)
+
+
+@dataclass(frozen=True)
+class LinkWindow:
+    """A window's link timing for a calibration: each link's time per byte (reduced over the ranks) and
+    rank 0's sends per link and bucket (:mod:`deft.runtime.link_timing`)."""
+
+    per_byte: Mapping[str, float]
+    sends: Mapping[str, Mapping[int, int]]
 
 
 def calibrate(profile: Profile, schedule: Schedule, config: DeftConfig, measured_s: float,
-              measured_backward_s: float) -> Calibration:
-    """The factors (module docstring, step 1) that make the simulator reproduce ``measured_s``."""
+              measured_backward_s: float, links: LinkWindow | None = None) -> Calibration:
+    """The factors (module docstring, step 1) that make the simulator reproduce ``measured_s``; with
+    ``links``, each link's own factor first (:func:`deft.runtime.link_timing.link_factors`)."""
     part = profile_for_schedule(profile, schedule, config)
     g = measured_backward_s / part.backward_s if part.backward_s > 0 and measured_backward_s > 0 else 1.0
+    factors = {} if links is None else link_factors(part, links.per_byte, links.sends)
+    shaped = scale_links(part, factors)
 
     def predicted(f: float) -> float:
-        return float(simulate_schedule(part.scaled(g, f), schedule).iteration_s)
+        return float(simulate_schedule(shaped.scaled(g, f), schedule).iteration_s)
 
     lo, hi = F_RANGE
     p_lo, p_hi = predicted(lo), predicted(hi)
@@ -102,7 +128,7 @@ def calibrate(profile: Profile, schedule: Schedule, config: DeftConfig, measured
         f = hi
     else:
         f = float(brentq(lambda x: predicted(x) - measured_s, lo, hi, xtol=1e-3, rtol=1e-4))
-    return Calibration(g, f, predicted(f))
+    return Calibration(g, f, predicted(f), factors)
 
 
 @dataclass
@@ -125,10 +151,20 @@ class Adapter:
         """The warm-up's synchronous schedule and its measured time: a candidate from now on."""
         self.synchronous = synchronous
 
+    def reopen(self) -> None:
+        """A settled adaptation re-opens (:mod:`deft.runtime.link_timing`): a new episode, with its own
+        ``adapt_max_replans``. What was measured before is forgotten (the schedules tried, the fastest,
+        the warm-up's candidate): those times were taken on links as they were."""
+        self.replans, self.done, self.best, self.synchronous = 0, False, None, None
+        self.tried = set()
+
     def decide(self, running: Schedule, profile: Profile, measured_s: float, measured_backward_s: float,
-               replan: Callable[[Profile], Schedule]) -> tuple[Schedule | None, Profile | None, JsonDict]:
+               replan: Callable[[Profile], Schedule], links: LinkWindow | None = None,
+               reopened: bool = False) -> tuple[Schedule | None, Profile | None, JsonDict]:
         """After a measurement window: the schedule to switch to (or None), the corrected profile (or
-        None) and the record. ``replan(profile) -> Schedule`` plans on a corrected profile."""
+        None) and the record. ``replan(profile) -> Schedule`` plans on a corrected profile; ``links``:
+        the window's link timing; ``reopened``: the window that re-opened a settled adaptation (its drift
+        is the reason to calibrate, even with the iteration's prediction within tolerance)."""
         predicted = running.predicted_iteration_s
         error = (predicted - measured_s) / measured_s if measured_s > 0 else 0.0
         record: JsonDict = {"schedule": running.digest(), "predicted_s": predicted, "measured_s": measured_s,
@@ -139,11 +175,11 @@ class Adapter:
             return back, None, record
         if self.best is None or measured_s < self.best[0]:
             self.best = (measured_s, running)
-        if abs(error) <= self.config.adapt_tolerance:
+        if abs(error) <= self.config.adapt_tolerance and not reopened:
             return self._settle(record, "prediction within tolerance: settled")
         if self.replans >= self.config.adapt_max_replans:
             return self._settle(record, f"{self.replans} re-plans made: settled")
-        return self._replan(running, profile, measured_s, measured_backward_s, replan, record)
+        return self._replan(running, profile, measured_s, measured_backward_s, replan, record, links)
 
     def _settle(self, record: JsonDict, why: str,
                 corrected: Profile | None = None) -> tuple[None, Profile | None, JsonDict]:
@@ -171,18 +207,20 @@ class Adapter:
         return None
 
     def _replan(self, running: Schedule, profile: Profile, measured_s: float, measured_backward_s: float,
-                replan: Callable[[Profile], Schedule],
-                record: JsonDict) -> tuple[Schedule | None, Profile | None, JsonDict]:
+                replan: Callable[[Profile], Schedule], record: JsonDict,
+                links: LinkWindow | None) -> tuple[Schedule | None, Profile | None, JsonDict]:
         """Step 1 (module docstring): calibrate, choose the codecs again, re-plan, and try the new
         schedule where it is predicted at least :data:`SWITCH_GAIN` faster."""
         cfg = self.config
-        cal = calibrate(profile, running, cfg, measured_s, measured_backward_s)
+        cal = calibrate(profile, running, cfg, measured_s, measured_backward_s, links)
         # Corrected in the buckets the running schedule refers to (its partition of ``profile``): then the
         # corrected profile and the running schedule always fit together (`deft simulate` on it, the
         # timeline of the run, a later calibration), even when adaptation keeps that schedule; a
         # re-plan partitions it again as any profile.
-        corrected = profile_for_schedule(profile, running, cfg).scaled(cal.compute, cal.comm)
+        corrected = cal.corrected(profile_for_schedule(profile, running, cfg))
         record.update(compute_factor=cal.compute, comm_factor=cal.comm, calibrated_s=cal.predicted_s)
+        if any(v != 1.0 for v in cal.links.values()):
+            record["link_factors"] = dict(cal.links)
         self.replans += 1
         target, chosen = self._recode(cal, corrected, record)
         new = replan(target)
@@ -210,7 +248,8 @@ class Adapter:
             return corrected, None
         # the running profile becomes ``corrected``: the exact one follows it, so the factors of later
         # calibrations, measured against it, compose
-        self.recoding = self.recoding.scaled(cal.compute, cal.comm)
+        self.recoding = replace(self.recoding, base=scale_links(self.recoding.base, cal.links)).scaled(
+            cal.compute, cal.comm)
         coded, chosen, codec_record = self.recoding.choose(self.config)
         changed = chosen != self.recoding.chosen
         record["codecs"] = {**codec_record, "changed": changed}  # the choice made again, kept or not
@@ -278,25 +317,31 @@ Decision = JsonDict
 
 @dataclass(frozen=True)
 class Outcome:
-    """An adaptation decision as every rank applied it: its record for ``plan_info["adapt"]`` and the
-    profile rank 0 corrected (None: unchanged)."""
+    """An adaptation decision as every rank applied it: its record for ``plan_info["adapt"]``, the
+    profile rank 0 corrected (None: unchanged) and, when it offered a re-planned schedule, the re-plan's
+    record for ``plan_info["replans"]``."""
 
     record: JsonDict
     profile: Profile | None
+    replan: JsonDict | None = None
 
 
 class Adaptation:
     """The adaptation of one run: the measurement window, rank 0's :class:`Adapter`, the decision in
-    flight (in the run's :class:`JobSlot`) and the warm-up's synchronous candidate.
+    flight (in the run's :class:`JobSlot`), the warm-up's synchronous candidate, the links' clock and,
+    once settled, the watch that re-opens it (:mod:`deft.runtime.link_timing`).
 
     The runtime calls the timing events (:meth:`forward_begins`, :meth:`backward_begins`,
     :meth:`backward_ends`), :meth:`start` when the first plan is installed, and :meth:`after_step`
-    between iterations; a new schedule goes to :class:`Planning` as a :class:`Switch`."""
+    between iterations; a new schedule goes to :class:`Planning` as a :class:`Switch`. ``links``
+    (a :class:`LinkClock`) is the executor's observer; ``backends``: link name -> backend."""
 
-    def __init__(self, config: DeftConfig, control: ControlPlane, planning: Planning, jobs: JobSlot) -> None:
+    def __init__(self, config: DeftConfig, control: ControlPlane, planning: Planning, jobs: JobSlot,
+                 backends: Mapping[str, str] | None = None) -> None:
         self.config, self._control, self._planning, self._jobs = config, control, planning, jobs
         self.on = False
         self.clock = SynchronousClock()
+        self.links = LinkClock(backends or {})
         self.walk: WalkStats | None = None  # the preserver's statistics at the last plan (rank 0 re-plans with them)
         self.warm_layout: FlatLayout | None = None  # the warm-up's layout, which the candidate runs on
         self._adapter: Adapter | None = None  # rank 0
@@ -306,6 +351,17 @@ class Adaptation:
         self._iter_s: list[float] = []
         self._bwd_s: list[float] = []
         self._from = ""  # the digest of the schedule the decision in flight was measured on
+        self._watch: Watch | None = None  # settled: the watch that re-opens the adaptation
+        self._figures: WindowFigures | None = None  # the last window measured, reduced over the ranks
+        self._episode = 0  # re-openings so far
+        self._reason = ""  # why the running episode opened (recorded with its re-plans)
+        self._backward_s = 0.0  # the last window's slowest-rank median backward
+        self._links_window: LinkWindow | None = None  # the last window's link timing
+
+    @property
+    def watching(self) -> bool:
+        """Settled, and watching for a drift that re-opens the adaptation."""
+        return self.on and self._watch is not None
 
     # -- timing events -------------------------------------------------------------------------------
     def forward_begins(self, t: int, now: float, first: int, end: int) -> None:
@@ -328,6 +384,7 @@ class Adaptation:
         """Start a new measurement window at the next forward (the iteration now is not counted)."""
         self._fwd_start = self._bwd_start = None
         self._iter_s, self._bwd_s = [], []
+        self.links.reset()
 
     # -- the loop ------------------------------------------------------------------------------------
     def start(self, on: bool, warm_layout: FlatLayout | None, candidate: Schedule | None,
@@ -335,26 +392,32 @@ class Adaptation:
         """The first plan is installed: adapt it (``on``) against the warm-up's ``candidate``; ``recoding``:
         deft's own codec choice, made again on each calibration (rank 0's; None: none)."""
         self.on, self.warm_layout = on, warm_layout
+        self.links.on = on
         if on:
             self._adapter = Adapter(self.config, recoding=recoding) if self._control.rank == 0 else None
             self.reset_window()
             self._candidate = candidate
+            self._watch, self._episode, self._reason = None, 0, ""
 
     def stop(self) -> None:
         """A link was lost (:mod:`deft.runtime.failover`): the schedules measured, the candidate and the
         profile all used it; adaptation ends on every rank at once (a decision in flight is dropped)."""
-        self.on = False
+        self.on = self.links.on = False
+        self.links.reset()
 
     def forget_measured(self) -> None:
         """A re-check replaced the schedule, for accuracy: adaptation must not go back to one measured
         before (it may be what the re-check rejected); the warm-up's synchronous schedule stays."""
         if self._adapter is not None:
             self._adapter.forget_best()
+        if self._watch is not None:
+            self._watch = Watch(self.config.adapt_tolerance)  # the new schedule's first window: the baseline
 
     def after_step(self, t: int, running: Schedule, profile: Profile | None) -> Outcome | None:
-        """Collective, between iterations while adapting: collect a decision in flight, or end a full
-        window with a decision (in the background with ``plan_lag_iters`` > 0). Returns the decision
-        every rank applied, if one was made now."""
+        """Collective, between iterations while adapting or watching: collect a decision in flight, or end
+        a full window with a decision (in the background with ``plan_lag_iters`` > 0); while watching, a
+        window that re-opens the adaptation starts one. Returns the decision every rank applied, if one
+        was made now."""
         if self._jobs.holds("adapt"):
             if not self._jobs.ready(t):
                 return None
@@ -371,6 +434,10 @@ class Adaptation:
         if self._planning.switch_waiting or len(self._iter_s) < self.config.adapt_window:
             return None
         decide = self._measure(running, profile)
+        if self._watch is not None:
+            if not self._reopens(t, running):
+                return None
+            decide = self._decide(running, profile, reopened=True)
         lag = self.config.plan_lag_iters
         if lag > 0:
             job = None if decide is None else Background(decide, "deft-adapter", self.config.planner_nice)
@@ -378,23 +445,57 @@ class Adaptation:
             return None
         return self._apply(t, decide() if decide is not None else {}, running)
 
+    def _reopens(self, t: int, running: Schedule) -> bool:
+        """Every rank alike (the same reduced figures): does this window re-open a settled adaptation?"""
+        assert self._watch is not None and self._figures is not None
+        why = self._watch.observe(self._figures)
+        if why is None:
+            return False
+        self._watch, self._reason = None, why
+        self._episode += 1
+        if self._adapter is not None:
+            self._adapter.reopen()
+        log.info("deft: rank %d re-opens the adaptation at iteration %d on schedule %s: %s", self._control.rank,
+                 t, running.digest(), why)
+        return True
+
     def _measure(self, running: Schedule, profile: Profile | None) -> Callable[[], Decision] | None:
-        """Collective: the window's slowest-rank medians; rank 0's decision to make (None elsewhere)."""
-        measured, backward, synchronous_s = self._control.max_rows(
-            [[*window_medians(self._iter_s, self._bwd_s), self.clock.median()]], "iteration times")[0]
+        """Collective: the window's figures reduced over the ranks (the slowest rank's medians, each
+        link's least time per byte); rank 0's decision to make (None elsewhere)."""
+        loads = self.links.take(running.bucket_nbytes)
+        names = self.links.names
+        per_byte = [loads[n].per_byte_s if n in loads else None for n in names]
+        row = [*window_medians(self._iter_s, self._bwd_s), self.clock.median(), spread(self._iter_s),
+               *(-pb if pb is not None else 0.0 for pb in per_byte)]  # the max of -x is the min of x
+        reduced = self._control.max_rows([row], "iteration times")[0]
+        measured, self._backward_s, synchronous_s, spread_s = reduced[:4]
+        self._figures = WindowFigures(measured, spread_s, {n: -v for n, v in zip(names, reduced[4:], strict=True)
+                                                           if v < 0})
+        self._links_window = LinkWindow(self._figures.per_byte, {n: ld.sends for n, ld in loads.items()})
         self.reset_window()
         self._from = running.digest()
         if self._adapter is None:
             return None
-        if self._adapter.synchronous is None and self._candidate is not None and synchronous_s > 0:
+        if self._adapter.synchronous is None and self._candidate is not None and synchronous_s > 0 \
+                and self._episode == 0:
             self._adapter.know_synchronous(Synchronous(self._candidate, synchronous_s))
-        return _decision(self.config, self._adapter, running, profile, measured, backward, self.walk)
+        return self._decide(running, profile)
+
+    def _decide(self, running: Schedule, profile: Profile | None,
+                reopened: bool = False) -> Callable[[], Decision] | None:
+        """Rank 0's decision on the window just measured (None elsewhere)."""
+        if self._adapter is None or self._figures is None:
+            return None
+        return _decision(self.config, self._adapter, running, profile, self._figures.iteration_s,
+                         self._backward_s, self.walk, self._links_window, reopened)
 
     def _apply(self, t: int, doc: Decision, running: Schedule) -> Outcome:
         """Collective: rank 0's decision to every rank; a new schedule waits for a boundary."""
         doc = self._control.broadcast_json(doc, "adaptation decision")
         self.reset_window()  # the iterations beside the planner's thread are not the schedule's own
         record: JsonDict = {"iteration": t, **as_object(doc, "record")}
+        if self._episode:
+            record.update(episode=self._episode, reopened=self._reason)
         # A re-check may have switched schedules while rank 0 decided in the background: the decision, and
         # the profile it corrected in the old schedule's buckets, are about a schedule no longer running.
         moved = running.digest() != self._from
@@ -408,17 +509,41 @@ class Adaptation:
             out = os.environ.get("DEFT_PROFILE_OUT")
             if out and self._control.rank == 0:  # `deft simulate` on it predicts what this run measures
                 corrected.save(out)
-        if "schedule" in doc and not moved:
-            schedule = Schedule.from_dict(as_object(doc, "schedule"), "schedule re-planned by rank 0")
-            self._control.check_agreement("schedule", schedule.digest())
-            back = self._candidate is not None and plan_digest(schedule) == plan_digest(self._candidate)
-            # a re-check's re-plan, made during the lag, goes first
-            info: JsonDict = {"source": "adapt", **({"layout": "warm-up"} if back else {})}
-            if not self._planning.offer(Switch(schedule, info, warm_layout=back)):
-                record["superseded"] = "a re-check's re-planned schedule was already waiting"
+        replan = self._offer(t, doc, record) if "schedule" in doc and not moved else None
         # A superseded decision is void, "done" with it: the schedule the re-check chose is measured next.
-        self.on = superseded or not doc["done"]
-        return Outcome(record, corrected)
+        self._settled(doc, superseded)
+        return Outcome(record, corrected, replan)
+
+    def _offer(self, t: int, doc: Decision, record: JsonDict) -> JsonDict | None:
+        """Every rank: the re-planned schedule in ``doc`` offered for the next cycle boundary; its record
+        for ``plan_info["replans"]`` (None: a re-check's switch went first)."""
+        schedule = Schedule.from_dict(as_object(doc, "schedule"), "schedule re-planned by rank 0")
+        self._control.check_agreement("schedule", schedule.digest())
+        back = self._candidate is not None and plan_digest(schedule) == plan_digest(self._candidate)
+        # a re-check's re-plan, made during the lag, goes first
+        info: JsonDict = {"source": "adapt", **({"layout": "warm-up"} if back else {})}
+        if not self._planning.offer(Switch(schedule, info, warm_layout=back)):
+            record["superseded"] = "a re-check's re-planned schedule was already waiting"
+            return None
+        error = record.get("error")
+        why = self._reason or (f"prediction error {float(error):+.0%} against the measured iteration"
+                               if isinstance(error, (int, float)) else "")
+        cost = as_object(record, "background")
+        return {"iteration": t, "episode": self._episode, "reason": why, "decision": record.get("decision"),
+                "from": self._from, "to": schedule.digest(), "predicted_s": schedule.predicted_iteration_s,
+                **({"link_factors": record["link_factors"]} if "link_factors" in record else {}),
+                **({"plan_s": cost.get("plan_s"), "waited_s": cost.get("waited_s")} if cost else {})}
+
+    def _settled(self, doc: Decision, superseded: bool) -> None:
+        """After a decision: adapting on, or settled and watching (the baseline: the window decided on when
+        the running schedule stays, else the next window), or off after a failed decision."""
+        if superseded or not doc["done"]:
+            self.on, self._watch = True, None
+            return
+        failed = isinstance(as_object(doc, "record").get("error"), str)  # rank 0's decision raised
+        self.on = self.links.on = not failed
+        self._watch = None if failed else Watch(self.config.adapt_tolerance,
+                                                None if "schedule" in doc else self._figures)
 
 
 def _decided(out: Mapping[str, object]) -> Decision:
@@ -431,7 +556,8 @@ def _decided(out: Mapping[str, object]) -> Decision:
 
 
 def _decision(cfg: DeftConfig, adapter: Adapter, running: Schedule, profile: Profile | None, measured: float,
-              backward: float, walk: WalkStats | None) -> Callable[[], Decision]:
+              backward: float, walk: WalkStats | None, links: LinkWindow | None = None,
+              reopened: bool = False) -> Callable[[], Decision]:
     """Rank 0's decision as a function of its inputs only (it may run on a background thread)."""
     def decide() -> Decision:
         try:
@@ -445,7 +571,7 @@ def _decision(cfg: DeftConfig, adapter: Adapter, running: Schedule, profile: Pro
             def replan(corrected: Profile) -> Schedule:
                 return make_schedule(quick, corrected, None if cfg.epsilon == 0 else walk, None).schedule
 
-            new, corrected, record = adapter.decide(running, profile, measured, backward, replan)
+            new, corrected, record = adapter.decide(running, profile, measured, backward, replan, links, reopened)
             doc: Decision = {"record": record, "done": adapter.done}
             if new is not None:
                 doc["schedule"] = new.to_dict()

@@ -86,7 +86,9 @@ class Course:
         self.codecs = CodecPolicy(config, control, executor, params, self._primary, ranks, self.planning.measuring,
                                   comm_hook, init_broadcast, self.planning.preload_solver)
         self.jobs = JobSlot(control)  # the plan's, then the adaptation's background decision
-        self.adaptation = Adaptation(config, control, self.planning, self.jobs)
+        self.adaptation = Adaptation(config, control, self.planning, self.jobs,
+                                     {n: lk.backend for n, lk in links.items()})
+        executor.observe(self.adaptation.links)  # each link's time in the running schedule (records while adapting)
         self.record = RunRecord()
         self.failover = LinkFailover(config, control, links)  # a non-primary link that dies
         executor.guard_links(self.failover)
@@ -244,6 +246,8 @@ class Course:
             outcome = self.adaptation.after_step(t, self.schedule, self.profile)
             if outcome is not None:
                 self.record.adapt.append(outcome.record)
+                if outcome.replan is not None:
+                    self.record.replans.append(outcome.replan)
                 self.profile = outcome.profile or self.profile
         self._maybe_switch(t, flush)
 

@@ -9,8 +9,10 @@ The view's keys: the agreed plan's own (``source``, ``accepted``, ``tries``, ``r
 ``try_log``, ``recheck``, ``fallback``, ...; :func:`deft.runtime.planning.make_schedule`), ``t0`` (the
 iteration it began), ``stats_reason``, ``background`` (planned in the background: how long), and,
 when not empty, ``finish_in_forward``, ``skipped_steps``, ``calibrations``, ``rechecks``,
-``switches``, ``adapt`` and ``link_failures`` (a link lost: when, what was sent again, what it cost,
-the re-plan; :mod:`deft.runtime.failover`), ``profile_codec`` (the codec of the profile iterations and why,
+``switches``, ``adapt``, ``replans`` (the adaptation's re-planned schedules offered: when, why, from and
+to which schedule, each link's own factor, rank 0's planning seconds) and ``link_failures`` (a link
+lost: when, what was sent again, what it cost, the re-plan; :mod:`deft.runtime.failover`), ``profile_codec``
+(the codec of the profile iterations and why,
 :class:`deft.runtime.codecs.first_iteration.CodecDecision`), ``nonfinite_steps`` (iterations whose gradient
 statistics were skipped: a gradient was inf/NaN, as GradScaler's overflow steps have). Before the first plan only
 ``skipped_steps``, ``nonfinite_steps``, ``calibrations``, ``link_failures`` and ``profile_codec`` can be
@@ -83,6 +85,7 @@ class RunRecord:
     rechecks: list[Doc] = field(default_factory=list)
     switches: list[Doc] = field(default_factory=list)
     adapt: list[Doc] = field(default_factory=list)
+    replans: list[Doc] = field(default_factory=list)  # the adaptation's re-planned schedules offered
     link_failures: list[Doc] = field(default_factory=list)  # links lost and the re-plans without them
     profile_codec: Doc | None = None  # the profile iterations' codec and why (deft.runtime.codecs.first_iteration)
 
@@ -92,7 +95,7 @@ class RunRecord:
         goes."""
         self.plan = {**info, "t0": t0, "stats_reason": stats_reason,
                      **({} if background is None else {"background": background})}
-        self.rechecks, self.switches, self.adapt = [], [], []
+        self.rechecks, self.switches, self.adapt, self.replans = [], [], [], []
 
     def switched(self, record: SwitchRecord) -> None:
         self.switches.append(record.to_dict())
@@ -107,7 +110,7 @@ class RunRecord:
         lists: dict[str, list[int] | list[Doc]] = {
             "skipped_steps": self.skipped_steps, "nonfinite_steps": self.nonfinite_steps,
             "calibrations": self.calibrations, "rechecks": self.rechecks, "switches": self.switches,
-            "adapt": self.adapt, "link_failures": self.link_failures}
+            "adapt": self.adapt, "replans": self.replans, "link_failures": self.link_failures}
         out.update({key: copy.deepcopy(value) for key, value in lists.items() if value})
         return PlanInfoView(out)
 
@@ -123,12 +126,12 @@ class RunRecord:
                    skipped_steps=_ints(doc, "skipped_steps"), nonfinite_steps=_ints(doc, "nonfinite_steps"),
                    calibrations=_objects(doc, "calibrations"), rechecks=_objects(doc, "rechecks"),
                    switches=_objects(doc, "switches"), adapt=_objects(doc, "adapt"),
-                   link_failures=_objects(doc, "link_failures"))
+                   replans=_objects(doc, "replans"), link_failures=_objects(doc, "link_failures"))
 
 
 #: The keys of a view that are the record's own fields, not the plan's.
 _RECORD_KEYS = ("finish_in_forward", "profile_codec", "skipped_steps", "nonfinite_steps", "calibrations", "rechecks",
-                "switches", "adapt", "link_failures")
+                "switches", "adapt", "replans", "link_failures")
 
 
 def _items(doc: Mapping[str, JsonValue], key: str) -> list[JsonValue]:

@@ -1,0 +1,232 @@
+"""Each link's time in the running schedule, and the rule that re-opens a settled adaptation.
+
+Two jobs for :mod:`deft.runtime.adapt`:
+
+* **A link's time per byte** (:class:`LinkClock`, an executor observer). Every send of the running
+  schedule on a gloo link is stamped at launch and at completion (a callback on its Work's future, as
+  the warm-up timer stamps the profile iterations' sends: :mod:`deft.runtime.warmup_timer`). A link's
+  *busy time* in a window is the length of the union of its sends' intervals
+  (:func:`deft.runtime.warmup_timer.busy_periods`: a link carries overlapping sends in about the time
+  it takes them one after another), its *time per byte* the busy time over the bytes sent. The ranks
+  reduce it with a minimum: a send launched on an idle link waits there for the slowest rank, and the
+  last rank to launch waits for nobody. NCCL links are not timed (their futures complete at launch):
+  there the iteration time alone is watched.
+* **Per-link calibration** (:func:`link_factors`, :func:`scale_links`). A link's factor is its measured
+  busy time over the time the running profile models for the same sends, divided by the primary's
+  (the first link timed): ``s_l = (measured_l / modelled_l) / (measured_ref / modelled_ref)``. The
+  calibration scales link ``l`` by ``f * s_l``, so one link can be priced slower than another (one
+  factor ``f`` for all links keeps the split of the bytes between them). A factor within
+  :data:`LINK_DRIFT` of 1 (either way) is set to 1: the links' times measured beside the model's
+  compute wander by that much without any link changing, and such noise must not move bytes.
+* **Re-opening** (:class:`Watch`, :func:`drift`). Once the adaptation has settled, every window is still
+  measured and compared with the window it settled on (its *baseline*; the first window after a switch
+  when it settled by switching). A window *drifts* when a link's time per byte against the primary's
+  moved by more than :data:`LINK_DRIFT` either way, or when its median iteration moved by more than
+  ``adapt_tolerance`` and by more than :data:`NOISE_K` times the windows' spread (the median absolute
+  deviation of their iterations: a shift that large is not the window's own noise). Only
+  :data:`REOPEN_WINDOWS` drifting windows in a row re-open the adaptation (hysteresis: a one-off spike,
+  a window straddling a change, do not). Every rank holds the same :class:`Watch` fed the same reduced
+  figures, so every rank decides alike without a word from rank 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from deft.profile import Profile
+from deft.runtime.control import FUTURE_TYPES, Collective
+from deft.runtime.warmup_timer import busy_periods
+
+#: A link's time per byte against the primary's must change by this factor (either way) to count: its
+#: busy time in the running schedule carries the waits for peers and the CPU the model's compute takes
+#: from the transport threads (benchmarks/results/faults.md, "A link that slows").
+LINK_DRIFT = 1.5
+#: Drifting windows in a row that re-open the adaptation.
+REOPEN_WINDOWS = 2
+#: An iteration shift counts when larger than this many times the windows' spread.
+NOISE_K = 2.0
+
+
+# -- measuring ----------------------------------------------------------------------------------------
+@dataclass
+class _Send:
+    """One bucket's collectives on one link: launch time and one completion stamp per Work."""
+
+    bucket: int
+    link: str
+    launched: float
+    works: int
+    stamps: list[float] = field(default_factory=list)
+
+    @property
+    def span(self) -> tuple[float, float] | None:
+        return (self.launched, max(self.stamps)) if len(self.stamps) == self.works else None
+
+
+def _stamp(fut: torch._C.Future[object], stamps: list[float]) -> None:
+    """Append ``fut``'s completion time; a failed collective (``value`` raises) stamps nothing."""
+    fut.value()
+    stamps.append(time.perf_counter())
+
+
+@dataclass(frozen=True)
+class LinkLoad:
+    """One rank's completed sends on one link in a window: busy seconds, bytes, sends per bucket."""
+
+    busy_s: float
+    nbytes: int
+    sends: Mapping[int, int]
+
+    @property
+    def per_byte_s(self) -> float | None:
+        return self.busy_s / self.nbytes if self.nbytes > 0 and self.busy_s > 0 else None
+
+
+class LinkClock:
+    """An executor observer timing the running schedule's sends per link (module docstring). Records only
+    while ``on``; :meth:`take` hands over the completed sends, :meth:`reset` forgets everything."""
+
+    def __init__(self, backends: Mapping[str, str]) -> None:
+        self.names = tuple(backends)
+        self._timed = {n for n, b in backends.items() if b != "nccl"}
+        self.on = False
+        self._sends: list[_Send] = []
+        self._started: dict[int, float] = {}  # a chained hook's send of a bucket really started then
+
+    def bucket_ready(self, b: int) -> None:
+        pass
+
+    def hook_started(self, b: int, t: float) -> None:
+        if self.on:
+            self._started[b] = t  # one dict store: may run on a gloo thread
+
+    def launched(self, b: int, link: str, works: list[Collective], t_start: float) -> None:
+        if not self.on or link not in self._timed:
+            return
+        rec = _Send(b, link, t_start, len(works))
+        self._sends.append(rec)
+        for w in works:
+            fut = w if isinstance(w, FUTURE_TYPES) else w.get_future()
+            fut.then(functools.partial(_stamp, stamps=rec.stamps))  # list.append is atomic
+
+    def reset(self) -> None:
+        self._sends, self._started = [], {}
+
+    def take(self, nbytes: Sequence[int]) -> dict[str, LinkLoad]:
+        """The completed sends since the last call, per link (``nbytes[b]``: bucket ``b``'s bytes); the
+        ones still in flight count in the next window."""
+        spans: dict[str, list[tuple[float, float]]] = {}
+        sent: dict[str, Counter[int]] = {}
+        left = []
+        for s in self._sends:
+            span = s.span
+            if span is None:
+                left.append(s)
+                continue
+            start = max(span[0], self._started.get(s.bucket, span[0]))
+            spans.setdefault(s.link, []).append((min(start, span[1]), span[1]))
+            sent.setdefault(s.link, Counter())[s.bucket] += 1
+        self._sends = left
+        return {n: LinkLoad(sum(length for _, length in busy_periods(spans[n])),
+                            sum(nbytes[b] * k for b, k in sent[n].items()), dict(sent[n])) for n in spans}
+
+
+# -- per-link calibration -------------------------------------------------------------------------------
+def link_factors(part: Profile, per_byte: Mapping[str, float],
+                 sends: Mapping[str, Mapping[int, int]]) -> dict[str, float]:
+    """Each link's factor ``s_l`` (module docstring) for a profile ``part`` in the running schedule's
+    buckets, from the ranks' reduced times per byte and one rank's sends per link and bucket. Links not
+    timed, and factors within :data:`LINK_DRIFT` of 1, get 1."""
+    ratio: dict[str, float] = {}
+    for lk in part.links:
+        sent, pb = sends.get(lk.name, {}), per_byte.get(lk.name)
+        modelled = sum(k * part.comm_time(b, lk.name) for b, k in sent.items())
+        nbytes = sum(k * part.buckets[b].nbytes for b, k in sent.items())
+        if pb is not None and modelled > 0 and nbytes > 0:
+            ratio[lk.name] = pb * nbytes / modelled
+    if not ratio:
+        return {lk.name: 1.0 for lk in part.links}
+    ref = ratio[next(iter(ratio))]
+    out = {}
+    for lk in part.links:
+        s = ratio.get(lk.name, ref) / ref
+        out[lk.name] = s if max(s, 1.0 / s) > LINK_DRIFT else 1.0
+    return out
+
+
+def scale_links(profile: Profile, factors: Mapping[str, float]) -> Profile:
+    """``profile`` with link ``l``'s all-reduces (direct times and model) x ``factors[l]`` (1 if absent)."""
+    if all(f == 1.0 for f in factors.values()):
+        return profile
+    times = tuple(replace(t, comm_s={k: v * factors.get(k, 1.0) for k, v in t.comm_s.items()}) for t in profile.times)
+    links = tuple(replace(lk, alpha_s=lk.alpha_s * factors.get(lk.name, 1.0),
+                          beta_s_per_byte=lk.beta_s_per_byte * factors.get(lk.name, 1.0)) for lk in profile.links)
+    return replace(profile, times=times, links=links)
+
+
+# -- re-opening ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WindowFigures:
+    """One measurement window reduced over the ranks (every rank holds the same figures)."""
+
+    iteration_s: float  # the slowest rank's median iteration
+    spread_s: float     # the largest of the ranks' median absolute deviations of their iterations
+    per_byte: Mapping[str, float] = field(default_factory=dict)  # link -> seconds per byte; absent: not timed
+
+
+def spread(seconds: Sequence[float]) -> float:
+    """The median absolute deviation of ``seconds`` from their median (0.0 for none)."""
+    if not seconds:
+        return 0.0
+    m = statistics.median(seconds)
+    return statistics.median(abs(s - m) for s in seconds)
+
+
+def link_drifts(base: Mapping[str, float], now: Mapping[str, float]) -> dict[str, float]:
+    """Per link timed in both windows (the first, the reference, left out): its time per byte against
+    the reference's now, over the same ratio in ``base``."""
+    common = [n for n in now if n in base and now[n] > 0 and base[n] > 0]
+    if len(common) < 2:
+        return {}
+    ref = common[0]
+    return {n: (now[n] / now[ref]) / (base[n] / base[ref]) for n in common[1:]}
+
+
+def drift(base: WindowFigures, now: WindowFigures, tolerance: float) -> str | None:
+    """Why ``now`` is not the window the adaptation settled on (module docstring); None: it still is."""
+    for name, d in link_drifts(base.per_byte, now.per_byte).items():
+        if max(d, 1.0 / d) > LINK_DRIFT:
+            return f"link {name!r}: its time per byte against the primary's is {d:.2f}x the settled window's"
+    shift = now.iteration_s - base.iteration_s
+    if abs(shift) > tolerance * base.iteration_s and abs(shift) > NOISE_K * max(now.spread_s, base.spread_s):
+        return (f"iteration {now.iteration_s * 1e3:.1f} ms against {base.iteration_s * 1e3:.1f} ms "
+                "in the settled window")
+    return None
+
+
+@dataclass
+class Watch:
+    """A settled adaptation's watch (module docstring): ``observe`` each window; the reason to re-open
+    after :data:`REOPEN_WINDOWS` drifting windows in a row, else None."""
+
+    tolerance: float
+    baseline: WindowFigures | None = None  # None: the next window becomes it
+    streak: int = 0
+
+    def observe(self, now: WindowFigures) -> str | None:
+        if self.baseline is None:
+            self.baseline = now
+            return None
+        why = drift(self.baseline, now, self.tolerance)
+        self.streak = self.streak + 1 if why is not None else 0
+        if why is None or self.streak < REOPEN_WINDOWS:
+            return None
+        self.streak = 0
+        return f"{why} ({REOPEN_WINDOWS} windows in a row)"

@@ -1,0 +1,211 @@
+"""Each link's own factor, and the watch that re-opens a settled adaptation (deft.runtime.link_timing),
+fed synthetic timings: no clock is read."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from deft import DeftConfig
+from deft.profile import Bucket, BucketTimes, Link, Profile
+from deft.runtime.adapt import Adapter, LinkWindow, Synchronous, calibrate
+from deft.runtime.link_timing import (
+    LINK_DRIFT,
+    REOPEN_WINDOWS,
+    LinkClock,
+    Watch,
+    WindowFigures,
+    drift,
+    link_factors,
+    scale_links,
+)
+from deft.schedule import synchronous_schedule
+from deft.solver.partition import profile_for_schedule
+from deft.solver.plan import no_delay_plan
+from deft.solver.simulate import simulate_schedule
+
+MS = 1e-3
+MB = 1_000_000
+TOL = 0.10
+
+
+def two_links() -> Profile:
+    """Four 1 MB buckets; two gloo links of 10 ms per MB each (no direct times: the links' models)."""
+    buckets = tuple(Bucket(i, (f"layer{3 - i}",), MB // 4, MB) for i in range(4))
+    times = tuple(BucketTimes(5 * MS, 10 * MS, {}) for _ in range(4))
+    links = (Link("primary", "gloo", None, 1e-4, 1e-8), Link("second", "gloo", None, 1e-4, 1e-8))
+    return Profile(buckets, times, links, 2, "synthetic", model="four")
+
+
+def alternating() -> tuple[Profile, object]:
+    """The profile and torch DDP's schedule on it, buckets alternating between the links."""
+    p = two_links()
+    sched = synchronous_schedule(tuple(b.numel for b in p.buckets), tuple(b.nbytes for b in p.buckets),
+                                 ("primary", "second"), ("primary", "second", "primary", "second"))
+    return p, sched
+
+
+def measured_on(truth: Profile, sends: dict[str, dict[int, int]]) -> dict[str, float]:
+    """The seconds per byte a "machine" running ``truth`` shows for ``sends`` (its links' models)."""
+    return {n: sum(k * truth.comm_time(b, n) for b, k in s.items()) / sum(k * truth.buckets[b].nbytes
+                                                                          for b, k in s.items())
+            for n, s in sends.items()}
+
+
+SENDS = {"primary": {0: 3, 2: 3}, "second": {1: 3, 3: 3}}  # a window of 3 iterations of `alternating`
+
+
+# -- per-link calibration ------------------------------------------------------------------------------------
+def test_a_link_slower_than_its_profile_gets_its_own_factor() -> None:
+    p, _ = alternating()
+    truth = scale_links(p, {"second": 5.0}).scaled(1.0, 1.3)  # everything 1.3x, the second link 5x on top
+    factors = link_factors(p, measured_on(truth, SENDS), SENDS)
+    assert factors == {"primary": 1.0, "second": pytest.approx(5.0)}
+
+
+def test_links_within_the_drift_band_share_one_factor() -> None:
+    p, _ = alternating()
+    truth = scale_links(p, {"second": 0.9 * LINK_DRIFT})
+    assert link_factors(p, measured_on(truth, SENDS), SENDS) == {"primary": 1.0, "second": 1.0}
+    faster = scale_links(p, {"second": 1.0 / (1.1 * LINK_DRIFT)})  # recovered: the factor goes below 1 too
+    assert link_factors(p, measured_on(faster, SENDS), SENDS)["second"] == pytest.approx(1.0 / (1.1 * LINK_DRIFT))
+
+
+def test_a_link_not_timed_keeps_the_common_factor() -> None:
+    p, _ = alternating()
+    only = {"primary": SENDS["primary"]}
+    assert link_factors(p, measured_on(p.scaled(1.0, 3.0), only), only) == {"primary": 1.0, "second": 1.0}
+
+
+def test_scale_links_scales_one_link_s_model_and_direct_times() -> None:
+    p = two_links()
+    direct = replace(p, times=tuple(replace(t, comm_s={"primary": 7 * MS, "second": 8 * MS}) for t in p.times))
+    s = scale_links(direct, {"second": 4.0})
+    assert s.comm_time(0, "second") == pytest.approx(32 * MS) and s.comm_time(0, "primary") == pytest.approx(7 * MS)
+    assert s.link("second").beta_s_per_byte == pytest.approx(4e-8) and s.link("primary").beta_s_per_byte == 1e-8
+    assert scale_links(p, {"primary": 1.0, "second": 1.0}) is p
+
+
+def test_calibration_with_link_timing_recovers_the_slowed_link_and_the_measured_iteration() -> None:
+    p, sched = alternating()
+    cfg = DeftConfig()
+    truth = scale_links(profile_for_schedule(p, sched, cfg), {"second": 5.0}).scaled(1.2, 1.5)
+    measured = simulate_schedule(truth, sched).iteration_s
+    window = LinkWindow(measured_on(truth, SENDS), SENDS)
+    cal = calibrate(p, sched, cfg, measured, 1.2 * p.backward_s, window)
+    assert cal.links == {"primary": 1.0, "second": pytest.approx(5.0)}
+    assert cal.compute == pytest.approx(1.2) and cal.comm == pytest.approx(1.5, rel=2e-3)
+    assert cal.predicted_s == pytest.approx(measured, rel=1e-3)
+    corrected = cal.corrected(profile_for_schedule(p, sched, cfg))
+    ratio = corrected.link("second").beta_s_per_byte / corrected.link("primary").beta_s_per_byte
+    assert ratio == pytest.approx(5.0)  # the re-plan prices the second link 5x the primary
+    # one factor for both links (no link timing) keeps them priced alike
+    assert calibrate(p, sched, cfg, measured, 1.2 * p.backward_s).links == {}
+
+
+# -- the watch -------------------------------------------------------------------------------------------------
+BASE = WindowFigures(0.100, 0.002, {"primary": 1e-8, "second": 1e-8})
+
+
+def window(iteration_s: float = 0.100, second: float = 1e-8, primary: float = 1e-8,
+           spread_s: float = 0.002) -> WindowFigures:
+    return WindowFigures(iteration_s, spread_s, {"primary": primary, "second": second})
+
+
+def test_no_drift_stays_settled() -> None:
+    w = Watch(TOL, BASE)
+    noisy = [window(0.104, 1.2e-8), window(0.097, 0.9e-8, 1.1e-8), window(0.108, 1.3e-8)]
+    assert [w.observe(x) for x in noisy * 5] == [None] * 15
+
+
+def test_sustained_drift_on_one_link_reopens_naming_it() -> None:
+    w = Watch(TOL, BASE)
+    slowed = window(0.100, 5e-8)  # the iteration unchanged: only the link's time per byte
+    whys = [w.observe(slowed) for _ in range(REOPEN_WINDOWS)]
+    assert whys[:-1] == [None] * (REOPEN_WINDOWS - 1)
+    assert whys[-1] is not None and "'second'" in whys[-1] and "5.00x" in whys[-1]
+
+
+def test_a_one_off_spike_does_not_reopen() -> None:
+    w = Watch(TOL, BASE)
+    spikes = [window(0.250, 5e-8), window(), window(0.300), window(), window(second=8e-8), window()]
+    assert [w.observe(x) for x in spikes] == [None] * len(spikes)
+
+
+def test_recovery_reopens_back() -> None:
+    # settled on the slow link (its window is the baseline); the link recovers: a drift the other way
+    w = Watch(TOL, window(0.150, 5e-8))
+    whys = [w.observe(window(0.150, 1e-8)) for _ in range(REOPEN_WINDOWS)]
+    assert whys[-1] is not None and "'second'" in whys[-1] and "0.20x" in whys[-1]
+
+
+def test_an_iteration_drift_reopens_only_beyond_the_window_s_own_noise() -> None:
+    assert drift(BASE, window(0.130), TOL) is not None  # 30 % slower, spread 2 ms
+    assert drift(BASE, window(0.130, spread_s=0.020), TOL) is None  # the same shift, within 2 x 20 ms of noise
+    assert drift(BASE, window(0.108), TOL) is None  # within tolerance
+    w = Watch(TOL, BASE)
+    assert [w.observe(window(0.130)) for _ in range(REOPEN_WINDOWS)][-1] is not None
+
+
+def test_without_a_baseline_the_first_window_becomes_it() -> None:
+    w = Watch(TOL)
+    assert w.observe(window(0.150, 5e-8)) is None and w.baseline == window(0.150, 5e-8)
+    assert [w.observe(window(0.150, 5e-8)) for _ in range(4)] == [None] * 4
+
+
+def test_links_timed_in_one_window_only_are_not_compared() -> None:
+    one_link = WindowFigures(0.100, 0.002, {"primary": 1e-8})
+    assert drift(BASE, one_link, TOL) is None and drift(one_link, window(second=9e-8), TOL) is None
+
+
+# -- episodes ----------------------------------------------------------------------------------------------------
+def test_a_reopened_episode_calibrates_within_tolerance_and_bounds_its_replans() -> None:
+    p, sched = alternating()
+    cfg = DeftConfig(adapt_max_replans=1)
+    sched = replace(sched, predicted_iteration_s=simulate_schedule(p, sched).iteration_s)
+    ad = Adapter(cfg, synchronous=Synchronous(sched, 0.5 * sched.predicted_iteration_s))
+    ad.done = True  # settled (on the warm-up's schedule)
+    ad.reopen()
+    assert (ad.done, ad.replans, ad.best, ad.synchronous, ad.tried) == (False, 0, None, None, set())
+    truth = scale_links(p, {"second": 5.0})
+    window = LinkWindow(measured_on(truth, SENDS), SENDS)
+    other = no_delay_plan(scale_links(p, {"second": 5.0}), cfg)
+    plans = []
+
+    def replan(q: Profile) -> object:
+        plans.append(q)
+        return replace(other, predicted_iteration_s=0.01)
+
+    # the iteration within tolerance of its prediction: re-opened, it calibrates anyway
+    new, corrected, rec = ad.decide(sched, p, sched.predicted_iteration_s, p.backward_s, replan, window,
+                                    reopened=True)
+    assert new is not None and rec["link_factors"]["second"] == pytest.approx(5.0)
+    assert plans[0].link("second").beta_s_per_byte == pytest.approx(5 * plans[0].link("primary").beta_s_per_byte)
+    assert corrected is not None and "synchronous_s" not in rec  # the stale warm-up time is not a candidate
+    # the episode's bound: one re-plan, then it settles
+    again, _, rec = ad.decide(new, p, 0.02, p.backward_s, replan, window)
+    assert again is None and ad.done and "1 re-plans made" in rec["decision"]
+    # a new episode has its own bound
+    ad.reopen()
+    assert not ad.done and ad.replans == 0
+
+
+# -- the clock -------------------------------------------------------------------------------------------------
+def test_the_clock_counts_completed_sends_only_and_only_while_on() -> None:
+    clock = LinkClock({"primary": "gloo", "second": "gloo", "fast": "nccl"})
+    f0, f1, f2, f3 = (torch.futures.Future() for _ in range(4))
+    clock.launched(0, "primary", [f0], 0.0)  # off: not recorded
+    clock.on = True
+    clock.launched(1, "primary", [f1], 0.0)
+    clock.launched(2, "second", [f2], 0.0)
+    clock.launched(3, "fast", [f3], 0.0)  # NCCL: not timed
+    f1.set_result(torch.zeros(1))
+    loads = clock.take([10, 20, 30, 40])
+    assert set(loads) == {"primary"} and loads["primary"].nbytes == 20 and loads["primary"].sends == {1: 1}
+    f2.set_result(torch.zeros(1))  # in flight at the first window's end: counted in the next
+    loads = clock.take([10, 20, 30, 40])
+    assert set(loads) == {"second"} and loads["second"].sends == {2: 1} and loads["second"].busy_s > 0
+    clock.reset()
+    assert clock.take([10, 20, 30, 40]) == {}
