@@ -15,6 +15,7 @@ ORDER = [
     "summary.md",
     "peers.md",
     "peers_lm.md",
+    "peers_lm_safe.md",
     "peers_torchft.md",
     "peers_trainer.md",
     "slow_links.md",
