@@ -31,6 +31,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 
 from deft._json import Fields, JsonDict, JsonValue, read_json, write_json
@@ -192,11 +193,12 @@ class Profile:
         self.validate("<profile>")
 
     # -- derived views -------------------------------------------------------------------------
-    @property
+    # Cached: the fields are immutable after construction, and the simulator reads these per event.
+    @cached_property
     def n(self) -> int:
         return len(self.buckets)
 
-    @property
+    @cached_property
     def link_names(self) -> tuple[str, ...]:
         return tuple(link.name for link in self.links)
 
@@ -246,7 +248,7 @@ class Profile:
     def backward_s(self) -> float:
         return sum(t.backward_s for t in self.times)
 
-    @property
+    @cached_property
     def gradient_ready(self) -> tuple[int, ...]:
         """``ready[b]``: the bucket at the end of whose backward bucket ``b``'s gradient is complete.
 
@@ -270,7 +272,7 @@ class Profile:
                 nxt += 1
         return tuple(ready)
 
-    @property
+    @cached_property
     def forward_gates(self) -> tuple[int, ...]:
         """``gate[b]``: the bucket whose forward is the first to need bucket ``b``'s parameters.
 
@@ -288,7 +290,7 @@ class Profile:
                 gates[b] = gates[b + 1]
         return tuple(gates)
 
-    @property
+    @cached_property
     def ready_s(self) -> tuple[float, ...]:
         """When each bucket's gradient is ready, from the start of backward: ``R_i = B_0 + ... + B_r``
         with ``r = gradient_ready[i]`` (``r == i`` unless bucket ``i`` holds a piece of a cut parameter)."""
