@@ -17,6 +17,7 @@ ORDER = [
     "peers_lm.md",
     "peers_torchft.md",
     "peers_trainer.md",
+    "peers_hosts.md",
     "slow_links.md",
     "house.md",
     "faults.md",
