@@ -18,6 +18,7 @@ ORDER = [
     "peers_lm_safe.md",
     "peers_torchft.md",
     "peers_trainer.md",
+    "peers_hosts.md",
     "slow_links.md",
     "house.md",
     "faults.md",

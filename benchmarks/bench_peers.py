@@ -5,16 +5,17 @@
                                                     [--save-runs DIR] [--from-runs DIR[,DIR...]]
                                                     [--results benchmarks/results/FRAGMENT.md]
     sudo .venv/bin/python benchmarks/bench_peers.py --workload lm --trainer accelerate [--rates 250]
+    sudo .venv/bin/python benchmarks/bench_peers.py --hosts 4 | --hosts 2 --ranks-per-host 2 [--launcher torchrun]
 
-Builds one testbed per rate (DESIGN.md section 6: 2 hosts x 2 links, every NIC ``tc tbf``-shaped to
-the rate; all of them up at once, in separate namespaces) and trains ``examples/train_cnn.py``
-(4.4M-parameter CNN on scikit-learn digits, batch 32 per rank, SGD lr 0.02 momentum 0.9, one rank
-per host; ``--lr-schedule cosine`` decays the learning rate to 0 over the run, so that the final
-accuracy is not taken mid-swing) for ``--epochs`` epochs with every scheme and every seed of ``--seeds``
-(default: ``--seed``, 0):
+Builds one testbed per rate (DESIGN.md section 6: ``--hosts`` (2) hosts x 2 links, every NIC ``tc
+tbf``-shaped to the rate; with more than two hosts each link is a bridge; all of them up at once, in
+separate namespaces) and trains ``examples/train_cnn.py`` (4.4M-parameter CNN on scikit-learn digits,
+batch 32 per rank, SGD lr 0.02 momentum 0.9, ``--ranks-per-host`` (1) ranks per host; ``--lr-schedule
+cosine`` decays the learning rate to 0 over the run, so that the final accuracy is not taken mid-swing)
+for ``--epochs`` epochs with every scheme and every seed of ``--seeds`` (default: ``--seed``, 0):
 
-* ``compute``: each host trains alone (``--compute-only``: one rank's shard, no communication) at
-  the same time as the other host: computation under the same CPU load, the floor;
+* ``compute``: each rank trains alone (``--compute-only``: one rank's shard, no communication) at
+  the same time as the others: computation under the same CPU load, the floor;
 * ``torch``: torch DDP on nic0; ``fp16``: + ``fp16_compress_hook``; ``powersgd``: + ``powerSGD_hook``
   (rank 4, error feedback, warm start, PowerSGD from 10 % of the iterations on);
 * ``torch-2nic``: torch DDP on both NICs the way torch offers it: the ranks get
@@ -48,6 +49,16 @@ config, both links). ``--trainer accelerate`` runs torch, deft and both of these
 says otherwise) and adds, per rate, deft's ratio to torch DDP under the trainer beside its ratio in
 train_lm.py's own loop, from the same interleaved run.
 
+Ranks: rank ``h * M + l`` runs on host ``h`` (M ranks per host), started with the environment torchrun's
+``--nnodes H --nproc-per-node M`` gives its ranks (``--launcher env``, the default: no agent process per
+host taking CPU from the ranks, every rank a process this script stops by id, and the one-rank-per-host
+runs exactly those of the earlier reports), or by torchrun itself in each host's namespace (``--launcher
+torchrun``). Ranks of one host reach each other at the host's own addresses, which the kernel routes
+over the namespace's loopback: only traffic between hosts crosses the shaped NICs. The ``compute``
+floor runs every rank alone, on the shard a rank of the whole world trains on. Every table and plot
+names the world size (hosts x ranks per host); ``--from-runs`` over runs of several layouts writes a
+table per layout.
+
 The runs are interleaved: for each repeat and seed the scheme order is rotated by one, and each scheme
 runs at every rate before the next scheme starts, so a slow spell of the shared machine hits all alike.
 The test accuracy is measured every ``--eval-every`` iterations. Reported per rate: steady iteration
@@ -77,10 +88,12 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +107,6 @@ from bench_links import (
     handle_signals,
     machine,
     recorded_command,
-    run_ranks,
     runs_dir,
     update_section,
 )
@@ -271,60 +283,166 @@ def run_order(names: list[str], rates: list[float], repeats: int, seeds: list[in
     return order
 
 
-def env_argv(env: dict[str, str], argv: list[str]) -> list[str]:
-    """``argv`` run under ``env(1)`` with ``env`` added (what a scheme sets beyond the testbed's variables)."""
-    return ["env", *(f"{k}={v}" for k, v in env.items()), *argv] if env else argv
+#: The launchers of ``--launcher``: ``env`` starts every rank itself with the environment torchrun would give it
+#: (rank ``h * M + l`` on host ``h``); ``torchrun`` runs torchrun's multi-node launch in every host's namespace.
+LAUNCHERS = ("env", "torchrun")
+#: gloo's complaint on every rank of the testbed's namespaces (no name for the peer's address): not an error
+NOISE = "hostname of the client socket cannot be retrieved"
+#: The most ranks one run may start: each is a process training on this machine's few cores.
+MAX_WORLD = 16
+MAX_RANKS_PER_HOST = 8
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a run's ranks are: ``hosts`` testbed hosts, ``per_host`` ranks on each."""
+
+    hosts: int = 2
+    per_host: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.hosts * self.per_host
+
+    def words(self) -> str:
+        """``4 ranks (2 hosts x 2 ranks per host)``: the world size in every heading."""
+        per = f"{self.per_host} rank{'s' if self.per_host > 1 else ''} per host"
+        return f"{self.world} ranks ({self.hosts} hosts x {per})"
+
+    def suffix(self) -> str:
+        """What a plot's file name adds: nothing for the 2 x 1 layout (the older names), else ``_2x2``."""
+        return "" if self == Layout() else f"_{self.hosts}x{self.per_host}"
+
+    @classmethod
+    def of(cls, summary: dict[str, Any]) -> Layout:
+        """A run's layout from its record (records from before ``--hosts``: 2 hosts x 1 rank)."""
+        return cls(int(summary.get("hosts", 2)), int(summary.get("ranks_per_host", 1)))
+
+
+def check_layout(hosts: int, per_host: int) -> str | None:
+    """Why ``--hosts``/``--ranks-per-host`` cannot run, or None."""
+    if hosts < 2:
+        return f"--hosts: expected an integer >= 2 (the testbed joins hosts by shaped links), got {hosts}"
+    if not 1 <= per_host <= MAX_RANKS_PER_HOST:
+        return f"--ranks-per-host: expected an integer in [1, {MAX_RANKS_PER_HOST}], got {per_host}"
+    if hosts * per_host > MAX_WORLD:
+        return (f"--hosts {hosts} x --ranks-per-host {per_host} = {hosts * per_host} ranks: at most {MAX_WORLD} "
+                "(every rank is a process training on this machine)")
+    return None
+
+
+@dataclass(frozen=True)
+class Proc:
+    """One process a run starts: on ``host``, running rank ``rank`` (a torchrun: its host's first rank)."""
+
+    host: int
+    rank: int
+    argv: list[str]
+    env: dict[str, str]
+
+
+def processes(tb: Testbed, per_host: int, argv: list[str], env: dict[str, str], config: Path, alone: bool,
+              launcher: str = "env") -> list[Proc]:
+    """The processes of one run of ``argv`` (``[python, script, ...]``) on every host, with ``env`` (the
+    scheme's variables) on top of :meth:`Testbed.env_for`'s. ``alone``: every rank its own one-process job
+    (same CPU load, no communication); ``{host}`` in an argument becomes the rank's index, so jobs that
+    each think they are rank 0 write distinct files."""
+    world, procs = tb.hosts * per_host, []
+    for h in range(tb.hosts):
+        if launcher == "torchrun" and not alone:
+            base = tb.env_for(h, rank=h * per_host, world=world, port=PORT, config=config)
+            links = {k: base[k] for k in ("GLOO_SOCKET_IFNAME", "DEFT_CONFIG", "OMP_NUM_THREADS")}
+            procs.append(Proc(h, h * per_host, [*tb.torchrun_argv(h, per_host, PORT), *argv[1:]], {**links, **env}))
+            continue
+        for local in range(per_host):
+            rank = h * per_host + local
+            e = tb.env_for(h, rank=rank, world=world, port=PORT, config=config, local_rank=local,
+                           local_world=per_host)
+            if alone:
+                e.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR=tb.addr(h, 0),
+                         MASTER_PORT=str(PORT + local))
+            procs.append(Proc(h, rank, [a.replace("{host}", str(rank)) for a in argv], {**e, **env}))
+    return procs
+
+
+def stop(p: subprocess.Popen[Any], grace_s: float = 10.0) -> None:
+    """SIGTERM the process group (a torchrun passes it on to its ranks, which run in sessions of their own),
+    SIGKILL after ``grace_s``."""
+    if p.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGTERM)
+    try:
+        p.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=grace_s)
+
+
+def run_procs(tb: Testbed, procs: list[Proc], timeout_s: float, label: str, live: bool = False) -> None:
+    """Start every process, stream rank 0's output (``live``: straight to this terminal, its progress bar
+    redrawing in place) and every other line naming an error; raise on a failure or the timeout, with the
+    last lines of every process."""
+    logs: list[list[str]] = [[] for _ in procs]
+    started, threads = [], []
+    for i, pr in enumerate(procs):
+        out: dict[str, Any] = ({} if live and pr.rank == 0 else
+                               {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "bufsize": 1})
+        p = tb.popen(pr.host, pr.argv, pr.env, **out)
+        started.append(p)
+        if p.stdout is None:
+            continue
+
+        def pump(i: int = i, proc: Any = p, rank: int = pr.rank) -> None:
+            for line in proc.stdout:
+                logs[i].append(line)
+                if not live and (rank == 0 or ("error" in line.lower() and NOISE not in line)):
+                    print(f"  [{label} r{rank}] {line.rstrip()}", flush=True)
+
+        threads.append(threading.Thread(target=pump, daemon=True))
+        threads[-1].start()
+    deadline, failed = time.monotonic() + timeout_s, None
+    for pr, p in zip(procs, started, strict=True):
+        try:
+            rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            failed = f"rank {pr.rank} (host {pr.host}) did not finish within {timeout_s:.0f} s"
+            break
+        if rc != 0:
+            failed = f"rank {pr.rank} (host {pr.host}) exited with {rc}"
+            break
+    if failed:
+        for p in started:
+            stop(p)
+    for t in threads:
+        t.join(timeout=5)
+    if failed:
+        tail = "".join(f"[rank {pr.rank}] " + "".join(lg[-15:]) for pr, lg in zip(procs, logs, strict=True))
+        raise RuntimeError(f"{label}: {failed}\n--- last output ---\n{tail}")
 
 
 def run_one(tb: Testbed, name: str, rep: int, seed: int, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
-    sch, wl = SCHEMES[name], WORKLOADS[args.workload]
+    sch, wl, layout = SCHEMES[name], WORKLOADS[args.workload], Layout(tb.hosts, args.ranks_per_host)
     stem = f"{name}.{tb.rate_mbit:g}.s{seed}.r{rep}"
     out = out_dir / f"{stem}.json"
     config = tb.write_config(out_dir / f"{stem}.toml", links=sch.links)
     json_arg = str(out_dir / f"{stem}.host{{host}}.json") if sch.alone else str(out)
-    argv = env_argv(sch.env(tb), [sys.executable, str(wl.example), *sch.argv, *wl.argv(args, seed),
-                                  "--json", json_arg])
-    print(f"[bench_peers] {tb.rate_mbit:g} Mbit/s, seed {seed}, repeat {rep}: {name} ({sch.label})", flush=True)
+    # the floor: each rank alone on the shard a rank of this world trains on
+    shards = ["--shards", str(layout.world)] if sch.alone and wl.name == "cnn" else []
+    quiet = ["--no-progress"] if wl.name == "cnn" and not args.live else []
+    argv = [sys.executable, str(wl.example), *sch.argv, *wl.argv(args, seed), *shards, "--json", json_arg, *quiet]
+    print(f"[bench_peers] {tb.rate_mbit:g} Mbit/s, {layout.words()}, seed {seed}, repeat {rep}: {name} "
+          f"({sch.label})", flush=True)
     t0, load = time.perf_counter(), os.getloadavg()[0]
-    if args.live:
-        run_live(tb, argv, timeout_s=args.timeout, label=name, config=config, alone=sch.alone)
-    else:
-        quiet = ["--no-progress"] if wl.name == "cnn" else []
-        run_ranks(tb, [*argv, *quiet], timeout_s=args.timeout, label=f"{name}@{tb.rate_mbit:g}",
-                  config=config, alone=sch.alone)
+    procs = processes(tb, args.ranks_per_host, argv, sch.env(tb), config, sch.alone, args.launcher)
+    run_procs(tb, procs, timeout_s=args.timeout, label=f"{name}@{tb.rate_mbit:g}", live=args.live)
     doc = json.loads((out_dir / f"{stem}.host0.json" if sch.alone else out).read_text(encoding="utf-8"))
     doc["summary"].update(wall_s=time.perf_counter() - t0, rate_mbit=tb.rate_mbit, repeat=rep, name=name, load=load,
-                          seed=seed, env=sch.env(tb))
+                          seed=seed, env=sch.env(tb), hosts=layout.hosts, ranks_per_host=layout.per_host,
+                          launcher=args.launcher)
     out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     return doc
-
-
-def run_live(tb: Testbed, argv: list[str], timeout_s: float, label: str, config: Path, alone: bool) -> None:
-    """Like ``run_ranks``, but rank 0 writes straight to this terminal (its progress bar redraws in
-    place); the other ranks' output goes to a log that is shown only if the run fails."""
-    procs = []
-    with tempfile.TemporaryFile("w+") as log:
-        for h in range(tb.hosts):
-            env = {**tb.env_for(h, rank=h, world=tb.hosts, port=PORT, config=config), "TORCH_CPP_LOG_LEVEL": "ERROR"}
-            if alone:
-                env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR=tb.addr(h, 0))
-            host_argv = [a.replace("{host}", str(h)) for a in argv]
-            out = {} if h == 0 else {"stdout": log, "stderr": subprocess.STDOUT}
-            procs.append(tb.popen(h, host_argv, env, **out))
-        deadline = time.monotonic() + timeout_s
-        for h, p in enumerate(procs):
-            try:
-                rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                rc = None
-            if rc != 0:
-                for q in procs:
-                    if q.poll() is None:
-                        q.kill()
-                log.seek(0)
-                tail = "".join(log.readlines()[-15:])
-                why = "timed out" if rc is None else f"exited with {rc}"
-                raise RuntimeError(f"{label}: host {h} {why}\n--- other hosts' last output ---\n{tail}")
 
 
 def run_all(args: argparse.Namespace, names: list[str], rates: list[float], out_dir: Path,
@@ -334,8 +452,9 @@ def run_all(args: argparse.Namespace, names: list[str], rates: list[float], out_
     with contextlib.ExitStack() as stack:
         beds = {}
         for rate in rates:
-            beds[rate] = stack.enter_context(Testbed(hosts=2, links=2, rate_mbit=rate))
-            print(f"[bench_peers] testbed {beds[rate].base} up: 2 hosts x 2 links at {rate:g} Mbit/s", flush=True)
+            beds[rate] = stack.enter_context(Testbed(hosts=args.hosts, links=2, rate_mbit=rate))
+            print(f"[bench_peers] testbed {beds[rate].base} up: {args.hosts} hosts x 2 links at {rate:g} Mbit/s, "
+                  f"{args.ranks_per_host} rank(s) per host", flush=True)
         order = run_order(names, rates, args.repeats, args.seeds)
         if args.warm_run and order:
             warm_up(beds, order[0], args, out_dir)
@@ -428,10 +547,11 @@ def _ratio(base: float | None, v: float | None) -> str:
     return "-" if base is None or v is None or v <= 0 else f"{base / v:.2f}x"
 
 
-def table(rate: float, rows: list[Row], wl: Workload, targets: tuple[float, ...]) -> list[str]:
+def table(rate: float, rows: list[Row], wl: Workload, targets: tuple[float, ...], layout: Layout = Layout()
+          ) -> list[str]:
     base = next((r for r in rows if r.name == "torch"), None)
     to_cols = "".join(f" time to {wl.fmt(t)} (s) | vs torch DDP |" for t in targets)
-    lines = [f"### {rate:g} Mbit/s", "",
+    lines = [f"### {rate:g} Mbit/s, {layout.words()}", "",
              f"| scheme | runs | iteration (ms) | vs torch DDP |{to_cols} final {wl.label}: median (mean) | "
              "final per seed | best | updates / iteration | time at the end (s) | load |",
              "|---|---|---|---|" + "---|---|" * len(targets) + "---|---|---|---|---|---|"]
@@ -513,7 +633,7 @@ def verdict(rows: list[Row], wl: Workload, targets: tuple[float, ...]) -> list[s
 
 
 def plot(rate: float, docs: list[dict[str, Any]], names: list[str], path: Path, wl: Workload,
-         targets: tuple[float, ...]) -> None:
+         targets: tuple[float, ...], layout: Layout = Layout()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -533,7 +653,7 @@ def plot(rate: float, docs: list[dict[str, Any]], names: list[str], path: Path, 
     model = "DigitsCNN (4.4M parameters)" if wl.name == "cnn" else "GPT-2 (byte level)"
     seeds = sorted({int(d["summary"].get("seed", 0)) for d in docs})
     ax.set(xlabel="time since the wrapper's construction, evaluation excluded (s)", ylabel=wl.label,
-           title=f"{model}, 2 ranks, two-link testbed at {rate:g} Mbit/s"
+           title=f"{model}, {layout.words()}, two-link testbed at {rate:g} Mbit/s"
                  + (f" (seeds {', '.join(map(str, seeds))}: faint lines)" if len(seeds) > 1 else ""))
     if wl.name == "cnn":
         ax.set_ylim(0.5, 1.0)
@@ -633,20 +753,22 @@ def default_schemes(workload: str, trainer: str | None) -> list[str]:
 
 
 def report(args: argparse.Namespace, docs: list[dict[str, Any]], names: list[str], rates: list[float],
-           failed: dict[tuple[str, float], str], command: str, plots: dict[float, Path]) -> str:
+           failed: dict[tuple[str, float], str], command: str, plots: dict[tuple[Layout, float], Path]) -> str:
     first, wl = docs[0]["summary"], WORKLOADS[args.workload]
+    layouts = run_layouts(docs)
+    ranks = layouts[0].words() if len(layouts) == 1 else "the ranks each table's heading names"
     seeds = ", ".join(str(k) for k in sorted({int(d["summary"].get("seed", 0)) for d in docs}))
     runs = (f"seeds {seeds} (the runs column says how many each scheme had; each seed fixes the data split, "
             f"the initial model and the data order), {args.repeats} repeat(s) each, schemes interleaved")
     if wl.name == "cnn":
         model = (f"Model: examples/models.py DigitsCNN ({first['params']:,} parameters) on scikit-learn digits "
-                 f"(1437 train / 360 test), batch {args.batch_size} per rank, 2 ranks (one per host), SGD lr "
+                 f"(1437 train / 360 test), batch {args.batch_size} per rank, {ranks}, SGD lr "
                  f"{args.lr} momentum 0.9{LR_SCHEDULES[run_lr_schedule(docs)]}, {args.epochs} epochs; "
                  f"test accuracy every {args.eval_every} iterations; {runs}.  ")
     else:
         model = (f"Model: examples/train_lm.py, a HuggingFace GPT2LMHeadModel ({first['params']:,} parameters, "
                  "byte level, tied embeddings) on the Python standard library's source (2 MB, 90/10 split), "
-                 f"batch {args.batch_size} x 64 bytes per rank, 2 ranks (one per host), AdamW lr {args.lr} "
+                 f"batch {args.batch_size} x 64 bytes per rank, {ranks}, AdamW lr {args.lr} "
                  f"with warm-up then cosine decay, clip 1.0, {args.iters} iterations; "
                  f"validation loss every {args.eval_every} iterations; target: the validation loss torch DDP "
                  f"reaches at 80 % of its run; {runs}.  ")
@@ -661,25 +783,47 @@ def report(args: argparse.Namespace, docs: list[dict[str, Any]], names: list[str
              "a target over the runs that reach it, fastest-slowest in brackets, and how many did if not all; "
              "the final value also as a mean), and the final value of each seed is listed. Ratios: torch DDP's "
              "figure / the scheme's (> 1: faster than torch DDP).", ""]
-    for rate in rates:
-        at = [d for d in docs if d["summary"]["rate_mbit"] == rate]
-        targets = wl.targets(at)
-        rows = [summarize(n, [d for d in at if d["summary"]["name"] == n], wl, targets) for n in names
-                if any(d["summary"]["name"] == n for d in at)]
-        lines += table(rate, rows, wl, targets)
-        lines += trainer_table(rows, wl, targets)
-        lost = [f"- {SCHEMES[n].label}: {why}" for (n, r), why in failed.items() if r == rate]
-        if lost:
-            lines += ["", "Not measured:", "", *lost]
-        if rate in plots:
-            lines += ["", f"![accuracy vs time at {rate:g} Mbit/s]({plots[rate].name})"]
-        lines.append("")
+    for layout in layouts:
+        for rate in rates:
+            at = runs_at(docs, layout, rate)
+            targets = wl.targets(at)
+            rows = [summarize(n, [d for d in at if d["summary"]["name"] == n], wl, targets) for n in names
+                    if any(d["summary"]["name"] == n for d in at)]
+            if not rows:
+                continue
+            lines += table(rate, rows, wl, targets, layout)
+            lines += trainer_table(rows, wl, targets)
+            lost = [f"- {SCHEMES[n].label}: {why}" for (n, r), why in failed.items() if r == rate]
+            if lost:
+                lines += ["", "Not measured:", "", *lost]
+            if (layout, rate) in plots:
+                lines += ["", f"![accuracy vs time at {rate:g} Mbit/s, {layout.words()}]"
+                          f"({plots[layout, rate].name})"]
+            lines.append("")
     return "\n".join(lines)
 
 
-def main() -> int:
+def run_layouts(docs: list[dict[str, Any]]) -> list[Layout]:
+    """The layouts the runs trained on, fewest ranks first."""
+    return sorted({Layout.of(d["summary"]) for d in docs}, key=lambda lay: (lay.world, lay.hosts))
+
+
+def runs_at(docs: list[dict[str, Any]], layout: Layout, rate: float) -> list[dict[str, Any]]:
+    return [d for d in docs if d["summary"]["rate_mbit"] == rate and Layout.of(d["summary"]) == layout]
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str], list[float]]:
+    """The command line, checked: (args, the schemes to run, the rates); a bad value exits with a message
+    naming the flag (argparse's exit status 2)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", default="250,1000", help="comma-separated link rates in Mbit/s")
+    ap.add_argument("--hosts", type=int, default=2, help="testbed hosts (network namespaces), each with two links")
+    ap.add_argument("--ranks-per-host", type=int, default=1,
+                    help=f"ranks on each host (at most {MAX_RANKS_PER_HOST}, {MAX_WORLD} in all); traffic between "
+                         "ranks of one host stays inside it (loopback), off the shaped NICs")
+    ap.add_argument("--launcher", choices=LAUNCHERS, default="env",
+                    help="env: start every rank with the environment torchrun would set (rank h * M + l on host h); "
+                         "torchrun: torchrun --nnodes H --nproc-per-node M --node-rank h in each host")
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="cnn",
                     help="cnn: examples/train_cnn.py (accuracy); lm: examples/train_lm.py (validation loss)")
     ap.add_argument("--epochs", type=int, default=4, help="cnn: epochs")
@@ -717,7 +861,7 @@ def main() -> int:
     ap.add_argument("--live", action="store_true", help="rank 0 of each run prints to this terminal (progress bar)")
     ap.add_argument("--timeline", default=None,
                     help="draw the schedule of the first deft run (simulated on its profile) into this PNG")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     cnn = args.workload == "cnn"
     for key, (for_cnn, for_lm) in {"eval_every": (11, 20), "batch_size": (32, 4), "lr": (0.02, 1e-3)}.items():
         if getattr(args, key) is None:
@@ -750,6 +894,14 @@ def main() -> int:
                     ("--eval-every", args.eval_every)):
         if v < 1:
             ap.error(f"{flag}: expected an integer >= 1, got {v}")
+    bad_layout = check_layout(args.hosts, args.ranks_per_host)
+    if bad_layout:
+        ap.error(bad_layout)
+    return args, names, rates
+
+
+def main() -> int:
+    args, names, rates = parse_args()
     handle_signals()
     # the ranks import deft from this checkout, not from wherever the interpreter's deft is installed
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -774,16 +926,17 @@ def main() -> int:
     if not docs:
         print("[bench_peers] nothing ran", flush=True)
         return 1
-    plots: dict[float, Path] = {}
+    plots: dict[tuple[Layout, float], Path] = {}
     wl = WORKLOADS[args.workload]
     results = Path(args.results).resolve() if args.results else wl.results
     plot_stem = results.stem if args.results else f"peers{'' if wl.name == 'cnn' else '_lm'}"
     if not args.no_write:
-        for rate in rates:
-            at = [d for d in docs if d["summary"]["rate_mbit"] == rate]
-            if at:
-                plots[rate] = ROOT / "benchmarks" / f"{plot_stem}_{rate:g}.png"
-                plot(rate, at, names, plots[rate], wl, wl.targets(at))
+        for layout in run_layouts(docs):
+            for rate in rates:
+                at = runs_at(docs, layout, rate)
+                if at:
+                    path = plots[layout, rate] = ROOT / "benchmarks" / f"{plot_stem}{layout.suffix()}_{rate:g}.png"
+                    plot(rate, at, names, path, wl, wl.targets(at), layout)
     text = report(args, docs, names, rates, failed, command, plots)
     print(text[text.index("### "):] if args.live else text)  # live: the tables, under the runs on screen
     if args.timeline:

@@ -31,6 +31,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -389,31 +390,48 @@ class Testbed:
         p.write_text(self.config_toml(links, **settings), encoding="utf-8")
         return p
 
-    def env_for(self, h: int, rank: int, world: int, port: int, config: str | Path | None = None) -> dict[str, str]:
+    def env_for(self, h: int, rank: int, world: int, port: int, config: str | Path | None = None,
+                local_rank: int = 0, local_world: int = 1) -> dict[str, str]:
         """Environment for one rank on host ``h``, as torchrun would set it, plus link selection.
 
         The default process group rendezvouses at host 0's link-0 address and binds to ``nic0``
         (``GLOO_SOCKET_IFNAME``); ``DEFT_CONFIG`` names a deft config whose links are ``nic0``
         (primary) and ``nic1``... (gloo): the runtime sets ``GLOO_SOCKET_IFNAME`` to each link's NIC
-        before creating that link's group. Only these variables are returned; :meth:`popen` adds
-        them to the current environment.
+        before creating that link's group. ``local_rank`` of ``local_world`` ranks on the host: torchrun's
+        ``--nproc-per-node``. Ranks of one host reach each other at the host's own addresses, which the
+        kernel routes over the namespace's loopback: their traffic never crosses a shaped NIC. Only
+        these variables are returned; :meth:`popen` adds them to the current environment.
         """
         self._check_host(h)
         if not 0 <= rank < world:
             raise TestbedError(f"rank {rank} out of range for world size {world}")
+        if not 0 <= local_rank < local_world:
+            raise TestbedError(f"local rank {local_rank} out of range for {local_world} ranks per host")
         cfg = Path(config) if config is not None else self.write_config()
         return {
             "MASTER_ADDR": self.addr(0, 0),
             "MASTER_PORT": str(port),
             "RANK": str(rank),
             "WORLD_SIZE": str(world),
-            "LOCAL_RANK": "0",
-            "LOCAL_WORLD_SIZE": "1",
+            "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(local_world),
             "GROUP_RANK": str(h),
             "GLOO_SOCKET_IFNAME": self.ifname(0),
             "DEFT_CONFIG": str(cfg),
             "OMP_NUM_THREADS": "1",
         }
+
+    def torchrun_argv(self, h: int, nproc_per_node: int, port: int) -> list[str]:
+        """torchrun's multi-node launch on host ``h``: ``--nnodes`` the testbed's hosts, ``--node-rank h``,
+        ``nproc_per_node`` ranks, the rendezvous at host 0's link-0 address; append the script and its
+        arguments. torchrun sets each rank's ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``; the links' variables
+        (``GLOO_SOCKET_IFNAME``, ``DEFT_CONFIG``) come from :meth:`env_for` as for a rank started alone."""
+        self._check_host(h)
+        if not (isinstance(nproc_per_node, int) and nproc_per_node >= 1):
+            raise TestbedError(f"nproc_per_node: expected an integer >= 1, got {nproc_per_node!r}")
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.hosts),
+                "--nproc-per-node", str(nproc_per_node), "--node-rank", str(h),
+                "--master-addr", self.addr(0, 0), "--master-port", str(port)]
 
     def popen(self, h: int, argv: Sequence[str], env: Mapping[str, str] | None = None,
               **kwargs: Any) -> subprocess.Popen[Any]:

@@ -1,0 +1,79 @@
+"""bench_peers' hosts and ranks per host: the flags refused with a message naming them, where each rank
+runs and with which environment, and the world size in the report's headings (no testbed needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deft.testbed import Testbed
+from tests._scripts import load_script
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def peers(monkeypatch: pytest.MonkeyPatch) -> Any:
+    return load_script(REPO / "benchmarks" / "bench_peers.py", monkeypatch)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--hosts", "1"], "--hosts: expected an integer >= 2"),
+    (["--hosts", "0"], "--hosts: expected an integer >= 2"),
+    (["--ranks-per-host", "0"], "--ranks-per-host: expected an integer in [1, 8]"),
+    (["--ranks-per-host", "9"], "--ranks-per-host: expected an integer in [1, 8]"),
+    (["--hosts", "8", "--ranks-per-host", "4"], "--hosts 8 x --ranks-per-host 4 = 32 ranks: at most 16"),
+    (["--hosts", "two"], "--hosts: invalid int value"),
+    (["--launcher", "mpirun"], "--launcher: invalid choice"),
+])
+def test_bad_layouts_are_refused_naming_the_flag(peers: Any, capsys: pytest.CaptureFixture[str], argv: list[str],
+                                                  message: str) -> None:
+    with pytest.raises(SystemExit) as e:
+        peers.parse_args(["--rates", "50", *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_default_and_chosen_layouts(peers: Any) -> None:
+    args, names, rates = peers.parse_args(["--rates", "50", "--schemes", "torch,deft"])
+    assert (args.hosts, args.ranks_per_host, args.launcher) == (2, 1, "env")
+    assert names == ["torch", "deft"] and rates == [50.0]
+    args, _, _ = peers.parse_args(["--hosts", "2", "--ranks-per-host", "2", "--launcher", "torchrun"])
+    assert (args.hosts, args.ranks_per_host, args.launcher) == (2, 2, "torchrun")
+    args, _, _ = peers.parse_args(["--hosts", "8"])
+    assert peers.Layout(args.hosts, args.ranks_per_host).words() == "8 ranks (8 hosts x 1 rank per host)"
+
+
+def test_ranks_sit_host_by_host_with_torchruns_environment(peers: Any, tmp_path: Path) -> None:
+    tb, config = Testbed(hosts=2, links=2, tag="argtest"), tmp_path / "deft.toml"
+    argv = ["python", "train.py", "--json", "out.host{host}.json"]
+    procs = peers.processes(tb, 2, argv, {"EXTRA": "1"}, config, alone=False)
+    assert [(p.host, p.rank, p.env["RANK"], p.env["LOCAL_RANK"], p.env["GROUP_RANK"]) for p in procs] == [
+        (0, 0, "0", "0", "0"), (0, 1, "1", "1", "0"), (1, 2, "2", "0", "1"), (1, 3, "3", "1", "1")]
+    for p in procs:
+        assert (p.env["WORLD_SIZE"], p.env["LOCAL_WORLD_SIZE"], p.env["EXTRA"]) == ("4", "2", "1")
+        assert p.env["MASTER_ADDR"] == tb.addr(0, 0) and p.env["DEFT_CONFIG"] == str(config)
+    # the floor: every rank a job of its own, and its own output file
+    alone = peers.processes(tb, 2, argv, {}, config, alone=True)
+    assert [p.argv[-1] for p in alone] == [f"out.host{r}.json" for r in range(4)]
+    assert {(p.env["RANK"], p.env["WORLD_SIZE"]) for p in alone} == {("0", "1")}
+    # torchrun: one process per host, the script and its arguments after torchrun's own
+    runs = peers.processes(tb, 2, argv, {}, config, alone=False, launcher="torchrun")
+    assert [p.host for p in runs] == [0, 1]
+    for h, p in enumerate(runs):
+        assert p.argv[p.argv.index("--node-rank") + 1] == str(h) and p.argv[p.argv.index("--nnodes") + 1] == "2"
+        assert p.argv[p.argv.index("--nproc-per-node") + 1] == "2" and p.argv[-3:] == argv[1:]
+        assert "RANK" not in p.env and p.env["GLOO_SOCKET_IFNAME"] == "nic0"
+
+
+def test_every_table_names_the_world_size(peers: Any) -> None:
+    rows = [peers.Row(name=n, runs=1, iter_s=s, iter_spread=(s, s), to_target={0.93: (None, 0, None)},
+                      final_acc=0.9, final_mean=0.9, final_by_seed={0: 0.9}, best_acc=0.9, updates_per_iter=1.0,
+                      time_s=10.0, plan="", load=None) for n, s in (("torch", 2.0), ("deft", 1.0))]
+    heading = peers.table(50.0, rows, peers.WORKLOADS["cnn"], (0.93,), peers.Layout(2, 2))[0]
+    assert heading == "### 50 Mbit/s, 4 ranks (2 hosts x 2 ranks per host)"
+    # records from before --hosts: two hosts of one rank, the older plots' names
+    assert peers.Layout.of({"name": "torch"}) == peers.Layout(2, 1) and peers.Layout(2, 1).suffix() == ""
+    assert peers.Layout.of({"hosts": 4, "ranks_per_host": 1}).suffix() == "_4x1"
