@@ -9,7 +9,9 @@ costs the script's own work, not a fresh interpreter's imports per rank.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import os
 import runpy
 import sys
@@ -36,23 +38,28 @@ def load_script(path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     return module
 
 
-def script_rank(rank: int, world: int, path: str, argv: list[str], env: dict[str, str]) -> None:
+def script_rank(rank: int, world: int, path: str, argv: list[str], env: dict[str, str]) -> str:
     """One rank (tests._dist.run_ranks, no group set up): ``python path *argv`` with ``env`` on top of the
-    launch's; a non-zero exit status fails the rank."""
+    launch's; what it printed (``sys.stdout``). A non-zero exit status fails the rank."""
     for var in UNSET:
         os.environ.pop(var, None)
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), **env)
     sys.argv = [path, *argv]
     sys.path.insert(0, str(Path(path).parent))
+    printed = io.StringIO()
     try:
-        runpy.run_path(path, run_name="__main__")
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(path, run_name="__main__")
     except SystemExit as e:
         if e.code not in (0, None):
             raise RuntimeError(f"{Path(path).name} exited with {e.code!r}") from None
+    return printed.getvalue()
 
 
 def run_script(path: Path, argv: list[str], world: int = 2, env: dict[str, str] | None = None,
-               timeout: float = 180) -> None:
-    """``path`` run in ``world`` ranks, as ``torchrun --nproc-per-node world path *argv`` runs it; fails with
-    every rank's error if a rank fails or outlives ``timeout``."""
-    values(run_ranks(script_rank, world, (str(path), argv, env or {}), timeout=timeout, init_group=False))
+               timeout: float = 180) -> list[str]:
+    """``path`` run in ``world`` ranks, as ``torchrun --nproc-per-node world path *argv`` runs it: what each
+    rank printed; fails with every rank's error if a rank fails or outlives ``timeout``."""
+    printed: list[str] = values(run_ranks(script_rank, world, (str(path), argv, env or {}), timeout=timeout,
+                                          init_group=False))
+    return printed
