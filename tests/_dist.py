@@ -97,9 +97,12 @@ def _context() -> Any:
         import multiprocessing as mp
 
         ctx = mp.get_context("forkserver")
-        # torch._dynamo: the first optimizer imports it lazily, which costs seconds per rank otherwise.
+        # torch._dynamo: the first optimizer imports it lazily, which costs seconds per rank otherwise;
+        # scikit-learn: the examples' digits (tests._scripts.run_script), a second a rank otherwise. A module
+        # that cannot be imported is skipped by the forkserver.
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel", "deft",
-                                    "deft.runtime.ddp", "deft.solver.plan", "deft.preserver.feedback", "tests._dist"])
+                                    "deft.runtime.ddp", "deft.solver.plan", "deft.preserver.feedback", "tests._dist",
+                                    "tests._scripts", "sklearn.datasets", "sklearn.model_selection"])
         _CTX = ctx
     return _CTX
 
