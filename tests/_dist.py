@@ -1,7 +1,8 @@
 """Start N gloo ranks on 127.0.0.1 for multi-process tests (reusable by every test module).
 
 ``run_ranks(fn, world=2, args=..., timeout=...)`` starts ``world`` fresh processes (spawn), each with
-the default process group initialized (gloo, a free port on loopback, ``init_timeout_s``), runs
+the default process group initialized (gloo, a free port on loopback, ``init_timeout_s``; with
+``init_group=False`` only the ``env://`` variables are set, for a script that joins by itself), runs
 ``fn(rank, world, *args)`` and returns a :class:`RankResult` per rank: the exit code, the value ``fn``
 returned (anything ``json`` can encode; tensors should be converted with ``.tolist()``) or the error
 text. ``fn`` must be a top-level function of an importable module (it is pickled by name). Ranks are
@@ -51,7 +52,7 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, outdir: str, args: tuple[Any, ...],
-           init_timeout_s: float, threads: int) -> None:
+           init_timeout_s: float, threads: int, init_group: bool) -> None:
     import datetime
 
     import torch
@@ -67,8 +68,9 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, outdir: str
     stacks = open(Path(outdir) / f"rank{rank}.stacks", "w")  # noqa: SIM115 (open until os._exit)
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=init_timeout_s))
+        if init_group:
+            dist.init_process_group("gloo", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=init_timeout_s))
         value = fn(rank, world, *args)
         out.write_text(json.dumps({"value": value}))
         code = 0
@@ -95,19 +97,23 @@ def _context() -> Any:
         import multiprocessing as mp
 
         ctx = mp.get_context("forkserver")
-        # torch._dynamo: the first optimizer imports it lazily, which costs seconds per rank otherwise.
+        # torch._dynamo: the first optimizer imports it lazily, which costs seconds per rank otherwise;
+        # scikit-learn: the examples' digits (tests._scripts.run_script), a second a rank otherwise. A module
+        # that cannot be imported is skipped by the forkserver.
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel", "deft",
-                                    "deft.runtime.ddp", "deft.solver.plan", "deft.preserver.feedback", "tests._dist"])
+                                    "deft.runtime.ddp", "deft.solver.plan", "deft.preserver.feedback", "tests._dist",
+                                    "tests._scripts", "sklearn.datasets", "sklearn.model_selection"])
         _CTX = ctx
     return _CTX
 
 
 def run_ranks(fn: Callable[..., Any], world: int = 2, args: tuple[Any, ...] = (), timeout: float = 120.0,
-              init_timeout_s: float = 60.0, threads: int = 1) -> list[RankResult]:
+              init_timeout_s: float = 60.0, threads: int = 1, init_group: bool = True) -> list[RankResult]:
     ctx = _context()
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="deft-ranks-") as outdir:
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, port, outdir, args, init_timeout_s, threads))
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, port, outdir, args, init_timeout_s, threads,
+                                                      init_group))
                  for r in range(world)]
         for p in procs:
             p.start()

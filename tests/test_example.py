@@ -1,19 +1,18 @@
-"""The CNN example trains for real with 2 ranks under torchrun and writes the records benchmarks read."""
+"""The CNN example trains for real with 2 ranks (started as torchrun starts them) and writes the records
+benchmarks read."""
 
 from __future__ import annotations
 
 import importlib
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests._dist import free_port
+from tests._scripts import run_script
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_cnn.py"
@@ -25,14 +24,10 @@ SMALL = ["--width", "8", "--hidden", "64", "--max-iters", str(ITERS), "--eval-ev
 
 
 def run_example(tmp_path: Path, *extra: str) -> dict[str, Any]:
+    """2 ranks as torchrun starts them (tests/_scripts.py)."""
     out = tmp_path / "run.json"
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-            str(free_port()), str(EXAMPLE), *SMALL, "--json", str(out), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("DEFT_CONFIG", None)
-    p = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert f"[train_cnn] done: {ITERS} iters" in p.stdout
+    printed = run_script(EXAMPLE, [*SMALL, "--json", str(out), *extra], timeout=120)
+    assert f"[train_cnn] done: {ITERS} iters" in printed[0]
     return json.loads(out.read_text())
 
 

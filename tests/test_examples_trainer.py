@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -20,8 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests._dist import free_port
-from tests._scripts import load_script
+from tests._scripts import load_script, run_script
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train_lm.py"
@@ -93,12 +90,8 @@ def test_deft_scheme_gets_defts_accelerator_with_the_schemes_config(monkeypatch:
 
 def _run(tmp: Path, name: str, *argv: str) -> dict[str, Any]:
     out, model = tmp / f"{name}.json", tmp / f"{name}.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    env.pop("DEFT_CONFIG", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           str(SCRIPT), *argv, *TINY, "--json", str(out), "--save-model", str(model)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, cwd=REPO, check=False)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    # 2 ranks as torchrun starts them (tests/_scripts.py)
+    run_script(SCRIPT, [*argv, *TINY, "--json", str(out), "--save-model", str(model)], timeout=150)
     doc: dict[str, Any] = json.loads(out.read_text())
     doc["params"] = torch.load(model, weights_only=True)
     return doc

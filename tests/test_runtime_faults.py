@@ -19,6 +19,22 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))  # 83 elements
 
 
+def _ended(pid: int) -> bool:
+    """The process ``pid`` has exited (gone, or a zombie not yet reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def _stall(seconds: float, peer_pid: int) -> None:
+    """Sleep ``seconds``, or less once the peer has ended: nothing it could still do waits for this rank."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not _ended(peer_pid):
+        time.sleep(0.05)
+
+
 def fault_worker(rank: int, world: int, schedule_path: str, mode: str, timeout_s: float) -> None:
     import deft
 
@@ -27,12 +43,15 @@ def fault_worker(rank: int, world: int, schedule_path: str, mode: str, timeout_s
     ddp = deft.DistributedDataParallel(model, config={
         "epsilon": 0.1, "warmup_iters": 1, "schedule_path": schedule_path, "timeout_s": timeout_s,
         "links": [{"name": "primary"}, {"name": "second"}]})
+    pid_file = Path(schedule_path).parent / "rank0.pid"
+    if rank == 0:
+        pid_file.write_text(str(os.getpid()))
     for t in range(12):
         out = ddp(torch.randn(4, 6))
         if rank == 1 and t == 4:
             if mode == "die":
                 os._exit(3)  # a crash in the middle of an iteration
-            time.sleep(timeout_s + 6)  # a stall longer than the timeout
+            _stall(timeout_s + 6, int(pid_file.read_text()))  # a stall longer than the timeout
         out.square().mean().backward()
         opt.step()
         opt.zero_grad()
@@ -60,9 +79,9 @@ def test_dead_peer_gives_clear_error(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_stalled_peer_times_out_with_clear_error(tmp_path: Path) -> None:
-    # the staller sleeps timeout_s + 6 s and then carries on: without the link timeout rank 0's collective
-    # would complete late and no error would be raised, so the timeout error itself shows that the
-    # timeout fired first (no wall-clock assertion needed)
+    # the staller sleeps timeout_s + 6 s (less once rank 0 has ended) and then carries on: without the link
+    # timeout rank 0's collective would complete late and no error would be raised, so the timeout error
+    # itself shows that the timeout fired first (no wall-clock assertion needed)
     sched = tmp_path / "schedule.json"
     delayed_schedule((30, 30, 23)).save(sched)
     res = run_ranks(fault_worker, 2, (str(sched), "stall", 3.0), timeout=60)

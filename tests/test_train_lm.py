@@ -1,7 +1,7 @@
 """examples/train_lm.py: a HuggingFace GPT-2 on the standard library's source text.
 
-Launched as users launch it (torchrun, 2 gloo ranks, a tiny config), once with torch DDP and once with
-deft at epsilon 0: the trained parameters (``--save-model``), every iteration's training loss and every
+Run in 2 gloo ranks as torchrun starts them (tests/_scripts.py, a tiny config), once with torch DDP and
+once with deft at epsilon 0: the trained parameters (``--save-model``), every iteration's training loss and every
 validation loss must agree to 1e-5 (deft at epsilon 0 is torch DDP's maths, tied embeddings, AdamW, the
 warm-up/cosine schedule and the clip included); a bad flag fails at once naming it.
 """
@@ -9,7 +9,6 @@ warm-up/cosine schedule and the clip included); a bad flag fails at once naming 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._dist import free_port
+from tests._scripts import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_lm.py"
@@ -27,12 +26,7 @@ TINY = ["--n-embd", "32", "--n-layer", "2", "--n-head", "2", "--seq", "32", "--i
 
 def _run(tmp: Path, ddp: list[str]) -> dict[str, object]:
     out = tmp / f"{ddp[1]}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("DEFT_CONFIG", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), str(SCRIPT), *ddp, *TINY, "--json", str(out), "--save-model", str(tmp / f"{ddp[1]}.pt")]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    run_script(SCRIPT, [*ddp, *TINY, "--json", str(out), "--save-model", str(tmp / f"{ddp[1]}.pt")], timeout=120)
     doc: dict[str, object] = json.loads(out.read_text())
     return doc
 

@@ -9,47 +9,28 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests._scripts import load_script
+from tests._scripts import load_script, run_script
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_cnn.py"
 TINY = ["--width", "8", "--hidden", "64", "--batch-size", "32", "--lr", "0.05", "--skip-iters", "2", "--no-progress"]
 
 
-def env(**extra: str) -> dict[str, str]:
-    e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}  # this checkout's deft
-    for var in ("RANK", "WORLD_SIZE", "DEFT_CONFIG", "GLOO_SOCKET_IFNAME"):
-        e.pop(var, None)
-    return {**e, **extra}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run(argv: list[str], tmp_path: Path, timeout: float = 180, **extra_env: str) -> dict[str, Any]:
+def run(argv: list[str], tmp_path: Path, world: int = 2, **extra_env: str) -> dict[str, Any]:
+    """``python examples/train_cnn.py *argv`` in ``world`` ranks as torchrun starts them (tests/_scripts.py)."""
     out = tmp_path / "run.json"
-    p = subprocess.run([*argv, "--json", str(out)], cwd=REPO, env=env(**extra_env), capture_output=True, text=True,
-                       timeout=timeout, check=False)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    run_script(EXAMPLE, [*argv, "--json", str(out)], world, extra_env)
     return json.loads(out.read_text())
 
 
 @pytest.mark.slow
 def test_compute_only_is_one_rank_of_a_two_rank_job_without_communication(tmp_path: Path) -> None:
-    doc = run([sys.executable, str(EXAMPLE), "--compute-only", *TINY, "--epochs", "1", "--max-iters", "4",
-               "--eval-every", "4"], tmp_path)
+    doc = run(["--compute-only", *TINY, "--epochs", "1", "--max-iters", "4", "--eval-every", "4"], tmp_path, 1)
     s = doc["summary"]
     assert s["ddp"] == "compute" and s["world_size"] == 1 and s["scheme"] == {"shards": 2}
     assert s["iters"] == 4 and s["updates"] == 4
@@ -61,7 +42,7 @@ def test_compute_only_is_one_rank_of_a_two_rank_job_without_communication(tmp_pa
 @pytest.mark.slow
 def test_compute_only_epoch_is_a_ranks_shard(tmp_path: Path) -> None:
     """One epoch = 22 batches: 1,437 train images / 2 shards (drop_last) = 718 // 32."""
-    doc = run([sys.executable, str(EXAMPLE), "--compute-only", *TINY, "--epochs", "1"], tmp_path)
+    doc = run(["--compute-only", *TINY, "--epochs", "1"], tmp_path, 1)
     assert doc["summary"]["iters"] == 22
     assert [e["iter"] for e in doc["evals"]] == [22]
 
@@ -147,9 +128,7 @@ ITERS = 12
 
 
 def torchrun(tmp_path: Path, *extra: str, **extra_env: str) -> dict[str, Any]:
-    return run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                str(free_port()), str(EXAMPLE), *TINY, "--max-iters", str(ITERS), "--eval-every", "6", *extra],
-               tmp_path, **extra_env)
+    return run([*TINY, "--max-iters", str(ITERS), "--eval-every", "6", *extra], tmp_path, **extra_env)
 
 
 @pytest.mark.slow
