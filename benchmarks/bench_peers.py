@@ -88,7 +88,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -111,7 +110,7 @@ from bench_links import (
     update_section,
 )
 
-from deft.testbed import Testbed, TestbedError
+from deft.testbed import Testbed, TestbedError, stop_process_group
 
 HEADER = "# deft and its peers on the two-link testbed\n"
 
@@ -365,21 +364,6 @@ def processes(tb: Testbed, per_host: int, argv: list[str], env: dict[str, str], 
     return procs
 
 
-def stop(p: subprocess.Popen[Any], grace_s: float = 10.0) -> None:
-    """SIGTERM the process group (a torchrun passes it on to its ranks, which run in sessions of their own),
-    SIGKILL after ``grace_s``."""
-    if p.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(p.pid, signal.SIGTERM)
-    try:
-        p.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait(timeout=grace_s)
-
-
 def run_procs(tb: Testbed, procs: list[Proc], timeout_s: float, label: str, live: bool = False) -> None:
     """Start every process, stream rank 0's output (``live``: straight to this terminal, its progress bar
     redrawing in place) and every other line naming an error; raise on a failure or the timeout, with the
@@ -414,7 +398,7 @@ def run_procs(tb: Testbed, procs: list[Proc], timeout_s: float, label: str, live
             break
     if failed:
         for p in started:
-            stop(p)
+            stop_process_group(p, grace_s=10.0)
     for t in threads:
         t.join(timeout=5)
     if failed:

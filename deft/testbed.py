@@ -334,7 +334,7 @@ class Testbed:
         errors: list[str] = []
         for p in self._procs:
             with contextlib.suppress(Exception):
-                _stop(p)
+                stop_process_group(p)
         self._procs.clear()
         present = set(list_namespaces()) if self._made and shutil.which("ip") else set()
         for ns in reversed(self._made):
@@ -488,8 +488,9 @@ def _toml_scalar(v: float | int | bool | str) -> str:
     return json.dumps(v)
 
 
-def _stop(p: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
-    """SIGTERM the process group we started (``start_new_session``), SIGKILL after ``grace_s``."""
+def stop_process_group(p: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
+    """SIGTERM the process group of ``p`` (started with ``start_new_session``; a torchrun passes the signal
+    on to its ranks, which run in sessions of their own), SIGKILL after ``grace_s``."""
     if p.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):
