@@ -490,7 +490,7 @@ def _toml_scalar(v: float | int | bool | str) -> str:
 
 def stop_process_group(p: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
     """SIGTERM the process group of ``p`` (started with ``start_new_session``; a torchrun passes the signal
-    on to its ranks, which run in sessions of their own), SIGKILL after ``grace_s``."""
+    on to its ranks, which it started in process groups of their own), SIGKILL after ``grace_s``."""
     if p.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):

@@ -149,6 +149,16 @@ def test_an_iteration_drift_reopens_only_beyond_the_window_s_own_noise() -> None
     assert [w.observe(window(0.130)) for _ in range(REOPEN_WINDOWS)][-1] is not None
 
 
+def test_settled_back_on_the_warm_up_only_a_link_reopens() -> None:
+    # every plan measured slower than the warm-up's schedule: an iteration that moves with the links'
+    # relative speeds unchanged re-opens a plain watch, not this one; a link that changes speed does
+    plain, back = Watch(TOL, BASE), Watch(TOL, BASE, links_only=True)
+    assert [plain.observe(window(0.250)) for _ in range(REOPEN_WINDOWS)][-1] is not None
+    assert [back.observe(window(0.250)) for _ in range(3 * REOPEN_WINDOWS)] == [None] * (3 * REOPEN_WINDOWS)
+    whys = [back.observe(window(0.250, 5e-8)) for _ in range(REOPEN_WINDOWS)]
+    assert whys[-1] is not None and "'second'" in whys[-1]
+
+
 def test_without_a_baseline_the_first_window_becomes_it() -> None:
     w = Watch(TOL)
     assert w.observe(window(0.150, 5e-8)) is None and w.baseline == window(0.150, 5e-8)

@@ -352,6 +352,7 @@ class Adaptation:
         self._bwd_s: list[float] = []
         self._from = ""  # the digest of the schedule the decision in flight was measured on
         self._watch: Watch | None = None  # settled: the watch that re-opens the adaptation
+        self._fallen_back = False  # the last schedule offered is the warm-up's synchronous one
         self._figures: WindowFigures | None = None  # the last window measured, reduced over the ranks
         self._episode = 0  # re-openings so far
         self._reason = ""  # why the running episode opened (recorded with its re-plans)
@@ -397,7 +398,7 @@ class Adaptation:
             self._adapter = Adapter(self.config, recoding=recoding) if self._control.rank == 0 else None
             self.reset_window()
             self._candidate = candidate
-            self._watch, self._episode, self._reason = None, 0, ""
+            self._watch, self._episode, self._reason, self._fallen_back = None, 0, "", False
 
     def stop(self) -> None:
         """A link was lost (:mod:`deft.runtime.failover`): the schedules measured, the candidate and the
@@ -520,6 +521,7 @@ class Adaptation:
         schedule = Schedule.from_dict(as_object(doc, "schedule"), "schedule re-planned by rank 0")
         self._control.check_agreement("schedule", schedule.digest())
         back = self._candidate is not None and plan_digest(schedule) == plan_digest(self._candidate)
+        self._fallen_back = back  # settled on it, only a link's drift re-opens (link_timing.Watch)
         # a re-check's re-plan, made during the lag, goes first
         info: JsonDict = {"source": "adapt", **({"layout": "warm-up"} if back else {})}
         if not self._planning.offer(Switch(schedule, info, warm_layout=back)):
@@ -543,7 +545,8 @@ class Adaptation:
         failed = isinstance(as_object(doc, "record").get("error"), str)  # rank 0's decision raised
         self.on = self.links.on = not failed
         self._watch = None if failed else Watch(self.config.adapt_tolerance,
-                                                None if "schedule" in doc else self._figures)
+                                                None if "schedule" in doc else self._figures,
+                                                links_only=self._fallen_back)
 
 
 def _decided(out: Mapping[str, object]) -> Decision:

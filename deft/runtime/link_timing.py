@@ -199,11 +199,14 @@ def link_drifts(base: Mapping[str, float], now: Mapping[str, float]) -> dict[str
     return {n: (now[n] / now[ref]) / (base[n] / base[ref]) for n in common[1:]}
 
 
-def drift(base: WindowFigures, now: WindowFigures, tolerance: float) -> str | None:
-    """Why ``now`` is not the window the adaptation settled on (module docstring); None: it still is."""
+def drift(base: WindowFigures, now: WindowFigures, tolerance: float, links_only: bool = False) -> str | None:
+    """Why ``now`` is not the window the adaptation settled on (module docstring); None: it still is.
+    ``links_only``: only a link's drift counts (:class:`Watch`)."""
     for name, d in link_drifts(base.per_byte, now.per_byte).items():
         if max(d, 1.0 / d) > LINK_DRIFT:
             return f"link {name!r}: its time per byte against the primary's is {d:.2f}x the settled window's"
+    if links_only:
+        return None
     shift = now.iteration_s - base.iteration_s
     if abs(shift) > tolerance * base.iteration_s and abs(shift) > NOISE_K * max(now.spread_s, base.spread_s):
         return (f"iteration {now.iteration_s * 1e3:.1f} ms against {base.iteration_s * 1e3:.1f} ms "
@@ -214,17 +217,25 @@ def drift(base: WindowFigures, now: WindowFigures, tolerance: float) -> str | No
 @dataclass
 class Watch:
     """A settled adaptation's watch (module docstring): ``observe`` each window; the reason to re-open
-    after :data:`REOPEN_WINDOWS` drifting windows in a row, else None."""
+    after :data:`REOPEN_WINDOWS` drifting windows in a row, else None.
+
+    Note:
+        Settled back on the warm-up's synchronous schedule (``links_only``), only a link's drift re-opens.
+        Every plan tried measured slower than that schedule; an iteration that moves while the links keep
+        their relative speeds (the model's compute, the machine's load, noise on a short iteration) does not say that any of them would now win, and re-trying them on it repeats
+        the loss just measured. A link that changes speed against the others does: it re-prices every plan.
+    """
 
     tolerance: float
     baseline: WindowFigures | None = None  # None: the next window becomes it
     streak: int = 0
+    links_only: bool = False
 
     def observe(self, now: WindowFigures) -> str | None:
         if self.baseline is None:
             self.baseline = now
             return None
-        why = drift(self.baseline, now, self.tolerance)
+        why = drift(self.baseline, now, self.tolerance, self.links_only)
         self.streak = self.streak + 1 if why is not None else 0
         if why is None or self.streak < REOPEN_WINDOWS:
             return None
