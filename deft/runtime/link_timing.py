@@ -222,8 +222,9 @@ class Watch:
     Note:
         Settled back on the warm-up's synchronous schedule (``links_only``), only a link's drift re-opens.
         Every plan tried measured slower than that schedule; an iteration that moves while the links keep
-        their relative speeds (the model's compute, the machine's load, noise on a short iteration) does not say that any of them would now win, and re-trying them on it repeats
-        the loss just measured. A link that changes speed against the others does: it re-prices every plan.
+        their relative speeds (the model's compute, the machine's load, noise on a short iteration) does
+        not say that any of them would now win, and re-trying them on it repeats the loss just measured.
+        A link that changes speed against the others does: it re-prices every plan.
     """
 
     tolerance: float
