@@ -26,7 +26,8 @@ def _skip_netns_when_refused(request: pytest.FixtureRequest) -> None:
 def _reports() -> list[dict]:
     """Every rank's report of a 2 x 2 run at 1 Gbit/s (fast links: the test is about who sends what)."""
     with Testbed(hosts=2, links=2, rate_mbit=1000) as tb:
-        config = tb.write_config(epsilon=0.0, warmup_iters=1, profile_iters=2, bucket_cap_mb=0.001, timeout_s=120)
+        config = tb.write_config(epsilon=0.0, warmup_iters=1, profile_iters=2, bucket_cap_mb=0.001, timeout_s=120,
+                                 plan_lag_iters=0)  # planned in the iteration ending the profile: t0 is known
         port = free_port()
         procs = []
         for h in range(2):
