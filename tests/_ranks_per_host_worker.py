@@ -3,14 +3,16 @@ inside a testbed host's namespace; the testbed's environment names the links and
 
 It all-reduces a known size on the default group between two barriers and, on each host's first rank,
 reads the bytes the host's ``nic0`` and loopback sent meanwhile (``/sys/class/net`` of its namespace);
-then trains the same model with torch DDP and with deft (epsilon 0, the config's two links) and prints
-one JSON line: the bytes sent as multiples of the size, the largest parameter difference after
-``ddp.flush()`` and every iteration deft's updates merged."""
+then trains the same model with torch DDP and with deft (epsilon 0, the config's two links) and writes
+its report to ``<argv[1]>/rank<N>.json`` (a file each: the two ranks of a host share torchrun's stdout,
+where their lines can interleave): the bytes sent as multiples of the size, the largest parameter
+difference after ``ddp.flush()`` and every iteration deft's updates merged."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -66,10 +68,11 @@ def main() -> None:
     train(ddp, ours, rank)
     ddp.flush()
     worst = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), ref.parameters(), strict=True))
-    print(json.dumps({"rank": rank, "host": int(os.environ["GROUP_RANK"]), "local_rank": int(os.environ["LOCAL_RANK"]),
-                      "world": dist.get_world_size(), "sent": sent, "worst": worst,
-                      "merged": sorted(i for _, its in ddp.update_log for i in its),
-                      "t0": ddp.plan_info.get("t0")}), flush=True)
+    report = json.dumps({"rank": rank, "host": int(os.environ["GROUP_RANK"]),
+                         "local_rank": int(os.environ["LOCAL_RANK"]), "world": dist.get_world_size(),
+                         "sent": sent, "worst": worst, "merged": sorted(i for _, its in ddp.update_log for i in its),
+                         "t0": ddp.plan_info.get("t0")})
+    (Path(sys.argv[1]) / f"rank{rank}.json").write_text(report, encoding="utf-8")
     dist.barrier()
     dist.destroy_process_group()
 

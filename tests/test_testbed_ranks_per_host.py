@@ -23,7 +23,7 @@ def _skip_netns_when_refused(request: pytest.FixtureRequest) -> None:
     skip_netns_when_refused(request)
 
 
-def _reports() -> list[dict]:
+def _reports(out_dir: Path) -> list[dict]:
     """Every rank's report of a 2 x 2 run at 1 Gbit/s (fast links: the test is about who sends what)."""
     with Testbed(hosts=2, links=2, rate_mbit=1000) as tb:
         config = tb.write_config(epsilon=0.0, warmup_iters=1, profile_iters=2, bucket_cap_mb=0.001, timeout_s=120,
@@ -33,21 +33,20 @@ def _reports() -> list[dict]:
         for h in range(2):
             env = tb.env_for(h, rank=2 * h, world=4, port=port, config=config)
             links = {k: env[k] for k in ("GLOO_SOCKET_IFNAME", "DEFT_CONFIG", "OMP_NUM_THREADS")}
-            argv = [*tb.torchrun_argv(h, 2, port), "-m", "tests._ranks_per_host_worker"]
+            argv = [*tb.torchrun_argv(h, 2, port), "-m", "tests._ranks_per_host_worker", str(out_dir)]
             procs.append(tb.popen(h, argv, env=links, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True))
         outs = [p.communicate(timeout=180) for p in procs]
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
-    return sorted((json.loads(line) for out, _ in outs for line in out.splitlines() if line.startswith("{")),
-                  key=lambda r: r["rank"])
+    return [json.loads((out_dir / f"rank{r}.json").read_text(encoding="utf-8")) for r in range(4)]
 
 
 @pytest.mark.slow
 @pytest.mark.netns
 @pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
-def test_two_hosts_of_two_ranks_keep_local_traffic_off_the_nics_and_deft_equals_torch_ddp() -> None:
-    reports = _reports()
+def test_two_hosts_of_two_ranks_keep_local_traffic_off_the_nics_and_deft_equals_torch_ddp(tmp_path: Path) -> None:
+    reports = _reports(tmp_path)
     # torchrun put ranks 2h and 2h + 1 on host h
     assert [(r["rank"], r["host"], r["local_rank"], r["world"]) for r in reports] == [
         (0, 0, 0, 4), (1, 0, 1, 4), (2, 1, 0, 4), (3, 1, 1, 4)]
