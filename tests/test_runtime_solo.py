@@ -2,8 +2,8 @@
 
 This process is the only rank of a gloo group (a file store, no port). deft and torch DDP train the
 same model from the same seed; the parameters and buffers must be equal exactly (one rank's average is
-its own gradient), with plain steps, ``no_sync()`` accumulation, ``optimizer.step(closure)`` and a
-GradScaler that skips a step. No gradient hook runs: a user's post-accumulate hook registered after
+its own gradient), with plain steps, accumulation with and without ``no_sync()``,
+``optimizer.step(closure)`` and a GradScaler that skips a step. No gradient hook runs: a user's post-accumulate hook registered after
 the wrapper still sees the gradient (deft's capture, with ``solo = false``, takes it). The update log,
 ``plan_info``, the checkpoint round trip and the refusals are the public API's; the refusal of a
 one-rank record by a two-rank job starts two ranks (``slow``).
@@ -71,6 +71,14 @@ def _no_sync(wrapped: nn.Module, opt: torch.optim.Optimizer) -> None:
         opt.zero_grad()
 
 
+def _accumulate(wrapped: nn.Module, opt: torch.optim.Optimizer) -> None:
+    for t in range(STEPS):  # micro-batches without no_sync(): every backward adds to p.grad
+        for micro in (0, 1):
+            _loss(wrapped, t, micro).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _closure(wrapped: nn.Module, opt: torch.optim.Optimizer) -> None:
     for t in range(STEPS):
         def closure(t: int = t) -> torch.Tensor:
@@ -92,7 +100,7 @@ def _scaler(wrapped: nn.Module, opt: torch.optim.Optimizer) -> None:
 
 
 LOOPS: dict[str, Callable[[nn.Module, torch.optim.Optimizer], None]] = {
-    "plain": _plain, "no_sync": _no_sync, "closure": _closure, "grad_scaler": _scaler}
+    "plain": _plain, "no_sync": _no_sync, "accumulate": _accumulate, "closure": _closure, "grad_scaler": _scaler}
 
 
 def _state(model: nn.Module) -> list[torch.Tensor]:
