@@ -17,7 +17,8 @@ change on the shared machine hits every wrapper alike. An iteration is timed fro
 of ``optimizer.zero_grad()``. The first ``--skip`` iterations of each wrapper are left out (deft's
 warm-up, profile and plan with ``solo = false``); then ``--repeats`` blocks of ``--iters`` iterations.
 Reported per wrapper: the median of all timed iterations and the spread of the blocks' medians;
-ratio = torch DDP's median / the wrapper's (above 1: faster than torch DDP).
+the ratio is paired: torch DDP's iteration / the wrapper's iteration of the same round, its median over
+the rounds (above 1: faster than torch DDP), as the machine's load moves between rounds.
 
 Models: the digits CNN of ``examples/models.py`` (4.4M parameters, batch 32 x 1 x 32 x 32) and ResNet-101
 (torchvision's layout, bottleneck blocks 3-4-23-3, 44.5M parameters in 314 tensors, written out here:
@@ -131,36 +132,48 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, list[float]]:
 
 
 def summary(times: list[float], iters: int) -> tuple[float, float, float]:
-    """(median, lowest block median, highest block median), seconds."""
+    """(median, lowest block median, highest block median) of ``times``, one value per iteration."""
     blocks = [statistics.median(times[i:i + iters]) for i in range(0, len(times), iters)]
     return statistics.median(times), min(blocks), max(blocks)
 
 
-def report(results: dict[str, dict[str, list[float]]], args: argparse.Namespace, command: str) -> str:
+def paired(times: dict[str, list[float]], kind: str) -> list[float]:
+    """torch DDP's time / ``kind``'s, round by round: the two ran back to back, under the same load."""
+    return [t / k for t, k in zip(times["torch"], times[kind], strict=True)]
+
+
+def report(results: dict[str, dict[str, list[float]]], args: argparse.Namespace, command: str,
+           load: tuple[float, float]) -> str:
     lines = ["## Host tax at world size 1 (CPU, gloo)", "", f"    {command}", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-             f"{torch.get_num_threads()} intra-op thread(s); {args.note or 'shared with other jobs'}. "
-             "One gloo rank; each wrapper's own model and SGD, the same batch; iterations interleaved, order "
-             f"rotated; {args.skip} left out, then {args.repeats} blocks of {args.iters}. Medians in ms "
-             "(in brackets: the lowest and highest block median). Ratio = torch DDP / the wrapper: above 1, "
-             "faster than torch DDP. `deft` is the default (solo at world size 1); `solo = false` runs deft's "
-             "machinery (gradient capture, profile, plan, executor) on one rank. ResNet-101 is torchvision's "
-             "layout written out in the benchmark (torchvision is not installed here).", "",
+             f"{torch.get_num_threads()} intra-op thread(s); {args.note or 'shared with other jobs'} (load average "
+             f"{load[0]:.1f} at the start, {load[1]:.1f} at the end). One gloo rank; each wrapper's own model and "
+             f"SGD, the same batch; iterations interleaved, order rotated; {args.skip} left out, then "
+             f"{args.repeats} blocks of {args.iters}. Times: median iteration in ms [lowest-highest block median]. "
+             "Ratio: the median over the rounds of torch DDP's iteration / the wrapper's iteration of the same "
+             "round [lowest-highest block median]; above 1, faster than torch DDP. `deft` is the default (solo at "
+             "world size 1); `solo = false` runs deft's machinery (gradient capture, profile, plan, executor) on "
+             "one rank. ResNet-101 is torchvision's layout written out in the benchmark (torchvision is not "
+             "installed here).", "",
              "| model | batch | torch DDP | deft | deft, solo = false | torch DDP / deft | "
              "torch DDP / deft (solo = false) |", "|---|---|---|---|---|---|---|"]
-    losses = []
+    losses, machinery = [], []
     for name, times in results.items():
-        s = {k: summary(v, args.iters) for k, v in times.items()}
-        cells = [f"{1e3 * m:.1f} [{1e3 * lo:.1f}-{1e3 * hi:.1f}]" for m, lo, hi in (s[k] for k in WRAPPERS)]
-        ratio, machinery = s["torch"][0] / s["deft"][0], s["torch"][0] / s["deft-machinery"][0]
+        cells = [f"{1e3 * m:.1f} [{1e3 * lo:.1f}-{1e3 * hi:.1f}]"
+                 for m, lo, hi in (summary(times[k], args.iters) for k in WRAPPERS)]
+        ratios = {k: summary(paired(times, k), args.iters) for k in WRAPPERS[1:]}
+        cells += [f"{m:.3f} [{lo:.3f}-{hi:.3f}]" for m, lo, hi in ratios.values()]
         shape = "x".join(str(d) for d in MODELS[name][1])
-        lines.append(f"| {name} | {shape} | {' | '.join(cells)} | {ratio:.3f} | {machinery:.3f} |")
-        if ratio < 1:
-            losses.append(f"{name} ({ratio:.3f})")
+        lines.append(f"| {name} | {shape} | {' | '.join(cells)} |")
+        if ratios["deft"][0] < 1:
+            losses.append(f"{name} ({ratios['deft'][0]:.3f})")
+        machinery.append(f"{ratios['deft-machinery'][0]:.3f} on {name}")
     lines.append("")
     lines.append(f"Where deft loses: {'on ' + ', '.join(losses) if losses else 'nowhere in this run'} with its "
-                 "default at world size 1; its machinery (`solo = false`) is what the last column costs, "
-                 "every iteration, on one rank where it buys nothing.")
+                 f"default at world size 1. Its machinery on one rank (`solo = false`): torch DDP / deft = "
+                 f"{', '.join(machinery)}. torch DDP runs its reducer even on one rank (every gradient copied "
+                 "into its bucket, a gloo all-reduce, the division by the world size, copied back); deft's default "
+                 "runs none of it, so on a model with many gradient bytes it can be faster than torch DDP.")
     return "\n".join(lines) + "\n"
 
 
@@ -184,13 +197,14 @@ def main() -> int:
             ap.error(f"{flag}: expected an integer >= 1, got {v}")
     torch.set_num_threads(args.threads)
     command = ".venv/bin/python " + " ".join(shlex.quote(a) for a in ["benchmarks/bench_host_tax.py", *sys.argv[1:]])
+    start_load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", store=dist.FileStore(str(Path(tmp) / "store"), 1), rank=0, world_size=1)
         try:
             results: dict[str, Any] = {n: measure(n, args) for n in names}
         finally:
             dist.destroy_process_group()
-    text = report(results, args, command)
+    text = report(results, args, command, (start_load, os.getloadavg()[0]))
     print(text)
     if not args.no_write:
         RESULTS.write_text(text, encoding="utf-8")
