@@ -3,8 +3,9 @@
 This process is the only rank of a gloo group (a file store, no port). deft and torch DDP train the
 same model from the same seed; the parameters and buffers must be equal exactly (one rank's average is
 its own gradient), with plain steps, accumulation with and without ``no_sync()``,
-``optimizer.step(closure)`` and a GradScaler that skips a step. No gradient hook runs: a user's post-accumulate hook registered after
-the wrapper still sees the gradient (deft's capture, with ``solo = false``, takes it). The update log,
+``optimizer.step(closure)`` and a GradScaler that skips a step. No gradient hook runs: a user's
+post-accumulate hook registered after the wrapper still sees the gradient (deft's capture, with
+``solo = false``, takes it). The update log,
 ``plan_info``, the checkpoint round trip and the refusals are the public API's; the refusal of a
 one-rank record by a two-rank job starts two ranks (``slow``).
 """
