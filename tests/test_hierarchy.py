@@ -120,7 +120,7 @@ def _sums(links: dict, rank: int) -> dict[str, object]:
     g = torch.Generator().manual_seed(rank)
     for dtype in (torch.float32, torch.float16):
         exact = [torch.randint(-50, 50, (n,), generator=g).to(dtype) for n in (1, 7, 1001)]
-        noisy = [torch.randn(n, generator=g).to(dtype) for n in (3, 999)]
+        noisy = [torch.randn(n, generator=g).to(dtype) for n in (3, 999, 2, 4097, 17, 65, 5, 1025)]
         flat = [t.clone() for t in exact]
         works = [links["primary"].all_reduce(t) for t in exact + noisy]
         works += [torch.distributed.all_reduce(t, async_op=True) for t in flat]

@@ -124,22 +124,32 @@ def gather_layout(group: dist.ProcessGroup, env: Mapping[str, str], timeout_s: f
 class InOrder:
     """Runs launches in ticket order, whatever the order they become ready in: ``ready(i, launch)``
     runs ``launch`` (None: nothing, the ticket is skipped) once every ticket before ``i`` has run.
-    Launches run under a re-entrant lock, so a launch whose callback makes the next ticket ready (on
-    the same thread) keeps the order."""
+
+    One thread at a time runs the launches, with no lock held (a launch's callbacks may make tickets
+    ready here or in another :class:`InOrder`, on any thread, without a lock-order deadlock): a thread
+    that finds another running leaves its launch to it."""
 
     def __init__(self) -> None:
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._next = 0
         self._ready: dict[int, Callable[[], None] | None] = {}
+        self._running = False
 
     def ready(self, ticket: int, launch: Callable[[], None] | None) -> None:
         with self._lock:
             self._ready[ticket] = launch
-            while self._next in self._ready:
+            if self._running:
+                return
+            self._running = True
+        while True:
+            with self._lock:
+                if self._next not in self._ready:
+                    self._running = False
+                    return
                 run = self._ready.pop(self._next)
                 self._next += 1
-                if run is not None:
-                    run()
+            if run is not None:
+                run()
 
 
 class HierarchicalWork(dist.Work):
@@ -214,28 +224,30 @@ class HierarchicalAllReduce:
             ticket = next(self._tickets)
             try:
                 first = dist.reduce(tensor, dst=g.leader, group=g.reduce, async_op=True)
+                failed = None
             except Exception as e:
-                self._fail(ticket, out, e, later)
-                return HierarchicalWork(out)
+                first, failed = None, e
+        if failed is not None:
+            self._fail(ticket, out, failed, later)
+            return HierarchicalWork(out)
 
         def broadcast() -> None:
-            self._then(dist.broadcast(tensor, src=g.leader, group=g.broadcast, async_op=True), ticket, out,
+            self._then(lambda: dist.broadcast(tensor, src=g.leader, group=g.broadcast, async_op=True), ticket, out,
                        lambda: out.set_result([tensor]), [])
 
         def across() -> None:
-            self._then(dist.all_reduce(tensor, group=g.leaders, async_op=True), ticket, out,
+            self._then(lambda: dist.all_reduce(tensor, group=g.leaders, async_op=True), ticket, out,
                        lambda: self._inside.ready(ticket, broadcast), [self._inside])
 
-        self._then(first, ticket, out, lambda: later[0].ready(ticket, across if g.leaders is not None else broadcast),
-                   later)
+        self._then(lambda: first, ticket, out,
+                   lambda: later[0].ready(ticket, across if g.leaders is not None else broadcast), later)
         return HierarchicalWork(out)
 
-    def _then(self, work: dist.Work | None, ticket: int, out: torch.futures.Future[list[torch.Tensor]],
+    def _then(self, launch: Callable[[], dist.Work | None], ticket: int, out: torch.futures.Future[list[torch.Tensor]],
               next_step: Callable[[], None], skip: list[InOrder]) -> None:
-        """When ``work`` completes: ``next_step``; on failure, the error on ``out`` and this ticket skipped
-        in the later steps' ``skip`` (so that the calls after it still run, in order)."""
-        assert work is not None
-
+        """``launch()`` a step and, when it completes, ``next_step``; if either fails, the error goes on
+        ``out`` and this ticket is skipped in the later steps' ``skip`` (the calls after it still run, in
+        order)."""
         def done(f: torch.futures.Future[object]) -> None:
             try:
                 f.value()
@@ -243,7 +255,12 @@ class HierarchicalAllReduce:
                 self._fail(ticket, out, e, skip)
                 return
             next_step()
-        work.get_future().add_done_callback(done)
+        try:
+            work = launch()
+            assert work is not None
+            work.get_future().add_done_callback(done)
+        except Exception as e:
+            self._fail(ticket, out, e, skip)
 
     @staticmethod
     def _fail(ticket: int, out: torch.futures.Future[list[torch.Tensor]], e: Exception, skip: list[InOrder]) -> None:
