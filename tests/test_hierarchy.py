@@ -137,12 +137,15 @@ def hierarchy_worker(rank: int, world: int) -> dict[str, object]:
     import deft
     from deft.runtime.links import make_links
 
-    _as_two_hosts(rank)
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
     logging.getLogger("deft.runtime").addHandler(handler)
     logging.getLogger("deft.runtime").setLevel(logging.INFO)
+    os.environ.update(LOCAL_WORLD_SIZE="2", LOCAL_RANK="0", GROUP_RANK=str(rank))  # every rank says local rank 0
+    make_links(DeftConfig(), False, None)
+    irregular = list(records)
+    _as_two_hosts(rank)
     cfg = DeftConfig.from_dict({"epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2, "bucket_cap_mb": 0.001,
                                 "hierarchical": True, "links": [{"name": "primary"}, {"name": "second"}]})
     sums = _sums(make_links(cfg, False, None), rank)
@@ -153,7 +156,7 @@ def hierarchy_worker(rank: int, world: int) -> dict[str, object]:
     _train(ddp, ours, rank)
     ddp.flush()
     worst = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), ref.parameters(), strict=True))
-    return {"sums": sums, "worst": worst, "log": records,
+    return {"sums": sums, "worst": worst, "log": records, "irregular": irregular,
             "merged": sorted(i for _, its in ddp.update_log for i in its)}
 
 
@@ -163,6 +166,9 @@ def test_hierarchical_all_reduce_sums_every_rank_and_deft_equals_torch_ddp() -> 
     assert all(r.ok for r in results), [r.error for r in results]
     values = [r.value for r in results]
     for v in values:
+        assert [line for line in v["irregular"] if "flat" in line] == [
+            "deft: links all-reduce flat: rank 1 is local rank 0 of host 1, not 1 of 0: ranks are not laid out "
+            "host-major"], v["irregular"]
         assert any("hierarchically: 2 hosts x 2 ranks" in line for line in v["log"]), v["log"]
         assert v["worst"] <= 1e-5, v["worst"]
         assert v["merged"] == list(range(STEPS))

@@ -155,7 +155,7 @@ def host_layout(config: DeftConfig, cuda: bool, ranks: Sequence[int] | None, pri
     if mode is False:
         return None
     warn = log.warning if mode is True else log.info
-    if cuda or ranks is not None:
+    if cuda or (ranks is not None and list(ranks) != list(range(dist.get_world_size()))):
         warn("deft: links all-reduce flat: the hierarchical all-reduce runs on CPU tensors over every rank of "
              "the default group")
         return None
@@ -163,8 +163,12 @@ def host_layout(config: DeftConfig, cuda: bool, ranks: Sequence[int] | None, pri
         warn("deft: links all-reduce flat: the primary link is %s, not gloo", primary.backend)
         return None
     layout, why = gather_layout(primary.group, os.environ, config.timeout_s)
-    if layout is None or not layout.hierarchical:
-        warn("deft: links all-reduce flat: %s", why or f"{layout} has no traffic both inside and across hosts")
+    if layout is None:
+        warn("deft: links all-reduce flat: %s", why)
+        return None
+    if not layout.hierarchical:
+        warn("deft: links all-reduce flat: %d host(s) of %d rank(s) have no traffic both inside and across hosts",
+             layout.hosts, layout.per_host)
         return None
     log.info("deft: gloo links all-reduce hierarchically: %d hosts x %d ranks", layout.hosts, layout.per_host)
     return layout
