@@ -4,6 +4,7 @@ planner's time at N = 8 against the plan-lag limit. Prints markdown (``--out`` w
     .venv/bin/python benchmarks/bench_allreduce_n.py [--worlds 2,4,8] [--iters 10] [--statistic min]
         [--cores C] [--out FILE]
     .venv/bin/python benchmarks/bench_allreduce_n.py --planner [--workers 8] [--out FILE]
+    sudo .venv/bin/python benchmarks/bench_allreduce_n.py --testbed 2x2 [--rate 50] [--iters 10] [--out FILE]
 
 All-reduce: for each world size, ``world`` gloo ranks on 127.0.0.1 time a float32 all-reduce per size
 (:func:`deft.profiler.links.measure`: median over ``--iters`` after a warm-up, the slowest rank's), and
@@ -22,6 +23,13 @@ ring model, planned as a run plans it (``deft.runtime.planning.make_schedule`` a
 processes' share of the core) against the plan-lag limit, ``plan_lag_iters`` iterations of the plan's own
 predicted iteration: rank 0 plans in the background for at most that many iterations before every rank
 waits for it (docs/DESIGN.md, "Rank 0 plans in the background").
+
+``--testbed HxM`` (root: network namespaces): ``H`` hosts of ``M`` ranks on :class:`deft.testbed.Testbed`
+(one link at ``--rate`` Mbit/s), each rank started with torchrun's variables; deft's primary link
+all-reduces 4 MB flat (gloo's ring over all ranks) and hierarchically (:mod:`deft.runtime.hierarchy`),
+alternating, ``--iters`` times each: the time per all-reduce (median over the iterations of the slowest
+rank's, from a barrier to a barrier) and the bytes each host's ``nic0`` sent per all-reduce, as multiples
+of the size.
 """
 
 from __future__ import annotations
@@ -106,6 +114,79 @@ def allreduce_table(worlds: list[int], iters: int, statistic: str, cores: int) -
     return "\n".join(lines)
 
 
+TESTBED_BYTES = 4 << 20
+
+
+def _testbed_rank(out: str, iters: int) -> None:
+    """One rank of ``--testbed``, inside its host's namespace (the environment names rank, layout and NIC)."""
+    import torch
+    import torch.distributed as dist
+
+    from deft.config import DeftConfig
+    from deft.runtime.links import make_links
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    links = {mode: make_links(DeftConfig(hierarchical=mode == "hierarchical"), False, None)["primary"]
+             for mode in ("flat", "hierarchical")}
+    buf = torch.ones(TESTBED_BYTES // 4)
+    times: dict[str, list[float]] = {m: [] for m in links}
+    sent: dict[str, int] = dict.fromkeys(links, 0)
+    nic = Path("/sys/class/net/nic0/statistics/tx_bytes")
+    for i in range(iters + 1):  # the first: connections made, off the count
+        for mode, link in links.items():
+            dist.barrier()
+            b0, t0 = int(nic.read_text()), time.perf_counter()
+            link.all_reduce(buf).wait()
+            dist.barrier()
+            if i:
+                times[mode].append(time.perf_counter() - t0)
+                sent[mode] += int(nic.read_text()) - b0
+    slowest = {m: torch.tensor(t, dtype=torch.float64) for m, t in times.items()}
+    for t in slowest.values():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if int(os.environ["LOCAL_RANK"]) == 0:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(
+            {m: {"s": statistics.median(slowest[m].tolist()), "sent": sent[m] / iters / TESTBED_BYTES}
+             for m in links}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def testbed_table(layout: str, rate: float, iters: int) -> str:
+    import subprocess
+
+    from deft.testbed import Testbed
+
+    hosts, per_host = (int(v) for v in layout.split("x"))
+    world = hosts * per_host
+    with tempfile.TemporaryDirectory() as tmp, Testbed(hosts=hosts, links=1, rate_mbit=rate) as tb:
+        os.chmod(tmp, 0o755)
+        port, procs = _free_port(), []
+        for r in range(world):
+            env = tb.env_for(r // per_host, rank=r, world=world, port=port, local_rank=r % per_host,
+                             local_world=per_host)
+            env["PYTHONPATH"] = str(ROOT)
+            procs.append(tb.popen(r // per_host, [sys.executable, str(Path(__file__).resolve()), "--testbed-rank", tmp,
+                                                  "--iters", str(iters)], env=env, stderr=subprocess.PIPE, text=True))
+        for p in procs:
+            _, err = p.communicate(timeout=600)
+            if p.returncode:
+                raise RuntimeError(f"a rank failed: {err[-2000:]}")
+        reports = [json.loads(Path(tmp, f"rank{h * per_host}.json").read_text()) for h in range(hosts)]
+    ideal = TESTBED_BYTES * 8 / (rate * 1e6)
+    lines = [f"All-reduce of {TESTBED_BYTES >> 20} MB (float32) on deft's primary link, testbed {hosts} hosts x "
+             f"{per_host} ranks, one link at {rate:g} Mbit/s, {iters} of each, alternating (S / rate = "
+             f"{ideal * 1e3:.0f} ms):", "",
+             "| all-reduce | time per all-reduce (ms, median, slowest rank) | each host's nic0 sent (x S) |",
+             "|---|---|---|"]
+    for mode in ("flat", "hierarchical"):
+        sent = " / ".join(f"{r[mode]['sent']:.3f}" for r in reports)
+        lines.append(f"| {mode} | {reports[0][mode]['s'] * 1e3:.0f} | {sent} |")
+    return "\n".join(lines)
+
+
 def planner_table(workers: int, repeats: int) -> str:
     from deft.config import DeftConfig
     from deft.profile import Profile
@@ -145,9 +226,17 @@ def main() -> int:
     ap.add_argument("--planner", action="store_true")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--testbed", default=None, metavar="HxM", help="H hosts of M ranks on the testbed (root)")
+    ap.add_argument("--rate", type=float, default=50.0, help="--testbed: the link's Mbit/s")
+    ap.add_argument("--testbed-rank", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.planner:
+    if args.testbed_rank:
+        _testbed_rank(args.testbed_rank, args.iters)
+        return 0
+    if args.testbed:
+        text = testbed_table(args.testbed, args.rate, args.iters)
+    elif args.planner:
         text = planner_table(args.workers, args.repeats)
     else:
         text = allreduce_table([int(w) for w in args.worlds.split(",")], args.iters, args.statistic, args.cores)

@@ -124,6 +124,10 @@ class DeftConfig:
     # link_deadline_factor x the profiled time of the bytes on that link, at least link_deadline_s (the
     # floor alone before the profile), at most timeout_s. false: every wait has timeout_s, a loss ends the run.
     link_failover: bool = True
+    # Several ranks per host: gloo links all-reduce inside each host, then across hosts (deft.runtime.hierarchy).
+    # "auto": where torchrun's variables show several ranks on each of several hosts; true: the same, warning
+    # when it cannot; false: flat.
+    hierarchical: str | bool = "auto"
     link_deadline_s: float = 30.0
     link_deadline_factor: float = 20.0
     # Local-steps mode (deft.runtime.local_steps, docs/DESIGN.md "Local steps"): H > 0 replaces the gradient
@@ -210,6 +214,8 @@ class DeftConfig:
             raise bad("planner_nice", f"expected an integer in [0, 19] (a nice value), got {self.planner_nice}")
         if self.capacity_growth <= 1.0:
             raise bad("capacity_growth", f"expected > 1, got {self.capacity_growth}")
+        if not (self.hierarchical == "auto" or isinstance(self.hierarchical, bool)):
+            raise bad("hierarchical", f'expected "auto", true or false, got {self.hierarchical!r}')
         self._validate_local(bad)
 
     def _validate_local(self, bad: Callable[[str, str], ContractError]) -> None:
@@ -262,7 +268,9 @@ class DeftConfig:
             raise ContractError(source, unknown[0], f"unknown setting; known settings are {', '.join(sorted(known))}")
         kw: dict[str, JsonValue | tuple[LinkConfig, ...]] = {}
         defaults = cls.__dataclass_fields__
-        for name in known - {"links", "extra", "profile_path", "schedule_path"}:
+        if "hierarchical" in doc:
+            kw["hierarchical"] = doc["hierarchical"]  # "auto", true or false: checked by validate
+        for name in known - {"links", "extra", "profile_path", "schedule_path", "hierarchical"}:
             if name not in doc:
                 continue
             default = defaults[name].default

@@ -1,18 +1,21 @@
 """One rank of tests/test_testbed_ranks_per_host.py, started by torchrun (``--nnodes 2 --nproc-per-node 2``)
 inside a testbed host's namespace; the testbed's environment names the links and the deft config.
 
-It all-reduces a known size on the default group between two barriers and, on each host's first rank,
-reads the bytes the host's ``nic0`` and loopback sent meanwhile (``/sys/class/net`` of its namespace);
-then trains the same model with torch DDP and with deft (epsilon 0, the config's two links) and writes
-its report to ``<argv[1]>/rank<N>.json`` (a file each: the two ranks of a host share torchrun's stdout,
-where their lines can interleave): the bytes sent as multiples of the size, the largest parameter
-difference after ``ddp.flush()`` and every iteration deft's updates merged."""
+It all-reduces a known size between two barriers, on the default group (gloo's flat ring) and on deft's
+primary link (hierarchical: the config's ``hierarchical`` is left at ``"auto"``), and reads the bytes the
+host's ``nic0`` and loopback sent meanwhile (``/sys/class/net`` of its namespace); then trains the same model
+with torch DDP and with deft (epsilon 0, the config's two links) and writes its report to
+``<argv[1]>/rank<N>.json`` (a file each: the two ranks of a host share torchrun's stdout, where their lines
+can interleave): the bytes sent as multiples of the size, the largest parameter difference after
+``ddp.flush()`` and every iteration deft's updates merged."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,16 +46,28 @@ def sent_bytes() -> dict[str, int]:
     return {dev: int(Path(f"/sys/class/net/{dev}/statistics/tx_bytes").read_text()) for dev in ("nic0", "lo")}
 
 
-def probe() -> dict[str, float]:
-    """Bytes each device of this host sent during one all-reduce of ``PROBE_BYTES``, over that size."""
+def probe(all_reduce: Callable[[torch.Tensor], object]) -> dict[str, float]:
+    """Bytes each device of this host sent during one ``all_reduce`` of ``PROBE_BYTES``, over that size."""
     buf = torch.ones(PROBE_BYTES // 4)
-    dist.all_reduce(buf)  # connections made, off the count
+    all_reduce(buf)  # connections made, off the count
     dist.barrier()
     before = sent_bytes()
-    dist.all_reduce(buf)
+    all_reduce(buf)
     dist.barrier()
     after = sent_bytes()
     return {dev: (after[dev] - before[dev]) / PROBE_BYTES for dev in before}
+
+
+def deft_probe() -> tuple[dict[str, float], float]:
+    """:func:`probe` on deft's primary link as training builds it from ``$DEFT_CONFIG``, and the sum it
+    gives (every rank sends ones: the world size)."""
+    from deft.config import DeftConfig
+    from deft.runtime.links import make_links
+
+    link = make_links(DeftConfig.resolve(None), False, None)["primary"]
+    out = torch.ones(3)
+    link.all_reduce(out).wait()
+    return probe(lambda buf: link.all_reduce(buf).wait()), out[0].item()
 
 
 def main() -> None:
@@ -60,7 +75,13 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    sent = probe()
+    notes: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: notes.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("deft.runtime").addHandler(handler)
+    logging.getLogger("deft.runtime").setLevel(logging.INFO)
+    sent = probe(dist.all_reduce)
+    deft_sent, deft_sum = deft_probe()
     ref = make_model()
     train(nn.parallel.DistributedDataParallel(ref), ref, rank)
     ours = make_model()
@@ -70,7 +91,9 @@ def main() -> None:
     worst = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), ref.parameters(), strict=True))
     report = json.dumps({"rank": rank, "host": int(os.environ["GROUP_RANK"]),
                          "local_rank": int(os.environ["LOCAL_RANK"]), "world": dist.get_world_size(),
-                         "sent": sent, "worst": worst, "merged": sorted(i for _, its in ddp.update_log for i in its),
+                         "sent": sent, "deft_sent": deft_sent, "deft_sum": deft_sum,
+                         "hierarchical": [n for n in notes if "hierarchically" in n], "worst": worst,
+                         "merged": sorted(i for _, its in ddp.update_log for i in its),
                          "t0": ddp.plan_info.get("t0")})
     (Path(sys.argv[1]) / f"rank{rank}.json").write_text(report, encoding="utf-8")
     dist.barrier()

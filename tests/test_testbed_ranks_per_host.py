@@ -1,6 +1,8 @@
 """Several ranks per host on the testbed (2 hosts x 2 ranks, torchrun's multi-node launch in each host's
-namespace): traffic between the ranks of one host goes over the host's loopback, never its shaped NIC,
-and deft at epsilon 0 computes what torch DDP computes, every gradient applied once."""
+namespace): traffic between the ranks of one host goes over the host's loopback, never its shaped NIC;
+deft's links all-reduce hierarchically (inside the host, then across), so each host's NIC carries the size
+once where gloo's flat ring carries it 1.5 times; and deft at epsilon 0 computes what torch DDP computes,
+every gradient applied once."""
 
 from __future__ import annotations
 
@@ -56,6 +58,11 @@ def test_two_hosts_of_two_ranks_keep_local_traffic_off_the_nics_and_deft_equals_
         # between its own two ranks. A hop between ranks of one host through the NIC would double the first.
         assert 1.45 < r["sent"]["nic0"] < 1.7, r["sent"]
         assert r["sent"]["lo"] > 1.45, r["sent"]
+        # deft's primary link: reduce inside the host, all-reduce between the hosts' first ranks, broadcast
+        # inside: the NIC carries 2 (H - 1) / H = 1 times the size (plus headers), below the flat ring's 1.5
+        assert 0.95 < r["deft_sent"]["nic0"] < 1.2, r["deft_sent"]
+        assert r["deft_sum"] == 4.0, r
+        assert any("2 hosts x 2 ranks" in n for n in r["hierarchical"]), r  # and training's links too
         assert r["worst"] <= 1e-5, r
         assert r["t0"] is not None and r["t0"] < STEPS, r  # planned, and the plan ran
         assert r["merged"] == list(range(STEPS)), r  # every iteration's gradient applied once

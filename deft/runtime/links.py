@@ -19,11 +19,17 @@ fails a collective within the configured time. ``dist.new_group`` is collective:
 default group must build the links in the same order (the config digest check runs first).
 
 Counters (``calls``, ``bytes``) per link let tests and reports prove that each link carried traffic.
+
+With several ranks per host (``hierarchical``, :mod:`deft.runtime.hierarchy`) a gloo link's
+all-reduce is hierarchical: inside each host, then across hosts on the link's NIC. ``CommLink.group``
+stays the flat group of every rank, which comm hooks (the int8 codec), the first collective and the
+failover probes use directly.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +39,7 @@ import torch.distributed as dist
 
 from deft.config import DeftConfig, LinkConfig
 from deft.netif import new_group_on_nic
+from deft.runtime.hierarchy import HierarchicalAllReduce, HostLayout, gather_layout, make_hierarchy_groups
 
 log = logging.getLogger("deft.runtime")
 
@@ -45,19 +52,29 @@ class LinkStats:
 
 @dataclass
 class CommLink:
-    """A named process group and its traffic counters."""
+    """A named process group and its traffic counters; ``hierarchy``: the link's hierarchical all-reduce
+    where ranks share hosts (None: flat, on ``group``)."""
 
     name: str
     backend: str
     ifname: str | None
     group: dist.ProcessGroup
     stats: LinkStats = field(default_factory=LinkStats)
+    hierarchy: HierarchicalAllReduce | None = None
 
     def all_reduce(self, tensor: torch.Tensor) -> dist.Work:
-        """Launch an asynchronous sum all-reduce of ``tensor`` in place; returns the Work."""
+        """Launch an asynchronous sum all-reduce of ``tensor`` in place, counted; returns the Work."""
         self.stats.calls += 1
         self.stats.bytes += tensor.numel() * tensor.element_size()
-        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return self.launch(tensor)
+
+    def launch(self, tensor: torch.Tensor) -> dist.Work:
+        """The all-reduce training sends, uncounted (the warm-up's probes): hierarchical or flat."""
+        if self.hierarchy is not None:
+            return self.hierarchy(tensor)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        assert work is not None
+        return work
 
 
 def default_backend(cuda: bool, backend: str | None = None) -> str:
@@ -118,7 +135,43 @@ def make_links(config: DeftConfig, cuda: bool, ranks: Sequence[int] | None,
                 log.warning("deft: link %r runs gloo on CUDA tensors: %s", lk.name, verdict.reason)
         links[lk.name] = CommLink(lk.name, backend, lk.ifname,
                                   _new_group(backend, lk.ifname, config.timeout_s, ranks))
+    layout = host_layout(config, cuda, ranks, next(iter(links.values())))
+    if layout is not None:
+        for link in links.values():
+            if link.backend == "gloo":
+                groups = make_hierarchy_groups(layout, "gloo", link.ifname, config.timeout_s)
+                link.hierarchy = HierarchicalAllReduce(groups)
     return links
+
+
+def host_layout(config: DeftConfig, cuda: bool, ranks: Sequence[int] | None, primary: CommLink) -> HostLayout | None:
+    """The layout the links all-reduce hierarchically on, or None (flat), the same on every rank.
+
+    ``hierarchical = "auto"``: on where the ranks (torchrun's variables, gathered over the primary link's
+    group) share hosts and span several; ``true``: the same, with a warning when it cannot be; ``false``:
+    flat. Flat on CUDA (the primary link is NCCL, which has its own topology; chaining a gloo link's CUDA
+    collectives is not done) and for a ``process_group`` of part of the world (the layout is the world's)."""
+    mode = config.hierarchical
+    if mode is False:
+        return None
+    warn = log.warning if mode is True else log.info
+    if cuda or (ranks is not None and list(ranks) != list(range(dist.get_world_size()))):
+        warn("deft: links all-reduce flat: the hierarchical all-reduce runs on CPU tensors over every rank of "
+             "the default group")
+        return None
+    if primary.backend != "gloo":
+        warn("deft: links all-reduce flat: the primary link is %s, not gloo", primary.backend)
+        return None
+    layout, why = gather_layout(primary.group, os.environ, config.timeout_s)
+    if layout is None:
+        warn("deft: links all-reduce flat: %s", why)
+        return None
+    if not layout.hierarchical:
+        warn("deft: links all-reduce flat: %d host(s) of %d rank(s) have no traffic both inside and across hosts",
+             layout.hosts, layout.per_host)
+        return None
+    log.info("deft: gloo links all-reduce hierarchically: %d hosts x %d ranks", layout.hosts, layout.per_host)
+    return layout
 
 
 def make_buffer_group(config: DeftConfig, primary: CommLink, cuda: bool,

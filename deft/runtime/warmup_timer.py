@@ -100,7 +100,6 @@ from typing import TypedDict
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -590,8 +589,9 @@ def probe_alpha(links: Mapping[str, CommLink], cuda: bool, rank: int, timeout_s:
     all-reduces of one element (after ``warmup`` untimed ones), link after link in ``links`` order.
 
     Collective on every link: every rank must call it at the same point with the same links. The
-    links must be idle (nothing in flight), else the probe queues behind their traffic. The calls go
-    to the groups directly: the links' traffic counters count training's all-reduces only. NCCL links
+    links must be idle (nothing in flight), else the probe queues behind their traffic. The calls are
+    training's all-reduce (``CommLink.launch``: hierarchical where training's is), uncounted: the links'
+    traffic counters count training's all-reduces only. NCCL links
     use a device tensor and synchronize the device before reading the clock. A probe that fails or
     is not done after ``timeout_s`` (a dead or stalled peer) raises a
     :class:`~deft.errors.CommunicationError` naming ``rank`` (this rank), the link and the probe.
@@ -605,7 +605,7 @@ def probe_alpha(links: Mapping[str, CommLink], cuda: bool, rank: int, timeout_s:
         times = []
         for i in range(warmup + repeats):
             t0 = time.perf_counter()
-            work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=lk.group, async_op=True)
+            work = lk.launch(t)
             wait_work(work, name, f"alpha probe (one-element all-reduce {i + 1} of {warmup + repeats})", rank,
                       timeout_s)
             if on_device and cuda:
