@@ -24,6 +24,7 @@ ORDER = [
     "faults.md",
     "failover.md",
     "gpu.md",
+    "host_tax.md",
     "seeds.md",
     "testbed.md",
     "replay.md",

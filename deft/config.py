@@ -149,6 +149,10 @@ class DeftConfig:
     # the losses given to ddp.observe_loss (none: H stays H_0). Every rank decides from values agreed at
     # the averaging points.
     local_period: str = "fixed"
+    # World size 1 runs solo (deft.runtime.solo_mode): no gradient crosses a link, so deft installs no gradient
+    # hook and profiles, plans and schedules nothing; the module runs as under torch DDP on one rank. false runs
+    # deft's whole machinery on one rank anyway (to profile deft itself).
+    solo: bool = True
     profile_path: str | None = None
     schedule_path: str | None = None
     extra: JsonDict = field(default_factory=dict)

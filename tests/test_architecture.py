@@ -44,7 +44,8 @@ FUNCTION_LINES = 60
 #: or a constructor argument of the collaborator's own; the list may only shrink.
 SET_FROM_OUTSIDE: set[str] = set()
 #: What the facade must not name: the modes are chosen in deft.runtime.mode.
-MODE_NAMES = {"local_steps", "LocalSteps", "LocalStepsMode", "ScheduledRun", "local_mode", "scheduled"}
+MODE_NAMES = {"local_steps", "LocalSteps", "LocalStepsMode", "ScheduledRun", "local_mode", "scheduled", "SoloMode",
+              "solo_mode"}
 # deft.profiler.report draws the simulated timeline of a measured profile: a tool over both layer-1 parts
 TOOLS = {"deft.cli", "deft.solver.cli", "deft.profiler.cli", "deft.profiler.report", "deft.testbed"}
 

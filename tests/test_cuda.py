@@ -144,9 +144,11 @@ def nccl_world_one_worker(rank: int, world: int) -> dict[str, object]:
     dev = "cuda:0"
     model = make_model().to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    # the harness's default group is gloo, which deft's primary link would follow: NCCL by name
+    # the harness's default group is gloo, which deft's primary link would follow: NCCL by name; solo off:
+    # this checks deft's bucket path on the device, which one rank otherwise skips
     ddp = deft.DistributedDataParallel(model, device_ids=[0], config={"epsilon": 0.0, "warmup_iters": 1,
-                                                                      "profile_iters": 2, "links": NCCL_LINK})
+                                                                      "profile_iters": 2, "links": NCCL_LINK,
+                                                                      "solo": False})
     train(ddp, opt, rank, dev, range(STEPS - 2))
     trace = "/tmp/deft-cuda-nccl-trace.json"
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

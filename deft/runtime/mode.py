@@ -8,7 +8,9 @@ forwards its public calls to one :class:`TrainingMode` and never asks which one 
   gradient capture, the per-iteration phase machine and the course of the run (warm-up, profile, plan,
   adaptation);
 * :class:`deft.runtime.local_mode.LocalStepsMode`: local steps (``config.local_steps > 0``): no
-  gradient capture, the averaging at the optimizer step's two hooks (:mod:`deft.runtime.local_steps`).
+  gradient capture, the averaging at the optimizer step's two hooks (:mod:`deft.runtime.local_steps`);
+* :class:`deft.runtime.solo_mode.SoloMode`: world size 1 (``config.solo``, the default): nothing
+  crosses a link, so no gradient capture and nothing scheduled; the module runs as it is.
 
 Note:
     A mode is a step-hook object in the manner of torchft's ``LocalSGD``/``DiLoCo``: it binds the
@@ -40,6 +42,7 @@ from deft.runtime.local_mode import LocalStepsMode
 from deft.runtime.phase import Phase
 from deft.runtime.records import PlanInfoView
 from deft.runtime.scheduled import ScheduledRun
+from deft.runtime.solo_mode import SoloMode, solo_reason
 from deft.runtime.updates import LogEntry
 from deft.schedule import Schedule
 
@@ -151,7 +154,10 @@ class TrainingMode(Protocol):
 
 def start_mode(wiring: Wiring, given_profile: Profile | None,
                optimizer: torch.optim.Optimizer | None) -> TrainingMode:
-    """The mode ``wiring.config`` asks for, its hooks installed (the only place that asks)."""
+    """The mode ``wiring.config`` and the world size ask for, its hooks installed (the only place that asks)."""
+    solo = solo_reason(wiring.config, wiring.world)
+    if solo is not None:
+        return SoloMode(wiring, given_profile, optimizer, solo)
     if wiring.config.local_steps:
         return LocalStepsMode(wiring, optimizer)
     return ScheduledRun(wiring, given_profile, optimizer)
