@@ -252,6 +252,17 @@ def test_a_record_of_the_full_machinery_is_refused_naming_the_opt_out() -> None:
     solo.close()
 
 
+@pytest.mark.usefixtures("one_rank")
+def test_a_solo_record_is_refused_by_the_full_machinery_naming_solo() -> None:
+    solo = deft.DistributedDataParallel(_model())
+    state = solo.state_dict()
+    solo.close()
+    machinery = deft.DistributedDataParallel(_model(), config={"solo": False})
+    with pytest.raises(ContractError, match="saved by deft's solo mode"):
+        machinery.load_state_dict(state)
+    machinery.close()
+
+
 def two_rank_load_worker(rank: int, world: int, path: str) -> str:
     model = _model()
     ddp = deft.DistributedDataParallel(model, config={"epsilon": 0.0})

@@ -64,6 +64,11 @@ def check_stamp(doc: object, world: int, shared: JsonDict) -> None:
     field, naming each; a record without a stamp (older checkpoints) is checked by its mode only."""
     if not isinstance(doc, dict):
         return  # the mode's reader names what it expected
+    if doc.get("solo") is True and shared.get("solo") is False:
+        raise ContractError(SOURCE, "_extra_state.solo",
+                            "the checkpoint was saved by deft's solo mode (one rank, nothing scheduled) and this "
+                            "wrapper runs with solo = false; build it with solo = true, or load only ddp.module's "
+                            "and the optimizer's state dicts")
     check_mode(doc, local_steps=bool(shared.get("local_steps")))
     saved_world = doc.get("world")
     if isinstance(saved_world, int) and saved_world != world:
