@@ -77,3 +77,28 @@ def test_every_table_names_the_world_size(peers: Any) -> None:
     # records from before --hosts: two hosts of one rank, the older plots' names
     assert peers.Layout.of({"name": "torch"}) == peers.Layout(2, 1) and peers.Layout(2, 1).suffix() == ""
     assert peers.Layout.of({"hosts": 4, "ranks_per_host": 1}).suffix() == "_4x1"
+
+
+def _row(peers: Any, name: str, iter_s: float, to_93: float | None) -> Any:
+    return peers.Row(name=name, runs=1, iter_s=iter_s, iter_spread=(iter_s, iter_s),
+                     to_target={0.93: (to_93, 1 if to_93 is not None else 0, None)}, final_acc=0.95,
+                     final_mean=0.95, final_by_seed={0: 0.95}, best_acc=0.95, updates_per_iter=1.0, time_s=10.0,
+                     plan="", load=None)
+
+
+def test_the_layout_table_says_where_deft_falls_short_of_two_hosts(peers: Any) -> None:
+    wl = peers.WORKLOADS["cnn"]
+    two = peers.LayoutRows(peers.Layout(2, 1), _row(peers, "torch", 2.0, 40.0), _row(peers, "deft", 1.0, 20.0),
+                           (0.93,), 1.05)  # 2.00x per iteration and to 93 %; predicted +5 %
+    four = peers.LayoutRows(peers.Layout(4, 1), _row(peers, "torch", 3.0, 60.0), _row(peers, "deft", 2.0, 50.0),
+                            (0.93,), 1.5)  # 1.50x, 1.20x; predicted -25 %
+    eight = peers.LayoutRows(peers.Layout(8, 1), _row(peers, "torch", 6.0, 80.0), _row(peers, "deft", 2.0, None),
+                             (0.93,), 2.1)  # 3.00x per iteration, never reaches 93 %; predicted +5 %
+    text = "\n".join(peers.scale_table(50.0, [two, four, eight], wl))
+    assert "| 4 ranks (4 hosts x 1 rank per host) | 3000 | 2000 | 1.50x | 1500 | -25.0% |" in text
+    assert "- 4 ranks (4 hosts x 1 rank per host): the plan's prediction is -25.0% off" in text
+    assert "- 4 ranks (4 hosts x 1 rank per host): deft's iteration ratio 1.50x is under its 2.00x" in text
+    assert "- 4 ranks (4 hosts x 1 rank per host): to 93% deft's ratio 1.20x is under its 2.00x" in text
+    assert "- 8 ranks (8 hosts x 1 rank per host): deft is not first to 93% (never against torch DDP's 80.0 s)" in text
+    assert "8 ranks (8 hosts x 1 rank per host): deft's iteration ratio" not in text  # 3.00x holds
+    assert "2 ranks (2 hosts x 1 rank per host): " not in text.split("Where deft falls short")[1]
