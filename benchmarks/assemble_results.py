@@ -19,6 +19,7 @@ ORDER = [
     "peers_torchft.md",
     "peers_trainer.md",
     "peers_hosts.md",
+    "peers_lm_hosts.md",
     "slow_links.md",
     "house.md",
     "faults.md",
