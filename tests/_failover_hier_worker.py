@@ -8,8 +8,9 @@ file ``<dir>/go`` (the test takes a NIC down in every host, then writes it). Its
 ``<dir>/rank<rank>.json`` (``<dir>`` is ``argv[1]``; a file each: two ranks of a host share torchrun's
 stdout): the largest difference to torch DDP's parameters (relative to each parameter's largest element),
 the iterations the applied updates merged, ``plan_info["link_failures"]`` and the parameters' sums; or,
-where deft raised, the error. A rank that raised exits with status 1, without waiting for collectives
-stuck on the dead NIC."""
+where deft raised, the error. A rank that raised exits with status 1 at once (deft's error is the
+report); one that finished closes the wrapper, destroys the process groups and exits normally, which must
+not wait for the collectives stuck on the lost link's groups."""
 
 from __future__ import annotations
 
@@ -70,8 +71,8 @@ def main() -> None:
               "failures": ddp.plan_info.get("link_failures", []), "links": list(ddp.schedule.links),
               "sums": [p.detach().double().sum().item() for p in ours.parameters()], "at": time.time()}
     (out / f"rank{rank}.json").write_text(json.dumps(report), encoding="utf-8")
-    # a collective stuck on the lost link's groups ends only with gloo's own timeout: do not wait for it
-    os._exit(0)
+    ddp.close()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -49,8 +49,9 @@ def _run(out: Path, nic: int) -> tuple[list[dict[str, Any]], list[int], float]:
             env = tb.env_for(h, rank=2 * h, world=4, port=port, config=config)
             links = {k: env[k] for k in ("GLOO_SOCKET_IFNAME", "DEFT_CONFIG", "OMP_NUM_THREADS")}
             argv = [*tb.torchrun_argv(h, 2, port), "-m", "tests._failover_hier_worker", str(out)]
-            procs.append(tb.popen(h, argv, env={**links, "DEFT_TEST_DOWN_AT": str(DOWN_AT)}, cwd=ROOT,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            env = {**links, "DEFT_TEST_DOWN_AT": str(DOWN_AT), "PYTHONFAULTHANDLER": "1"}
+            procs.append(tb.popen(h, argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True))
         end = time.monotonic() + START_S
         while not all((out / f"ready{r}").exists() for r in range(4)):
             assert time.monotonic() < end and all(p.poll() is None for p in procs), \
@@ -59,10 +60,15 @@ def _run(out: Path, nic: int) -> tuple[list[dict[str, Any]], list[int], float]:
         tb.set_link(nic, up=False)
         down = time.time()
         (out / "go").write_text("down\n", encoding="utf-8")
-        # the bound: one timeout_s after the NIC went down, every rank has finished or stopped
-        errs = [p.communicate(timeout=2 * TIMEOUT_S)[1] for p in procs]
+        # the bound: one timeout_s after the NIC went down, every rank has finished or stopped and exited
+        errs = [p.communicate(timeout=max(1.0, down + TIMEOUT_S - time.time()))[1] for p in procs]
+        exited = time.time() - down
+    for h, err in enumerate(errs):
+        (out / f"stderr{h}").write_text(err, encoding="utf-8")
     reports = [json.loads((out / f"rank{r}.json").read_text(encoding="utf-8")) for r in range(4)]
     assert [r["rank"] for r in reports] == [0, 1, 2, 3], "\n".join(e[-2000:] for e in errs)
+    print(f"the last report {max(r['at'] for r in reports) - down:.2f} s, the last exit {exited:.2f} s after the "
+          f"NIC went down")
     return reports, [p.returncode for p in procs], max(r["at"] for r in reports) - down
 
 
