@@ -30,6 +30,15 @@ So each later step goes through an :class:`InOrder` that issues it in call order
 second group of the host's ranks: on the first, a later call's step 1 (issued by the caller) could
 otherwise pass an earlier call's step 3 on one rank and not on another. This is the chaining torch's
 PowerSGD hook does (torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py), kept in order.
+
+Note: a lost link. A dead NIC fails (or stalls) step 2 on the leaders only; the host's other ranks wait
+in step 3 for a broadcast that does not come, on groups that never fail (their traffic is on the
+loopback). The runtime bounds their wait as the leaders' (the link's deadline, or ``timeout_s`` on the
+primary link) and the ranks agree the link is lost (:mod:`deft.runtime.failover`). A broadcast left
+pending would fail only when the leader's process exits, on the other ranks' gloo threads during their
+interpreter's shutdown, which can crash them. So the leader owes step 3 of every call, in call order
+(:class:`LeaderBroadcasts`), and :meth:`HierarchicalAllReduce.release` sends what it owes once the link
+is lost: every rank drops a lost link's results, so what the broadcasts carry is never read.
 """
 
 from __future__ import annotations
