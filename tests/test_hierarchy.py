@@ -183,3 +183,57 @@ def test_hierarchical_all_reduce_sums_every_rank_and_deft_equals_torch_ddp() -> 
         draws = [torch.randint(-50, 50, (n,), generator=g) for n in (1, 7, 1001)]  # _sums' first draws
         expected += draws[2].float()
     assert values[0]["sums"]["exact_float32"][2] == expected.tolist()
+
+
+def release_worker(rank: int, world: int) -> dict[str, object]:
+    """Three all-reduces of different sizes on 2 hosts x 2 ranks, whose step across the hosts fails for the
+    first (a cut link) on both first ranks: where each waits after a second, and which complete once every
+    rank released the link."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from deft.runtime.hierarchy import HierarchicalAllReduce, HierarchicalWork, make_hierarchy_groups
+
+    real, calls = dist.all_reduce, []
+
+    def cut_once(tensor: torch.Tensor, **kw: object) -> object:
+        calls.append(tensor.numel())
+        if len(calls) > 1:
+            return real(tensor, **kw)  # type: ignore[arg-type]
+        failed: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        failed.set_exception(RuntimeError("link cut"))  # type: ignore[arg-type]
+        return HierarchicalWork(failed)
+
+    dist.all_reduce = cut_once  # type: ignore[assignment]  # step 2 of the hierarchy, in this process only
+    hier = HierarchicalAllReduce(make_hierarchy_groups(HostLayout(2, 2), "gloo", None, 60.0))
+    works = [hier(torch.ones(n)) for n in (5, 7, 3)]
+    try:
+        works[0].wait(timeout=timedelta(seconds=1))
+        before = "done"
+    except Exception as e:
+        before = str(e)
+    dist.barrier()  # every rank judged the link lost
+    hier.release()
+    after = []
+    for w in works:
+        try:
+            after.append(w.wait(timeout=timedelta(seconds=20)))
+        except Exception as e:
+            after.append(str(e))
+    dist.barrier()  # the first ranks' processes live until the others have their broadcasts, as in training
+    return {"before": before, "after": after}
+
+
+@pytest.mark.slow
+def test_a_lost_link_releases_the_broadcasts_the_hosts_other_ranks_wait_for() -> None:
+    results = run_ranks(release_worker, world=4, timeout=120)
+    assert all(r.ok for r in results), [r.error for r in results]
+    for rank in (0, 2):  # first ranks: the cut step fails, the later calls owe their broadcast, unsent
+        v = results[rank].value
+        assert "link cut" in v["before"], v
+        assert v["after"][0] == "link cut" and all("step 3 not sent" in a for a in v["after"][1:]), v
+    for rank in (1, 3):  # the others: waiting for their first rank, then released, every call in order
+        v = results[rank].value
+        assert f"in step 3 (waiting for rank {rank - 1}, the host's first rank" in v["before"], v
+        assert v["after"] == [True, True, True], v

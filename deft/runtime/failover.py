@@ -72,7 +72,10 @@ class LinkFailover:
     def __init__(self, config: DeftConfig, control: ControlPlane, links: Mapping[str, CommLink]) -> None:
         self.config, self._control = config, control
         self.links = list(links)
-        self._groups = {n: lk.group for n, lk in links.items()}
+        # a hierarchical link's steps run on groups of their own (deft.runtime.hierarchy), kept with it
+        self._groups = {n: [lk.group, *(lk.hierarchy.groups.held() if lk.hierarchy is not None else [])]
+                        for n, lk in links.items()}
+        self._hierarchies = {n: lk.hierarchy for n, lk in links.items() if lk.hierarchy is not None}
         self.primary = self.links[0]
         self.on = config.link_failover and len(self.links) > 1
         self.dead: set[str] = set()
@@ -111,7 +114,10 @@ class LinkFailover:
         on the primary link, ``seconds`` this rank's time from the first failed wait to their end;
         ``phase``: where the run was (None: :meth:`take_lost` names it from the iteration)."""
         self.dead.add(link)
-        keep_forever(self._groups[link])
+        for group in self._groups[link]:
+            keep_forever(group)
+        if link in self._hierarchies:  # the host's other ranks' waits for its first rank end now, not at exit
+            self._hierarchies[link].release()
         left = [n for n in self.links if n not in self.dead]
         self._unplanned.append({"link": link, "iteration": t, **({} if phase is None else {"phase": phase}),
                                 "resent_buckets": buckets, "lost_s": round(seconds, 4),

@@ -30,6 +30,15 @@ So each later step goes through an :class:`InOrder` that issues it in call order
 second group of the host's ranks: on the first, a later call's step 1 (issued by the caller) could
 otherwise pass an earlier call's step 3 on one rank and not on another. This is the chaining torch's
 PowerSGD hook does (torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py), kept in order.
+
+Note: a lost link. A dead NIC fails (or stalls) step 2 on the leaders only; the host's other ranks wait
+in step 3 for a broadcast that does not come, on groups that never fail (their traffic is on the
+loopback). The runtime bounds their wait as the leaders' (the link's deadline, or ``timeout_s`` on the
+primary link) and the ranks agree the link is lost (:mod:`deft.runtime.failover`). A broadcast left
+pending would fail only when the leader's process exits, on the other ranks' gloo threads during their
+interpreter's shutdown, which can crash them. So the leader owes step 3 of every call, in call order
+(:class:`LeaderBroadcasts`), and :meth:`HierarchicalAllReduce.release` sends what it owes once the link
+is lost: every rank drops a lost link's results, so what the broadcasts carry is never read.
 """
 
 from __future__ import annotations
@@ -154,17 +163,20 @@ class InOrder:
 
 class HierarchicalWork(dist.Work):
     """The handle of one hierarchical all-reduce: a ``dist.Work`` over its future, so that the runtime
-    waits on it as on a flat all-reduce's (``wait(timeout)``, ``is_completed``, ``get_future``)."""
+    waits on it as on a flat all-reduce's (``wait(timeout)``, ``is_completed``, ``get_future``).
+    ``step``: the step it is in, which a wait that runs out names (:class:`HierarchicalAllReduce`)."""
 
-    def __init__(self, future: torch.futures.Future[list[torch.Tensor]]) -> None:
+    def __init__(self, future: torch.futures.Future[list[torch.Tensor]], step: list[str] | None = None) -> None:
         super().__init__()
         self._future = future
+        self._step = step if step is not None else []
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         waited = timeout is None or self._future.done() or future_done_event(self._future).wait(timeout.total_seconds())
         if not waited:
             assert timeout is not None
-            raise TimeoutError(f"hierarchical all-reduce not done after {timeout.total_seconds():g} s")
+            at = f", {self._step[-1]}" if self._step else ""
+            raise TimeoutError(f"hierarchical all-reduce not done after {timeout.total_seconds():g} s{at}")
         self._future.wait()  # raises the collective's error
         return True
 
@@ -190,6 +202,10 @@ class HierarchyGroups:
     def leader(self) -> int:
         return self.rank - self.rank % self.layout.per_host
 
+    def held(self) -> list[dist.ProcessGroup]:
+        """The groups this rank's steps run on."""
+        return [self.reduce, self.broadcast, *([] if self.leaders is None else [self.leaders])]
+
 
 def make_hierarchy_groups(layout: HostLayout, backend: str, ifname: str | None, timeout_s: float) -> HierarchyGroups:
     """Collective over the world: every rank creates every host's two groups, then the leaders' group,
@@ -205,6 +221,54 @@ def make_hierarchy_groups(layout: HostLayout, backend: str, ifname: str | None, 
     return HierarchyGroups(layout, rank, mine[0], mine[1], leaders if rank in layout.leaders else None)
 
 
+class LeaderBroadcasts:
+    """The host's first rank's step 3 of every call, in ticket order: the broadcast the host's other ranks
+    wait for. ``owe`` when the call is made, ``send`` when its step 2 completed (in ticket order).
+
+    A call whose step 2 failed is ``stuck``: the others still wait for its broadcast, so it and every later
+    call stay owed, unsent (a later call's broadcast sent first would be matched to it, sizes and all).
+    :meth:`release` sends every owed broadcast, of whatever its buffer holds, in order: the host's other
+    ranks' waits then end, their results unused (module docstring, Note on a lost link)."""
+
+    def __init__(self, groups: HierarchyGroups) -> None:
+        self._groups = groups
+        self._lock = threading.Lock()
+        self._owed: dict[int, torch.Tensor] = {}
+        self._stuck = False
+        self._released = False
+
+    def _broadcast(self, tensor: torch.Tensor) -> dist.Work:
+        work = dist.broadcast(tensor, src=self._groups.leader, group=self._groups.broadcast, async_op=True)
+        assert work is not None
+        return work
+
+    def owe(self, ticket: int, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self._owed[ticket] = tensor
+
+    def forget(self, ticket: int) -> None:
+        """Step 1 failed: the host's other ranks skip this call's step 3 too."""
+        with self._lock:
+            self._owed.pop(ticket, None)
+
+    def stick(self) -> None:
+        with self._lock:
+            self._stuck = True
+
+    def send(self, ticket: int) -> dist.Work:
+        with self._lock:
+            if self._stuck or self._released:
+                why = "the link is lost" if self._released else "an earlier call's step 2 failed on this link"
+                raise RuntimeError(f"step 3 not sent: {why}")
+            return self._broadcast(self._owed.pop(ticket))
+
+    def release(self) -> None:
+        with self._lock:
+            self._released = True
+            for ticket in sorted(self._owed):
+                self._broadcast(self._owed.pop(ticket))
+
+
 class HierarchicalAllReduce:
     """``(tensor) -> HierarchicalWork``: the asynchronous in-place SUM all-reduce of the module docstring
     on one link's :class:`HierarchyGroups`. Calls must be made in the same order on every rank."""
@@ -215,39 +279,63 @@ class HierarchicalAllReduce:
         self._lock = threading.Lock()
         self._across = InOrder()
         self._inside = InOrder()
+        self._sends = LeaderBroadcasts(groups) if groups.leaders is not None else None
+
+    def release(self) -> None:
+        """The link is lost on every rank (:mod:`deft.runtime.failover`) and no call follows: on the host's
+        first rank, every broadcast the host's other ranks still wait for is sent (module docstring, Note
+        on a lost link)."""
+        if self._sends is not None:
+            self._sends.release()
 
     def __call__(self, tensor: torch.Tensor) -> HierarchicalWork:
         out: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
-        g = self.groups
-        later = [self._across, self._inside] if g.leaders is not None else [self._inside]
+        g, sends = self.groups, self._sends
+        step = [f"in step 1 (reduce to rank {g.leader}, the host's first rank)"]  # the last: where it is
         with self._lock:  # the ticket and step 1 together: call order is issue order
             ticket = next(self._tickets)
+            if sends is not None:
+                sends.owe(ticket, tensor)
             try:
                 first = dist.reduce(tensor, dst=g.leader, group=g.reduce, async_op=True)
                 failed = None
             except Exception as e:
                 first, failed = None, e
+        if sends is None:
+            later: list[tuple[InOrder, Callable[[], None] | None]] = [(self._inside, None)]
+        else:
+            later = [(self._across, None), (self._inside, lambda: sends.forget(ticket))]
         if failed is not None:
             self._fail(ticket, out, failed, later)
-            return HierarchicalWork(out)
+            return HierarchicalWork(out, step)
 
         def broadcast() -> None:
-            self._then(lambda: dist.broadcast(tensor, src=g.leader, group=g.broadcast, async_op=True), ticket, out,
-                       lambda: out.set_result([tensor]), [])
+            step.append("in step 3 (broadcast inside the host)" if sends is not None else
+                        f"in step 3 (waiting for rank {g.leader}, the host's first rank, to broadcast the sum of "
+                        "its step across the hosts)")
+            self._then(lambda: dist.broadcast(tensor, src=g.leader, group=g.broadcast, async_op=True)
+                       if sends is None else sends.send(ticket), ticket, out, lambda: out.set_result([tensor]), [])
 
         def across() -> None:
+            assert sends is not None
+            step.append("in step 2 (all-reduce across the hosts' first ranks)")
             self._then(lambda: dist.all_reduce(tensor, group=g.leaders, async_op=True), ticket, out,
-                       lambda: self._inside.ready(ticket, broadcast), [self._inside])
+                       lambda: queued(3, self._inside, broadcast), [(self._inside, sends.stick)])
+
+        def queued(n: int, order: InOrder, launch: Callable[[], None]) -> None:
+            step.append(f"step {n} queued behind an earlier all-reduce's")
+            order.ready(ticket, launch)
 
         self._then(lambda: first, ticket, out,
-                   lambda: later[0].ready(ticket, across if g.leaders is not None else broadcast), later)
-        return HierarchicalWork(out)
+                   lambda: queued(2, self._across, across) if sends is not None else
+                   queued(3, self._inside, broadcast), later)
+        return HierarchicalWork(out, step)
 
     def _then(self, launch: Callable[[], dist.Work | None], ticket: int, out: torch.futures.Future[list[torch.Tensor]],
-              next_step: Callable[[], None], skip: list[InOrder]) -> None:
+              next_step: Callable[[], None], skip: list[tuple[InOrder, Callable[[], None] | None]]) -> None:
         """``launch()`` a step and, when it completes, ``next_step``; if either fails, the error goes on
-        ``out`` and this ticket is skipped in the later steps' ``skip`` (the calls after it still run, in
-        order)."""
+        ``out`` and this ticket runs its ``skip`` launch (None: nothing) in place of the later steps (the
+        calls after it still run, in order)."""
         def done(f: torch.futures.Future[object]) -> None:
             try:
                 f.value()
@@ -263,8 +351,9 @@ class HierarchicalAllReduce:
             self._fail(ticket, out, e, skip)
 
     @staticmethod
-    def _fail(ticket: int, out: torch.futures.Future[list[torch.Tensor]], e: Exception, skip: list[InOrder]) -> None:
+    def _fail(ticket: int, out: torch.futures.Future[list[torch.Tensor]], e: Exception,
+              skip: list[tuple[InOrder, Callable[[], None] | None]]) -> None:
         if not out.done():
             out.set_exception(e)  # type: ignore[arg-type]  # torch types the exception as the value type
-        for step in skip:
-            step.ready(ticket, None)
+        for step, instead in skip:
+            step.ready(ticket, instead)
