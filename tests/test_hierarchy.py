@@ -11,9 +11,12 @@ import threading
 import pytest
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from deft.config import DeftConfig
 from deft.errors import ContractError
+from deft.runtime.codecs.hooks import CommHook
+from deft.runtime.codecs.wire import flat_path_factor, wire_nbytes
 from deft.runtime.hierarchy import HostLayout, InOrder, env_row, layout_of
 from tests._dist import run_ranks
 
@@ -237,3 +240,36 @@ def test_a_lost_link_releases_the_broadcasts_the_hosts_other_ranks_wait_for() ->
         v = results[rank].value
         assert f"in step 3 (waiting for rank {rank - 1}, the host's first rank" in v["before"], v
         assert v["after"] == [True, True, True], v
+
+
+def _nic_bytes(hosts: int, per_host: int, sends: list[tuple[int, int, float]]) -> float:
+    """The most bytes any host's NIC sends, for point-to-point ``sends`` (source rank, destination rank,
+    bytes) among ranks laid out host-major: only a send between two hosts crosses a NIC."""
+    out = [0.0] * hosts
+    for src, dst, size in sends:
+        if src // per_host != dst // per_host:
+            out[src // per_host] += size
+    return max(out)
+
+
+@pytest.mark.parametrize("hosts, per_host", [(2, 2), (4, 2), (2, 4), (3, 2)])
+def test_a_hooks_flat_sends_are_priced_by_what_they_put_on_each_nic(hosts: int, per_host: int) -> None:
+    n, x = hosts * per_host, 1.0
+    leaders = [h * per_host for h in range(hosts)]
+    # the hierarchical all-reduce: a ring among the hosts' first ranks, 2 (H - 1) / H of X from each
+    hier = _nic_bytes(hosts, per_host, [(leaders[i], leaders[(i + 1) % hosts], 2 * (hosts - 1) / hosts * x)
+                                        for i in range(hosts)])
+    # a ring over every rank in rank order (torch's 16-bit hooks): 2 (N - 1) / N of X from each rank
+    ring = _nic_bytes(hosts, per_host, [(r, (r + 1) % n, 2 * (n - 1) / n * x) for r in range(n)])
+    # int8's scatter path: an all-to-all and an exchange of N chunks of X / N
+    a2a = _nic_bytes(hosts, per_host, [(r, d, 2 * x / n) for r in range(n) for d in range(n) if d != r])
+    assert flat_path_factor(hosts, per_host, all_to_all=False) == pytest.approx(ring / hier)
+    assert flat_path_factor(hosts, per_host, all_to_all=True) == pytest.approx(a2a / hier)
+    assert flat_path_factor(hosts, 1, all_to_all=True) == flat_path_factor(1, per_host, all_to_all=False) == 1.0
+
+
+def test_a_16_bit_hooks_wire_bytes_grow_where_the_links_are_hierarchical() -> None:
+    fp16 = CommHook(None, default_hooks.fp16_compress_hook, "fp16")
+    assert wire_nbytes(fp16, [(10, 100)], 4) == 2000
+    assert wire_nbytes(fp16, [(10, 100)], 4, hosts=(2, 1)) == 2000  # one rank per host: flat
+    assert wire_nbytes(fp16, [(10, 100)], 4, hosts=(2, 2)) == 3000  # the ring crosses each NIC 1.5 times as much

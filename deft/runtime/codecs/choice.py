@@ -88,21 +88,23 @@ def considered(cfg: DeftConfig, world: int, measuring: bool, hooked: bool, layou
 
 def measure_inputs(layout: FlatLayout, params: list[torch.Tensor], solo: dist.ProcessGroup, device: torch.device,
                    control: ControlPlane, stats: GradStats | None, batch: int | None,
-                   profiled: Codec | None = None, profile: Profile | None = None) -> CodecInputs | None:
+                   profiled: Codec | None = None, profile: Profile | None = None,
+                   hosts: tuple[int, int] | None = None) -> CodecInputs | None:
     """Collective: the codecs' cost on ``layout``'s buckets and the gradients' scale; None while the
     scale is unknown (no noise estimate yet: the preserver could not judge the rounding). ``profiled``:
     the profile iterations' own codec (16-bit or int8), already measured on ``layout`` (every rank has
     it), reused; ``profile``: the measured profile (every rank has it), which says whether int8 is
-    measured (:func:`int8_may_pay`)."""
+    measured (:func:`int8_may_pay`); ``hosts``: the links' hierarchical layout (wire bytes priced by
+    :func:`deft.runtime.codecs.wire.flat_path_factor`)."""
     eight = profiled if profiled is not None and profiled.name == "int8" else None
     sixteen = profiled if profiled is not None and profiled.name != "int8" else None
     measured = sixteen if sixteen is not None else measure_codec(codec_hook("fp16"), layout, params, solo, device,
-                                                                 control)
+                                                                 control, hosts)
     scale = gradient_scale(stats, control, batch)
     if measured is None or scale is None:
         return None
     if eight is None and int8_may_pay(profile, control.world):
-        eight = measure_codec(codec_hook("int8"), layout, params, solo, device, control)
+        eight = measure_codec(codec_hook("int8"), layout, params, solo, device, control, hosts)
     int8 = None if eight is None else CodecCost("int8", eight.wire_nbytes, eight.codec_s)
     return CodecInputs(CodecCost("fp16", measured.wire_nbytes, measured.codec_s), scale, int8)
 

@@ -203,6 +203,13 @@ class CodecPolicy:
         """A profile iteration's ``schedule``, every bucket in the profile iterations' codec."""
         return _coded(schedule, self.profile_codec)
 
+    @property
+    def _hosts(self) -> tuple[int, int] | None:
+        """``(hosts, ranks per host)`` where the links all-reduce hierarchically: a hook's sends, on the flat
+        group, are priced by the bytes they put on each NIC (:func:`deft.runtime.codecs.wire.flat_path_factor`)."""
+        h = self._primary.hierarchy
+        return None if h is None else (h.groups.layout.hosts, h.groups.layout.per_host)
+
     def _solo_group(self) -> dist.ProcessGroup:
         if self._solo is None:  # dist.new_group is collective over the world
             self._solo = make_solo_group(self._primary.backend, self.config.timeout_s, self._ranks)
@@ -214,7 +221,7 @@ class CodecPolicy:
         coded = self._comm_hook is None and bool(self.profile_codec)
         hook = codec_hook(self.profile_codec) if coded else self._comm_hook
         solo = self._solo_group() if hook is not None else None
-        codec = measure_codec(hook, layout, self._params, solo, self._executor.device, self._control)
+        codec = measure_codec(hook, layout, self._params, solo, self._executor.device, self._control, self._hosts)
         # deft's own codec on this layout: the plan's choice prices with it too (None: a comm hook or
         # an exact profile, so that choice times its codecs itself)
         self._profiled = codec if coded else None
@@ -236,7 +243,7 @@ class CodecPolicy:
                              ex.layout):
             assert ex.layout is not None
             self.inputs = choice.measure_inputs(ex.layout, self._params, self._solo_group(), ex.device,
-                                                self._control, stats, batch, self._profiled, profile)
+                                                self._control, stats, batch, self._profiled, profile, self._hosts)
         return self.inputs
 
     def lag_schedule(self, schedule: Schedule) -> Schedule:

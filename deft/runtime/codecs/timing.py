@@ -41,8 +41,9 @@ class Codec:
 
 
 def measure_here(hook: CommHook, layout: FlatLayout, params: Sequence[torch.Tensor], group: dist.ProcessGroup,
-                  device: torch.device) -> Codec:
-    """This rank's :class:`Codec` for ``layout``: wire bytes from :func:`wire_nbytes`, compute from
+                 device: torch.device, hosts: tuple[int, int] | None = None) -> Codec:
+    """This rank's :class:`Codec` for ``layout``: wire bytes from :func:`wire_nbytes` (``hosts``: the
+    links' ``(hosts, ranks per host)`` where they all-reduce hierarchically), compute from
     :func:`time_hook` on random gradients on ``group`` (a one-rank group). A bucket mixing dtypes
     cannot be hooked at all (the executor refuses it), so it is given its plain size and no compute."""
     buffers = layout.new_buffers(device)
@@ -56,7 +57,7 @@ def measure_here(hook: CommHook, layout: FlatLayout, params: Sequence[torch.Tens
         view.copy_(torch.randn(view.shape, generator=torch.Generator().manual_seed(b)).to(view.dtype))
         hb = hook_bucket(layout, params, b, view, is_last=b == layout.n_buckets - 1)
         size = wire_nbytes(hook, [tuple(g.shape) for g in hb.gradients()], view.element_size(),
-                           int8.scatter_supported(None, view.device))
+                           int8.scatter_supported(None, view.device), hosts)
         known &= size is not None
         wire.append(size if size is not None else view.numel() * view.element_size())
         buckets.append(hb)
@@ -132,7 +133,8 @@ def _time_buckets(hook: CommHook, state: object, buckets: Sequence[HookBucket], 
 
 
 def measure_codec(hook: CommHook | None, layout: FlatLayout, params: Sequence[torch.Tensor],
-                solo: dist.ProcessGroup | None, device: torch.device, control: ControlPlane) -> Codec | None:
+                solo: dist.ProcessGroup | None, device: torch.device, control: ControlPlane,
+                hosts: tuple[int, int] | None = None) -> Codec | None:
     """Collective: the comm hook's wire bytes and compute per bucket of the profiled layout, the same on
     every rank (the codec timed by :func:`measure_here` on each rank's one-rank group ``solo``; the
     maximum over ranks). A failure on any rank raises the same error on every rank, after the
@@ -144,7 +146,7 @@ def measure_codec(hook: CommHook | None, layout: FlatLayout, params: Sequence[to
     codec: Codec | None = None
     error: str | None = None
     try:
-        codec = measure_here(hook, layout, params, solo, device)
+        codec = measure_here(hook, layout, params, solo, device, hosts)
         row = [*codec.codec_s, 0.0]
     except Exception as e:  # every rank must leave the collective below: a flag, then the same error
         row, error = [0.0] * n + [1.0], f"{type(e).__name__}: {e}"

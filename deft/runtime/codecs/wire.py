@@ -14,6 +14,11 @@ the plan's codec choice and the simulator's link times all read it).
   (:func:`powersgd_matrix`); batched PowerSGD pads the bucket to an ``s x s`` square,
   ``s = ceil(sqrt(numel))``, and sends ``2 s r`` elements.
 * **A user's hook**: unknown (``None``); the caller assumes the bucket's own size.
+
+Where the links all-reduce hierarchically (several ranks per host, :mod:`deft.runtime.hierarchy`) a
+plain bucket's all-reduce crosses each host's NIC once, but a hook's collectives run on the link's flat
+group and cross it more: the bytes above are then multiplied by :func:`flat_path_factor`, so that they
+stay the bytes of an all-reduce (the link's hierarchical one) that costs what the hook's sends cost.
 """
 
 from __future__ import annotations
@@ -44,14 +49,45 @@ def int8_fewer_bytes(world: int, numels: Sequence[int] = (2 ** 20,), scatter_ok:
     return sum(int8_nbytes(n, world, scatter_ok) for n in numels) < 2 * sum(numels)
 
 
+def flat_path_factor(hosts: int, per_host: int, all_to_all: bool) -> float:
+    """How many times the bytes a collective on the flat group puts on each host's NIC exceed those of
+    the hierarchical all-reduce priced at the same size, ``hosts`` H of ``per_host`` M ranks (N = H M;
+    1 where H or M is 1, the links then flat):
+
+    * a ring over the N ranks in rank order (torch's 16-bit hooks, int8's all-gather path): each host's
+      NIC carries ``2 (N - 1) / N X``, the hierarchical all-reduce ``2 (H - 1) / H X``: the factor is
+      ``(N - 1) H / (N (H - 1))`` (1.5 at 2 x 2);
+    * ``all_to_all``, int8's scatter path (an all-to-all, then an exchange, of N chunks of ``X / N``):
+      each rank sends ``N - M`` of its chunks across hosts in each, M ranks a host, so each NIC carries
+      ``2 M (N - M) / N X = 2 M (H - 1) / H X``: the factor is M."""
+    if hosts < 2 or per_host < 2:
+        return 1.0
+    if all_to_all:
+        return float(per_host)
+    n = hosts * per_host
+    return (n - 1) * hosts / (n * (hosts - 1))
+
+
 def wire_nbytes(hook: CommHook, shapes: Sequence[Sequence[int]], element_size: int,
-                scatter_ok: bool = True) -> int | None:
+                scatter_ok: bool = True, hosts: tuple[int, int] | None = None) -> int | None:
     """Bytes the hook puts on the wire for one bucket whose gradients have ``shapes`` (module docstring).
 
-    ``None`` for a hook whose maths deft does not know; ``scatter_ok``: int8's scatter path may run.
+    ``None`` for a hook whose maths deft does not know; ``scatter_ok``: int8's scatter path may run;
+    ``hosts``: ``(H, M)`` where the links all-reduce hierarchically (:func:`flat_path_factor`).
     Summed over the hook's collectives, as each
     carries its tensor through the same all-reduce (PowerSGD: the uncompressed tensors, P, then Q).
     """
+    size = _flat_wire_nbytes(hook, shapes, element_size, scatter_ok)
+    if size is None or hosts is None:
+        return size
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    numel = sum(math.prod(sh) for sh in shapes)
+    scatter = hook.hook is int8.int8_compress_hook and int8.uses_scatter(numel, world, scatter_ok)
+    return math.ceil(size * flat_path_factor(hosts[0], hosts[1], scatter))
+
+
+def _flat_wire_nbytes(hook: CommHook, shapes: Sequence[Sequence[int]], element_size: int,
+                      scatter_ok: bool) -> int | None:
     numel = sum(math.prod(sh) for sh in shapes)
     if hook.hook in (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook):
         return 2 * numel
