@@ -27,6 +27,7 @@ from deft.preserver.feedback import (
 from deft.preserver.gaussian_walk import convergence_ratio, expected_loss_after
 from deft.preserver.noise import NoiseEstimate
 from deft.profile import Bucket, BucketTimes, Link, Profile
+from deft.runtime.planning import make_schedule
 from deft.schedule import CommTask, Schedule, StagePlan, Update
 from deft.solver.plan import EXACT_BUDGET_LIMITS, WORK_PER_SECOND, ExactBudget, no_delay_plan, plan
 
@@ -743,3 +744,24 @@ def test_the_tries_share_one_cp_sat_budget() -> None:
     assert 0 < _cp_sat_work(shared) <= budget.units + per_knapsack
     assert any(t.schedule is not None and t.schedule.meta["exact_budget_exhausted"] for t in deft_tries)
     assert _cp_sat_work(own) > 2 * (budget.units + per_knapsack)
+
+
+@pytest.mark.slow
+def test_a_decision_trained_through_spends_no_more_cp_sat_than_half_its_window() -> None:
+    """The first plan in the background (``lag_iters`` > 0) gets the CP-SAT work of half its plan-lag
+    window, priced at the no-delay plan's iteration; planned in the iteration (0) the config's whole
+    budget. On the stdlib char LM's profile the window's budget is the smaller one, so the decision
+    made in the background spends less, within its window's units plus the one solve that crosses."""
+    prof = Profile.load(Path(__file__).resolve().parents[1] / "examples" / "profiles" / "gpt2_stdlib_testbed.json")
+    cfg = DeftConfig(epsilon=0.01, solver_time_limit_s=0.05)
+    stats = WalkStats(loss=2.0, mu=1.0, sigma=20.0, lr=0.05, batch=512)
+    window_s = 1 * no_delay_plan(prof, cfg).predicted_iteration_s
+    units = WORK_PER_SECOND * 0.5 * window_s
+    per_knapsack = WORK_PER_SECOND * cfg.solver_time_limit_s
+    assert units < ExactBudget.for_config(cfg).units  # the window is the bound here
+
+    background = make_schedule(cfg, prof, stats, None, None, lag_iters=1).preserved
+    inline = make_schedule(cfg, prof, stats, None, None).preserved
+    assert background is not None and inline is not None
+    assert 0 < _cp_sat_work(background) <= units + per_knapsack
+    assert _cp_sat_work(inline) > units + per_knapsack

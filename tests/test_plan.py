@@ -252,6 +252,19 @@ def test_plans_sharing_a_budget_spend_it_once_then_solve_as_the_greedy() -> None
     assert own.meta["solver_work"] > 0 and (own.stages, own.updates) != (greedy.stages, greedy.updates)
 
 
+def test_a_windows_budget_is_half_the_window_of_cp_sat_work_at_most_the_configs() -> None:
+    # A decision the ranks train through for window_s seconds may spend WINDOW_SHARE (a half) of it in
+    # CP-SAT at WORK_PER_SECOND (half a unit per second): 4 s of window, 1 unit; a long window is
+    # capped at the config's 20 knapsack budgets (10 units at 1 s each), none gets none.
+    cfg = DeftConfig(solver_time_limit_s=1.0)
+    assert ExactBudget.for_window(cfg, 4.0).units == pytest.approx(1.0)
+    assert ExactBudget.for_window(cfg, 1e6).units == pytest.approx(10.0) == ExactBudget.for_config(cfg).units
+    assert ExactBudget.for_window(cfg, 0.0).units == 0.0
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ContractError, match="window_s"):
+            ExactBudget.for_window(cfg, bad)
+
+
 # ------------------------------------------------------------------------------------------------
 # the pieces: Algorithm 1 and the ready-time repair
 

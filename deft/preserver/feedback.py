@@ -518,7 +518,8 @@ def _best_merge(profile: Profile, config: DeftConfig, stats: WalkStats, accumula
 
 def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
              planner: Planner | None = None, no_delay_planner: NoDelayPlanner | None = None,
-             accumulate_planner: AccumulatePlanner | None = None) -> PreserveResult:
+             accumulate_planner: AccumulatePlanner | None = None, budget: ExactBudget | None = None
+             ) -> PreserveResult:
     """Run the feedback loop and return the schedule to use.
 
     * ``config.epsilon == 0``: the no-delay schedule directly (no merged update can pass), even
@@ -538,9 +539,10 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
     :func:`deft.solver.plan.plan`, :func:`deft.solver.plan.no_delay_plan` and
     :func:`deft.solver.plan.accumulate_plan`; tests inject their own. The default planner's tries share
     one :class:`~deft.solver.plan.ExactBudget` of CP-SAT work (a decision costs what one plan may, however
-    many tries it takes; the later tries' knapsacks fall to the greedy once it is spent).
+    many tries it takes; the later tries' knapsacks fall to the greedy once it is spent): ``budget``, or
+    :meth:`~deft.solver.plan.ExactBudget.for_config`'s.
     """
-    planner = planner or functools.partial(plan, budget=ExactBudget.for_config(config))
+    planner = planner or functools.partial(plan, budget=budget or ExactBudget.for_config(config))
     tries: list[Try] = []
     fallback = _NoDelay(profile, config, stats, no_delay_planner or no_delay_plan, tries)
     if config.epsilon == 0.0:

@@ -54,7 +54,7 @@ from deft.runtime.records import as_object
 from deft.schedule import Schedule, synchronous_schedule
 from deft.solver import codecs, knapsack
 from deft.solver.lagfree import lagfree_plan
-from deft.solver.plan import no_delay_plan, plan
+from deft.solver.plan import ExactBudget, no_delay_plan, plan
 from deft.solver.simulate import serial_codec, simulate_schedule
 
 log = logging.getLogger("deft.runtime")
@@ -117,14 +117,16 @@ def _load_solver() -> dict[str, object]:
 
 
 def make_schedule(cfg: DeftConfig, profile: Profile | None, stats: WalkStats | None,
-                  schedule_path: str | os.PathLike[str] | None, codec: CodecInputs | None = None) -> Decision:
+                  schedule_path: str | os.PathLike[str] | None, codec: CodecInputs | None = None,
+                  lag_iters: int = 0) -> Decision:
     """Rank 0 only: the schedule to run, degrading to simpler plans when planning fails. Planned on the
-    profile with deft's coded buckets (:func:`choose_codec`; a re-plan gets that profile, already coded)."""
+    profile with deft's coded buckets (:func:`choose_codec`; a re-plan gets that profile, already coded);
+    ``lag_iters`` > 0: while training goes on for that many iterations (:func:`window_budget`)."""
     if schedule_path is not None:
         return Decision(Schedule.load(os.fspath(schedule_path)), {"source": str(schedule_path)})
     assert profile is not None
     profile, chosen = choose_codec(cfg, profile, codec)
-    decision = torch_way_without_gain(profile, _planned(cfg, profile, stats))
+    decision = torch_way_without_gain(profile, _planned(cfg, profile, stats, window_budget(cfg, profile, lag_iters)))
     decision.schedule = codecs.mark(decision.schedule, profile, cfg)
     if chosen is not None:
         decision.info["codecs"] = chosen
@@ -159,16 +161,28 @@ def torch_way_without_gain(profile: Profile, decision: Decision) -> Decision:
     return Decision(sync, info)
 
 
-def _planned(cfg: DeftConfig, profile: Profile, stats: WalkStats | None) -> Decision:
-    """:func:`make_schedule`'s plan of ``profile``, with its fallbacks."""
+def window_budget(cfg: DeftConfig, profile: Profile, lag_iters: int) -> ExactBudget | None:
+    """The CP-SAT budget of a decision the ranks train through for ``lag_iters`` iterations
+    (:meth:`ExactBudget.for_window`; None: none, the config's). The window is priced at the no-delay
+    plan's predicted iteration, no longer than the synchronous iterations that run meanwhile, so the
+    knapsacks end within the window rather than the ranks waiting for them at its end."""
+    if lag_iters <= 0 or cfg.solver != "exact":
+        return None
+    return ExactBudget.for_window(cfg, lag_iters * no_delay_plan(profile, cfg).predicted_iteration_s)
+
+
+def _planned(cfg: DeftConfig, profile: Profile, stats: WalkStats | None, budget: ExactBudget | None = None
+             ) -> Decision:
+    """:func:`make_schedule`'s plan of ``profile``, with its fallbacks; ``budget``: the knapsacks' CP-SAT
+    work (None: the config's)."""
     try:
         base = lagfree_plan if cfg.forward_updates else no_delay_plan
         if cfg.epsilon == 0:
             return Decision(base(profile, cfg), {"source": f"{base.__name__} (epsilon = 0)"})
         if cfg.preserver:
-            res = feedback.preserve(profile, cfg, stats, no_delay_planner=base)
+            res = feedback.preserve(profile, cfg, stats, no_delay_planner=base, budget=budget)
             return Decision(res.schedule, preserver_info("preserver", res, stats), res)
-        return Decision(plan(profile, cfg), {"source": "plan"})
+        return Decision(plan(profile, cfg, budget=budget), {"source": "plan"})
     except DeftError as e:
         first = f"{type(e).__name__}: {e}"
     log.warning("deft: planning failed (%s); falling back", first)
@@ -227,7 +241,7 @@ class Planning:
         """Collective: rank 0 decides; every rank gets, validates and digest-checks the same schedule."""
         doc: JsonDict = {}
         if self.control.rank == 0:
-            doc, self._recheck = self._decide(profile, stats, world, codec)
+            doc, self._recheck = self._decide(profile, stats, world, codec, 0)
         return self._receive(doc)
 
     def start(self, profile: Profile | None, stats: WalkStats | None, world: int,
@@ -235,7 +249,7 @@ class Planning:
         """Not collective: rank 0 starts deciding in the background (its job is returned; None on the
         other ranks); :meth:`finish` collects it."""
         def decide() -> dict[str, object]:  # the Recheck travels with the document: set only when collected
-            doc, recheck = self._decide(profile, stats, world, codec)
+            doc, recheck = self._decide(profile, stats, world, codec, self.config.plan_lag_iters)
             return {"doc": doc, "recheck": recheck}
 
         return Background(decide, "deft-planner", self.config.planner_nice) if self.control.rank == 0 else None
@@ -260,14 +274,15 @@ class Planning:
         return schedule, info, timing
 
     def _decide(self, profile: Profile | None, stats: WalkStats | None, world: int,
-                codec: CodecInputs | None) -> tuple[JsonDict, Recheck | None]:
+                codec: CodecInputs | None, lag_iters: int) -> tuple[JsonDict, Recheck | None]:
         """Rank 0's decision as the JSON document :meth:`_receive` broadcasts, and the re-check state
-        for it. Reads its arguments and the config only (it may run on a background thread)."""
+        for it (``lag_iters``: iterations trained through meanwhile, 0 in the iteration). Reads its
+        arguments and the config only (it may run on a background thread)."""
         cfg = self.config
         doc: JsonDict
         recheck: Recheck | None = None
         try:
-            decision = make_schedule(cfg, profile, stats, self.schedule_path, codec)
+            decision = make_schedule(cfg, profile, stats, self.schedule_path, codec, lag_iters)
             info = dict(decision.info)
             # Re-checks need live statistics, a profile to re-plan from, and the preserver's own plan.
             wanted = (info.get("source") == "preserver" and cfg.preserver and cfg.epsilon > 0 and world >= 2
@@ -332,8 +347,11 @@ class Planning:
                     doc["check"] = {"ratio": decision.ratio, "replan": decision.replan, "reason": decision.reason}
                     if decision.replan:
                         assert profile is not None and self._recheck is not None
+                        # Every rank waits for this re-plan: its knapsacks get no more than a
+                        # background decision's (window_budget).
                         res = feedback.preserve(profile, cfg, stats,
-                                                no_delay_planner=lagfree_plan if cfg.forward_updates else no_delay_plan)
+                                                no_delay_planner=lagfree_plan if cfg.forward_updates else no_delay_plan,
+                                                budget=window_budget(cfg, profile, cfg.plan_lag_iters))
                         self._recheck.reset(res)
                         doc["schedule"] = codecs.mark(res.schedule, profile, cfg).to_dict()
                         doc["info"] = preserver_info("preserver (re-plan)", res, stats)

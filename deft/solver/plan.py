@@ -101,6 +101,7 @@ __all__ = [
     "CASE_FLUSH",
     "DEFAULT_MAX_CYCLE",
     "EXACT_BUDGET_LIMITS",
+    "WINDOW_SHARE",
     "WORK_PER_SECOND",
     "ExactBudget",
     "GroupRecord",
@@ -128,6 +129,10 @@ EXACT_BUDGET_LIMITS = 20
 # wall time on a small machine (benchmarks/results/knapsack.md) so that a budget costs about the wall
 # time its name says on a quiet machine, while the answer never depends on the load.
 WORK_PER_SECOND = 0.5
+# The share of the plan-lag window a background decision's knapsacks may spend (ExactBudget.for_window):
+# the rest of the decision (the lag-free search, the preserver's simulations) takes about as long again
+# on a many-bucket profile (benchmarks/results/planner.md, "The plan-lag window").
+WINDOW_SHARE = 0.5
 # Iterations of the state machine searched for a repeating queue state, per iteration of max_cycle.
 _SEARCH_PER_CYCLE = 4
 _SOURCE = "plan"
@@ -234,6 +239,17 @@ class ExactBudget:
     def for_config(cls, config: DeftConfig) -> ExactBudget:
         """:data:`EXACT_BUDGET_LIMITS` knapsack budgets of ``config.solver_time_limit_s`` each."""
         return cls(EXACT_BUDGET_LIMITS * WORK_PER_SECOND * config.solver_time_limit_s)
+
+    @classmethod
+    def for_window(cls, config: DeftConfig, window_s: float) -> ExactBudget:
+        """The budget of a decision made while training goes on for ``window_s`` seconds (the plan-lag
+        window): :meth:`for_config`'s, or the CP-SAT work of :data:`WINDOW_SHARE` of the window at
+        ``WORK_PER_SECOND`` if that is less, so that the knapsacks do not outlast the window the ranks
+        train through before they wait for the plan. Deterministic in its inputs, as every budget."""
+        if not (math.isfinite(window_s) and window_s >= 0.0):
+            raise ContractError(_SOURCE, "window_s", f"expected a finite number of seconds >= 0, got {window_s}")
+        default = cls.for_config(config)
+        return cls(min(default.units, WORK_PER_SECOND * WINDOW_SHARE * window_s))
 
     @property
     def exhausted(self) -> bool:
