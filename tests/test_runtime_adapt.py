@@ -104,6 +104,26 @@ def test_adapter_never_switches_to_a_plan_predicted_slower() -> None:
         pytest.approx(0.112, rel=1e-3)
 
 
+def test_a_calibration_that_cannot_reproduce_the_window_settles_without_a_replan() -> None:
+    # The backward measured 3x the profile's while the whole iteration measured no slower than predicted:
+    # with compute x 3 no communication factor in range predicts the window (even x 0.05 predicts more),
+    # so the corrected profile says nothing true about the links: no re-plan on it, settled.
+    p = three_buckets()
+    cfg = DeftConfig()
+    sched = lagfree_plan(p, cfg)
+    ad = Adapter(cfg)
+    new, _, rec = ad.decide(sched, p, sched.predicted_iteration_s * 0.9, 3.0 * p.backward_s,
+                            replan=lambda q: pytest.fail("no re-plan on a calibration that does not hold"))
+    assert new is None and ad.done and "no calibration reproduces" in rec["decision"]
+    assert rec["comm_factor"] == pytest.approx(0.05) and rec["calibrated_s"] > sched.predicted_iteration_s * 0.9
+    # The same window with the backward as profiled is reproduced (the links faster than profiled): re-planned.
+    replanned: list[Profile] = []
+    ad = Adapter(cfg)
+    new, _, rec = ad.decide(sched, p, sched.predicted_iteration_s * 0.9, p.backward_s,
+                            replan=lambda q: replanned.append(q) or replace(sched, predicted_iteration_s=0.01))
+    assert len(replanned) == 1 and 0.05 < rec["comm_factor"] < 1.0
+
+
 def test_adapter_is_bounded() -> None:
     p = three_buckets()
     cfg = DeftConfig(adapt_max_replans=1)

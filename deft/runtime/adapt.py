@@ -15,7 +15,9 @@ rank 0 gets the slowest rank's medians (one max-reduction) and decides (:class:`
    link ``l`` is scaled by ``f * s_l``). The corrected profile is planned
    again; a different schedule is tried (all ranks switch at a cycle boundary) only when predicted
    at least ``SWITCH_GAIN`` faster than the running one on the same corrected profile, since a
-   re-plan predicted slower than what runs would be a step back. Where deft chose the plan's codecs
+   re-plan predicted slower than what runs would be a step back. A calibration that cannot reproduce
+   the measurement (the factor at an end of its range: :func:`solved`) settles instead: its
+   corrected profile would misprice every plan made on it. Where deft chose the plan's codecs
    itself (``compression = "auto"``: :class:`deft.runtime.codecs.choice.Recoding`), the choice is made
    again on the measured exact profile corrected by the same factors; a different choice is planned on
    that profile instead. Why: the choice priced each bucket on the profiled links, and a bucket whose
@@ -221,6 +223,11 @@ class Adapter:
         record.update(compute_factor=cal.compute, comm_factor=cal.comm, calibrated_s=cal.predicted_s)
         if any(v != 1.0 for v in cal.links.values()):
             record["link_factors"] = dict(cal.links)
+        if not solved(cal):
+            # f at an end of F_RANGE: no factor reproduces the window (compute alone, scaled by g, is
+            # already slower or faster than it), so the corrected profile would misprice every choice.
+            return self._settle(record, f"no calibration reproduces the measured {measured_s * 1e3:.1f} ms "
+                                f"(communication x {cal.comm:g} predicts {cal.predicted_s * 1e3:.1f} ms): settled")
         self.replans += 1
         target, chosen = self._recode(cal, corrected, record)
         new = replan(target)
@@ -254,6 +261,16 @@ class Adapter:
         changed = chosen != self.recoding.chosen
         record["codecs"] = {**codec_record, "changed": changed}  # the choice made again, kept or not
         return (coded if changed else corrected), chosen
+
+
+def solved(cal: Calibration) -> bool:
+    """Whether ``cal``'s communication factor reproduces the measured iteration (it lies inside
+    :data:`F_RANGE`, where :func:`calibrate` solved for it): only then do its factors describe the run.
+    At an end of the range they do not (the compute alone, scaled by ``g``, predicts more or less than
+    was measured), and a plan or codec choice made on them can be far off: links priced nearly free
+    had their codecs dropped where they were the bound (benchmarks/results/peers_lm_hosts.md, "int8
+    against fp16")."""
+    return F_RANGE[0] < cal.comm < F_RANGE[1]
 
 
 def plan_digest(schedule: Schedule) -> str:

@@ -49,6 +49,11 @@ from deft.solver.plan import no_delay_plan
 
 #: Coding every bucket must predict at least this much less time per iteration than coding none.
 MIN_GAIN = 0.03
+#: int8 replaces the 16-bit choice only where it predicts at least this much less per iteration: its
+#: sends cost what the profile does not price (two collectives per bucket on the scatter path, four
+#: passes over the bucket on the cores the model uses) and round eight times coarser, so a small
+#: predicted gain was a measured loss (benchmarks/results/peers_lm_hosts.md, "int8 against fp16").
+INT8_MIN_GAIN = 0.10
 #: A bucket stays exact when leaving it so costs at most this much over coding every bucket ...
 TOLERANCE = 0.01
 #: ... with the links this many times slower than profiled (module docstring).

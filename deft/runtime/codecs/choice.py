@@ -14,7 +14,7 @@ Rules:
   rounding is judged against (:func:`measure_inputs`).
 * **The choice** (rank 0, inside its plan): the 16-bit codec the preserver accepts first; int8 in its
   place where the preserver accepts it too and it predicts at least
-  :data:`deft.solver.codecs.MIN_GAIN` less per iteration (:func:`choose_codec`). Every rank rebuilds
+  :data:`deft.solver.codecs.INT8_MIN_GAIN` less per iteration (:func:`choose_codec`). Every rank rebuilds
   the coded profile the schedule was planned on from the decision's record (:func:`planned_profile`),
   so the adaptation and the re-checks calibrate and re-plan on coded times.
 * **int8 is weighed** only where it puts fewer bytes on the wire than 16 bits (its wire bytes on the
@@ -114,7 +114,7 @@ def choose_codec(cfg: DeftConfig, profile: Profile, codec: CodecInputs | None) -
     and the record of why (None: not considered). The 16-bit codec the preserver accepts first
     (:func:`deft.preserver.codec_error.pick`) is chosen; where int8 was measured and the preserver
     accepts it too, its choice replaces the 16-bit one when it predicts at least
-    :data:`deft.solver.codecs.MIN_GAIN` less per iteration (fewer bits only where they clearly pay)."""
+    :data:`deft.solver.codecs.INT8_MIN_GAIN` less per iteration (fewer bits only where they clearly pay)."""
     if codec is None or cfg.epsilon == 0:
         return profile, None
     verdicts = codec_error.pick(codec.scale, cfg.epsilon)
@@ -131,7 +131,7 @@ def choose_codec(cfg: DeftConfig, profile: Profile, codec: CodecInputs | None) -
     if len(choices) == 2:
         record["alternatives"] = [c.to_dict() for c in choices]
         if choices[1].coded and (not choice.coded or
-                                 choices[1].chosen_s < choice.chosen_s * (1.0 - codecs.MIN_GAIN)):
+                                 choices[1].chosen_s < choice.chosen_s * (1.0 - codecs.INT8_MIN_GAIN)):
             choice = choices[1]
     cost = codec.cost_of(choice.codec)
     record.update(choice.to_dict())
