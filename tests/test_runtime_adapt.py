@@ -341,6 +341,81 @@ def test_a_plan_slower_than_the_warm_up_ends_on_the_warm_up_schedule() -> None:
     assert all(len(its) == 1 for _, its in a["log"])  # epsilon 0: torch DDP's updates throughout
 
 
+LAG_WARMUP, LAG_LAYERS = 3, 24  # warm-up iterations; rank 0 plans (a given profile) after them
+
+
+def deep_comm_heavy_profile() -> Any:
+    """A given profile of the worker's model: a bucket per parameter, 6 ms of all-reduce against 1 ms of
+    compute each, so the plan sends in the next forward (not torch DDP's way)."""
+    from deft.profile import Bucket, BucketTimes, Link, Profile
+
+    names = [f"{i}.{kind}" for i in reversed(range(LAG_LAYERS)) for kind in ("bias", "weight")]  # ready order
+    buckets = tuple(Bucket(id=b, params=(n,), numel=16 if n.endswith("bias") else 256,
+                           nbytes=4 * (16 if n.endswith("bias") else 256)) for b, n in enumerate(names))
+    times = tuple(BucketTimes(forward_s=1e-3, backward_s=1e-3, comm_s={"primary": 6e-3}) for _ in names)
+    link = Link(name="primary", backend="gloo", alpha_s=6e-3, beta_s_per_byte=1e-9)
+    return Profile(buckets=buckets, times=times, links=(link,), world_size=2, source="timing")
+
+
+def lag_back_worker(rank: int, world: int) -> dict[str, Any]:
+    import time
+
+    import deft
+    from deft.runtime import planning
+
+    decide = planning.make_schedule
+
+    def slow_planner(*args: Any, **kwargs: Any) -> Any:  # a deterministic stand-in for a slow plan
+        time.sleep(1.0)
+        return decide(*args, **kwargs)
+
+    planning.make_schedule = slow_planner  # type: ignore[assignment]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(LAG_LAYERS)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, profile=deep_comm_heavy_profile(), config={
+        "epsilon": 0.0, "warmup_iters": LAG_WARMUP, "timeout_s": 60, "adapt_window": 3,
+        "links": [{"name": "primary"}]})
+    # The warm-up iterations carry 2 x SLOW_S, the plan's SLOW_S, the iterations run while rank 0 plans
+    # nothing: against the warm-up the plan is faster and would stay; against what ran while rank 0
+    # planned it is slower, and the run goes back to that.
+    digests: list[str] = []
+    lag: list[int] = []
+    gen = torch.Generator().manual_seed(rank)
+    for t in range(SYNC_ITERS):
+        ddp(torch.randn(4, 16, generator=gen)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if t < LAG_WARMUP - 1:  # the warm-up's timed iterations (rank 0 plans from the loop's third on)
+            time.sleep(2 * SLOW_S)
+        elif "t0" not in ddp.plan_info:
+            lag.append(t)
+        elif plan_digest(ddp.schedule) != digests[lag[-1]]:  # planned, not what ran while rank 0 planned
+            time.sleep(SLOW_S)
+        digests.append(plan_digest(ddp.schedule))
+    ddp.flush()
+    return {"digests": digests, "lag": lag, "adapt": ddp.plan_info.get("adapt", []),
+            "log": [[t, list(its)] for t, its in ddp.update_log],
+            "params": [p.double().sum().item() for p in model.parameters()]}
+
+
+@pytest.mark.slow
+def test_a_plan_slower_than_what_ran_while_rank_0_planned_goes_back_to_it() -> None:
+    a, b = values(run_ranks(lag_back_worker, 2, timeout=180))
+    assert a["digests"] == b["digests"] and a["log"] == b["log"] and a["params"] == b["params"]
+    assert a["adapt"] == b["adapt"]
+    # rank 0's plan took a second: the synchronous schedule ran until the plan-lag limit, then every rank
+    # waited (the iterations before that one timed)
+    assert len(a["lag"]) >= 4
+    lag_digest = a["digests"][a["lag"][-1]]
+    assert a["digests"][a["lag"][-1] + 1] != lag_digest  # the plan ran after them
+    last = a["adapt"][-1]
+    assert "synchronous" in last["decision"] and "back" in last["decision"]
+    assert last["synchronous_s"] < SLOW_S <= last["measured_s"]  # the candidate's time: the unslept iterations
+    assert a["digests"][-1] == lag_digest  # the run ends on the schedule that ran while rank 0 planned
+    assert sorted(t for _, its in a["log"] for t in its) == list(range(SYNC_ITERS))  # each iteration once
+
+
 def race_worker(rank: int, world: int) -> dict[str, Any]:
     """A re-check switches schedules while rank 0 decides an adaptation in the background (its decision
     made slow here, so it is collected at the ``plan_lag_iters`` limit, and always a switch: back to the

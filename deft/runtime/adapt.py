@@ -49,8 +49,13 @@ rank 0 gets the slowest rank's medians (one max-reduction) and decides (:class:`
    on the first link while the profile iterations rotate them (the warm-up timer's own overhead is
    within the noise). The candidate is the first profile iteration's schedule
    (:func:`synchronous_candidate`) and its time the median over the rotations. With a given profile
-   the warm-up iterations ``1 <= t < warm_end`` count. The figures behind these choices:
-   benchmarks/RESULTS.md, "Figures behind the runtime's constants".
+   the warm-up iterations ``1 <= t < warm_end`` count. Where rank 0 planned in the background, the
+   iterations that ran meanwhile count instead (``deft.runtime.course.LAG_SAMPLES`` of them at least,
+   the last, which may wait for the plan, left out), and their schedule is the candidate: the
+   synchronous schedule with the codec the preserver accepted so far, on the profile's layout. That is
+   what the plan must beat: where the links are the bound the profile iterations run exact and
+   rotate their buckets, slower than that schedule, and a plan slower than it stayed. The figures
+   behind these choices: benchmarks/RESULTS.md, "Figures behind the runtime's constants".
 
 At ``epsilon == 0`` every candidate is a lag-free plan or the synchronous schedule and every switch
 flushes, so the parameters stay torch DDP's. Each decision is recorded in ``plan_info["adapt"]``, each
@@ -321,6 +326,10 @@ class SynchronousClock:
         """``seconds`` of the running iteration were deft's own work, not the schedule's."""
         self.excluded_s += seconds
 
+    def counted(self) -> int:
+        """How many iterations were counted (the same on every rank: they run the same iterations)."""
+        return len(self.seconds)
+
     def median(self) -> float:
         """This rank's median (0.0: nothing counted; the max over ranks is taken by the caller)."""
         return statistics.median(self.seconds) if self.seconds else 0.0
@@ -406,10 +415,14 @@ class Adaptation:
 
     # -- the loop ------------------------------------------------------------------------------------
     def start(self, on: bool, warm_layout: FlatLayout | None, candidate: Schedule | None,
-              recoding: Recoding | None = None) -> None:
-        """The first plan is installed: adapt it (``on``) against the warm-up's ``candidate``; ``recoding``:
-        deft's own codec choice, made again on each calibration (rank 0's; None: none)."""
+              recoding: Recoding | None = None, clock: SynchronousClock | None = None) -> None:
+        """The first plan is installed: adapt it (``on``) against the warm-up's ``candidate`` (run on
+        ``warm_layout``); ``recoding``: deft's own codec choice, made again on each calibration (rank 0's;
+        None: none); ``clock``: the candidate's iterations where they were not the profile's (the
+        schedule that ran while rank 0 planned)."""
         self.on, self.warm_layout = on, warm_layout
+        if clock is not None:
+            self.clock = clock
         self.links.on = on
         if on:
             self._adapter = Adapter(self.config, recoding=recoding) if self._control.rank == 0 else None

@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TypedDict
 
 import torch
@@ -31,7 +32,7 @@ from deft.errors import DeftError
 from deft.preserver.feedback import LR_RECHECK_GROWTH, WalkStats, lr_outgrown
 from deft.preserver.stability import planning_lr
 from deft.profile import Profile
-from deft.runtime.adapt import Adaptation, synchronous_candidate
+from deft.runtime.adapt import Adaptation, SynchronousClock, synchronous_candidate
 from deft.runtime.background import JobSlot
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.calendar import Calendar, place, stats_after_plan
@@ -55,6 +56,24 @@ from deft.runtime.warmup_timer import WarmupTimer
 from deft.schedule import Schedule, synchronous_schedule
 
 log = logging.getLogger("deft.runtime")
+
+#: The adaptation measures the schedule that ran while rank 0 planned, as the candidate it may go back
+#: to, where at least this many of its iterations were timed (the last, which may wait for the plan, is
+#: not); else the profile iterations' (:class:`deft.runtime.adapt.SynchronousClock`).
+LAG_SAMPLES = 3
+
+
+@dataclass
+class LagRun:
+    """The synchronous schedule that runs while rank 0 plans in the background (with the codec the
+    preserver accepts so far: :meth:`CodecPolicy.lag_schedule`), from iteration ``first``, and its
+    clock: what it costs beside the planner, which is what the adaptation weighs the plan against."""
+
+    schedule: Schedule
+    layout: FlatLayout
+    first: int
+    clock: SynchronousClock = field(default_factory=SynchronousClock)
+
 
 class CourseState(TypedDict):
     """The course's fields of a checkpoint (:class:`deft.runtime.checkpoint.RuntimeState`)."""
@@ -100,6 +119,7 @@ class Course:
         self.order_seen: dict[int, None] = {}  # parameters in the order their gradients arrived
         self._timer: WarmupTimer | None = None
         self._warm_layout: FlatLayout | None = None  # the layout the profile iterations ran (set at the plan)
+        self._lag_run: LagRun | None = None  # what runs while rank 0 plans in the background, and its clock
         # The preserver's live inputs.
         self.losses: collections.deque[float] = collections.deque(maxlen=64)
         self.batch: int | None = None
@@ -137,8 +157,10 @@ class Course:
         """Iteration ``t`` begins, before the executor's forward stage: the adaptation's clock, and in a
         profile iteration the timer's schedule (it rotates the buckets over the links)."""
         cal, ex = self.calendar, self._executor
-        self.adaptation.forward_begins(t, time.perf_counter(), cal.warm_end if self.planning.measuring else 1,
-                                       cal.plan_at)
+        now = time.perf_counter()
+        self.adaptation.forward_begins(t, now, cal.warm_end if self.planning.measuring else 1, cal.plan_at)
+        if self._lag_run is not None and not self.planned:
+            self._lag_run.clock.forward(t, now, self._lag_run.first, t)  # every lag iteration so far
         if t == 0 and not self.planned and cal.warm_end < cal.plan_at:
             self.codecs.first_iteration_begins(lambda: self.batch)
         if cal.profiling(t) and not self.planned and self._timer is None:
@@ -334,7 +356,8 @@ class Course:
             self.jobs.hold("plan", self.planning.start(self.profile, stats, self._control.world, codec),
                            t + cfg.plan_lag_iters)
             lag, lag_layout = self._lag(layout)
-            self._install(self.codecs.lag_schedule(lag), lag_layout, t)
+            self._lag_run = LagRun(self.codecs.lag_schedule(lag), lag_layout, t)
+            self._install(self._lag_run.schedule, lag_layout, t)
             self.adaptation.clock.exclude(time.perf_counter() - started)
             return
         schedule, info = self.planning.agree(self.profile, stats, self._control.world, codec)
@@ -391,8 +414,15 @@ class Course:
         self.record.planned(info, t, self._stats_reason, background)
         # Adapt deft's own plans (not a schedule file) when there is a profile to correct.
         on = self.config.adapt and self.profile is not None and self.planning.schedule_path is None
-        self.adaptation.start(on, warm, self._synchronous(warm) if on and warm is not None else None,
-                              self.codecs.recoding(exact, info))
+        lag, self._lag_run = self._lag_run, None
+        if lag is not None and (lag.clock.counted() < LAG_SAMPLES or self._uses_lost(lag.schedule)):
+            lag = None
+        if lag is not None:  # measured while rank 0 planned: the candidate to go back to
+            self.adaptation.start(on, lag.layout, lag.schedule if on else None, self.codecs.recoding(exact, info),
+                                  lag.clock)
+        else:
+            self.adaptation.start(on, warm, self._synchronous(warm) if on and warm is not None else None,
+                                  self.codecs.recoding(exact, info))
         self.adaptation.clock.exclude(time.perf_counter() - started)  # planning is deft's, not the schedule's
         log.info("deft: rank %d runs schedule %s from iteration %d (cycle %d, K=%s)", self._control.rank,
                  schedule.digest(), t, schedule.cycle, schedule.batch_sequence)
