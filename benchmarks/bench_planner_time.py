@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/bench_planner_time.py --preserver [--repeats N]
     .venv/bin/python benchmarks/bench_planner_time.py --stop-check
     .venv/bin/python benchmarks/bench_planner_time.py --reference-preserver
+    .venv/bin/python benchmarks/bench_planner_time.py --window
 
 For every reference profile in ``examples/profiles`` and every profile in
 ``benchmarks/profiles/compat_mlp_loopback`` (the compat suite's MLP, 30 KB of gradient in 9 buckets,
@@ -26,6 +27,12 @@ epsilon 0.01, 0.05 and 0.5.
 
 ``--reference-preserver``: the whole plan (``make_schedule``) of each reference profile with each of
 ``bench_simulate.PIPELINE_STATS``' walk statistics at epsilon 0.01 and 0.05: its time, K and tries.
+
+``--window``: rank 0's first decision on the profiles in ``benchmarks/profiles/lm_runs`` (the GPT-2's
+profiles from ``bench_peers.py --save-runs``, coded as that run's plan coded them, with its walk
+statistics) and on the reference profiles with ``bench_simulate.PIPELINE_STATS``, made in the iteration
+(the config's CP-SAT budget) and in the background with ``plan_lag_iters`` iterations of window
+(``ExactBudget.for_window``): its time, the CP-SAT work its tries spent, K and the predicted iteration.
 
 ``--search-window`` sets the local search's simulation length (``SEARCH_WARMUP``,
 ``SEARCH_ITERATIONS``) for the comparison of windows at the same code; run with ``PYTHONPATH`` on
@@ -50,11 +57,12 @@ from deft.profile import Profile
 from deft.runtime.planning import make_schedule
 from deft.solver import knapsack
 from deft.solver.partition import profile_for_schedule
-from deft.solver.plan import no_delay_plan
+from deft.solver.plan import ExactBudget, no_delay_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = (ROOT / "examples" / "profiles", ROOT / "benchmarks" / "profiles" / "compat_mlp_loopback")
 TESTBED_RUNS = ROOT / "benchmarks" / "profiles" / "testbed_runs"
+LM_RUNS = ROOT / "benchmarks" / "profiles" / "lm_runs"
 
 
 def walk_stats(doc: dict[str, Any]) -> WalkStats:
@@ -134,6 +142,34 @@ def preserver_table(repeats: int) -> None:
     print(f"\nTotal plan time: {total:.2f} s")
 
 
+def window_table(repeats: int) -> None:
+    from bench_simulate import PIPELINE_STATS  # benchmarks/ is this script's directory
+
+    cases = [(path.stem, Profile.from_dict(doc["profile"], str(path)), walk_stats(doc["stats"]))
+             for path in sorted(LM_RUNS.glob("*.json")) for doc in [json.loads(path.read_text())]]
+    cases += [(f"{path.stem} (mu {st.mu:g})", Profile.load(path), st)
+              for path in sorted(SOURCES[0].glob("*.json")) for st in PIPELINE_STATS if st is not None]
+    cfg = DeftConfig()
+    print("| profile | decision | CP-SAT budget (units) | plan time (s) | CP-SAT work spent (units) | K | "
+          "predicted iteration (ms) | plans tried |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, prof, stats in cases:
+        window_s = cfg.plan_lag_iters * no_delay_plan(prof, cfg).predicted_iteration_s
+        for lag, what in ((0, "in the iteration"), (cfg.plan_lag_iters, f"background, {window_s:.1f} s window")):
+            units = (ExactBudget.for_window(cfg, window_s) if lag else ExactBudget.for_config(cfg)).units
+            times, decision = [], None
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                decision = make_schedule(cfg, prof, stats, None, lag_iters=lag)
+                times.append(time.perf_counter() - t0)
+            assert decision is not None and decision.preserved is not None
+            work = sum(t.schedule.meta.get("solver_work", 0.0) for t in decision.preserved.tries
+                       if t.kind == "deft" and t.schedule is not None)
+            print(f"| {name} | {what} | {units:.2f} | {statistics.median(times):.2f} | {work:.2f} | "
+                  f"{list(decision.schedule.batch_sequence)} | {decision.schedule.predicted_iteration_s * 1e3:.1f} | "
+                  f"{decision.info.get('tries')} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--search-window", default=None, metavar="WARMUP,ITERATIONS",
@@ -145,7 +181,14 @@ def main() -> None:
                     help="time the whole plan of the reference profiles with bench_simulate's walk statistics")
     ap.add_argument("--stop-check", action="store_true",
                     help="whether a preserver try after the stop's condition was ever accepted")
+    ap.add_argument("--window", action="store_true",
+                    help="the GPT-2 runs' first decision in the iteration and in the background's window")
     args = ap.parse_args()
+    if args.window:
+        knapsack.load_cp_sat()
+        print(f"deft from {Path(deft.__file__).parent}; {args.repeats} plan(s) per row\n")
+        window_table(args.repeats)
+        return
     if args.reference_preserver:
         knapsack.load_cp_sat()
         print(f"deft from {Path(deft.__file__).parent}\n")

@@ -8,7 +8,8 @@ to forward start) and its backward passes (:class:`Adaptation`); every ``adapt_w
 rank 0 gets the slowest rank's medians (one max-reduction) and decides (:class:`Adapter`):
 
 1. **Calibrate** when the measured iteration differs from the prediction by more than
-   ``adapt_tolerance``: compute is scaled by ``g = measured backward / profiled backward``, then
+   ``adapt_tolerance``: compute is scaled by ``g = measured backward / profiled backward`` (the codec
+   compute the hooks run inside the backward counted in both: :func:`backward_codec_s`), then
    communication by the factor ``f`` for which the simulator predicts exactly the measured iteration
    (``scipy.optimize.brentq``; the simulated time rises with ``f``); a link whose measured time per byte
    left the others' has its own factor ``s_l`` on top (:func:`deft.runtime.link_timing.link_factors`:
@@ -115,12 +116,25 @@ class LinkWindow:
     sends: Mapping[str, Mapping[int, int]]
 
 
+def backward_codec_s(part: Profile, schedule: Schedule) -> float:
+    """The codec compute an iteration's backward carries on average: ``codec_s`` of every send of the
+    iteration's own gradient launched in a backward stage (``part``: the profile in the schedule's
+    buckets). The hooks encode as the buckets become ready, inside the measured backward, and the
+    simulator charges that compute on the compute stream beside the backward's; leaving it out of the
+    expected backward put it twice into ``g`` (once in the measured backward, once in ``codec_s x g``)
+    and the links came out nearly free (benchmarks/results/peers_lm_hosts.md, "int8 against fp16")."""
+    coded = sum(part.times[t.bucket].codec_s for st in schedule.stages if st.stage == "backward"
+                for t in st.comms if t.origin == 0)
+    return coded / max(1, schedule.cycle)
+
+
 def calibrate(profile: Profile, schedule: Schedule, config: DeftConfig, measured_s: float,
               measured_backward_s: float, links: LinkWindow | None = None) -> Calibration:
     """The factors (module docstring, step 1) that make the simulator reproduce ``measured_s``; with
     ``links``, each link's own factor first (:func:`deft.runtime.link_timing.link_factors`)."""
     part = profile_for_schedule(profile, schedule, config)
-    g = measured_backward_s / part.backward_s if part.backward_s > 0 and measured_backward_s > 0 else 1.0
+    expected = part.backward_s + backward_codec_s(part, schedule)
+    g = measured_backward_s / expected if expected > 0 and measured_backward_s > 0 else 1.0
     factors = {} if links is None else link_factors(part, links.per_byte, links.sends)
     shaped = scale_links(part, factors)
 

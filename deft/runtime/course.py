@@ -517,6 +517,7 @@ class Course:
         (its thread is waited for: it reads this run's profile; its result dropped)."""
         self.jobs.discard()
         self.planning.forget_switch()
+        self._lag_run = None  # timed in the run the checkpoint replaces
         self.planned = st.planned
         self.ready_order = st.order if st.order_known else None
         self.calendar = Calendar(self.calendar.warm_end, st.plan_at, self.calendar.stats_window)

@@ -20,7 +20,7 @@ Rules:
 * **int8 is weighed** only where it puts fewer bytes on the wire than 16 bits (its wire bytes on the
   profile's buckets at the run's world size, by the path each bucket takes: :func:`int8_may_pay`) and
   the links stay the bound in 16 bits (:func:`links_bound_in_16_bits`); the first iteration's
-  speculation and the profile iterations apply the same rule.
+  speculation and the profile iterations apply it with the whole compute (:data:`PRE_PLAN_INT8_SHARE`).
 * **While rank 0 plans** the iterations keep the profile iterations' codec while the preserver still
   accepts it on every statistic so far (:func:`lag_codec`).
 * **On calibration** the choice is made again on the measured exact profile corrected by the same
@@ -58,6 +58,13 @@ WIDE_DTYPES = (torch.float32, torch.float64)
 #: int8 is weighed where the 16-bit all-reduce exceeds this share of the forward and backward
 #: (:func:`links_bound_in_16_bits`).
 INT8_COMPUTE_SHARE = 0.5
+#: Before the plan (the first iteration's sends, the profile iterations and those beside rank 0's plan)
+#: int8 is taken only where the 16-bit all-reduce exceeds this share of the compute: nothing prices int8
+#: against 16 bits there (its start-ups and casts beside the model: slower than fp16 on the GPT-2's many
+#: buckets, faster on the CNN's few), and on the GPT-2 at half the compute it cost accuracy as well
+#: (benchmarks/results/peers_lm_hosts.md, "int8 against fp16"). The plan weighs int8 from
+#: :data:`INT8_COMPUTE_SHARE` on, with its measured costs.
+PRE_PLAN_INT8_SHARE = 1.0
 
 
 @dataclass(frozen=True)
@@ -153,16 +160,17 @@ def lag_codec(profile_codec: str, inputs: CodecInputs | None, epsilon: float) ->
     return "" if accepted is None else accepted.codec
 
 
-def links_bound_in_16_bits(comm_s: float, compute_s: float) -> bool:
+def links_bound_in_16_bits(comm_s: float, compute_s: float, share: float = INT8_COMPUTE_SHARE) -> bool:
     """Pure: whether the links stay the bound in 16 bits, so that fewer bytes may pay, from the exact
     all-reduce's time over the links ``comm_s`` and the forward and backward ``compute_s``: the 16-bit
-    all-reduce, ``comm_s / 2``, exceeds :data:`INT8_COMPUTE_SHARE` of the compute. Not the whole
+    all-reduce, ``comm_s / 2``, exceeds ``share`` of the compute (:data:`INT8_COMPUTE_SHARE` for the
+    plan's weighing, :data:`PRE_PLAN_INT8_SHARE` before the plan). Not the whole
     compute: sends start only as the backward produces their buckets, the last one's is exposed
     whatever the compute, and the all-reduces run slower beside the model than profiled alone (the
     adaptation's measured factor), so where the 16-bit all-reduce about equals the compute the links
     are still the bound (benchmarks/results/slow_links.md). Where int8 does not pay after all, the
     plan's simulation leaves it out (:func:`choose_codec`)."""
-    return comm_s / 2.0 > INT8_COMPUTE_SHARE * compute_s
+    return comm_s / 2.0 > share * compute_s
 
 
 def int8_may_pay(profile: Profile | None, world: int) -> bool:

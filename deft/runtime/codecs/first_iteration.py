@@ -14,9 +14,9 @@ over the ranks). Rules:
   the backward's one-off costs, which inflate the measured forward and backward.
 * **Speculation**: judged sends do not wait for the verdict, so the backward keeps its overlap. They go
   in :func:`speculative_codec` from the first gradient, each hook on a copy of its bucket so that the
-  buffers keep the exact local gradient: int8 where it puts fewer bytes than 16 bits and the links stay
-  the bound in 16 bits (:func:`deft.runtime.codecs.choice.links_bound_in_16_bits`), else
-  :data:`SPECULATIVE_CODEC`.
+  buffers keep the exact local gradient: int8 where it puts fewer bytes than 16 bits and the 16-bit
+  all-reduce would still outlast the compute (:func:`deft.runtime.codecs.choice.links_bound_in_16_bits`
+  at :data:`deft.runtime.codecs.choice.PRE_PLAN_INT8_SHARE`), else :data:`SPECULATIVE_CODEC`.
 * **The verdict** (:func:`first_sends_codec`, at the end of the backward, once every send is launched on
   every rank, so each link has carried the same collectives everywhere): the preserver judges the codec
   on a sample of the gradients (below). Where it names another codec, or none (the preserver refuses,
@@ -63,7 +63,7 @@ from deft.errors import DeftError
 from deft.preserver import codec_error
 from deft.preserver.codec_error import CodecVerdict, GradientScale
 from deft.runtime.codecs import int8
-from deft.runtime.codecs.choice import INT8_COMPUTE_SHARE, links_bound_in_16_bits
+from deft.runtime.codecs.choice import PRE_PLAN_INT8_SHARE, links_bound_in_16_bits
 from deft.runtime.codecs.hooks import CommHook
 from deft.runtime.codecs.int8 import BLOCK as INT8_BLOCK
 from deft.runtime.codecs.int8 import block_maxima
@@ -233,14 +233,14 @@ def speculative_codec(mode: str, comm_s: float | None, compute_s: float, world: 
     (``mode``: ``config.profile_codec``), int8 where it puts fewer bytes on the wire than 16 bits
     (:func:`deft.runtime.codecs.wire.int8_fewer_bytes` on buckets of ``numels`` elements at ``world``
     ranks; ``scatter_ok``: its scatter path may run) and the links would stay the bound in 16 bits
-    (:func:`links_bound_in_16_bits` on the predicted all-reduce ``comm_s`` and ``compute_s``, the screen's
-    estimate of the forward and backward: the rule of :func:`profile_iterations_codec` and
-    :func:`deft.runtime.codecs.choice.int8_may_pay`), else :data:`SPECULATIVE_CODEC`. ``"always"`` codes
+    (:func:`links_bound_in_16_bits` at :data:`PRE_PLAN_INT8_SHARE` on the predicted all-reduce ``comm_s``
+    and ``compute_s``, the screen's estimate of the forward and backward: the rule of
+    :func:`profile_iterations_codec`), else :data:`SPECULATIVE_CODEC`. ``"always"`` codes
     whatever the timing, so it keeps to the 16-bit codec, which no timing chooses. A verdict refusing
     int8 sends every bucket again in 16 bits (or exact): the int8 sends' link time lost, a quarter of the
     exact all-reduce's at two ranks."""
     if (mode == "auto" and comm_s is not None and int8_fewer_bytes(world, numels, scatter_ok)
-            and links_bound_in_16_bits(comm_s, compute_s)):
+            and links_bound_in_16_bits(comm_s, compute_s, PRE_PLAN_INT8_SHARE)):
         return "int8"
     return SPECULATIVE_CODEC
 
@@ -298,17 +298,17 @@ def profile_iterations_codec(mode: str, verdicts: tuple[CodecVerdict, ...], expo
     the same statistics (None: not judged, as where it puts no fewer bytes on the wire). Under ``"auto"`` a 16-bit
     decision becomes int8 where int8 passes and either the first iteration's sends stood in int8 (the
     screen at its first gradient judged int8 to pay: :func:`speculative_codec`) or the links stay the
-    bound in 16 bits (:func:`links_bound_in_16_bits`, the plan's measuring rule: :func:`int8_may_pay`);
+    bound in 16 bits (:func:`links_bound_in_16_bits` at :data:`PRE_PLAN_INT8_SHARE`);
     ``"always"`` codes whatever the timing, so it keeps to 16 bits, which no timing chooses."""
     decision = _profile_iterations_codec(mode, verdicts, exposed_s, compute_s, first_codec, comm_s)
     if mode == "auto" and decision.codec and int8 is not None and int8.accepted and first_codec == "int8":
         return replace(decision, codec="int8", delta=int8.delta,
                        reason=f"{decision.reason}; int8, as the first iteration's sends: {int8.reason}")
     if (mode == "auto" and decision.codec and int8 is not None and int8.accepted and comm_s is not None
-            and links_bound_in_16_bits(comm_s, compute_s)):
+            and links_bound_in_16_bits(comm_s, compute_s, PRE_PLAN_INT8_SHARE)):
         return replace(decision, codec="int8", delta=int8.delta,
                        reason=f"{decision.reason}; int8: the links stay the bound in 16 bits (the all-reduce "
-                              f"predicts {comm_s:.3g} s, half of it above {INT8_COMPUTE_SHARE:g} x the "
+                              f"predicts {comm_s:.3g} s, half of it above {PRE_PLAN_INT8_SHARE:g} x the "
                               f"{compute_s:.3g} s of forward and backward), {int8.reason}")
     if decision.codec and int8 is not None:  # say why not, with its bound on these statistics
         return replace(decision, reason=f"{decision.reason}; int8 not taken: {int8.reason}")
