@@ -420,9 +420,9 @@ class Course:
         if lag is not None:  # measured while rank 0 planned: the candidate to go back to
             self.adaptation.start(on, lag.layout, lag.schedule if on else None, self.codecs.recoding(exact, info),
                                   lag.clock)
-        else:
-            self.adaptation.start(on, warm, self._synchronous(warm) if on and warm is not None else None,
-                                  self.codecs.recoding(exact, info))
+        else:  # the profile iterations' schedule, in their codec (the time measured is theirs)
+            candidate = self.codecs.profile_schedule(self._synchronous(warm)) if on and warm is not None else None
+            self.adaptation.start(on, warm, candidate, self.codecs.recoding(exact, info))
         self.adaptation.clock.exclude(time.perf_counter() - started)  # planning is deft's, not the schedule's
         log.info("deft: rank %d runs schedule %s from iteration %d (cycle %d, K=%s)", self._control.rank,
                  schedule.digest(), t, schedule.cycle, schedule.batch_sequence)
