@@ -131,8 +131,9 @@ def backward_codec_s(part: Profile, schedule: Schedule) -> float:
     iteration's own gradient launched in a backward stage (``part``: the profile in the schedule's
     buckets). The hooks encode as the buckets become ready, inside the measured backward, and the
     simulator charges that compute on the compute stream beside the backward's; leaving it out of the
-    expected backward put it twice into ``g`` (once in the measured backward, once in ``codec_s x g``)
-    and the links came out nearly free (benchmarks/results/peers_lm_hosts.md, "int8 against fp16")."""
+    expected backward put it twice into ``g`` (once in the measured backward, once in ``codec_s x g``):
+    an int8 plan of the GPT-2 calibrated ``g`` 1.38 and its links at the end of their range
+    (benchmarks/results/peers_lm_hosts.md, "int8 against fp16")."""
     coded = sum(part.times[t.bucket].codec_s for st in schedule.stages if st.stage == "backward"
                 for t in st.comms if t.origin == 0)
     return coded / max(1, schedule.cycle)
