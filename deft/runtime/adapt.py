@@ -20,7 +20,8 @@ rank 0 gets the slowest rank's medians (one max-reduction) and decides (:class:`
    re-plan predicted slower than what runs would be a step back. A calibration that cannot reproduce
    the measurement (the factor at an end of its range: :func:`solved`) settles instead: its
    corrected profile would misprice every plan made on it; so does one that prices the links faster
-   than profiled for a window slower than predicted (the compute factor took more than the slowdown:
+   than profiled for a window slower than predicted, no link with a factor of its own and the
+   adaptation not re-opened by a drift (the compute factor took more than the slowdown:
    the two factors do not tell which to plan around, and of five such re-plans in the testbed runs
    behind benchmarks/results/peers_hosts.md and peers_lm_hosts.md four measured slower). Where deft
    chose the plan's codecs itself (``compression = "auto"``: :class:`deft.runtime.codecs.choice.Recoding`),
@@ -214,7 +215,7 @@ class Adapter:
                                 f"{FASTER_TOLERANCE:g} x the tolerance for a faster schedule: settled")
         if self.replans >= self.config.adapt_max_replans:
             return self._settle(record, f"{self.replans} re-plans made: settled")
-        return self._replan(running, profile, measured_s, measured_backward_s, replan, record, links)
+        return self._replan(running, profile, measured_s, measured_backward_s, replan, record, links, reopened)
 
     def _settle(self, record: JsonDict, why: str,
                 corrected: Profile | None = None) -> tuple[None, Profile | None, JsonDict]:
@@ -243,7 +244,7 @@ class Adapter:
 
     def _replan(self, running: Schedule, profile: Profile, measured_s: float, measured_backward_s: float,
                 replan: Callable[[Profile], Schedule], record: JsonDict,
-                links: LinkWindow | None) -> tuple[Schedule | None, Profile | None, JsonDict]:
+                links: LinkWindow | None, reopened: bool = False) -> tuple[Schedule | None, Profile | None, JsonDict]:
         """Step 1 (module docstring): calibrate, choose the codecs again, re-plan, and try the new
         schedule where it is predicted at least :data:`SWITCH_GAIN` faster."""
         cfg = self.config
@@ -261,9 +262,11 @@ class Adapter:
             # already slower or faster than it), so the corrected profile would misprice every choice.
             return self._settle(record, f"no calibration reproduces the measured {measured_s * 1e3:.1f} ms "
                                 f"(communication x {cal.comm:g} predicts {cal.predicted_s * 1e3:.1f} ms): settled")
-        if measured_s > running.predicted_iteration_s and cal.comm < 1.0:
+        if (measured_s > running.predicted_iteration_s and cal.comm < 1.0 and not reopened
+                and all(v == 1.0 for v in cal.links.values())):
             # slower than predicted, yet the links priced faster than profiled: g took more than the
             # whole slowdown, and the two factors do not say which of compute and links to plan around
+            # (a link's own factor, or a drift that re-opened the adaptation, says it: that re-plans)
             return self._settle(record, f"measured slower than predicted but calibrated with the links x "
                                 f"{cal.comm:.3g}, faster than profiled: settled")
         self.replans += 1
