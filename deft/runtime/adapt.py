@@ -21,9 +21,9 @@ rank 0 gets the slowest rank's medians (one max-reduction) and decides (:class:`
    the measurement (the factor at an end of its range: :func:`solved`) settles instead: its
    corrected profile would misprice every plan made on it; so does one that prices the links faster
    than profiled for a window slower than predicted, no link with a factor of its own and the
-   adaptation not re-opened by a drift (the compute factor took more than the slowdown:
-   the two factors do not tell which to plan around, and of five such re-plans in the testbed runs
-   behind benchmarks/results/peers_hosts.md and peers_lm_hosts.md four measured slower). Where deft
+   adaptation not re-opened by a drift (the compute factor took more than the slowdown: the two
+   factors do not tell which to plan around, and such re-plans measured slower and went back:
+   benchmarks/results/peers_lm_hosts.md, "int8 against fp16"). Where deft
    chose the plan's codecs itself (``compression = "auto"``: :class:`deft.runtime.codecs.choice.Recoding`),
    the choice is made again on the measured exact profile corrected by the same factors; a different
    choice is planned on that profile instead. Why: the choice priced each bucket on the profiled
@@ -100,9 +100,8 @@ F_RANGE = (0.05, 50.0)  # search interval of the communication factor
 SWITCH_GAIN = 0.03
 #: A schedule measured faster than predicted is re-planned only beyond this many times
 #: ``adapt_tolerance``: the corrected profile then credits the compute with what the profile iterations
-#: lost to their exact sends, and its re-plans mostly measured slower and went back: in the GPT-2's
-#: testbed runs 10 of 12 such tries, all 8 within twice the tolerance (benchmarks/results/peers_lm_hosts.md,
-#: "int8 against fp16").
+#: lost to their exact sends, and its re-plans measured slower and went back (benchmarks/results/
+#: peers_lm_hosts.md, "int8 against fp16", the adaptation's record).
 FASTER_TOLERANCE = 2.0
 
 
@@ -132,9 +131,9 @@ def backward_codec_s(part: Profile, schedule: Schedule) -> float:
     iteration's own gradient launched in a backward stage (``part``: the profile in the schedule's
     buckets). The hooks encode as the buckets become ready, inside the measured backward, and the
     simulator charges that compute on the compute stream beside the backward's; leaving it out of the
-    expected backward put it twice into ``g`` (once in the measured backward, once in ``codec_s x g``):
-    an int8 plan of the GPT-2 calibrated ``g`` 1.38 and its links at the end of their range
-    (benchmarks/results/peers_lm_hosts.md, "int8 against fp16")."""
+    expected backward put it twice into ``g`` (once in the measured backward, once in ``codec_s x g``),
+    and the links came out priced at the end of their range (benchmarks/results/peers_lm_hosts.md, "int8
+    against fp16")."""
     coded = sum(part.times[t.bucket].codec_s for st in schedule.stages if st.stage == "backward"
                 for t in st.comms if t.origin == 0)
     return coded / max(1, schedule.cycle)

@@ -60,9 +60,9 @@ WIDE_DTYPES = (torch.float32, torch.float64)
 INT8_COMPUTE_SHARE = 0.5
 #: Before the plan (the first iteration's sends, the profile iterations and those beside rank 0's plan)
 #: int8 is taken only where the 16-bit all-reduce exceeds this share of the compute: nothing prices int8
-#: against 16 bits there (its start-ups and casts beside the model: slower than fp16 on the GPT-2's many
-#: buckets, faster on the CNN's few), and on the GPT-2 at half the compute it cost accuracy as well
-#: (benchmarks/results/peers_lm_hosts.md, "int8 against fp16"). The plan weighs int8 from
+#: against 16 bits there (its start-ups and casts beside the model cost more on many small buckets than
+#: on a few large ones), and where the 16-bit all-reduce was about half the compute it cost accuracy as
+#: well (benchmarks/results/peers_lm_hosts.md, "int8 against fp16"). The plan weighs int8 from
 #: :data:`INT8_COMPUTE_SHARE` on, with its measured costs.
 PRE_PLAN_INT8_SHARE = 1.0
 
