@@ -5,6 +5,7 @@ on every rank), and deft at epsilon 0 equal to torch DDP when its links all-redu
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 
@@ -15,8 +16,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from deft.config import DeftConfig
 from deft.errors import ContractError
+from deft.runtime.codecs import int8
 from deft.runtime.codecs.hooks import CommHook
-from deft.runtime.codecs.wire import flat_path_factor, wire_nbytes
+from deft.runtime.codecs.wire import flat_path_factor, int8_nbytes, wire_nbytes
 from deft.runtime.hierarchy import HostLayout, InOrder, env_row, layout_of
 from tests._dist import run_ranks
 
@@ -273,3 +275,13 @@ def test_a_16_bit_hooks_wire_bytes_grow_where_the_links_are_hierarchical() -> No
     assert wire_nbytes(fp16, [(10, 100)], 4) == 2000
     assert wire_nbytes(fp16, [(10, 100)], 4, hosts=(2, 1)) == 2000  # one rank per host: flat
     assert wire_nbytes(fp16, [(10, 100)], 4, hosts=(2, 2)) == 3000  # the ring crosses each NIC 1.5 times as much
+
+
+def test_int8s_wire_bytes_are_those_of_its_path_at_the_hierarchys_world_size() -> None:
+    # 2 x 2: four ranks whatever the process group says (none here); a bucket large enough for int8's
+    # scatter path crosses each NIC M = 2 times as much as the hierarchical all-reduce priced at its size
+    eight = CommHook(None, int8.int8_compress_hook, "int8")
+    numel = 1 << 20
+    assert int8.uses_scatter(numel, 4, True)
+    assert wire_nbytes(eight, [(numel,)], 4, hosts=(2, 2)) == math.ceil(2 * int8_nbytes(numel, 4, True))
+    assert wire_nbytes(eight, [(numel,)], 4, hosts=(4, 1)) == int8_nbytes(numel, 4, True)  # flat: the bytes alone

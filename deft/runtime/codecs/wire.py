@@ -77,22 +77,23 @@ def wire_nbytes(hook: CommHook, shapes: Sequence[Sequence[int]], element_size: i
     Summed over the hook's collectives, as each
     carries its tensor through the same all-reduce (PowerSGD: the uncompressed tensors, P, then Q).
     """
-    size = _flat_wire_nbytes(hook, shapes, element_size, scatter_ok)
+    # the world the hook's collectives span: every rank (the hierarchy's hosts x ranks per host)
+    world = hosts[0] * hosts[1] if hosts is not None else dist.get_world_size() if dist.is_initialized() else 1
+    size = _flat_wire_nbytes(hook, shapes, element_size, scatter_ok, world)
     if size is None or hosts is None:
         return size
-    world = dist.get_world_size() if dist.is_initialized() else 1
     numel = sum(math.prod(sh) for sh in shapes)
     scatter = hook.hook is int8.int8_compress_hook and int8.uses_scatter(numel, world, scatter_ok)
     return math.ceil(size * flat_path_factor(hosts[0], hosts[1], scatter))
 
 
 def _flat_wire_nbytes(hook: CommHook, shapes: Sequence[Sequence[int]], element_size: int,
-                      scatter_ok: bool) -> int | None:
+                      scatter_ok: bool, world: int) -> int | None:
     numel = sum(math.prod(sh) for sh in shapes)
     if hook.hook in (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook):
         return 2 * numel
     if hook.hook is int8.int8_compress_hook:
-        return int8_nbytes(numel, dist.get_world_size() if dist.is_initialized() else 1, scatter_ok)
+        return int8_nbytes(numel, world, scatter_ok)
     st = hook.state
     if not isinstance(st, powerSGD_hook.PowerSGDState):
         return None
