@@ -542,7 +542,8 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
     many tries it takes; the later tries' knapsacks fall to the greedy once it is spent): ``budget``, or
     :meth:`~deft.solver.plan.ExactBudget.for_config`'s.
     """
-    planner = planner or functools.partial(plan, budget=budget or ExactBudget.for_config(config))
+    shared = budget if budget is not None else ExactBudget.for_config(config)
+    planner = planner or functools.partial(plan, budget=shared)
     tries: list[Try] = []
     fallback = _NoDelay(profile, config, stats, no_delay_planner or no_delay_plan, tries)
     if config.epsilon == 0.0:
