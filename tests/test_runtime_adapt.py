@@ -417,7 +417,7 @@ def deep_comm_heavy_profile() -> Any:
     return Profile(buckets=buckets, times=times, links=(link,), world_size=2, source="timing")
 
 
-def lag_back_worker(rank: int, world: int) -> dict[str, Any]:
+def lag_back_worker(rank: int, world: int, lag_iters: int = 6) -> dict[str, Any]:
     import time
 
     import deft
@@ -435,7 +435,7 @@ def lag_back_worker(rank: int, world: int) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     ddp = deft.DistributedDataParallel(model, optimizer=opt, profile=deep_comm_heavy_profile(), config={
         "epsilon": 0.0, "warmup_iters": LAG_WARMUP, "timeout_s": 60, "adapt_window": 3,
-        "links": [{"name": "primary"}]})
+        "plan_lag_iters": lag_iters, "links": [{"name": "primary"}]})
     # The warm-up iterations carry 2 x SLOW_S, the plan's SLOW_S, the iterations run while rank 0 plans
     # nothing: against the warm-up the plan is faster and would stay; against what ran while rank 0
     # planned it is slower, and the run goes back to that.
@@ -446,7 +446,7 @@ def lag_back_worker(rank: int, world: int) -> dict[str, Any]:
         ddp(torch.randn(4, 16, generator=gen)).square().mean().backward()
         opt.step()
         opt.zero_grad()
-        if t < LAG_WARMUP - 1:  # the warm-up's timed iterations (rank 0 plans from the loop's third on)
+        if t < LAG_WARMUP:  # the warm-up's iterations (the last may already run beside rank 0's plan)
             time.sleep(2 * SLOW_S)
         elif "t0" not in ddp.plan_info:
             lag.append(t)
@@ -474,6 +474,20 @@ def test_a_plan_slower_than_what_ran_while_rank_0_planned_goes_back_to_it() -> N
     assert last["synchronous_s"] < SLOW_S <= last["measured_s"]  # the candidate's time: the unslept iterations
     assert a["digests"][-1] == lag_digest  # the run ends on the schedule that ran while rank 0 planned
     assert sorted(t for _, its in a["log"] for t in its) == list(range(SYNC_ITERS))  # each iteration once
+
+
+@pytest.mark.slow
+def test_too_few_iterations_beside_the_plan_leave_the_warm_up_as_the_candidate() -> None:
+    # The same run with a plan-lag limit of 2: one iteration ran beside rank 0's plan before every rank
+    # waited for it, under LAG_SAMPLES, so the candidate is the warm-up's schedule, timed in the warm-up
+    # (2 x SLOW_S): the plan (SLOW_S) is faster and stays.
+    a, b = values(run_ranks(lag_back_worker, 2, args=(2,), timeout=180))
+    assert a["digests"] == b["digests"] and a["adapt"] == b["adapt"]
+    assert 1 <= len(a["lag"]) <= 2
+    assert a["adapt"] and all(r["synchronous_s"] >= 2 * SLOW_S for r in a["adapt"])
+    assert not any("synchronous" in r.get("decision", "") for r in a["adapt"])
+    assert a["digests"][-1] != a["digests"][a["lag"][-1]]  # the run ends on a plan, not the warm-up's schedule
+    assert sorted(t for _, its in a["log"] for t in its) == list(range(SYNC_ITERS))
 
 
 def profile_codec_back_worker(rank: int, world: int) -> dict[str, Any]:
