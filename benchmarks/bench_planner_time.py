@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/bench_planner_time.py --stop-check
     .venv/bin/python benchmarks/bench_planner_time.py --reference-preserver
     .venv/bin/python benchmarks/bench_planner_time.py --window
+    .venv/bin/python benchmarks/bench_planner_time.py --search-budget
 
 For every reference profile in ``examples/profiles`` and every profile in
 ``benchmarks/profiles/compat_mlp_loopback`` (the compat suite's MLP, 30 KB of gradient in 9 buckets,
@@ -20,8 +21,8 @@ taken from ``bench_peers.py --save-runs`` output (each file says which run); its
 and how many plans the preserver tried.
 
 ``--stop-check``: whether a preserver try after the first one that delays and merges nothing and is no
-faster than the no-delay plan was ever accepted (the loop stops at that try since 2026-11-27; run on
-a tree from before, with ``PYTHONPATH``, to see what the stop gives up): the testbed runs' profiles
+faster than the no-delay plan was ever accepted (the loop stops at that try; run on a tree without the
+stop, with ``PYTHONPATH``, to see what the stop gives up): the testbed runs' profiles
 with their statistics and the reference profiles with ``bench_simulate.PIPELINE_STATS``, each at
 epsilon 0.01, 0.05 and 0.5.
 
@@ -33,6 +34,14 @@ profiles from ``bench_peers.py --save-runs``, coded as that run's plan coded the
 statistics) and on the reference profiles with ``bench_simulate.PIPELINE_STATS``, made in the iteration
 (the config's CP-SAT budget) and in the background with ``plan_lag_iters`` iterations of window
 (``ExactBudget.for_window``): its time, the CP-SAT work its tries spent, K and the predicted iteration.
+
+``--search-budget``: the lag-free plan (epsilon 0) with the whole search and within the search budget of
+a background decision (``SearchBudget.for_window``) at ``plan_lag_iters`` 2 and the default 6, on every
+profile above, the testbed runs', the GPT-2 runs' and ``benchmarks/profiles/adapt_runs`` (the profile
+tests/test_faults_netns.py's run planned its first plan on, saved by its worker: a 0.6 M-parameter MLP
+on two 100 Mbit/s links), the last also with its second link 5x slower (what that run re-plans on):
+its time, the work it spent (in simulations of the no-delay plan's partition) and its predicted
+iteration against the whole search's.
 
 ``--search-window`` sets the local search's simulation length (``SEARCH_WARMUP``,
 ``SEARCH_ITERATIONS``) for the comparison of windows at the same code; run with ``PYTHONPATH`` on
@@ -63,6 +72,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = (ROOT / "examples" / "profiles", ROOT / "benchmarks" / "profiles" / "compat_mlp_loopback")
 TESTBED_RUNS = ROOT / "benchmarks" / "profiles" / "testbed_runs"
 LM_RUNS = ROOT / "benchmarks" / "profiles" / "lm_runs"
+ADAPT_RUNS = ROOT / "benchmarks" / "profiles" / "adapt_runs"
 
 
 def walk_stats(doc: dict[str, Any]) -> WalkStats:
@@ -170,6 +180,47 @@ def window_table(repeats: int) -> None:
                   f"{decision.info.get('tries')} |", flush=True)
 
 
+def search_budget_table() -> None:
+    from deft.runtime.link_timing import scale_links
+    from deft.solver.lagfree import SIM_ITERATIONS, SearchBudget, lagfree_plan
+
+    cases = [(f"{folder.name}/{path.stem}", Profile.load(path)) for folder in (*SOURCES, ADAPT_RUNS)
+             for path in sorted(folder.glob("*.json"))]
+    cases += [(f"{folder.name}/{path.stem}", Profile.from_dict(json.loads(path.read_text())["profile"], str(path)))
+              for folder in (TESTBED_RUNS, LM_RUNS) for path in sorted(folder.glob("*.json"))]
+    cases += [(f"{name}, second link x5", scale_links(prof, {"second": 5.0}))
+              for name, prof in list(cases) if name.startswith(ADAPT_RUNS.name)]
+    cfg = DeftConfig(epsilon=0.0)
+    print("| profile | pieces | whole search: time (s), predicted (ms) | lag 2: window (s), time (s), "
+          "simulations, predicted / whole | lag 6: window (s), time (s), simulations, predicted / whole |")
+    print("|---|---|---|---|---|")
+    totals = [0.0, 0.0, 0.0]
+    worst = 1.0
+    for name, prof in cases:
+        nd = no_delay_plan(prof, cfg)
+        pieces = profile_for_schedule(prof, nd, cfg).n
+        cells = []
+        whole_s = 0.0
+        for i, lag in enumerate((0, 2, 6)):
+            window_s = lag * nd.predicted_iteration_s
+            budget = SearchBudget.for_window(window_s) if lag else None
+            t0 = time.perf_counter()
+            sched = lagfree_plan(prof, cfg, budget=budget)
+            took = time.perf_counter() - t0
+            totals[i] += took
+            if budget is None:
+                whole_s = sched.predicted_iteration_s
+                cells.append(f"{took:.2f}, {whole_s * 1e3:.2f}")
+            else:
+                ratio = sched.predicted_iteration_s / whole_s
+                worst = max(worst, ratio)
+                sims = budget.spent / (SIM_ITERATIONS * pieces)  # in simulations of the no-delay partition
+                cells.append(f"{window_s:.2f}, {took:.2f}, {sims:.0f}, {ratio:.4f}")
+        print(f"| {name} | {pieces} | " + " | ".join(cells) + " |", flush=True)
+    print(f"\nTotal time: whole search {totals[0]:.1f} s, lag 2 {totals[1]:.1f} s, lag 6 {totals[2]:.1f} s; "
+          f"worst predicted iteration against the whole search's: {worst:.4f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--search-window", default=None, metavar="WARMUP,ITERATIONS",
@@ -183,7 +234,13 @@ def main() -> None:
                     help="whether a preserver try after the stop's condition was ever accepted")
     ap.add_argument("--window", action="store_true",
                     help="the GPT-2 runs' first decision in the iteration and in the background's window")
+    ap.add_argument("--search-budget", action="store_true",
+                    help="the lag-free plan with the whole search and within a background decision's budget")
     args = ap.parse_args()
+    if args.search_budget:
+        print(f"deft from {Path(deft.__file__).parent}\n")
+        search_budget_table()
+        return
     if args.window:
         knapsack.load_cp_sat()
         print(f"deft from {Path(deft.__file__).parent}; {args.repeats} plan(s) per row\n")

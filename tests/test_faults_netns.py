@@ -50,8 +50,8 @@ def _live_slowdown(work: Path) -> tuple[list[dict[str, Any]], list[tuple[str, in
     events: list[tuple[str, int]] = []
     todo = [(SLOW, RATE_MBIT / FACTOR, "slow"), (RECOVER, RATE_MBIT, "recover")]
     with Testbed(hosts=2, links=2, rate_mbit=RATE_MBIT, prefix="faultt") as tb:
-        # planner_nice 0 and the greedy knapsacks: on a busy machine the first plan of this model took
-        # 40-80 s otherwise, every rank waiting (the lag is 6 iterations of 0.1 s), which is not under test
+        # planner_nice 0 and the greedy knapsacks: rank 0's planning thread keeps pace on a busy machine
+        # (its time is not under test here)
         config = tb.write_config(epsilon=0.0, bucket_cap_mb=0.5, adapt_window=WINDOW, timeout_s=120, planner_nice=0,
                                  solver="greedy", plan_lag_iters=LAG)
         port = free_port()
@@ -121,8 +121,10 @@ def test_the_adaptation_replans_on_a_slowed_link_within_a_bounded_number_of_iter
     before, after = ratios[slowed_at - 1], ratios[min(slowed_at + BOUND, recovered_at) - 1]
     assert before is not None and after is not None
     assert after >= 2.5 * before, (before, after, timeline)
-    # and back: the link recovers, the adaptation re-opens and the plan follows within BOUND iterations
-    back = [r for r in info.get("replans", []) if recovered_at < r["iteration"] <= recovered_at + BOUND]
+    # and back: the link recovers, the adaptation re-opens (a later episode: the slow one may still be
+    # deciding when the link recovers) and the plan follows within BOUND iterations
+    back = [r for r in info.get("replans", [])
+            if r["episode"] > slowed[0]["episode"] and recovered_at < r["iteration"] <= recovered_at + BOUND]
     assert back and "'second'" in back[0]["reason"] and back[0]["link_factors"]["second"] < 0.5, timeline
     assert any(s.get("source") == "adapt" and recovered_at < s["iteration"] <= recovered_at + BOUND
                for s in info.get("switches", [])), timeline

@@ -20,8 +20,17 @@ import pytest
 
 from deft import Bucket, BucketTimes, DeftConfig, Link, Profile
 from deft.errors import ContractError
+from deft.runtime.planning import make_schedule
 from deft.schedule import CommTask, Schedule, StagePlan, Update
-from deft.solver.lagfree import candidate, deadline_first, lagfree_plan, needed_deferred
+from deft.solver.lagfree import (
+    SIM_ITERATIONS,
+    SearchBudget,
+    candidate,
+    deadline_first,
+    lagfree_plan,
+    needed_deferred,
+    spread,
+)
 from deft.solver.partition import profile_for_schedule
 from deft.solver.plan import no_delay_plan
 from deft.solver.simulate import simulate_schedule
@@ -233,3 +242,75 @@ def test_a_piece_is_sent_when_its_whole_parameter_has_its_gradient() -> None:
                      updates=(Update((0,), 0),))
     assert simulate_schedule(two_pieces(("a", "b")), sched).iteration_s == pytest.approx(65 * MS)
     assert simulate_schedule(two_pieces(("w[0:1]", "w[1:2]")), sched).iteration_s == pytest.approx(75 * MS)
+
+
+def many_buckets(n: int = 40) -> Profile:
+    """``n`` equal buckets on two links, each all-reduce twice its bucket's backward: a search with
+    ``n`` forward sets and three partitions of many pieces."""
+    buckets = tuple(Bucket(i, (f"layer{n - 1 - i}",), 1000, 4000) for i in range(n))
+    times = tuple(BucketTimes(MS, MS, {"a": 2 * MS, "b": 3 * MS}) for _ in range(n))
+    return Profile(buckets, times, (Link("a", "gloo"), Link("b", "gloo")), 2, "synthetic", model="many")
+
+
+def test_spread_by_hand() -> None:
+    assert spread(10, 4) == [0, 3, 6, 9]
+    assert spread(5, 2) == [0, 4]
+    assert spread(5, 1) == [4]
+    assert spread(5, 0) == []
+    assert spread(5, 9) == [0, 1, 2, 3, 4]
+
+
+def test_without_a_budget_every_forward_set_is_simulated() -> None:
+    p = many_buckets()
+    cfg = DeftConfig(epsilon=0.0)
+    n = profile_for_schedule(p, no_delay_plan(p, cfg), cfg).n
+    sets = [c for c, _ in lagfree_plan(p, cfg).meta["candidates"] if isinstance(c, int)]
+    assert sets == list(range(n))
+
+
+def test_a_search_budget_is_never_overspent_and_bounds_the_simulations() -> None:
+    p = many_buckets()
+    cfg = DeftConfig(epsilon=0.0)
+    n = profile_for_schedule(p, no_delay_plan(p, cfg), cfg).n
+    budget = SearchBudget(units=10 * SIM_ITERATIONS * n)  # ten simulations of the no-delay partition
+    sched = lagfree_plan(p, cfg, budget=budget)
+    assert 0 < budget.spent <= budget.units
+    sets = [c for c, _ in sched.meta["candidates"] if isinstance(c, int)]
+    assert sets == spread(n, 5)  # half the budget: five of the n forward sets, evenly spaced
+    # the plan is no slower than the no-delay plan, and no faster than the whole search's
+    assert sched.predicted_iteration_s <= no_delay_plan(p, cfg).predicted_iteration_s
+    assert sched.predicted_iteration_s >= lagfree_plan(p, cfg).predicted_iteration_s * (1 - 1e-9)
+
+
+def test_an_empty_search_budget_gives_the_no_delay_plan() -> None:
+    p = many_buckets()
+    cfg = DeftConfig(epsilon=0.0)
+    sched = lagfree_plan(p, cfg, budget=SearchBudget(units=0.0))
+    assert sched.meta["mode"] == "no_delay" and sched.meta["candidates"] == []
+    assert sched.predicted_iteration_s == no_delay_plan(p, cfg).predicted_iteration_s
+
+
+def test_a_budget_the_whole_search_fits_in_gives_the_unbudgeted_plan() -> None:
+    p = three_buckets()
+    cfg = DeftConfig(epsilon=0.0)
+    assert lagfree_plan(p, cfg, budget=SearchBudget(units=1e9)).digest() == lagfree_plan(p, cfg).digest()
+
+
+def test_the_search_budget_of_a_window_grows_with_it() -> None:
+    assert SearchBudget.for_window(0.0).units == 0.0
+    assert SearchBudget.for_window(2.0).units == pytest.approx(2 * SearchBudget.for_window(1.0).units)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ContractError, match="window_s"):
+            SearchBudget.for_window(bad)
+
+
+def test_a_background_decision_searches_less_than_one_in_the_iteration() -> None:
+    """``make_schedule`` with ``lag_iters``: the lag-free search within its window's budget (a window of
+    one iteration here: fewer forward sets simulated than the no-delay partition has)."""
+    p = many_buckets()
+    cfg = DeftConfig(epsilon=0.0)
+    n = profile_for_schedule(p, no_delay_plan(p, cfg), cfg).n
+    whole = make_schedule(cfg, p, None, None).schedule.meta["candidates"]
+    windowed = make_schedule(cfg, p, None, None, lag_iters=1).schedule.meta["candidates"]
+    assert len([c for c, _ in whole if isinstance(c, int)]) == n
+    assert 0 < len([c for c, _ in windowed if isinstance(c, int)]) < n

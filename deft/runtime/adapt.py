@@ -636,8 +636,9 @@ def _decision(cfg: DeftConfig, adapter: Adapter, running: Schedule, profile: Pro
             # than every rank can wait for an adaptation (benchmarks/results/planner.md).
             quick = replace(cfg, solver="greedy")
 
-            def replan(corrected: Profile) -> Schedule:
-                return make_schedule(quick, corrected, None if cfg.epsilon == 0 else walk, None).schedule
+            def replan(corrected: Profile) -> Schedule:  # within the window it is made in, as the first plan
+                return make_schedule(quick, corrected, None if cfg.epsilon == 0 else walk, None,
+                                     lag_iters=cfg.plan_lag_iters).schedule
 
             new, corrected, record = adapter.decide(running, profile, measured, backward, replan, links, reopened)
             doc: Decision = {"record": record, "done": adapter.done}

@@ -34,6 +34,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -53,7 +54,7 @@ from deft.runtime.control import ControlPlane
 from deft.runtime.records import as_object
 from deft.schedule import Schedule, synchronous_schedule
 from deft.solver import codecs, knapsack
-from deft.solver.lagfree import lagfree_plan
+from deft.solver.lagfree import SearchBudget, lagfree_plan
 from deft.solver.plan import ExactBudget, no_delay_plan, plan
 from deft.solver.simulate import serial_codec, simulate_schedule
 
@@ -161,28 +162,46 @@ def torch_way_without_gain(profile: Profile, decision: Decision) -> Decision:
     return Decision(sync, info)
 
 
-def window_budget(cfg: DeftConfig, profile: Profile, lag_iters: int) -> ExactBudget | None:
-    """The CP-SAT budget of a decision the ranks train through for ``lag_iters`` iterations
-    (:meth:`ExactBudget.for_window`; None: none, the config's). The window is priced at the no-delay
-    plan's predicted iteration, no longer than the synchronous iterations that run meanwhile, so the
-    knapsacks end within the window rather than the ranks waiting for them at its end."""
-    if lag_iters <= 0 or cfg.solver != "exact":
-        return None
-    return ExactBudget.for_window(cfg, lag_iters * no_delay_plan(profile, cfg).predicted_iteration_s)
+@dataclass(frozen=True)
+class WindowBudget:
+    """What one decision the ranks train through may spend (None: unbounded, the config's): the
+    knapsacks' CP-SAT work and the lag-free search's simulations. Spent as the decision plans: one per
+    decision."""
+
+    exact: ExactBudget | None = None
+    search: SearchBudget | None = None
+
+    def no_delay_planner(self, cfg: DeftConfig) -> feedback.NoDelayPlanner:
+        """The plan without delayed updates that the decision starts from, on this budget."""
+        if not cfg.forward_updates:
+            return no_delay_plan
+        return lagfree_plan if self.search is None else functools.partial(lagfree_plan, budget=self.search)
 
 
-def _planned(cfg: DeftConfig, profile: Profile, stats: WalkStats | None, budget: ExactBudget | None = None
-             ) -> Decision:
-    """:func:`make_schedule`'s plan of ``profile``, with its fallbacks; ``budget``: the knapsacks' CP-SAT
-    work (None: the config's)."""
+def window_budget(cfg: DeftConfig, profile: Profile, lag_iters: int) -> WindowBudget:
+    """The budget of a decision the ranks train through for ``lag_iters`` iterations
+    (:meth:`ExactBudget.for_window`, :meth:`SearchBudget.for_window`; none for ``lag_iters`` 0). The
+    window is priced at the no-delay plan's predicted iteration, no longer than the synchronous
+    iterations that run meanwhile, so the planning ends within the window rather than the ranks
+    waiting for it at its end."""
+    if lag_iters <= 0:
+        return WindowBudget()
+    window_s = lag_iters * no_delay_plan(profile, cfg).predicted_iteration_s
+    return WindowBudget(ExactBudget.for_window(cfg, window_s) if cfg.solver == "exact" else None,
+                        SearchBudget.for_window(window_s))
+
+
+def _planned(cfg: DeftConfig, profile: Profile, stats: WalkStats | None, budget: WindowBudget) -> Decision:
+    """:func:`make_schedule`'s plan of ``profile``, with its fallbacks, on ``budget``."""
     try:
-        base = lagfree_plan if cfg.forward_updates else no_delay_plan
+        base = budget.no_delay_planner(cfg)
         if cfg.epsilon == 0:
-            return Decision(base(profile, cfg), {"source": f"{base.__name__} (epsilon = 0)"})
+            name = "lagfree_plan" if cfg.forward_updates else "no_delay_plan"
+            return Decision(base(profile, cfg), {"source": f"{name} (epsilon = 0)"})
         if cfg.preserver:
-            res = feedback.preserve(profile, cfg, stats, no_delay_planner=base, budget=budget)
+            res = feedback.preserve(profile, cfg, stats, no_delay_planner=base, budget=budget.exact)
             return Decision(res.schedule, preserver_info("preserver", res, stats), res)
-        return Decision(plan(profile, cfg, budget=budget), {"source": "plan"})
+        return Decision(plan(profile, cfg, budget=budget.exact), {"source": "plan"})
     except DeftError as e:
         first = f"{type(e).__name__}: {e}"
     log.warning("deft: planning failed (%s); falling back", first)
@@ -347,11 +366,11 @@ class Planning:
                     doc["check"] = {"ratio": decision.ratio, "replan": decision.replan, "reason": decision.reason}
                     if decision.replan:
                         assert profile is not None and self._recheck is not None
-                        # Every rank waits for this re-plan: its knapsacks get no more than a
-                        # background decision's (window_budget).
-                        res = feedback.preserve(profile, cfg, stats,
-                                                no_delay_planner=lagfree_plan if cfg.forward_updates else no_delay_plan,
-                                                budget=window_budget(cfg, profile, cfg.plan_lag_iters))
+                        # Every rank waits for this re-plan: it gets no more than a background
+                        # decision (window_budget).
+                        budget = window_budget(cfg, profile, cfg.plan_lag_iters)
+                        res = feedback.preserve(profile, cfg, stats, no_delay_planner=budget.no_delay_planner(cfg),
+                                                budget=budget.exact)
                         self._recheck.reset(res)
                         doc["schedule"] = codecs.mark(res.schedule, profile, cfg).to_dict()
                         doc["info"] = preserver_info("preserver (re-plan)", res, stats)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from deft._json import JsonValue
 from deft.config import DeftConfig
@@ -43,7 +43,7 @@ from deft.errors import ContractError
 from deft.profile import Profile
 from deft.schedule import CommTask, Schedule, StagePlan, Update
 from deft.solver.partition import partition, profile_for_schedule
-from deft.solver.plan import no_delay_plan
+from deft.solver.plan import WINDOW_SHARE, no_delay_plan
 from deft.solver.simulate import simulate_schedule
 
 
@@ -81,6 +81,60 @@ SEARCH_WARMUP, SEARCH_ITERATIONS, SEARCH_EVALUATIONS = 1, 2, 120
 #: largest bucket's primary-link time): 1 is the no-delay plan's own partition; coarser pieces pay
 #: fewer start-ups, finer ones balance the links and the deadlines better.
 PARTITION_SCALES = (1.0, 2.0, 0.5)
+#: A search simulation runs the warm-up, the measured iterations and one more (the engine's last), each
+#: costing about the same per bucket: its work is ``SIM_ITERATIONS x buckets`` (SearchBudget's unit).
+SIM_ITERATIONS = SEARCH_WARMUP + SEARCH_ITERATIONS + 1
+#: Simulated bucket-iterations per second of one core, measured on the testbed machine quiet
+#: (benchmarks/results/planner.md, "The lag-free search in its window").
+SIM_WORK_PER_SECOND = 45_000.0
+#: The share of a background decision's plan-lag window the lag-free search may spend; the knapsacks
+#: have theirs (:data:`deft.solver.plan.WINDOW_SHARE`), the rest of the decision takes the remainder.
+SEARCH_WINDOW_SHARE = WINDOW_SHARE / 2
+
+
+@dataclass
+class SearchBudget:
+    """The simulations the lag-free search (:func:`lagfree_plan`) may run, in simulated bucket-iterations
+    (one search simulation of an ``n``-bucket profile costs ``SIM_ITERATIONS * n``).
+
+    Invariant: a simulation starts only where it fits in what is left, so a holder spends at most
+    ``units``. Deterministic in the profile, not in the load: the same budget gives the same plan on
+    a busy machine, only later. Past it the search keeps the best plan found so far (the no-delay plan
+    at least). The forward sets get at most :data:`FORWARD_SET_SHARE` of it, spread evenly over the
+    buckets; each partition's local search an equal share of the rest."""
+
+    units: float
+    spent: float = 0.0
+
+    @classmethod
+    def for_window(cls, window_s: float) -> SearchBudget:
+        """The search of a decision made while training goes on for ``window_s`` seconds (the plan-lag
+        window): :data:`SEARCH_WINDOW_SHARE` of it at :data:`SIM_WORK_PER_SECOND`."""
+        if not (math.isfinite(window_s) and window_s >= 0.0):
+            raise ContractError("lagfree_plan", "window_s", f"expected a finite number of seconds >= 0, got {window_s}")
+        return cls(SIM_WORK_PER_SECOND * SEARCH_WINDOW_SHARE * window_s)
+
+    def simulations(self, n_buckets: int, share: float = 1.0) -> int:
+        """How many search simulations of an ``n_buckets`` profile fit in ``share`` of what is left."""
+        return int(max(0.0, self.units - self.spent) * share // (SIM_ITERATIONS * max(n_buckets, 1)))
+
+    def spend(self, n_buckets: int, simulations: int) -> None:
+        self.spent += simulations * SIM_ITERATIONS * max(n_buckets, 1)
+
+
+#: The most of a :class:`SearchBudget` the forward-set candidates take (the local searches the rest).
+FORWARD_SET_SHARE = 0.5
+
+
+def spread(n: int, k: int) -> list[int]:
+    """``k`` of ``0 .. n-1`` evenly spaced, both ends first included (all of them where ``k >= n``)."""
+    if k >= n:
+        return list(range(n))
+    if k <= 0:
+        return []
+    if k == 1:
+        return [n - 1]
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
 
 
 def deadline_first(part: Profile) -> list[CommTask]:
@@ -134,12 +188,13 @@ def _neighbours(order: list[CommTask], links: tuple[str, ...]) -> list[list[Comm
 
 
 def local_search(part: Profile, template: Schedule, starts: list[list[CommTask]],
-                 budget: int = SEARCH_EVALUATIONS) -> tuple[list[CommTask], float]:
+                 budget: int = SEARCH_EVALUATIONS) -> tuple[list[CommTask], float, int]:
     """First-improvement hill climbing over launch orders and links (:func:`_neighbours`), every bucket
     deferred, minimising the simulated iteration time (:func:`simulate_schedule`).
 
-    Deterministic (fixed move order, an improvement must exceed one part in 1e9), at most ``budget``
-    simulations; starts from the best of ``starts``. Returns the order and its simulated time.
+    Deterministic (fixed move order, an improvement must exceed one part in 1e9), at most
+    ``max(budget, len(starts))`` simulations; starts from the best of ``starts``. Returns the order,
+    its simulated time and the simulations run.
     """
     def cost(order: list[CommTask]) -> float:
         return float(simulate_schedule(part, early_schedule(template, order), iterations=SEARCH_ITERATIONS,
@@ -158,7 +213,7 @@ def local_search(part: Profile, template: Schedule, starts: list[list[CommTask]]
             if c < best_s * (1 - 1e-9):
                 best, best_s, improved = cand, c, True
                 break
-    return best, best_s
+    return best, best_s, used
 
 
 def needed_deferred(part: Profile, sched: Schedule) -> tuple[int, ...]:
@@ -184,12 +239,39 @@ def _template(part: Profile, base: Schedule, capacity_s: float) -> Schedule:
                    updates=(Update((0,), 0),), meta={**base.meta, "capacity_s": capacity_s})
 
 
+def _partitioned(profile: Profile, cfg: DeftConfig, base: Schedule, scale: float) -> tuple[Profile, Schedule]:
+    """``profile`` partitioned at ``scale`` x the no-delay plan ``base``'s capacity, and the template."""
+    capacity = base.meta["capacity_s"]
+    assert isinstance(capacity, float)
+    p_s = partition(profile, cfg, capacity_s=capacity * scale, best_effort=True)
+    return p_s, _template(p_s, base, capacity * scale)
+
+
+def _forward_sets(part: Profile, base: Schedule, budget: SearchBudget | None) -> list[tuple[int, Schedule, float]]:
+    """The forward-set candidates simulated (every one, or those ``budget`` affords): ``(j, plan, time)``."""
+    sets = range(part.n) if budget is None else spread(part.n, budget.simulations(part.n, FORWARD_SET_SHARE))
+    out = []
+    for j in sets:
+        sched = candidate(part, j, base)
+        # A cycle-1 schedule is in its steady state after an iteration or two: the short simulation
+        # gives the default one's time to rounding on the reference profiles at a fraction of the cost (the
+        # search runs in the planning iteration, which training waits for).
+        res = simulate_schedule(part, sched, iterations=SEARCH_ITERATIONS, warmup=SEARCH_WARMUP)
+        out.append((j, sched, float(res.iteration_s)))
+    if budget is not None:
+        budget.spend(part.n, len(sets))
+    return out
+
+
 def lagfree_plan(profile: Profile, config: DeftConfig | None = None,
-                 scales: Sequence[float] = PARTITION_SCALES) -> Schedule:
+                 scales: Sequence[float] = PARTITION_SCALES, budget: SearchBudget | None = None) -> Schedule:
     """The fastest lag-free plan (module docstring): the no-delay plan, one finishing in the forward
     with the forward set launched after the backward, or one sending every bucket in the backward
     (earliest deadline first, improved by :func:`local_search`, on the partitions ``scales``, multiples
-    of the no-delay plan's capacity) that defers the buckets still in flight at the step."""
+    of the no-delay plan's capacity) that defers the buckets still in flight at the step.
+
+    ``budget``: the simulations the search may run (None: every forward set, and
+    :data:`SEARCH_EVALUATIONS` per partition); ``meta["candidates"]`` lists what was simulated."""
     if not scales or not all(math.isfinite(x) and x > 0 for x in scales):
         raise ContractError("lagfree_plan", "scales", f"expected finite capacity multiples > 0, got {list(scales)}")
     cfg = DeftConfig.resolve(config)
@@ -198,25 +280,16 @@ def lagfree_plan(profile: Profile, config: DeftConfig | None = None,
     best, best_s = base, base.predicted_iteration_s
     tried: list[list[JsonValue]] = []  # [candidate, predicted seconds]: the forward set j, or "early x<scale>"
     mode = "no_delay"
-    for j in range(part.n):
-        sched = candidate(part, j, base)
-        # A cycle-1 schedule is in its steady state after an iteration or two: the short simulation
-        # gives the default one's time to rounding on the reference profiles at a fraction of the cost (the
-        # search runs in the planning iteration, which training waits for).
-        res = simulate_schedule(part, sched, iterations=SEARCH_ITERATIONS, warmup=SEARCH_WARMUP)
-        tried.append([j, float(res.iteration_s)])
-        if res.iteration_s < best_s * (1 - 1e-9):
-            best, best_s, mode = sched, float(res.iteration_s), "lag-free forward"
+    for j, sched, sched_s in _forward_sets(part, base, budget):
+        tried.append([j, sched_s])
+        if sched_s < best_s * (1 - 1e-9):
+            best, best_s, mode = sched, sched_s, "lag-free forward"
     best_part = part
     capacity = base.meta.get("capacity_s")
     seen: set[tuple[int, ...]] = set()
-    for scale in scales if isinstance(capacity, float) and capacity > 0 else (1.0,):
-        if scale == 1.0:
-            p_s, tmpl = part, base
-        else:
-            assert isinstance(capacity, float)
-            p_s = partition(profile, cfg, capacity_s=capacity * scale, best_effort=True)
-            tmpl = _template(p_s, base, capacity * scale)
+    todo = list(scales) if isinstance(capacity, float) and capacity > 0 else [1.0]
+    for i, scale in enumerate(todo):
+        p_s, tmpl = (part, base) if scale == 1.0 else _partitioned(profile, cfg, base, scale)
         sizes = tuple(b.nbytes for b in p_s.buckets)
         if sizes in seen:
             continue
@@ -225,12 +298,17 @@ def lagfree_plan(profile: Profile, config: DeftConfig | None = None,
         if scale == 1.0 and best is not base:  # the best forward set, sent from the backward stage
             starts.append(list(best.stage(0, "backward").comms)
                           + [CommTask(t.bucket, 0, t.link) for t in best.stage(0, "forward").comms])
-        order, _ = local_search(p_s, tmpl, starts)
-        sched = early_schedule(tmpl, order)
-        res = simulate_schedule(p_s, sched, iterations=SEARCH_ITERATIONS, warmup=SEARCH_WARMUP)
-        tried.append([f"early x{scale:g}", float(res.iteration_s)])
-        if res.iteration_s < best_s * (1 - 1e-9):
-            best, best_s, best_part = sched, float(res.iteration_s), p_s
+        # this partition's share of what is left: the partitions still to come get as much
+        evaluations = SEARCH_EVALUATIONS if budget is None else min(
+            SEARCH_EVALUATIONS, budget.simulations(p_s.n, 1.0 / (len(todo) - i)))
+        if evaluations < len(starts):
+            continue
+        order, order_s, used = local_search(p_s, tmpl, starts, evaluations)
+        if budget is not None:
+            budget.spend(p_s.n, used)
+        tried.append([f"early x{scale:g}", order_s])
+        if order_s < best_s * (1 - 1e-9):
+            best, best_s, best_part = early_schedule(tmpl, order), order_s, p_s
             mode = f"lag-free forward, early sends (partition x{scale:g})"
     if best.updates[0].deferred:  # an early-send plan (candidate() and no_delay_plan defer nothing)
         best = early_schedule(best, list(best.stage(0, "backward").comms), needed_deferred(best_part, best))
