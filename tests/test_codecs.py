@@ -374,6 +374,34 @@ def test_int8_replaces_16_bits_only_where_it_predicts_a_tenth_less(codec_ms: flo
     assert record["codec"] == ("int8" if gain >= 0.10 else "fp16")
 
 
+@pytest.mark.parametrize(("comm_ms", "backward_ms"), [(3.0, 5.0), (3.0, 10.0), (2.0, 5.0)])
+def test_int8_is_not_weighed_where_16_bits_are_within_a_tenth_of_the_compute(comm_ms: float,
+                                                                             backward_ms: float) -> None:
+    # 4 x (1 + backward) ms of forward and backward: no iteration is shorter. Where the 16-bit choice
+    # (fp16 on some buckets, or none) predicts less than that over 0.9, int8 cannot be a tenth faster and
+    # is not weighed; weighing it anyway (codecs.choose) gives the same answer.
+    p = profile((comm_ms,) * 4, backward_ms=backward_ms)
+    floor_s = 4 * (1 + backward_ms) * MS
+    _, record = choose_codec(CFG, p, int8_inputs())
+    assert record is not None and record["codec"] == "fp16" and record["chosen_s"] * 0.9 <= floor_s
+    assert "alternatives" not in record and str(record["int8"]).startswith("not weighed")
+    eight = codecs.choose(p, int8_inputs().cost_of("int8"), CFG)
+    assert floor_s <= eight.chosen_s and not eight.chosen_s < record["chosen_s"] * 0.9
+
+
+def test_int8_needs_a_tenth_over_16_bits_left_exact_too() -> None:
+    # fp16 codes nothing here (coding every bucket is under its own 3 % faster), int8 two buckets for
+    # a gain of about 7 %: the broken variant (int8 taken for any gain where fp16 coded nothing) took
+    # int8. 13.5 ms exact is over 12 ms / 0.9: int8 is weighed, then refused.
+    p = profile((1.5,) * 4, backward_ms=2.0)
+    sixteen = codecs.choose(p, int8_inputs().cost_of("fp16"), CFG)
+    eight = codecs.choose(p, int8_inputs().cost_of("int8"), CFG)
+    assert sixteen.coded == () and eight.coded and 0.0 < 1.0 - eight.chosen_s / sixteen.chosen_s < 0.10
+    _, record = choose_codec(CFG, p, int8_inputs())
+    assert record is not None and record["codec"] == "fp16" and record["coded"] == []
+    assert [a["codec"] for a in record["alternatives"]] == ["fp16", "int8"]
+
+
 def test_int8_gains_under_a_tenth_keep_16_bits_where_the_old_rule_took_int8() -> None:
     # The broken variant: int8 taken for any gain of 3 % or more, as before the rule; the 7 ms case
     # predicts about 7.6 % and must keep fp16.

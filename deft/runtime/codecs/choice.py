@@ -21,6 +21,8 @@ Rules:
   profile's buckets at the run's world size, by the path each bucket takes: :func:`int8_may_pay`) and
   the links stay the bound in 16 bits (:func:`links_bound_in_16_bits`); the first iteration's
   speculation and the profile iterations apply it with the whole compute (:data:`PRE_PLAN_INT8_SHARE`).
+  The plan weighs it only where the 16-bit choice leaves room for its gain above the forward and
+  backward (:func:`choose_codec`).
 * **While rank 0 plans** the iterations keep the profile iterations' codec while the preserver still
   accepts it on every statistic so far (:func:`lag_codec`).
 * **On calibration** the choice is made again on the measured exact profile corrected by the same
@@ -120,8 +122,10 @@ def choose_codec(cfg: DeftConfig, profile: Profile, codec: CodecInputs | None) -
     """Rank 0: the profile to plan on, with the buckets deft sends coded (:func:`deft.solver.codecs.choose`)
     and the record of why (None: not considered). The 16-bit codec the preserver accepts first
     (:func:`deft.preserver.codec_error.pick`) is chosen; where int8 was measured and the preserver
-    accepts it too, its choice replaces the 16-bit one when it predicts at least
-    :data:`deft.solver.codecs.INT8_MIN_GAIN` less per iteration (fewer bits only where they clearly pay)."""
+    accepts it too, its choice replaces the 16-bit one (coded or left exact) when it predicts at least
+    :data:`deft.solver.codecs.INT8_MIN_GAIN` less per iteration (fewer bits only where they clearly pay).
+    int8 is not weighed where the 16-bit choice already predicts within that gain of the forward and
+    backward, which no plan's iteration is shorter than: the answer is the same, for half the plans."""
     if codec is None or cfg.epsilon == 0:
         return profile, None
     verdicts = codec_error.pick(codec.scale, cfg.epsilon)
@@ -133,12 +137,18 @@ def choose_codec(cfg: DeftConfig, profile: Profile, codec: CodecInputs | None) -
     if sixteen is None and eight is None:
         record["reason"] = "the preserver accepts no codec"
         return profile, record
-    choices = [codecs.choose(profile, codec.cost_of(v.codec), cfg) for v in (sixteen, eight) if v is not None]
+    choices = [codecs.choose(profile, codec.cost_of(v.codec), cfg) for v in (sixteen,) if v is not None]
+    floor_s = profile.forward_s + profile.backward_s
+    if eight is not None and choices and choices[0].chosen_s * (1.0 - codecs.INT8_MIN_GAIN) <= floor_s:
+        # no plan's iteration is shorter than its forward and backward: int8 cannot predict the gain
+        record["int8"] = (f"not weighed: {choices[0].codec} predicts {choices[0].chosen_s:.4g} s, within "
+                          f"{codecs.INT8_MIN_GAIN:.0%} of the {floor_s:.4g} s of forward and backward")
+    elif eight is not None:
+        choices.append(codecs.choose(profile, codec.cost_of(eight.codec), cfg))
     choice = choices[0]
     if len(choices) == 2:
         record["alternatives"] = [c.to_dict() for c in choices]
-        if choices[1].coded and (not choice.coded or
-                                 choices[1].chosen_s < choice.chosen_s * (1.0 - codecs.INT8_MIN_GAIN)):
+        if choices[1].coded and choices[1].chosen_s < choice.chosen_s * (1.0 - codecs.INT8_MIN_GAIN):
             choice = choices[1]
     cost = codec.cost_of(choice.codec)
     record.update(choice.to_dict())
