@@ -129,7 +129,7 @@ FORWARD_SET_SHARE = 0.5
 
 
 def spread(n: int, k: int) -> list[int]:
-    """``k`` of ``0 .. n-1`` evenly spaced, both ends first included (all of them where ``k >= n``)."""
+    """``k`` of ``0 .. n-1``, evenly spaced with both ends included (all of them where ``k >= n``)."""
     if k >= n:
         return list(range(n))
     if k <= 0:
