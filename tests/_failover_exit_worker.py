@@ -2,9 +2,9 @@
 environment names the rank and the rendezvous). deft trains on ``primary`` and ``second``; from iteration
 4 on, rank 0's all-reduces on ``second`` never go out (its end of the link is gone), so rank 1's real one
 waits for a peer that never comes until the ranks agree the link is lost. Rank 1 then prints one JSON line
-(``plan_info["link_failures"]``), closes the wrapper, destroys the process groups and exits normally;
-rank 0 waits for the file ``DEFT_TEST_GO`` first (its sockets stay open, as behind a dead NIC), then
-exits the same way."""
+(``plan_info["link_failures"]``), closes the wrapper, destroys the process groups and exits with status
+0 (``os._exit``, past the interpreter's teardown); rank 0 waits for the file ``DEFT_TEST_GO`` first (its
+sockets stay open, as behind a dead NIC), then exits the same way."""
 
 from __future__ import annotations
 
@@ -48,6 +48,9 @@ def main() -> None:
             time.sleep(0.05)
     ddp.close()
     dist.destroy_process_group()
+    # close and destroy returned (what the test bounds); torch 2.13's gloo can abort the interpreter's own
+    # teardown after them (tests/_dist.py), which a CI run showed here once
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -180,6 +180,18 @@ def test_epsilon_zero_matches_torch_ddp(kind: str, branch: bool, accum: bool) ->
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world", [4, 8])
+def test_epsilon_zero_matches_torch_ddp_at_four_and_eight_ranks(world: int) -> None:
+    """The same loop on loopback at 4 and 8 ranks: deft's own profile, plan and runtime give torch DDP's
+    parameters, every iteration applied once, on every rank."""
+    out = values(run_ranks(parity_worker, world, ("sgd", False, False), timeout=180))
+    for v in out:
+        assert v["worst"] < 1e-5
+        assert v["schedule_cycle"] == 1 and v["n_updates"] == STEPS
+    assert all(v["params"] == out[0]["params"] for v in out)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "branch", "accum", "early"),
                          [("sgd", False, False, False), ("adam", True, False, False), ("sgd", True, True, False),
                           ("sgd", False, False, True), ("adam", True, False, True)])
