@@ -199,9 +199,11 @@ def test_adapter_is_bounded() -> None:
 ITERS = 30
 
 
-def comm_heavy_ddp(deft: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, warmup_iters: int) -> Any:
-    """deft on one link with the comm-heavy profile given, epsilon 0, adaptation every 3 iterations."""
-    return deft.DistributedDataParallel(model, optimizer=opt, profile=comm_heavy_profile(), config={
+def comm_heavy_ddp(deft: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, warmup_iters: int,
+                   comm: float = 1.0) -> Any:
+    """deft on one link with the comm-heavy profile given (its all-reduces x ``comm``), epsilon 0,
+    adaptation every 3 iterations."""
+    return deft.DistributedDataParallel(model, optimizer=opt, profile=comm_heavy_profile().scaled(comm=comm), config={
         "epsilon": 0.0, "warmup_iters": warmup_iters, "timeout_s": 30, "adapt_window": 3,
         "adapt_max_replans": 2, "links": [{"name": "primary"}]})
 
@@ -224,9 +226,10 @@ def adapt_worker(rank: int, world: int) -> dict[str, Any]:
 
     model = Linear()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    # The given profile claims all-reduces of 6 ms per bucket; on loopback they take far less, so the
-    # first window is far off the prediction and the loop calibrates and re-plans.
-    ddp = comm_heavy_ddp(deft, model, opt, warmup_iters=1)
+    # The given profile claims all-reduces of 18 ms per bucket; on loopback they take far less, so the
+    # first window is far off the prediction (beyond 2 x the tolerance for a faster schedule even on a
+    # loaded machine: at 6 ms a CI run measured only 16 % under it, and settled) and the loop calibrates.
+    ddp = comm_heavy_ddp(deft, model, opt, warmup_iters=1, comm=3.0)
     digests = []
     for t in range(ITERS):
         ddp(coefficients(rank, t)).backward()
@@ -241,7 +244,8 @@ def test_adaptation_converges_and_keeps_every_gradient_exactly_once() -> None:
     a, b = values(run_ranks(adapt_worker, 2, timeout=120))
     assert a["digests"] == b["digests"] and a["log"] == b["log"] and a["params"] == b["params"]
     assert a["adapt"] == b["adapt"]  # rank 0's decisions, broadcast
-    records = a["adapt"]
+    # the first episode (a link's drift on loopback may re-open another before the run ends)
+    records = [r for r in a["adapt"] if "episode" not in r]
     assert records[0]["error"] > 0.10 and "comm_factor" in records[0]  # far off: calibrated
     assert "settled" in records[-1]["decision"] or "back" in records[-1]["decision"]
     assert len(records) <= 2 + 2  # at most max_replans re-plans, then one settling window (+ a return)
