@@ -130,5 +130,5 @@ def test_the_adaptation_replans_on_a_slowed_link_within_a_bounded_number_of_iter
                for s in info.get("switches", [])), timeline
     # the re-plan that followed it back prices the second link about as before the fault (later windows
     # may calibrate it again: on a loaded machine a CI run's last window priced it 1.56x the primary)
-    back_ratio = ratios[back[0]["iteration"] - 1]
+    back_ratio = ratios[back[0]["iteration"] - 1]  # the profile that decision corrected, read after its step
     assert back_ratio is not None and back_ratio <= 1.5 * before, (before, back_ratio, timeline)

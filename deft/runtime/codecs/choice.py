@@ -137,7 +137,7 @@ def choose_codec(cfg: DeftConfig, profile: Profile, codec: CodecInputs | None) -
     if sixteen is None and eight is None:
         record["reason"] = "the preserver accepts no codec"
         return profile, record
-    choices = [codecs.choose(profile, codec.cost_of(v.codec), cfg) for v in (sixteen,) if v is not None]
+    choices = [] if sixteen is None else [codecs.choose(profile, codec.cost_of(sixteen.codec), cfg)]
     floor_s = profile.forward_s + profile.backward_s
     if eight is not None and choices and choices[0].chosen_s * (1.0 - codecs.INT8_MIN_GAIN) <= floor_s:
         # no plan's iteration is shorter than its forward and backward: int8 cannot predict the gain
