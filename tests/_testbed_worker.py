@@ -5,7 +5,7 @@ DDP with the codec deft's first iteration went in (torch's ``fp16_compress_hook`
 int8's error bound beside it), and prints one JSON line: deft's ``plan_info["profile_codec"]``
 and the largest difference of the parameters after the first iteration, relative to the parameter's
 largest element and absolute. With ``DEFT_TEST_PLAN=1`` it trains deft alone past its plan (``PLAN_STEPS``) and
-prints ``plan_info["codecs"]``, the schedule's codecs and the parameters' sums (the ranks must agree).
+prints ``plan_info["codecs"]``, the codecs each iteration ran and the parameters' sums (the ranks must agree).
 With ``DEFT_TEST_OVERFLOW=1`` it runs torch's documented AMP loop (``tests._dist.amp_steps``) with
 rank 0's first step overflowing, deft against torch DDP, and prints the record, the largest
 difference, the final scales, the clipped norms and the skipped steps."""
@@ -74,7 +74,7 @@ def main() -> None:
         losses = train(ddp, ours, rank, PLAN_STEPS, codecs=seen)
         ddp.flush()
         print(json.dumps({"rank": rank, "codecs": ddp.plan_info.get("codecs"), "t0": ddp.plan_info.get("t0"),
-                          "schedule_codecs": sorted(set(ddp.schedule.codecs)), "losses": losses,
+                          "losses": losses,
                           "codecs_seen": seen, "profile_codec": ddp.plan_info["profile_codec"]["codec"],
                           "adapt": ddp.plan_info.get("adapt", []),
                           "sums": [p.detach().double().sum().item() for p in ours.parameters()]}), flush=True)

@@ -111,8 +111,9 @@ def test_schedule_codecs_equal_torch_ddp_with_those_buckets_in_fp16(tmp_path: Pa
     assert a["t0"] < STEPS - 4  # most iterations ran the coded schedule
 
 
-def auto_worker(rank: int, world: int) -> dict[str, Any]:
-    """deft's default config on a model whose all-reduces outweigh its compute on loopback."""
+def auto_worker(rank: int, world: int, adapt: bool = True) -> dict[str, Any]:
+    """deft's default config (``adapt`` as given) on a model whose all-reduces outweigh its compute on
+    loopback."""
     import deft
 
     torch.manual_seed(0)
@@ -120,7 +121,7 @@ def auto_worker(rank: int, world: int) -> dict[str, Any]:
                           nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     ddp = deft.DistributedDataParallel(model, optimizer=opt, config={"links": [{"name": "a"}, {"name": "b"}],
-                                                                     "timeout_s": 120})
+                                                                     "timeout_s": 120, "adapt": adapt})
     g = torch.Generator().manual_seed(rank)
     for _ in range(24):
         x, y = torch.randn(4, 64, generator=g), torch.randint(0, 10, (4,), generator=g)
@@ -137,8 +138,10 @@ def auto_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_default_config_judges_the_codec_and_ranks_agree() -> None:
-    a, b = values(run_ranks(auto_worker, 2, timeout=300))
+@pytest.mark.parametrize("adapt", [True, False])
+def test_default_config_judges_the_codec_and_ranks_agree(adapt: bool) -> None:
+    a, b = values(run_ranks(auto_worker, 2, args=(adapt,), timeout=300))
+    assert a["record"]["again"] is adapt  # the adaptation makes the choice again on each calibration
     fp16 = a["record"]["verdicts"][0]
     assert fp16["codec"] == "fp16" and fp16["accepted"] is True and fp16["delta"] < 1e-3
     # on loopback 16 bits already hide under the compute: int8 is not measured (codecs.choice.int8_may_pay)

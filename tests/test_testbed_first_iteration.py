@@ -95,7 +95,7 @@ def test_links_the_bound_even_in_16_bits_the_plan_sends_int8_and_the_ranks_agree
     than the compute, so the default's plan prices int8, the preserver accepts it and the plan takes it;
     the ranks decode the same bytes, so their parameters stay equal bit for bit."""
     with Testbed(hosts=2, links=2, rate_mbit=50) as tb:
-        # any prediction error calibrates (tolerance 1e-6): the adaptation makes deft's codec choice again
+        # any prediction error calibrates (tolerance 1e-6)
         config = tb.write_config(epsilon=0.01, warmup_iters=1, profile_iters=2, timeout_s=120, adapt_window=2,
                                  adapt_tolerance=1e-6)
         port = free_port()
@@ -113,7 +113,7 @@ def test_links_the_bound_even_in_16_bits_the_plan_sends_int8_and_the_ranks_agree
     assert int8["accepted"] and int8["delta"] < 0.02, int8
     alternatives = {c["codec"]: c["chosen_s"] for c in record["alternatives"]}
     assert alternatives["int8"] < 0.97 * alternatives["fp16"]
-    assert a["schedule_codecs"] in (["int8"], ["", "int8"])
+    assert a["codecs_seen"][a["t0"]] in (["int8"], ["", "int8"])  # the plan's (the adaptation may change them)
     assert a["t0"] < 10  # most iterations ran the plan
     # before it: the profile iterations in int8 (the first iteration's sample passed it) and the
     # iterations run while rank 0 planned kept it (the whole statistics still pass it)
@@ -121,14 +121,17 @@ def test_links_the_bound_even_in_16_bits_the_plan_sends_int8_and_the_ranks_agree
     before_plan = a["codecs_seen"][1:a["t0"] - 1]
     assert len(before_plan) >= 3 and all(c == ["int8"] for c in before_plan), a["codecs_seen"]
     assert all(math.isfinite(v) for v in a["losses"])
-    # the adaptation calibrated and made the codec choice again on the calibrated exact profile (a live
-    # run wires the first plan's exact profile, codec inputs and decision into it); every rank got the
-    # same decisions and, through any switch, kept the same parameters (the sums above)
-    assert a["adapt"] == b["adapt"]
-    calibrated = [r for r in a["adapt"] if "comm_factor" in r]
-    assert calibrated, a["adapt"]
-    again = calibrated[0]["codecs"]
-    assert again["codec"] in ("int8", "fp16") and again["coded"] and isinstance(again["changed"], bool), again
+    # the adaptation makes the codec choice again on each calibration (a live run wires the first plan's
+    # exact profile, codec inputs and decision into it: the choice itself, on given calibrations, is
+    # tests/test_runtime_adapt.py's); every rank got the same decisions and, through any switch, kept the
+    # same parameters (the sums above). Whether the first window calibrates and re-plans, settles or goes
+    # back to the warm-up's schedule is the machine's load's to say (deft.runtime.adapt, steps 1 and 4);
+    # every one that re-planned made the choice again.
+    assert record["again"] is True, record
+    assert a["adapt"] == b["adapt"] and a["adapt"], a["adapt"]
+    replanned = [r for r in a["adapt"] if "new_schedule" in r]
+    assert all(r["codecs"]["codec"] in ("int8", "fp16") and isinstance(r["codecs"]["changed"], bool)
+               for r in replanned), replanned
 
 
 @pytest.mark.slow

@@ -411,18 +411,21 @@ class Course:
             self.profile = self.codecs.planned_profile(self.profile, info)
         self._install(schedule, self._plan_layout(schedule, str(self.planning.schedule_path or "schedule")), t)
         self.planned = True
-        self.record.planned(info, t, self._stats_reason, background)
         # Adapt deft's own plans (not a schedule file) when there is a profile to correct.
         on = self.config.adapt and self.profile is not None and self.planning.schedule_path is None
+        recoding = self.codecs.recoding(exact, info)
+        chosen = info.get("codecs")
+        if isinstance(chosen, dict):  # deft chose the codecs: is the choice made again?
+            info["codecs"] = {**chosen, "again": on and recoding is not None}
+        self.record.planned(info, t, self._stats_reason, background)
         lag, self._lag_run = self._lag_run, None
         if lag is not None and (lag.clock.counted() < LAG_SAMPLES or self._uses_lost(lag.schedule)):
             lag = None
         if lag is not None:  # measured while rank 0 planned: the candidate to go back to
-            self.adaptation.start(on, lag.layout, lag.schedule if on else None, self.codecs.recoding(exact, info),
-                                  lag.clock)
+            self.adaptation.start(on, lag.layout, lag.schedule if on else None, recoding, lag.clock)
         else:  # the profile iterations' schedule, in their codec (the time measured is theirs)
             candidate = self.codecs.profile_schedule(self._synchronous(warm)) if on and warm is not None else None
-            self.adaptation.start(on, warm, candidate, self.codecs.recoding(exact, info))
+            self.adaptation.start(on, warm, candidate, recoding)
         self.adaptation.clock.exclude(time.perf_counter() - started)  # planning is deft's, not the schedule's
         log.info("deft: rank %d runs schedule %s from iteration %d (cycle %d, K=%s)", self._control.rank,
                  schedule.digest(), t, schedule.cycle, schedule.batch_sequence)
