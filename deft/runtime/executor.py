@@ -642,10 +642,12 @@ class Executor:
         before = set(fo.dead)
         try:
             lost = fo.agree(failed)
-        except CommunicationError as e:  # the control group failed too: a peer is gone, not a link
+        except CommunicationError as e:  # the control group failed too: a peer is gone, or the primary's NIC
             first = judged[0][0]
             seen = next(iter(failed.values()), f"rank {self.rank}: {first.what} on link {first.link!r} completed here.")
-            raise CommunicationError(f"{seen} The ranks could not agree whether the link is lost: {e}") from None
+            raise CommunicationError(f"{seen} The ranks could not agree whether the link is lost over the control "
+                                     f"group, which runs on the primary link {fo.primary!r}'s NIC: that NIC is down "
+                                     f"or a peer rank is gone: {e}") from None
         again: list[tuple[Pending, Pending]] = []
         for p, value in judged:
             if p.link not in lost:
