@@ -253,6 +253,57 @@ def test_adaptation_converges_and_keeps_every_gradient_exactly_once() -> None:
     assert all(len(its) == 1 for _, its in a["log"])  # epsilon 0: one update per iteration throughout
 
 
+class HeavyHead(torch.nn.Module):
+    """Two linear layers, then ``HEAD_LAYERS`` parameter-free layers (a fixed buffer): their backward,
+    most of the model's, runs before the first parameter's gradient, as a language model's output
+    projection onto its tied embedding does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(HEAD_DIM, HEAD_DIM), torch.nn.Tanh(),
+                                        torch.nn.Linear(HEAD_DIM, HEAD_DIM))
+        self.register_buffer("w", torch.randn(HEAD_DIM, HEAD_DIM, generator=torch.Generator().manual_seed(1))
+                             / HEAD_DIM ** 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        for _ in range(HEAD_LAYERS):
+            h = torch.tanh(h @ self.w)
+        return h
+
+
+HEAD_DIM, HEAD_LAYERS = 384, 24
+
+
+def heavy_head_worker(rank: int, world: int) -> dict[str, Any]:
+    import deft
+
+    torch.manual_seed(0)
+    model = HeavyHead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, config={
+        "epsilon": 0.0, "timeout_s": 60, "adapt_window": 3, "links": [{"name": "primary"}]})
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(20):
+        ddp(torch.randn(192, HEAD_DIM, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    ddp.flush()
+    assert ddp.profile is not None
+    return {"adapt": ddp.plan_info.get("adapt", []), "profiled_backward_s": ddp.profile.backward_s}
+
+
+@pytest.mark.slow
+def test_the_adaptation_times_the_backward_from_the_outputs_gradient_as_the_profile_does() -> None:
+    """The profile times the backward from the gradient of the module's output; the adaptation must
+    measure the same span, or its compute factor prices the parameter-free head's backward (most of this
+    model's) as gone (the first parameter's gradient as the start: about a sixth of the profile's)."""
+    a, b = values(run_ranks(heavy_head_worker, 2, timeout=180))
+    assert a["adapt"] == b["adapt"] and a["adapt"], a["adapt"]
+    ratio = a["adapt"][0]["backward_s"] / a["profiled_backward_s"]
+    assert 0.5 < ratio < 2.0, (ratio, a["adapt"][0], a["profiled_backward_s"])
+
+
 def test_corrected_profile_fits_the_running_schedule_on_a_partitioned_profile() -> None:
     # VGG-19's 6 buckets are partitioned into 25 by the planner; after a correction that keeps the
     # running schedule, the corrected profile must still describe that schedule's buckets (seen on the

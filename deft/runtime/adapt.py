@@ -9,8 +9,9 @@ rank 0 gets the slowest rank's medians (one max-reduction) and decides (:class:`
 
 1. **Calibrate** when the measured iteration is slower than the prediction by more than
    ``adapt_tolerance``, or faster by more than ``FASTER_TOLERANCE`` times it: compute is scaled by
-   ``g = measured backward / profiled backward`` (the codec compute the hooks run inside the backward
-   counted in both: :func:`backward_codec_s`), then
+   ``g = measured backward / profiled backward`` (both timed from the gradient of the module's output:
+   :meth:`Adaptation.forward_ends`; the codec compute the hooks run inside the backward counted in
+   both: :func:`backward_codec_s`), then
    communication by the factor ``f`` for which the simulator predicts exactly the measured iteration
    (``scipy.optimize.brentq``; the simulated time rises with ``f``); a link whose measured time per byte
    left the others' has its own factor ``s_l`` on top (:func:`deft.runtime.link_timing.link_factors`:
@@ -73,9 +74,11 @@ from __future__ import annotations
 import logging
 import os
 import statistics
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
+import torch
 from scipy.optimize import brentq
 
 from deft._json import JsonDict
@@ -89,6 +92,7 @@ from deft.runtime.control import ControlPlane
 from deft.runtime.link_timing import LinkClock, Watch, WindowFigures, link_factors, scale_links, spread
 from deft.runtime.planning import Planning, Switch, make_schedule
 from deft.runtime.records import as_object
+from deft.runtime.tensors import tensors_in
 from deft.schedule import Schedule, synchronous_schedule
 from deft.solver.partition import profile_for_schedule
 from deft.solver.simulate import simulate_schedule
@@ -200,7 +204,7 @@ class Adapter:
         predicted = running.predicted_iteration_s
         error = (predicted - measured_s) / measured_s if measured_s > 0 else 0.0
         record: JsonDict = {"schedule": running.digest(), "predicted_s": predicted, "measured_s": measured_s,
-                            "error": error}
+                            "error": error, "backward_s": measured_backward_s}
         self.tried.add(running.digest())
         back = self._back(running, measured_s, record)
         if back is not None:
@@ -392,9 +396,10 @@ class Adaptation:
     flight (in the run's :class:`JobSlot`), the warm-up's synchronous candidate, the links' clock and,
     once settled, the watch that re-opens it (:mod:`deft.runtime.link_timing`).
 
-    The runtime calls the timing events (:meth:`forward_begins`, :meth:`backward_begins`,
-    :meth:`backward_ends`), :meth:`start` when the first plan is installed, and :meth:`after_step`
-    between iterations; a new schedule goes to :class:`Planning` as a :class:`Switch`. ``links``
+    The runtime calls the timing events (:meth:`forward_begins`, :meth:`forward_ends`,
+    :meth:`backward_begins`, :meth:`backward_ends`), :meth:`start` when the first plan is installed,
+    and :meth:`after_step` between iterations; a new schedule goes to :class:`Planning` as a
+    :class:`Switch`. ``links``
     (a :class:`LinkClock`) is the executor's observer; ``backends``: link name -> backend."""
 
     def __init__(self, config: DeftConfig, control: ControlPlane, planning: Planning, jobs: JobSlot,
@@ -409,6 +414,7 @@ class Adaptation:
         self._candidate: Schedule | None = None
         self._fwd_start: float | None = None
         self._bwd_start: float | None = None
+        self._output_grad_at: float | None = None  # when this iteration's output got its gradient
         self._iter_s: list[float] = []
         self._bwd_s: list[float] = []
         self._from = ""  # the digest of the schedule the decision in flight was measured on
@@ -434,13 +440,33 @@ class Adaptation:
                 self._iter_s.append(now - self._fwd_start)
             self._fwd_start = now
 
+    def forward_ends(self, output: object) -> None:
+        """The backward is timed from the gradient of the module's output, as the profile's is
+        (:mod:`deft.runtime.warmup_timer`), not from the first parameter's: whatever runs before that
+        (a language model's output projection onto a tied embedding) is compute the profile counts in
+        the backward, and timing it out put the compute factor far below 1 and the links' above."""
+        self._output_grad_at = None
+        if not self.on:
+            return
+
+        def start(_grad: torch.Tensor) -> None:
+            if self._output_grad_at is None:
+                self._output_grad_at = time.perf_counter()
+
+        for t in tensors_in(output):
+            if t.requires_grad:
+                t.register_hook(start)
+
     def backward_begins(self, now: float) -> None:
+        """The first parameter's gradient of the iteration (``now``): the backward began when the
+        output's gradient arrived, or here where no output tensor got one."""
         if self.on:
-            self._bwd_start = now
+            self._bwd_start = now if self._output_grad_at is None else min(self._output_grad_at, now)
 
     def backward_ends(self, now: float) -> None:
         if self.on and self._bwd_start is not None:
             self._bwd_s.append(now - self._bwd_start)
+            self._bwd_start = None
 
     def reset_window(self) -> None:
         """Start a new measurement window at the next forward (the iteration now is not counted)."""

@@ -193,6 +193,7 @@ class Course:
     def forward_ends(self, output: object) -> None:
         if self._timer is not None:
             self._timer.end_forward(output)
+        self.adaptation.forward_ends(output)
 
     def note_batch(self, batch: int | None) -> None:
         if batch is None:
