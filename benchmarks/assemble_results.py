@@ -20,6 +20,7 @@ ORDER = [
     "peers_trainer.md",
     "peers_hosts.md",
     "peers_lm_hosts.md",
+    "peers_lm_hosts_50.md",
     "slow_links.md",
     "house.md",
     "faults.md",
