@@ -66,7 +66,9 @@ def test_links_the_bound_even_in_16_bits_send_the_first_iteration_in_int8_within
     # 16 bits still far above the compute, so the sends went in int8 from the first gradient and stood
     assert first["speculative"] == "int8" and first["codec"] == "int8", first
     assert "the gradients' all-reduce predicts" in first["reason"] and "stand" in first["reason"], first
-    assert first["exposed_s"] > 2 * first["compute_s"]  # the links the bound by far: not at the screen's edge
+    # the links the bound: the exact all-reduce outlasts the compute (the screen itself priced its 16 bits
+    # beyond the compute; by how much depends on the machine's speed when the first iteration ran)
+    assert first["exposed_s"] > first["compute_s"]
     # the update: the exact one's within int8's rounding, and not the exact one
     for r in (a, b):
         assert 0 < r["vs_ref_abs"] <= r["int8_bound"], (r["vs_ref_abs"], r["int8_bound"])
