@@ -444,7 +444,7 @@ class Adaptation:
         """The backward is timed from the gradient of the module's output, as the profile's is
         (:mod:`deft.runtime.warmup_timer`), not from the first parameter's: whatever runs before that
         (a language model's output projection onto a tied embedding) is compute the profile counts in
-        the backward, and timing it out put the compute factor far below 1 and the links' above."""
+        the backward, and timing it out priced the compute too low and the links too high."""
         self._output_grad_at = None
         if not self.on:
             return
