@@ -6,13 +6,16 @@ seed on the same batches, and prints one JSON line: deft's ``plan_info``, the it
 update merged, the largest parameter difference to torch DDP, and after every deft iteration how much
 slower per byte the running profile prices the second link than the primary (``ddp.profile``: corrected
 by the adaptation). Rank 0 writes its deft iteration count to ``FAULTS_PROGRESS`` after every step, so the
-test can change a link's rate at a given iteration from outside.
+test can change a link's rate at a given iteration from outside. With ``FAULTS_HOLD`` set, rank 0 also
+writes ``planned`` to that file once the first plan is installed and waits until the test removes it
+(the other rank waits in the next collective): the test changes the links right after the plan starts.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -64,6 +67,7 @@ def main() -> None:
     opt = torch.optim.SGD(ours.parameters(), lr=LR, momentum=0.9)
     ddp = deft.DistributedDataParallel(ours, optimizer=opt)  # the config: $DEFT_CONFIG
     ratios: list[float | None] = []
+    hold = Path(os.environ["FAULTS_HOLD"]) if os.environ.get("FAULTS_HOLD") else None
     for t in range(steps):
         x, y = batch(t, rank)
         nn.functional.mse_loss(ddp(x), y).backward()
@@ -76,6 +80,11 @@ def main() -> None:
             tmp = progress.with_suffix(".tmp")
             tmp.write_text(str(t + 1), encoding="utf-8")
             tmp.replace(progress)
+        if rank == 0 and hold is not None and "t0" in ddp.plan_info:
+            hold.write_text("planned", encoding="utf-8")
+            while hold.exists():
+                time.sleep(0.01)
+            hold = None
     ddp.flush()
     worst = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), ref.parameters(), strict=True))
     print(json.dumps({"rank": rank, "plan_info": json.loads(json.dumps(dict(ddp.plan_info), default=str)),

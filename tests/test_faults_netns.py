@@ -15,6 +15,7 @@ import contextlib
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +37,35 @@ LAG = 2        # plan_lag_iters: rank 0 re-plans in the background for at most t
 # the window the change lands in, REOPEN_WINDOWS drifting ones, the planner's lag, a cycle boundary
 BOUND = (REOPEN_WINDOWS + 1) * (WINDOW + 1) + LAG + 2
 DEADLINE_S = 300.0
+INSTALL_STEPS = 36  # the slowed-at-install run: the plan, the way back, the re-opened episode
 
 
 @pytest.fixture(autouse=True)
 def _skip_netns_when_refused(request: pytest.FixtureRequest) -> None:
     skip_netns_when_refused(request)
+
+
+def _run(tb: Testbed, work: Path, config: Path, steps: int, poll: Callable[[], None],
+         hold: bool = False) -> list[dict[str, Any]]:
+    """Both ranks of tests._faults_slow_worker on ``tb``, ``poll()`` called while they run (``hold``: rank 0
+    waits after the first plan is installed until ``work / "hold"`` is removed); both ranks' reports."""
+    port = free_port()
+    env = {"FAULTS_STEPS": str(steps), "FAULTS_PROGRESS": str(work / "progress"),
+           **({"FAULTS_HOLD": str(work / "hold")} if hold else {})}
+    logs = [(work / f"out{h}", work / f"err{h}") for h in range(2)]
+    with contextlib.ExitStack() as files:
+        procs = [tb.popen(h, [sys.executable, "-m", "tests._faults_slow_worker"],
+                          env={**tb.env_for(h, h, 2, port, config), **env}, cwd=ROOT,
+                          stdout=files.enter_context(out.open("w")), stderr=files.enter_context(err.open("w")))
+                 for h, (out, err) in enumerate(logs)]
+        deadline = time.monotonic() + DEADLINE_S
+        while any(p.poll() is None for p in procs):
+            assert time.monotonic() < deadline, f"the run did not finish within {DEADLINE_S:.0f} s"
+            poll()
+            time.sleep(0.02)
+    for p, (_, err) in zip(procs, logs, strict=True):
+        assert p.returncode == 0, err.read_text(encoding="utf-8")[-3000:]
+    return [json.loads(out.read_text(encoding="utf-8").strip().splitlines()[-1]) for out, _ in logs]
 
 
 def _live_slowdown(work: Path) -> tuple[list[dict[str, Any]], list[tuple[str, int]]]:
@@ -54,27 +79,38 @@ def _live_slowdown(work: Path) -> tuple[list[dict[str, Any]], list[tuple[str, in
         # (its time is not under test here)
         config = tb.write_config(epsilon=0.0, bucket_cap_mb=0.5, adapt_window=WINDOW, timeout_s=120, planner_nice=0,
                                  solver="greedy", plan_lag_iters=LAG)
-        port = free_port()
-        env = {"FAULTS_STEPS": str(STEPS), "FAULTS_PROGRESS": str(progress)}
-        logs = [(work / f"out{h}", work / f"err{h}") for h in range(2)]
-        with contextlib.ExitStack() as files:
-            procs = [tb.popen(h, [sys.executable, "-m", "tests._faults_slow_worker"],
-                              env={**tb.env_for(h, h, 2, port, config), **env}, cwd=ROOT,
-                              stdout=files.enter_context(out.open("w")), stderr=files.enter_context(err.open("w")))
-                     for h, (out, err) in enumerate(logs)]
-            deadline = time.monotonic() + DEADLINE_S
-            while any(p.poll() is None for p in procs):
-                assert time.monotonic() < deadline, f"the run did not finish within {DEADLINE_S:.0f} s"
-                done = int(progress.read_text(encoding="utf-8") or 0)
-                if todo and done >= todo[0][0]:
-                    _, rate, what = todo.pop(0)
-                    tb.reshape(1, rate)
-                    events.append((what, int(progress.read_text(encoding="utf-8") or 0)))
-                time.sleep(0.02)
-    for p, (_, err) in zip(procs, logs, strict=True):
-        assert p.returncode == 0, err.read_text(encoding="utf-8")[-3000:]
-    reports = [json.loads(out.read_text(encoding="utf-8").strip().splitlines()[-1]) for out, _ in logs]
+
+        def poll() -> None:
+            done = int(progress.read_text(encoding="utf-8") or 0)
+            if todo and done >= todo[0][0]:
+                _, rate, what = todo.pop(0)
+                tb.reshape(1, rate)
+                events.append((what, int(progress.read_text(encoding="utf-8") or 0)))
+
+        reports = _run(tb, work, config, STEPS, poll)
     return reports, events
+
+
+def _slowed_at_install(work: Path) -> tuple[list[dict[str, Any]], int]:
+    """Both links slowed to a ``FACTOR``-th right after the first plan is installed: both ranks' reports,
+    and the iteration rank 0 had finished when ``tc`` returned."""
+    progress, hold = work / "progress", work / "hold"
+    progress.write_text("0", encoding="utf-8")
+    slowed: list[int] = []
+    with Testbed(hosts=2, links=2, rate_mbit=RATE_MBIT, prefix="faulti") as tb:
+        config = tb.write_config(epsilon=0.0, bucket_cap_mb=0.5, adapt_window=WINDOW, timeout_s=120, planner_nice=0,
+                                 solver="greedy", plan_lag_iters=LAG)
+
+        def poll() -> None:
+            if not slowed and hold.exists():
+                for link in range(2):
+                    tb.reshape(link, RATE_MBIT / FACTOR)
+                slowed.append(int(progress.read_text(encoding="utf-8") or 0))
+                hold.unlink()
+
+        reports = _run(tb, work, config, INSTALL_STEPS, poll, hold=True)
+    assert slowed, "the first plan was never installed"
+    return reports, slowed[0]
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +168,34 @@ def test_the_adaptation_replans_on_a_slowed_link_within_a_bounded_number_of_iter
     # may calibrate it again: on a loaded machine a CI run's last window priced it 1.56x the primary)
     back_ratio = ratios[back[0]["iteration"] - 1]  # the profile that decision corrected, read after its step
     assert back_ratio is not None and back_ratio <= 1.5 * before, (before, back_ratio, timeline)
+
+
+@pytest.fixture(scope="module")
+def slowed_at_install(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], int]:
+    work = tmp_path_factory.mktemp("slowed_at_install")
+    work.chmod(0o755)
+    return _slowed_at_install(work)
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+@pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
+def test_links_slowed_as_the_plan_starts_reopen_the_adaptation_back_on_the_warm_up_schedule(
+        slowed_at_install: tuple[list[dict[str, Any]], int]) -> None:
+    reports, slowed_at = slowed_at_install
+    info = reports[0]["plan_info"]
+    timeline = (info.get("adapt"), info.get("switches"))
+    for r in reports:
+        assert r["merged"] == list(range(INSTALL_STEPS))  # every iteration's gradient applied, once
+        assert r["vs_torch"] < 1e-5, r["vs_torch"]
+    for key in ("t0", "adapt", "switches", "replans"):
+        assert reports[0]["plan_info"].get(key) == reports[1]["plan_info"].get(key), key
+    assert slowed_at == info["t0"], timeline  # the links slowed before the plan's first iteration ended
+    # The plan's first window, on the slowed links, loses to the warm-up's time on the fast ones: back to it.
+    back = [s for s in info["switches"] if s.get("layout") == "warm-up"]
+    assert back and back[0]["source"] == "adapt", timeline
+    # Back on it, it measures slower than it was chosen on: the adaptation re-opens within BOUND
+    # iterations and calibrates on the links as they are now (priced slower than profiled).
+    reopened = [r for r in info["adapt"] if "the warm-up's schedule measures" in r.get("reopened", "")]
+    assert reopened and reopened[0]["iteration"] <= back[0]["iteration"] + BOUND, timeline
+    assert reopened[0]["schedule"] == back[0]["to"] and reopened[0]["comm_factor"] > 2.0, timeline

@@ -159,6 +159,28 @@ def test_settled_back_on_the_warm_up_only_a_link_reopens() -> None:
     assert whys[-1] is not None and "'second'" in whys[-1]
 
 
+def test_back_on_the_warm_up_chosen_on_faster_links_reopens_once_it_runs_slower_than_then() -> None:
+    # every link slowed alike between the warm-up's measurement and the plans' windows: no link drifts
+    # against another, but the warm-up's schedule itself now runs slower than the time it won on
+    back = Watch(TOL, links_only=True, chosen_on=window(0.100))
+    whys = [back.observe(window(0.250, 5e-8, 5e-8)) for _ in range(REOPEN_WINDOWS)]
+    assert whys[:-1] == [None] * (REOPEN_WINDOWS - 1)
+    assert whys[-1] is not None and "250.0 ms against the 100.0 ms it was chosen on" in whys[-1]
+
+
+def test_back_on_the_warm_up_as_fast_as_chosen_the_comparison_ends() -> None:
+    for first in (window(0.104), window(0.050)):  # within tolerance, or faster: not stale
+        back = Watch(TOL, links_only=True, chosen_on=window(0.100))
+        assert back.observe(first) is None and back.baseline == first and back.chosen_on is None
+        # from then on only a link's drift re-opens, as for any settling back on the warm-up
+        assert [back.observe(window(0.250)) for _ in range(3 * REOPEN_WINDOWS)] == [None] * (3 * REOPEN_WINDOWS)
+
+
+def test_back_on_the_warm_up_a_slower_window_within_its_noise_is_not_stale() -> None:
+    back = Watch(TOL, links_only=True, chosen_on=window(0.100, spread_s=0.030))
+    assert [back.observe(window(0.150)) for _ in range(REOPEN_WINDOWS)] == [None] * REOPEN_WINDOWS
+
+
 def test_without_a_baseline_the_first_window_becomes_it() -> None:
     w = Watch(TOL)
     assert w.observe(window(0.150, 5e-8)) is None and w.baseline == window(0.150, 5e-8)

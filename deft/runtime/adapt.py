@@ -47,7 +47,11 @@ rank 0 gets the slowest rank's medians (one max-reduction) and decides (:class:`
    ``SWITCH_GAIN`` slower than it (and it is the fastest measured so far), every rank switches back
    to it on the layout it was measured on, and adaptation settles. The simulator does not model every
    contention (a comm hook's compute on the gloo threads against the model's), so a plan can lose
-   to the warm-up in ways no calibration of two factors sees.
+   to the warm-up in ways no calibration of two factors sees. Back on it, the running profile is the
+   measured one priced as it sends (``candidate_profile``: the plan's prices codecs it does not run),
+   and its first windows are compared with the time it was chosen on
+   (:class:`deft.runtime.link_timing.Watch`, ``chosen_on``): links that slowed after that time was
+   taken made every plan lose to it, and a watch of link against link does not see them all slow alike.
 
    Which iterations count (:class:`SynchronousClock`): forward to next forward, less the time deft
    spends planning. When deft measures its profile, the profile iterations ``warm_end <= t <
@@ -412,6 +416,7 @@ class Adaptation:
         self.warm_layout: FlatLayout | None = None  # the warm-up's layout, which the candidate runs on
         self._adapter: Adapter | None = None  # rank 0
         self._candidate: Schedule | None = None
+        self._candidate_profile: Profile | None = None  # the measured profile, priced as the candidate sends
         self._fwd_start: float | None = None
         self._bwd_start: float | None = None
         self._output_grad_at: float | None = None  # when this iteration's output got its gradient
@@ -425,6 +430,7 @@ class Adaptation:
         self._reason = ""  # why the running episode opened (recorded with its re-plans)
         self._backward_s = 0.0  # the last window's slowest-rank median backward
         self._links_window: LinkWindow | None = None  # the last window's link timing
+        self._synchronous: WindowFigures | None = None  # the warm-up's candidate as measured (every rank)
 
     @property
     def watching(self) -> bool:
@@ -476,11 +482,13 @@ class Adaptation:
 
     # -- the loop ------------------------------------------------------------------------------------
     def start(self, on: bool, warm_layout: FlatLayout | None, candidate: Schedule | None,
-              recoding: Recoding | None = None, clock: SynchronousClock | None = None) -> None:
+              recoding: Recoding | None = None, clock: SynchronousClock | None = None,
+              candidate_profile: Profile | None = None) -> None:
         """The first plan is installed: adapt it (``on``) against the warm-up's ``candidate`` (run on
         ``warm_layout``); ``recoding``: deft's own codec choice, made again on each calibration (rank 0's;
         None: none); ``clock``: the candidate's iterations where they were not the profile's (the
-        schedule that ran while rank 0 planned)."""
+        schedule that ran while rank 0 planned); ``candidate_profile``: the measured profile priced as the
+        candidate sends (None: not priced), the running profile once the run goes back to it."""
         self.on, self.warm_layout = on, warm_layout
         if clock is not None:
             self.clock = clock
@@ -488,8 +496,9 @@ class Adaptation:
         if on:
             self._adapter = Adapter(self.config, recoding=recoding) if self._control.rank == 0 else None
             self.reset_window()
-            self._candidate = candidate
+            self._candidate, self._candidate_profile = candidate, candidate_profile
             self._watch, self._episode, self._reason, self._fallen_back = None, 0, "", False
+            self._synchronous = None
 
     def stop(self) -> None:
         """A link was lost (:mod:`deft.runtime.failover`): the schedules measured, the candidate and the
@@ -557,20 +566,22 @@ class Adaptation:
         loads = self.links.take(running.bucket_nbytes)
         names = self.links.names
         per_byte = [loads[n].per_byte_s if n in loads else None for n in names]
-        row = [*window_medians(self._iter_s, self._bwd_s), self.clock.median(), spread(self._iter_s),
-               *(-pb if pb is not None else 0.0 for pb in per_byte)]  # the max of -x is the min of x
+        row = [*window_medians(self._iter_s, self._bwd_s), self.clock.median(), spread(self.clock.seconds),
+               spread(self._iter_s), *(-pb if pb is not None else 0.0 for pb in per_byte)]  # max(-x) = -min(x)
         reduced = self._control.max_rows([row], "iteration times")[0]
-        measured, self._backward_s, synchronous_s, spread_s = reduced[:4]
-        self._figures = WindowFigures(measured, spread_s, {n: -v for n, v in zip(names, reduced[4:], strict=True)
+        measured, self._backward_s, synchronous_s, synchronous_spread_s, spread_s = reduced[:5]
+        self._figures = WindowFigures(measured, spread_s, {n: -v for n, v in zip(names, reduced[5:], strict=True)
                                                            if v < 0})
+        if self._synchronous is None and synchronous_s > 0 and self._episode == 0:
+            self._synchronous = WindowFigures(synchronous_s, synchronous_spread_s)
         self._links_window = LinkWindow(self._figures.per_byte, {n: ld.sends for n, ld in loads.items()})
         self.reset_window()
         self._from = running.digest()
         if self._adapter is None:
             return None
-        if self._adapter.synchronous is None and self._candidate is not None and synchronous_s > 0 \
-                and self._episode == 0:
-            self._adapter.know_synchronous(Synchronous(self._candidate, synchronous_s))
+        if (self._adapter.synchronous is None and self._candidate is not None and self._synchronous is not None
+                and self._episode == 0):
+            self._adapter.know_synchronous(Synchronous(self._candidate, self._synchronous.iteration_s))
         return self._decide(running, profile)
 
     def _decide(self, running: Schedule, profile: Profile | None,
@@ -602,6 +613,9 @@ class Adaptation:
             if out and self._control.rank == 0:  # `deft simulate` on it predicts what this run measures
                 corrected.save(out)
         replan = self._offer(t, doc, record) if "schedule" in doc and not moved else None
+        if replan is not None and self._fallen_back and corrected is None:
+            # the plan's profile prices its codecs: a later calibration of the warm-up's schedule needs its own
+            corrected = self._candidate_profile
         # A superseded decision is void, "done" with it: the schedule the re-check chose is measured next.
         self._settled(doc, superseded)
         return Outcome(record, corrected, replan)
@@ -635,9 +649,11 @@ class Adaptation:
             return
         failed = isinstance(as_object(doc, "record").get("error"), str)  # rank 0's decision raised
         self.on = self.links.on = not failed
+        # back on the warm-up's schedule in the first episode: it was chosen on its time then (Watch)
+        chosen_on = self._synchronous if self._fallen_back and self._episode == 0 else None
         self._watch = None if failed else Watch(self.config.adapt_tolerance,
                                                 None if "schedule" in doc else self._figures,
-                                                links_only=self._fallen_back)
+                                                links_only=self._fallen_back, chosen_on=chosen_on)
 
 
 def _decided(out: Mapping[str, object]) -> Decision:

@@ -423,10 +423,12 @@ class Course:
         if lag is not None and (lag.clock.counted() < LAG_SAMPLES or self._uses_lost(lag.schedule)):
             lag = None
         if lag is not None:  # measured while rank 0 planned: the candidate to go back to
-            self.adaptation.start(on, lag.layout, lag.schedule if on else None, recoding, lag.clock)
+            candidate = lag.schedule if on else None
+            self.adaptation.start(on, lag.layout, candidate, recoding, lag.clock,
+                                  self.codecs.schedule_profile(exact, candidate))
         else:  # the profile iterations' schedule, in their codec (the time measured is theirs)
             candidate = self.codecs.profile_schedule(self._synchronous(warm)) if on and warm is not None else None
-            self.adaptation.start(on, warm, candidate, recoding)
+            self.adaptation.start(on, warm, candidate, recoding, None, self.codecs.schedule_profile(exact, candidate))
         self.adaptation.clock.exclude(time.perf_counter() - started)  # planning is deft's, not the schedule's
         log.info("deft: rank %d runs schedule %s from iteration %d (cycle %d, K=%s)", self._control.rank,
                  schedule.digest(), t, schedule.cycle, schedule.batch_sequence)

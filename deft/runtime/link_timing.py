@@ -199,6 +199,16 @@ def link_drifts(base: Mapping[str, float], now: Mapping[str, float]) -> dict[str
     return {n: (now[n] / now[ref]) / (base[n] / base[ref]) for n in common[1:]}
 
 
+def slowed_since(then: WindowFigures, now: WindowFigures, tolerance: float) -> str | None:
+    """Why the schedule measured in ``then`` and again in ``now`` has slowed since (by more than
+    ``tolerance`` and :data:`NOISE_K` times the spread, as :func:`drift` counts a shift); None: it has not."""
+    shift = now.iteration_s - then.iteration_s
+    if shift > tolerance * then.iteration_s and shift > NOISE_K * max(now.spread_s, then.spread_s):
+        return (f"the warm-up's schedule measures {now.iteration_s * 1e3:.1f} ms against the "
+                f"{then.iteration_s * 1e3:.1f} ms it was chosen on")
+    return None
+
+
 def drift(base: WindowFigures, now: WindowFigures, tolerance: float, links_only: bool = False) -> str | None:
     """Why ``now`` is not the window the adaptation settled on (module docstring); None: it still is.
     ``links_only``: only a link's drift counts (:class:`Watch`)."""
@@ -225,20 +235,36 @@ class Watch:
         their relative speeds (the model's compute, the machine's load, noise on a short iteration) does
         not say that any of them would now win, and re-trying them on it repeats the loss just measured.
         A link that changes speed against the others does: it re-prices every plan.
+
+        Except where that schedule was chosen on stale figures (``chosen_on``: its own time when the
+        plans lost to it). The plans were measured after it, and links that slowed in between (every
+        link alike: no link's drift shows it) made them lose to a time the schedule no longer runs in.
+        The first windows back on it are therefore compared with that time, slower only (the schedule is
+        the same, so the links or the machine changed); :data:`REOPEN_WINDOWS` of them slower re-open
+        the adaptation, and the first that is not ends the comparison and becomes the baseline.
     """
 
     tolerance: float
     baseline: WindowFigures | None = None  # None: the next window becomes it
     streak: int = 0
     links_only: bool = False
+    chosen_on: WindowFigures | None = None  # back on the warm-up's schedule: its time when chosen
 
     def observe(self, now: WindowFigures) -> str | None:
-        if self.baseline is None:
-            self.baseline = now
+        why = None
+        if self.chosen_on is not None:
+            why = slowed_since(self.chosen_on, now, self.tolerance)
+            if why is None:
+                self.chosen_on = None  # not slower: the comparison ends, this window is the baseline
+        elif self.baseline is not None:
+            why = drift(self.baseline, now, self.tolerance, self.links_only)
+        if why is None:
+            self.streak = 0
+            if self.baseline is None:
+                self.baseline = now
             return None
-        why = drift(self.baseline, now, self.tolerance, self.links_only)
-        self.streak = self.streak + 1 if why is not None else 0
-        if why is None or self.streak < REOPEN_WINDOWS:
+        self.streak += 1
+        if self.streak < REOPEN_WINDOWS:
             return None
         self.streak = 0
         return f"{why} ({REOPEN_WINDOWS} windows in a row)"

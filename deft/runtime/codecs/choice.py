@@ -52,6 +52,7 @@ from deft.runtime.codecs.timing import Codec, measure_codec
 from deft.runtime.codecs.wire import int8_fewer_bytes
 from deft.runtime.control import ControlPlane
 from deft.runtime.grad_stats import GradStats, gradient_scale
+from deft.schedule import Schedule
 from deft.solver import codecs
 from deft.solver.codecs import CodecCost
 
@@ -212,6 +213,21 @@ def planned_profile(profile: Profile, inputs: CodecInputs | None, info: JsonDict
     if not (isinstance(coded, list) and all(isinstance(b, int) for b in coded) and isinstance(name, str)):
         raise DeftError(f"internal: rank 0's codec decision is malformed: {record!r}")
     return codecs.encoded_profile(profile, inputs.cost_of(name), [int(b) for b in coded])  # ints: checked above
+
+
+def schedule_profile(exact: Profile, inputs: CodecInputs | None, schedule: Schedule) -> Profile | None:
+    """Pure: ``exact`` (every bucket exact) priced as ``schedule`` sends it, for a schedule on its buckets
+    in one codec at most (the warm-up's candidates of :mod:`deft.runtime.adapt`, step 4); None where it
+    cannot be priced (other buckets, several codecs, a codec not measured)."""
+    if tuple(b.nbytes for b in exact.buckets) != schedule.bucket_nbytes:
+        return None
+    names = {c for c in schedule.codecs if c}
+    if not names:
+        return exact
+    name = names.pop()
+    if names or inputs is None or (name == "int8" and inputs.int8 is None):
+        return None
+    return codecs.encoded_profile(exact, inputs.cost_of(name), [b for b, c in enumerate(schedule.codecs) if c])
 
 
 @dataclass(frozen=True)

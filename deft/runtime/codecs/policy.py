@@ -254,6 +254,12 @@ class CodecPolicy:
         """The profile rank 0 planned on: its coded buckets (:func:`choice.planned_profile`)."""
         return choice.planned_profile(profile, self.inputs, info)
 
+    def schedule_profile(self, exact: Profile | None, schedule: Schedule | None) -> Profile | None:
+        """``exact`` priced as ``schedule`` sends it (:func:`choice.schedule_profile`; None: not priced)."""
+        if exact is None or schedule is None:
+            return None
+        return choice.schedule_profile(exact, self.inputs, schedule)
+
     def recoding(self, exact: Profile | None, info: JsonDict) -> Recoding | None:
         """The plan's choice, to be made again by the adaptation (None: deft chose no codec)."""
         return Recoding.of(exact, self.inputs, info)
