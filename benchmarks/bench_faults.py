@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python benchmarks/bench_faults.py [--rate 250] [--factor 5] [--slow-at 40]
                                                      [--recover-at 80] [--iters 120] [--schemes ...]
-                                                     [--save DIR] [--from-runs DIR] [--section NAME]
+                                                     [--epsilon E] [--save DIR] [--from-runs DIR] [--section NAME]
                                                      [--no-write]
 
 One testbed per run (2 hosts x 2 links, every NIC ``tc tbf``-shaped to ``--rate``; fresh namespaces
@@ -27,7 +27,13 @@ Runs (``--schemes``; all in one invocation, one after the other, same seed and d
   it is unaffected, not that it copes;
 * ``torch2-fault`` / ``torch2-full``: torch DDP on both NICs the way torch offers it
   (``GLOO_SOCKET_IFNAME=nic0,nic1``: gloo round-robins whole collectives over both devices; DDP's
-  default buckets): the fair comparison for a slowed second link, since this torch DDP does use it.
+  default buckets): the fair comparison for a slowed second link, since this torch DDP does use it;
+* ``deft-install``: both links reshaped to ``rate / factor`` as soon as deft's first plan runs (rank 0
+  writes the plan's iteration beside its progress file), so the plan's first windows run on links slower
+  than the ones its warm-up's synchronous schedule was timed on; ``deft-slowboth``: both links at
+  ``rate / factor`` from the start, the target. Run alone (``--schemes deft-install,deft-slowboth``,
+  with ``--epsilon`` for deft's codecs) they get their own report: the median of the last third of the
+  iterations and the adaptation's records.
 
 The default runs all but ``torch-full`` (``torch-fault`` without a fault on a link it does not use).
 Reported: per run the steady iteration time in each phase (before the fault: iterations
@@ -59,7 +65,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_links import ROOT, command_line, handle_signals, machine, run_ranks, update_section
 
 RESULTS = ROOT / "benchmarks" / "results" / "faults.md"
-SCHEMES = ("deft-fault", "deft-slow", "deft-full", "torch-fault", "torch-full", "torch2-fault", "torch2-full")
+SCHEMES = ("deft-fault", "deft-slow", "deft-full", "torch-fault", "torch-full", "torch2-fault", "torch2-full",
+           "deft-install", "deft-slowboth")
 DEFAULT_SCHEMES = ("deft-fault", "deft-slow", "deft-full", "torch-fault", "torch2-fault", "torch2-full")
 
 
@@ -110,6 +117,7 @@ def rank_main(argv: list[str]) -> int:
     digests: list[str] = []
     bytes_of: dict[str, dict[str, int]] = {}  # each schedule run: its bytes per cycle by link
     progress = Path(args.progress)
+    plan_file = progress.with_suffix(".plan")
     epoch = 0
     while len(iter_s) < args.iters:
         sampler.set_epoch(epoch)
@@ -121,6 +129,8 @@ def rank_main(argv: list[str]) -> int:
             opt.zero_grad()
             iter_s.append(time.perf_counter() - t0)
             if args.ddp == "deft":
+                if rank == 0 and "t0" in ddp.plan_info and not plan_file.exists():
+                    plan_file.write_text(str(ddp.plan_info["t0"]), encoding="utf-8")  # the plan runs
                 digests.append(ddp.schedule.digest())
                 bytes_of.setdefault(digests[-1], link_bytes(ddp.schedule))
             if rank == 0:
@@ -172,6 +182,21 @@ def watch(tb: Any, progress: Path, slow_at: int | None, recover_at: int | None, 
         time.sleep(0.02)
 
 
+def watch_install(tb: Any, progress: Path, rate: float, stop: threading.Event, events: list[dict[str, Any]]) -> None:
+    """Reshape both links to ``rate`` as soon as rank 0 reports its first plan installed."""
+    plan = progress.with_suffix(".plan")
+    while not stop.is_set():
+        if plan.exists():
+            seen = int(progress.read_text(encoding="utf-8") or 0)
+            for link in (0, 1):
+                tb.reshape(link, rate)
+            done = int(progress.read_text(encoding="utf-8") or 0)
+            events.append({"what": "both slow", "rate_mbit": rate, "seen_at": seen, "done_at": done,
+                           "plan_at": int(plan.read_text(encoding="utf-8") or -1)})
+            return
+        time.sleep(0.02)
+
+
 def one_run(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from deft.testbed import Testbed
 
@@ -182,17 +207,25 @@ def one_run(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     with Testbed(hosts=2, links=2, rate_mbit=args.rate, prefix="fault") as tb:
         if name == "deft-slow":
             tb.reshape(1, args.rate / args.factor)
+        if name == "deft-slowboth":
+            for link in (0, 1):
+                tb.reshape(link, args.rate / args.factor)
         progress, out = work / f"{name}.progress", work / f"{name}.json"
         progress.write_text("0", encoding="utf-8")
         config = tb.write_config()
         argv = [sys.executable, str(Path(__file__).resolve()), "rank", "--ddp", ddp, "--iters", str(args.iters),
                 "--seed", str(args.seed), "--progress", str(progress), "--out", str(out)]
+        if ddp == "deft":
+            argv += ["--epsilon", str(args.epsilon)]
         if name.startswith("torch2"):
             argv = ["env", "GLOO_SOCKET_IFNAME=nic0,nic1", *argv]
         stop = threading.Event()
         watcher = threading.Thread(target=watch, args=(tb, progress, args.slow_at if fault else None,
                                                        args.recover_at if fault else None, args.rate, args.factor,
                                                        stop, events), daemon=True)
+        if name == "deft-install":
+            watcher = threading.Thread(target=watch_install, args=(tb, progress, args.rate / args.factor, stop, events),
+                                       daemon=True)
         watcher.start()
         started = time.perf_counter()
         try:
@@ -309,6 +342,40 @@ def against_slow(runs: dict[str, dict[str, Any]], ph: dict[str, dict[str, float 
     return [*out, ""]
 
 
+def report_install(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
+    """Both links slowed as the first plan starts (``deft-install``) against both slow from the start
+    (``deft-slowboth``): the last third of the iterations, and what the adaptation did."""
+    n = args.iters
+    tail = {k: statistics.median(d["iter_s"][n - n // 3:]) for k, d in runs.items()}
+    lines = [f"Both links reshaped from {args.rate:g} to {args.rate / args.factor:g} Mbit/s as deft's first plan "
+             f"starts (`deft-install`), against both at {args.rate / args.factor:g} Mbit/s from the start "
+             f"(`deft-slowboth`: the plan made knowing them); {n} iterations of the digits CNN (seed {args.seed}), "
+             f"deft at epsilon {args.epsilon:g}. 2 shared cores: the model's compute and both links' gloo threads "
+             "share them.", "",
+             f"| run | last {n // 3} iterations, median (ms) | all iterations (s) | load | fault applied at (it.) |",
+             "|---|---|---|---|---|"]
+    for k, d in runs.items():
+        ev = ", ".join(f"{e['what']} {e['seen_at']}-{e['done_at']} (plan at {e.get('plan_at')})"
+                       for e in d["events"]) or "-"
+        lines.append(f"| {k} | {tail[k] * 1e3:.0f} | {sum(d['iter_s']):.1f} | {d['load']:.1f} | {ev} |")
+    lines.append("")
+    for k, d in runs.items():
+        pi = d.get("plan_info", {})
+        lines.append(f"- {k}: plan at iteration {pi.get('t0')}, switches "
+                     f"{[(s.get('iteration'), s.get('layout', '')) for s in pi.get('switches', [])]}")
+        for a in pi.get("adapt", []):
+            codecs = a.get("codecs", {}).get("reason", "-") if isinstance(a.get("codecs"), dict) else "-"
+            cf = a.get("comm_factor")
+            lines.append(f"  - {a.get('iteration')}: measured {a.get('measured_s', 0) * 1e3:.0f} ms, "
+                         f"{str(a.get('decision', a.get('error', '')))[:110]}"
+                         f"{'; re-opened: ' + a['reopened'][:90] if 'reopened' in a else ''}"
+                         f"{f'; links x {cf:.2f}' if cf is not None else ''}; codecs: {codecs}")
+    if "deft-install" in tail and "deft-slowboth" in tail:
+        r = tail["deft-install"] / tail["deft-slowboth"]
+        lines += ["", f"deft-install's last iterations against deft-slowboth's: {r:.2f}x."]
+    return "\n".join(lines)
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "rank":
         return rank_main(sys.argv[2:])
@@ -320,6 +387,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=120)
     ap.add_argument("--settle", type=int, default=10, help="iterations left out at the start of a phase")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--epsilon", type=float, default=0.0, help="deft's epsilon (0: torch DDP's maths)")
     ap.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES))
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--save", default=None, help="also keep every run's JSON in this directory")
@@ -348,7 +416,8 @@ def main() -> int:
             print(f"== {n}", flush=True)
             runs[n] = one_run(n, args, work)
             print(f"   {n}: {phases(runs[n], args)}", flush=True)
-    text = f"Command: `{command}`\n\nMachine: {machine()}\n\n{report(runs, args)}"
+    body = report_install(runs, args) if set(names) <= {"deft-install", "deft-slowboth"} else report(runs, args)
+    text = f"Command: `{command}`\n\nMachine: {machine()}\n\n{body}"
     print(text)
     if not args.no_write:
         update_section(args.section, text, RESULTS)

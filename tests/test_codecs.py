@@ -18,7 +18,7 @@ from deft.errors import ContractError
 from deft.preserver.codec_error import FP16_HEADROOM, FP16_MAX, GradientScale, judge, pick, variance_bound
 from deft.profile import Bucket, BucketTimes, Link, Profile
 from deft.runtime.codecs import int8
-from deft.runtime.codecs.choice import CodecInputs, choose_codec
+from deft.runtime.codecs.choice import CodecInputs, choose_codec, schedule_profile
 from deft.runtime.codecs.wire import int8_nbytes
 from deft.runtime.layouts import warmup_layout
 from deft.runtime.planning import Decision, make_schedule, torch_way_without_gain
@@ -191,6 +191,24 @@ def test_no_measured_noise_refuses() -> None:
 # -- rank 0's decision ------------------------------------------------------------------------------------
 def inputs(max_abs: float = 1.0, n: int = 4) -> CodecInputs:
     return CodecInputs(cost(n), GradientScale(world=2, batch=32, mu=1.0, trace=100.0, max_abs=max_abs))
+
+
+def test_the_warm_up_schedule_is_priced_as_it_sends() -> None:
+    p = profile((10.0, 20.0, 20.0, 20.0))
+    sync = synchronous_schedule(tuple(b.numel for b in p.buckets), tuple(b.nbytes for b in p.buckets), ("l0",))
+    assert schedule_profile(p, inputs(), sync) is p  # exact sends: the measured profile itself
+    fp16 = dataclasses.replace(sync, codecs=("fp16",) * 4)
+    priced = schedule_profile(p, inputs(), fp16)
+    assert priced is not None
+    assert [priced.comm_time(b, "l0") for b in range(4)] == pytest.approx(
+        [encoded_profile(p, cost(4), range(4)).comm_time(b, "l0") for b in range(4)])
+    assert priced.comm_time(1, "l0") < p.comm_time(1, "l0")  # half the bytes on the wire
+    # what cannot be priced is not: no codec measured, int8 not weighed, two codecs, other buckets
+    assert schedule_profile(p, None, fp16) is None
+    assert schedule_profile(p, inputs(), dataclasses.replace(sync, codecs=("int8",) * 4)) is None
+    assert schedule_profile(p, inputs(), dataclasses.replace(sync, codecs=("fp16", "bf16", "", ""))) is None
+    merged = synchronous_schedule((sum(b.numel for b in p.buckets),), (sum(b.nbytes for b in p.buckets),), ("l0",))
+    assert schedule_profile(p, inputs(), merged) is None
 
 
 def test_decision_codes_where_the_links_are_the_bound() -> None:

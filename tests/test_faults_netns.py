@@ -37,7 +37,7 @@ LAG = 2        # plan_lag_iters: rank 0 re-plans in the background for at most t
 # the window the change lands in, REOPEN_WINDOWS drifting ones, the planner's lag, a cycle boundary
 BOUND = (REOPEN_WINDOWS + 1) * (WINDOW + 1) + LAG + 2
 DEADLINE_S = 300.0
-INSTALL_STEPS = 36  # the slowed-at-install run: the plan, the way back, the re-opened episode
+INSTALL_STEPS = 32  # the slowed-at-install run: the plan, the way back, the re-opened episode
 
 
 @pytest.fixture(autouse=True)
