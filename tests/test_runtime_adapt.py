@@ -34,7 +34,7 @@ from deft.solver.plan import no_delay_plan
 from deft.solver.simulate import simulate_schedule
 from tests._dist import run_ranks, values
 from tests.test_codecs import CFG as CODEC_CFG
-from tests.test_codecs import NUMEL
+from tests.test_codecs import NUMEL, int8_inputs
 from tests.test_codecs import inputs as codec_inputs
 from tests.test_codecs import profile as codec_profile
 from tests.test_lagfree import three_buckets
@@ -752,3 +752,32 @@ def test_without_deft_choosing_codecs_nothing_is_chosen_again() -> None:
     no_codec = make_schedule(CODEC_CFG, exact, None, None)
     assert Recoding.of(exact, None, no_codec.info) is None  # no codec inputs (a user's hook, epsilon 0)
     assert Recoding.of(exact, codec_inputs(), no_codec.info) is None  # no decision recorded
+
+
+def test_int8_the_first_plan_did_not_weigh_is_asked_for_once_the_links_are_the_bound() -> None:
+    # links that hid their sends when planned (1 ms exact against 2 ms of backward a bucket): int8 not
+    # measured for the first plan; the links then run 10x slower than profiled
+    exact = codec_profile((1.0, 1.0, 1.0, 1.0))
+    sixteen = replace(int8_inputs(), int8=None)  # the gradients' scale judges int8 too
+    decision = make_schedule(CODEC_CFG, exact, None, None, sixteen)
+    recoding = Recoding.of(exact, sixteen, decision.info)
+    assert recoding is not None and not recoding.int8_wanted()
+    coded = planned_profile(exact, sixteen, decision.info)
+    running = decision.schedule
+    truth = profile_for_schedule(coded, running, CODEC_CFG).scaled(1.0, 10.0)
+    adapter = Adapter(CODEC_CFG, recoding=recoding)
+    new, corrected, rec = adapter.decide(running, coded, simulate_schedule(truth, running).iteration_s,
+                                         _backward_window(coded, running), replan=_replan)
+    assert rec["comm_factor"] == pytest.approx(10.0, rel=1e-2)
+    assert "measured next" in rec["codecs"]["int8"] and rec["codecs"]["codec"] != "int8"
+    assert adapter.wants_int8  # the decision asks every rank to measure it
+    # measured (every rank, Adaptation._int8_measured), the next calibration's choice weighs it
+    adapter.wants_int8 = False
+    eight = int8_inputs().int8
+    assert eight is not None
+    adapter.know_int8(eight)
+    assert new is not None and corrected is not None
+    measured = 1.2 * simulate_schedule(corrected, new).iteration_s
+    _, _, rec2 = adapter.decide(new, corrected, measured, _backward_window(corrected, new), replan=_replan)
+    assert rec2["codecs"]["codec"] == "int8" and "int8" not in rec2["codecs"]  # chosen, and not asked again
+    assert not adapter.wants_int8

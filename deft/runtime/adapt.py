@@ -29,7 +29,10 @@ rank 0 gets the slowest rank's medians (one max-reduction) and decides (:class:`
    the choice is made again on the measured exact profile corrected by the same factors; a different
    choice is planned on that profile instead. Why: the choice priced each bucket on the profiled
    links, and a bucket whose exact all-reduce looked hidden behind the compute is not hidden where the
-   links run slower beside it (benchmarks/results/slow_links.md).
+   links run slower beside it (benchmarks/results/slow_links.md). int8 is weighed only where it was
+   measured; where the first plan did not measure it (its links were not the bound in 16 bits) and the
+   corrected exact profile says they are now, the decision asks every rank to measure it
+   (:meth:`Adaptation._int8_measured`, once a run) and the next window's choice weighs it.
 2. **Keep the fastest**: a schedule tried after a re-plan that measures slower than the best one
    measured so far is abandoned for that one, and adaptation settles. The schedule returned to carries
    its measured time as its prediction (it was planned on another partition of the buckets, so the
@@ -98,6 +101,7 @@ from deft.runtime.planning import Planning, Switch, make_schedule
 from deft.runtime.records import as_object
 from deft.runtime.tensors import tensors_in
 from deft.schedule import Schedule, synchronous_schedule
+from deft.solver.codecs import CodecCost
 from deft.solver.partition import profile_for_schedule
 from deft.solver.simulate import simulate_schedule
 
@@ -182,6 +186,8 @@ class Adapter:
     tried: set[str] = field(default_factory=set)  # digests already run
     synchronous: Synchronous | None = None        # the warm-up's schedule and its measured time (step 4)
     recoding: Recoding | None = None              # deft's own codec choice, made again on a calibration
+    wants_int8: bool = False                      # every rank is to measure int8 before the next window
+    asked_int8: bool = False                      # ... asked once a run (a failed measurement is not retried)
 
     def forget_best(self) -> None:
         """Forget the fastest schedule measured so far (a re-check replaced it, for accuracy)."""
@@ -190,6 +196,11 @@ class Adapter:
     def know_synchronous(self, synchronous: Synchronous) -> None:
         """The warm-up's synchronous schedule and its measured time: a candidate from now on."""
         self.synchronous = synchronous
+
+    def know_int8(self, cost: CodecCost) -> None:
+        """int8's cost, measured since the first plan: the codec choice made again weighs it."""
+        if self.recoding is not None:
+            self.recoding = self.recoding.with_int8(cost)
 
     def reopen(self) -> None:
         """A settled adaptation re-opens (:mod:`deft.runtime.link_timing`): a new episode, with its own
@@ -307,7 +318,11 @@ class Adapter:
             cal.compute, cal.comm)
         coded, chosen, codec_record = self.recoding.choose(self.config)
         changed = chosen != self.recoding.chosen
-        record["codecs"] = {**codec_record, "changed": changed}  # the choice made again, kept or not
+        codecs: JsonDict = {**codec_record, "changed": changed}  # the choice made again, kept or not
+        if not self.asked_int8 and self.recoding.int8_wanted():
+            self.wants_int8 = self.asked_int8 = True
+            codecs["int8"] = "not weighed for the first plan, the links now the bound in 16 bits: measured next"
+        record["codecs"] = codecs
         return (coded if changed else corrected), chosen
 
 
@@ -407,8 +422,10 @@ class Adaptation:
     (a :class:`LinkClock`) is the executor's observer; ``backends``: link name -> backend."""
 
     def __init__(self, config: DeftConfig, control: ControlPlane, planning: Planning, jobs: JobSlot,
-                 backends: Mapping[str, str] | None = None) -> None:
+                 backends: Mapping[str, str] | None = None,
+                 measure_int8: Callable[[FlatLayout], CodecCost | None] | None = None) -> None:
         self.config, self._control, self._planning, self._jobs = config, control, planning, jobs
+        self._measure_int8 = measure_int8  # collective: int8's cost on a layout (rank 0's codec choice asks)
         self.on = False
         self.clock = SynchronousClock()
         self.links = LinkClock(backends or {})
@@ -597,6 +614,8 @@ class Adaptation:
         doc = self._control.broadcast_json(doc, "adaptation decision")
         self.reset_window()  # the iterations beside the planner's thread are not the schedule's own
         record: JsonDict = {"iteration": t, **as_object(doc, "record")}
+        if doc.get("measure") == "int8":
+            record["int8_measured"] = self._int8_measured()
         if self._episode:
             record.update(episode=self._episode, reopened=self._reason)
         # A re-check may have switched schedules while rank 0 decided in the background: the decision, and
@@ -619,6 +638,16 @@ class Adaptation:
         # A superseded decision is void, "done" with it: the schedule the re-check chose is measured next.
         self._settled(doc, superseded)
         return Outcome(record, corrected, replan)
+
+    def _int8_measured(self) -> bool:
+        """Collective, on every rank alike: int8's cost on the candidate's layout (the exact profile's
+        buckets), weighed by rank 0's next codec choice (:meth:`Recoding.int8_wanted`)."""
+        if self._measure_int8 is None or self.warm_layout is None:
+            return False
+        cost = self._measure_int8(self.warm_layout)
+        if cost is not None and self._adapter is not None:
+            self._adapter.know_int8(cost)
+        return cost is not None
 
     def _offer(self, t: int, doc: Decision, record: JsonDict) -> JsonDict | None:
         """Every rank: the re-planned schedule in ``doc`` offered for the next cycle boundary; its record
@@ -684,6 +713,9 @@ def _decision(cfg: DeftConfig, adapter: Adapter, running: Schedule, profile: Pro
 
             new, corrected, record = adapter.decide(running, profile, measured, backward, replan, links, reopened)
             doc: Decision = {"record": record, "done": adapter.done}
+            if adapter.wants_int8:  # every rank measures it (Adaptation._apply); the next window decides with it
+                adapter.wants_int8 = adapter.done = False
+                doc.update(measure="int8", done=False)
             if new is not None:
                 doc["schedule"] = new.to_dict()
             if corrected is not None:

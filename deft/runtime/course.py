@@ -106,7 +106,7 @@ class Course:
                                   comm_hook, init_broadcast, self.planning.preload_solver)
         self.jobs = JobSlot(control)  # the plan's, then the adaptation's background decision
         self.adaptation = Adaptation(config, control, self.planning, self.jobs,
-                                     {n: lk.backend for n, lk in links.items()})
+                                     {n: lk.backend for n, lk in links.items()}, self.codecs.measure_int8)
         executor.observe(self.adaptation.links)  # each link's time in the running schedule (records while adapting)
         self.record = RunRecord()
         self.failover = LinkFailover(config, control, links)  # a non-primary link that dies

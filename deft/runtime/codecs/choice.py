@@ -252,6 +252,15 @@ class Recoding:
         the corrected running profile, then compose)."""
         return replace(self, base=self.base.scaled(compute, comm))
 
+    def int8_wanted(self) -> bool:
+        """int8 was not measured for the first plan (its links were not the bound in 16 bits) and on
+        ``base`` as corrected now they are (:func:`int8_may_pay`): worth measuring before choosing again."""
+        return self.inputs.int8 is None and int8_may_pay(self.base, self.base.world_size)
+
+    def with_int8(self, cost: CodecCost) -> Recoding:
+        """int8 measured since (:meth:`int8_wanted`): weighed from the next choice on."""
+        return replace(self, inputs=replace(self.inputs, int8=cost))
+
     def choose(self, config: DeftConfig) -> tuple[Profile, tuple[str, tuple[int, ...]], JsonDict]:
         """The codec choice on ``base``: the coded profile, the choice and its record."""
         profile, record = choose_codec(config, self.base, self.inputs)

@@ -47,7 +47,7 @@ from deft.runtime.executor import DueUpdate, Executor
 from deft.runtime.grad_stats import GradStats
 from deft.runtime.links import CommLink, make_solo_group
 from deft.schedule import Schedule
-from deft.solver.codecs import CHOSEN, exact_profile
+from deft.solver.codecs import CHOSEN, CodecCost, exact_profile
 
 log = logging.getLogger("deft.runtime")
 
@@ -245,6 +245,13 @@ class CodecPolicy:
             self.inputs = choice.measure_inputs(ex.layout, self._params, self._solo_group(), ex.device,
                                                 self._control, stats, batch, self._profiled, profile, self._hosts)
         return self.inputs
+
+    def measure_int8(self, layout: FlatLayout) -> CodecCost | None:
+        """Collective: int8's cost on ``layout``'s buckets, for a codec choice made again where the first
+        plan did not weigh it (:meth:`Recoding.int8_wanted`)."""
+        c = measure_codec(codec_hook("int8"), layout, self._params, self._solo_group(), self._executor.device,
+                          self._control, self._hosts)
+        return None if c is None else CodecCost("int8", c.wire_nbytes, c.codec_s)
 
     def lag_schedule(self, schedule: Schedule) -> Schedule:
         """What runs while rank 0 plans, in :func:`choice.lag_codec`."""
