@@ -42,8 +42,10 @@ def _run(out: Path, nic: int, bound_s: float) -> tuple[list[dict[str, Any]], lis
     torchruns must have ended ``bound_s`` after the NIC went down."""
     out.chmod(0o755)
     with Testbed(hosts=2, links=2, rate_mbit=250) as tb:
+        # planner_nice 0 and the greedy knapsacks: the re-plan on the links left, made in the background, is
+        # collected within the run's last iterations on a busy machine (its time is not under test here)
         config = tb.write_config(epsilon=0.0, warmup_iters=1, profile_iters=2, bucket_cap_mb=0.004,
-                                 timeout_s=TIMEOUT_S, link_deadline_s=DEADLINE_S)
+                                 timeout_s=TIMEOUT_S, link_deadline_s=DEADLINE_S, planner_nice=0, solver="greedy")
         port = free_port()
         procs = []
         for h in range(2):
