@@ -188,6 +188,7 @@ class Adapter:
     recoding: Recoding | None = None              # deft's own codec choice, made again on a calibration
     wants_int8: bool = False                      # every rank is to measure int8 before the next window
     asked_int8: bool = False                      # ... asked once a run (a failed measurement is not retried)
+    rechoose: bool = False                        # int8 measured since: the next window chooses again
 
     def forget_best(self) -> None:
         """Forget the fastest schedule measured so far (a re-check replaced it, for accuracy)."""
@@ -200,7 +201,7 @@ class Adapter:
     def know_int8(self, cost: CodecCost) -> None:
         """int8's cost, measured since the first plan: the codec choice made again weighs it."""
         if self.recoding is not None:
-            self.recoding = self.recoding.with_int8(cost)
+            self.recoding, self.rechoose = self.recoding.with_int8(cost), True
 
     def reopen(self) -> None:
         """A settled adaptation re-opens (:mod:`deft.runtime.link_timing`): a new episode, with its own
@@ -226,9 +227,11 @@ class Adapter:
             return back, None, record
         if self.best is None or measured_s < self.best[0]:
             self.best = (measured_s, running)
-        if abs(error) <= self.config.adapt_tolerance and not reopened:
+        # a codec measured since the last choice is weighed whatever the prediction's error
+        calibrate_anyway = reopened or self.rechoose
+        if abs(error) <= self.config.adapt_tolerance and not calibrate_anyway:
             return self._settle(record, "prediction within tolerance: settled")
-        if 0 < error <= FASTER_TOLERANCE * self.config.adapt_tolerance and not reopened:
+        if 0 < error <= FASTER_TOLERANCE * self.config.adapt_tolerance and not calibrate_anyway:
             return self._settle(record, f"measured {error:.0%} faster than predicted, within "
                                 f"{FASTER_TOLERANCE:g} x the tolerance for a faster schedule: settled")
         if self.replans >= self.config.adapt_max_replans:
@@ -317,6 +320,7 @@ class Adapter:
         self.recoding = replace(self.recoding, base=scale_links(self.recoding.base, cal.links)).scaled(
             cal.compute, cal.comm)
         coded, chosen, codec_record = self.recoding.choose(self.config)
+        self.rechoose = False
         changed = chosen != self.recoding.chosen
         codecs: JsonDict = {**codec_record, "changed": changed}  # the choice made again, kept or not
         if not self.asked_int8 and self.recoding.int8_wanted():
