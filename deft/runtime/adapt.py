@@ -645,10 +645,14 @@ class Adaptation:
 
     def _int8_measured(self) -> bool:
         """Collective, on every rank alike: int8's cost on the candidate's layout (the exact profile's
-        buckets), weighed by rank 0's next codec choice (:meth:`Recoding.int8_wanted`)."""
+        buckets), weighed by rank 0's next codec choice (:meth:`Recoding.int8_wanted`). Whether it was
+        measured (the same on every rank; what it took is logged: each rank's own)."""
         if self._measure_int8 is None or self.warm_layout is None:
             return False
+        started = time.perf_counter()
         cost = self._measure_int8(self.warm_layout)
+        log.info("deft: rank %d measured int8 for the codec choice in %.3f s", self._control.rank,
+                 time.perf_counter() - started)
         if cost is not None and self._adapter is not None:
             self._adapter.know_int8(cost)
         return cost is not None
