@@ -7,6 +7,11 @@ adaptation does, the run must finish with every gradient applied once and torch 
 adaptation sees the slow link: it re-opens and re-plans within ``BOUND`` iterations on a profile that
 prices the second link slower than the primary (deft.runtime.link_timing), and follows it back when it
 recovers.
+
+Both links slowed as the first plan starts (rank 0 holds until ``tc`` has returned): the plan loses to
+the warm-up's synchronous schedule timed on the fast links and the run goes back to it; back on it, it
+runs slower than the time it was chosen on, and that re-opens the adaptation (link_timing.Watch,
+``chosen_on``), which calibrates on the links as they are now.
 """
 
 from __future__ import annotations

@@ -90,6 +90,7 @@ from scipy.optimize import brentq
 
 from deft._json import JsonDict
 from deft.config import DeftConfig
+from deft.errors import DeftError
 from deft.preserver.feedback import WalkStats
 from deft.profile import Profile
 from deft.runtime.background import Background, JobSlot
@@ -650,7 +651,11 @@ class Adaptation:
         if self._measure_int8 is None or self.warm_layout is None:
             return False
         started = time.perf_counter()
-        cost = self._measure_int8(self.warm_layout)
+        try:
+            cost = self._measure_int8(self.warm_layout)
+        except DeftError as e:  # raised on every rank alike (measure_codec): the choice goes on without int8
+            log.warning("deft: rank %d could not measure int8 for the codec choice: %s", self._control.rank, e)
+            return False
         log.info("deft: rank %d measured int8 for the codec choice in %.3f s", self._control.rank,
                  time.perf_counter() - started)
         if cost is not None and self._adapter is not None:
