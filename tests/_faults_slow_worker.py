@@ -9,6 +9,7 @@ by the adaptation). Rank 0 writes its deft iteration count to ``FAULTS_PROGRESS`
 test can change a link's rate at a given iteration from outside. With ``FAULTS_HOLD`` set, rank 0 also
 writes ``planned`` to that file once the first plan is installed and waits until the test removes it
 (the other rank waits in the next collective): the test changes the links right after the plan starts.
+``FAULTS_BATCH``: the samples per rank and iteration (16: the links are the bound at 100 Mbit/s).
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 1024), nn.Tanh(), nn.Linear(1024, 512), nn.Tanh(), nn.Linear(512, 10))
 
 
-def batch(t: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(t: int, rank: int, size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * t + rank)
-    return torch.randn(16, 64, generator=g), torch.randn(16, 10, generator=g)
+    return torch.randn(size, 64, generator=g), torch.randn(size, 10, generator=g)
 
 
 def per_byte_ratio(profile: Profile | None) -> float | None:
@@ -50,6 +51,7 @@ def main() -> None:
     import deft
 
     steps = int(os.environ["FAULTS_STEPS"])
+    size = int(os.environ.get("FAULTS_BATCH", "16"))
     progress = Path(os.environ["FAULTS_PROGRESS"])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -58,7 +60,7 @@ def main() -> None:
     tddp = nn.parallel.DistributedDataParallel(ref)
     opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
     for t in range(steps):
-        x, y = batch(t, rank)
+        x, y = batch(t, rank, size)
         nn.functional.mse_loss(tddp(x), y).backward()
         opt.step()
         opt.zero_grad()
@@ -69,7 +71,7 @@ def main() -> None:
     ratios: list[float | None] = []
     hold = Path(os.environ["FAULTS_HOLD"]) if os.environ.get("FAULTS_HOLD") else None
     for t in range(steps):
-        x, y = batch(t, rank)
+        x, y = batch(t, rank, size)
         nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
         opt.zero_grad()

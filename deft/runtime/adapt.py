@@ -22,7 +22,8 @@ rank 0 gets the slowest rank's medians (one max-reduction) and decides (:class:`
    the measurement (the factor at an end of its range: :func:`solved`) settles instead: its
    corrected profile would misprice every plan made on it; so does one that prices the links faster
    than profiled for a window slower than predicted, no link with a factor of its own and the
-   adaptation not re-opened by a drift (the compute factor took more than the slowdown: the two
+   adaptation not re-opened by a drift nor weighing a codec measured since its last choice (the
+   compute factor took more than the slowdown: the two
    factors do not tell which to plan around, and such re-plans measured slower and went back:
    benchmarks/results/peers_lm_hosts.md, "int8 against fp16"). Where deft
    chose the plan's codecs itself (``compression = "auto"``: :class:`deft.runtime.codecs.choice.Recoding`),
@@ -284,11 +285,12 @@ class Adapter:
             # already slower or faster than it), so the corrected profile would misprice every choice.
             return self._settle(record, f"no calibration reproduces the measured {measured_s * 1e3:.1f} ms "
                                 f"(communication x {cal.comm:g} predicts {cal.predicted_s * 1e3:.1f} ms): settled")
-        if (measured_s > running.predicted_iteration_s and cal.comm < 1.0 and not reopened
+        if (measured_s > running.predicted_iteration_s and cal.comm < 1.0 and not (reopened or self.rechoose)
                 and all(v == 1.0 for v in cal.links.values())):
             # slower than predicted, yet the links priced faster than profiled: g took more than the
             # whole slowdown, and the two factors do not say which of compute and links to plan around
-            # (a link's own factor, or a drift that re-opened the adaptation, says it: that re-plans)
+            # (a link's own factor, or a drift that re-opened the adaptation, says it: that re-plans;
+            # so does a codec measured since the last choice, for which the measurement was made)
             return self._settle(record, f"measured slower than predicted but calibrated with the links x "
                                 f"{cal.comm:.3g}, faster than profiled: settled")
         self.replans += 1
