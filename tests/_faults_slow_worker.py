@@ -84,7 +84,8 @@ def main() -> None:
             tmp.replace(progress)
         if rank == 0 and hold is not None and "t0" in ddp.plan_info:
             hold.write_text("planned", encoding="utf-8")
-            while hold.exists():
+            deadline = time.monotonic() + 120.0  # a test that died does not leave this rank spinning
+            while hold.exists() and time.monotonic() < deadline:
                 time.sleep(0.01)
             hold = None
     ddp.flush()

@@ -46,7 +46,7 @@ BOUND = (REOPEN_WINDOWS + 1) * (WINDOW + 1) + LAG + 2
 DEADLINE_S = 300.0
 # the slowed-at-install run: the plan, the way back, the re-opened episode, int8 measured and weighed;
 # a batch whose compute hides the sends on the fast links, not on the slowed ones
-INSTALL_STEPS, INSTALL_BATCH, INSTALL_RATE_MBIT, INSTALL_FACTOR = 36, 512, 1000.0, 20.0
+INSTALL_STEPS, INSTALL_BATCH, INSTALL_RATE_MBIT, INSTALL_FACTOR = 40, 512, 1000.0, 20.0
 
 
 @pytest.fixture(autouse=True)
@@ -213,6 +213,8 @@ def test_links_slowed_as_the_plan_starts_reopen_the_adaptation_and_bring_int8_in
     # ... on which the links are the bound in 16 bits: int8, which the first plan did not weigh, is
     # measured by every rank, and the next window chooses the codecs again with it
     assert "measured next" in first["codecs"]["int8"] and first["int8_measured"] is True, timeline
-    after = [r for r in info["adapt"] if r["iteration"] > first["iteration"]]
-    assert after and after[0]["codecs"]["codec"] == "int8" and "chosen again" in after[0]["decision"], timeline
-    assert any(s["iteration"] >= after[0]["iteration"] for s in info["switches"]), timeline  # and runs it
+    # (or the one after it, where the plan tried meanwhile measured slower and the run went back first)
+    chosen = [r for r in info["adapt"] if r["iteration"] > first["iteration"] and "codecs" in r]
+    assert chosen and chosen[0]["iteration"] <= first["iteration"] + 2 * (WINDOW + 1 + LAG), timeline
+    assert chosen[0]["codecs"]["codec"] == "int8" and "chosen again" in chosen[0]["decision"], timeline
+    assert any(s["iteration"] >= chosen[0]["iteration"] for s in info["switches"]), timeline  # and runs it

@@ -788,3 +788,28 @@ def test_int8_the_first_plan_did_not_weigh_is_asked_for_once_the_links_are_the_b
     assert rec2["comm_factor"] < comm_below
     assert rec2["codecs"]["codec"] == "int8" and "int8" not in rec2["codecs"]  # chosen, and not asked again
     assert "chosen again" in rec2["decision"] and not adapter.wants_int8
+
+
+def test_a_plan_slower_than_the_best_goes_back_first_and_int8_is_weighed_on_the_next_window() -> None:
+    exact = codec_profile((1.0, 1.0, 1.0, 1.0))
+    sixteen = replace(int8_inputs(), int8=None)
+    decision = make_schedule(CODEC_CFG, exact, None, None, sixteen)
+    coded, running = planned_profile(exact, sixteen, decision.info), decision.schedule
+    truth = profile_for_schedule(coded, running, CODEC_CFG).scaled(1.0, 10.0)
+    measured = simulate_schedule(truth, running).iteration_s
+    adapter = Adapter(CODEC_CFG, recoding=Recoding.of(exact, sixteen, decision.info))
+    new, corrected, _ = adapter.decide(running, coded, measured, _backward_window(coded, running), replan=_replan)
+    eight = int8_inputs().int8
+    assert new is not None and corrected is not None and eight is not None and adapter.wants_int8
+    adapter.wants_int8 = False
+    adapter.know_int8(eight)
+    # the plan tried meanwhile measures slower than the first one did: back to that one first, not done
+    back, profile, rec = adapter.decide(new, corrected, 1.5 * measured, _backward_window(corrected, new),
+                                        replan=_replan)
+    assert back is not None and plan_digest(back) == plan_digest(running) and not adapter.done
+    # with the profile it ran on, as calibrated then (the course's running profile from now on)
+    assert profile is not None and simulate_schedule(profile, running).iteration_s == pytest.approx(measured, rel=1e-3)
+    assert "back to it" in rec["decision"] and "next window" in rec["decision"] and "codecs" not in rec
+    # ... and that window, measured as before, chooses the codecs again with int8
+    _, _, rec2 = adapter.decide(back, profile, measured, _backward_window(coded, running), replan=_replan)
+    assert rec2["codecs"]["codec"] == "int8" and "chosen again" in rec2["decision"]

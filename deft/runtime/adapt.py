@@ -35,9 +35,12 @@ rank 0 gets the slowest rank's medians (one max-reduction) and decides (:class:`
    corrected exact profile says they are now, the decision asks every rank to measure it
    (:meth:`Adaptation._int8_measured`, once a run) and the next window's choice weighs it.
 2. **Keep the fastest**: a schedule tried after a re-plan that measures slower than the best one
-   measured so far is abandoned for that one, and adaptation settles. The schedule returned to carries
+   measured so far is abandoned for that one, and adaptation settles (where a codec was measured since
+   the last choice, it goes on: the next window chooses again). The schedule returned to carries
    its measured time as its prediction (it was planned on another partition of the buckets, so the
-   corrected profile cannot simulate it; and a measurement is the better prediction anyway).
+   corrected profile cannot simulate it; and a measurement is the better prediction anyway), and the
+   running profile becomes the one it ran on, as its own calibration corrected it: a later calibration
+   of it needs its buckets.
 3. **Settle, watch, re-open**: adaptation settles when the prediction is within tolerance, when a
    re-plan yields the running schedule again, or after ``adapt_max_replans`` re-plans. It never
    oscillates within an *episode*: a schedule abandoned once is not tried again. Settled, it keeps
@@ -184,7 +187,7 @@ class Adapter:
     config: DeftConfig
     replans: int = 0
     done: bool = False
-    best: tuple[float, Schedule] | None = None   # fastest measured schedule so far
+    best: tuple[float, Schedule, Profile] | None = None  # fastest measured schedule so far, its running profile
     tried: set[str] = field(default_factory=set)  # digests already run
     synchronous: Synchronous | None = None        # the warm-up's schedule and its measured time (step 4)
     recoding: Recoding | None = None              # deft's own codec choice, made again on a calibration
@@ -226,9 +229,12 @@ class Adapter:
         self.tried.add(running.digest())
         back = self._back(running, measured_s, record)
         if back is not None:
-            return back, None, record
+            if self.rechoose:  # back first; the codecs measured since are weighed on the next window
+                self.done = False
+                record["decision"] = f"{record['decision']}; the codecs are chosen again on the next window"
+            return back[0], back[1], record
         if self.best is None or measured_s < self.best[0]:
-            self.best = (measured_s, running)
+            self.best = (measured_s, running, profile)
         # a codec measured since the last choice is weighed whatever the prediction's error
         calibrate_anyway = reopened or self.rechoose
         if abs(error) <= self.config.adapt_tolerance and not calibrate_anyway:
@@ -246,9 +252,11 @@ class Adapter:
         record["decision"] = why
         return None, corrected, record
 
-    def _back(self, running: Schedule, measured_s: float, record: JsonDict) -> Schedule | None:
+    def _back(self, running: Schedule, measured_s: float,
+              record: JsonDict) -> tuple[Schedule, Profile | None] | None:
         """Steps 4 and 2 (module docstring): back to the warm-up's synchronous schedule, or to the fastest
-        measured one, where the running schedule measures slower; None: keep going."""
+        measured one, where the running schedule measures slower, with the running profile that one was
+        measured with (the synchronous schedule's is the run's: ``Adaptation.start``); None: keep going."""
         sync = self.synchronous
         if sync is not None:
             record["synchronous_s"] = sync.measured_s
@@ -258,11 +266,12 @@ class Adapter:
                 self.done = True
                 record["decision"] = (f"slower than the warm-up's synchronous schedule {sync.schedule.digest()} "
                                       f"({measured_s * 1e3:.1f} ms against {sync.measured_s * 1e3:.1f} ms): back to it")
-                return replace(sync.schedule, predicted_iteration_s=sync.measured_s)
+                return replace(sync.schedule, predicted_iteration_s=sync.measured_s), None
         if self.best is not None and measured_s > self.best[0] and self.best[1].digest() != running.digest():
             self.done = True
             record["decision"] = f"slower than {self.best[1].digest()} ({self.best[0] * 1e3:.1f} ms): back to it"
-            return replace(self.best[1], predicted_iteration_s=self.best[0])  # measured: module docstring, step 2
+            # measured: module docstring, step 2; its profile, since a later calibration of it needs its buckets
+            return replace(self.best[1], predicted_iteration_s=self.best[0]), self.best[2]
         return None
 
     def _replan(self, running: Schedule, profile: Profile, measured_s: float, measured_backward_s: float,
@@ -277,6 +286,8 @@ class Adapter:
         # timeline of the run, a later calibration), even when adaptation keeps that schedule; a
         # re-plan partitions it again as any profile.
         corrected = cal.corrected(profile_for_schedule(profile, running, cfg))
+        if self.best is not None and self.best[1].digest() == running.digest():
+            self.best = (self.best[0], running, corrected)  # going back to it, the calibration goes with it
         record.update(compute_factor=cal.compute, comm_factor=cal.comm, calibrated_s=cal.predicted_s)
         if any(v != 1.0 for v in cal.links.values()):
             record["link_factors"] = dict(cal.links)
