@@ -229,9 +229,6 @@ class Adapter:
         self.tried.add(running.digest())
         back = self._back(running, measured_s, record)
         if back is not None:
-            if self.rechoose:  # back first; the codecs measured since are weighed on the next window
-                self.done = False
-                record["decision"] = f"{record['decision']}; the codecs are chosen again on the next window"
             return back[0], back[1], record
         if self.best is None or measured_s < self.best[0]:
             self.best = (measured_s, running, profile)
@@ -268,8 +265,10 @@ class Adapter:
                                       f"({measured_s * 1e3:.1f} ms against {sync.measured_s * 1e3:.1f} ms): back to it")
                 return replace(sync.schedule, predicted_iteration_s=sync.measured_s), None
         if self.best is not None and measured_s > self.best[0] and self.best[1].digest() != running.digest():
-            self.done = True
-            record["decision"] = f"slower than {self.best[1].digest()} ({self.best[0] * 1e3:.1f} ms): back to it"
+            # back first; where a codec was measured since the last choice, the next window weighs it
+            self.done = not self.rechoose
+            record["decision"] = (f"slower than {self.best[1].digest()} ({self.best[0] * 1e3:.1f} ms): back to it"
+                                  + ("; the codecs are chosen again on the next window" if self.rechoose else ""))
             # measured: module docstring, step 2; its profile, since a later calibration of it needs its buckets
             return replace(self.best[1], predicted_iteration_s=self.best[0]), self.best[2]
         return None

@@ -200,10 +200,13 @@ def link_drifts(base: Mapping[str, float], now: Mapping[str, float]) -> dict[str
 
 
 def slowed_since(then: WindowFigures, now: WindowFigures, tolerance: float) -> str | None:
-    """Why the schedule measured in ``then`` and again in ``now`` has slowed since (by more than
-    ``tolerance`` and :data:`NOISE_K` times the spread, as :func:`drift` counts a shift); None: it has not."""
+    """Why the schedule measured in ``then`` and again in ``now`` has slowed since: by more than
+    :data:`LINK_DRIFT` times (and ``tolerance``) and :data:`NOISE_K` times the spread; None: it has not.
+    Not by the tolerance alone: ``then`` was taken in other iterations (the warm-up's, the profile's),
+    whose path through deft costs another overhead, tens of percent of a short iteration."""
     shift = now.iteration_s - then.iteration_s
-    if shift > tolerance * then.iteration_s and shift > NOISE_K * max(now.spread_s, then.spread_s):
+    if (shift > max(tolerance, LINK_DRIFT - 1.0) * then.iteration_s
+            and shift > NOISE_K * max(now.spread_s, then.spread_s)):
         return (f"the warm-up's schedule measures {now.iteration_s * 1e3:.1f} ms against the "
                 f"{then.iteration_s * 1e3:.1f} ms it was chosen on")
     return None
@@ -239,8 +242,9 @@ class Watch:
         Except where that schedule was chosen on stale figures (``chosen_on``: its own time when the
         plans lost to it). The plans were measured after it, and links that slowed in between (every
         link alike: no link's drift shows it) made them lose to a time the schedule no longer runs in.
-        The first windows back on it are therefore compared with that time, slower only (the schedule is
-        the same, so the links or the machine changed); :data:`REOPEN_WINDOWS` of them slower re-open
+        The first windows back on it are therefore compared with that time, slower only and by more
+        than :data:`LINK_DRIFT` times (the schedule is the same, so the links or the machine changed;
+        less is the other path the time was taken on: :func:`slowed_since`); :data:`REOPEN_WINDOWS` of them re-open
         the adaptation, and the first that is not ends the comparison and becomes the baseline.
     """
 
