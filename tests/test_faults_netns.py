@@ -123,11 +123,16 @@ def _slowed_at_install(work: Path) -> tuple[list[dict[str, Any]], int]:
     return reports, slowed[0]
 
 
+def _work(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A directory the ranks (in the hosts' namespaces) can write their files to."""
+    work = tmp_path_factory.mktemp(name)
+    work.chmod(0o755)
+    return work
+
+
 @pytest.fixture(scope="module")
 def slowed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], list[tuple[str, int]]]:
-    work = tmp_path_factory.mktemp("slowed")
-    work.chmod(0o755)
-    return _live_slowdown(work)
+    return _live_slowdown(_work(tmp_path_factory, "slowed"))
 
 
 @pytest.mark.slow
@@ -182,9 +187,7 @@ def test_the_adaptation_replans_on_a_slowed_link_within_a_bounded_number_of_iter
 
 @pytest.fixture(scope="module")
 def slowed_at_install(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], int]:
-    work = tmp_path_factory.mktemp("slowed_at_install")
-    work.chmod(0o755)
-    return _slowed_at_install(work)
+    return _slowed_at_install(_work(tmp_path_factory, "slowed_at_install"))
 
 
 @pytest.mark.slow
