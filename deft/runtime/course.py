@@ -428,7 +428,8 @@ class Course:
                                   self.codecs.schedule_profile(exact, candidate))
         else:  # the profile iterations' schedule, in their codec (the time measured is theirs)
             candidate = self.codecs.profile_schedule(self._synchronous(warm)) if on and warm is not None else None
-            self.adaptation.start(on, warm, candidate, recoding, None, self.codecs.schedule_profile(exact, candidate))
+            self.adaptation.start(on, warm, candidate, recoding,
+                                  candidate_profile=self.codecs.schedule_profile(exact, candidate))
         self.adaptation.clock.exclude(time.perf_counter() - started)  # planning is deft's, not the schedule's
         log.info("deft: rank %d runs schedule %s from iteration %d (cycle %d, K=%s)", self._control.rank,
                  schedule.digest(), t, schedule.cycle, schedule.batch_sequence)

@@ -113,10 +113,20 @@ def measure_inputs(layout: FlatLayout, params: list[torch.Tensor], solo: dist.Pr
     scale = gradient_scale(stats, control, batch)
     if measured is None or scale is None:
         return None
-    if eight is None and int8_may_pay(profile, control.world):
-        eight = measure_codec(codec_hook("int8"), layout, params, solo, device, control, hosts)
-    int8 = None if eight is None else CodecCost("int8", eight.wire_nbytes, eight.codec_s)
+    if eight is not None:
+        int8: CodecCost | None = CodecCost("int8", eight.wire_nbytes, eight.codec_s)
+    else:
+        int8 = measure_int8(layout, params, solo, device, control, hosts) if int8_may_pay(profile, control.world) \
+            else None
     return CodecInputs(CodecCost("fp16", measured.wire_nbytes, measured.codec_s), scale, int8)
+
+
+def measure_int8(layout: FlatLayout, params: list[torch.Tensor], solo: dist.ProcessGroup, device: torch.device,
+                 control: ControlPlane, hosts: tuple[int, int] | None = None) -> CodecCost | None:
+    """Collective: the 8-bit codec's cost on ``layout``'s buckets (for the plan's choice, or for a choice
+    made again where the plan did not weigh it: :meth:`Recoding.int8_wanted`)."""
+    eight = measure_codec(codec_hook("int8"), layout, params, solo, device, control, hosts)
+    return None if eight is None else CodecCost("int8", eight.wire_nbytes, eight.codec_s)
 
 
 def choose_codec(cfg: DeftConfig, profile: Profile, codec: CodecInputs | None) -> tuple[Profile, JsonDict | None]:

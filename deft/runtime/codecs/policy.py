@@ -249,9 +249,8 @@ class CodecPolicy:
     def measure_int8(self, layout: FlatLayout) -> CodecCost | None:
         """Collective: int8's cost on ``layout``'s buckets, for a codec choice made again where the first
         plan did not weigh it (:meth:`Recoding.int8_wanted`)."""
-        c = measure_codec(codec_hook("int8"), layout, self._params, self._solo_group(), self._executor.device,
-                          self._control, self._hosts)
-        return None if c is None else CodecCost("int8", c.wire_nbytes, c.codec_s)
+        return choice.measure_int8(layout, self._params, self._solo_group(), self._executor.device, self._control,
+                                   self._hosts)
 
     def lag_schedule(self, schedule: Schedule) -> Schedule:
         """What runs while rank 0 plans, in :func:`choice.lag_codec`."""
