@@ -100,25 +100,28 @@ def _live_slowdown(work: Path) -> tuple[list[dict[str, Any]], list[tuple[str, in
     return reports, events
 
 
-def _slowed_at_install(work: Path) -> tuple[list[dict[str, Any]], int]:
-    """Both links slowed to a ``FACTOR``-th right after the first plan is installed: both ranks' reports,
-    and the iteration rank 0 had finished when ``tc`` returned."""
+def _slowed_at_install(work: Path, exact: bool = False) -> tuple[list[dict[str, Any]], int]:
+    """Both links slowed right after the first plan is installed: both ranks' reports, and the iteration
+    rank 0 had finished when ``tc`` returned. Default: deft's default codec choice, links at
+    ``INSTALL_RATE_MBIT`` that the compute of ``INSTALL_BATCH`` samples hides, slowed ``INSTALL_FACTOR``-fold;
+    ``exact``: epsilon 0 on the small batch's 100 Mbit/s links, slowed ``FACTOR``-fold."""
     progress, hold = work / "progress", work / "hold"
     progress.write_text("0", encoding="utf-8")
     slowed: list[int] = []
-    with Testbed(hosts=2, links=2, rate_mbit=INSTALL_RATE_MBIT, prefix="faulti") as tb:
+    rate, factor = (RATE_MBIT, FACTOR) if exact else (INSTALL_RATE_MBIT, INSTALL_FACTOR)
+    with Testbed(hosts=2, links=2, rate_mbit=rate, prefix="faulti") as tb:
         # deft's default codec choice: on the fast links the compute hides the sends, and int8 is not measured
         config = tb.write_config(bucket_cap_mb=0.5, adapt_window=WINDOW, timeout_s=120, planner_nice=0,
-                                 solver="greedy", plan_lag_iters=LAG)
+                                 solver="greedy", plan_lag_iters=LAG, **({"epsilon": 0.0} if exact else {}))
 
         def poll() -> None:
             if not slowed and hold.exists():
                 for link in range(2):
-                    tb.reshape(link, INSTALL_RATE_MBIT / INSTALL_FACTOR)
+                    tb.reshape(link, rate / factor)
                 slowed.append(int(progress.read_text(encoding="utf-8") or 0))
                 hold.unlink()
 
-        reports = _run(tb, work, config, INSTALL_STEPS, poll, hold=True, batch=INSTALL_BATCH)
+        reports = _run(tb, work, config, INSTALL_STEPS, poll, hold=True, batch=16 if exact else INSTALL_BATCH)
     assert slowed, "the first plan was never installed"
     return reports, slowed[0]
 
@@ -188,6 +191,27 @@ def test_the_adaptation_replans_on_a_slowed_link_within_a_bounded_number_of_iter
 @pytest.fixture(scope="module")
 def slowed_at_install(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], int]:
     return _slowed_at_install(_work(tmp_path_factory, "slowed_at_install"))
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+@pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
+def test_at_epsilon_0_links_slowed_as_the_plan_starts_reopen_with_torch_ddps_parameters(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    reports, slowed_at = _slowed_at_install(_work(tmp_path_factory, "slowed_at_install_exact"), exact=True)
+    info = reports[0]["plan_info"]
+    timeline = (info.get("adapt"), info.get("switches"))
+    for r in reports:
+        assert r["merged"] == list(range(INSTALL_STEPS))  # every iteration's gradient applied, once
+        assert r["vs_torch"] < 1e-5, r["vs_torch"]  # through the way back and the re-opened episode
+    for key in ("t0", "adapt", "switches", "replans"):
+        assert reports[0]["plan_info"].get(key) == reports[1]["plan_info"].get(key), key
+    assert slowed_at == info["t0"], timeline
+    back = [s for s in info["switches"] if s.get("layout") == "warm-up"]
+    assert back and back[0]["source"] == "adapt", timeline
+    reopened = [r for r in info["adapt"] if "the warm-up's schedule measures" in r.get("reopened", "")]
+    assert reopened and reopened[0]["iteration"] <= back[0]["iteration"] + BOUND, timeline
+    assert reopened[0]["schedule"] == back[0]["to"] and reopened[0]["comm_factor"] > 2.0, timeline
 
 
 @pytest.mark.slow
