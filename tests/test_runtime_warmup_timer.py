@@ -8,6 +8,9 @@
 * :func:`fit_group_beta`: the one-parameter least squares with the measured ``alpha`` fixed; worked by
   hand (exact data, noisy data, start-ups that already exceed a group's time).
 * :func:`link_rotation`: each bucket on one link per iteration, on every link over ``L`` iterations.
+* :func:`paced_compute`: two ranks descheduled in different buckets are charged the slower rank's
+  iteration, not the sum of the per-bucket maxima (that variant, kept as a test, fails the check); one
+  slow iteration does not move it; the buckets keep the typical rank's proportions; by hand.
 * Two ranks, two links (loopback gloo), each parameter its own bucket: in the warm-up only the
   primary link carries traffic; in each profile iteration every bucket is sent exactly once (the
   bytes over both links are the model's gradient bytes plus the used-parameter map, counted by hand),
@@ -34,6 +37,7 @@ from deft.runtime.warmup_timer import (
     common_busy_groups,
     fit_group_beta,
     link_rotation,
+    paced_compute,
     probe_alpha,
 )
 from tests._dist import run_ranks, values
@@ -92,6 +96,47 @@ def test_fit_beta_with_alpha_fixed_by_hand() -> None:
         fit_group_beta([1, 2], [10], [0.1], 0.0)
     with pytest.raises(ValueError, match="alpha >= 0"):
         fit_group_beta([1], [10], [0.1], -1e-3)
+
+
+def _per_bucket_max(fwd: list[list[list[float]]], bwd: list[list[list[float]]]) -> tuple[list[float], list[float]]:
+    """The reduction paced_compute replaces: per bucket, the median over iterations, then the maximum over ranks."""
+    def red(x: list[list[list[float]]]) -> list[float]:
+        return [max(sorted(it[b] for it in r)[len(r) // 2] for r in x) for b in range(len(x[0][0]))]
+    return red(fwd), red(bwd)
+
+
+@pytest.mark.parametrize("reduce", [paced_compute, pytest.param(_per_bucket_max, marks=pytest.mark.xfail(
+    strict=True, reason="the per-bucket maxima add both ranks' stalls"))])
+def test_ranks_stalled_in_different_buckets_are_charged_the_slower_ranks_iteration(reduce: Any) -> None:
+    # Two buckets, forward 1 + 1 and backward 2 + 2 on both ranks; rank 0 loses 3 in bucket 0's backward,
+    # rank 1 loses 2 in bucket 1's backward, in every iteration. The slower rank computes 9 an
+    # iteration; the per-bucket maxima would charge 1 + 1 + 5 + 4 = 11, more than either rank spends.
+    fwd = [[[1.0, 1.0]] * 3, [[1.0, 1.0]] * 3]
+    bwd = [[[5.0, 2.0]] * 3, [[2.0, 4.0]] * 3]
+    f, b = reduce(fwd, bwd)
+    assert sum(f) + sum(b) == pytest.approx(9.0)
+    # the buckets share it as their medians over ranks (of two: the mean): 1, 1, 3.5, 3 of 8.5
+    assert f == pytest.approx([9 / 8.5, 9 / 8.5])
+    assert b == pytest.approx([3.5 * 9 / 8.5, 3.0 * 9 / 8.5])
+
+
+def test_one_slow_iteration_does_not_set_the_pace() -> None:
+    # one rank, three iterations of totals 4, 4 and 40 (a stall in the last): the pace is the median, 4
+    fwd = [[[1.0], [1.0], [10.0]]]
+    bwd = [[[3.0], [3.0], [30.0]]]
+    f, b = paced_compute(fwd, bwd)
+    assert (f, b) == (pytest.approx([1.0]), pytest.approx([3.0]))
+
+
+def test_the_pace_is_the_slowest_rank_of_each_iteration() -> None:
+    # iteration 0: rank 1 slower (6 against 4); iteration 1: rank 0 slower (8 against 4);
+    # iteration 2: rank 1 (7 against 4). Per iteration the slowest: 6, 8, 7; median 7.
+    fwd = [[[1.0], [2.0], [1.0]], [[2.0], [1.0], [2.0]]]
+    bwd = [[[3.0], [6.0], [3.0]], [[4.0], [3.0], [5.0]]]
+    f, b = paced_compute(fwd, bwd)
+    assert f[0] + b[0] == pytest.approx(7.0)
+    # shape: forward medians 1 and 2 (mean 1.5), backward medians 3 and 4 (mean 3.5): 1.5 : 3.5
+    assert f[0] / b[0] == pytest.approx(1.5 / 3.5)
 
 
 def test_link_rotation() -> None:

@@ -82,9 +82,10 @@ time (never below 0) and the links are fitted over *wire* bytes (the hook's comp
 maths): ``comm_s`` and alpha-beta are then what the wire costs, and the profile carries
 ``codec``, ``wire_nbytes`` and ``codec_s`` for the planner and the simulator.
 
-Forward and backward reduce as the median over the profile iterations, then the *maximum over
-ranks* (in synchronous data parallelism the slowest rank sets the pace). Every rank gathers every
-rank's launch and completion times and computes the same profile.
+Forward and backward reduce to the ranks' *pace* (:func:`paced_compute`): the slowest rank's compute
+of each profile iteration, its median over iterations, spread over the buckets as their median over
+ranks (in synchronous data parallelism the slowest rank sets the pace). Every rank gathers every
+rank's compute times and launch and completion times and computes the same profile.
 """
 
 from __future__ import annotations
@@ -498,14 +499,11 @@ class WarmupTimer:
         return dict(zip(names, rows[0], strict=True))
 
     def _compute_times(self, control: ControlPlane) -> tuple[list[float], list[float]]:
-        """Each bucket's forward and backward seconds: the median over this rank's profile iterations
-        (robust to one slow iteration), then the maximum over ranks, because in synchronous data
-        parallelism the slowest rank sets the pace. Collective on the control group."""
-        n = self.n
-        t = control.max_rows([[statistics.median(s["fwd"][b] for s in self.samples) for b in range(n)],
-                              [statistics.median(s["bwd"][b] for s in self.samples) for b in range(n)]],
-                             "timing profile")
-        return t[0], t[1]
+        """Each bucket's forward and backward seconds at the ranks' pace (:func:`paced_compute`) from
+        every rank's profile iterations. Collective on the control group."""
+        mine = {"fwd": [list(s["fwd"]) for s in self.samples], "bwd": [list(s["bwd"]) for s in self.samples]}
+        every = control.all_gather_json(mine, "compute times of the profile iterations")
+        return paced_compute([d["fwd"] for d in every], [d["bwd"] for d in every])
 
     def _busy_groups(self, control: ControlPlane, codec_s: Sequence[float]) -> dict[str, list[BusyGroup]]:
         """Per link, the busy groups of every profile iteration (:func:`common_busy_groups`), each less
@@ -561,8 +559,9 @@ class WarmupTimer:
         link_names = list(alphas)
         meta: JsonDict = {
             "profile_iterations": len(self.samples),
-            "reduction": "forward/backward: median over iterations, max over ranks; comm: per link, the busy "
-                         "periods of the ranks joined into groups, each group's busy time the min over ranks; "
+            "reduction": "forward/backward: the slowest rank's total per iteration, median over iterations, "
+                         "shared by the buckets' medians over ranks; comm: per link, the busy periods of the "
+                         "ranks joined into groups, each group's busy time the min over ranks; "
                          "alpha: one-element all-reduces, median, max over ranks; beta fitted over the groups "
                          "with alpha fixed; a bucket alone in its group: median of its times",
             "alpha_probe": {"warmup": PROBE_WARMUP, "repeats": PROBE_REPEATS,
@@ -581,6 +580,37 @@ class WarmupTimer:
         if lost:
             meta["lost_links"] = lost
         return meta
+
+
+def paced_compute(fwd: Sequence[Sequence[Sequence[float]]],
+                  bwd: Sequence[Sequence[Sequence[float]]]) -> tuple[list[float], list[float]]:
+    """Per-bucket forward and backward seconds at the ranks' pace.
+
+    ``fwd[r][i][b]`` is rank ``r``'s forward time of bucket ``b`` in profile iteration ``i`` (``bwd``
+    likewise). The total is the pace ``T = median_i max_r sum_b (fwd[r][i][b] + bwd[r][i][b])``: in each
+    iteration the slowest rank's compute, robust to one slow iteration. The buckets share it as their
+    medians over ranks of their medians over iterations, ``f_b`` and ``g_b``: forward ``f_b T / S`` and
+    backward ``g_b T / S`` with ``S = sum_b (f_b + g_b)``. So the times sum to ``T`` and keep the
+    typical rank's proportions; where ``S`` is 0 they are the medians unscaled (all zero).
+
+    Note: taking the maximum over ranks bucket by bucket would charge more than any rank spends:
+    ``sum_b max_r x_rb >= max_r sum_b x_rb``. With more ranks than cores every rank is descheduled
+    somewhere in the iteration, each in another bucket, and the per-bucket maxima add up every rank's
+    stall.
+    """
+    if not fwd or len(fwd) != len(bwd):
+        raise ValueError(f"internal: compute times of {len(fwd)} ranks' forward and {len(bwd)} ranks' backward")
+    iters = min(len(r) for r in (*fwd, *bwd))
+    if iters == 0:
+        raise ValueError("internal: a rank timed no profile iteration")
+    n = len(fwd[0][0])
+    pace = statistics.median(max(sum(f[i]) + sum(g[i]) for f, g in zip(fwd, bwd, strict=True))
+                             for i in range(iters))
+    f_b = [statistics.median(statistics.median(r[i][b] for i in range(iters)) for r in fwd) for b in range(n)]
+    g_b = [statistics.median(statistics.median(r[i][b] for i in range(iters)) for r in bwd) for b in range(n)]
+    total = sum(f_b) + sum(g_b)
+    scale = pace / total if total > 0 else 1.0
+    return [x * scale for x in f_b], [x * scale for x in g_b]
 
 
 def probe_alpha(links: Mapping[str, CommLink], cuda: bool, rank: int, timeout_s: float,
