@@ -511,9 +511,8 @@ def summarize(name: str, docs: list[dict[str, Any]], wl: Workload, targets: tupl
     sched = docs[0]["summary"].get("schedule") or {}
     plan = ""
     if sched:
-        pred = sched.get("predicted_iteration_s")
-        plan = (f"K = {sched.get('K')}, links {sched.get('links')}, "
-                f"predicted {'-' if pred is None else f'{pred * 1e3:.0f} ms'}")
+        prices = "; ".join(f"{p.predicted_s * 1e3:.0f} / {p.measured_s * 1e3:.0f}" for p in plan_prices(docs[0]))
+        plan = f"K = {sched.get('K')}, links {sched.get('links')}, plans predicted / measured (ms): {prices or '-'}"
     return Row(name=name, runs=len(docs), iter_s=statistics.median(iters), iter_spread=(min(iters), max(iters)),
                to_target=to, final_acc=statistics.median(finals), final_mean=statistics.fmean(finals),
                final_by_seed={k: statistics.median(v) for k, v in sorted(by_seed.items())},
@@ -625,15 +624,51 @@ PREDICTION_TOLERANCE = 0.15
 
 
 @dataclass(frozen=True)
+class PlanPrice:
+    """One plan deft ran: its prediction when it was installed, and what it measured: the adaptation's
+    window on it (``on == "window"``), or the run's steady iteration for a plan no window measured."""
+
+    predicted_s: float
+    measured_s: float
+    on: str
+
+    @property
+    def error(self) -> float:
+        return self.predicted_s / self.measured_s - 1
+
+
+def plan_prices(doc: dict[str, Any]) -> tuple[PlanPrice, ...]:
+    """Every plan of one deft run with its prediction and measurement, in order (from the adaptation's
+    records, ``plan_info["adapt"]``). Going back to a plan measured before is no new prediction (the
+    schedule then carries its measured time as its prediction), so it adds nothing; a plan installed by
+    the last record is priced against the run's steady iteration. Without records: the schedule the run
+    ended on against the steady iteration."""
+    sched = doc["summary"].get("schedule") or {}
+    steady = doc["summary"]["iter_s_mean"]
+    records = [r for r in (sched.get("plan_info") or {}).get("adapt") or []
+               if isinstance(r, dict) and isinstance(r.get("predicted_s"), (int, float))
+               and isinstance(r.get("measured_s"), (int, float))]
+    if not records:
+        pred = sched.get("predicted_iteration_s")
+        return (PlanPrice(pred, steady, "run"),) if isinstance(pred, (int, float)) and pred > 0 else ()
+    prices = [PlanPrice(r["predicted_s"], r["measured_s"], "window") for r in records]
+    last = records[-1]
+    if last.get("new_schedule") and isinstance(last.get("new_predicted_s"), (int, float)) \
+            and str(last.get("decision", "")).startswith("try"):
+        prices.append(PlanPrice(last["new_predicted_s"], steady, "run"))
+    return tuple(prices)
+
+
+@dataclass(frozen=True)
 class LayoutRows:
     """torch DDP's and deft's default rows at one layout and rate, with the targets they were judged on and
-    deft's predicted iteration (its first run's plan)."""
+    the prices of the plans deft's first run ran (:func:`plan_prices`)."""
 
     layout: Layout
     torch: Row
     deft: Row
     targets: tuple[float, ...]
-    predicted_s: float | None
+    plans: tuple[PlanPrice, ...]
 
 
 def layout_rows(layout: Layout, at: list[dict[str, Any]], wl: Workload) -> LayoutRows | None:
@@ -643,9 +678,8 @@ def layout_rows(layout: Layout, at: list[dict[str, Any]], wl: Workload) -> Layou
     if not torch_docs or not deft_docs:
         return None
     targets = wl.targets(at)
-    pred = (deft_docs[0]["summary"].get("schedule") or {}).get("predicted_iteration_s")
     return LayoutRows(layout, summarize("torch", torch_docs, wl, targets), summarize("deft", deft_docs, wl, targets),
-                      targets, pred)
+                      targets, plan_prices(deft_docs[0]))
 
 
 def scale_table(rate: float, rows: list[LayoutRows], wl: Workload) -> list[str]:
@@ -653,25 +687,29 @@ def scale_table(rate: float, rows: list[LayoutRows], wl: Workload) -> list[str]:
     ranks falls under its ratio at two hosts of one rank, where it is not first to a target, and where its
     plan's prediction is more than :data:`PREDICTION_TOLERANCE` off the measured iteration."""
     lines = [f"### deft's default against torch DDP by layout, {rate:g} Mbit/s", "",
-             "| layout | torch DDP iteration (ms) | deft iteration (ms) | vs torch DDP | deft predicted (ms) | "
-             "prediction vs measured | to the target: torch DDP / deft (s) | vs torch DDP | "
+             "| layout | torch DDP iteration (ms) | deft iteration (ms) | vs torch DDP | "
+             "deft's plans: predicted / measured (ms) | prediction vs measured | "
+             "to the target: torch DDP / deft (s) | vs torch DDP | "
              f"final {wl.label}: torch DDP / deft |",
              "|---|---|---|---|---|---|---|---|---|"]
     base = next((r for r in rows if r.layout == Layout()), None)
     notes = []
     for r in rows:
         ratio = r.torch.iter_s / r.deft.iter_s
-        err = None if r.predicted_s is None else r.predicted_s / r.deft.iter_s - 1
+        prices = "; ".join(f"{p.predicted_s * 1e3:.0f} / {p.measured_s * 1e3:.0f}" for p in r.plans) or "-"
+        errors = "; ".join(f"{p.error:+.1%}" for p in r.plans) or "-"
         to_cells = [f"{wl.fmt(t)}: {_sec(r.torch.to_target[t][0])} / {_sec(r.deft.to_target[t][0])}"
                     for t in r.targets]
         to_ratios = [_ratio(r.torch.to_target[t][0], r.deft.to_target[t][0]) for t in r.targets]
         lines.append(f"| {r.layout.words()} | {r.torch.iter_s * 1e3:.0f} | {r.deft.iter_s * 1e3:.0f} | {ratio:.2f}x | "
-                     f"{'-' if r.predicted_s is None else f'{r.predicted_s * 1e3:.0f}'} | "
-                     f"{'-' if err is None else f'{err:+.1%}'} | {'; '.join(to_cells)} | {'; '.join(to_ratios)} | "
+                     f"{prices} | {errors} | {'; '.join(to_cells)} | {'; '.join(to_ratios)} | "
                      f"{r.torch.final_acc:.3f} / {r.deft.final_acc:.3f} |")
         where = r.layout.words()
-        if err is not None and abs(err) > PREDICTION_TOLERANCE:
-            notes.append(f"- {where}: the plan's prediction is {err:+.1%} off the measured iteration.")
+        for i, p in enumerate(r.plans, 1):
+            if abs(p.error) > PREDICTION_TOLERANCE:
+                on = "its adaptation window" if p.on == "window" else "the run's steady iteration"
+                notes.append(f"- {where}: plan {i}'s prediction is {p.error:+.1%} off {on} "
+                             f"({p.predicted_s * 1e3:.0f} against {p.measured_s * 1e3:.0f} ms).")
         for t in r.targets:
             sec_t, sec_d = r.torch.to_target[t][0], r.deft.to_target[t][0]
             if sec_d is None or (sec_t is not None and sec_t <= sec_d):

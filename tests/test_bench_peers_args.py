@@ -88,17 +88,46 @@ def _row(peers: Any, name: str, iter_s: float, to_93: float | None) -> Any:
 
 def test_the_layout_table_says_where_deft_falls_short_of_two_hosts(peers: Any) -> None:
     wl = peers.WORKLOADS["cnn"]
+
+    def one(pred: float, measured: float) -> tuple[Any, ...]:
+        return (peers.PlanPrice(pred, measured, "window"),)
+
     two = peers.LayoutRows(peers.Layout(2, 1), _row(peers, "torch", 2.0, 40.0), _row(peers, "deft", 1.0, 20.0),
-                           (0.93,), 1.05)  # 2.00x per iteration and to 93 %; predicted +5 %
+                           (0.93,), one(1.05, 1.0))  # 2.00x per iteration and to 93 %; predicted +5 %
     four = peers.LayoutRows(peers.Layout(4, 1), _row(peers, "torch", 3.0, 60.0), _row(peers, "deft", 2.0, 50.0),
-                            (0.93,), 1.5)  # 1.50x, 1.20x; predicted -25 %
+                            (0.93,), one(1.5, 2.0))  # 1.50x, 1.20x; predicted -25 %
     eight = peers.LayoutRows(peers.Layout(8, 1), _row(peers, "torch", 6.0, 80.0), _row(peers, "deft", 2.0, None),
-                             (0.93,), 2.1)  # 3.00x per iteration, never reaches 93 %; predicted +5 %
+                             (0.93,), one(2.1, 2.0))  # 3.00x per iteration, never reaches 93 %; predicted +5 %
     text = "\n".join(peers.scale_table(50.0, [two, four, eight], wl))
-    assert "| 4 ranks (4 hosts x 1 rank per host) | 3000 | 2000 | 1.50x | 1500 | -25.0% |" in text
-    assert "- 4 ranks (4 hosts x 1 rank per host): the plan's prediction is -25.0% off" in text
+    assert "| 4 ranks (4 hosts x 1 rank per host) | 3000 | 2000 | 1.50x | 1500 / 2000 | -25.0% |" in text
+    assert ("- 4 ranks (4 hosts x 1 rank per host): plan 1's prediction is -25.0% off its adaptation window "
+            "(1500 against 2000 ms)") in text
     assert "- 4 ranks (4 hosts x 1 rank per host): deft's iteration ratio 1.50x is under its 2.00x" in text
     assert "- 4 ranks (4 hosts x 1 rank per host): to 93% deft's ratio 1.20x is under its 2.00x" in text
     assert "- 8 ranks (8 hosts x 1 rank per host): deft is not first to 93% (never against torch DDP's 80.0 s)" in text
     assert "8 ranks (8 hosts x 1 rank per host): deft's iteration ratio" not in text  # 3.00x holds
     assert "2 ranks (2 hosts x 1 rank per host): " not in text.split("Where deft falls short")[1]
+
+
+def _deft_doc(records: list[dict[str, Any]], steady_s: float, predicted_s: float) -> dict[str, Any]:
+    return {"summary": {"iter_s_mean": steady_s, "schedule": {"predicted_iteration_s": predicted_s,
+                                                              "plan_info": {"adapt": records}}}}
+
+
+def test_every_plan_is_priced_against_its_own_measurement(peers: Any) -> None:
+    # plan A predicted 3.0, its window 2.4; plan B predicted 1.8, its window 2.4; back to A. The schedule
+    # the run ended on carries A's measured 2.4 as its prediction: no new prediction, nothing added.
+    back = [{"schedule": "a", "predicted_s": 3.0, "measured_s": 2.4, "new_schedule": "b", "new_predicted_s": 1.8,
+             "decision": "try the schedule planned on the corrected profile"},
+            {"schedule": "b", "predicted_s": 1.8, "measured_s": 2.4,
+             "decision": "slower than a (2400.0 ms): back to it"}]
+    got = peers.plan_prices(_deft_doc(back, 2.35, 2.4))
+    assert [(p.predicted_s, p.measured_s, p.on) for p in got] == [(3.0, 2.4, "window"), (1.8, 2.4, "window")]
+    assert [round(p.error, 3) for p in got] == [0.25, -0.25]
+    # a plan installed by the last window is priced against the run's steady iteration
+    tried = back[:1]
+    got = peers.plan_prices(_deft_doc(tried, 2.0, 1.8))
+    assert [(p.predicted_s, p.measured_s, p.on) for p in got] == [(3.0, 2.4, "window"), (1.8, 2.0, "run")]
+    # no adaptation: the schedule's prediction against the steady iteration
+    got = peers.plan_prices(_deft_doc([], 1.0, 1.1))
+    assert [(p.predicted_s, p.measured_s, p.on) for p in got] == [(1.1, 1.0, "run")]
