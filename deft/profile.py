@@ -82,7 +82,10 @@ class Link:
     """A communication link: one process group, optionally bound to its own NIC.
 
     ``T(nbytes) = alpha_s + beta_s_per_byte * nbytes`` is the fitted all-reduce time at the
-    profile's world size.
+    profile's world size. ``contention``: what the link's transfers take from the compute that shares
+    the processor with them; while links ``l`` carry a rank's collectives its compute runs at
+    ``1 / (1 + sum_l contention_l)`` of its speed (0: none, as for NCCL's copies engines; gloo's
+    reductions and socket copies run on the CPU cores the model computes on).
     """
 
     name: str
@@ -90,6 +93,7 @@ class Link:
     ifname: str | None = None
     alpha_s: float = 0.0
     beta_s_per_byte: float = 0.0
+    contention: float = 0.0
 
     def time(self, nbytes: int) -> float:
         return self.alpha_s + self.beta_s_per_byte * nbytes
@@ -236,7 +240,7 @@ class Profile:
         (and link model) x ``comm``."""
         times = tuple(BucketTimes(t.forward_s * compute, t.backward_s * compute,
                                   {k: v * comm for k, v in t.comm_s.items()}, t.codec_s * compute) for t in self.times)
-        links = tuple(Link(lk.name, lk.backend, lk.ifname, lk.alpha_s * comm, lk.beta_s_per_byte * comm)
+        links = tuple(replace(lk, alpha_s=lk.alpha_s * comm, beta_s_per_byte=lk.beta_s_per_byte * comm)
                       for lk in self.links)
         return replace(self, times=times, links=links)
 
@@ -331,6 +335,9 @@ class Profile:
             if not _nonneg(link.alpha_s) or not _nonneg(link.beta_s_per_byte):
                 raise ContractError(source, f"links[{i}]", "alpha_s and beta_s_per_byte must be finite and >= 0, "
                                     f"got {link.alpha_s} and {link.beta_s_per_byte}")
+            if not _nonneg(link.contention):
+                raise ContractError(source, f"links[{i}].contention", f"expected a finite number >= 0, got "
+                                    f"{link.contention}")
         for i, b in enumerate(self.buckets):
             if b.id != i:
                 raise ContractError(source, f"buckets[{i}].id", f"expected {i} (ids are 0..n-1 in order), got {b.id}")
@@ -379,7 +386,8 @@ class Profile:
             "versions": dict(self.versions),
             "links": [
                 {"name": k.name, "backend": k.backend, "ifname": k.ifname,
-                 "alpha_s": k.alpha_s, "beta_s_per_byte": k.beta_s_per_byte}
+                 "alpha_s": k.alpha_s, "beta_s_per_byte": k.beta_s_per_byte,
+                 **({"contention": k.contention} if k.contention else {})}  # absent: 0, the digest unchanged
                 for k in self.links
             ],
             "buckets": buckets,
@@ -411,6 +419,7 @@ class Profile:
             links.append(Link(
                 name=lf.str("name"), backend=lf.str("backend", choices=BACKENDS), ifname=lf.opt_str("ifname"),
                 alpha_s=lf.float("alpha_s", 0.0), beta_s_per_byte=lf.float("beta_s_per_byte", 0.0),
+                contention=lf.float("contention", 0.0),
             ))
         buckets, times = [], []
         for bf in f.items("buckets"):

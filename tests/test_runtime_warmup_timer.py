@@ -7,6 +7,9 @@
   of that rank's busy time inside it; by hand.
 * :func:`fit_group_beta`: the one-parameter least squares with the measured ``alpha`` fixed; worked by
   hand (exact data, noisy data, start-ups that already exceed a group's time).
+* :func:`busy_counts` and :func:`contention`: how long k links were busy in an interval, and the
+  compute slowdown per busy link that makes the backward alone take what it took beside the sends;
+  by hand (both branches: none, bisected, beyond the cap).
 * :func:`link_rotation`: each bucket on one link per iteration, on every link over ``L`` iterations.
 * :func:`paced_compute`: two ranks descheduled in different buckets are charged the slower rank's
   iteration, not the sum of the per-bucket maxima (that variant, kept as a test, fails the check); one
@@ -32,9 +35,12 @@ from torch import nn
 from deft.runtime.warmup_timer import (
     PROBE_REPEATS,
     PROBE_WARMUP,
+    MAX_CONTENTION,
     BusyGroup,
+    busy_counts,
     busy_periods,
     common_busy_groups,
+    contention,
     fit_group_beta,
     link_rotation,
     paced_compute,
@@ -137,6 +143,28 @@ def test_the_pace_is_the_slowest_rank_of_each_iteration() -> None:
     assert f[0] + b[0] == pytest.approx(7.0)
     # shape: forward medians 1 and 2 (mean 1.5), backward medians 3 and 4 (mean 3.5): 1.5 : 3.5
     assert f[0] / b[0] == pytest.approx(1.5 / 3.5)
+
+
+def test_busy_counts_by_hand() -> None:
+    spans = [[(0.0, 2.0)], [(1.0, 3.0)]]  # link 0 busy [0, 2], link 1 [1, 3]
+    assert busy_counts(spans, 0.0, 4.0) == pytest.approx({0: 1.0, 1: 2.0, 2: 1.0})
+    assert busy_counts(spans, 1.5, 2.5) == pytest.approx({2: 0.5, 1: 0.5})  # clipped to the interval
+    assert busy_counts([[], []], 0.0, 1.0) == {0: 1.0}
+
+
+def test_contention_by_hand() -> None:
+    # 2 s of work took 3 s with one link busy for 2 of them: 1 + 2 / (1 + rho) = 2, rho = 1
+    assert contention(2.0, {0: 1.0, 1: 2.0}, 3.0) == pytest.approx(1.0)
+    # the same with two links busy together: 1 + 2 / (1 + 2 rho) = 2, rho = 0.5
+    assert contention(2.0, {0: 1.0, 2: 2.0}, 3.0) == pytest.approx(0.5)
+    # the busy times rescaled to the backward's (launch calls are in the interval, not in the times)
+    assert contention(2.0, {0: 0.5, 1: 1.0}, 3.0) == pytest.approx(1.0)
+    # no slower beside the sends: none
+    assert contention(3.0, {0: 1.0, 1: 2.0}, 3.0) == 0.0
+    # slower with no link busy at all: not the links' doing
+    assert contention(2.0, {0: 3.0}, 3.0) == 0.0
+    # a link busy for too short a time to explain it: the cap
+    assert contention(2.0, {0: 2.9, 1: 0.1}, 3.0) == MAX_CONTENTION
 
 
 def test_link_rotation() -> None:

@@ -320,3 +320,42 @@ def test_vgg19_reference_profile_is_table_ii() -> None:
     assert [round(t.backward_s * us) for t in p.times] == [162, 484, 2319, 4872, 12786, 72496]
     assert p.total_comm_s("gloo") == pytest.approx(1.65 * p.total_comm_s("nccl"))
     assert sum(b.numel for b in p.buckets) == 143_667_240  # torchvision's vgg19
+
+
+# ------------------------------------------------------------------------------------------------- contention
+def _contending(p: Profile, rho: dict[str, float]) -> Profile:
+    return dataclasses.replace(p, links=tuple(dataclasses.replace(lk, backend="gloo", contention=rho.get(lk.name, 0.0))
+                                              for lk in p.links))
+
+
+def test_a_contending_link_slows_the_compute_it_overlaps_by_hand() -> None:
+    # two_bucket_delayed("b"), link a contending (1: compute at half speed while a is busy). Position 0
+    # starts at S: bucket 1's send on a runs [S, S+4] beside bucket 1's forward (2 s of work at half
+    # speed: [S, S+4]); bucket 0's forward [S+4, S+5]; the backward starts at S+5 and launches bucket
+    # 0's send on b [S+5, S+8] (b does not contend): backward [S+5, S+8]; the update waits for b: S+8.
+    # Position 1 sends nothing: 6. Cycle 14, 7 per iteration (6 without contention).
+    p, s = two_bucket_delayed("b")
+    r = simulate_schedule(_contending(p, {"a": 1.0}), s)
+    assert r.iteration_s == pytest.approx(7.0)
+    fwd = next(e for e in r.events if e.kind == "forward" and e.iteration == 4 and e.bucket == 1)
+    assert fwd.end_s - fwd.start_s == pytest.approx(4.0)
+    # both links contending: the backward runs beside b's send [S+5, S+8]: bucket 0's 2 s of work
+    # take [S+5, S+8.5] (1.5 done by S+8, 0.5 at full speed), bucket 1's [S+8.5, S+9.5]. Cycle 15.5.
+    r = simulate_schedule(_contending(p, {"a": 1.0, "b": 1.0}), s)
+    assert r.iteration_s == pytest.approx(7.75)
+
+
+def test_contention_costs_nothing_where_no_send_overlaps_the_compute() -> None:
+    # one bucket: its all-reduce runs after the backward, beside no compute (test above: 6.5)
+    p = _contending(make_profile([2.0], [3.0], [{"a": 1.5}]), {"a": 5.0})
+    for scheme in BASELINES:
+        assert simulate(p, scheme).iteration_s == pytest.approx(6.5), scheme
+
+
+def test_contention_round_trips_and_is_checked() -> None:
+    p = _contending(make_profile([2.0], [3.0], [{"a": 1.5}]), {"a": 0.25})
+    assert Profile.from_dict(p.to_dict()).links[0].contention == 0.25
+    plain = _contending(p, {})
+    assert "contention" not in plain.to_dict()["links"][0]  # absent when 0: older profiles' digests stand
+    with pytest.raises(ContractError, match=r"links\[0\]\.contention"):
+        _contending(p, {"a": -1.0})

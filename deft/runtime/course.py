@@ -171,11 +171,15 @@ class Course:
                     self._install(sched, lay, t)
             assert ex.layout is not None
             live = {n: lk for n, lk in self._links.items() if n in self._live()}
-            self._timer = WarmupTimer(self._module, self._params, ex.layout, live, cuda, self._wait_work, self.failover)
+            # the last profile iteration's backward runs alone, the others' beside their sends: the links'
+            # contention (on CUDA none: NCCL's copies leave the cores to the model)
+            held = self.profile_iters - 1 if self.profile_iters >= 2 and not cuda else None
+            self._timer = WarmupTimer(self._module, self._params, ex.layout, live, cuda, self._wait_work, self.failover,
+                                      held)
             ex.observe(self._timer)
         if self._timer is not None and ex.idle and ex.layout is not None:
             coded = self.codecs.profile_schedule(self._timer.schedule())
-            ex.install(coded, ex.layout, t, self.codecs.hooks_for(coded))
+            ex.install(coded, ex.layout, t, self.codecs.hooks_for(coded), hold=self._timer.holds_next())
 
     def forward_begins(self) -> None:
         """The executor's forward stage is launched; the model's forward begins."""

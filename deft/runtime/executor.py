@@ -193,11 +193,15 @@ class Executor:
         # The last chained launch (_chained): a hook's bucket or the used map, so its value type is open.
         self._hook_tail: torch.futures.Future[Any] | None = None
         self.failover: LinkFailover | None = None  # guards the sends on non-primary links (guard_links)
+        self._hold = False  # install(hold=True): this iteration's backward sends wait for its end
 
     # -- schedule ------------------------------------------------------------------------------
-    def install(self, schedule: Schedule, layout: FlatLayout, t0: int, hooks: Sequence[CommHook | None] = ()) -> None:
+    def install(self, schedule: Schedule, layout: FlatLayout, t0: int, hooks: Sequence[CommHook | None] = (),
+                hold: bool = False) -> None:
         """Run ``schedule`` from iteration ``t0`` on, bucket ``b`` sent by ``hooks[b]`` (None or no hooks: a
-        plain all-reduce); no group instance may be pending."""
+        plain all-reduce); no group instance may be pending. ``hold``: the backward stage's sends of this
+        iteration's gradients wait for the end of the backward (a profile iteration that times the
+        backward with no collective beside it, :mod:`deft.runtime.warmup_timer`)."""
         if self.groups:
             raise DeftError("internal: a schedule can only be installed when no update is pending")
         missing = [n for n in schedule.links if n not in self.links]
@@ -210,6 +214,7 @@ class Executor:
             self._pool.clear()
         self._views.clear()  # slices of the old layout (the buffers themselves may be reused)
         self.schedule, self.layout, self.t0 = schedule, layout, t0
+        self._hold = hold
         self.use_hooks(hooks)
 
     def guard_links(self, failover: LinkFailover) -> None:
@@ -432,6 +437,8 @@ class Executor:
     def _ready(self, task: CommTask) -> bool:
         if task.origin >= 1:
             return True
+        if self._hold and self.next_unready() is not None:
+            return False
         return self._stage == "backward" and self.in_backward and self._bucket_missing[task.bucket] == 0
 
     def _pump(self) -> None:

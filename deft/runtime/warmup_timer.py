@@ -92,11 +92,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypedDict
 
 import numpy as np
@@ -229,6 +230,7 @@ class _SampleEnd(TypedDict, total=False):
     """The keys of a :class:`Sample` set after the forward (``bwd_mark``) or at the iteration's end."""
 
     bwd_mark: float  # fallback backward start if no output tensor gets a gradient hook
+    bwd_end: float  # the last bucket ready
     launch: dict[str, list[float | None]]  # per link and bucket: when its send really started
     comm: dict[str, list[float | None]]  # per link and bucket: start to completion
 
@@ -242,6 +244,16 @@ class Sample(_SampleEnd):
     fwd_total: float
     fwd_start: float
     bwd_start: float | None
+    held: bool  # its backward's sends waited for its end (WarmupTimer.holds_next)
+
+
+class _RankCompute(TypedDict):
+    """One rank's compute times of the profile iterations, gathered (:meth:`WarmupTimer._compute_times`)."""
+
+    fwd: list[list[float]]
+    bwd: list[list[float]]
+    held: list[bool]
+    rho: float | None
 
 
 @dataclass
@@ -265,7 +277,8 @@ class WarmupTimer:
 
     def __init__(self, module: nn.Module, params: Sequence[torch.Tensor], layout: FlatLayout,
                  links: dict[str, CommLink], cuda: bool, wait: Callable[[Collective, str, int], None],
-                 failover: LinkFailover | None = None) -> None:
+                 failover: LinkFailover | None = None, held: int | None = None) -> None:
+        self.held = held  # the profile iteration whose backward runs alone (holds_next), None: none
         self._wait = wait  # waits for a launched collective (NCCL's completion is stamped after it)
         self._failover = failover  # the links lost (none: every link lives); the probe's agreement
         self.layout = layout
@@ -321,10 +334,15 @@ class WarmupTimer:
         return synchronous_schedule(self.layout.bucket_numel, self.layout.bucket_nbytes(), names,
                                     link_rotation(self.n, names, len(self.samples)))
 
+    def holds_next(self) -> bool:
+        """Whether the next profile iteration's backward sends wait for its end (``Executor.install``'s
+        ``hold``): its backward is then timed alone, the others' beside their sends (:func:`contention`)."""
+        return self.held is not None and len(self.samples) == self.held
+
     # -- forward -------------------------------------------------------------------------------
     def begin_iteration(self) -> None:
-        self._cur = {"fwd": [0.0] * self.n, "bwd": [0.0] * self.n,
-                     "fwd_total": 0.0, "fwd_start": self._now(), "bwd_start": None}
+        self._cur = {"fwd": [0.0] * self.n, "bwd": [0.0] * self.n, "fwd_total": 0.0, "fwd_start": self._now(),
+                     "bwd_start": None, "held": self.holds_next()}
         self._launches = []
         self._started = {}
         self._stack.clear()
@@ -374,7 +392,7 @@ class WarmupTimer:
         if cur["bwd_start"] is None:
             cur["bwd_start"] = self._mark = cur.get("bwd_mark", now)
         cur["bwd"][b] += max(now - self._mark, 0.0)
-        self._mark = now
+        cur["bwd_end"] = self._mark = now
 
     def hook_started(self, b: int, t: float) -> None:
         """A hooked send of bucket ``b`` really started at ``t`` (it waited for the sends chained before
@@ -446,7 +464,7 @@ class WarmupTimer:
         if not self.samples:
             raise RuntimeError("internal: no profile iteration was timed")
         n = self.n
-        fwd, bwd = self._compute_times(control)
+        fwd, bwd, rho = self._compute_times(control)
         nbytes = list(self.layout.bucket_nbytes())
         wire = list(codec.wire_nbytes) if codec is not None else nbytes
         codec_s = list(codec.codec_s) if codec is not None else [0.0] * n
@@ -458,6 +476,7 @@ class WarmupTimer:
         if not pooled:
             raise RuntimeError("internal: no all-reduce of the profile iterations completed")
         links, comm = self._fit_links(loads, pooled, alphas, wire, link_backends)
+        links = [replace(lk, contention=rho) if lk.backend == "gloo" else lk for lk in links]
         buckets = tuple(Bucket(id=b, params=self.layout.bucket_names(b),
                                numel=self.layout.bucket_numel[b], nbytes=nbytes[b],
                                wire_nbytes=wire[b] if codec is not None else None) for b in range(n))
@@ -498,12 +517,40 @@ class WarmupTimer:
         rows = control.max_rows([[mine[k] for k in names]], "per-message start-up (one-element all-reduces)")
         return dict(zip(names, rows[0], strict=True))
 
-    def _compute_times(self, control: ControlPlane) -> tuple[list[float], list[float]]:
+    def _compute_times(self, control: ControlPlane) -> tuple[list[float], list[float], float]:
         """Each bucket's forward and backward seconds at the ranks' pace (:func:`paced_compute`) from
-        every rank's profile iterations. Collective on the control group."""
-        mine = {"fwd": [list(s["fwd"]) for s in self.samples], "bwd": [list(s["bwd"]) for s in self.samples]}
+        every rank's profile iterations, and the links' contention: the median over ranks of
+        :meth:`_contention`, 0 without a held iteration. The forward ran beside no collective in any
+        of them (the synchronous step waited for every one); the backward is the held iterations' where
+        there are some. Collective on the control group."""
+        mine: _RankCompute = {"fwd": [list(s["fwd"]) for s in self.samples],
+                              "bwd": [list(s["bwd"]) for s in self.samples],
+                              "held": [s["held"] for s in self.samples], "rho": self._contention()}
         every = control.all_gather_json(mine, "compute times of the profile iterations")
-        return paced_compute([d["fwd"] for d in every], [d["bwd"] for d in every])
+        fwd, bwd = paced_compute([d["fwd"] for d in every], [d["bwd"] for d in every])
+        held = [[x for x, h in zip(d["bwd"], d["held"], strict=True) if h] for d in every]
+        if all(held):
+            bwd = paced_compute([[x for x, h in zip(d["fwd"], d["held"], strict=True) if h] for d in every], held)[1]
+        rhos = [d["rho"] for d in every if d["rho"] is not None]
+        return fwd, bwd, statistics.median(rhos) if rhos else 0.0
+
+    def _contention(self) -> float | None:
+        """This rank's estimate of the links' contention (:func:`contention`): each profile iteration's
+        backward beside its sends against the held iterations' (median) backward alone, the median over
+        those iterations; None without both kinds, or on CUDA (NCCL's copies leave the cores alone)."""
+        alone = [sum(s["bwd"]) for s in self.samples if s["held"]]
+        beside = [s for s in self.samples if not s["held"] and s.get("bwd_start") is not None and "bwd_end" in s]
+        if self.cuda or not alone or not beside:
+            return None
+        pure = statistics.median(alone)
+        rhos = []
+        for s in beside:
+            start, end = s["bwd_start"], s["bwd_end"]
+            assert start is not None
+            spans = [[(lo, lo + c) for lo, c in zip(s["launch"][k], s["comm"][k], strict=True)
+                      if lo is not None and c is not None] for k in s["comm"]]
+            rhos.append(contention(pure, busy_counts(spans, start, end), sum(s["bwd"])))
+        return statistics.median(rhos)
 
     def _busy_groups(self, control: ControlPlane, codec_s: Sequence[float]) -> dict[str, list[BusyGroup]]:
         """Per link, the busy groups of every profile iteration (:func:`common_busy_groups`), each less
@@ -611,6 +658,51 @@ def paced_compute(fwd: Sequence[Sequence[Sequence[float]]],
     total = sum(f_b) + sum(g_b)
     scale = pace / total if total > 0 else 1.0
     return [x * scale for x in f_b], [x * scale for x in g_b]
+
+
+#: The largest contention a profile carries (compute at a fifth of its speed beside each busy link):
+#: beyond it the backward beside the sends and the one alone differ for another reason (a stall).
+MAX_CONTENTION = 4.0
+
+
+def busy_counts(spans: Sequence[Sequence[tuple[float, float]]], lo: float, hi: float) -> dict[int, float]:
+    """``{k: seconds}``: how long, within ``[lo, hi]``, exactly ``k`` links had a collective in flight;
+    ``spans[l]`` holds link ``l``'s ``(launch, completion)`` intervals. The values sum to ``hi - lo``."""
+    edges = sorted({lo, hi, *(x for link in spans for a, b in link for x in (a, b) if lo < x < hi)})
+    out: dict[int, float] = {}
+    for a, b in itertools.pairwise(edges):
+        mid = 0.5 * (a + b)
+        k = sum(1 for link in spans if any(s <= mid < e for s, e in link))
+        out[k] = out.get(k, 0.0) + (b - a)
+    return out
+
+
+def contention(alone_s: float, busy: Mapping[int, float], beside_s: float) -> float:
+    """The contention ``rho`` (:class:`deft.profile.Link`) that makes a backward of ``alone_s`` seconds
+    of work, run while ``k`` links are busy for ``busy[k]`` seconds, take ``beside_s``.
+
+    The busy times are rescaled to sum to ``beside_s`` (the interval also holds deft's launch calls,
+    which neither time counts). At speed ``1 / (1 + rho k)`` the work done is
+    ``W(rho) = sum_k busy[k] / (1 + rho k)``, decreasing from ``beside_s`` at ``rho = 0`` towards
+    ``busy[0]``; ``rho`` solves ``W(rho) = alone_s`` by bisection. 0 where the backward beside the
+    sends took no longer than alone, or no link was busy beside it (nothing to charge the links with);
+    :data:`MAX_CONTENTION` where no ``rho`` up to it explains the difference.
+    """
+    total = sum(busy.values())
+    if beside_s <= alone_s or total <= busy.get(0, 0.0):
+        return 0.0
+    scaled = {k: t * beside_s / total for k, t in busy.items()}
+
+    def work(rho: float) -> float:
+        return sum(t / (1.0 + rho * k) for k, t in scaled.items())
+
+    if work(MAX_CONTENTION) >= alone_s:
+        return MAX_CONTENTION
+    lo, hi = 0.0, MAX_CONTENTION
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if work(mid) > alone_s else (lo, mid)
+    return 0.5 * (lo + hi)
 
 
 def probe_alpha(links: Mapping[str, CommLink], cuda: bool, rank: int, timeout_s: float,

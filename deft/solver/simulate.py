@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from deft._json import JsonDict
@@ -132,6 +132,10 @@ class SimResult:
 # --------------------------------------------------------------------------------------------------
 # Cost model helpers
 # --------------------------------------------------------------------------------------------------
+def _contention(profile: Profile) -> dict[str, float]:
+    return {lk.name: lk.contention for lk in profile.links}
+
+
 def serial_codec(profile: Profile) -> bool:
     """Whether the profile's codec makes the runtime send one bucket at a time over all links
     (every codec but an element-wise one: :attr:`deft.profile.Profile.elementwise_codec`)."""
@@ -250,8 +254,11 @@ class _Comm:
 class _Engine:
     """Compute stream + one queue per link, advanced in time order (a plain discrete-event loop)."""
 
-    def __init__(self, links: Sequence[str], credit: dict[str, int] | None = None, serial: bool = False) -> None:
+    def __init__(self, links: Sequence[str], credit: dict[str, int] | None = None, serial: bool = False,
+                 contention: Mapping[str, float] | None = None) -> None:
         self.serial = serial  # one send in flight over all links (hooked sends are chained)
+        # link -> its contention (deft.profile.Link): compute slows while the link is busy
+        self.contention = {lk: c for lk, c in (contention or {}).items() if c > 0}
         self.compute: list[_Compute] = []
         self.comms: list[_Comm] = []
         self.links = list(links)
@@ -311,6 +318,9 @@ class _EventLoop:
         self.ready_q: dict[str, list[tuple[tuple[float, ...], int]]] = {lk: [] for lk in eng.links}
         self.in_flight = {lk: 0 for lk in eng.links}  # bytes handed to the link and not yet finished
         self.finished = [False] * len(eng.comms)
+        self.busy: dict[str, list[tuple[float, float]]] = {lk: [] for lk in eng.contention}  # sends' spans
+        self.work_left = 0.0  # the running compute task's work not done at ``work_at``
+        self.work_at = 0.0
 
     def push(self, t: float, kind: str, idx: int) -> None:
         heapq.heappush(self.heap, (t, self.seq, kind, idx))
@@ -330,6 +340,48 @@ class _EventLoop:
         self.busy_all = max(self.busy_all, c.end)
         self.in_flight[c.link] += c.nbytes
         self.push(c.end, "comm", cid)
+        if c.link in self.busy:
+            self._contend(c.link, c.start, c.end)
+
+    # -- contention: the compute stream slows while contending links are busy ----------------------------
+    def _contend(self, link: str, start: float, end: float) -> None:
+        """A send spans ``[start, end]`` on a contending link: a running compute task ends later."""
+        if self.compute_busy:
+            self.work_left -= self._work(self.work_at, self.now)  # the new span starts now or later
+            self.work_at = self.now
+        self.busy[link] = [(a, b) for a, b in self.busy[link] if b > self.now] + [(start, end)]
+        if self.compute_busy:
+            task = self.eng.compute[self.ci - 1]
+            task.end = self._finish(self.now, self.work_left)
+            self.push(task.end, "compute", self.ci - 1)  # the earlier projection's event is stale
+
+    def _rate(self, t0: float, t1: float) -> float:
+        """The compute speed on ``[t0, t1]``, a stretch with no span edge inside."""
+        mid = 0.5 * (t0 + t1)
+        return 1.0 / (1.0 + sum(self.eng.contention[lk] for lk, spans in self.busy.items()
+                                if any(a <= mid < b for a, b in spans)))
+
+    def _edges(self, t0: float) -> list[float]:
+        return sorted({x for spans in self.busy.values() for span in spans for x in span if x > t0})
+
+    def _work(self, t0: float, t1: float) -> float:
+        """Compute work done on ``[t0, t1]``."""
+        done, t = 0.0, t0
+        for x in [*[e for e in self._edges(t0) if e < t1], t1]:
+            done += (x - t) * self._rate(t, x)
+            t = x
+        return done
+
+    def _finish(self, t0: float, work: float) -> float:
+        """When ``work`` seconds of compute started at ``t0`` end, at the speeds the known spans allow."""
+        t = t0
+        for x in self._edges(t0):
+            rate = self._rate(t, x)
+            if (x - t) * rate >= work:
+                return t + work / rate
+            work -= (x - t) * rate
+            t = x
+        return t + work
 
     def became_available(self, cid: int) -> None:
         c = self.eng.comms[cid]
@@ -374,8 +426,12 @@ class _EventLoop:
         if not all(self.finished[d] for d in task.deps):
             return False
         task.start = self.now
-        task.end = self.now + task.duration
         self.compute_busy = True
+        if self.busy:
+            self.work_left, self.work_at = task.duration, self.now
+            task.end = self._finish(self.now, task.duration)
+        else:
+            task.end = self.now + task.duration
         for cid in task.launches:
             eng.comms[cid].launched = True
             self.became_available(cid)
@@ -390,7 +446,9 @@ class _EventLoop:
         heap = self.heap
         self.now = heap[0][0]
         while heap and heap[0][0] == self.now:
-            _, _, kind, idx = heapq.heappop(heap)
+            t, _, kind, idx = heapq.heappop(heap)
+            if kind == "compute" and (t != self.eng.compute[idx].end or idx != self.ci - 1 or not self.compute_busy):
+                continue  # a projection contention moved on (_contend)
             if kind == "compute":
                 self.compute_busy = False
                 for cid in self.eng.waiting_on_grad.get(idx, ()):
@@ -460,7 +518,7 @@ def _run_synchronous(profile: Profile, messages: Sequence[_Message], iterations:
     ``barrier``: the optimizer step waits for all of them (DDP); otherwise the forward of each bucket in
     the next iteration waits for the messages containing it (ByteScheduler, US-Byte).
     """
-    eng = _Engine(profile.link_names, credit, serial=serial_codec(profile))
+    eng = _Engine(profile.link_names, credit, serial=serial_codec(profile), contention=_contention(profile))
     alpha = {lk: link_model(profile, lk)[0] for lk in profile.link_names}
     fwd_deps: dict[int, list[int]] = {}
     codecs = [(m.ready_bucket, _message_codec_s(profile, m.parts)) for m in messages]
@@ -596,7 +654,7 @@ class _ScheduleGraph:
     def __init__(self, profile: Profile, schedule: Schedule) -> None:
         self.profile = profile
         self.schedule = schedule
-        self.eng = _Engine(profile.link_names, serial=serial_codec(profile))
+        self.eng = _Engine(profile.link_names, serial=serial_codec(profile), contention=_contention(profile))
         self.gate = profile.forward_gates
         self.ready = profile.gradient_ready
         self.bwd_of: dict[int, list[int]] = {}  # iteration -> its backward tasks' ids, by bucket
