@@ -21,6 +21,7 @@ ORDER = [
     "peers_hosts.md",
     "peers_lm_hosts.md",
     "peers_lm_hosts_50.md",
+    "prices.md",
     "slow_links.md",
     "house.md",
     "faults.md",

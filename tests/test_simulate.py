@@ -359,3 +359,14 @@ def test_contention_round_trips_and_is_checked() -> None:
     assert "contention" not in plain.to_dict()["links"][0]  # absent when 0: older profiles' digests stand
     with pytest.raises(ContractError, match=r"links\[0\]\.contention"):
         _contending(p, {"a": -1.0})
+
+
+@pytest.mark.parametrize("scheme", ["usbyte", "mgwfbp"])
+def test_more_contention_is_never_faster(scheme: str) -> None:
+    # schemes whose all-reduces overlap VGG19's compute: slower as the links contend more
+    p = vgg19()
+    times = [simulate(_contending(p, {lk.name: rho for lk in p.links}), scheme).iteration_s
+             for rho in (0.0, 0.2, 1.0)]
+    assert all(b >= a - 1e-12 for a, b in itertools.pairwise(times)), times
+    assert times[-1] > times[0], times
+    assert times[0] == pytest.approx(simulate(p, scheme).iteration_s)  # 0: as without the field

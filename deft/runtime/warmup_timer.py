@@ -19,8 +19,16 @@ and nothing is waited for early, so a profile iteration costs about what a torch
 * **backward**: the backward starts when the gradient of the module output arrives (a tensor hook on
   the outputs); bucket ``b``'s backward time is the time from the previous bucket-ready event (or
   backward start) to ``b``'s ready event, less deft's own launch calls in between. The collectives
-  launched before run beside it, so compute is measured under the communication that really runs
-  beside it (on this CPU testbed the gloo threads share the cores with the model).
+  launched before run beside it (on a CPU machine the gloo threads share the cores with the model),
+  except in the held iteration (next item), whose backward times are the profile's.
+* **contention** (CPU links, two profile iterations or more): the last profile iteration holds its
+  backward's sends until the last bucket is ready (``Executor.install(hold=True)``), so its backward
+  runs beside no collective; the profile's backward times are its. Each other iteration's backward
+  ran beside its sends: the slowdown per busy link that explains the difference (:func:`contention`,
+  over the time ``k`` links were busy in it, :func:`busy_counts`) is every gloo link's
+  ``contention`` (:class:`deft.profile.Link`), the median over iterations and then over ranks; the
+  simulator slows the compute beside a send by it. An NCCL link's is 0 (its copies leave the cores
+  alone).
 * **communication**: each launch records its launch time ``L`` (the executor's clock before the
   call) and its completion time ``C``, stamped by a callback on the Work's future
   (``Work.get_future().then``, waited for before the sample is read): gloo marks the future
@@ -254,6 +262,8 @@ class _RankCompute(TypedDict):
     bwd: list[list[float]]
     held: list[bool]
     rho: float | None
+    alone_s: float | None  # the median backward of the held iterations
+    beside_s: float | None  # the median backward of the others
 
 
 @dataclass
@@ -289,6 +299,7 @@ class WarmupTimer:
         self._cur: Sample | None = None
         self._launches: list[_Launch] = []
         self._started: dict[int, float] = {}  # bucket -> when its chained hooked send really started
+        self._rank_contention: list[dict[str, float | None]] = []  # each rank's, for the profile's meta
         self._stack: list[_Frame] = []
         self._mark = 0.0
         self._handles: list[RemovableHandle] = []
@@ -523,10 +534,15 @@ class WarmupTimer:
         :meth:`_contention`, 0 without a held iteration. The forward ran beside no collective in any
         of them (the synchronous step waited for every one); the backward is the held iterations' where
         there are some. Collective on the control group."""
+        alone = [sum(s["bwd"]) for s in self.samples if s["held"]]
+        beside = [sum(s["bwd"]) for s in self.samples if not s["held"]]
         mine: _RankCompute = {"fwd": [list(s["fwd"]) for s in self.samples],
                               "bwd": [list(s["bwd"]) for s in self.samples],
-                              "held": [s["held"] for s in self.samples], "rho": self._contention()}
+                              "held": [s["held"] for s in self.samples], "rho": self._contention(),
+                              "alone_s": statistics.median(alone) if alone else None,
+                              "beside_s": statistics.median(beside) if beside else None}
         every = control.all_gather_json(mine, "compute times of the profile iterations")
+        self._rank_contention = [{k: d[k] for k in ("rho", "alone_s", "beside_s")} for d in every]
         fwd, bwd = paced_compute([d["fwd"] for d in every], [d["bwd"] for d in every])
         held = [[x for x, h in zip(d["bwd"], d["held"], strict=True) if h] for d in every]
         if all(held):
@@ -614,6 +630,9 @@ class WarmupTimer:
             "alpha_probe": {"warmup": PROBE_WARMUP, "repeats": PROBE_REPEATS,
                             "alpha_s": {k: alphas[k] for k in link_names}},
             "busy_groups": {k: len(loads[k]) for k in link_names},
+            "contention": {"held_iteration": self.held, "ranks": list(self._rank_contention),
+                           "reduction": "per rank: the median over the iterations beside their sends; "
+                                        "the median over ranks"},
             "buckets_measured_alone": {k: sorted(c) for k, c in zip(link_names, comm, strict=True)}}
         if codec is not None:
             meta["codec"] = {"wire_nbytes": "the hook's maths" if codec.wire_known else

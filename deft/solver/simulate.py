@@ -45,6 +45,11 @@ Model
   (:func:`serial_codec`; fp16 and bf16 start one collective per send and share no state, so their
   sends overlap across links as plain all-reduces do). Without a codec no such task exists and
   nothing changes.
+* **Contention** (a link with ``contention > 0``, :class:`deft.profile.Link`): where the links' work
+  runs on the cores the model computes on (gloo), the compute stream runs at ``1 / (1 + sum_l rho_l)``
+  of its speed while links ``l`` have a send in flight, ``rho_l`` their contention: a compute task's
+  end is projected from the sends it knows of and projected again when one starts beside it. Compute
+  with no send beside it, and every link with ``contention == 0``, runs as measured.
 * **Steady state**: iteration time is averaged over whole cycles after a warm-up, between forward
   starts; bubble ratio = compute idle time / window; link utilisation = busy time / window.
 

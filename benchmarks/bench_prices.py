@@ -1,0 +1,107 @@
+"""Plans' prices against their measurements, from deft runs that bench_peers.py saved.
+
+Issue 44's bar: every plan's predicted iteration within 15 % of what it measured. This script trains
+nothing; it reads the records ``bench_peers.py --schemes deft --save-runs DIR`` keeps and lists, for each
+run, the world it ran in, the links' contention its profile measured (``deft.profile.Link.contention``),
+every plan it ran with its prediction and the adaptation window that measured it
+(:func:`bench_peers.plan_prices`), and the run's steady iteration. Runs of two code versions on the same
+machine, labelled, stand side by side:
+
+    .venv/bin/python benchmarks/bench_prices.py --runs 'before=DIR1,DIR2' --runs 'after=DIR3,DIR4' \\
+        --results benchmarks/results/prices.md --note '...'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_peers as peers  # noqa: E402  (a sibling script, not a package)
+
+TOLERANCE = peers.PREDICTION_TOLERANCE
+
+
+def load(run_dir: Path) -> list[dict[str, Any]]:
+    """The deft records of one ``--save-runs`` directory (one per run; a host's own copy left out)."""
+    docs = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(run_dir.glob("*.r*.json"))
+            if ".host" not in p.name]
+    deft = [d for d in docs if d["summary"].get("ddp") == "deft"]
+    if not deft:
+        raise SystemExit(f"bench_prices.py: {run_dir}: no deft run recorded there (expected bench_peers.py "
+                         "--save-runs records of scheme deft)")
+    return deft
+
+
+def workload(doc: dict[str, Any]) -> str:
+    return "GPT-2" if "final_val_loss" in doc["summary"] else "CNN"
+
+
+def row(label: str, run_dir: Path, doc: dict[str, Any]) -> str:
+    s = doc["summary"]
+    layout = peers.Layout.of(s)
+    links = ((s.get("schedule") or {}).get("profile") or {}).get("links") or []
+    rho = sorted({float(lk.get("contention", 0.0)) for lk in links})
+    prices = peers.plan_prices(doc)
+    plans = "; ".join(f"{p.predicted_s * 1e3:.0f} / {p.measured_s * 1e3:.0f} ({p.error:+.1%})" for p in prices)
+    first = f"{prices[0].error:+.1%}" if prices else "-"
+    worst = max((abs(p.error) for p in prices), default=float("nan"))
+    held = "yes" if worst <= TOLERANCE else "no"
+    return (f"| {label} | {workload(doc)} | {s['rate_mbit']:g} | {layout.words()} | "
+            f"{', '.join(f'{r:.2f}' for r in rho) or '-'} | {plans or '-'} | {first} | {held} | "
+            f"{s['iter_s_mean'] * 1e3:.0f} | `{run_dir.name}` |")
+
+
+def report(groups: list[tuple[str, list[Path]]], note: str, command: str) -> str:
+    lines = ["## Plans' prices against their measurements (`benchmarks/bench_prices.py`)", "",
+             f"Command: `{command}`  ",
+             f"Runs: {note}  ",
+             "Each run: deft's default (`bench_peers.py --schemes deft --save-runs DIR`); the machine's 2 cores "
+             "shared by every rank's computation and every link's gloo threads. Contention: the slowdown per "
+             "busy link the profile measured (absent: 0). Plans: each plan's prediction / the adaptation "
+             "window that measured it (ms; the last one's against the run's steady iteration where no "
+             f"window measured it). Within {TOLERANCE:.0%}: every plan of the run.", "",
+             "| code | model | Mbit/s | layout | contention | plans: predicted / measured (ms) | first plan | "
+             f"within {TOLERANCE:.0%} | steady iteration (ms) | runs |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for label, dirs in groups:
+        for d in dirs:
+            lines += [row(label, d, doc) for doc in load(d)]
+    return "\n".join(lines) + "\n"
+
+
+def parse_groups(specs: list[str]) -> list[tuple[str, list[Path]]]:
+    out = []
+    for spec in specs:
+        label, sep, dirs = spec.partition("=")
+        if not sep or not label or not dirs:
+            raise SystemExit(f"bench_prices.py: --runs {spec!r}: expected LABEL=DIR[,DIR...]")
+        paths = [Path(p) for p in dirs.split(",") if p]
+        missing = [str(p) for p in paths if not p.is_dir()]
+        if missing:
+            raise SystemExit(f"bench_prices.py: --runs {label}: no such directory {', '.join(missing)}")
+        out.append((label, paths))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", action="append", required=True, help="LABEL=DIR[,DIR...]: deft runs of one code version")
+    ap.add_argument("--results", help="write the table here (default: print it)")
+    ap.add_argument("--note", default="", help="which code and how quiet the machine was")
+    args = ap.parse_args(argv)
+    text = report(parse_groups(args.runs), args.note, "benchmarks/bench_prices.py " + " ".join(
+        f"--runs '{r}'" for r in args.runs))
+    if args.results:
+        Path(args.results).write_text(text, encoding="utf-8")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
