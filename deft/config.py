@@ -90,6 +90,10 @@ class DeftConfig:
     # runs at torch DDP's pace, which time to accuracy pays (measured: benchmarks/results/peers.md).
     warmup_iters: int = 1
     profile_iters: int = 3
+    # The last profile iteration (of two or more) holds its backward's sends to its end: the links'
+    # contention for the CPU is measured and priced (deft.profile.Link.contention; none on CUDA). Off by
+    # default: on the GPT-2 its plans ran slower (benchmarks/results/prices.md)
+    contention: bool = False
     preserver: bool = True
     preserver_max_tries: int = 10
     capacity_growth: float = 1.25

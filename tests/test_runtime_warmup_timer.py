@@ -249,7 +249,7 @@ def test_profile_iterations_send_each_bucket_once_over_both_links() -> None:
     assert all(PROFILE <= prof.meta["busy_groups"][k] <= 4 * PROFILE for k in ("primary", "second"))
 
 
-def held_worker(rank: int, world: int) -> dict[str, Any]:
+def held_worker(rank: int, world: int, contention: bool = True) -> dict[str, Any]:
     """Per profile iteration, the all-reduces issued during the backward (from the output's gradient to
     the last parameter's), counted by wrapping ``torch.distributed.all_reduce``."""
     import time
@@ -271,7 +271,7 @@ def held_worker(rank: int, world: int) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     ddp = deft.DistributedDataParallel(model, optimizer=opt, config={
         "warmup_iters": WARMUP, "profile_iters": 3, "epsilon": 0.0, "bucket_cap_mb": 1e-6, "timeout_s": 60,
-        "links": [{"name": "primary"}, {"name": "second"}]})
+        "contention": contention, "links": [{"name": "primary"}, {"name": "second"}]})
     g = torch.Generator().manual_seed(rank)
     during = []
     for _ in range(WARMUP + 3):
@@ -302,6 +302,13 @@ def test_the_last_profile_iteration_runs_its_backward_beside_no_collective() -> 
         assert doc["during"][0] > 0 and doc["during"][1] > 0, doc
         assert doc["during"][2] == 0, doc
         assert all(c >= 0 for c in doc["contention"]), doc
+
+
+@pytest.mark.slow
+def test_contention_off_holds_nothing_and_prices_none() -> None:
+    for doc in values(run_ranks(held_worker, 2, (False,), timeout=120)):
+        assert all(n > 0 for n in doc["during"]), doc
+        assert doc["contention"] == [0.0, 0.0], doc
 
 
 def probe_dead_peer_worker(rank: int, world: int) -> str:

@@ -173,7 +173,7 @@ class Course:
             live = {n: lk for n, lk in self._links.items() if n in self._live()}
             # the last profile iteration's backward runs alone, the others' beside their sends: the links'
             # contention (on CUDA none: NCCL's copies leave the cores to the model)
-            held = self.profile_iters - 1 if self.profile_iters >= 2 and not cuda else None
+            held = self.profile_iters - 1 if self.profile_iters >= 2 and self.config.contention and not cuda else None
             self._timer = WarmupTimer(self._module, self._params, ex.layout, live, cuda, self._wait_work, self.failover,
                                       held)
             ex.observe(self._timer)
