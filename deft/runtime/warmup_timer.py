@@ -21,14 +21,14 @@ and nothing is waited for early, so a profile iteration costs about what a torch
   backward start) to ``b``'s ready event, less deft's own launch calls in between. The collectives
   launched before run beside it (on a CPU machine the gloo threads share the cores with the model),
   except in the held iteration (next item), whose backward times are the profile's.
-* **contention** (CPU links, two profile iterations or more): the last profile iteration holds its
-  backward's sends until the last bucket is ready (``Executor.install(hold=True)``), so its backward
-  runs beside no collective; the profile's backward times are its. Each other iteration's backward
-  ran beside its sends: the slowdown per busy link that explains the difference (:func:`contention`,
-  over the time ``k`` links were busy in it, :func:`busy_counts`) is every gloo link's
-  ``contention`` (:class:`deft.profile.Link`), the median over iterations and then over ranks; the
-  simulator slows the compute beside a send by it. An NCCL link's is 0 (its copies leave the cores
-  alone).
+* **contention** (``DeftConfig.contention``, CPU links, two profile iterations or more): the last
+  profile iteration holds its backward's sends until the last bucket is ready
+  (``Executor.install(hold=True)``), so its backward runs beside no collective; the profile's backward
+  times are its. Each other iteration's backward ran beside its sends: the slowdown per busy link that
+  explains the difference (:func:`contention`, over the time ``k`` links were busy in it,
+  :func:`busy_counts`) is every gloo link's ``contention`` (:class:`deft.profile.Link`), the median
+  over iterations and then over ranks; the simulator slows the compute beside a send by it. An NCCL
+  link's is 0 (its copies leave the cores alone).
 * **communication**: each launch records its launch time ``L`` (the executor's clock before the
   call) and its completion time ``C``, stamped by a callback on the Work's future
   (``Work.get_future().then``, waited for before the sample is read): gloo marks the future
