@@ -10,6 +10,8 @@ test can change a link's rate at a given iteration from outside. With ``FAULTS_H
 writes ``planned`` to that file once the first plan is installed and waits until the test removes it
 (the other rank waits in the next collective): the test changes the links right after the plan starts.
 ``FAULTS_BATCH``: the samples per rank and iteration (16: the links are the bound at 100 Mbit/s).
+``FAULTS_INT8_FAILS``: measuring int8's cost for a codec choice raises ``DeftError`` on every rank (a
+measurement that fails everywhere alike, as ``measure_codec`` reports one).
 """
 
 from __future__ import annotations
@@ -47,8 +49,18 @@ def per_byte_ratio(profile: Profile | None) -> float | None:
     return profile.link("second").beta_s_per_byte / profile.link("primary").beta_s_per_byte
 
 
+def _int8_fails(*args: object, **kwargs: object) -> None:
+    from deft.errors import DeftError
+
+    raise DeftError("injected by the test: int8 could not be measured")
+
+
 def main() -> None:
     import deft
+    from deft.runtime.codecs import choice
+
+    if os.environ.get("FAULTS_INT8_FAILS"):
+        choice.measure_int8 = _int8_fails  # type: ignore[assignment]
 
     steps = int(os.environ["FAULTS_STEPS"])
     size = int(os.environ.get("FAULTS_BATCH", "16"))

@@ -55,12 +55,14 @@ def _skip_netns_when_refused(request: pytest.FixtureRequest) -> None:
 
 
 def _run(tb: Testbed, work: Path, config: Path, steps: int, poll: Callable[[], None],
-         hold: bool = False, batch: int = 16) -> list[dict[str, Any]]:
+         hold: bool = False, batch: int = 16, int8_fails: bool = False) -> list[dict[str, Any]]:
     """Both ranks of tests._faults_slow_worker on ``tb``, ``poll()`` called while they run (``hold``: rank 0
-    waits after the first plan is installed until ``work / "hold"`` is removed); both ranks' reports."""
+    waits after the first plan is installed until ``work / "hold"`` is removed; ``int8_fails``: measuring
+    int8 raises on every rank); both ranks' reports."""
     port = free_port()
     env = {"FAULTS_STEPS": str(steps), "FAULTS_PROGRESS": str(work / "progress"), "FAULTS_BATCH": str(batch),
-           **({"FAULTS_HOLD": str(work / "hold")} if hold else {})}
+           **({"FAULTS_HOLD": str(work / "hold")} if hold else {}),
+           **({"FAULTS_INT8_FAILS": "1"} if int8_fails else {})}
     logs = [(work / f"out{h}", work / f"err{h}") for h in range(2)]
     with contextlib.ExitStack() as files:
         procs = [tb.popen(h, [sys.executable, "-m", "tests._faults_slow_worker"],
@@ -100,7 +102,8 @@ def _live_slowdown(work: Path) -> tuple[list[dict[str, Any]], list[tuple[str, in
     return reports, events
 
 
-def _slowed_at_install(work: Path, exact: bool = False) -> tuple[list[dict[str, Any]], int]:
+def _slowed_at_install(work: Path, exact: bool = False, int8_fails: bool = False
+                       ) -> tuple[list[dict[str, Any]], int]:
     """Both links slowed right after the first plan is installed: both ranks' reports, and the iteration
     rank 0 had finished when ``tc`` returned. Default: deft's default codec choice, links at
     ``INSTALL_RATE_MBIT`` that the compute of ``INSTALL_BATCH`` samples hides, slowed ``INSTALL_FACTOR``-fold;
@@ -121,7 +124,8 @@ def _slowed_at_install(work: Path, exact: bool = False) -> tuple[list[dict[str, 
                 slowed.append(int(progress.read_text(encoding="utf-8") or 0))
                 hold.unlink()
 
-        reports = _run(tb, work, config, INSTALL_STEPS, poll, hold=True, batch=16 if exact else INSTALL_BATCH)
+        reports = _run(tb, work, config, INSTALL_STEPS, poll, hold=True, batch=16 if exact else INSTALL_BATCH,
+                       int8_fails=int8_fails)
     assert slowed, "the first plan was never installed"
     return reports, slowed[0]
 
@@ -212,6 +216,26 @@ def test_at_epsilon_0_links_slowed_as_the_plan_starts_reopen_with_torch_ddps_par
     reopened = [r for r in info["adapt"] if "the warm-up's schedule measures" in r.get("reopened", "")]
     assert reopened and reopened[0]["iteration"] <= back[0]["iteration"] + BOUND, timeline
     assert reopened[0]["schedule"] == back[0]["to"] and reopened[0]["comm_factor"] > 2.0, timeline
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+@pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
+def test_an_int8_measurement_that_fails_leaves_the_choice_to_16_bits(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    # The scenario below, but measuring int8 raises DeftError on every rank (injected in the worker): the
+    # adaptation records it unmeasured and goes on; no later choice weighs int8, every gradient is applied once.
+    reports, _ = _slowed_at_install(_work(tmp_path_factory, "slowed_at_install_int8_fails"), int8_fails=True)
+    info = reports[0]["plan_info"]
+    timeline = (info.get("adapt"), info.get("switches"))
+    for r in reports:
+        assert r["merged"] == list(range(INSTALL_STEPS))
+    for key in ("t0", "adapt", "switches", "replans"):
+        assert reports[0]["plan_info"].get(key) == reports[1]["plan_info"].get(key), key
+    asked = [r for r in info["adapt"] if "int8_measured" in r]
+    assert asked and asked[0]["int8_measured"] is False, timeline
+    later = [r["codecs"]["codec"] for r in info["adapt"] if r["iteration"] > asked[0]["iteration"] and "codecs" in r]
+    assert "int8" not in later, timeline
 
 
 @pytest.mark.slow
