@@ -192,6 +192,17 @@ def test_the_adaptation_replans_on_a_slowed_link_within_a_bounded_number_of_iter
     assert back_ratio is not None and back_ratio <= 1.5 * before, (before, back_ratio, timeline)
 
 
+def _agreed(reports: list[dict[str, Any]]) -> tuple[dict[str, Any], tuple[Any, Any]]:
+    """rank 0's ``plan_info`` and its timeline, once every iteration's gradient is found applied exactly
+    once on each rank and the ranks' records agree."""
+    for r in reports:
+        assert r["merged"] == list(range(INSTALL_STEPS))  # every iteration's gradient applied, once
+    for key in ("t0", "adapt", "switches", "replans"):
+        assert reports[0]["plan_info"].get(key) == reports[1]["plan_info"].get(key), key
+    info = reports[0]["plan_info"]
+    return info, (info.get("adapt"), info.get("switches"))
+
+
 @pytest.fixture(scope="module")
 def slowed_at_install(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], int]:
     return _slowed_at_install(_work(tmp_path_factory, "slowed_at_install"))
@@ -203,13 +214,9 @@ def slowed_at_install(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[di
 def test_at_epsilon_0_links_slowed_as_the_plan_starts_reopen_with_torch_ddps_parameters(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     reports, slowed_at = _slowed_at_install(_work(tmp_path_factory, "slowed_at_install_exact"), exact=True)
-    info = reports[0]["plan_info"]
-    timeline = (info.get("adapt"), info.get("switches"))
+    info, timeline = _agreed(reports)
     for r in reports:
-        assert r["merged"] == list(range(INSTALL_STEPS))  # every iteration's gradient applied, once
         assert r["vs_torch"] < 1e-5, r["vs_torch"]  # through the way back and the re-opened episode
-    for key in ("t0", "adapt", "switches", "replans"):
-        assert reports[0]["plan_info"].get(key) == reports[1]["plan_info"].get(key), key
     assert slowed_at == info["t0"], timeline
     back = [s for s in info["switches"] if s.get("layout") == "warm-up"]
     assert back and back[0]["source"] == "adapt", timeline
@@ -226,12 +233,7 @@ def test_an_int8_measurement_that_fails_leaves_the_choice_to_16_bits(
     # The scenario below, but measuring int8 raises DeftError on every rank (injected in the worker): the
     # adaptation records it unmeasured and goes on; no later choice weighs int8, every gradient is applied once.
     reports, _ = _slowed_at_install(_work(tmp_path_factory, "slowed_at_install_int8_fails"), int8_fails=True)
-    info = reports[0]["plan_info"]
-    timeline = (info.get("adapt"), info.get("switches"))
-    for r in reports:
-        assert r["merged"] == list(range(INSTALL_STEPS))
-    for key in ("t0", "adapt", "switches", "replans"):
-        assert reports[0]["plan_info"].get(key) == reports[1]["plan_info"].get(key), key
+    info, timeline = _agreed(reports)
     asked = [r for r in info["adapt"] if "int8_measured" in r]
     assert asked and asked[0]["int8_measured"] is False, timeline
     later = [r["codecs"]["codec"] for r in info["adapt"] if r["iteration"] > asked[0]["iteration"] and "codecs" in r]
@@ -244,12 +246,7 @@ def test_an_int8_measurement_that_fails_leaves_the_choice_to_16_bits(
 def test_links_slowed_as_the_plan_starts_reopen_the_adaptation_and_bring_int8_in(
         slowed_at_install: tuple[list[dict[str, Any]], int]) -> None:
     reports, slowed_at = slowed_at_install
-    info = reports[0]["plan_info"]
-    timeline = (info.get("adapt"), info.get("switches"))
-    for r in reports:
-        assert r["merged"] == list(range(INSTALL_STEPS))  # every iteration's gradient applied, once
-    for key in ("t0", "adapt", "switches", "replans"):
-        assert reports[0]["plan_info"].get(key) == reports[1]["plan_info"].get(key), key
+    info, timeline = _agreed(reports)
     assert slowed_at == info["t0"], timeline  # the links slowed before the plan's first iteration ended
     assert all(v["codec"] != "int8" for v in info["codecs"]["verdicts"])  # int8 not weighed on the fast links
     # The plan's first window, on the slowed links, loses to the warm-up's time on the fast ones: back to it.
