@@ -1,0 +1,53 @@
+"""bench_prices: a saved deft run's world, contention and every plan's price in one row; bad input named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests._scripts import load_script
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def prices(monkeypatch: pytest.MonkeyPatch) -> Any:
+    return load_script(REPO / "benchmarks" / "bench_prices.py", monkeypatch)
+
+
+def _save(run_dir: Path, contention: float | None) -> None:
+    link: dict[str, Any] = {"name": "primary"}
+    if contention is not None:
+        link["contention"] = contention
+    doc = {"summary": {"ddp": "deft", "hosts": 4, "ranks_per_host": 1, "rate_mbit": 250.0, "iter_s_mean": 1.5,
+                       "final_val_loss": 2.4, "schedule": {
+                           "predicted_iteration_s": 1.5, "profile": {"links": [link, {"name": "second"}]},
+                           "plan_info": {"adapt": [
+                               {"predicted_s": 2.0, "measured_s": 1.6, "new_schedule": "b", "new_predicted_s": 1.2,
+                                "decision": "try the schedule planned on the corrected profile"}]}}}}
+    run_dir.mkdir()
+    (run_dir / "deft.250.s0.r0.json").write_text(json.dumps(doc), encoding="utf-8")
+    (run_dir / "deft.250.s0.r0.host1.json").write_text("not read", encoding="utf-8")  # a host's own copy
+
+
+def test_a_run_is_one_row_with_every_plan_priced(prices: Any, tmp_path: Path) -> None:
+    _save(tmp_path / "after", 0.5)
+    text = prices.report([("after", [tmp_path / "after"])], "one pass", "cmd")
+    row = next(line for line in text.splitlines() if line.startswith("| after |"))
+    # the first plan 2000 against its window's 1600 (+25 %), the second against the steady 1500 (-20 %):
+    # outside 15 %; the links' contention as the profile measured it (the second link's absent: 0)
+    assert row == ("| after | GPT-2 | 250 | 4 ranks (4 hosts x 1 rank per host) | 0.00, 0.50 | "
+                   "2000 / 1600 (+25.0%); 1200 / 1500 (-20.0%) | +25.0% | no | 1500 | `after` |")
+
+
+def test_bad_runs_are_named(prices: Any, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="expected LABEL=DIR"):
+        prices.parse_groups(["after"])
+    with pytest.raises(SystemExit, match="no such directory"):
+        prices.parse_groups([f"after={tmp_path / 'none'}"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no deft run recorded there"):
+        prices.load(tmp_path / "empty")
