@@ -299,7 +299,6 @@ class WarmupTimer:
         self._cur: Sample | None = None
         self._launches: list[_Launch] = []
         self._started: dict[int, float] = {}  # bucket -> when its chained hooked send really started
-        self._rank_contention: list[dict[str, float | None]] = []  # each rank's, for the profile's meta
         self._stack: list[_Frame] = []
         self._mark = 0.0
         self._handles: list[RemovableHandle] = []
@@ -475,7 +474,7 @@ class WarmupTimer:
         if not self.samples:
             raise RuntimeError("internal: no profile iteration was timed")
         n = self.n
-        fwd, bwd, rho = self._compute_times(control)
+        fwd, bwd, rho, rank_contention = self._compute_times(control)
         nbytes = list(self.layout.bucket_nbytes())
         wire = list(codec.wire_nbytes) if codec is not None else nbytes
         codec_s = list(codec.codec_s) if codec is not None else [0.0] * n
@@ -497,7 +496,8 @@ class WarmupTimer:
                       for b in range(n))
         return Profile(buckets=buckets, times=times, links=tuple(links), world_size=world, source="timing",
                        versions={"torch": torch.__version__}, model=model,
-                       meta=self._meta(loads, alphas, comm, codec), codec=codec.name if codec is not None else "")
+                       meta=self._meta(loads, alphas, comm, codec, rank_contention),
+                       codec=codec.name if codec is not None else "")
 
     def _probe(self, control: ControlPlane, t: int) -> dict[str, float]:
         """Each link's per-message start-up (:func:`probe_alpha`), the maximum over ranks, for the links
@@ -528,11 +528,12 @@ class WarmupTimer:
         rows = control.max_rows([[mine[k] for k in names]], "per-message start-up (one-element all-reduces)")
         return dict(zip(names, rows[0], strict=True))
 
-    def _compute_times(self, control: ControlPlane) -> tuple[list[float], list[float], float]:
+    def _compute_times(self, control: ControlPlane) -> tuple[list[float], list[float], float, list[JsonDict]]:
         """Each bucket's forward and backward seconds at the ranks' pace (:func:`paced_compute`) from
         every rank's profile iterations, and the links' contention: the median over ranks of
-        :meth:`_contention`, 0 without a held iteration. The forward ran beside no collective in any
-        of them (the synchronous step waited for every one); the backward is the held iterations' where
+        :meth:`_contention`, 0 without a held iteration, and each rank's estimate with its backward alone
+        and beside its sends (for the profile's ``meta``). The forward ran beside no collective in any of
+        them (the synchronous step waited for every one); the backward is the held iterations' where
         there are some. Collective on the control group."""
         alone = [sum(s["bwd"]) for s in self.samples if s["held"]]
         beside = [sum(s["bwd"]) for s in self.samples if not s["held"]]
@@ -542,13 +543,13 @@ class WarmupTimer:
                               "alone_s": statistics.median(alone) if alone else None,
                               "beside_s": statistics.median(beside) if beside else None}
         every = control.all_gather_json(mine, "compute times of the profile iterations")
-        self._rank_contention = [{k: d[k] for k in ("rho", "alone_s", "beside_s")} for d in every]
         fwd, bwd = paced_compute([d["fwd"] for d in every], [d["bwd"] for d in every])
         held = [[x for x, h in zip(d["bwd"], d["held"], strict=True) if h] for d in every]
         if all(held):
             bwd = paced_compute([[x for x, h in zip(d["fwd"], d["held"], strict=True) if h] for d in every], held)[1]
         rhos = [d["rho"] for d in every if d["rho"] is not None]
-        return fwd, bwd, statistics.median(rhos) if rhos else 0.0
+        ranks: list[JsonDict] = [{"rho": d["rho"], "alone_s": d["alone_s"], "beside_s": d["beside_s"]} for d in every]
+        return fwd, bwd, statistics.median(rhos) if rhos else 0.0, ranks
 
     def _contention(self) -> float | None:
         """This rank's estimate of the links' contention (:func:`contention`): each profile iteration's
@@ -614,7 +615,7 @@ class WarmupTimer:
         return links, comm
 
     def _meta(self, loads: Mapping[str, list[BusyGroup]], alphas: Mapping[str, float],
-              comm: Sequence[dict[int, float]], codec: Codec | None) -> JsonDict:
+              comm: Sequence[dict[int, float]], codec: Codec | None, rank_contention: list[JsonDict]) -> JsonDict:
         """The profile's ``meta``: how it was reduced, so that a reader can tell measured times from
         modelled ones (the probe, the busy groups per link, which buckets were measured alone, the
         codec's sources, the links that carried nothing and took ``beta`` from all links, and the links
@@ -630,7 +631,7 @@ class WarmupTimer:
             "alpha_probe": {"warmup": PROBE_WARMUP, "repeats": PROBE_REPEATS,
                             "alpha_s": {k: alphas[k] for k in link_names}},
             "busy_groups": {k: len(loads[k]) for k in link_names},
-            "contention": {"held_iteration": self.held, "ranks": list(self._rank_contention),
+            "contention": {"held_iteration": self.held, "ranks": rank_contention,
                            "reduction": "per rank: the median over the iterations beside their sends; "
                                         "the median over ranks"},
             "buckets_measured_alone": {k: sorted(c) for k, c in zip(link_names, comm, strict=True)}}
