@@ -4,7 +4,8 @@ links all-reduce hierarchically (``hierarchical`` left at ``"auto"``).
 
 It trains torch DDP on the default group, then deft on the config's two links from the same seed and data.
 At the start of deft's iteration ``DEFT_TEST_DOWN_AT`` it writes ``<dir>/ready<rank>`` and waits for the
-file ``<dir>/go`` (the test takes a NIC down in every host, then writes it). Its report goes to
+file ``<dir>/go`` (the test takes a NIC down in every host, then writes it); ``DEFT_TEST_DUMP_AFTER_S``
+later, a rank still running prints every thread's stack to its stderr. Its report goes to
 ``<dir>/rank<rank>.json`` (``<dir>`` is ``argv[1]``; a file each: two ranks of a host share torchrun's
 stdout): the largest difference to torch DDP's parameters (relative to each parameter's largest element),
 the iterations the applied updates merged, ``plan_info["link_failures"]`` and the parameters' sums; or,
@@ -14,6 +15,7 @@ not wait for the collectives stuck on the lost link's groups."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -40,6 +42,8 @@ def train(wrapped: nn.Module, model: nn.Module, rank: int, out: Path | None = No
             (out / f"ready{rank}").write_text("ready\n", encoding="utf-8")
             while not (out / "go").exists():
                 time.sleep(0.05)
+            # a rank still running when the test gives up has told it where every thread waits
+            faulthandler.dump_traceback_later(float(os.environ["DEFT_TEST_DUMP_AFTER_S"]), exit=False)
         g = torch.Generator().manual_seed(1000 * t + rank)
         x, y = torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)
         nn.functional.mse_loss(wrapped(x), y).backward()

@@ -5,8 +5,9 @@ It trains torch DDP (the default group, on ``nic0``) for ``FAULTS_STEPS`` steps,
 seed on the same batches, and prints one JSON line: deft's ``plan_info``, the iterations each applied
 update merged, the largest parameter difference to torch DDP, and after every deft iteration how much
 slower per byte the running profile prices the second link than the primary (``ddp.profile``: corrected
-by the adaptation). Rank 0 writes its deft iteration count to ``FAULTS_PROGRESS`` after every step, so the
-test can change a link's rate at a given iteration from outside. With ``FAULTS_HOLD`` set, rank 0 also
+by the adaptation). Rank 0 writes its deft iteration count to ``FAULTS_PROGRESS`` after every step, and
+the iteration whose window last settled the adaptation (-1 while it is deciding), so the test can change
+a link's rate from outside at a given iteration once the adaptation has settled. With ``FAULTS_HOLD`` set, rank 0 also
 writes ``planned`` to that file once the first plan is installed and waits until the test removes it
 (the other rank waits in the next collective): the test changes the links right after the plan starts.
 ``FAULTS_BATCH``: the samples per rank and iteration (16: the links are the bound at 100 Mbit/s).
@@ -47,6 +48,14 @@ def per_byte_ratio(profile: Profile | None) -> float | None:
     if profile is None:
         return None
     return profile.link("second").beta_s_per_byte / profile.link("primary").beta_s_per_byte
+
+
+def settled_at(plan_info: object) -> int:
+    """The iteration of the window that last settled the adaptation; -1 while it is deciding (or not begun)."""
+    records = plan_info.get("adapt", []) if isinstance(plan_info, dict) else []
+    if records and str(records[-1].get("decision", "")).endswith("settled"):
+        return int(records[-1]["iteration"])
+    return -1
 
 
 def _int8_fails(*args: object, **kwargs: object) -> None:
@@ -92,7 +101,7 @@ def main() -> None:
             ddp.profile.save(str(progress.parent / "profile.json"))  # what the first plan was made from
         if rank == 0:
             tmp = progress.with_suffix(".tmp")
-            tmp.write_text(str(t + 1), encoding="utf-8")
+            tmp.write_text(f"{t + 1} {settled_at(ddp.plan_info)}", encoding="utf-8")
             tmp.replace(progress)
         if rank == 0 and hold is not None and "t0" in ddp.plan_info:
             hold.write_text("planned", encoding="utf-8")

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from deft.testbed import Testbed
+from deft.testbed import Testbed, stop_process_group
 from tests._dist import free_port
 from tests._netns import NETNS_REASON, can_netns, skip_netns_when_refused
 
@@ -34,6 +34,17 @@ START_S = 240.0  # torchrun, torch DDP's run and deft's profile on a busy machin
 @pytest.fixture(autouse=True)
 def _skip_netns_when_refused(request: pytest.FixtureRequest) -> None:
     skip_netns_when_refused(request)
+
+
+def _ended(proc: subprocess.Popen[str], by: float) -> str:
+    """``proc``'s stderr, once it has ended by the time ``by``; a torchrun still running then is killed and
+    the test fails with its stderr (the ranks print every thread's stack shortly before ``by``)."""
+    try:
+        return proc.communicate(timeout=max(1.0, by - time.time()))[1]
+    except subprocess.TimeoutExpired:
+        stop_process_group(proc)  # SIGTERM, which torchrun passes on to its ranks
+        err = proc.communicate(timeout=10.0)[1]
+        raise AssertionError(f"a torchrun was still running at the test's bound:\n{err[-6000:]}") from None
 
 
 def _run(out: Path, nic: int, bound_s: float) -> tuple[list[dict[str, Any]], list[int], float]:
@@ -52,7 +63,8 @@ def _run(out: Path, nic: int, bound_s: float) -> tuple[list[dict[str, Any]], lis
             env = tb.env_for(h, rank=2 * h, world=4, port=port, config=config)
             links = {k: env[k] for k in ("GLOO_SOCKET_IFNAME", "DEFT_CONFIG", "OMP_NUM_THREADS")}
             argv = [*tb.torchrun_argv(h, 2, port), "-m", "tests._failover_hier_worker", str(out)]
-            env = {**links, "DEFT_TEST_DOWN_AT": str(DOWN_AT), "PYTHONFAULTHANDLER": "1"}
+            env = {**links, "DEFT_TEST_DOWN_AT": str(DOWN_AT), "PYTHONFAULTHANDLER": "1",
+                   "DEFT_TEST_DUMP_AFTER_S": str(bound_s - 2.0)}
             procs.append(tb.popen(h, argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True))
         end = time.monotonic() + START_S
@@ -63,7 +75,7 @@ def _run(out: Path, nic: int, bound_s: float) -> tuple[list[dict[str, Any]], lis
         tb.set_link(nic, up=False)
         down = time.time()
         (out / "go").write_text("down\n", encoding="utf-8")
-        errs = [p.communicate(timeout=max(1.0, down + bound_s - time.time()))[1] for p in procs]
+        errs = [_ended(p, down + bound_s) for p in procs]
     missing = [r for r in range(4) if not (out / f"rank{r}.json").exists()]
     assert not missing, "\n".join(e[-3000:] for e in errs)
     reports = [json.loads((out / f"rank{r}.json").read_text(encoding="utf-8")) for r in range(4)]
