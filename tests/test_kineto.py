@@ -14,6 +14,7 @@ import pytest
 
 from deft import Profile, TraceError
 from deft.profiler import kineto
+from deft.profiler.nvtx import format_range_name
 from tests._dist import free_port
 from tests._fixtures import fixture_path
 
@@ -140,6 +141,65 @@ def test_trace_without_collectives(tmp_path: Path) -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="no such trace file"):
         kineto.load(tmp_path / "absent.json")
+
+
+# -- several ranks: compute at the slowest rank's pace ---------------------------------------------------------
+def _deft_trace(rank: int, fwd: list[list[float]], bwd: list[list[float]], comm: list[float]) -> dict[str, object]:
+    """A CPU trace of one rank of a deft run with two buckets (times in us): per iteration ``i`` the
+    ranges ``deft/fwd`` of bucket 1 then 0 (``fwd[i][b]`` long), then per bucket 0, 1 ``deft/bwd``
+    (``bwd[i][b]``) and a ``deft/comm`` range around a ``c10d::allreduce_`` of ``comm[b]`` us (no gloo
+    range: the operator's own duration is the comm time) of 1000 (bucket 0) or 3000 elements."""
+    ev: list[dict[str, object]] = []
+
+    def add(name: str, cat: str, ts: float, dur: float, args: dict[str, object] | None = None) -> None:
+        ev.append({"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 1, "ts": ts, "dur": dur, "args": args or {}})
+
+    for i, (f, g) in enumerate(zip(fwd, bwd, strict=True)):
+        t = 100_000.0 * (i + 1)
+        for b in (1, 0):
+            add(format_range_name("fwd", b, i), "user_annotation", t, f[b])
+            t += f[b] + 10
+        for b in (0, 1):
+            add(format_range_name("bwd", b, i), "user_annotation", t, g[b])
+            t += g[b] + 10
+            add(format_range_name("comm", b, i, "primary", i), "user_annotation", t, comm[b] + 2)
+            add("c10d::allreduce_", "cpu_op", t + 1, comm[b], {"Input Dims": [[1000 if b == 0 else 3000]]})
+            t += comm[b] + 12
+    return {"traceEvents": ev, "distributedInfo": {"rank": rank, "world_size": 2, "backend": "gloo"}}
+
+
+def test_ranks_stalled_in_different_buckets_are_charged_the_slower_ranks_compute(tmp_path: Path) -> None:
+    # Two buckets, forward 1 + 1 ms and backward 2 + 2 ms on both ranks, three steps; rank 0 loses 3 ms
+    # in bucket 0's backward (one step 6 ms: its median over steps stays 5), rank 1 loses 2 ms in
+    # bucket 1's backward. Per-rank medians (ms): rank 0 forward 1, 1, backward 5, 2 (total 9);
+    # rank 1 forward 1, 1, backward 2, 4 (total 8). The slower rank computes 9 a step; the per-bucket
+    # maxima over ranks would charge 1 + 1 + 5 + 4 = 11, more than either rank spends.
+    ms = 1000.0
+    f = [[1 * ms, 1 * ms]] * 3
+    traces = {0: _deft_trace(0, f, [[5 * ms, 2 * ms], [6 * ms, 2 * ms], [5 * ms, 2 * ms]], [300.0, 400.0]),
+              1: _deft_trace(1, f, [[2 * ms, 4 * ms]] * 3, [500.0, 200.0])}
+    for r, doc in traces.items():
+        _write(tmp_path, f"rank{r}.json", json.dumps(doc).encode())
+    prof = kineto.load(tmp_path)
+    assert prof.meta["ranks"] == [0, 1] and [b.numel for b in prof.buckets] == [1000, 3000]
+    fwd = [t.forward_s for t in prof.times]
+    bwd = [t.backward_s for t in prof.times]
+    assert sum(fwd) + sum(bwd) == pytest.approx(9e-3)
+    # the buckets share it as their medians over ranks (of two: the mean): 1, 1, 3.5, 3 of 8.5 ms
+    assert fwd == pytest.approx([9e-3 / 8.5, 9e-3 / 8.5])
+    assert bwd == pytest.approx([3.5 * 9e-3 / 8.5, 3.0 * 9e-3 / 8.5])
+    # communication: the slower rank per bucket, 500 and 400 us
+    assert [t.comm_s["primary"] for t in prof.times] == pytest.approx([500e-6, 400e-6])
+    assert "pace" in prof.meta["reduction"]
+    # one rank's medians over steps are taken unchanged (exactly: the pace of one rank is its total)
+    one = kineto.load(tmp_path, rank=0)
+    rows = kineto.bucket_steps(kineto.read_trace(tmp_path / "rank0.json"))
+    for b, t in enumerate(one.times):
+        mine = [r for r in rows if r.bucket == b]
+        assert t.forward_s == statistics.median(r.forward_s for r in mine)
+        assert t.backward_s == statistics.median(r.backward_s for r in mine)
+    assert [t.backward_s for t in one.times] == pytest.approx([5e-3, 2e-3])
+    assert [t.comm_s["primary"] for t in one.times] == pytest.approx([300e-6, 400e-6])
 
 
 # -- real CPU runs: torch DDP over gloo, and deft-style per-bucket ranges ------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import statistics
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -277,6 +278,58 @@ def test_synthetic_profile(tmp_path: Path) -> None:
     assert prof.meta["sizes_known"] is True
     prof.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == prof
+
+
+def build_compute_export(path: Path, per_rank: dict[int, tuple[list[float], list[float], list[float]]],
+                         iterations: int = 3) -> Path:
+    """Ranks (pids) with two buckets each, one NCCL link: ``per_rank[pid] = (fwd, bwd, comm)`` gives
+    each bucket's forward, backward and all-reduce kernel time (us), the same in every iteration.
+    Each deft range launches one kernel of that length; the kernels run one after another."""
+    b = Builder(path)
+    for pid, (fwd, bwd, comm) in per_rank.items():
+        b.process(pid)
+        for it in range(iterations):
+            o, corr = 10_000.0 * (it + 1), 100 * it
+            gpu = o + 100  # the GPU timeline of this iteration, after every launch
+            for cpu, (kind, bucket, us) in enumerate([("fwd", 1, fwd[1]), ("fwd", 0, fwd[0]), ("bwd", 0, bwd[0]),
+                                                      ("comm", 0, comm[0]), ("bwd", 1, bwd[1]), ("comm", 1, comm[1])]):
+                link = "primary" if kind == "comm" else None
+                start = o + 10 * cpu
+                b.nvtx(pid, start, start + 10, format_range_name(kind, bucket, it, link, it if link else None))
+                corr += 1
+                b.launch(pid, start + 1, corr)
+                b.kernel(pid, 20 if link else 7, gpu, gpu + us, corr, ALLREDUCE if link else COMPUTE)
+                gpu += us + 5
+    b.close()
+    return path
+
+
+def test_ranks_stalled_in_different_buckets_are_charged_the_slower_ranks_compute(tmp_path: Path) -> None:
+    # Two buckets, forward 100 + 100 us and backward 200 + 200 us on both ranks; rank 100 loses 300 us
+    # in bucket 0's backward, rank 101 loses 200 us in bucket 1's. Rank 100 computes 900 us an
+    # iteration, rank 101 800; the per-bucket maxima over ranks would charge 100 + 100 + 500 + 400 =
+    # 1100, more than either rank spends.
+    us = 1e-6
+    ranks = {100: ([100.0, 100.0], [500.0, 200.0], [30.0, 40.0]), 101: ([100.0, 100.0], [200.0, 400.0], [50.0, 20.0])}
+    prof = nsys.load(build_compute_export(tmp_path / "two.sqlite", ranks))
+    assert prof.meta["ranks_pids"] == [100, 101] and "pace" in prof.meta["reduction"]
+    fwd = [t.forward_s for t in prof.times]
+    bwd = [t.backward_s for t in prof.times]
+    assert sum(fwd) + sum(bwd) == pytest.approx(900 * us)
+    # the buckets share it as their medians over ranks (of two: the mean): 100, 100, 350, 300 of 850 us
+    assert fwd == pytest.approx([100 * 900 / 850 * us, 100 * 900 / 850 * us])
+    assert bwd == pytest.approx([350 * 900 / 850 * us, 300 * 900 / 850 * us])
+    # communication: the slower rank per bucket
+    assert [t.comm_s["primary"] for t in prof.times] == pytest.approx([50 * us, 40 * us])
+    # one rank's medians over iterations are taken unchanged (exactly: the pace of one rank is its total)
+    alone = build_compute_export(tmp_path / "one.sqlite", {100: ranks[100]})
+    one = nsys.load(alone)
+    charged = nsys.bucket_ranges(alone)
+    for bk, t in enumerate(one.times):
+        for kind, got in (("fwd", t.forward_s), ("bwd", t.backward_s)):
+            assert got == statistics.median(r.seconds for r in charged if r.kind == kind and r.bucket == bk)
+    assert [(t.forward_s, t.backward_s) for t in one.times] == [pytest.approx((100 * us, 500 * us)),
+                                                               pytest.approx((100 * us, 200 * us))]
 
 
 def test_not_sqlite(tmp_path: Path) -> None:

@@ -39,7 +39,8 @@ class ThreadBuilder(Builder):
                                                       self.gpid(pid) | tid))
 
 
-def build_ddp_export(path: Path, iterations: int = 4, *, autograd_nvtx: bool = True) -> Path:
+def build_ddp_export(path: Path, iterations: int = 4, *, autograd_nvtx: bool = True,
+                     stall: dict[int, tuple[float, float]] | None = None) -> Path:
     """Per rank and iteration (times in us from the iteration's origin ``o``; GPU times the same clock):
 
     forward thread: addmm (seq s2, bucket 1's first op) kernel 50-150, relu 150-180, addmm (s0, bucket
@@ -48,13 +49,16 @@ def build_ddp_export(path: Path, iterations: int = 4, *, autograd_nvtx: bool = T
     AddmmBackward (s2) 440-560, copy 560-570, all-reduce 1 launched at o+200; the reducer's final copy
     700-710. Hence forward 1 = 180 - 50 = 130, forward 0 = 280 - 180 = 100, backward 0 = 410 - 300 =
     110, backward 1 = 570 - 410 = 160. Iteration 0 has DDP's first-iteration buckets (other sizes) and
-    is left out.
+    is left out. ``stall[pid] = (s0, s1)`` lengthens that rank's AddmmBackward kernels (s0: bucket 0's,
+    s1: bucket 1's) by ``s0`` and ``s1`` us and delays every later backward-thread kernel by as much, so
+    its backward 0 is ``110 + s0`` and backward 1 ``160 + s1``.
     """
     b = ThreadBuilder(path)
     for pid in (100, 101):
         b.process(pid)
         main, bwd = pid, pid + 1000
         corr = 0
+        s0, s1 = (stall or {}).get(pid, (0.0, 0.0))
         for it in range(iterations):
             o = 10_000.0 * (it + 1)
             seq = {k: v + 10 * it for k, v in SEQ.items()}
@@ -83,25 +87,25 @@ def build_ddp_export(path: Path, iterations: int = 4, *, autograd_nvtx: bool = T
             op(bwd, 100, 110, f"MseLossBackward0, seq = {seq['loss']}, op_id = 5")
             k(bwd, 102, 300, 320)
             op(bwd, 120, 130, f"AddmmBackward0, seq = {seq['s0']}, op_id = 6")
-            k(bwd, 122, 320, 400)
+            k(bwd, 122, 320, 400 + s0)
             op(bwd, 135, 150, "torch::autograd::AccumulateGrad, op_id = 7")
-            k(bwd, 137, 400, 410)
+            k(bwd, 137, 400 + s0, 410 + s0)
             c0 = COMM0[pid](it)
             op(bwd, 140, 149, f"c10d::allreduce_, op_id = 8, sizes = [[{sizes[0][0]}], [], [], []]")
             op(bwd, 141, 148, "nccl:all_reduce, op_id = 9")
             op(bwd, 141.5, 147, "ncclAllReduce")
-            k(bwd, 142, 410, 410 + c0, ALLREDUCE, 20)
+            k(bwd, 142, 410 + s0, 410 + s0 + c0, ALLREDUCE, 20)
             op(bwd, 160, 170, f"ReluBackward0, seq = {seq['s1']}, op_id = 10")
-            k(bwd, 162, 420, 440)
+            k(bwd, 162, 420 + s0, 440 + s0)
             op(bwd, 175, 185, f"AddmmBackward0, seq = {seq['s2']}, op_id = 11")
-            k(bwd, 177, 440, 560)
-            k(bwd, 190, 560, 570)
+            k(bwd, 177, 440 + s0, 560 + s0 + s1)
+            k(bwd, 190, 560 + s0 + s1, 570 + s0 + s1)
             c1 = COMM1[pid](it)
             op(bwd, 195, 205, f"c10d::allreduce_, op_id = 12, sizes = [[{sizes[1][0]}], [], [], []]")
             op(bwd, 196, 204, "nccl:all_reduce, op_id = 13")
-            start1 = max(570.0, 410 + c0)
+            start1 = max(570.0 + s0 + s1, 410 + s0 + c0)
             k(bwd, 200, start1, start1 + c1, ALLREDUCE, 20)
-            k(bwd, 210, 700, 710)                                        # DDP's finalize copy
+            k(bwd, 210, 700 + s0 + s1, 710 + s0 + s1)                    # DDP's finalize copy
     b.close()
     return path
 
@@ -132,6 +136,27 @@ def test_load_ddp_profile(tmp_path: Path) -> None:
     # comm: median over iterations 1..3 per rank, then the slower rank
     assert t0.comm_s["primary"] == pytest.approx(max(120, 150) * US)
     assert t1.comm_s["primary"] == pytest.approx(max(200, 190) * US)
+
+
+def test_ranks_stalled_in_different_buckets_are_charged_the_slower_ranks_compute(tmp_path: Path) -> None:
+    # Forward 100 (bucket 0) and 130 (bucket 1), backward 110 and 160 on both ranks (us); rank 100 loses
+    # 90 in bucket 0's backward (200, 160), rank 101 loses 60 in bucket 1's (110, 220). Rank 100
+    # computes 100 + 130 + 200 + 160 = 590 an iteration, rank 101 100 + 130 + 110 + 220 = 560; the
+    # per-bucket maxima over ranks would charge 100 + 130 + 200 + 220 = 650.
+    p = build_ddp_export(tmp_path / "stalled.sqlite", stall={100: (90.0, 0.0), 101: (0.0, 60.0)})
+    steps = [s for s in nsys.ddp_bucket_steps(p) if s.iteration > 0]
+    for s in steps:  # the walk sees each rank's stall where it was put
+        assert s.backward_s == pytest.approx({(100, 0): 200, (100, 1): 160, (101, 0): 110, (101, 1): 220}[
+            (s.pid, s.bucket)] * US)
+    prof = nsys.load_ddp(p)
+    t0, t1 = prof.times
+    assert t0.forward_s + t1.forward_s + t0.backward_s + t1.backward_s == pytest.approx(590 * US)
+    # the buckets share it as their medians over ranks (of two: the mean): 100, 130, 155, 190 of 575
+    assert (t0.forward_s, t1.forward_s) == pytest.approx((100 * 590 / 575 * US, 130 * 590 / 575 * US))
+    assert (t0.backward_s, t1.backward_s) == pytest.approx((155 * 590 / 575 * US, 190 * 590 / 575 * US))
+    # comm (kernel lengths unchanged by the stall): the slower rank's median, as without it
+    assert t0.comm_s["primary"] == pytest.approx(150 * US) and t1.comm_s["primary"] == pytest.approx(200 * US)
+    assert "pace" in prof.meta["reduction"]
 
 
 def test_comm_ops_join_their_operator(tmp_path: Path) -> None:

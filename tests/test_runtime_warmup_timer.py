@@ -11,9 +11,10 @@
   compute slowdown per busy link that makes the backward alone take what it took beside the sends;
   by hand (both branches: none, bisected, beyond the cap).
 * :func:`link_rotation`: each bucket on one link per iteration, on every link over ``L`` iterations.
-* :func:`paced_compute`: two ranks descheduled in different buckets are charged the slower rank's
-  iteration, not the sum of the per-bucket maxima (that variant, kept as a test, fails the check); one
-  slow iteration does not move it; the buckets keep the typical rank's proportions; by hand.
+* :func:`deft.profiler.pace.paced_compute` (the timer's reduction over ranks): two ranks descheduled
+  in different buckets are charged the slower rank's iteration, not the sum of the per-bucket maxima
+  (that variant, kept as a test, fails the check); one slow iteration does not move it; the buckets
+  keep the typical rank's proportions; by hand.
 * Two ranks, two links (loopback gloo), each parameter its own bucket: in the warm-up only the
   primary link carries traffic; in each profile iteration every bucket is sent exactly once (the
   bytes over both links are the model's gradient bytes plus the used-parameter map, counted by hand),
@@ -32,6 +33,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
+from deft.profiler.pace import paced_compute
 from deft.runtime.warmup_timer import (
     MAX_CONTENTION,
     PROBE_REPEATS,
@@ -43,7 +45,6 @@ from deft.runtime.warmup_timer import (
     contention,
     fit_group_beta,
     link_rotation,
-    paced_compute,
     probe_alpha,
 )
 from tests._dist import run_ranks, values

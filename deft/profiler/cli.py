@@ -102,7 +102,8 @@ def collect(backend: str, out: Path, trace_dir: Path) -> Profile:
         if not traces:
             raise DeftError(f"deft-profile: no torch.profiler trace in {trace_dir}: does the script use "
                             "deft.DistributedDataParallel and train for at least warm-up + --iters iterations?")
-        # every rank's trace: median over iterations per rank, max over ranks (as the timing profile)
+        # every rank's trace: median over iterations per rank; compute at the slowest rank's pace, comm max over
+        # ranks (as the timing profile's compute)
         prof = kineto.load(trace_dir)
     else:
         from deft.profiler import nsys

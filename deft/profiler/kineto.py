@@ -45,7 +45,10 @@ deft's bucket order. With ``t_b`` the launch time of bucket ``b``'s all-reduce:
 * ``comm_b`` = the collective's communication interval (above).
 
 :func:`load` reduces the steps whose bucket sizes agree with the most common layout by the median
-per bucket and field (robust to one slow step) and builds a :class:`deft.Profile`.
+per bucket and field (robust to one slow step) and builds a :class:`deft.Profile`. Over several
+ranks' traces, forward and backward go at the slowest rank's pace (:mod:`deft.profiler.pace`: its
+total of per-bucket medians, shared by the buckets' medians over ranks) and each link's comm time is
+the maximum over ranks.
 
 deft traces: an all-reduce launched inside a ``deft/comm/{link}/b{bucket}/...`` range (see
 :mod:`deft.profiler.nvtx`) takes its bucket and link from the range; then ``deft/fwd`` and
@@ -63,7 +66,7 @@ import re
 import sys
 import zlib
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -72,6 +75,7 @@ from deft._json import JsonDict, JsonValue
 from deft.errors import TraceError
 from deft.profile import Bucket, BucketTimes, Link, Profile
 from deft.profiler.nvtx import RangeName, parse_range_name
+from deft.profiler.pace import paced_medians
 from deft.profiler.tables import format_table, median
 
 US = 1e-6  # trace timestamps are microseconds
@@ -672,8 +676,8 @@ def load(path: str | Path, rank: int | None = None) -> Profile:
     """A :class:`deft.Profile` (source ``"kineto"``) from one trace, or a directory of per-rank traces.
 
     ``rank`` selects the trace of that rank (checked against ``distributedInfo.rank``). For a directory
-    and ``rank=None`` every rank's trace is read and each bucket time is the maximum over ranks of the
-    per-rank medians: a synchronous all-reduce completes only when the slowest rank arrives.
+    and ``rank=None`` every rank's trace is read and the per-rank medians over steps are reduced over
+    ranks (:func:`_over_ranks`: compute at the slowest rank's pace, comm the maximum over ranks).
     """
     p = Path(path)
     traces = [read_trace(f) for f in _trace_files(p)]
@@ -690,15 +694,7 @@ def load(path: str | Path, rank: int | None = None) -> Profile:
             raise TraceError(t.path, f"bucket layout {layout} differs from {traces[0].path}'s {ref_layout}")
     links = sorted({lk for rows, _, _ in per_rank for b in rows.values() for lk in b.comm_s},
                    key=lambda x: (x != "primary", x))
-    times = []
-    for b in range(len(ref_layout)):
-        comm = {}
-        for lk in links:
-            vals = [rows[b].comm_s[lk] for rows, _, _ in per_rank if lk in rows[b].comm_s]
-            if vals:
-                comm[lk] = max(vals)
-        times.append(BucketTimes(forward_s=max(rows[b].forward_s for rows, _, _ in per_rank),
-                                 backward_s=max(rows[b].backward_s for rows, _, _ in per_rank), comm_s=comm))
+    times = _over_ranks([rows for rows, _, _ in per_rank], len(ref_layout), links)
     info = per_rank[0][2]
     buckets = tuple(
         Bucket(id=b, params=(f"<unknown: bucket {b} of the trace, {numel} elements>",), numel=numel, nbytes=nbytes)
@@ -716,13 +712,38 @@ def load(path: str | Path, rank: int | None = None) -> Profile:
         meta={
             "trace": [t.path for t in traces], "ranks": [t.rank for t in traces],
             "steps_used": info.steps_used, "steps_skipped": info.steps_skipped,
-            "reduction": "median over steps per rank, max over ranks",
+            "reduction": "median over steps per rank; compute at the slowest rank's pace (deft.profiler.pace), "
+                         "communication max over ranks",
             "params_known": False, "deft_ranges": info.deft_ranges,
             "note": "a Kineto trace holds no parameter names; bucket params are placeholders. nbytes = "
                     "numel x dtype size of the all-reduce"
                     + (" (dtype not recorded: float32 assumed)." if info.dtype_assumed else "."),
         },
     )
+
+
+def _over_ranks(per_rank: Sequence[Mapping[int, _BucketMedians]], n: int, links: Sequence[str]) -> list[BucketTimes]:
+    """Each of the ``n`` buckets' times from every rank's medians over steps (``per_rank[r][b]``).
+
+    Forward and backward go at the ranks' pace (:func:`deft.profiler.pace.paced_medians`): with
+    ``f[r][b]``, ``g[r][b]`` rank ``r``'s medians, the total is ``T = max_r sum_b (f[r][b] + g[r][b])``,
+    the slowest rank's, and bucket ``b`` gets ``median_r f[r][b] * T / S`` and
+    ``median_r g[r][b] * T / S``, ``S`` the sum of those medians over ranks (the per-bucket maximum over
+    ranks would add up stalls that different ranks had in different buckets). One rank's medians are
+    taken unchanged. A link's comm time is the maximum over the ranks that sent the bucket on it: a
+    synchronous all-reduce completes only when the slowest rank arrives.
+    """
+    fwd, bwd = paced_medians([[rows[b].forward_s for b in range(n)] for rows in per_rank],
+                             [[rows[b].backward_s for b in range(n)] for rows in per_rank])
+    times = []
+    for b in range(n):
+        comm = {}
+        for lk in links:
+            vals = [rows[b].comm_s[lk] for rows in per_rank if lk in rows[b].comm_s]
+            if vals:
+                comm[lk] = max(vals)
+        times.append(BucketTimes(forward_s=fwd[b], backward_s=bwd[b], comm_s=comm))
+    return times
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,11 @@ Bucket times (:func:`load`) come from deft's NVTX ranges (:mod:`deft.profiler.nv
 ``[first start, last end]`` of the compute kernels launched inside it (its CPU duration if it launched
 none), and a ``deft/comm`` range's time is the span of the NCCL kernels launched inside it (its CPU
 duration if none: a gloo link, whose completion nsys cannot see). Each bucket then takes the median
-over iterations per rank and the maximum over ranks (the slowest rank gates a synchronous
-all-reduce). Sizes come from ``deft/bucket/...`` marks (:func:`deft.profiler.nvtx.mark_layout`).
+over iterations per rank. Over ranks, forward and backward go at the slowest rank's pace
+(:mod:`deft.profiler.pace`: the largest per-rank total of those medians, shared by the buckets'
+medians over ranks) and a link's comm time is the maximum over ranks (the slowest rank gates a
+synchronous all-reduce). Sizes come from ``deft/bucket/...`` marks
+(:func:`deft.profiler.nvtx.mark_layout`).
 
 An export without deft ranges but with NCCL all-reduces is read as a plain torch DDP run
 (:func:`load_ddp`): the paper's four-step walk of Fig. 8, where nsys' join of a kernel to its launching
@@ -48,9 +51,13 @@ from typing import Any, TypedDict
 from deft.errors import TraceError
 from deft.profile import Bucket, BucketTimes, Link, Profile
 from deft.profiler.nvtx import RangeName, parse_layout_name, parse_range_name
+from deft.profiler.pace import paced_medians
 from deft.profiler.tables import format_table, median
 
 NS = 1e-9
+#: The profile's ``meta["reduction"]`` (:func:`load`, :func:`load_ddp`).
+REDUCTION = ("median over iterations per rank; compute at the slowest rank's pace (deft.profiler.pace), "
+             "communication max over ranks")
 PUSH_POP, START_END, MARK, DOMAIN_CREATE = 59, 60, 34, 75
 _NCCL_KERNEL_RE = re.compile(r"nccl(?:Dev)?Kernel_([A-Za-z]+)")
 _SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -386,8 +393,8 @@ def load(path: str | Path, world_size: int | None = None) -> Profile:
         buckets=buckets, times=tuple(times),
         links=tuple(Link(name=lk, backend="nccl" if lk in nccl_links else "gloo") for lk in links),
         world_size=world_size or max(1, len(pids)), source="nsys", model=Path(path).name,
-        meta={"export": str(path), "ranks_pids": pids, "reduction": "median over iterations per rank, max over ranks",
-              "params_known": False, "sizes_known": sizes_known,
+        meta={"export": str(path), "ranks_pids": pids, "reduction": REDUCTION, "params_known": False,
+              "sizes_known": sizes_known,
               "note": "NVTX ranges carry no parameter names; sizes come from deft/bucket marks"
                       + ("" if sizes_known else " (absent for some buckets: numel/nbytes 0 there)")},
     )
@@ -406,9 +413,11 @@ def _no_deft_ranges(ex: Export) -> TraceError:
 
 def _bucket_times(ranges: list[BucketRange], pids: list[int | None], n: int, links: list[str],
                   source: str) -> list[BucketTimes]:
-    """Each bucket's forward, backward and per-link comm time: per rank the median over iterations of
-    the time charged in each iteration, then the maximum over ranks, since the slowest rank gates a
-    synchronous all-reduce. Every bucket must have a comm range on every link."""
+    """Each bucket's forward, backward and per-link comm time from per rank the median over iterations
+    of the time charged in each iteration. Forward and backward: at the ranks' pace
+    (:func:`deft.profiler.pace.paced_medians` of the ranks that recorded compute ranges; a bucket
+    without a range on such a rank counts 0 there). Comm: the maximum over ranks, since the slowest
+    rank gates a synchronous all-reduce. Every bucket must have a comm range on every link."""
 
     def per_rank(pid: int | None, kind: str, b: int, link: str | None = None) -> float | None:
         per_it: dict[int, float] = defaultdict(float)
@@ -417,16 +426,21 @@ def _bucket_times(ranges: list[BucketRange], pids: list[int | None], n: int, lin
                 per_it[r.iteration] += r.seconds
         return median(list(per_it.values())) if per_it else None
 
-    def reduce(kind: str, b: int, link: str | None = None) -> float | None:
-        vals = [v for v in (per_rank(p, kind, b, link) for p in pids) if v is not None]
+    def comm_max(b: int, link: str) -> float | None:
+        vals = [v for v in (per_rank(p, "comm", b, link) for p in pids) if v is not None]
         return max(vals) if vals else None
 
+    computing = [p for p in pids if any(r.pid == p and r.kind in ("fwd", "bwd") for r in ranges)]
+    fwd, bwd = [0.0] * n, [0.0] * n
+    if computing:
+        fwd, bwd = paced_medians([[per_rank(p, "fwd", b) or 0.0 for b in range(n)] for p in computing],
+                                 [[per_rank(p, "bwd", b) or 0.0 for b in range(n)] for p in computing])
     times, missing = [], []
     for b in range(n):
-        comm = {lk: v for lk in links if (v := reduce("comm", b, lk)) is not None}
+        comm = {lk: v for lk in links if (v := comm_max(b, lk)) is not None}
         if set(comm) != set(links):
             missing.append(b)
-        times.append(BucketTimes(forward_s=reduce("fwd", b) or 0.0, backward_s=reduce("bwd", b) or 0.0, comm_s=comm))
+        times.append(BucketTimes(forward_s=fwd[b], backward_s=bwd[b], comm_s=comm))
     if missing:
         raise TraceError(source, f"buckets {missing} have no deft/comm range on every link ({', '.join(links)})")
     return times
@@ -705,8 +719,8 @@ def load_ddp(path: str | Path | Export, world_size: int | None = None) -> Profil
 
     ``comm_b`` is the all-reduce kernel's GPU span. Iterations whose bucket count (and sizes, when
     shapes were recorded) differ from the most common one are left out (DDP rebuilds its buckets after
-    the first iteration); each bucket takes the median over iterations per rank and the maximum over
-    ranks, as :func:`load`.
+    the first iteration); each bucket takes the median over iterations per rank, and over ranks forward
+    and backward go at the slowest rank's pace and comm takes the maximum, as in :func:`load`.
     """
     ex, own = _open(path)
     try:
@@ -736,7 +750,7 @@ def load_ddp(path: str | Path | Export, world_size: int | None = None) -> Profil
         world_size=world_size or max(1, len(pids)), source="nsys", model=name,
         meta={"export": source, "ranks_pids": pids, "walk": "torch DDP (paper Fig. 8)",
               "iterations": sorted({i for _, i in kept}), "dropped_iterations": len(per_iter) - len(kept),
-              "reduction": "median over iterations per rank, max over ranks", "params_known": False,
+              "reduction": REDUCTION, "params_known": False,
               "sizes_known": sizes_known,
               "note": "bucket b is the b-th all-reduce of the backward; sizes from the c10d operators' recorded "
                       "shapes and the NCCL kernels' dtype" + ("" if sizes_known else
@@ -759,19 +773,18 @@ def _common_shape_iterations(steps: list[DdpBucketStep]) -> tuple[_StepsByIterat
 
 
 def _reduced_times(kept: _StepsByIteration, pids: list[int | None]) -> tuple[BucketTimes, ...]:
-    """Each bucket's times: the median over iterations per rank, the maximum over ranks."""
+    """Each bucket's times from the median over iterations per rank: forward and backward at the ranks'
+    pace (:func:`deft.profiler.pace.paced_medians`), comm the maximum over ranks. Every rank in ``pids``
+    has kept iterations, each with every bucket."""
 
-    def field(b: int, get: str) -> float:
-        per_rank = []
-        for p in pids:
-            vals = [getattr(v[b], get) for (q, _), v in kept.items() if q == p]
-            if vals:
-                per_rank.append(median(vals))
-        return max(per_rank)
+    def per_rank(p: int | None, b: int, get: str) -> float:
+        return median([getattr(v[b], get) for (q, _), v in kept.items() if q == p])
 
     n = len(next(iter(kept.values())))
-    return tuple(BucketTimes(forward_s=field(b, "forward_s"), backward_s=field(b, "backward_s"),
-                             comm_s={"primary": field(b, "comm_s")}) for b in range(n))
+    fwd, bwd = paced_medians([[per_rank(p, b, "forward_s") for b in range(n)] for p in pids],
+                             [[per_rank(p, b, "backward_s") for b in range(n)] for p in pids])
+    return tuple(BucketTimes(forward_s=fwd[b], backward_s=bwd[b],
+                             comm_s={"primary": max(per_rank(p, b, "comm_s") for p in pids)}) for b in range(n))
 
 
 # -- command line -----------------------------------------------------------------------------------------

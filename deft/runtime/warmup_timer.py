@@ -90,10 +90,10 @@ time (never below 0) and the links are fitted over *wire* bytes (the hook's comp
 maths): ``comm_s`` and alpha-beta are then what the wire costs, and the profile carries
 ``codec``, ``wire_nbytes`` and ``codec_s`` for the planner and the simulator.
 
-Forward and backward reduce to the ranks' *pace* (:func:`paced_compute`): the slowest rank's compute
-of each profile iteration, its median over iterations, spread over the buckets as their median over
-ranks (in synchronous data parallelism the slowest rank sets the pace). Every rank gathers every
-rank's compute times and launch and completion times and computes the same profile.
+Forward and backward reduce to the ranks' *pace* (:func:`deft.profiler.pace.paced_compute`): the
+slowest rank's compute of each profile iteration, its median over iterations, spread over the buckets
+as their median over ranks (in synchronous data parallelism the slowest rank sets the pace). Every
+rank gathers every rank's compute times and launch and completion times and computes the same profile.
 """
 
 from __future__ import annotations
@@ -116,6 +116,7 @@ from torch.utils.hooks import RemovableHandle
 from deft._json import JsonDict
 from deft.errors import CommunicationError
 from deft.profile import Bucket, BucketTimes, Link, Profile
+from deft.profiler.pace import paced_compute
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.codecs.timing import Codec
 from deft.runtime.control import FUTURE_TYPES, Collective, ControlPlane, wait_work
@@ -529,12 +530,12 @@ class WarmupTimer:
         return dict(zip(names, rows[0], strict=True))
 
     def _compute_times(self, control: ControlPlane) -> tuple[list[float], list[float], float, list[JsonDict]]:
-        """Each bucket's forward and backward seconds at the ranks' pace (:func:`paced_compute`) from
-        every rank's profile iterations, and the links' contention: the median over ranks of
-        :meth:`_contention`, 0 without a held iteration, and each rank's estimate with its backward alone
-        and beside its sends (for the profile's ``meta``). The forward ran beside no collective in any of
-        them (the synchronous step waited for every one); the backward is the held iterations' where
-        there are some. Collective on the control group."""
+        """Each bucket's forward and backward seconds at the ranks' pace
+        (:func:`~deft.profiler.pace.paced_compute`) from every rank's profile iterations, and the links'
+        contention: the median over ranks of :meth:`_contention`, 0 without a held iteration, and each
+        rank's estimate with its backward alone and beside its sends (for the profile's ``meta``). The
+        forward ran beside no collective in any of them (the synchronous step waited for every one); the
+        backward is the held iterations' where there are some. Collective on the control group."""
         alone = [sum(s["bwd"]) for s in self.samples if s["held"]]
         beside = [sum(s["bwd"]) for s in self.samples if not s["held"]]
         mine: _RankCompute = {"fwd": [list(s["fwd"]) for s in self.samples],
@@ -647,37 +648,6 @@ class WarmupTimer:
         if lost:
             meta["lost_links"] = lost
         return meta
-
-
-def paced_compute(fwd: Sequence[Sequence[Sequence[float]]],
-                  bwd: Sequence[Sequence[Sequence[float]]]) -> tuple[list[float], list[float]]:
-    """Per-bucket forward and backward seconds at the ranks' pace.
-
-    ``fwd[r][i][b]`` is rank ``r``'s forward time of bucket ``b`` in profile iteration ``i`` (``bwd``
-    likewise). The total is the pace ``T = median_i max_r sum_b (fwd[r][i][b] + bwd[r][i][b])``: in each
-    iteration the slowest rank's compute, robust to one slow iteration. The buckets share it as their
-    medians over ranks of their medians over iterations, ``f_b`` and ``g_b``: forward ``f_b T / S`` and
-    backward ``g_b T / S`` with ``S = sum_b (f_b + g_b)``. So the times sum to ``T`` and keep the
-    typical rank's proportions; where ``S`` is 0 they are the medians unscaled (all zero).
-
-    Note: taking the maximum over ranks bucket by bucket would charge more than any rank spends:
-    ``sum_b max_r x_rb >= max_r sum_b x_rb``. With more ranks than cores every rank is descheduled
-    somewhere in the iteration, each in another bucket, and the per-bucket maxima add up every rank's
-    stall.
-    """
-    if not fwd or len(fwd) != len(bwd):
-        raise ValueError(f"internal: compute times of {len(fwd)} ranks' forward and {len(bwd)} ranks' backward")
-    iters = min(len(r) for r in (*fwd, *bwd))
-    if iters == 0:
-        raise ValueError("internal: a rank timed no profile iteration")
-    n = len(fwd[0][0])
-    pace = statistics.median(max(sum(f[i]) + sum(g[i]) for f, g in zip(fwd, bwd, strict=True))
-                             for i in range(iters))
-    f_b = [statistics.median(statistics.median(r[i][b] for i in range(iters)) for r in fwd) for b in range(n)]
-    g_b = [statistics.median(statistics.median(r[i][b] for i in range(iters)) for r in bwd) for b in range(n)]
-    total = sum(f_b) + sum(g_b)
-    scale = pace / total if total > 0 else 1.0
-    return [x * scale for x in f_b], [x * scale for x in g_b]
 
 
 #: The largest contention a profile carries (compute at a fifth of its speed beside each busy link):
