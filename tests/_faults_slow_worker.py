@@ -53,9 +53,7 @@ def per_byte_ratio(profile: Profile | None) -> float | None:
 def settled_at(plan_info: object) -> int:
     """The iteration of the window that last settled the adaptation; -1 while it is deciding (or not begun)."""
     records = plan_info.get("adapt", []) if isinstance(plan_info, dict) else []
-    if records and str(records[-1].get("decision", "")).endswith("settled"):
-        return int(records[-1]["iteration"])
-    return -1
+    return int(records[-1]["iteration"]) if records and records[-1]["settled"] else -1
 
 
 def _int8_fails(*args: object, **kwargs: object) -> None:

@@ -248,6 +248,8 @@ def test_adaptation_converges_and_keeps_every_gradient_exactly_once() -> None:
     records = [r for r in a["adapt"] if "episode" not in r]
     assert records[0]["error"] > 0.10 and "comm_factor" in records[0]  # far off: calibrated
     assert "settled" in records[-1]["decision"] or "back" in records[-1]["decision"]
+    # every decision but the last went on adapting; the last ended the episode (the record says so)
+    assert [r["settled"] for r in records] == [False] * (len(records) - 1) + [True], records
     assert len(records) <= 2 + 2  # at most max_replans re-plans, then one settling window (+ a return)
     assert sorted(t for _, its in a["log"] for t in its) == list(range(ITERS))  # each iteration once
     assert all(len(its) == 1 for _, its in a["log"])  # epsilon 0: one update per iteration throughout

@@ -76,8 +76,9 @@ rank 0 gets the slowest rank's medians (one max-reduction) and decides (:class:`
    behind these choices: benchmarks/RESULTS.md, "Figures behind the runtime's constants".
 
 At ``epsilon == 0`` every candidate is a lag-free plan or the synchronous schedule and every switch
-flushes, so the parameters stay torch DDP's. Each decision is recorded in ``plan_info["adapt"]``, each
-re-planned schedule offered in ``plan_info["replans"]``.
+flushes, so the parameters stay torch DDP's. Each decision is recorded in ``plan_info["adapt"]`` (its
+``settled``: whether the episode ended there, the adaptation then watching the links), each re-planned
+schedule offered in ``plan_info["replans"]``.
 """
 
 from __future__ import annotations
@@ -654,6 +655,7 @@ class Adaptation:
             corrected = self._candidate_profile
         # A superseded decision is void, "done" with it: the schedule the re-check chose is measured next.
         self._settled(doc, superseded)
+        record["settled"] = self._watch is not None  # the episode ended here: only a watch re-opens it
         return Outcome(record, corrected, replan)
 
     def _int8_measured(self) -> bool:
