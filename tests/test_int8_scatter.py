@@ -9,6 +9,8 @@ draws, then decoded; the hook must give exactly that, on every rank.
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -192,3 +194,53 @@ def test_deft_int8_at_four_ranks_is_the_same_everywhere_and_within_the_codecs_er
         # per step and element, each rounding errs by less than a block scale, at most max |g| / 127:
         # two roundings, STEPS steps (gradients along the exact run's path, 1.5 x for the drift)
         assert 0.0 < r["vs_exact"] <= STEPS * LR * 2 * 1.5 * r["g_max"] / 127
+
+
+
+class HeldState(Int8State):
+    """One state for every group, as deft's links share one, whose second exchanges on ``held`` wait until
+    ``release`` is set (a link that is slow to finish); ``one_thread``: every group's exchanges go to one
+    thread, the broken variant (``submit`` is where the hook hands them over)."""
+
+    def __init__(self, held: dist.ProcessGroup, release: threading.Event, one_thread: bool) -> None:
+        super().__init__(seed=SEED)
+        self.held, self.release, self.one_thread = held, release, one_thread
+
+    def submit(self, job: Callable[[], None], group: object = None) -> None:
+        def after_release() -> None:
+            self.release.wait()
+            job()
+
+        super().submit(after_release if group is self.held else job, None if self.one_thread else group)
+
+
+def two_groups_worker(rank: int, world: int, one_thread: bool) -> dict[str, Any]:
+    """Every rank sends a bucket on group A, then one on group B, through one state; rank 0's exchange on A
+    is held until its bucket on B is done."""
+    a, b = dist.new_group(), dist.new_group()
+    release = threading.Event()
+    state = HeldState(a, release, one_thread)
+    if rank != 0:
+        release.set()
+    x = gradient(rank)
+
+    def on(group: dist.ProcessGroup) -> torch.futures.Future[torch.Tensor]:
+        state.process_group = group
+        return hook(state, x)
+
+    fa, fb = on(a), on(b)
+    b_done = threading.Event()
+    fb.add_done_callback(lambda _: (b_done.set(), release.set()))
+    finished = b_done.wait(10.0)
+    release.set()  # the broken variant: let A, then B, finish
+    exact = torch.stack([gradient(r) for r in range(world)]).mean(0)
+    return {"b_first": finished, "diffs": [float((f.wait() - exact).abs().max()) for f in (fa, fb)]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("one_thread", [False, pytest.param(True, marks=pytest.mark.xfail(
+    strict=True, reason="one thread: B's exchange waits behind A's, which waits for B"))])
+def test_one_state_on_two_groups_exchanges_on_each_without_waiting_for_the_other(one_thread: bool) -> None:
+    for r in values(run_ranks(two_groups_worker, 3, (one_thread,), timeout=120)):
+        assert r["b_first"], r  # B finished while A's exchange was held on rank 0
+        assert max(r["diffs"]) < 0.1, r  # and both are the average, through the codec

@@ -71,8 +71,9 @@ Note (why point-to-point, and a thread): the second exchange can only start once
 chunks are in. Started from the all-to-all's callback on the same group, it would be issued on each rank
 at a moment of its own, between the collectives the training thread issues there (other buckets'
 all-reduces), and gloo matches collectives by the order they are issued. gloo's point-to-point sends
-are matched by their tag instead, so the state's one thread (:class:`Int8State`) runs the second
-exchanges, in call order, without waiting on the training thread: one ``Int8State`` per group.
+are matched by their tag instead, so a thread of the state's (:class:`Int8State`), one per group, runs
+the group's second exchanges, in call order, without waiting on the training thread. deft's links share
+one state, each link on its own group: their exchanges overlap, as their all-reduces do.
 """
 
 # No ``from __future__ import annotations``: torch DDP's register_comm_hook reads the hook's annotations
@@ -95,7 +96,8 @@ TAGS = 2 ** 24
 
 class Int8State:
     """The hook's state: the process group (set by deft per link), the seed and the calls so far, and
-    the thread that runs the scatter path's second exchanges (started at its first use).
+    a thread per process group that runs the scatter path's second exchanges on it (started at the
+    group's first use).
 
     Call ``c`` on rank ``r`` draws from a generator seeded by ``(seed, c, r)``, so the state is the same
     on every rank (every rank calls the hook for the same buckets) and a checkpoint saved on one rank
@@ -105,7 +107,7 @@ class Int8State:
         self.process_group = process_group
         self.seed = seed
         self.calls = 0
-        self._jobs: queue.SimpleQueue[Callable[[], None]] | None = None
+        self._jobs: dict[object, queue.SimpleQueue[Callable[[], None]]] = {}
 
     def generator(self, calls: int, rank: int, device: torch.device) -> torch.Generator:
         """The generator of call ``calls`` on rank ``rank`` (module docstring)."""
@@ -118,12 +120,16 @@ class Int8State:
         self.calls += 1
         return self.generator(self.calls - 1, rank, device)
 
-    def submit(self, job: Callable[[], None]) -> None:
-        """Run ``job`` on the state's thread, after the jobs submitted before it."""
-        if self._jobs is None:
-            self._jobs = queue.SimpleQueue()
-            threading.Thread(target=_serve, args=(self._jobs,), name="deft-int8", daemon=True).start()
-        self._jobs.put(job)
+    def submit(self, job: Callable[[], None], group: object = None) -> None:
+        """Run ``job`` on ``group``'s thread, after the jobs submitted for ``group`` before it. One thread per
+        group: a group's exchanges go in call order, and the links' groups do not wait on each other (one
+        state serves every link's buckets; a single thread would run the links' exchanges one at a time).
+        Called from the thread that calls the hook, as the hook is."""
+        jobs = self._jobs.get(group)
+        if jobs is None:
+            jobs = self._jobs[group] = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(jobs,), name=f"deft-int8-{len(self._jobs)}", daemon=True).start()
+        jobs.put(job)
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "calls": self.calls}
@@ -312,5 +318,5 @@ def _scatter(state: Int8State, group: dist.ProcessGroup, buffer: torch.Tensor) -
         except Exception as e:  # the future carries it to whoever waits
             result.set_exception(e)  # type: ignore[arg-type]  # torch types the exception as the value type
 
-    state.submit(finish)
+    state.submit(finish, group)
     return result
