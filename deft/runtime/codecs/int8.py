@@ -295,7 +295,8 @@ def _exchange(rows: torch.Tensor, me: int, group: dist.ProcessGroup, tag: int) -
 
 
 def _scatter(state: Int8State, group: dist.ProcessGroup, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """The scatter path (module docstring): the all-to-all started in the call, the rest on the state's thread."""
+    """The scatter path (module docstring): the all-to-all started in the call, the rest on the state's
+    thread for ``group``."""
     world, me, n = dist.get_world_size(group), dist.get_rank(group), buffer.numel()
     tag = state.calls % TAGS + 1
     gen = state.rng(buffer.device)
