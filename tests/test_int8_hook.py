@@ -203,3 +203,54 @@ def test_int8_under_torchs_amp_loop_equals_torch_ddp_and_skips_the_overflow(tmp_
         finite = [i for i in range(AMP_STEPS) if i != INF_AT]
         assert [r["norms"][i] for i in finite] == pytest.approx([r["ref_norms"][i] for i in finite], rel=1e-5)
         assert r["log"] == [[t] for t in range(AMP_STEPS) if t != INF_AT]  # the inf step skipped, only it
+
+
+class _FailedWork:
+    """What a collective on a lost link gives back: a future that completes with the error."""
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        fut.set_exception(RuntimeError("injected: the link's all-gather failed"))
+        return fut
+
+
+def pieces_worker(rank: int, world: int) -> dict[str, Any]:
+    from deft.runtime.codecs import int8
+
+    n = 3 * int8.GATHER_PIECE // 2  # a payload of 1.5 pieces and its scales: two pieces
+    x = torch.randn(n, generator=torch.Generator().manual_seed(rank)) * (1 + rank)
+    state = Int8State(seed=9)
+    real, sizes = dist.all_gather, []
+
+    def counted(outs: list[torch.Tensor], inp: torch.Tensor, **kwargs: Any) -> Any:
+        sizes.append(inp.numel())
+        return real(outs, inp, **kwargs)
+
+    dist.all_gather = counted  # type: ignore[assignment]
+    try:
+        got = call(state, x)
+    finally:
+        dist.all_gather = real
+    # the maths, whole: every rank's payload of the first call's draws, all-gathered at once, decoded
+    payload = int8.encode(x, state.generator(0, rank, torch.device("cpu")))
+    everyone = [torch.empty_like(payload) for _ in range(world)]
+    dist.all_gather(everyone, payload)
+    dist.all_gather = lambda *a, **k: _FailedWork()  # type: ignore[assignment]
+    try:
+        call(state, x)
+        failed = ""
+    except RuntimeError as e:
+        failed = str(e)
+    finally:
+        dist.all_gather = real
+    return {"sizes": sizes, "payload": payload.numel(), "equal": bool(torch.equal(got, int8.decode(everyone, n))),
+            "failed": failed}
+
+
+@pytest.mark.slow
+def test_a_payload_gathered_in_pieces_decodes_as_gathered_whole_and_a_failed_piece_fails_the_bucket() -> None:
+    for r in values(run_ranks(pieces_worker, 2, timeout=120)):
+        # two all-gathers of half the payload each (1.5 pieces' worth: two equal pieces), decoded as one
+        assert r["sizes"] == [r["payload"] // 2] * 2 and r["equal"], r
+        # a piece whose all-gather failed (a lost link) fails the bucket's future, not decoded as sent
+        assert "injected" in r["failed"], r

@@ -86,11 +86,12 @@ class HookBucket:
         self._buffer.copy_(tensor)
 
 
-#: Hooks that start one collective synchronously and keep no cross-bucket state but int8's count of calls,
-#: read in the call (their codec names, ``fp16``, ``bf16`` and ``int8``, are
-#: :data:`deft.profile.ELEMENTWISE_CODECS`). int8's reduce-scatter path exchanges its rounded chunks
-#: after its all-to-all by point-to-point sends matched by tag, on the state's own thread in call order,
-#: so they cannot interleave with the other collectives differently on different ranks.
+#: Hooks that start their collectives synchronously, in the call, and keep no cross-bucket state but int8's
+#: count of calls, read in the call (their codec names, ``fp16``, ``bf16`` and ``int8``, are
+#: :data:`deft.profile.ELEMENTWISE_CODECS`): one collective, or int8's all-gather in pieces. int8's
+#: reduce-scatter path exchanges its rounded chunks after its all-to-all by point-to-point sends matched by
+#: tag, on the state's thread for the group in call order, so they cannot interleave with the other
+#: collectives differently on different ranks.
 SINGLE_COLLECTIVE_HOOKS = (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook,
                            int8.int8_compress_hook)
 
@@ -112,7 +113,7 @@ class CommHook:
     @property
     def chained(self) -> bool:
         """Whether launches must run one at a time (``Executor._chained``). torch's fp16/bf16/plain
-        hooks start their one collective inside the call and keep no state between buckets,
+        hooks and deft's int8 start their collectives inside the call and keep no state between buckets,
         so their launches on different links may overlap like plain all-reduces (same launch order on
         every rank); any other hook (PowerSGD starts collectives from callbacks and shares state) is
         chained. The simulator's ``serial`` links follow this (:func:`deft.solver.simulate.serial_codec`)."""
@@ -204,7 +205,7 @@ CODEC_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.b
 
 def codec_hook(name: str) -> CommHook:
     """The hook of the element-wise codec ``name``: torch's ``"fp16"``, ``"bf16"`` (stateless) or deft's
-    ``"int8"`` (:mod:`deft.runtime.codecs.int8`, a generator); one collective started in the call, in place;
+    ``"int8"`` (:mod:`deft.runtime.codecs.int8`, a generator); collectives started in the call, in place;
     what a schedule's per-bucket codec runs."""
     if name == "int8":
         return CommHook(int8.Int8State(), int8.int8_compress_hook, name)

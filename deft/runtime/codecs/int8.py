@@ -92,6 +92,10 @@ BLOCK = 256
 LEVELS = 127
 #: The scatter path's point-to-point tags: the call's number modulo this, plus one.
 TAGS = 2 ** 24
+#: On gloo the gather path all-gathers a payload in equal pieces of about this many bytes, issued together
+#: in the call: on a shaped link one all-gather of a 1-2 MB payload ran 1.3-1.45x as long as an all-reduce of
+#: as many bytes, pieces of this size as long (benchmarks/results/codec_paths.md, "the gather path").
+GATHER_PIECE = 2 ** 18
 
 
 class Int8State:
@@ -238,13 +242,18 @@ def int8_compress_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futur
         return _scatter(state, group, buffer)
     payload = encode(buffer, state.rng(buffer.device))
     gathered = [torch.empty_like(payload) for _ in range(world)]
-    fut = dist.all_gather(gathered, payload, group=group, async_op=True).get_future()
+    pieces = max(1, round(payload.numel() / GATHER_PIECE)) if scatter_supported(group, buffer.device) else 1
+    piece = math.ceil(payload.numel() / pieces)  # equal pieces, none much smaller than the rest
+    futs = [dist.all_gather([g[lo:lo + piece] for g in gathered], payload[lo:lo + piece], group=group,
+                            async_op=True).get_future() for lo in range(0, payload.numel(), piece)]
 
-    def average(_: torch.futures.Future[object]) -> torch.Tensor:
+    def average(pieces: torch.futures.Future[list[torch.futures.Future[object]]]) -> torch.Tensor:
+        for piece in pieces.wait():
+            piece.wait()  # a piece that failed (a lost link) fails the bucket's future: nothing decoded
         buffer.copy_(decode(gathered, n))
         return buffer
 
-    return fut.then(average)
+    return torch.futures.collect_all(futs).then(average)
 
 
 def round_blocks(blocks: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
