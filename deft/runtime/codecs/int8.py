@@ -18,8 +18,9 @@ generator; the ranks all-gather every rank's payload and every rank decodes the 
 
     ĝ_i = (sum_r s_{r,k(i)} q_{r,i}) / R      (summed in rank order, float32)
 
-from the same bytes, so the ranks agree bit for bit. ``ĝ`` is unbiased for ``ḡ = mean_r g_r`` and the
-ranks' draws are independent, so
+from the same bytes, so the ranks agree bit for bit. On gloo the payload is all-gathered in equal pieces
+of about :data:`GATHER_PIECE` bytes, issued together in the call (the same bytes, in one future).
+``ĝ`` is unbiased for ``ḡ = mean_r g_r`` and the ranks' draws are independent, so
 
     E|ĝ - ḡ|² <= (1 / (4 R²)) sum_r sum_k n_k s_{r,k}² = P / (4 · 127² · R),
 
@@ -247,9 +248,9 @@ def int8_compress_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futur
     futs = [dist.all_gather([g[lo:lo + piece] for g in gathered], payload[lo:lo + piece], group=group,
                             async_op=True).get_future() for lo in range(0, payload.numel(), piece)]
 
-    def average(pieces: torch.futures.Future[list[torch.futures.Future[object]]]) -> torch.Tensor:
-        for piece in pieces.wait():
-            piece.wait()  # a piece that failed (a lost link) fails the bucket's future: nothing decoded
+    def average(done: torch.futures.Future[list[torch.futures.Future[object]]]) -> torch.Tensor:
+        for part in done.wait():
+            part.wait()  # a piece that failed (a lost link) fails the bucket's future: nothing decoded
         buffer.copy_(decode(gathered, n))
         return buffer
 
