@@ -7,8 +7,8 @@ update merged, the largest parameter difference to torch DDP, and after every de
 slower per byte the running profile prices the second link than the primary (``ddp.profile``: corrected
 by the adaptation). Rank 0 writes its deft iteration count to ``FAULTS_PROGRESS`` after every step, and
 the iteration whose window last settled the adaptation (-1 while it is deciding), so the test can change
-a link's rate from outside at a given iteration once the adaptation has settled. With ``FAULTS_HOLD`` set, rank 0 also
-writes ``planned`` to that file once the first plan is installed and waits until the test removes it
+a link's rate from outside at a given iteration once the adaptation has settled. With ``FAULTS_HOLD``
+set, rank 0 also writes ``planned`` to that file once the first plan is installed and waits until the test removes it
 (the other rank waits in the next collective): the test changes the links right after the plan starts.
 ``FAULTS_BATCH``: the samples per rank and iteration (16: the links are the bound at 100 Mbit/s).
 ``FAULTS_INT8_FAILS``: measuring int8's cost for a codec choice raises ``DeftError`` on every rank (a

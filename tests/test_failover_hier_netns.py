@@ -31,6 +31,10 @@ PRIMARY_TIMEOUT_S = 10.0  # the same where the primary link dies: every rank wai
 DEADLINE_S = 3.0  # the non-primary link's deadline floor: a wait that long means the link is lost
 START_S = 240.0  # torchrun, torch DDP's run and deft's profile on a busy machine, before the NIC goes down
 
+#: every test here runs ranks in the testbed's network namespaces
+pytestmark = [pytest.mark.slow, pytest.mark.netns,
+              pytest.mark.skipif(not can_netns, reason=NETNS_REASON)]
+
 
 @pytest.fixture(autouse=True)
 def _skip_netns_when_refused(request: pytest.FixtureRequest) -> None:
@@ -84,9 +88,6 @@ def _run(out: Path, nic: int, bound_s: float, timeout_s: float = TIMEOUT_S
     return reports, [p.returncode for p in procs], max(r["at"] for r in reports) - down
 
 
-@pytest.mark.slow
-@pytest.mark.netns
-@pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
 def test_second_nic_down_with_two_ranks_per_host_finishes_with_torch_ddps_parameters(tmp_path: Path) -> None:
     # every rank finished and exited within one timeout_s: none waited out a broadcast that never came, in
     # training or at its exit
@@ -108,9 +109,6 @@ def test_second_nic_down_with_two_ranks_per_host_finishes_with_torch_ddps_parame
         assert r["links"] == ["primary"]
 
 
-@pytest.mark.slow
-@pytest.mark.netns
-@pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
 def test_primary_nic_down_with_two_ranks_per_host_stops_every_rank_with_an_error_naming_it(tmp_path: Path) -> None:
     # every rank stopped within one timeout_s (its wait on the primary link) and a link deadline
     reports, codes, took = _run(tmp_path, nic=0, bound_s=2 * PRIMARY_TIMEOUT_S, timeout_s=PRIMARY_TIMEOUT_S)

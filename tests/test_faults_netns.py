@@ -50,6 +50,10 @@ DEADLINE_S = 300.0
 # a batch whose compute hides the sends on the fast links, not on the slowed ones
 INSTALL_STEPS, INSTALL_BATCH, INSTALL_RATE_MBIT, INSTALL_FACTOR = 40, 512, 1000.0, 20.0
 
+#: every test here runs ranks in the testbed's network namespaces
+pytestmark = [pytest.mark.slow, pytest.mark.netns,
+              pytest.mark.skipif(not can_netns, reason=NETNS_REASON)]
+
 
 @pytest.fixture(autouse=True)
 def _skip_netns_when_refused(request: pytest.FixtureRequest) -> None:
@@ -85,6 +89,15 @@ def _progress(progress: Path) -> tuple[int, int]:
     """(the iterations rank 0 has finished, the iteration whose window last settled its adaptation or -1)."""
     done, settled = progress.read_text(encoding="utf-8").split()  # written whole (rank 0 replaces the file)
     return int(done), int(settled)
+
+
+def _faults_landed(reports: list[dict[str, Any]], events: list[tuple[str, int]]) -> tuple[int, int]:
+    """The iterations rank 0 had finished when the link slowed and recovered, once both faults landed with
+    room after each for the adaptation to follow it (the link slows only once the adaptation settled)."""
+    decisions = [(r["iteration"], r.get("decision"), r["settled"]) for r in reports[0]["plan_info"].get("adapt", [])]
+    assert [what for what, _ in events] == ["slow", "recover"], (events, decisions)
+    assert SLOW <= events[0][1] < events[1][1] and events[1][1] + BOUND <= STEPS, (events, decisions)
+    return events[0][1], events[1][1]
 
 
 def _live_slowdown(work: Path) -> tuple[list[dict[str, Any]], list[tuple[str, int]]]:
@@ -151,15 +164,10 @@ def slowed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str,
     return _live_slowdown(_work(tmp_path_factory, "slowed"))
 
 
-@pytest.mark.slow
-@pytest.mark.netns
-@pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
 def test_a_link_slowed_mid_run_loses_no_gradient_and_keeps_torch_ddps_parameters(
         slowed_run: tuple[list[dict[str, Any]], list[tuple[str, int]]]) -> None:
     reports, events = slowed_run
-    assert [what for what, _ in events] == ["slow", "recover"]
-    # the faults landed mid-run, with room after each for the adaptation to follow it
-    assert SLOW <= events[0][1] < events[1][1] and events[1][1] + BOUND <= STEPS, events
+    _faults_landed(reports, events)
     for r in reports:
         assert r["merged"] == list(range(STEPS))  # every iteration's gradient applied, once
         assert r["vs_torch"] < 1e-5, r["vs_torch"]
@@ -167,13 +175,10 @@ def test_a_link_slowed_mid_run_loses_no_gradient_and_keeps_torch_ddps_parameters
         assert reports[0]["plan_info"].get(key) == reports[1]["plan_info"].get(key), key
 
 
-@pytest.mark.slow
-@pytest.mark.netns
-@pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
 def test_the_adaptation_replans_on_a_slowed_link_within_a_bounded_number_of_iterations(
         slowed_run: tuple[list[dict[str, Any]], list[tuple[str, int]]]) -> None:
     reports, events = slowed_run
-    slowed_at, recovered_at = events[0][1], events[1][1]
+    slowed_at, recovered_at = _faults_landed(reports, events)
     info = reports[0]["plan_info"]
     timeline = (info.get("replans"), info.get("switches"), info.get("adapt"))
     assert info.get("replans") == reports[1]["plan_info"].get("replans")  # every rank offered the same
@@ -218,9 +223,6 @@ def slowed_at_install(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[di
     return _slowed_at_install(_work(tmp_path_factory, "slowed_at_install"))
 
 
-@pytest.mark.slow
-@pytest.mark.netns
-@pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
 def test_at_epsilon_0_links_slowed_as_the_plan_starts_reopen_with_torch_ddps_parameters(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     reports, slowed_at = _slowed_at_install(_work(tmp_path_factory, "slowed_at_install_exact"), exact=True)
@@ -235,9 +237,6 @@ def test_at_epsilon_0_links_slowed_as_the_plan_starts_reopen_with_torch_ddps_par
     assert reopened[0]["schedule"] == back[0]["to"] and reopened[0]["comm_factor"] > 2.0, timeline
 
 
-@pytest.mark.slow
-@pytest.mark.netns
-@pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
 def test_an_int8_measurement_that_fails_leaves_the_choice_to_16_bits(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     # The scenario below, but measuring int8 raises DeftError on every rank (injected in the worker): the
@@ -250,9 +249,6 @@ def test_an_int8_measurement_that_fails_leaves_the_choice_to_16_bits(
     assert "int8" not in later, timeline
 
 
-@pytest.mark.slow
-@pytest.mark.netns
-@pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
 def test_links_slowed_as_the_plan_starts_reopen_the_adaptation_and_bring_int8_in(
         slowed_at_install: tuple[list[dict[str, Any]], int]) -> None:
     reports, slowed_at = slowed_at_install
