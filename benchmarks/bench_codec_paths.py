@@ -39,10 +39,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from bench_seeds import free_port, write_fragment
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "codec_paths.md"
+#: The hand-written part of the results file, kept when the tables are written again.
+READING = "### Reading the codecs' prices (written by hand)"
 CODECS = ("fp32", "fp16", "int8")
 
 
@@ -108,8 +111,6 @@ def worker(out_dir: Path, sizes: list[int], repeats: int) -> None:
 
 def run_layout(hosts: int, per_host: int, rate: float, sizes: list[int], repeats: int) -> dict[str, Any]:
     """Every row of one layout, from rank 0's file."""
-    from bench_seeds import free_port
-
     from deft.testbed import Testbed
 
     with tempfile.TemporaryDirectory() as tmp, Testbed(hosts=hosts, links=1, rate_mbit=rate, prefix="codecp") as tb:
@@ -157,6 +158,30 @@ def table(layout: str, got: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def parse_layouts(text: str) -> list[tuple[int, int]]:
+    """``--layouts``: ``HxM`` items, H >= 2 hosts of M >= 1 ranks, comma-separated."""
+    out = []
+    for item in text.split(","):
+        h, sep, m = item.strip().partition("x")
+        if not (sep and h.isdigit() and m.isdigit() and int(h) >= 2 and int(m) >= 1):
+            raise SystemExit(f"bench_codec_paths.py: --layouts: {item!r} is not HxM with H >= 2 hosts and M >= 1 "
+                             "ranks per host (e.g. 2x2)")
+        out.append((int(h), int(m)))
+    return out
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``--sizes``: two or more different positive element counts (the fit needs two)."""
+    try:
+        sizes = [int(v) for v in text.split(",")]
+    except ValueError:
+        sizes = []
+    if len(set(sizes)) < 2 or min(sizes) < 1:
+        raise SystemExit(f"bench_codec_paths.py: --sizes: {text!r}: expected two or more different positive "
+                         "element counts, comma-separated (the link's fit needs two)")
+    return sizes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layouts", default="2x2,4x1", help="HxM: H hosts of M ranks, comma-separated")
@@ -167,7 +192,7 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    sizes = [int(s) for s in a.sizes.split(",")]
+    sizes = parse_sizes(a.sizes)
     if a.worker is not None:
         worker(a.worker, sizes, a.repeats)
         return
@@ -176,13 +201,12 @@ def main() -> None:
              f"One link at {a.rate:g} Mbit/s; the machine's 2 cores shared by every rank and the link's gloo threads. "
              "Priced: the link's fit on its own all-reduce (fp32 rows) times the codec's wire bytes, plus its "
              f"compute alone. {a.note}", ""]
-    for layout in a.layouts.split(","):
-        hosts, per_host = (int(v) for v in layout.split("x"))
-        lines += table(layout, run_layout(hosts, per_host, a.rate, sizes, a.repeats))
+    for hosts, per_host in parse_layouts(a.layouts):
+        lines += table(f"{hosts}x{per_host}", run_layout(hosts, per_host, a.rate, sizes, a.repeats))
     text = "\n".join(lines)
     print(text)
     if not a.no_write:
-        RESULTS.write_text(text, encoding="utf-8")
+        write_fragment(text, RESULTS, READING)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bench_peers as peers  # noqa: E402  (a sibling script, not a package)
+from bench_seeds import write_fragment  # noqa: E402
+
+#: The hand-written part of a results file, kept when the table is written again.
+READING = "### Reading the prices (written by hand)"
 
 TOLERANCE = peers.PREDICTION_TOLERANCE
 
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(parse_groups(args.runs), args.note, "benchmarks/bench_prices.py " + " ".join(
         f"--runs '{r}'" for r in args.runs))
     if args.results:
-        Path(args.results).write_text(text, encoding="utf-8")
+        write_fragment(text, Path(args.results), READING)
     print(text)
     return 0
 

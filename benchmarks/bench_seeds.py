@@ -423,11 +423,12 @@ def render(runs: dict[str, list[SeedRun]], command: str, how: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_fragment(text: str, path: Path = RESULTS) -> str:
-    """Write the report to ``path``, keeping a hand-written reading (from ``READING`` on) if it has one."""
+def write_fragment(text: str, path: Path = RESULTS, reading: str = READING) -> str:
+    """Write the report to ``path``, keeping a hand-written reading (from the line starting with ``reading``
+    on) if it has one; the other benchmarks' results files use it too, each with its own heading."""
     old = path.read_text(encoding="utf-8") if path.exists() else ""
-    if READING in old:
-        text += "\n" + old[old.index(READING):]
+    if reading in old:
+        text += "\n" + old[old.index(reading):]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
     return text

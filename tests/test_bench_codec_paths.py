@@ -33,3 +33,21 @@ def test_the_fit_is_the_all_reduces_line_and_prices_add_the_codecs_compute(bench
     assert "| 3000 | int8 | 4000 | 20.0 | 2.0 | 8.0 | 2.50 |" in text
     # fp16 of 1000 elements: priced 2 ms + 2000 us = 4 ms, measured 3 ms
     assert "| 1000 | fp16 | 2000 | 3.0 | 0.0 | 4.0 | 0.75 |" in text
+
+
+def test_bad_layouts_and_sizes_are_named(bench: Any) -> None:
+    assert bench.parse_layouts("2x1, 2x2,4x1") == [(2, 1), (2, 2), (4, 1)]
+    for bad in ("2-2", "1x4", "2x", "x2", "2x0"):
+        with pytest.raises(SystemExit, match=f"--layouts: '{bad}' is not HxM"):
+            bench.parse_layouts(f"2x2,{bad}")
+    assert bench.parse_sizes("65536,262144") == [65536, 262144]
+    for bad in ("65536", "65536,65536", "1e6,2", "0,5"):
+        with pytest.raises(SystemExit, match="--sizes: .* two or more different positive"):
+            bench.parse_sizes(bad)
+
+
+def test_writing_the_tables_again_keeps_the_reading(bench: Any, tmp_path: Path) -> None:
+    out = tmp_path / "codec_paths.md"
+    out.write_text(f"## old tables\n\n{bench.READING}\n\nwhat they say\n", encoding="utf-8")
+    bench.write_fragment("## new tables\n", out, bench.READING)
+    assert out.read_text(encoding="utf-8") == f"## new tables\n\n{bench.READING}\n\nwhat they say\n"

@@ -51,3 +51,13 @@ def test_bad_runs_are_named(prices: Any, tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="no deft run recorded there"):
         prices.load(tmp_path / "empty")
+
+
+def test_writing_the_table_again_keeps_the_reading(prices: Any, tmp_path: Path) -> None:
+    _save(tmp_path / "after", None)
+    out = tmp_path / "prices.md"
+    out.write_text(f"## old table\n\n{prices.READING}\n\nwhat it says\n", encoding="utf-8")
+    assert prices.main(["--runs", f"after={tmp_path / 'after'}", "--results", str(out)]) == 0
+    text = out.read_text(encoding="utf-8")
+    assert "## old table" not in text and "| after |" in text
+    assert text.endswith(f"\n{prices.READING}\n\nwhat it says\n")
