@@ -239,11 +239,12 @@ def int8_compress_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futur
     world = dist.get_world_size(group)
     buffer = bucket.buffer()
     n = buffer.numel()
-    if group is not None and uses_scatter(n, world, scatter_supported(group, buffer.device)):
+    gloo_cpu = scatter_supported(group, buffer.device)  # gloo's point-to-point sends and its pieces
+    if group is not None and uses_scatter(n, world, gloo_cpu):
         return _scatter(state, group, buffer)
     payload = encode(buffer, state.rng(buffer.device))
     gathered = [torch.empty_like(payload) for _ in range(world)]
-    pieces = max(1, round(payload.numel() / GATHER_PIECE)) if scatter_supported(group, buffer.device) else 1
+    pieces = max(1, round(payload.numel() / GATHER_PIECE)) if gloo_cpu else 1
     piece = math.ceil(payload.numel() / pieces)  # equal pieces, none much smaller than the rest
     futs = [dist.all_gather([g[lo:lo + piece] for g in gathered], payload[lo:lo + piece], group=group,
                             async_op=True).get_future() for lo in range(0, payload.numel(), piece)]
