@@ -77,8 +77,9 @@ rank 0 gets the slowest rank's medians (one max-reduction) and decides (:class:`
 
 At ``epsilon == 0`` every candidate is a lag-free plan or the synchronous schedule and every switch
 flushes, so the parameters stay torch DDP's. Each decision is recorded in ``plan_info["adapt"]`` (its
-``settled``: whether the episode ended there, the adaptation then watching the links), each re-planned
-schedule offered in ``plan_info["replans"]``.
+``settled``: whether the episode ended there, the adaptation then watching the links; false while it
+goes on, and after a decision that failed, which turns it off), each re-planned schedule offered in
+``plan_info["replans"]``.
 """
 
 from __future__ import annotations
