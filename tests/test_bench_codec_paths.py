@@ -42,7 +42,7 @@ def test_bad_layouts_and_sizes_are_named(bench: Any) -> None:
             bench.parse_layouts(f"2x2,{bad}")
     assert bench.parse_sizes("65536,262144") == [65536, 262144]
     for bad in ("65536", "65536,65536", "1e6,2", "0,5"):
-        with pytest.raises(SystemExit, match="--sizes: .* two or more different positive"):
+        with pytest.raises(SystemExit, match=r"--sizes: .* two or more different positive"):
             bench.parse_sizes(bad)
 
 
