@@ -1,7 +1,7 @@
 """One rank of tests/test_testbed_ranks_per_host.py, started by torchrun (``--nnodes 2 --nproc-per-node 2``)
 inside a testbed host's namespace; the testbed's environment names the links and the deft config.
 
-It all-reduces a known size between two barriers, on the default group (gloo's flat ring) and on deft's
+It all-reduces a known size between barriers, on the default group (gloo's flat ring) and on deft's
 primary link (hierarchical: the config's ``hierarchical`` is left at ``"auto"``), and reads the bytes the
 host's ``nic0`` and loopback sent meanwhile (``/sys/class/net`` of its namespace); then trains the same model
 with torch DDP and with deft (epsilon 0, the config's two links) and writes its report to
@@ -52,6 +52,9 @@ def probe(all_reduce: Callable[[torch.Tensor], object]) -> dict[str, float]:
     all_reduce(buf)  # connections made, off the count
     dist.barrier()
     before = sent_bytes()
+    # every rank of the host has read its count before any sends: without this barrier the host's other
+    # rank could already be sending the probe over the NIC while this one reads "before"
+    dist.barrier()
     all_reduce(buf)
     dist.barrier()
     after = sent_bytes()

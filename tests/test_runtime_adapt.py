@@ -8,6 +8,7 @@ still applied exactly once (closed form, as the other runtime tests).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Any
 
@@ -18,6 +19,7 @@ from deft import DeftConfig, Profile
 from deft.runtime.adapt import (
     SWITCH_GAIN,
     Adapter,
+    LinkWindow,
     Synchronous,
     SynchronousClock,
     backward_codec_s,
@@ -44,11 +46,28 @@ from tests.test_runtime_recheck import comm_heavy_profile
 VGG = "examples/profiles/vgg19.json"
 
 
+@functools.cache
+def vgg_lagfree(comm: float = 1.0) -> tuple[Profile, Schedule]:
+    """VGG-19's reference profile, its all-reduces x ``comm``, and its lag-free plan at the default
+    config: planned once for every test that reads them (the plan takes seconds; both are frozen)."""
+    profile = Profile.load(VGG).scaled(comm=comm)
+    return profile, lagfree_plan(profile, DeftConfig())
+
+
+@functools.cache
+def vgg_coded() -> tuple[Profile, Schedule]:
+    """:func:`vgg_lagfree` at ``comm=8`` (links the bound even in 16 bits), every bucket coded in fp16 with
+    20 ms of encode and decode, and its lag-free plan."""
+    vgg = vgg_lagfree(8.0)[0]
+    cost = CodecCost("fp16", tuple(b.nbytes // 2 for b in vgg.buckets), (0.02,) * vgg.n)
+    profile = encoded_profile(vgg, cost, range(vgg.n))
+    return profile, lagfree_plan(profile, DeftConfig())
+
+
 @pytest.mark.parametrize(("g", "f"), [(1.0, 2.0), (1.3, 1.6), (0.8, 0.5)])
 def test_calibration_recovers_known_slowdowns(g: float, f: float) -> None:
-    profile = Profile.load(VGG)
+    profile, sched = vgg_lagfree()
     cfg = DeftConfig()
-    sched = lagfree_plan(profile, cfg)
     part = profile_for_schedule(profile, sched, cfg)
     measured = simulate_schedule(part.scaled(g, f), sched).iteration_s  # the "machine": known truth
     cal = calibrate(profile, sched, cfg, measured, g * part.backward_s)
@@ -62,11 +81,8 @@ def test_calibration_recovers_known_slowdowns_on_a_coded_profile(g: float, f: fl
     # Every bucket coded with 20 ms of encode and decode a bucket: the machine's backward window holds the
     # hooks' codec compute as well, slowed alike; the calibration must take it out of g, or the compute
     # alone predicts more than was measured and the links come out nearly free.
-    vgg = Profile.load(VGG).scaled(comm=8.0)  # links the bound even in 16 bits: f shows in the iteration
-    cost = CodecCost("fp16", tuple(b.nbytes // 2 for b in vgg.buckets), (0.02,) * vgg.n)
-    profile = encoded_profile(vgg, cost, range(vgg.n))
+    profile, sched = vgg_coded()  # links the bound even in 16 bits: f shows in the iteration
     cfg = DeftConfig()
-    sched = lagfree_plan(profile, cfg)
     part = profile_for_schedule(profile, sched, cfg)
     coded = sum(part.times[t.bucket].codec_s for st in sched.stages if st.stage == "backward"
                 for t in st.comms if t.origin == 0) / sched.cycle
@@ -91,6 +107,26 @@ def test_adapter_settles_when_the_prediction_holds() -> None:
     new, corrected, record = ad.decide(sched, p, sched.predicted_iteration_s * 1.05, p.backward_s,
                                        replan=lambda q: pytest.fail("no re-plan within tolerance"))
     assert (new, corrected, ad.done) == (None, None, True) and "settled" in record["decision"]
+
+
+def test_every_decision_records_where_the_window_went_against_the_profile() -> None:
+    # A window whose backward took 1.5x the profiled one and whose link carried its sends at half the
+    # profiled rate: the record says so, whatever the decision; a schedule on other buckets records nothing.
+    p = three_buckets()
+    cfg = DeftConfig()
+    sched = no_delay_plan(p, cfg)
+    sent = {b: 1 for b in range(p.n)}
+    per_byte = 2.0 * sum(p.comm_time(b, "net") for b in sent) / sum(p.buckets[b].nbytes for b in sent)
+    window = LinkWindow({"net": per_byte}, {"net": sent})
+    _, _, record = Adapter(cfg).decide(sched, p, sched.predicted_iteration_s, 1.5 * p.backward_s,
+                                       replan=lambda q: pytest.fail("no re-plan within tolerance"), links=window)
+    assert record["backward_vs_profile"] == pytest.approx(1.5, rel=1e-3)
+    assert record["links_vs_profile"] == {"net": pytest.approx(2.0, rel=1e-3)}
+    other = replace(synchronous_schedule((500, 500, 1000, 1000), (2000, 2000, 4000, 4000), ("net",), ("net",) * 4),
+                    predicted_iteration_s=0.1)
+    _, _, record = Adapter(cfg).decide(other, p, 0.1, p.backward_s,
+                                       replan=lambda q: pytest.fail("no re-plan within tolerance"), links=window)
+    assert "backward_vs_profile" not in record and "links_vs_profile" not in record
 
 
 def test_adapter_replans_then_keeps_the_fastest_and_stops() -> None:
@@ -172,9 +208,8 @@ def test_a_schedule_faster_than_predicted_is_replanned_only_beyond_twice_the_tol
     # adapt_tolerance 0.1: measured 15 % faster than predicted settles (within 2 x 0.1), 30 % faster
     # re-plans; 15 % slower re-plans (beyond 0.1). The links are the bound here, so every window is
     # reproduced by a factor in range.
-    p = Profile.load(VGG).scaled(comm=8.0)
+    p, sched = vgg_lagfree(8.0)
     cfg = DeftConfig()
-    sched = lagfree_plan(p, cfg)
     measured = sched.predicted_iteration_s / faster
     assert measured > 1.05 * (p.forward_s + p.backward_s)  # above the compute: the links show in it
     replanned: list[Profile] = []
@@ -311,9 +346,8 @@ def test_corrected_profile_fits_the_running_schedule_on_a_partitioned_profile() 
     # running schedule, the corrected profile must still describe that schedule's buckets (seen on the
     # testbed: the timeline of the run failed with "9 buckets match neither the profile's 7 nor its
     # partition"), and simulate it at the measured time.
-    vgg = Profile.load(VGG)
+    vgg, sched = vgg_lagfree()
     cfg = DeftConfig()
-    sched = lagfree_plan(vgg, cfg)
     assert sched.n_buckets != vgg.n
     measured = 1.4 * sched.predicted_iteration_s
     slower = replace(sched, predicted_iteration_s=10.0)
