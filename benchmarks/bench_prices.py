@@ -46,6 +46,20 @@ def workload(doc: dict[str, Any]) -> str:
     return "GPT-2" if "final_val_loss" in doc["summary"] else "CNN"
 
 
+def first_window(doc: dict[str, Any]) -> str:
+    """Where the first adaptation window's time went against the profile (``backward_vs_profile``,
+    ``links_vs_profile`` of its record): "backward x G; link x L, ..."; "-" where the run did not record them."""
+    records = ((doc["summary"].get("schedule") or {}).get("plan_info") or {}).get("adapt") or []
+    first = records[0] if records and isinstance(records[0], dict) else {}
+    parts = []
+    if isinstance(first.get("backward_vs_profile"), (int, float)):
+        parts.append(f"backward x {first['backward_vs_profile']:.2f}")
+    links = first.get("links_vs_profile")
+    if isinstance(links, dict) and links:
+        parts.append(", ".join(f"{k} x {v:.2f}" for k, v in links.items()))
+    return "; ".join(parts) or "-"
+
+
 def row(label: str, run_dir: Path, doc: dict[str, Any]) -> str:
     s = doc["summary"]
     layout = peers.Layout.of(s)
@@ -57,7 +71,7 @@ def row(label: str, run_dir: Path, doc: dict[str, Any]) -> str:
     worst = max((abs(p.error) for p in prices), default=float("nan"))
     held = "yes" if worst <= TOLERANCE else "no"
     return (f"| {label} | {workload(doc)} | {s['rate_mbit']:g} | {layout.words()} | "
-            f"{', '.join(f'{r:.2f}' for r in rho) or '-'} | {plans or '-'} | {first} | {held} | "
+            f"{', '.join(f'{r:.2f}' for r in rho) or '-'} | {plans or '-'} | {first} | {first_window(doc)} | {held} | "
             f"{s['iter_s_mean'] * 1e3:.0f} | `{run_dir.name}` |")
 
 
@@ -69,10 +83,12 @@ def report(groups: list[tuple[str, list[Path]]], note: str, command: str) -> str
              "shared by every rank's computation and every link's gloo threads. Contention: the slowdown per "
              "busy link the profile measured (absent: 0). Plans: each plan's prediction / the adaptation "
              "window that measured it (ms; the last one's against the run's steady iteration where no "
-             f"window measured it). Within {TOLERANCE:.0%}: every plan of the run.", "",
+             f"window measured it). First window against the profile: its backward and each link's busy time "
+             "over the profile's prices of them (1: as priced; `-`: not recorded). Within "
+             f"{TOLERANCE:.0%}: every plan of the run.", "",
              "| code | model | Mbit/s | layout | contention | plans: predicted / measured (ms) | first plan | "
-             f"within {TOLERANCE:.0%} | steady iteration (ms) | runs |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"first window against the profile | within {TOLERANCE:.0%} | steady iteration (ms) | runs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, dirs in groups:
         for d in dirs:
             lines += [row(label, d, doc) for doc in load(d)]

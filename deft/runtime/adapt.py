@@ -92,7 +92,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
-from scipy.optimize import brentq
 
 from deft._json import JsonDict
 from deft.config import DeftConfig
@@ -103,7 +102,7 @@ from deft.runtime.background import Background, JobSlot
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.codecs.choice import Recoding
 from deft.runtime.control import ControlPlane
-from deft.runtime.link_timing import LinkClock, Watch, WindowFigures, link_factors, scale_links, spread
+from deft.runtime.link_timing import LinkClock, Watch, WindowFigures, link_factors, link_ratios, scale_links, spread
 from deft.runtime.planning import Planning, Switch, make_schedule
 from deft.runtime.records import as_object
 from deft.runtime.tensors import tensors_in
@@ -158,6 +157,27 @@ def backward_codec_s(part: Profile, schedule: Schedule) -> float:
     return coded / max(1, schedule.cycle)
 
 
+def against_profile(profile: Profile, schedule: Schedule, config: DeftConfig, measured_backward_s: float,
+                    links: LinkWindow | None) -> JsonDict:
+    """Where a window's time went against the profile it was priced on, for its record: the measured
+    backward over the profiled one (``backward_vs_profile``, the ``g`` of :func:`calibrate`) and each timed
+    link's busy time over the profile's price of the same sends (``links_vs_profile``:
+    :func:`deft.runtime.link_timing.link_ratios`). 1 is as priced; above 1, slower. Empty where the
+    schedule's buckets are not a partition of the profile's: a record, never a reason to fail."""
+    try:
+        part = profile_for_schedule(profile, schedule, config)
+    except DeftError:
+        return {}
+    expected = part.backward_s + backward_codec_s(part, schedule)
+    out: JsonDict = {}
+    if expected > 0 and measured_backward_s > 0:
+        out["backward_vs_profile"] = round(measured_backward_s / expected, 4)
+    ratios = {} if links is None else link_ratios(part, links.per_byte, links.sends)
+    if ratios:
+        out["links_vs_profile"] = {k: round(v, 4) for k, v in ratios.items()}
+    return out
+
+
 def calibrate(profile: Profile, schedule: Schedule, config: DeftConfig, measured_s: float,
               measured_backward_s: float, links: LinkWindow | None = None) -> Calibration:
     """The factors (module docstring, step 1) that make the simulator reproduce ``measured_s``; with
@@ -178,6 +198,8 @@ def calibrate(profile: Profile, schedule: Schedule, config: DeftConfig, measured
     elif measured_s >= p_hi:
         f = hi
     else:
+        from scipy.optimize import brentq  # scipy only when a calibration is solved: fresh ranks start sooner
+
         f = float(brentq(lambda x: predicted(x) - measured_s, lo, hi, xtol=1e-3, rtol=1e-4))
     return Calibration(g, f, predicted(f), factors)
 
@@ -227,7 +249,8 @@ class Adapter:
         predicted = running.predicted_iteration_s
         error = (predicted - measured_s) / measured_s if measured_s > 0 else 0.0
         record: JsonDict = {"schedule": running.digest(), "predicted_s": predicted, "measured_s": measured_s,
-                            "error": error, "backward_s": measured_backward_s}
+                            "error": error, "backward_s": measured_backward_s,
+                            **against_profile(profile, running, self.config, measured_backward_s, links)}
         self.tried.add(running.digest())
         back = self._back(running, measured_s, record)
         if back is not None:

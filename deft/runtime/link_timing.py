@@ -139,11 +139,12 @@ class LinkClock:
 
 
 # -- per-link calibration -------------------------------------------------------------------------------
-def link_factors(part: Profile, per_byte: Mapping[str, float],
-                 sends: Mapping[str, Mapping[int, int]]) -> dict[str, float]:
-    """Each link's factor ``s_l`` (module docstring) for a profile ``part`` in the running schedule's
-    buckets, from the ranks' reduced times per byte and one rank's sends per link and bucket. Links not
-    timed, and factors within :data:`LINK_DRIFT` of 1, get 1."""
+def link_ratios(part: Profile, per_byte: Mapping[str, float],
+                sends: Mapping[str, Mapping[int, int]]) -> dict[str, float]:
+    """Each timed link's ``measured_l / modelled_l`` (module docstring) for a profile ``part`` in the
+    running schedule's buckets, from the ranks' reduced times per byte and one rank's sends per link and
+    bucket: its busy time in the window over what ``part`` prices the same sends at (1: as profiled).
+    Links not timed, or with nothing sent, are absent."""
     ratio: dict[str, float] = {}
     for lk in part.links:
         sent, pb = sends.get(lk.name, {}), per_byte.get(lk.name)
@@ -151,6 +152,14 @@ def link_factors(part: Profile, per_byte: Mapping[str, float],
         nbytes = sum(k * part.buckets[b].nbytes for b, k in sent.items())
         if pb is not None and modelled > 0 and nbytes > 0:
             ratio[lk.name] = pb * nbytes / modelled
+    return ratio
+
+
+def link_factors(part: Profile, per_byte: Mapping[str, float],
+                 sends: Mapping[str, Mapping[int, int]]) -> dict[str, float]:
+    """Each link's factor ``s_l`` (module docstring): :func:`link_ratios` over the first timed link's.
+    Links not timed, and factors within :data:`LINK_DRIFT` of 1, get 1."""
+    ratio = link_ratios(part, per_byte, sends)
     if not ratio:
         return {lk.name: 1.0 for lk in part.links}
     ref = ratio[next(iter(ratio))]
