@@ -410,7 +410,7 @@ def run_one(tb: Testbed, name: str, rep: int, seed: int, args: argparse.Namespac
     sch, wl, layout = SCHEMES[name], WORKLOADS[args.workload], Layout(tb.hosts, args.ranks_per_host)
     stem = f"{name}.{tb.rate_mbit:g}.s{seed}.r{rep}"
     out = out_dir / f"{stem}.json"
-    config = tb.write_config(out_dir / f"{stem}.toml", links=sch.links)
+    config = tb.write_config(out_dir / f"{stem}.toml", links=sch.links, **args.deft_config)
     json_arg = str(out_dir / f"{stem}.host{{host}}.json") if sch.alone else str(out)
     # the floor: each rank alone on the shard a rank of this world trains on
     shards = ["--shards", str(layout.world)] if sch.alone and wl.name == "cnn" else []
@@ -917,6 +917,34 @@ def runs_at(docs: list[dict[str, Any]], layout: Layout, rate: float) -> list[dic
     return [d for d in docs if d["summary"]["rate_mbit"] == rate and Layout.of(d["summary"]) == layout]
 
 
+def parse_deft_config(items: list[str]) -> dict[str, Any]:
+    """``--deft-config KEY=VALUE`` items as config settings: each key a scalar field of
+    :class:`deft.DeftConfig`, each value a TOML scalar (``0``, ``0.5``, ``true``, ``"greedy"``; a bare word is
+    taken as a string), the whole checked as deft checks a config file. ``ValueError`` names the bad item."""
+    import tomllib
+
+    from deft.config import DeftConfig
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--deft-config: {item!r}: expected KEY=VALUE (e.g. plan_lag_iters=0)")
+        try:
+            value = tomllib.loads(f"v = {text.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text.strip()
+        if key not in DeftConfig.__dataclass_fields__ or key == "links" or isinstance(value, (dict, list)):
+            raise ValueError(f"--deft-config: {item!r}: {key!r} is not a scalar setting of deft's config")
+        out[key] = value
+    try:
+        DeftConfig.from_dict(out)
+    except Exception as e:  # deft's own check of the settings: its message names the field
+        raise ValueError(f"--deft-config: {e}") from e
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str], list[float]]:
     """The command line, checked: (args, the schemes to run, the rates); a bad value exits with a message
     naming the flag (argparse's exit status 2)."""
@@ -962,11 +990,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     ap.add_argument("--from-runs", default=None,
                     help="no training: rebuild report and plots from --save-runs dirs (comma-separated: "
                          "e.g. one pass of every scheme at seed 0 and one of the deciding rows at seeds 1,2)")
+    ap.add_argument("--deft-config", action="append", default=[], metavar="KEY=VALUE",
+                    help="a deft config setting (a deft.DeftConfig field, a TOML value) for every run, e.g. "
+                         "plan_lag_iters=0; repeatable")
     ap.add_argument("--no-write", action="store_true", help="print the report; write neither peers.md nor plots")
     ap.add_argument("--live", action="store_true", help="rank 0 of each run prints to this terminal (progress bar)")
     ap.add_argument("--timeline", default=None,
                     help="draw the schedule of the first deft run (simulated on its profile) into this PNG")
     args = ap.parse_args(argv)
+    try:
+        args.deft_config = parse_deft_config(args.deft_config)
+    except ValueError as e:
+        ap.error(str(e))
     cnn = args.workload == "cnn"
     for key, (for_cnn, for_lm) in {"eval_every": (11, 20), "batch_size": (32, 4), "lr": (0.02, 1e-3)}.items():
         if getattr(args, key) is None:

@@ -36,6 +36,31 @@ def test_bad_layouts_are_refused_naming_the_flag(peers: Any, capsys: pytest.Capt
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("item", "message"), [
+    ("plan_lag_iters", "expected KEY=VALUE"),
+    ("no_such_field=1", "'no_such_field' is not a scalar setting of deft's config"),
+    ("links=1", "'links' is not a scalar setting"),
+    ("plan_lag_iters=-3", "plan_lag_iters: expected an integer >= 0, got -3"),
+])
+def test_bad_deft_settings_are_refused_naming_the_item(peers: Any, capsys: pytest.CaptureFixture[str], item: str,
+                                                       message: str) -> None:
+    with pytest.raises(SystemExit) as e:
+        peers.parse_args(["--rates", "50", "--deft-config", item])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_deft_settings_reach_every_runs_config(peers: Any, tmp_path: Path) -> None:
+    args, _, _ = peers.parse_args(["--rates", "50", "--deft-config", "plan_lag_iters=0",
+                                   "--deft-config", "solver=greedy", "--deft-config", "contention=true"])
+    assert args.deft_config == {"plan_lag_iters": 0, "solver": "greedy", "contention": True}
+    from deft.config import DeftConfig
+
+    path = Testbed(hosts=2, links=2, tag="argtest").write_config(tmp_path / "deft.toml", **args.deft_config)
+    config = DeftConfig.load(path)
+    assert (config.plan_lag_iters, config.solver, config.contention) == (0, "greedy", True)
+
+
 def test_default_and_chosen_layouts(peers: Any) -> None:
     args, names, rates = peers.parse_args(["--rates", "50", "--schemes", "torch,deft"])
     assert (args.hosts, args.ranks_per_host, args.launcher) == (2, 1, "env")

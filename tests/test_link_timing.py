@@ -1,5 +1,5 @@
 """Each link's own factor, and the watch that re-opens a settled adaptation (deft.runtime.link_timing),
-fed synthetic timings: no clock is read."""
+fed synthetic timings: no clock is read (the link clock reads one the tests move)."""
 
 from __future__ import annotations
 
@@ -248,3 +248,54 @@ def test_the_clock_counts_completed_sends_only_and_only_while_on() -> None:
     assert set(loads) == {"second"} and loads["second"].sends == {2: 1} and loads["second"].busy_s > 0
     clock.reset()
     assert clock.take([10, 20, 30, 40]) == {}
+
+
+class _Clock:
+    """A clock the test moves: what ``time.perf_counter`` reads while a test runs."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_every_hooked_send_of_a_window_counts_its_own_busy_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Three iterations of one coded bucket, its hook run inside the launch (fp16, int8): each send takes
+    # 1 s, so the window's link was busy 3 s. One hook start kept per bucket put the first two sends'
+    # starts after their ends (busy 1 s): the link's time per byte a third of the truth.
+    clock = _Clock()
+    monkeypatch.setattr("time.perf_counter", clock)
+    lc = LinkClock({"primary": "gloo"})
+    lc.on = True
+    for t in (0.0, 2.0, 4.0):
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        lc.hook_started(0, t)
+        lc.launched(0, "primary", [fut], t)
+        clock.now = t + 1.0
+        fut.set_result(torch.zeros(1))
+    loads = lc.take([100])
+    assert loads["primary"].sends == {0: 3} and loads["primary"].busy_s == pytest.approx(3.0)
+
+
+def test_a_chained_hooks_send_is_busy_from_when_it_really_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A chained hook (PowerSGD) sends one bucket at a time over every link: bucket 1's send, launched at
+    # 0 on the second link, starts only when bucket 0's ends at 1, and ends at 3; twice over. The second
+    # link was busy 2 s of each iteration, not 3.
+    clock = _Clock()
+    monkeypatch.setattr("time.perf_counter", clock)
+    lc = LinkClock({"primary": "gloo", "second": "gloo"})
+    lc.on = True
+    for t in (0.0, 10.0):
+        f0: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        f1: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        lc.launched(0, "primary", [f0], t)
+        lc.launched(1, "second", [f1], t)
+        lc.hook_started(0, t)
+        clock.now = t + 1.0
+        f0.set_result(torch.zeros(1))
+        lc.hook_started(1, t + 1.0)
+        clock.now = t + 3.0
+        f1.set_result(torch.zeros(1))
+    loads = lc.take([100, 100])
+    assert loads["primary"].busy_s == pytest.approx(2.0) and loads["second"].busy_s == pytest.approx(4.0)

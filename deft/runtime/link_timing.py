@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -64,10 +65,14 @@ class _Send:
     launched: float
     works: int
     stamps: list[float] = field(default_factory=list)
+    started: float | None = None  # a hooked send: when the hook really ran (a chained one waits for its turn)
 
     @property
     def span(self) -> tuple[float, float] | None:
-        return (self.launched, max(self.stamps)) if len(self.stamps) == self.works else None
+        if len(self.stamps) != self.works:
+            return None
+        end = max(self.stamps)
+        return min(max(self.launched, self.started or self.launched), end), end
 
 
 def _stamp(fut: torch._C.Future[object], stamps: list[float]) -> None:
@@ -98,26 +103,47 @@ class LinkClock:
         self._timed = {n for n, b in backends.items() if b != "nccl"}
         self.on = False
         self._sends: list[_Send] = []
-        self._started: dict[int, float] = {}  # a chained hook's send of a bucket really started then
+        # Which send a hook's start belongs to (Note below); hook_started may run on a gloo thread.
+        self._lock = threading.Lock()
+        self._early: dict[int, float] = {}              # bucket -> its hook ran inside the launch call
+        self._awaiting: dict[int, list[_Send]] = {}     # bucket -> its sends launched before their hook ran
+
+    # Note: a hooked send's start is stamped per send, not per bucket. A window spans several
+    # iterations, each sending every bucket: one start per bucket, overwritten by the next iteration's,
+    # put every earlier send's start after its own end and its busy time at zero, so the links of a coded
+    # plan measured a third of their time and one link's calibration factor priced it nearly free. An
+    # unchained hook runs inside the launch call (its start comes just before ``launched``, on the same
+    # thread); a chained one runs when the sends before it end, after ``launched``, in launch order.
 
     def bucket_ready(self, b: int) -> None:
         pass
 
     def hook_started(self, b: int, t: float) -> None:
-        if self.on:
-            self._started[b] = t  # one dict store: may run on a gloo thread
+        if not self.on:
+            return
+        with self._lock:
+            waiting = self._awaiting.get(b)
+            if waiting:
+                waiting.pop(0).started = t  # a chained hook's send, launched earlier, starts now
+            else:
+                self._early[b] = t  # the hook runs inside the launch call: ``launched`` takes it
 
     def launched(self, b: int, link: str, works: list[Collective], t_start: float) -> None:
-        if not self.on or link not in self._timed:
-            return
-        rec = _Send(b, link, t_start, len(works))
-        self._sends.append(rec)
+        with self._lock:
+            early = self._early.pop(b, None)
+            if not self.on or link not in self._timed:
+                return
+            rec = _Send(b, link, t_start, len(works), started=early)
+            if early is None and any(isinstance(w, FUTURE_TYPES) for w in works):  # a chained hook's: later
+                self._awaiting.setdefault(b, []).append(rec)
+            self._sends.append(rec)
         for w in works:
             fut = w if isinstance(w, FUTURE_TYPES) else w.get_future()
             fut.then(functools.partial(_stamp, stamps=rec.stamps))  # list.append is atomic
 
     def reset(self) -> None:
-        self._sends, self._started = [], {}
+        with self._lock:
+            self._sends, self._early, self._awaiting = [], {}, {}
 
     def take(self, nbytes: Sequence[int]) -> dict[str, LinkLoad]:
         """The completed sends since the last call, per link (``nbytes[b]``: bucket ``b``'s bytes); the
@@ -125,15 +151,18 @@ class LinkClock:
         spans: dict[str, list[tuple[float, float]]] = {}
         sent: dict[str, Counter[int]] = {}
         left = []
-        for s in self._sends:
-            span = s.span
-            if span is None:
-                left.append(s)
-                continue
-            start = max(span[0], self._started.get(s.bucket, span[0]))
-            spans.setdefault(s.link, []).append((min(start, span[1]), span[1]))
-            sent.setdefault(s.link, Counter())[s.bucket] += 1
-        self._sends = left
+        with self._lock:
+            for s in self._sends:
+                span = s.span
+                if span is None:
+                    left.append(s)
+                    continue
+                spans.setdefault(s.link, []).append(span)
+                sent.setdefault(s.link, Counter())[s.bucket] += 1
+            self._sends = left
+            # an ended send's hook has run: only sends still in flight may still await theirs
+            flying = {id(s) for s in left}
+            self._awaiting = {b: [s for s in w if id(s) in flying] for b, w in self._awaiting.items()}
         return {n: LinkLoad(sum(length for _, length in busy_periods(spans[n])),
                             sum(nbytes[b] * k for b, k in sent[n].items()), dict(sent[n])) for n in spans}
 
