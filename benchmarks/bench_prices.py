@@ -47,11 +47,14 @@ def workload(doc: dict[str, Any]) -> str:
 
 
 def first_window(doc: dict[str, Any]) -> str:
-    """Where the first adaptation window's time went against the profile (``backward_vs_profile``,
-    ``links_vs_profile`` of its record): "backward x G; link x L, ..."; "-" where the run did not record them."""
+    """Where the first adaptation window's time went against the profile (``forward_vs_profile``,
+    ``backward_vs_profile``, ``links_vs_profile`` of its record): "forward x F; backward x G; link x L, ...";
+    "-" where the run did not record them."""
     records = ((doc["summary"].get("schedule") or {}).get("plan_info") or {}).get("adapt") or []
     first = records[0] if records and isinstance(records[0], dict) else {}
     parts = []
+    if isinstance(first.get("forward_vs_profile"), (int, float)):
+        parts.append(f"forward x {first['forward_vs_profile']:.2f}")
     if isinstance(first.get("backward_vs_profile"), (int, float)):
         parts.append(f"backward x {first['backward_vs_profile']:.2f}")
     links = first.get("links_vs_profile")
@@ -83,7 +86,7 @@ def report(groups: list[tuple[str, list[Path]]], note: str, command: str) -> str
              "shared by every rank's computation and every link's gloo threads. Contention: the slowdown per "
              "busy link the profile measured (absent: 0). Plans: each plan's prediction / the adaptation "
              "window that measured it (ms; the last one's against the run's steady iteration where no "
-             f"window measured it). First window against the profile: its backward and each link's busy time "
+             f"window measured it). First window against the profile: its forward, backward and each link's busy time "
              "over the profile's prices of them (1: as priced; `-`: not recorded). Within "
              f"{TOLERANCE:.0%}: every plan of the run.", "",
              "| code | model | Mbit/s | layout | contention | plans: predicted / measured (ms) | first plan | "

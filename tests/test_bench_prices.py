@@ -28,7 +28,8 @@ def _save(run_dir: Path, contention: float | None) -> None:
                            "plan_info": {"adapt": [
                                {"predicted_s": 2.0, "measured_s": 1.6, "new_schedule": "b", "new_predicted_s": 1.2,
                                 "decision": "try the schedule planned on the corrected profile",
-                                "backward_vs_profile": 1.1, "links_vs_profile": {"primary": 0.7, "second": 1.25}}
+                                "forward_vs_profile": 1.4, "backward_vs_profile": 1.1,
+                                "links_vs_profile": {"primary": 0.7, "second": 1.25}}
                            ]}}}}
     run_dir.mkdir()
     (run_dir / "deft.250.s0.r0.json").write_text(json.dumps(doc), encoding="utf-8")
@@ -41,17 +42,17 @@ def test_a_run_is_one_row_with_every_plan_priced(prices: Any, tmp_path: Path) ->
     row = next(line for line in text.splitlines() if line.startswith("| after |"))
     # the first plan 2000 against its window's 1600 (+25 %), the second against the steady 1500 (-20 %):
     # outside 15 %; the links' contention as the profile measured it (the second link's absent: 0); where
-    # the first window's backward and links stood against the profile
+    # the first window's forward, backward and links stood against the profile
     assert row == ("| after | GPT-2 | 250 | 4 ranks (4 hosts x 1 rank per host) | 0.00, 0.50 | "
-                   "2000 / 1600 (+25.0%); 1200 / 1500 (-20.0%) | +25.0% | backward x 1.10; primary x 0.70, "
-                   "second x 1.25 | no | 1500 | `after` |")
+                   "2000 / 1600 (+25.0%); 1200 / 1500 (-20.0%) | +25.0% | forward x 1.40; backward x 1.10; "
+                   "primary x 0.70, second x 1.25 | no | 1500 | `after` |")
 
 
 def test_a_run_recorded_before_the_window_was_set_against_the_profile_says_so(prices: Any, tmp_path: Path) -> None:
     _save(tmp_path / "old", 0.5)
     path = tmp_path / "old" / "deft.250.s0.r0.json"
     doc = json.loads(path.read_text(encoding="utf-8"))
-    for key in ("backward_vs_profile", "links_vs_profile"):
+    for key in ("forward_vs_profile", "backward_vs_profile", "links_vs_profile"):
         del doc["summary"]["schedule"]["plan_info"]["adapt"][0][key]
     path.write_text(json.dumps(doc), encoding="utf-8")
     row = next(line for line in prices.report([("old", [tmp_path / "old"])], "", "cmd").splitlines()

@@ -110,8 +110,9 @@ def test_adapter_settles_when_the_prediction_holds() -> None:
 
 
 def test_every_decision_records_where_the_window_went_against_the_profile() -> None:
-    # A window whose backward took 1.5x the profiled one and whose link carried its sends at half the
-    # profiled rate: the record says so, whatever the decision; a schedule on other buckets records nothing.
+    # A window whose forward took 3x the profiled one (it waited for sends), whose backward took 1.5x and
+    # whose link carried its sends at half the profiled rate: the record says so, whatever the decision; a
+    # schedule on other buckets records nothing.
     p = three_buckets()
     cfg = DeftConfig()
     sched = no_delay_plan(p, cfg)
@@ -119,14 +120,16 @@ def test_every_decision_records_where_the_window_went_against_the_profile() -> N
     per_byte = 2.0 * sum(p.comm_time(b, "net") for b in sent) / sum(p.buckets[b].nbytes for b in sent)
     window = LinkWindow({"net": per_byte}, {"net": sent})
     _, _, record = Adapter(cfg).decide(sched, p, sched.predicted_iteration_s, 1.5 * p.backward_s,
-                                       replan=lambda q: pytest.fail("no re-plan within tolerance"), links=window)
+                                       replan=lambda q: pytest.fail("no re-plan within tolerance"), links=window,
+                                       measured_forward_s=3.0 * p.forward_s)
+    assert record["forward_vs_profile"] == pytest.approx(3.0, rel=1e-3)
     assert record["backward_vs_profile"] == pytest.approx(1.5, rel=1e-3)
     assert record["links_vs_profile"] == {"net": pytest.approx(2.0, rel=1e-3)}
     other = replace(synchronous_schedule((500, 500, 1000, 1000), (2000, 2000, 4000, 4000), ("net",), ("net",) * 4),
                     predicted_iteration_s=0.1)
     _, _, record = Adapter(cfg).decide(other, p, 0.1, p.backward_s,
                                        replan=lambda q: pytest.fail("no re-plan within tolerance"), links=window)
-    assert "backward_vs_profile" not in record and "links_vs_profile" not in record
+    assert not {"forward_vs_profile", "backward_vs_profile", "links_vs_profile"} & set(record)
 
 
 def test_adapter_replans_then_keeps_the_fastest_and_stops() -> None:
@@ -339,6 +342,9 @@ def test_the_adaptation_times_the_backward_from_the_outputs_gradient_as_the_prof
     assert a["adapt"] == b["adapt"] and a["adapt"], a["adapt"]
     ratio = a["adapt"][0]["backward_s"] / a["profiled_backward_s"]
     assert 0.5 < ratio < 2.0, (ratio, a["adapt"][0], a["profiled_backward_s"])
+    # and the window's record says so against the profile, for the forward (the head's too) as well
+    first = a["adapt"][0]
+    assert 0.5 < first["backward_vs_profile"] < 2.0 and 0.5 < first["forward_vs_profile"] < 2.0, first
 
 
 def test_corrected_profile_fits_the_running_schedule_on_a_partitioned_profile() -> None:

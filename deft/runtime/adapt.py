@@ -158,10 +158,12 @@ def backward_codec_s(part: Profile, schedule: Schedule) -> float:
 
 
 def against_profile(profile: Profile, schedule: Schedule, config: DeftConfig, measured_backward_s: float,
-                    links: LinkWindow | None) -> JsonDict:
+                    links: LinkWindow | None, measured_forward_s: float = 0.0) -> JsonDict:
     """Where a window's time went against the profile it was priced on, for its record: the measured
-    backward over the profiled one (``backward_vs_profile``, the ``g`` of :func:`calibrate`) and each timed
-    link's busy time over the profile's price of the same sends (``links_vs_profile``:
+    forward over the profiled one (``forward_vs_profile``: above 1 where the forward waited, for the
+    sends of updates applied in it as much as for its compute), the measured backward over the profiled
+    one (``backward_vs_profile``, the ``g`` of :func:`calibrate`) and each timed link's busy time over
+    the profile's price of the same sends (``links_vs_profile``:
     :func:`deft.runtime.link_timing.link_ratios`). 1 is as priced; above 1, slower. Empty where the
     schedule's buckets are not a partition of the profile's: a record, never a reason to fail."""
     try:
@@ -170,6 +172,8 @@ def against_profile(profile: Profile, schedule: Schedule, config: DeftConfig, me
         return {}
     expected = part.backward_s + backward_codec_s(part, schedule)
     out: JsonDict = {}
+    if part.forward_s > 0 and measured_forward_s > 0:
+        out["forward_vs_profile"] = round(measured_forward_s / part.forward_s, 4)
     if expected > 0 and measured_backward_s > 0:
         out["backward_vs_profile"] = round(measured_backward_s / expected, 4)
     ratios = {} if links is None else link_ratios(part, links.per_byte, links.sends)
@@ -241,16 +245,19 @@ class Adapter:
 
     def decide(self, running: Schedule, profile: Profile, measured_s: float, measured_backward_s: float,
                replan: Callable[[Profile], Schedule], links: LinkWindow | None = None,
-               reopened: bool = False) -> tuple[Schedule | None, Profile | None, JsonDict]:
+               reopened: bool = False, measured_forward_s: float = 0.0
+               ) -> tuple[Schedule | None, Profile | None, JsonDict]:
         """After a measurement window: the schedule to switch to (or None), the corrected profile (or
         None) and the record. ``replan(profile) -> Schedule`` plans on a corrected profile; ``links``:
         the window's link timing; ``reopened``: the window that re-opened a settled adaptation (its drift
-        is the reason to calibrate, even with the iteration's prediction within tolerance)."""
+        is the reason to calibrate, even with the iteration's prediction within tolerance);
+        ``measured_forward_s``: the window's forward, for the record only (:func:`against_profile`)."""
         predicted = running.predicted_iteration_s
         error = (predicted - measured_s) / measured_s if measured_s > 0 else 0.0
         record: JsonDict = {"schedule": running.digest(), "predicted_s": predicted, "measured_s": measured_s,
                             "error": error, "backward_s": measured_backward_s,
-                            **against_profile(profile, running, self.config, measured_backward_s, links)}
+                            **against_profile(profile, running, self.config, measured_backward_s, links,
+                                              measured_forward_s)}
         self.tried.add(running.digest())
         back = self._back(running, measured_s, record)
         if back is not None:
@@ -481,6 +488,7 @@ class Adaptation:
         self._output_grad_at: float | None = None  # when this iteration's output got its gradient
         self._iter_s: list[float] = []
         self._bwd_s: list[float] = []
+        self._fwd_s: list[float] = []  # the model's forward, from its start to its output
         self._from = ""  # the digest of the schedule the decision in flight was measured on
         self._watch: Watch | None = None  # settled: the watch that re-opens the adaptation
         self._fallen_back = False  # the last schedule offered is the warm-up's synchronous one
@@ -488,6 +496,7 @@ class Adaptation:
         self._episode = 0  # re-openings so far
         self._reason = ""  # why the running episode opened (recorded with its re-plans)
         self._backward_s = 0.0  # the last window's slowest-rank median backward
+        self._forward_s = 0.0  # ... and forward
         self._links_window: LinkWindow | None = None  # the last window's link timing
         self._synchronous: WindowFigures | None = None  # the warm-up's candidate as measured (every rank)
 
@@ -513,6 +522,8 @@ class Adaptation:
         self._output_grad_at = None
         if not self.on:
             return
+        if self._fwd_start is not None:
+            self._fwd_s.append(time.perf_counter() - self._fwd_start)
 
         def start(_grad: torch.Tensor) -> None:
             if self._output_grad_at is None:
@@ -536,7 +547,7 @@ class Adaptation:
     def reset_window(self) -> None:
         """Start a new measurement window at the next forward (the iteration now is not counted)."""
         self._fwd_start = self._bwd_start = None
-        self._iter_s, self._bwd_s = [], []
+        self._iter_s, self._bwd_s, self._fwd_s = [], [], []
         self.links.reset()
 
     # -- the loop ------------------------------------------------------------------------------------
@@ -626,10 +637,11 @@ class Adaptation:
         names = self.links.names
         per_byte = [loads[n].per_byte_s if n in loads else None for n in names]
         row = [*window_medians(self._iter_s, self._bwd_s), self.clock.median(), spread(self.clock.seconds),
-               spread(self._iter_s), *(-pb if pb is not None else 0.0 for pb in per_byte)]  # max(-x) = -min(x)
+               spread(self._iter_s), statistics.median(self._fwd_s) if self._fwd_s else 0.0,
+               *(-pb if pb is not None else 0.0 for pb in per_byte)]  # max(-x) = -min(x)
         reduced = self._control.max_rows([row], "iteration times")[0]
-        measured, self._backward_s, synchronous_s, synchronous_spread_s, spread_s = reduced[:5]
-        self._figures = WindowFigures(measured, spread_s, {n: -v for n, v in zip(names, reduced[5:], strict=True)
+        measured, self._backward_s, synchronous_s, synchronous_spread_s, spread_s, self._forward_s = reduced[:6]
+        self._figures = WindowFigures(measured, spread_s, {n: -v for n, v in zip(names, reduced[6:], strict=True)
                                                            if v < 0})
         if self._synchronous is None and synchronous_s > 0 and self._episode == 0:
             self._synchronous = WindowFigures(synchronous_s, synchronous_spread_s)
@@ -649,7 +661,7 @@ class Adaptation:
         if self._adapter is None or self._figures is None:
             return None
         return _decision(self.config, self._adapter, running, profile, self._figures.iteration_s,
-                         self._backward_s, self.walk, self._links_window, reopened)
+                         self._backward_s, self.walk, self._links_window, reopened, self._forward_s)
 
     def _apply(self, t: int, doc: Decision, running: Schedule) -> Outcome:
         """Collective: rank 0's decision to every rank; a new schedule waits for a boundary."""
@@ -747,7 +759,7 @@ def _decided(out: Mapping[str, object]) -> Decision:
 
 def _decision(cfg: DeftConfig, adapter: Adapter, running: Schedule, profile: Profile | None, measured: float,
               backward: float, walk: WalkStats | None, links: LinkWindow | None = None,
-              reopened: bool = False) -> Callable[[], Decision]:
+              reopened: bool = False, forward: float = 0.0) -> Callable[[], Decision]:
     """Rank 0's decision as a function of its inputs only (it may run on a background thread)."""
     def decide() -> Decision:
         try:
@@ -762,7 +774,8 @@ def _decision(cfg: DeftConfig, adapter: Adapter, running: Schedule, profile: Pro
                 return make_schedule(quick, corrected, None if cfg.epsilon == 0 else walk, None,
                                      lag_iters=cfg.plan_lag_iters).schedule
 
-            new, corrected, record = adapter.decide(running, profile, measured, backward, replan, links, reopened)
+            new, corrected, record = adapter.decide(running, profile, measured, backward, replan, links, reopened,
+                                                    forward)
             doc: Decision = {"record": record, "done": adapter.done}
             if adapter.wants_int8:  # every rank measures it (Adaptation._apply); the next window decides with it
                 adapter.wants_int8 = adapter.done = False
