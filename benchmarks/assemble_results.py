@@ -22,6 +22,7 @@ ORDER = [
     "peers_lm_hosts.md",
     "peers_lm_hosts_50.md",
     "prices.md",
+    "prices_clock.md",
     "codec_paths.md",
     "slow_links.md",
     "house.md",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,29 @@ def first_window(doc: dict[str, Any]) -> str:
     return "; ".join(parts) or "-"
 
 
+def warmup_priced(doc: dict[str, Any]) -> str:
+    """The warm-up's synchronous schedule (each bucket of the saved profile in its own backward, the
+    links in turn) simulated on the run's saved profile, against what the iterations beside rank 0's
+    planner measured it at (the first adaptation record's ``synchronous_s``): "simulated / measured";
+    "-" where the run saved no profile or no such time."""
+    from deft.profile import Profile
+    from deft.schedule import synchronous_schedule
+    from deft.solver.simulate import simulate_schedule
+
+    sched = doc["summary"].get("schedule") or {}
+    records = (sched.get("plan_info") or {}).get("adapt") or []
+    measured = records[0].get("synchronous_s") if records and isinstance(records[0], dict) else None
+    saved = sched.get("profile") or {}
+    if not isinstance(measured, (int, float)) or not saved.get("buckets"):
+        return "-"
+    profile = Profile.from_dict(saved, "the run's saved profile")
+    links = profile.link_names
+    warm = synchronous_schedule(tuple(b.numel for b in profile.buckets), tuple(b.nbytes for b in profile.buckets),
+                                links, tuple(links[b % len(links)] for b in range(profile.n)))
+    simulated = simulate_schedule(profile, warm).iteration_s
+    return f"{simulated * 1e3:.0f} / {measured * 1e3:.0f} ({measured / simulated:.2f}x)"
+
+
 def row(label: str, run_dir: Path, doc: dict[str, Any]) -> str:
     s = doc["summary"]
     layout = peers.Layout.of(s)
@@ -74,12 +98,17 @@ def row(label: str, run_dir: Path, doc: dict[str, Any]) -> str:
     worst = max((abs(p.error) for p in prices), default=float("nan"))
     held = "yes" if worst <= TOLERANCE else "no"
     return (f"| {label} | {workload(doc)} | {s['rate_mbit']:g} | {layout.words()} | "
-            f"{', '.join(f'{r:.2f}' for r in rho) or '-'} | {plans or '-'} | {first} | {first_window(doc)} | {held} | "
+            f"{', '.join(f'{r:.2f}' for r in rho) or '-'} | {plans or '-'} | {first} | {first_window(doc)} | "
+            f"{warmup_priced(doc)} | {held} | "
             f"{s['iter_s_mean'] * 1e3:.0f} | `{run_dir.name}` |")
 
 
-def report(groups: list[tuple[str, list[Path]]], note: str, command: str) -> str:
-    lines = ["## Plans' prices against their measurements (`benchmarks/bench_prices.py`)", "",
+#: The table's heading unless ``--title`` names what this set of runs compares.
+TITLE = "Plans' prices against their measurements"
+
+
+def report(groups: list[tuple[str, list[Path]]], note: str, command: str, title: str = TITLE) -> str:
+    lines = [f"## {title} (`benchmarks/bench_prices.py`)", "",
              f"Command: `{command}`  ",
              f"Runs: {note}  ",
              "Each run: deft's default (`bench_peers.py --schemes deft --save-runs DIR`); the machine's 2 cores "
@@ -87,11 +116,14 @@ def report(groups: list[tuple[str, list[Path]]], note: str, command: str) -> str
              "busy link the profile measured (absent: 0). Plans: each plan's prediction / the adaptation "
              "window that measured it (ms; the last one's against the run's steady iteration where no "
              f"window measured it). First window against the profile: its forward, backward and each link's busy time "
-             "over the profile's prices of them (1: as priced; `-`: not recorded). Within "
+             "over the profile's prices of them (1: as priced; `-`: not recorded). Warm-up schedule: the "
+             "warm-up's synchronous schedule simulated on the run's saved profile / as the iterations beside "
+             "rank 0's planner measured it (`-`: not saved). Within "
              f"{TOLERANCE:.0%}: every plan of the run.", "",
              "| code | model | Mbit/s | layout | contention | plans: predicted / measured (ms) | first plan | "
-             f"first window against the profile | within {TOLERANCE:.0%} | steady iteration (ms) | runs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"first window against the profile | warm-up schedule: simulated / measured (ms) | within "
+             f"{TOLERANCE:.0%} | steady iteration (ms) | runs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, dirs in groups:
         for d in dirs:
             lines += [row(label, d, doc) for doc in load(d)]
@@ -117,9 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", action="append", required=True, help="LABEL=DIR[,DIR...]: deft runs of one code version")
     ap.add_argument("--results", help="write the table here (default: print it)")
     ap.add_argument("--note", default="", help="which code and how quiet the machine was")
+    ap.add_argument("--title", default=TITLE, help="the table's heading (what these runs compare)")
     args = ap.parse_args(argv)
-    text = report(parse_groups(args.runs), args.note, "benchmarks/bench_prices.py " + " ".join(
-        f"--runs '{r}'" for r in args.runs))
+    command = "benchmarks/bench_prices.py " + " ".join(f"--runs '{r}'" for r in args.runs) + (
+        f" --title {shlex.quote(args.title)}" if args.title != TITLE else "")
+    text = report(parse_groups(args.runs), args.note, command, args.title)
     if args.results:
         write_fragment(text, Path(args.results), READING)
     print(text)

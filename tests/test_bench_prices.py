@@ -45,7 +45,7 @@ def test_a_run_is_one_row_with_every_plan_priced(prices: Any, tmp_path: Path) ->
     # the first window's forward, backward and links stood against the profile
     assert row == ("| after | GPT-2 | 250 | 4 ranks (4 hosts x 1 rank per host) | 0.00, 0.50 | "
                    "2000 / 1600 (+25.0%); 1200 / 1500 (-20.0%) | +25.0% | forward x 1.40; backward x 1.10; "
-                   "primary x 0.70, second x 1.25 | no | 1500 | `after` |")
+                   "primary x 0.70, second x 1.25 | - | no | 1500 | `after` |")
 
 
 def test_a_run_recorded_before_the_window_was_set_against_the_profile_says_so(prices: Any, tmp_path: Path) -> None:
@@ -57,7 +57,7 @@ def test_a_run_recorded_before_the_window_was_set_against_the_profile_says_so(pr
     path.write_text(json.dumps(doc), encoding="utf-8")
     row = next(line for line in prices.report([("old", [tmp_path / "old"])], "", "cmd").splitlines()
                if line.startswith("| old |"))
-    assert "| +25.0% | - | no |" in row
+    assert "| +25.0% | - | - | no |" in row
 
 
 def test_bad_runs_are_named(prices: Any, tmp_path: Path) -> None:
@@ -78,3 +78,31 @@ def test_writing_the_table_again_keeps_the_reading(prices: Any, tmp_path: Path) 
     text = out.read_text(encoding="utf-8")
     assert "## old table" not in text and "| after |" in text
     assert text.endswith(f"\n{prices.READING}\n\nwhat it says\n")
+
+
+def test_a_titled_table_says_what_it_compares_and_how_it_was_made(prices: Any, tmp_path: Path) -> None:
+    _save(tmp_path / "after", None)
+    out = tmp_path / "prices.md"
+    assert prices.main(["--runs", f"after={tmp_path / 'after'}", "--results", str(out),
+                        "--title", "The link clock against the plans' prices"]) == 0
+    text = out.read_text(encoding="utf-8")
+    assert text.startswith("## The link clock against the plans' prices (`benchmarks/bench_prices.py`)")
+    assert "--title 'The link clock against the plans'\"'\"' prices'" in text  # as a shell reads it back
+
+
+def test_the_warm_up_schedule_is_simulated_on_the_saved_profile_against_its_measured_time(prices: Any,
+                                                                                        tmp_path: Path) -> None:
+    # Two buckets of 10 ms forward and 10 ms backward each, each all-reduced in 50 ms on a link of its own
+    # (the warm-up sends bucket b on link b mod 2). By hand: forwards to 20 ms, bucket 0's backward to 30
+    # (its send to 80), bucket 1's to 40 (its send to 90): 90 ms an iteration, against the 180 measured.
+    from deft.profile import Bucket, BucketTimes, Link, Profile
+
+    profile = Profile(tuple(Bucket(i, (f"p{i}",), 1000, 4000) for i in range(2)),
+                      tuple(BucketTimes(0.01, 0.01, {"primary": 0.05, "second": 0.05}) for _ in range(2)),
+                      (Link("primary", "gloo"), Link("second", "gloo")), 2, "synthetic", model="two")
+    _save(tmp_path / "run", None)
+    path = tmp_path / "run" / "deft.250.s0.r0.json"
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    doc["summary"]["schedule"]["profile"] = profile.to_dict()
+    doc["summary"]["schedule"]["plan_info"]["adapt"][0]["synchronous_s"] = 0.18
+    assert prices.warmup_priced(doc) == "90 / 180 (2.00x)"
