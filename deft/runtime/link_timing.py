@@ -111,9 +111,10 @@ class LinkClock:
     # Note: a hooked send's start is stamped per send, not per bucket. A window spans several
     # iterations, each sending every bucket: one start per bucket, overwritten by the next iteration's,
     # put every earlier send's start after its own end and its busy time at zero, so the links of a coded
-    # plan measured a third of their time and one link's calibration factor priced it nearly free. An
-    # unchained hook runs inside the launch call (its start comes just before ``launched``, on the same
-    # thread); a chained one runs when the sends before it end, after ``launched``, in launch order.
+    # plan counted only their last iteration's sends and one link's calibration factor priced it nearly
+    # free. An unchained hook runs inside the launch call (its start comes just before ``launched``, on
+    # the same thread); a chained one runs when the sends before it end, after ``launched``, in launch
+    # order.
 
     def bucket_ready(self, b: int) -> None:
         pass
