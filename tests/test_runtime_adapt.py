@@ -277,6 +277,37 @@ def adapt_worker(rank: int, world: int) -> dict[str, Any]:
     return {**checked_result(ddp, model, world), "digests": digests}
 
 
+def failed_decision_worker(rank: int, world: int) -> dict[str, Any]:
+    """:func:`adapt_worker`'s run with rank 0's first adaptation decision raising (a bug in it, injected)."""
+    import deft
+    from deft.runtime import adapt
+
+    def broken(self: Any, *a: Any, **kw: Any) -> Any:
+        raise RuntimeError("injected by the test")
+
+    adapt.Adapter.decide = broken  # type: ignore[method-assign]
+    model = Linear()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    ddp = comm_heavy_ddp(deft, model, opt, warmup_iters=1, comm=3.0)
+    for t in range(ITERS):
+        ddp(coefficients(rank, t)).backward()
+        opt.step()
+        opt.zero_grad()
+    return checked_result(ddp, model, world)
+
+
+@pytest.mark.slow
+def test_a_failed_decision_stops_the_adaptation_unsettled_and_training_goes_on() -> None:
+    # The decision's error is every rank's record, the episode did not end in a settled state (nothing
+    # watches the links to re-open it), no decision follows, and every gradient is still applied once.
+    a, b = values(run_ranks(failed_decision_worker, 2, timeout=120))
+    assert a["log"] == b["log"] and a["adapt"] == b["adapt"]
+    assert len(a["adapt"]) == 1, a["adapt"]
+    record = a["adapt"][0]
+    assert "RuntimeError: injected by the test" in record["error"] and record["settled"] is False, record
+    assert sorted(t for _, its in a["log"] for t in its) == list(range(ITERS))
+
+
 @pytest.mark.slow
 def test_adaptation_converges_and_keeps_every_gradient_exactly_once() -> None:
     a, b = values(run_ranks(adapt_worker, 2, timeout=120))
