@@ -65,25 +65,29 @@ def first_window(doc: dict[str, Any]) -> str:
 
 
 def warmup_priced(doc: dict[str, Any]) -> str:
-    """The warm-up's synchronous schedule (each bucket of the saved profile in its own backward, the
-    links in turn) simulated on the run's saved profile, against what the iterations beside rank 0's
-    planner measured it at (the first adaptation record's ``synchronous_s``): "simulated / measured";
-    "-" where the run saved no profile or no such time."""
+    """Where the run went back to the warm-up's synchronous schedule (its last switch, to the warm-up's
+    layout): that schedule, as saved, simulated on the saved profile (then the measured one priced as
+    that schedule sends, uncorrected), against the time it was measured at (the decision's
+    ``synchronous_s``): "simulated / measured". "-" for any other run: its saved profile is a corrected
+    one, or in a plan's buckets."""
+    from deft.errors import DeftError
     from deft.profile import Profile
-    from deft.schedule import synchronous_schedule
+    from deft.schedule import Schedule
     from deft.solver.simulate import simulate_schedule
 
     sched = doc["summary"].get("schedule") or {}
-    records = (sched.get("plan_info") or {}).get("adapt") or []
-    measured = records[0].get("synchronous_s") if records and isinstance(records[0], dict) else None
-    saved = sched.get("profile") or {}
-    if not isinstance(measured, (int, float)) or not saved.get("buckets"):
+    info = sched.get("plan_info") or {}
+    switches = info.get("switches") or []
+    back = [r for r in info.get("adapt") or [] if isinstance(r, dict) and isinstance(r.get("synchronous_s"), float)
+            and "synchronous schedule" in str(r.get("decision", ""))]
+    if not switches or switches[-1].get("layout") != "warm-up" or not back or not sched.get("profile"):
         return "-"
-    profile = Profile.from_dict(saved, "the run's saved profile")
-    links = profile.link_names
-    warm = synchronous_schedule(tuple(b.numel for b in profile.buckets), tuple(b.nbytes for b in profile.buckets),
-                                links, tuple(links[b % len(links)] for b in range(profile.n)))
-    simulated = simulate_schedule(profile, warm).iteration_s
+    try:
+        simulated = simulate_schedule(Profile.from_dict(sched["profile"], "the run's saved profile"),
+                                      Schedule.from_dict(sched["schedule"], "the run's saved schedule")).iteration_s
+    except DeftError:
+        return "-"
+    measured = back[-1]["synchronous_s"]
     return f"{simulated * 1e3:.0f} / {measured * 1e3:.0f} ({measured / simulated:.2f}x)"
 
 
@@ -116,9 +120,9 @@ def report(groups: list[tuple[str, list[Path]]], note: str, command: str, title:
              "busy link the profile measured (absent: 0). Plans: each plan's prediction / the adaptation "
              "window that measured it (ms; the last one's against the run's steady iteration where no "
              f"window measured it). First window against the profile: its forward, backward and each link's busy time "
-             "over the profile's prices of them (1: as priced; `-`: not recorded). Warm-up schedule: the "
-             "warm-up's synchronous schedule simulated on the run's saved profile / as the iterations beside "
-             "rank 0's planner measured it (`-`: not saved). Within "
+             "over the profile's prices of them (1: as priced; `-`: not recorded). Warm-up schedule: where the "
+             "run went back to the warm-up's synchronous schedule, that schedule simulated on the run's saved "
+             "(uncorrected) profile / as it was measured (`-`: the run did not go back to it). Within "
              f"{TOLERANCE:.0%}: every plan of the run.", "",
              "| code | model | Mbit/s | layout | contention | plans: predicted / measured (ms) | first plan | "
              f"first window against the profile | warm-up schedule: simulated / measured (ms) | within "

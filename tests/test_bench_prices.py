@@ -90,19 +90,27 @@ def test_a_titled_table_says_what_it_compares_and_how_it_was_made(prices: Any, t
     assert "--title 'The link clock against the plans'\"'\"' prices'" in text  # as a shell reads it back
 
 
-def test_the_warm_up_schedule_is_simulated_on_the_saved_profile_against_its_measured_time(prices: Any,
-                                                                                        tmp_path: Path) -> None:
-    # Two buckets of 10 ms forward and 10 ms backward each, each all-reduced in 50 ms on a link of its own
-    # (the warm-up sends bucket b on link b mod 2). By hand: forwards to 20 ms, bucket 0's backward to 30
-    # (its send to 80), bucket 1's to 40 (its send to 90): 90 ms an iteration, against the 180 measured.
+def test_the_warm_up_schedule_gone_back_to_is_simulated_on_the_saved_profile_against_its_time(
+        prices: Any, tmp_path: Path) -> None:
+    # Two buckets of 10 ms forward and 10 ms backward each, each all-reduced in 50 ms on a link of its own.
+    # By hand: forwards to 20 ms, bucket 0's backward to 30 (its send to 80), bucket 1's to 40 (its send
+    # to 90): 90 ms an iteration, against the 180 the run measured before going back to it.
     from deft.profile import Bucket, BucketTimes, Link, Profile
+    from deft.schedule import synchronous_schedule
 
     profile = Profile(tuple(Bucket(i, (f"p{i}",), 1000, 4000) for i in range(2)),
                       tuple(BucketTimes(0.01, 0.01, {"primary": 0.05, "second": 0.05}) for _ in range(2)),
                       (Link("primary", "gloo"), Link("second", "gloo")), 2, "synthetic", model="two")
+    warm = synchronous_schedule((1000, 1000), (4000, 4000), ("primary", "second"), ("primary", "second"))
     _save(tmp_path / "run", None)
     path = tmp_path / "run" / "deft.250.s0.r0.json"
     doc = json.loads(path.read_text(encoding="utf-8"))
-    doc["summary"]["schedule"]["profile"] = profile.to_dict()
-    doc["summary"]["schedule"]["plan_info"]["adapt"][0]["synchronous_s"] = 0.18
+    sched = doc["summary"]["schedule"]
+    sched.update(profile=profile.to_dict(), schedule=warm.to_dict())
+    sched["plan_info"]["adapt"][0].update(
+        synchronous_s=0.18, decision="slower than the warm-up's synchronous schedule abc (200 ms against 180 ms)")
+    sched["plan_info"]["switches"] = [{"iteration": 9, "source": "adapt", "layout": "warm-up"}]
     assert prices.warmup_priced(doc) == "90 / 180 (2.00x)"
+    # a run that ended on a plan: its saved profile is corrected, or in the plan's buckets: not priced
+    sched["plan_info"]["switches"] = [{"iteration": 9, "source": "adapt"}]
+    assert prices.warmup_priced(doc) == "-"
