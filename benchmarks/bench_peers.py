@@ -406,11 +406,16 @@ def run_procs(tb: Testbed, procs: list[Proc], timeout_s: float, label: str, live
         raise RuntimeError(f"{label}: {failed}\n--- last output ---\n{tail}")
 
 
+def run_config(tb: Testbed, sch: Scheme, path: Path, args: argparse.Namespace) -> Path:
+    """The deft config of one run at ``path``: the testbed's links the scheme uses, and ``--deft-config``."""
+    return tb.write_config(path, links=sch.links, **args.deft_config)
+
+
 def run_one(tb: Testbed, name: str, rep: int, seed: int, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     sch, wl, layout = SCHEMES[name], WORKLOADS[args.workload], Layout(tb.hosts, args.ranks_per_host)
     stem = f"{name}.{tb.rate_mbit:g}.s{seed}.r{rep}"
     out = out_dir / f"{stem}.json"
-    config = tb.write_config(out_dir / f"{stem}.toml", links=sch.links, **args.deft_config)
+    config = run_config(tb, sch, out_dir / f"{stem}.toml", args)
     json_arg = str(out_dir / f"{stem}.host{{host}}.json") if sch.alone else str(out)
     # the floor: each rank alone on the shard a rank of this world trains on
     shards = ["--shards", str(layout.world)] if sch.alone and wl.name == "cnn" else []
@@ -924,6 +929,7 @@ def parse_deft_config(items: list[str]) -> dict[str, Any]:
     import tomllib
 
     from deft.config import DeftConfig
+    from deft.errors import DeftError
 
     out: dict[str, Any] = {}
     for item in items:
@@ -940,7 +946,7 @@ def parse_deft_config(items: list[str]) -> dict[str, Any]:
         out[key] = value
     try:
         DeftConfig.from_dict(out)
-    except Exception as e:  # deft's own check of the settings: its message names the field
+    except DeftError as e:  # deft's own check of the settings: its message names the field
         raise ValueError(f"--deft-config: {e}") from e
     return out
 

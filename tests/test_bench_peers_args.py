@@ -56,9 +56,11 @@ def test_deft_settings_reach_every_runs_config(peers: Any, tmp_path: Path) -> No
     assert args.deft_config == {"plan_lag_iters": 0, "solver": "greedy", "contention": True}
     from deft.config import DeftConfig
 
-    path = Testbed(hosts=2, links=2, tag="argtest").write_config(tmp_path / "deft.toml", **args.deft_config)
+    path = peers.run_config(Testbed(hosts=2, links=2, tag="argtest"), peers.SCHEMES["deft"], tmp_path / "deft.toml",
+                            args)
     config = DeftConfig.load(path)
     assert (config.plan_lag_iters, config.solver, config.contention) == (0, "greedy", True)
+    assert [lk.ifname for lk in config.links] == ["nic0", "nic1"]  # and the scheme's two links
 
 
 def test_default_and_chosen_layouts(peers: Any) -> None:

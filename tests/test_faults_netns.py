@@ -50,7 +50,7 @@ DEADLINE_S = 300.0
 # a batch whose compute hides the sends on the fast links, not on the slowed ones
 INSTALL_STEPS, INSTALL_BATCH, INSTALL_RATE_MBIT, INSTALL_FACTOR = 40, 512, 1000.0, 20.0
 # the exact run: the way back and the re-opened episode only (asserted within BOUND of the way back, itself
-# an adaptation window after the plan), on slowed links where every iteration takes half a second
+# an adaptation window after the plan), on slowed links where every further iteration is slow
 EXACT_STEPS = 30
 
 #: every test here runs ranks in the testbed's network namespaces

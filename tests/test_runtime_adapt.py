@@ -630,8 +630,8 @@ def profile_codec_back_worker(rank: int, world: int) -> dict[str, Any]:
     # run), so the adaptation's candidate is the profile iterations' schedule; the plan's iterations carry
     # 5 SLOW_S, so the run goes back to that schedule, which must send as the profile iterations did. Three
     # profile iterations and the larger delay: on a loaded machine the mean of two profile iterations
-    # came within SLOW_S of the plan's (a CI run: 61.5 ms against 61.5; two busy loops beside: 71.7); the
-    # plan's few iterations before the way back pay the delay, the rest none.
+    # came within SLOW_S of the plan's own time and the run settled; the plan's few iterations before the
+    # way back pay the delay, the rest none.
     ddp = deft.DistributedDataParallel(model, optimizer=opt, config={
         "epsilon": 0.01, "profile_codec": "always", "warmup_iters": 1, "profile_iters": 3, "plan_lag_iters": 0,
         "bucket_cap_mb": 0.001, "timeout_s": 60, "adapt_window": 3, "links": [{"name": "primary"}]})
