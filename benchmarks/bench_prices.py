@@ -2,7 +2,7 @@
 
 Issue 44's bar: every plan's predicted iteration within 15 % of what it measured. This script trains
 nothing; it reads the records ``bench_peers.py --schemes deft --save-runs DIR`` keeps and lists, for each
-run, the world it ran in, the links' contention its profile measured (``deft.profile.Link.contention``),
+run, the world it ran in, the links' contention and drag its profile measured (``deft.profile.Link``),
 every plan it ran with its prediction and the adaptation window that measured it
 (:func:`bench_peers.plan_prices`), and the run's steady iteration. Runs of two code versions on the same
 machine, labelled, stand side by side:
@@ -96,13 +96,15 @@ def row(label: str, run_dir: Path, doc: dict[str, Any]) -> str:
     layout = peers.Layout.of(s)
     links = ((s.get("schedule") or {}).get("profile") or {}).get("links") or []
     rho = sorted({float(lk.get("contention", 0.0)) for lk in links})
+    drag = sorted({float(lk.get("drag", 0.0)) for lk in links})
     prices = peers.plan_prices(doc)
     plans = "; ".join(f"{p.predicted_s * 1e3:.0f} / {p.measured_s * 1e3:.0f} ({p.error:+.1%})" for p in prices)
     first = f"{prices[0].error:+.1%}" if prices else "-"
     worst = max((abs(p.error) for p in prices), default=float("nan"))
     held = "yes" if worst <= TOLERANCE else "no"
     return (f"| {label} | {workload(doc)} | {s['rate_mbit']:g} | {layout.words()} | "
-            f"{', '.join(f'{r:.2f}' for r in rho) or '-'} | {plans or '-'} | {first} | {first_window(doc)} | "
+            f"{', '.join(f'{r:.2f}' for r in rho) or '-'} | {', '.join(f'{d:.2f}' for d in drag) or '-'} | "
+            f"{plans or '-'} | {first} | {first_window(doc)} | "
             f"{warmup_priced(doc)} | {held} | "
             f"{s['iter_s_mean'] * 1e3:.0f} | `{run_dir.name}` |")
 
@@ -117,17 +119,18 @@ def report(groups: list[tuple[str, list[Path]]], note: str, command: str, title:
              f"Runs: {note}  ",
              "Each run: deft's default (`bench_peers.py --schemes deft --save-runs DIR`); the machine's 2 cores "
              "shared by every rank's computation and every link's gloo threads. Contention: the slowdown per "
-             "busy link the profile measured (absent: 0). Plans: each plan's prediction / the adaptation "
+             "busy link the profile measured (absent: 0); drag: the links' sends slowed by the compute beside "
+             "them, as the profile fitted it (absent: 0). Plans: each plan's prediction / the adaptation "
              "window that measured it (ms; the last one's against the run's steady iteration where no "
              f"window measured it). First window against the profile: its forward, backward and each link's busy time "
              "over the profile's prices of them (1: as priced; `-`: not recorded). Warm-up schedule: where the "
              "run went back to the warm-up's synchronous schedule, that schedule simulated on the run's saved "
              "(uncorrected) profile / as it was measured (`-`: the run did not go back to it). Within "
              f"{TOLERANCE:.0%}: every plan of the run.", "",
-             "| code | model | Mbit/s | layout | contention | plans: predicted / measured (ms) | first plan | "
+             "| code | model | Mbit/s | layout | contention | drag | plans: predicted / measured (ms) | first plan | "
              f"first window against the profile | warm-up schedule: simulated / measured (ms) | within "
              f"{TOLERANCE:.0%} | steady iteration (ms) | runs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, dirs in groups:
         for d in dirs:
             lines += [row(label, d, doc) for doc in load(d)]

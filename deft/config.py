@@ -94,6 +94,10 @@ class DeftConfig:
     # contention for the CPU is measured and priced (deft.profile.Link.contention; none on CUDA). Off by
     # default: on the GPT-2 its plans ran slower (benchmarks/results/prices.md)
     contention: bool = False
+    # The mirror: the gloo links' drag, their sends slowed by the compute beside them, is fitted from the
+    # profile iterations' sends beside and after the backward and priced (deft.profile.Link.drag; none
+    # on CUDA)
+    drag: bool = False
     preserver: bool = True
     preserver_max_tries: int = 10
     capacity_growth: float = 1.25

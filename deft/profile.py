@@ -85,7 +85,10 @@ class Link:
     profile's world size. ``contention``: what the link's transfers take from the compute that shares
     the processor with them; while links ``l`` carry a rank's collectives its compute runs at
     ``1 / (1 + sum_l contention_l)`` of its speed (0: none, as for NCCL's copies engines; gloo's
-    reductions and socket copies run on the CPU cores the model computes on).
+    reductions and socket copies run on the CPU cores the model computes on). ``drag``: the mirror, what
+    the compute takes from the link's transfers where they share the processor; while the rank's
+    compute stream is busy the link's sends run at ``1 / (1 + drag)`` of their speed, and the link's
+    model and measured times are its sends' with the cores free (0: none, as on NCCL).
     """
 
     name: str
@@ -94,6 +97,7 @@ class Link:
     alpha_s: float = 0.0
     beta_s_per_byte: float = 0.0
     contention: float = 0.0
+    drag: float = 0.0
 
     def time(self, nbytes: int) -> float:
         return self.alpha_s + self.beta_s_per_byte * nbytes
@@ -338,6 +342,8 @@ class Profile:
             if not _nonneg(link.contention):
                 raise ContractError(source, f"links[{i}].contention", f"expected a finite number >= 0, got "
                                     f"{link.contention}")
+            if not _nonneg(link.drag):
+                raise ContractError(source, f"links[{i}].drag", f"expected a finite number >= 0, got {link.drag}")
         for i, b in enumerate(self.buckets):
             if b.id != i:
                 raise ContractError(source, f"buckets[{i}].id", f"expected {i} (ids are 0..n-1 in order), got {b.id}")
@@ -387,7 +393,9 @@ class Profile:
             "links": [
                 {"name": k.name, "backend": k.backend, "ifname": k.ifname,
                  "alpha_s": k.alpha_s, "beta_s_per_byte": k.beta_s_per_byte,
-                 **({"contention": k.contention} if k.contention else {})}  # absent: 0, the digest unchanged
+                 # absent when 0: older profiles' digests unchanged
+                 **({"contention": k.contention} if k.contention else {}),
+                 **({"drag": k.drag} if k.drag else {})}
                 for k in self.links
             ],
             "buckets": buckets,
@@ -419,7 +427,7 @@ class Profile:
             links.append(Link(
                 name=lf.str("name"), backend=lf.str("backend", choices=BACKENDS), ifname=lf.opt_str("ifname"),
                 alpha_s=lf.float("alpha_s", 0.0), beta_s_per_byte=lf.float("beta_s_per_byte", 0.0),
-                contention=lf.float("contention", 0.0),
+                contention=lf.float("contention", 0.0), drag=lf.float("drag", 0.0),
             ))
         buckets, times = [], []
         for bf in f.items("buckets"):

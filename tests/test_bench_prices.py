@@ -1,4 +1,4 @@
-"""bench_prices: a saved deft run's world, contention and every plan's price in one row; bad input named."""
+"""bench_prices: a saved deft run's world, contention, drag and every plan's price in one row; bad input named."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ def _save(run_dir: Path, contention: float | None) -> None:
     link: dict[str, Any] = {"name": "primary"}
     if contention is not None:
         link["contention"] = contention
+        link["drag"] = 0.25
     doc = {"summary": {"ddp": "deft", "hosts": 4, "ranks_per_host": 1, "rate_mbit": 250.0, "iter_s_mean": 1.5,
                        "final_val_loss": 2.4, "schedule": {
                            "predicted_iteration_s": 1.5, "profile": {"links": [link, {"name": "second"}]},
@@ -41,9 +42,9 @@ def test_a_run_is_one_row_with_every_plan_priced(prices: Any, tmp_path: Path) ->
     text = prices.report([("after", [tmp_path / "after"])], "one pass", "cmd")
     row = next(line for line in text.splitlines() if line.startswith("| after |"))
     # the first plan 2000 against its window's 1600 (+25 %), the second against the steady 1500 (-20 %):
-    # outside 15 %; the links' contention as the profile measured it (the second link's absent: 0); where
-    # the first window's forward, backward and links stood against the profile
-    assert row == ("| after | GPT-2 | 250 | 4 ranks (4 hosts x 1 rank per host) | 0.00, 0.50 | "
+    # outside 15 %; the links' contention and drag as the profile measured them (the second link's
+    # absent: 0); where the first window's forward, backward and links stood against the profile
+    assert row == ("| after | GPT-2 | 250 | 4 ranks (4 hosts x 1 rank per host) | 0.00, 0.50 | 0.00, 0.25 | "
                    "2000 / 1600 (+25.0%); 1200 / 1500 (-20.0%) | +25.0% | forward x 1.40; backward x 1.10; "
                    "primary x 0.70, second x 1.25 | - | no | 1500 | `after` |")
 

@@ -5,6 +5,8 @@
   union of the intervals, every collective in exactly one period).
 * :func:`common_busy_groups`: the ranks' periods joined, each group's time the minimum over ranks
   of that rank's busy time inside it; by hand.
+* :func:`common_busy_groups` with compute spans: a group's time beside the compute, on the rank whose
+  time is the group's; by hand.
 * :func:`fit_group_beta`: the one-parameter least squares with the measured ``alpha`` fixed; worked by
   hand (exact data, noisy data, start-ups that already exceed a group's time).
 * :func:`busy_counts` and :func:`contention`: how long k links were busy in an interval, and the
@@ -87,6 +89,15 @@ def test_common_busy_groups_join_the_ranks_periods() -> None:
     assert [x.seconds for x in got] == pytest.approx([4.1, 2.2])
     # bucket 1's collective failed on rank 1: its group is left out
     assert common_busy_groups([{0: (0.0, 5.0), 1: (6.0, 9.0)}, {0: (1.0, 5.1)}]) == [BusyGroup((0,), 4.1)]
+
+
+def test_a_groups_time_beside_the_compute_is_that_of_the_rank_whose_time_it_is() -> None:
+    # rank 1 sets both groups' times (4.1 and 2.2); its compute spans [0, 2] and [8, 20]: bucket 0's
+    # [1, 5.1] overlaps 1 s of them, bucket 1's [7, 9.2] 1.2 s. Rank 0's compute [0, 4] does not count.
+    got = common_busy_groups([{0: (0.0, 5.0), 1: (6.0, 9.0)}, {0: (1.0, 5.1), 1: (7.0, 9.2)}],
+                             [[(0.0, 4.0)], [(0.0, 2.0), (8.0, 20.0)]])
+    assert [x.seconds for x in got] == pytest.approx([4.1, 2.2])
+    assert [x.beside for x in got] == pytest.approx([1.0, 1.2])
 
 
 def test_fit_beta_with_alpha_fixed_by_hand() -> None:
@@ -250,9 +261,10 @@ def test_profile_iterations_send_each_bucket_once_over_both_links() -> None:
     assert all(PROFILE <= prof.meta["busy_groups"][k] <= 4 * PROFILE for k in ("primary", "second"))
 
 
-def held_worker(rank: int, world: int, contention: bool = True) -> dict[str, Any]:
+def held_worker(rank: int, world: int, contention: bool = True, drag: bool | None = None) -> dict[str, Any]:
     """Per profile iteration, the all-reduces issued during the backward (from the output's gradient to
-    the last parameter's), counted by wrapping ``torch.distributed.all_reduce``."""
+    the last parameter's), counted by wrapping ``torch.distributed.all_reduce``; the links' contention
+    and drag (both measured or neither)."""
     import time
 
     import torch.distributed as dist
@@ -272,7 +284,8 @@ def held_worker(rank: int, world: int, contention: bool = True) -> dict[str, Any
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     ddp = deft.DistributedDataParallel(model, optimizer=opt, config={
         "warmup_iters": WARMUP, "profile_iters": 3, "epsilon": 0.0, "bucket_cap_mb": 1e-6, "timeout_s": 60,
-        "contention": contention, "links": [{"name": "primary"}, {"name": "second"}]})
+        "contention": contention, "drag": contention if drag is None else drag,
+        "links": [{"name": "primary"}, {"name": "second"}]})
     g = torch.Generator().manual_seed(rank)
     during = []
     for _ in range(WARMUP + 3):
@@ -292,7 +305,7 @@ def held_worker(rank: int, world: int, contention: bool = True) -> dict[str, Any
     prof = ddp.profile
     assert prof is not None
     return {"during": during[WARMUP:], "contention": [lk.contention for lk in prof.links],
-            "meta": prof.meta["contention"]}
+            "meta": prof.meta["contention"], "drag": [lk.drag for lk in prof.links], "drag_meta": prof.meta["drag"]}
 
 
 @pytest.mark.slow
@@ -312,7 +325,13 @@ def test_the_last_profile_iteration_runs_its_backward_beside_no_collective() -> 
                                                 for r in meta["ranks"]), meta
         median = sorted(r["rho"] for r in meta["ranks"])
         assert doc["contention"] == [pytest.approx(sum(median) / 2)] * 2, doc
+        # the drag: one for both gloo links, fitted over groups beside the backward (the other
+        # iterations') and after it (the held one's), so the groups differ in their share beside the
+        # compute (its size on loopback is noise: not asserted)
+        assert doc["drag"] == [doc["drag_meta"]["drag"]] * 2, doc
+        assert "spread" not in doc["drag_meta"].get("why_none", ""), doc
     assert docs[0]["meta"] == docs[1]["meta"]  # the same profile on every rank
+    assert docs[0]["drag_meta"] == docs[1]["drag_meta"]
 
 
 @pytest.mark.slow
@@ -320,7 +339,21 @@ def test_contention_off_holds_nothing_and_prices_none() -> None:
     for doc in values(run_ranks(held_worker, 2, (False,), timeout=120)):
         assert all(n > 0 for n in doc["during"]), doc
         assert doc["contention"] == [0.0, 0.0], doc
+        assert doc["drag"] == [0.0, 0.0] and doc["drag_meta"] == {"drag": 0.0, "why_none": "not measured"}, doc
         assert doc["meta"]["held_iteration"] is None and all(r["rho"] is None for r in doc["meta"]["ranks"]), doc
+
+
+@pytest.mark.slow
+def test_drag_alone_holds_the_last_iteration_and_prices_no_contention() -> None:
+    # the held iteration's sends ran beside no compute: the drag is fitted against them; the contention
+    # is neither estimated nor priced
+    docs = values(run_ranks(held_worker, 2, (False, True), timeout=120))
+    for doc in docs:
+        assert doc["during"][0] > 0 and doc["during"][1] > 0 and doc["during"][2] == 0, doc
+        assert doc["contention"] == [0.0, 0.0] and all(r["rho"] is None for r in doc["meta"]["ranks"]), doc
+        assert doc["drag"] == [doc["drag_meta"]["drag"]] * 2, doc
+        assert "spread" not in doc["drag_meta"].get("why_none", "") and "not measured" not in doc["drag_meta"].get(
+            "why_none", ""), doc
 
 
 def probe_dead_peer_worker(rank: int, world: int) -> str:

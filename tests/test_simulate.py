@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -359,6 +360,65 @@ def test_contention_round_trips_and_is_checked() -> None:
     assert "contention" not in plain.to_dict()["links"][0]  # absent when 0: older profiles' digests stand
     with pytest.raises(ContractError, match=r"links\[0\]\.contention"):
         _contending(p, {"a": -1.0})
+
+
+# ------------------------------------------------------------------------------------------------------- drag
+def _sharing(p: Profile, contention: dict[str, float], drag: dict[str, float]) -> Profile:
+    return dataclasses.replace(p, links=tuple(dataclasses.replace(
+        lk, backend="gloo", contention=contention.get(lk.name, 0.0), drag=drag.get(lk.name, 0.0)) for lk in p.links))
+
+
+def test_a_dragged_link_sends_slower_beside_the_compute_by_hand() -> None:
+    # two_bucket_delayed("a"), link a dragged by 1 (its sends at half speed while the compute runs).
+    # Position 0 starts at S and computes without a wait until S+6; bucket 1's send on a (4 s) does 3 s
+    # of its work by S+6 and the last 1 s alone: [S, S+7]; bucket 0's (3 s), queued behind it, runs with
+    # the compute waiting for it: [S+7, S+10]; the update at S+10. Position 1 sends nothing: 6. Cycle 16,
+    # 8 per iteration (6.5 without drag).
+    p, s = two_bucket_delayed("a")
+    r = simulate_schedule(_sharing(p, {}, {"a": 1.0}), s)
+    assert r.iteration_s == pytest.approx(8.0)
+    sends = sorted((e for e in r.events if e.kind == "comm" and e.stage_iteration == 4), key=lambda e: e.start_s)
+    assert [e.end_s - e.start_s for e in sends] == pytest.approx([7.0, 3.0])
+    # bucket 0 on b, both dragged: b's send from S+3 does 1.5 s by S+6 and 1.5 s alone: the update at S+7.5
+    # (a's send ends at S+7). Cycle 13.5.
+    p, s = two_bucket_delayed("b")
+    assert simulate_schedule(_sharing(p, {}, {"a": 1.0, "b": 1.0}), s).iteration_s == pytest.approx(6.75)
+
+
+def test_drag_and_contention_together_slow_both_sides_by_hand() -> None:
+    # two_bucket_delayed("b"), link b contending and dragged by 1. The backward (3 s of work) starts at
+    # S+3 beside b's send of bucket 0 (3 s): each runs at half speed beside the other and both end at
+    # S+9; the update at S+9. Position 1: 6. Cycle 15, 7.5 per iteration (contention alone: 7.75, the
+    # send's end at S+8 leaving the backward's last half second at full speed).
+    p, s = two_bucket_delayed("b")
+    r = simulate_schedule(_sharing(p, {"b": 1.0}, {"b": 1.0}), s)
+    assert r.iteration_s == pytest.approx(7.5)
+    send = next(e for e in r.events if e.kind == "comm" and e.stage_iteration == 4 and e.row == "b")
+    last = next(e for e in r.events if e.kind == "backward" and e.iteration == 4 and e.bucket == 1)
+    assert (send.end_s - send.start_s, last.end_s) == pytest.approx((6.0, send.end_s))
+
+
+def test_drag_costs_nothing_where_no_send_overlaps_the_compute() -> None:
+    p = _sharing(make_profile([2.0], [3.0], [{"a": 1.5}]), {}, {"a": 5.0})
+    for scheme in BASELINES:
+        assert simulate(p, scheme).iteration_s == pytest.approx(6.5), scheme
+
+
+def test_drag_round_trips_and_is_checked() -> None:
+    p = _sharing(make_profile([2.0], [3.0], [{"a": 1.5}]), {}, {"a": 0.5})
+    assert Profile.from_dict(p.to_dict()).links[0].drag == 0.5
+    assert "drag" not in _sharing(p, {}, {}).to_dict()["links"][0]  # absent when 0: older digests stand
+    with pytest.raises(ContractError, match=r"links\[0\]\.drag"):
+        _sharing(p, {}, {"a": math.inf})
+
+
+@pytest.mark.parametrize("scheme", ["usbyte", "mgwfbp", "bytescheduler"])
+def test_more_drag_is_never_faster(scheme: str) -> None:
+    p = vgg19()
+    times = [simulate(_sharing(p, {}, {lk.name: d for lk in p.links}), scheme).iteration_s for d in (0.0, 0.3, 1.5)]
+    assert all(b >= a - 1e-12 for a, b in itertools.pairwise(times)), times
+    assert times[-1] > times[0], times
+    assert times[0] == pytest.approx(simulate(p, scheme).iteration_s)
 
 
 @pytest.mark.parametrize("scheme", ["usbyte", "mgwfbp"])

@@ -171,11 +171,12 @@ class Course:
                     self._install(sched, lay, t)
             assert ex.layout is not None
             live = {n: lk for n, lk in self._links.items() if n in self._live()}
-            # the last profile iteration's backward runs alone, the others' beside their sends: the links'
-            # contention (on CUDA none: NCCL's copies leave the cores to the model)
-            held = self.profile_iters - 1 if self.profile_iters >= 2 and self.config.contention and not cuda else None
+            # the last profile iteration's backward runs alone and its sends after it, the others' beside
+            # each other: the links' contention and drag (on CUDA neither: the compute is the device's)
+            shared = self.config.contention or self.config.drag
+            held = self.profile_iters - 1 if self.profile_iters >= 2 and shared and not cuda else None
             self._timer = WarmupTimer(self._module, self._params, ex.layout, live, cuda, self._wait_work, self.failover,
-                                      held)
+                                      held, self.config.contention, self.config.drag)
             ex.observe(self._timer)
         if self._timer is not None and ex.idle and ex.layout is not None:
             coded = self.codecs.profile_schedule(self._timer.schedule())

@@ -20,15 +20,22 @@ and nothing is waited for early, so a profile iteration costs about what a torch
   the outputs); bucket ``b``'s backward time is the time from the previous bucket-ready event (or
   backward start) to ``b``'s ready event, less deft's own launch calls in between. The collectives
   launched before run beside it (on a CPU machine the gloo threads share the cores with the model),
-  except in the held iteration (next item), whose backward times are the profile's.
-* **contention** (``DeftConfig.contention``, CPU links, two profile iterations or more): the last
-  profile iteration holds its backward's sends until the last bucket is ready
-  (``Executor.install(hold=True)``), so its backward runs beside no collective; the profile's backward
-  times are its. Each other iteration's backward ran beside its sends: the slowdown per busy link that
+  except in the held iteration (next item), whose backward times are the profile's where the
+  contention is priced.
+* **the held iteration** (``DeftConfig.contention`` or ``DeftConfig.drag``, CPU links, two profile
+  iterations or more): the last profile iteration holds its backward's sends until the last bucket is
+  ready (``Executor.install(hold=True)``), so its backward runs beside no collective and its sends
+  beside no compute.
+* **contention** (``DeftConfig.contention``): the profile's backward times are the held iteration's.
+  Each other iteration's backward ran beside its sends: the slowdown per busy link that
   explains the difference (:func:`contention`, over the time ``k`` links were busy in it,
   :func:`busy_counts`) is every gloo link's ``contention`` (:class:`deft.profile.Link`), the median
   over iterations and then over ranks; the simulator slows the compute beside a send by it. An NCCL
   link's is 0 (its copies leave the cores alone).
+* **drag** (``DeftConfig.drag``): each busy group (below) carries its time beside the rank's compute
+  (forward and backward, :func:`common_busy_groups`); the held iteration's groups ran beside none, the
+  others' beside the backward, and :func:`deft.profiler.drag.fit_drag` fits the gloo links' drag and
+  their transfer times with the cores free from both kinds. On CUDA none (the compute is the device's).
 * **communication**: each launch records its launch time ``L`` (the executor's clock before the
   call) and its completion time ``C``, stamped by a callback on the Work's future
   (``Work.get_future().then``, waited for before the sample is read): gloo marks the future
@@ -108,7 +115,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypedDict
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -116,6 +122,7 @@ from torch.utils.hooks import RemovableHandle
 from deft._json import JsonDict
 from deft.errors import CommunicationError
 from deft.profile import Bucket, BucketTimes, Link, Profile
+from deft.profiler.drag import DragFit, DragGroup, fit_drag, group_beta
 from deft.profiler.pace import paced_compute
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.codecs.timing import Codec
@@ -125,7 +132,6 @@ from deft.runtime.links import CommLink
 from deft.runtime.tensors import tensors_in
 from deft.schedule import Schedule, synchronous_schedule
 
-MB = 1e6  # bytes per MB in the fit's scaled byte column
 #: Untimed, then timed one-element all-reduces per link in :func:`probe_alpha` (median of the timed ones).
 PROBE_WARMUP, PROBE_REPEATS = 2, 9
 
@@ -165,20 +171,25 @@ def busy_periods(spans: Sequence[tuple[float, float]]) -> list[tuple[list[int], 
 
 @dataclass(frozen=True)
 class BusyGroup:
-    """Buckets one link carried together in one iteration, and the seconds it was busy with them."""
+    """Buckets one link carried together in one iteration, the seconds it was busy with them and how
+    many of those were beside the compute (on the rank whose seconds they are)."""
 
     buckets: tuple[int, ...]
     seconds: float
+    beside: float = 0.0
 
 
-def common_busy_groups(per_rank: Sequence[Mapping[int, tuple[float, float]]]) -> list[BusyGroup]:
+def common_busy_groups(per_rank: Sequence[Mapping[int, tuple[float, float]]],
+                       compute: Sequence[Sequence[tuple[float, float]]] = ()) -> list[BusyGroup]:
     """Join the ranks' busy periods of one link in one iteration; each group's time, min over ranks.
 
     ``per_rank[r]`` maps bucket -> ``(launch, completion)`` on rank ``r``'s clock. Two buckets are in
     one group when they are in one busy period on *some* rank (the finest partition that every
     rank's periods refine). A group's seconds: on each rank, the total length of that rank's periods
     inside the group; then the minimum over ranks. A bucket missing on some rank (its collective
-    failed) takes its whole group out. Groups are returned in bucket order.
+    failed) takes its whole group out. Groups are returned in bucket order. ``compute[r]``: rank
+    ``r``'s compute spans in the iteration (none given: none); a group's ``beside`` is how long the
+    periods of the rank with the least seconds overlapped them.
     """
     parent: dict[int, int] = {}
 
@@ -193,8 +204,11 @@ def common_busy_groups(per_rank: Sequence[Mapping[int, tuple[float, float]]]) ->
         keys = list(spans)
         for b in keys:
             parent.setdefault(b, b)
-        rank_periods = [([keys[i] for i in idx], length) for idx, length in busy_periods([spans[b] for b in keys])]
-        for members, _ in rank_periods:
+        rank_periods = []
+        for idx, length in busy_periods([spans[b] for b in keys]):
+            lo = min(spans[keys[i]][0] for i in idx)
+            rank_periods.append(([keys[i] for i in idx], length, (lo, lo + length)))
+        for members, _, _ in rank_periods:
             for b in members[1:]:
                 parent[find(b)] = find(members[0])
         periods.append(rank_periods)
@@ -207,9 +221,24 @@ def common_busy_groups(per_rank: Sequence[Mapping[int, tuple[float, float]]]) ->
         if not set(members) <= common:
             continue
         root = find(members[0])
-        seconds = min(sum(length for ms, length in rank_periods if find(ms[0]) == root) for rank_periods in periods)
-        out.append(BusyGroup(tuple(members), seconds))
+        per = [[span for ms, _, span in rank_periods if find(ms[0]) == root] for rank_periods in periods]
+        seconds, r = min((sum(hi - lo for lo, hi in spans), r) for r, spans in enumerate(per))
+        beside = sum(_overlap(span, c) for span in per[r] for c in (compute[r] if r < len(compute) else ()))
+        out.append(BusyGroup(tuple(members), seconds, beside))
     return out
+
+
+def _compute_spans(s: Sample) -> list[list[float]]:
+    """One profile iteration's compute spans on this rank: its forward and its backward (start to the
+    last bucket ready)."""
+    spans = [[s["fwd_start"], s["fwd_start"] + s["fwd_total"]]]
+    if s["bwd_start"] is not None and "bwd_end" in s:
+        spans.append([s["bwd_start"], s["bwd_end"]])
+    return spans
+
+
+def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
+    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
 
 
 def _stamp(fut: torch._C.Future[object], stamps: list[float]) -> None:
@@ -267,6 +296,13 @@ class _RankCompute(TypedDict):
     beside_s: float | None  # the median backward of the others
 
 
+class _RankSends(TypedDict):
+    """One rank's sends and compute spans of the profile iterations, gathered (:meth:`WarmupTimer._busy_groups`)."""
+
+    iterations: list[dict[str, list[list[float]]]]  # per iteration, per link: [bucket, launch, completion]
+    compute: list[list[list[float]]]  # per iteration: its forward's and backward's [start, end]
+
+
 @dataclass
 class _Frame:
     """A parameter-owning module whose forward is running: ``spent`` is its exclusive time so far,
@@ -288,8 +324,11 @@ class WarmupTimer:
 
     def __init__(self, module: nn.Module, params: Sequence[torch.Tensor], layout: FlatLayout,
                  links: dict[str, CommLink], cuda: bool, wait: Callable[[Collective, str, int], None],
-                 failover: LinkFailover | None = None, held: int | None = None) -> None:
+                 failover: LinkFailover | None = None, held: int | None = None, contention: bool = False,
+                 drag: bool = False) -> None:
         self.held = held  # the profile iteration whose backward runs alone (holds_next), None: none
+        self.contention = contention  # price the links' contention (needs ``held``)
+        self.drag = drag  # fit the gloo links' drag (deft.profiler.drag)
         self._wait = wait  # waits for a launched collective (NCCL's completion is stamped after it)
         self._failover = failover  # the links lost (none: every link lives); the probe's agreement
         self.layout = layout
@@ -486,7 +525,8 @@ class WarmupTimer:
         pooled = [g for k in link_names for g in loads[k]]
         if not pooled:
             raise RuntimeError("internal: no all-reduce of the profile iterations completed")
-        links, comm = self._fit_links(loads, pooled, alphas, wire, link_backends)
+        drag = self._drag(loads, alphas, wire, link_backends)
+        links, comm = self._fit_links(loads, pooled, alphas, wire, link_backends, drag)
         links = [replace(lk, contention=rho) if lk.backend == "gloo" else lk for lk in links]
         buckets = tuple(Bucket(id=b, params=self.layout.bucket_names(b),
                                numel=self.layout.bucket_numel[b], nbytes=nbytes[b],
@@ -497,7 +537,7 @@ class WarmupTimer:
                       for b in range(n))
         return Profile(buckets=buckets, times=times, links=tuple(links), world_size=world, source="timing",
                        versions={"torch": torch.__version__}, model=model,
-                       meta=self._meta(loads, alphas, comm, codec, rank_contention),
+                       meta=self._meta(loads, alphas, comm, codec, rank_contention, drag),
                        codec=codec.name if codec is not None else "")
 
     def _probe(self, control: ControlPlane, t: int) -> dict[str, float]:
@@ -535,7 +575,8 @@ class WarmupTimer:
         contention: the median over ranks of :meth:`_contention`, 0 without a held iteration, and each
         rank's estimate with its backward alone and beside its sends (for the profile's ``meta``). The
         forward ran beside no collective in any of them (the synchronous step waited for every one); the
-        backward is the held iterations' where there are some. Collective on the control group."""
+        backward is the held iterations' where there are some and the contention is priced. Collective on
+        the control group."""
         alone = [sum(s["bwd"]) for s in self.samples if s["held"]]
         beside = [sum(s["bwd"]) for s in self.samples if not s["held"]]
         mine: _RankCompute = {"fwd": [list(s["fwd"]) for s in self.samples],
@@ -546,7 +587,7 @@ class WarmupTimer:
         every = control.all_gather_json(mine, "compute times of the profile iterations")
         fwd, bwd = paced_compute([d["fwd"] for d in every], [d["bwd"] for d in every])
         held = [[x for x, h in zip(d["bwd"], d["held"], strict=True) if h] for d in every]
-        if all(held):
+        if all(held) and self.contention:
             bwd = paced_compute([[x for x, h in zip(d["fwd"], d["held"], strict=True) if h] for d in every], held)[1]
         rhos = [d["rho"] for d in every if d["rho"] is not None]
         ranks: list[JsonDict] = [{"rho": d["rho"], "alone_s": d["alone_s"], "beside_s": d["beside_s"]} for d in every]
@@ -558,7 +599,7 @@ class WarmupTimer:
         those iterations; None without both kinds, or on CUDA (NCCL's copies leave the cores alone)."""
         alone = [sum(s["bwd"]) for s in self.samples if s["held"]]
         beside = [s for s in self.samples if not s["held"] and s.get("bwd_start") is not None and "bwd_end" in s]
-        if self.cuda or not alone or not beside:
+        if self.cuda or not self.contention or not alone or not beside:
             return None
         pure = statistics.median(alone)
         rhos = []
@@ -571,8 +612,9 @@ class WarmupTimer:
         return statistics.median(rhos)
 
     def _busy_groups(self, control: ControlPlane, codec_s: Sequence[float]) -> dict[str, list[BusyGroup]]:
-        """Per link, the busy groups of every profile iteration (:func:`common_busy_groups`), each less
-        the codec compute of its buckets (never below 0), so that the links are fitted over wire time.
+        """Per link, the busy groups of every profile iteration (:func:`common_busy_groups`, each with its
+        time beside the compute: the iteration's forward and backward), each less the codec compute of
+        its buckets (never below 0), so that the links are fitted over wire time.
 
         Collective on the control group: every rank gathers every rank's send intervals, so every rank
         forms the same groups (and so computes the same profile)."""
@@ -580,43 +622,60 @@ class WarmupTimer:
         # A bucket's launch and comm entries are set together (end_iteration): both or neither.
         mine = [{k: [[b, lo, lo + c] for b, (lo, c) in enumerate(zip(s["launch"][k], s["comm"][k], strict=True))
                      if lo is not None and c is not None] for k in link_names} for s in self.samples]
-        every = [doc["iterations"] for doc in control.all_gather_json({"iterations": mine},
-                                                                      "all-reduce times of the profile iterations")]
+        doc: _RankSends = {"iterations": mine, "compute": [_compute_spans(s) for s in self.samples]}
+        every = control.all_gather_json(doc, "all-reduce times of the profile iterations")
         loads: dict[str, list[BusyGroup]] = {k: [] for k in link_names}
         for i in range(len(self.samples)):
+            compute = [[(lo, hi) for lo, hi in d["compute"][i]] for d in every]
             for k in link_names:
-                per_rank = [{int(b): (lo, hi) for b, lo, hi in its[i][k]} for its in every]
-                loads[k] += [BusyGroup(g.buckets, max(0.0, g.seconds - sum(codec_s[b] for b in g.buckets)))
-                             for g in common_busy_groups(per_rank)]
+                per_rank = [{int(b): (lo, hi) for b, lo, hi in d["iterations"][i][k]} for d in every]
+                for g in common_busy_groups(per_rank, compute):
+                    wire_s = max(0.0, g.seconds - sum(codec_s[b] for b in g.buckets))
+                    loads[k].append(BusyGroup(g.buckets, wire_s, min(g.beside, wire_s)))
         return loads
 
+    def _drag(self, loads: Mapping[str, list[BusyGroup]], alphas: Mapping[str, float], wire: Sequence[int],
+              link_backends: Mapping[str, str]) -> DragFit:
+        """The gloo links' drag (:func:`deft.profiler.drag.fit_drag`) over their busy groups; 0 unless
+        ``drag`` was asked for, and on CUDA (the model's compute leaves gloo's threads the cores)."""
+        if not self.drag or self.cuda:
+            return DragFit(0.0, {}, "not measured" if not self.drag else "CUDA: the compute is on the device")
+        gloo = {k: [DragGroup(len(g.buckets), sum(wire[b] for b in g.buckets), g.seconds, g.beside) for g in loads[k]]
+                for k in alphas if link_backends[k] == "gloo"}
+        return fit_drag(gloo, alphas)
+
     def _fit_links(self, loads: Mapping[str, list[BusyGroup]], pooled: Sequence[BusyGroup],
-                   alphas: Mapping[str, float], wire: Sequence[int],
-                   link_backends: Mapping[str, str]) -> tuple[list[Link], list[dict[int, float]]]:
+                   alphas: Mapping[str, float], wire: Sequence[int], link_backends: Mapping[str, str],
+                   drag: DragFit) -> tuple[list[Link], list[dict[int, float]]]:
         """Per link (in link order), its model and its buckets' direct times (module docstring).
 
         ``beta`` is fitted over the link's own busy groups with its probed ``alpha`` fixed, or over
         ``pooled`` (every link's groups) when the link carried nothing, because every link must have a
-        model; a bucket alone in a group on the link gets the median of those groups' times. Local
-        only: every rank holds the same groups and alphas, so every rank gets the same result."""
+        model; a bucket alone in a group on the link gets the median of those groups' times. On a link
+        with ``drag``, ``beta`` is fitted with the drag's share fixed and a time is the group's with the
+        cores free (:meth:`~deft.profiler.drag.DragFit.free_seconds`). Local only: every rank holds the
+        same groups and alphas, so every rank gets the same result."""
         links: list[Link] = []
         comm: list[dict[int, float]] = []
         for k in alphas:
             groups = loads[k] or pooled
             alpha = alphas[k]
-            beta = fit_group_beta([len(g.buckets) for g in groups], [sum(wire[b] for b in g.buckets) for g in groups],
-                                  [g.seconds for g in groups], alpha)
+            fit = drag if link_backends[k] == "gloo" else DragFit(0.0, {})
+            rows = [DragGroup(len(g.buckets), sum(wire[b] for b in g.buckets), g.seconds, g.beside) for g in groups]
+            beta = group_beta(rows, alpha, fit.k)
             lk = self.links[k]
-            links.append(Link(name=k, backend=link_backends[k], ifname=lk.ifname, alpha_s=alpha, beta_s_per_byte=beta))
+            links.append(Link(name=k, backend=link_backends[k], ifname=lk.ifname, alpha_s=alpha, beta_s_per_byte=beta,
+                              drag=fit.drag))
             alone: dict[int, list[float]] = {}
-            for g in loads[k]:
-                if len(g.buckets) == 1:
-                    alone.setdefault(g.buckets[0], []).append(g.seconds)
+            for g, row in zip(groups, rows, strict=True):
+                if loads[k] and len(g.buckets) == 1:
+                    alone.setdefault(g.buckets[0], []).append(fit.free_seconds(row))
             comm.append({b: statistics.median(v) for b, v in alone.items()})
         return links, comm
 
     def _meta(self, loads: Mapping[str, list[BusyGroup]], alphas: Mapping[str, float],
-              comm: Sequence[dict[int, float]], codec: Codec | None, rank_contention: list[JsonDict]) -> JsonDict:
+              comm: Sequence[dict[int, float]], codec: Codec | None, rank_contention: list[JsonDict],
+              drag: DragFit) -> JsonDict:
         """The profile's ``meta``: how it was reduced, so that a reader can tell measured times from
         modelled ones (the probe, the busy groups per link, which buckets were measured alone, the
         codec's sources, the links that carried nothing and took ``beta`` from all links, and the links
@@ -635,6 +694,9 @@ class WarmupTimer:
             "contention": {"held_iteration": self.held, "ranks": rank_contention,
                            "reduction": "per rank: the median over the iterations beside their sends; "
                                         "the median over ranks"},
+            "drag": {"drag": drag.drag, "why_none": drag.reason} if drag.reason else
+                    {"drag": drag.drag, "reduction": "one drag for the gloo links, least squares over their busy "
+                                                      "groups with each link's beta (deft.profiler.drag)"},
             "buckets_measured_alone": {k: sorted(c) for k, c in zip(link_names, comm, strict=True)}}
         if codec is not None:
             meta["codec"] = {"wire_nbytes": "the hook's maths" if codec.wire_known else
@@ -740,10 +802,4 @@ def fit_group_beta(counts: Sequence[int], nbytes: Sequence[int], seconds: Sequen
         raise ValueError("fit_group_beta: expected equally long, non-empty counts, nbytes and seconds")
     if not (math.isfinite(alpha) and alpha >= 0):
         raise ValueError(f"fit_group_beta: expected a finite alpha >= 0, got {alpha!r}")
-    b = np.asarray(nbytes, dtype=float) / MB
-    rest = np.asarray(seconds, dtype=float) - alpha * np.asarray(counts, dtype=float)
-    den = float(b @ b)
-    beta = max(0.0, float(b @ rest) / den) / MB if den > 0 else 0.0
-    if beta == 0 and alpha == 0:
-        beta = 1e-12  # a link must have a model; measured times were all zero
-    return beta
+    return group_beta([DragGroup(m, b, t, 0.0) for m, b, t in zip(counts, nbytes, seconds, strict=True)], alpha)

@@ -45,11 +45,13 @@ Model
   (:func:`serial_codec`; fp16 and bf16 start one collective per send and share no state, so their
   sends overlap across links as plain all-reduces do). Without a codec no such task exists and
   nothing changes.
-* **Contention** (a link with ``contention > 0``, :class:`deft.profile.Link`): where the links' work
-  runs on the cores the model computes on (gloo), the compute stream runs at ``1 / (1 + sum_l rho_l)``
-  of its speed while links ``l`` have a send in flight, ``rho_l`` their contention: a compute task's
-  end is projected from the sends it knows of and projected again when one starts beside it. Compute
-  with no send beside it, and every link with ``contention == 0``, runs as measured.
+* **A shared processor** (:class:`deft.profile.Link`'s ``contention`` and ``drag``): where the links'
+  work runs on the cores the model computes on (gloo), the compute stream runs at
+  ``1 / (1 + sum_l rho_l)`` of its speed while links ``l`` have a send in flight (``rho_l`` their
+  contention), and a send on link ``l`` at ``1 / (1 + d_l)`` of its speed while the compute stream is
+  busy (``d_l`` its drag). Speeds change only when a task starts or ends; each running task's end is
+  projected again then (``_EventLoop``'s Note [shared processor]). Compute with no send beside it,
+  sends with no compute beside them, and links with neither run as measured.
 * **Steady state**: iteration time is averaged over whole cycles after a warm-up, between forward
   starts; bubble ratio = compute idle time / window; link utilisation = busy time / window.
 
@@ -77,6 +79,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -137,8 +140,11 @@ class SimResult:
 # --------------------------------------------------------------------------------------------------
 # Cost model helpers
 # --------------------------------------------------------------------------------------------------
-def _contention(profile: Profile) -> dict[str, float]:
-    return {lk.name: lk.contention for lk in profile.links}
+def _engine(profile: Profile, credit: dict[str, int] | None = None) -> _Engine:
+    """An empty engine for ``profile``'s links, their codec discipline and how they share the processor."""
+    return _Engine(profile.link_names, credit, serial=serial_codec(profile),
+                   contention={lk.name: lk.contention for lk in profile.links},
+                   drag={lk.name: lk.drag for lk in profile.links})
 
 
 def serial_codec(profile: Profile) -> bool:
@@ -260,10 +266,12 @@ class _Engine:
     """Compute stream + one queue per link, advanced in time order (a plain discrete-event loop)."""
 
     def __init__(self, links: Sequence[str], credit: dict[str, int] | None = None, serial: bool = False,
-                 contention: Mapping[str, float] | None = None) -> None:
+                 contention: Mapping[str, float] | None = None, drag: Mapping[str, float] | None = None) -> None:
         self.serial = serial  # one send in flight over all links (hooked sends are chained)
         # link -> its contention (deft.profile.Link): compute slows while the link is busy
         self.contention = {lk: c for lk, c in (contention or {}).items() if c > 0}
+        # link -> its drag (deft.profile.Link): the link's sends slow while the compute is busy
+        self.drag = {lk: d for lk, d in (drag or {}).items() if d > 0}
         self.compute: list[_Compute] = []
         self.comms: list[_Comm] = []
         self.links = list(links)
@@ -307,7 +315,18 @@ class _EventLoop:
     and each link's queue.
 
     Events are ``(time, sequence, kind, id)``: at equal times they are handled in the order they were
-    pushed, so a run is a function of the task graph alone.
+    pushed, so a run is a function of the task graph alone. A send handed to its link waits in the
+    link's queue (every link's, for a serial codec) until the link is free, then runs.
+
+    Note [shared processor]
+    Where links contend or drag (:class:`deft.profile.Link`), a running task's speed depends on what
+    runs beside it: the compute stream's on the contending links with a send in flight, a send's on
+    whether the compute stream is busy. Speeds change only when a task starts or ends, so between two
+    such instants every running task's speed is constant: at each one the work done since the last is
+    taken off each running task (:meth:`_settle`), the speeds are set again, and each running task's
+    end is projected from its work left (:meth:`_project`). An end event pushed under an older
+    projection is stale and skipped. Without contention or drag every speed is 1 and a task ends
+    ``duration`` after it starts.
     """
 
     def __init__(self, eng: _Engine) -> None:
@@ -317,76 +336,76 @@ class _EventLoop:
         self.now = 0.0
         self.ci = 0  # next compute task
         self.compute_busy = False
-        self.busy_until = {lk: 0.0 for lk in eng.links}
-        self.busy_all = 0.0  # serial: the end of the last send on any link
         self.head = {lk: 0 for lk in eng.links}  # ordered: next comm in launch order
         self.ready_q: dict[str, list[tuple[tuple[float, ...], int]]] = {lk: [] for lk in eng.links}
         self.in_flight = {lk: 0 for lk in eng.links}  # bytes handed to the link and not yet finished
         self.finished = [False] * len(eng.comms)
-        self.busy: dict[str, list[tuple[float, float]]] = {lk: [] for lk in eng.contention}  # sends' spans
-        self.work_left = 0.0  # the running compute task's work not done at ``work_at``
-        self.work_at = 0.0
+        self.queue: dict[str, deque[int]] = {}  # link (or "*": every link, serial) -> sends handed, not started
+        self.handed: set[int] = set()  # sends handed to their link (queued or started)
+        self.sending: dict[str, int] = {}  # link -> the send in flight on it
+        self.shared = bool(eng.contention or eng.drag)  # Note [shared processor]
+        self.work: dict[tuple[str, int], tuple[float, float]] = {}  # running task -> (work left, speed)
+        self.work_at = 0.0  # when ``work`` was last settled
 
     def push(self, t: float, kind: str, idx: int) -> None:
         heapq.heappush(self.heap, (t, self.seq, kind, idx))
         self.seq += 1
 
     def available(self, cid: int) -> bool:
-        """Launched by its stage, its gradient (or codec) done, and not yet started."""
+        """Launched by its stage, its gradient (or codec) done, and not yet handed to its link."""
         c = self.eng.comms[cid]
-        return c.launched and c.grad_ready and math.isnan(c.start)
+        return c.launched and c.grad_ready and cid not in self.handed
+
+    def _key(self, link: str) -> str:
+        return "*" if self.eng.serial else link
 
     def dispatch(self, cid: int) -> None:
-        """Start a send when its link (and, for a serial codec, every link) is free."""
+        """Hand a send to its link: it starts when the link (for a serial codec, every link) is free."""
         c = self.eng.comms[cid]
-        c.start = max(self.now, self.busy_until[c.link], self.busy_all if self.eng.serial else 0.0)
-        c.end = c.start + c.duration
-        self.busy_until[c.link] = c.end
-        self.busy_all = max(self.busy_all, c.end)
+        self.handed.add(cid)
         self.in_flight[c.link] += c.nbytes
-        self.push(c.end, "comm", cid)
-        if c.link in self.busy:
-            self._contend(c.link, c.start, c.end)
+        key = self._key(c.link)
+        if (not self.sending if self.eng.serial else c.link not in self.sending) and not self.queue.get(key):
+            self._start_comm(cid)
+        else:
+            self.queue.setdefault(key, deque()).append(cid)
 
-    # -- contention: the compute stream slows while contending links are busy ----------------------------
-    def _contend(self, link: str, start: float, end: float) -> None:
-        """A send spans ``[start, end]`` on a contending link: a running compute task ends later."""
-        if self.compute_busy:
-            self.work_left -= self._work(self.work_at, self.now)  # the new span starts now or later
-            self.work_at = self.now
-        self.busy[link] = [(a, b) for a, b in self.busy[link] if b > self.now] + [(start, end)]
-        if self.compute_busy:
-            task = self.eng.compute[self.ci - 1]
-            task.end = self._finish(self.now, self.work_left)
-            self.push(task.end, "compute", self.ci - 1)  # the earlier projection's event is stale
+    def _start_comm(self, cid: int) -> None:
+        c = self.eng.comms[cid]
+        c.start = self.now
+        self.sending[c.link] = cid
+        if self.shared:
+            self._settle()
+            self.work[("comm", cid)] = (c.duration, 1.0)
+            self._project()
+        else:
+            c.end = self.now + c.duration
+            self.push(c.end, "comm", cid)
 
-    def _rate(self, t0: float, t1: float) -> float:
-        """The compute speed on ``[t0, t1]``, a stretch with no span edge inside."""
-        mid = 0.5 * (t0 + t1)
-        return 1.0 / (1.0 + sum(self.eng.contention[lk] for lk, spans in self.busy.items()
-                                if any(a <= mid < b for a, b in spans)))
+    # -- Note [shared processor] ----------------------------------------------------------------------
+    def _settle(self) -> None:
+        """Take the work done since the last change off every running task."""
+        dt = self.now - self.work_at
+        if dt > 0:
+            self.work = {k: (left - dt * speed, speed) for k, (left, speed) in self.work.items()}
+        self.work_at = self.now
 
-    def _edges(self, t0: float) -> list[float]:
-        return sorted({x for spans in self.busy.values() for span in spans for x in span if x > t0})
-
-    def _work(self, t0: float, t1: float) -> float:
-        """Compute work done on ``[t0, t1]``."""
-        done, t = 0.0, t0
-        for x in [*[e for e in self._edges(t0) if e < t1], t1]:
-            done += (x - t) * self._rate(t, x)
-            t = x
-        return done
-
-    def _finish(self, t0: float, work: float) -> float:
-        """When ``work`` seconds of compute started at ``t0`` end, at the speeds the known spans allow."""
-        t = t0
-        for x in self._edges(t0):
-            rate = self._rate(t, x)
-            if (x - t) * rate >= work:
-                return t + work / rate
-            work -= (x - t) * rate
-            t = x
-        return t + work
+    def _project(self) -> None:
+        """Set every running task's speed from what runs beside it now and push its projected end."""
+        eng = self.eng
+        compute_speed = 1.0 / (1.0 + sum(eng.contention.get(lk, 0.0) for lk in self.sending))
+        for (kind, idx), (left, _) in list(self.work.items()):
+            if kind == "compute":
+                speed, task = compute_speed, eng.compute[idx]
+            else:
+                comm = eng.comms[idx]
+                speed = 1.0 / (1.0 + eng.drag.get(comm.link, 0.0)) if self.compute_busy else 1.0
+                task = comm  # type: ignore[assignment]
+            end = self.now + max(0.0, left) / speed
+            self.work[(kind, idx)] = (left, speed)
+            if end != task.end:
+                task.end = end
+                self.push(end, kind, idx)
 
     def became_available(self, cid: int) -> None:
         c = self.eng.comms[cid]
@@ -431,16 +450,18 @@ class _EventLoop:
         if not all(self.finished[d] for d in task.deps):
             return False
         task.start = self.now
-        self.compute_busy = True
-        if self.busy:
-            self.work_left, self.work_at = task.duration, self.now
-            task.end = self._finish(self.now, task.duration)
+        if self.shared and task.duration > 0:
+            self._settle()
+            self.compute_busy = True
+            self.work[("compute", self.ci)] = (task.duration, 1.0)
+            self._project()
         else:
+            self.compute_busy = True
             task.end = self.now + task.duration
+            self.push(task.end, "compute", self.ci)
         for cid in task.launches:
             eng.comms[cid].launched = True
             self.became_available(cid)
-        self.push(task.end, "compute", self.ci)
         self.ci += 1
         return True
 
@@ -450,18 +471,36 @@ class _EventLoop:
         credit is returned."""
         heap = self.heap
         self.now = heap[0][0]
+        changed = False
         while heap and heap[0][0] == self.now:
             t, _, kind, idx = heapq.heappop(heap)
-            if kind == "compute" and (t != self.eng.compute[idx].end or idx != self.ci - 1 or not self.compute_busy):
-                continue  # a projection contention moved on (_contend)
             if kind == "compute":
+                if t != self.eng.compute[idx].end or idx != self.ci - 1 or not self.compute_busy:
+                    continue  # a projection that a later one replaced (Note [shared processor])
+                if self.shared:
+                    self._settle()
+                    self.work.pop(("compute", idx), None)
+                    changed = True
                 self.compute_busy = False
                 for cid in self.eng.waiting_on_grad.get(idx, ()):
                     self.eng.comms[cid].grad_ready = True
                     self.became_available(cid)
             else:
+                c = self.eng.comms[idx]
+                if self.finished[idx] or t != c.end:
+                    continue  # likewise
+                if self.shared:
+                    self._settle()
+                    self.work.pop(("comm", idx), None)
+                    changed = True
                 self.finished[idx] = True
-                self.in_flight[self.eng.comms[idx].link] -= self.eng.comms[idx].nbytes
+                self.in_flight[c.link] -= c.nbytes
+                del self.sending[c.link]
+                q = self.queue.get(self._key(c.link))
+                if q:
+                    self._start_comm(q.popleft())
+        if changed:
+            self._project()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -523,7 +562,7 @@ def _run_synchronous(profile: Profile, messages: Sequence[_Message], iterations:
     ``barrier``: the optimizer step waits for all of them (DDP); otherwise the forward of each bucket in
     the next iteration waits for the messages containing it (ByteScheduler, US-Byte).
     """
-    eng = _Engine(profile.link_names, credit, serial=serial_codec(profile), contention=_contention(profile))
+    eng = _engine(profile, credit)
     alpha = {lk: link_model(profile, lk)[0] for lk in profile.link_names}
     fwd_deps: dict[int, list[int]] = {}
     codecs = [(m.ready_bucket, _message_codec_s(profile, m.parts)) for m in messages]
@@ -659,7 +698,7 @@ class _ScheduleGraph:
     def __init__(self, profile: Profile, schedule: Schedule) -> None:
         self.profile = profile
         self.schedule = schedule
-        self.eng = _Engine(profile.link_names, serial=serial_codec(profile), contention=_contention(profile))
+        self.eng = _engine(profile)
         self.gate = profile.forward_gates
         self.ready = profile.gradient_ready
         self.bwd_of: dict[int, list[int]] = {}  # iteration -> its backward tasks' ids, by bucket
