@@ -23,6 +23,7 @@ ORDER = [
     "peers_lm_hosts_50.md",
     "prices.md",
     "prices_clock.md",
+    "prices_drag.md",
     "codec_paths.md",
     "slow_links.md",
     "house.md",
