@@ -17,7 +17,8 @@ profiler running); otherwise every entry point returns after one flag test.
   on CUDA unless ``DEFT_NVTX=0`` (:func:`nvtx_wanted`), or ``DEFT_TRACE_DIR``), so an untraced CPU run
   has no forward hooks at all.
 
-:class:`TraceRecorder` records the profile iterations with ``torch.profiler`` (``DEFT_TRACE_DIR``):
+:class:`TraceRecorder` records the profile iterations (``DEFT_TRACE_ITERS=FIRST:COUNT``: any other window,
+of the running plan say) with ``torch.profiler`` (``DEFT_TRACE_DIR``):
 CPU activity, CUDA too when the model is on a GPU, ``record_shapes=True`` (the Kineto parser reads
 gloo all-reduce sizes from the recorded input shapes), and exports ``rank{r}.json.gz``.
 """
@@ -43,6 +44,7 @@ log = logging.getLogger("deft.runtime")
 
 TRACE_DIR_ENV = "DEFT_TRACE_DIR"
 PROFILE_ITERS_ENV = "DEFT_PROFILE_ITERS"
+TRACE_ITERS_ENV = "DEFT_TRACE_ITERS"
 
 
 def nvtx_wanted(device: torch.device | str, env: Mapping[str, str] | None = None) -> bool:
@@ -80,6 +82,23 @@ def profile_iters_from_env(default: int) -> int:
     if n < 1:
         raise DeftError(f"environment variable {PROFILE_ITERS_ENV}={raw!r}: expected an integer >= 1")
     return n
+
+
+def trace_window_from_env(first: int, count: int) -> tuple[int, int]:
+    """``DEFT_TRACE_ITERS=FIRST:COUNT`` records iterations ``[FIRST, FIRST + COUNT)`` instead of the
+    profile iterations ``(first, count)``: a window of the running plan, say."""
+    raw = os.environ.get(TRACE_ITERS_ENV, "").strip()
+    if not raw:
+        return first, count
+    head, sep, tail = raw.partition(":")
+    try:
+        window = (int(head), int(tail)) if sep else (-1, 0)
+    except ValueError:
+        window = (-1, 0)
+    if window[0] < 0 or window[1] < 1:
+        raise DeftError(f"environment variable {TRACE_ITERS_ENV}={raw!r}: expected FIRST:COUNT, an iteration >= 0 "
+                        "and a count >= 1 (e.g. 14:4)")
+    return window
 
 
 def dominant_buckets(module: nn.Module, params: list[torch.Tensor], layout: FlatLayout) -> dict[int, int]:
@@ -271,7 +290,8 @@ class Tracing:
         trace_dir = os.environ.get(TRACE_DIR_ENV) or None
         if not nvtx.nvtx_enabled() and nvtx_wanted("cuda" if cuda else "cpu"):
             nvtx.configure(True)  # on by default on CUDA; never switched off here (a user may have forced it on)
-        self._tracer = None if trace_dir is None else TraceRecorder(trace_dir, rank, cuda, first, count)
+        self._tracer = None if trace_dir is None else TraceRecorder(trace_dir, rank, cuda,
+                                                                    *trace_window_from_env(first, count))
         self._fwd = ForwardRanges(module, params) if trace_dir or nvtx.nvtx_enabled() else None
         self._bwd = BackwardRanges(executor)
         self._rank = rank
