@@ -40,7 +40,6 @@ from deft.runtime.warmup_timer import (
     MAX_CONTENTION,
     PROBE_REPEATS,
     PROBE_WARMUP,
-    BusyGroup,
     busy_counts,
     busy_periods,
     common_busy_groups,
@@ -88,7 +87,8 @@ def test_common_busy_groups_join_the_ranks_periods() -> None:
     assert [x.buckets for x in got] == [(0,), (1,)]
     assert [x.seconds for x in got] == pytest.approx([4.1, 2.2])
     # bucket 1's collective failed on rank 1: its group is left out
-    assert common_busy_groups([{0: (0.0, 5.0), 1: (6.0, 9.0)}, {0: (1.0, 5.1)}]) == [BusyGroup((0,), 4.1)]
+    (only,) = common_busy_groups([{0: (0.0, 5.0), 1: (6.0, 9.0)}, {0: (1.0, 5.1)}])
+    assert only.buckets == (0,) and only.seconds == pytest.approx(4.1)
 
 
 def test_a_groups_time_beside_the_compute_is_that_of_the_rank_whose_time_it_is() -> None:
@@ -98,6 +98,7 @@ def test_a_groups_time_beside_the_compute_is_that_of_the_rank_whose_time_it_is()
                              [[(0.0, 4.0)], [(0.0, 2.0), (8.0, 20.0)]])
     assert [x.seconds for x in got] == pytest.approx([4.1, 2.2])
     assert [x.beside for x in got] == pytest.approx([1.0, 1.2])
+    assert [x.spread for x in got] == pytest.approx([0.9, 0.8])  # rank 0 busy 5 and 3 s
 
 
 def test_fit_beta_with_alpha_fixed_by_hand() -> None:
@@ -259,6 +260,10 @@ def test_profile_iterations_send_each_bucket_once_over_both_links() -> None:
         assert link.alpha_s == probe["alpha_s"][link.name]
     # 3 or 4 pieces per link per iteration, in 1 to 4 busy groups each
     assert all(PROFILE <= prof.meta["busy_groups"][k] <= 4 * PROFILE for k in ("primary", "second"))
+    # the ranks' spread per group, kept for reading: a median and a total per iteration on each link
+    spread = prof.meta["rank_spread_s"]
+    assert sorted(spread) == ["primary", "second"], spread
+    assert all(0 <= v["median"] <= v["total_per_iteration"] * PROFILE for v in spread.values()), spread
 
 
 def held_worker(rank: int, world: int, contention: bool = True, drag: bool | None = None) -> dict[str, Any]:

@@ -172,11 +172,13 @@ def busy_periods(spans: Sequence[tuple[float, float]]) -> list[tuple[list[int], 
 @dataclass(frozen=True)
 class BusyGroup:
     """Buckets one link carried together in one iteration, the seconds it was busy with them and how
-    many of those were beside the compute (on the rank whose seconds they are)."""
+    many of those were beside the compute (on the rank whose seconds they are); ``spread``: the ranks'
+    busy seconds in it, largest less smallest (what the earliest rank waited for the last)."""
 
     buckets: tuple[int, ...]
     seconds: float
     beside: float = 0.0
+    spread: float = 0.0
 
 
 def common_busy_groups(per_rank: Sequence[Mapping[int, tuple[float, float]]],
@@ -189,7 +191,8 @@ def common_busy_groups(per_rank: Sequence[Mapping[int, tuple[float, float]]],
     inside the group; then the minimum over ranks. A bucket missing on some rank (its collective
     failed) takes its whole group out. Groups are returned in bucket order. ``compute[r]``: rank
     ``r``'s compute spans in the iteration (none given: none); a group's ``beside`` is how long the
-    periods of the rank with the least seconds overlapped them.
+    periods of the rank with the least seconds overlapped them, its ``spread`` the largest rank's
+    seconds less the smallest's.
     """
     parent: dict[int, int] = {}
 
@@ -222,9 +225,10 @@ def common_busy_groups(per_rank: Sequence[Mapping[int, tuple[float, float]]],
             continue
         root = find(members[0])
         per = [[span for ms, _, span in rank_periods if find(ms[0]) == root] for rank_periods in periods]
-        seconds, r = min((sum(hi - lo for lo, hi in spans), r) for r, spans in enumerate(per))
+        busy = [(sum(hi - lo for lo, hi in spans), r) for r, spans in enumerate(per)]
+        seconds, r = min(busy)
         beside = sum(_overlap(span, c) for span in per[r] for c in (compute[r] if r < len(compute) else ()))
-        out.append(BusyGroup(tuple(members), seconds, beside))
+        out.append(BusyGroup(tuple(members), seconds, beside, max(busy)[0] - seconds))
     return out
 
 
@@ -631,7 +635,7 @@ class WarmupTimer:
                 per_rank = [{int(b): (lo, hi) for b, lo, hi in d["iterations"][i][k]} for d in every]
                 for g in common_busy_groups(per_rank, compute):
                     wire_s = max(0.0, g.seconds - sum(codec_s[b] for b in g.buckets))
-                    loads[k].append(BusyGroup(g.buckets, wire_s, min(g.beside, wire_s)))
+                    loads[k].append(BusyGroup(g.buckets, wire_s, min(g.beside, wire_s), g.spread))
         return loads
 
     def _drag(self, loads: Mapping[str, list[BusyGroup]], alphas: Mapping[str, float], wire: Sequence[int],
@@ -678,8 +682,9 @@ class WarmupTimer:
               drag: DragFit) -> JsonDict:
         """The profile's ``meta``: how it was reduced, so that a reader can tell measured times from
         modelled ones (the probe, the busy groups per link, which buckets were measured alone, the
-        codec's sources, the links that carried nothing and took ``beta`` from all links, and the links
-        lost before the profile was made)."""
+        codec's sources, the links that carried nothing and took ``beta`` from all links, the links
+        lost before the profile was made, the drag's fit, and per link the ranks' spread: what the
+        groups' earliest ranks waited for their last, not priced)."""
         link_names = list(alphas)
         meta: JsonDict = {
             "profile_iterations": len(self.samples),
@@ -697,7 +702,12 @@ class WarmupTimer:
             "drag": {"drag": drag.drag, "why_none": drag.reason} if drag.reason else
                     {"drag": drag.drag, "reduction": "one drag for the gloo links, least squares over their busy "
                                                       "groups with each link's beta (deft.profiler.drag)"},
-            "buckets_measured_alone": {k: sorted(c) for k, c in zip(link_names, comm, strict=True)}}
+            "buckets_measured_alone": {k: sorted(c) for k, c in zip(link_names, comm, strict=True)},
+            # what a send waits for the last rank to reach it, which the groups' times (the minimum over
+            # ranks) leave out: not priced, kept to be read
+            "rank_spread_s": {k: {"median": statistics.median(g.spread for g in loads[k]),
+                                  "total_per_iteration": sum(g.spread for g in loads[k]) / len(self.samples)}
+                              for k in link_names if loads[k]}}
         if codec is not None:
             meta["codec"] = {"wire_nbytes": "the hook's maths" if codec.wire_known else
                              "unknown for this hook: the bucket's size assumed",
