@@ -395,12 +395,12 @@ class _EventLoop:
         eng = self.eng
         compute_speed = 1.0 / (1.0 + sum(eng.contention.get(lk, 0.0) for lk in self.sending))
         for (kind, idx), (left, _) in list(self.work.items()):
+            task: _Compute | _Comm
             if kind == "compute":
                 speed, task = compute_speed, eng.compute[idx]
             else:
-                comm = eng.comms[idx]
-                speed = 1.0 / (1.0 + eng.drag.get(comm.link, 0.0)) if self.compute_busy else 1.0
-                task = comm  # type: ignore[assignment]
+                task = eng.comms[idx]
+                speed = 1.0 / (1.0 + eng.drag.get(task.link, 0.0)) if self.compute_busy else 1.0
             end = self.now + max(0.0, left) / speed
             self.work[(kind, idx)] = (left, speed)
             if end != task.end:
