@@ -96,7 +96,7 @@ class DeftConfig:
     contention: bool = False
     # The mirror: the gloo links' drag, their sends slowed by the compute beside them, is fitted from the
     # profile iterations' sends beside and after the backward and priced (deft.profile.Link.drag; none
-    # on CUDA)
+    # on CUDA). Off by default: it did not move the first plans' error (benchmarks/results/prices_drag.md)
     drag: bool = False
     preserver: bool = True
     preserver_max_tries: int = 10

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from deft.profiler.drag import MAX_DRAG, MIN_SPREAD, DragGroup, fit_drag, group_beta
+from deft.profiler.drag import MAX_DRAG, MIN_SHARE_SPREAD, DragGroup, fit_drag, group_beta
 
 MB = 1_000_000
 MS = 1e-3
@@ -48,7 +48,7 @@ def test_groups_alike_beside_the_compute_leave_the_drag_unfitted() -> None:
     # every group all beside the compute: the drag and beta cannot be told apart
     groups = {"a": [DragGroup(1, MB, 0.030, 0.030), DragGroup(1, 2 * MB, 0.050, 0.050)]}
     fit = fit_drag(groups, {"a": MS})
-    assert fit.drag == 0.0 and str(MIN_SPREAD) in fit.reason
+    assert fit.drag == 0.0 and str(MIN_SHARE_SPREAD) in fit.reason
     assert fit.beta == {"a": group_beta(groups["a"], MS)}
 
 

@@ -15,7 +15,7 @@ cores) and a ``beta`` per link by least squares over every link's groups, ``alph
     minimize  sum_i (T_i - alpha_l(i) m_i - beta_l(i) B_i - k o_i)^2
 
 Invariants: ``0 <= k <= MAX_DRAG / (1 + MAX_DRAG)``; where the fit cannot tell ``k`` from ``beta``
-(every group as much beside the compute as the others, :data:`MIN_SPREAD`) or finds no drag
+(every group as much beside the compute as the others, :data:`MIN_SHARE_SPREAD`) or finds no drag
 (``k <= 0``), ``d = 0`` and every ``beta`` is the one-parameter fit with ``alpha`` fixed, as without
 drag; with ``k`` clamped, each ``beta`` is fitted again with ``k`` fixed. A group's time with the cores
 free is ``T - k o`` (:meth:`DragFit.free_seconds`).
@@ -33,7 +33,7 @@ MB = 1e6  # bytes per MB in the fit's scaled byte column
 MAX_DRAG = 4.0
 #: The least spread of the groups' shares of time beside the compute (``o / T``, largest minus
 #: smallest) that separates ``k`` from ``beta``: below it every group is alike and ``k`` is not fitted.
-MIN_SPREAD = 0.2
+MIN_SHARE_SPREAD = 0.2
 
 
 @dataclass(frozen=True)
@@ -89,8 +89,8 @@ def fit_drag(groups: Mapping[str, Sequence[DragGroup]], alphas: Mapping[str, flo
     if not rows:
         return DragFit(0.0, {}, "no busy group")
     shares = [g.beside / g.seconds for _, g in rows if g.seconds > 0]
-    if not shares or max(shares) - min(shares) < MIN_SPREAD:
-        return without(f"the groups' shares beside the compute spread by less than {MIN_SPREAD}")
+    if not shares or max(shares) - min(shares) < MIN_SHARE_SPREAD:
+        return without(f"the groups' shares beside the compute spread by less than {MIN_SHARE_SPREAD}")
     col = {lk: i for i, lk in enumerate(links)}
     a = np.zeros((len(rows), len(links) + 1))
     y = np.zeros(len(rows))
