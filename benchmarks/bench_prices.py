@@ -17,6 +17,7 @@ import argparse
 import json
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -91,12 +92,59 @@ def warmup_priced(doc: dict[str, Any]) -> str:
     return f"{simulated * 1e3:.0f} / {measured * 1e3:.0f} ({measured / simulated:.2f}x)"
 
 
+def spread_priced(doc: dict[str, Any]) -> str:
+    """The run's first plan priced with the ranks' spread (the profile's ``meta["rank_spread_s"]``, not
+    priced by deft): each link's sends lengthened by that link's spread per iteration shared over the
+    plan's sends on it, simulated on the profile the plan was made on, against the first window's
+    measurement: "simulated / measured (error)". Only where the saved schedule is the first plan (the
+    first record's) and the saved profile is the first plan's, uncorrected or corrected once by that
+    record's factors (undone here); "-" for any other run."""
+    from deft.config import DeftConfig
+    from deft.errors import DeftError
+    from deft.profile import Profile
+    from deft.schedule import Schedule
+    from deft.solver.partition import profile_for_schedule
+    from deft.solver.simulate import simulate_schedule
+
+    sched = doc["summary"].get("schedule") or {}
+    saved_config = doc["summary"].get("config")
+    records = [r for r in (sched.get("plan_info") or {}).get("adapt") or [] if isinstance(r, dict)]
+    spread = ((sched.get("profile") or {}).get("meta") or {}).get("rank_spread_s")
+    if not records or not spread or not sched.get("schedule"):
+        return "-"
+    first = records[0]
+    try:
+        schedule = Schedule.from_dict(sched["schedule"], "the run's saved schedule")
+        profile = Profile.from_dict(sched["profile"], "the run's saved profile")
+        if schedule.digest() != first.get("schedule") or set(spread) != set(schedule.links):
+            return "-"
+        if isinstance(first.get("compute_factor"), float) and isinstance(first.get("comm_factor"), float):
+            if len(records) > 1:
+                return "-"  # corrected again since: the first plan's profile is not recoverable
+            profile = profile.scaled(1 / first["compute_factor"], 1 / first["comm_factor"])
+        config = DeftConfig.load(saved_config) if isinstance(saved_config, str) and Path(saved_config).is_file() \
+            else DeftConfig()
+        profile = profile_for_schedule(profile, schedule, config)  # the plan's pieces, where it cut buckets
+        sends = {lk: sum(1 for st in schedule.stages for c in st.comms if c.link == lk) for lk in schedule.links}
+        extra = {lk: spread[lk]["total_per_iteration"] / sends[lk] for lk in schedule.links if sends[lk]}
+        times = tuple(replace(t, comm_s={k: v + extra.get(k, 0.0) for k, v in t.comm_s.items()})
+                      for t in profile.times)
+        links = tuple(replace(lk, alpha_s=lk.alpha_s + extra.get(lk.name, 0.0)) for lk in profile.links)
+        simulated = simulate_schedule(replace(profile, times=times, links=links), schedule).iteration_s
+    except DeftError:
+        return "-"
+    measured = float(first["measured_s"])
+    return f"{simulated * 1e3:.0f} / {measured * 1e3:.0f} ({simulated / measured - 1:+.1%})"
+
+
 def row(label: str, run_dir: Path, doc: dict[str, Any]) -> str:
     s = doc["summary"]
     layout = peers.Layout.of(s)
     links = ((s.get("schedule") or {}).get("profile") or {}).get("links") or []
     rho = sorted({float(lk.get("contention", 0.0)) for lk in links})
     drag = sorted({float(lk.get("drag", 0.0)) for lk in links})
+    spread = (((s.get("schedule") or {}).get("profile") or {}).get("meta") or {}).get("rank_spread_s") or {}
+    spread_s = ", ".join(f"{v['total_per_iteration']:.2f}" for v in spread.values()) or "-"
     prices = peers.plan_prices(doc)
     plans = "; ".join(f"{p.predicted_s * 1e3:.0f} / {p.measured_s * 1e3:.0f} ({p.error:+.1%})" for p in prices)
     first = f"{prices[0].error:+.1%}" if prices else "-"
@@ -105,7 +153,7 @@ def row(label: str, run_dir: Path, doc: dict[str, Any]) -> str:
     return (f"| {label} | {workload(doc)} | {s['rate_mbit']:g} | {layout.words()} | "
             f"{', '.join(f'{r:.2f}' for r in rho) or '-'} | {', '.join(f'{d:.2f}' for d in drag) or '-'} | "
             f"{plans or '-'} | {first} | {first_window(doc)} | "
-            f"{warmup_priced(doc)} | {held} | "
+            f"{warmup_priced(doc)} | {spread_s} | {spread_priced(doc)} | {held} | "
             f"{s['iter_s_mean'] * 1e3:.0f} | `{run_dir.name}` |")
 
 
@@ -125,12 +173,19 @@ def report(groups: list[tuple[str, list[Path]]], note: str, command: str, title:
              f"window measured it). First window against the profile: its forward, backward and each link's busy time "
              "over the profile's prices of them (1: as priced; `-`: not recorded). Warm-up schedule: where the "
              "run went back to the warm-up's synchronous schedule, that schedule simulated on the run's saved "
-             "(uncorrected) profile / as it was measured (`-`: the run did not go back to it). Within "
+             "(uncorrected) profile / as it was measured (`-`: the run did not go back to it). Ranks' spread: per "
+             "link, the seconds per profile iteration the earliest rank waited for the last in the link's busy "
+             "groups (`meta.rank_spread_s`; `-`: not recorded). With the ranks' "
+             "spread: the first plan simulated with each link's sends lengthened by the ranks' spread the "
+             "profile recorded (`meta.rank_spread_s`, per iteration, shared over the plan's sends on the link; "
+             "deft does not price it) / its first window (`-`: no spread recorded, or the first plan's profile "
+             "not recoverable from the run). Within "
              f"{TOLERANCE:.0%}: every plan of the run.", "",
              "| code | model | Mbit/s | layout | contention | drag | plans: predicted / measured (ms) | first plan | "
-             f"first window against the profile | warm-up schedule: simulated / measured (ms) | within "
+             f"first window against the profile | warm-up schedule: simulated / measured (ms) | "
+             "ranks' spread (s) | first plan with the ranks' spread: simulated / measured (ms) | within "
              f"{TOLERANCE:.0%} | steady iteration (ms) | runs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, dirs in groups:
         for d in dirs:
             lines += [row(label, d, doc) for doc in load(d)]

@@ -46,7 +46,7 @@ def test_a_run_is_one_row_with_every_plan_priced(prices: Any, tmp_path: Path) ->
     # absent: 0); where the first window's forward, backward and links stood against the profile
     assert row == ("| after | GPT-2 | 250 | 4 ranks (4 hosts x 1 rank per host) | 0.00, 0.50 | 0.00, 0.25 | "
                    "2000 / 1600 (+25.0%); 1200 / 1500 (-20.0%) | +25.0% | forward x 1.40; backward x 1.10; "
-                   "primary x 0.70, second x 1.25 | - | no | 1500 | `after` |")
+                   "primary x 0.70, second x 1.25 | - | - | - | no | 1500 | `after` |")
 
 
 def test_a_run_recorded_before_the_window_was_set_against_the_profile_says_so(prices: Any, tmp_path: Path) -> None:
@@ -58,7 +58,7 @@ def test_a_run_recorded_before_the_window_was_set_against_the_profile_says_so(pr
     path.write_text(json.dumps(doc), encoding="utf-8")
     row = next(line for line in prices.report([("old", [tmp_path / "old"])], "", "cmd").splitlines()
                if line.startswith("| old |"))
-    assert "| +25.0% | - | - | no |" in row
+    assert "| +25.0% | - | - | - | - | no |" in row
 
 
 def test_bad_runs_are_named(prices: Any, tmp_path: Path) -> None:
@@ -115,3 +115,45 @@ def test_the_warm_up_schedule_gone_back_to_is_simulated_on_the_saved_profile_aga
     # a run that ended on a plan: its saved profile is corrected, or in the plan's buckets: not priced
     sched["plan_info"]["switches"] = [{"iteration": 9, "source": "adapt"}]
     assert prices.warmup_priced(doc) == "-"
+
+
+def _spread_run(run_dir: Path, records: list[dict[str, Any]], factors: tuple[float, float] | None) -> None:
+    """One bucket on link ``a``: forward 2 s, backward 3 s, all-reduce 1.5 s after the backward (6.5 s an
+    iteration); the ranks' spread 0.5 s per iteration on ``a``. Saved corrected by ``factors`` (compute,
+    comm) when given, as the first window's correction saves it."""
+    from deft.profile import Bucket, BucketTimes, Link, Profile
+    from deft.schedule import synchronous_schedule
+
+    profile = Profile(buckets=(Bucket(0, ("p0",), 250, 1000),), times=(BucketTimes(2.0, 3.0, {"a": 1.5}),),
+                      links=(Link("a", "gloo"),), world_size=2, source="synthetic",
+                      meta={"rank_spread_s": {"a": {"median": 0.5, "total_per_iteration": 0.5}}})
+    schedule = synchronous_schedule((250,), (1000,), ("a",), ("a",))
+    saved = profile if factors is None else profile.scaled(*factors)
+    for r in records:
+        r.setdefault("schedule", schedule.digest())
+    doc = {"summary": {"ddp": "deft", "hosts": 2, "ranks_per_host": 1, "rate_mbit": 50.0, "iter_s_mean": 7.0,
+                       "schedule": {"predicted_iteration_s": 6.5, "profile": saved.to_dict(),
+                                    "schedule": schedule.to_dict(), "plan_info": {"adapt": records}}}}
+    run_dir.mkdir()
+    (run_dir / "deft.50.s0.r0.json").write_text(json.dumps(doc), encoding="utf-8")
+
+
+def test_the_first_plan_priced_with_the_ranks_spread_by_hand(prices: Any, tmp_path: Path) -> None:
+    # the send lengthened by the whole spread (one send on the link): 1.5 + 0.5 after the backward, 7 s
+    _spread_run(tmp_path / "plain", [{"predicted_s": 6.5, "measured_s": 7.7}], None)
+    (doc,) = prices.load(tmp_path / "plain")
+    assert prices.spread_priced(doc) == "7000 / 7700 (-9.1%)"
+    assert "| 0.50 | 7000 / 7700 (-9.1%) |" in prices.row("plain", tmp_path / "plain", doc)  # the spread beside it
+    # saved corrected once by the first window (compute x 2, comm x 0.5): undone, the same price
+    _spread_run(tmp_path / "corrected", [{"predicted_s": 6.5, "measured_s": 7.7, "compute_factor": 2.0,
+                                          "comm_factor": 0.5}], (2.0, 0.5))
+    (doc,) = prices.load(tmp_path / "corrected")
+    assert prices.spread_priced(doc) == "7000 / 7700 (-9.1%)"
+    # corrected again by a later window, or the saved schedule not the first plan: not recoverable
+    _spread_run(tmp_path / "twice", [{"predicted_s": 6.5, "measured_s": 7.7, "compute_factor": 2.0,
+                                      "comm_factor": 0.5}, {"predicted_s": 7.0, "measured_s": 7.1}], (2.0, 0.5))
+    (doc,) = prices.load(tmp_path / "twice")
+    assert prices.spread_priced(doc) == "-"
+    _spread_run(tmp_path / "replanned", [{"schedule": "another", "predicted_s": 6.5, "measured_s": 7.7}], None)
+    (doc,) = prices.load(tmp_path / "replanned")
+    assert prices.spread_priced(doc) == "-"
