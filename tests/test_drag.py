@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from deft.profiler.drag import MAX_DRAG, MIN_SHARE_SPREAD, DragGroup, fit_drag, group_beta
+from deft.profiler.drag import MAX_DRAG, MIN_SHARE_SPREAD, DragFit, DragGroup, fit_drag, group_beta
 
 MB = 1_000_000
 MS = 1e-3
@@ -23,7 +23,7 @@ def test_the_drag_and_each_links_transfer_time_by_hand() -> None:
     # k = 0.5 (a send at half speed beside the compute): drag 1; the betas as made
     fit = fit_drag(_exact(0.5), {"a": MS, "b": MS})
     assert fit.drag == pytest.approx(1.0) and fit.k == pytest.approx(0.5) and fit.reason == ""
-    assert fit.beta == pytest.approx({"a": 10 * MS / MB, "b": 20 * MS / MB})
+    assert [group_beta(_exact(0.5)[lk], MS, fit.k) for lk in "ab"] == pytest.approx([10 * MS / MB, 20 * MS / MB])
     # a's second group: 31 ms, 20 of them beside the compute: 21 ms with the cores free
     assert fit.free_seconds(_exact(0.5)["a"][1]) == pytest.approx(21 * MS)
 
@@ -32,16 +32,14 @@ def test_a_drag_beyond_the_cap_is_clamped_and_the_betas_fitted_again() -> None:
     k_cap = MAX_DRAG / (1 + MAX_DRAG)
     groups = _exact(0.95)
     fit = fit_drag(groups, {"a": MS, "b": MS})
-    assert fit.drag == pytest.approx(MAX_DRAG)
-    assert fit.beta["a"] == pytest.approx(group_beta(groups["a"], MS, k_cap))
-    assert fit.beta["a"] > 10 * MS / MB  # the part of the drag the cap leaves is charged to the transfer
+    assert fit.drag == pytest.approx(MAX_DRAG) and fit.k == pytest.approx(k_cap)
+    assert group_beta(groups["a"], MS, fit.k) > 10 * MS / MB  # the drag the cap leaves is charged to the transfer
 
 
 def test_groups_no_slower_beside_the_compute_have_no_drag() -> None:
     groups = _exact(-0.2)
     fit = fit_drag(groups, {"a": MS, "b": MS})
     assert (fit.drag, fit.k) == (0.0, 0.0) and "no drag" in fit.reason
-    assert fit.beta == {lk: group_beta(groups[lk], MS) for lk in groups}
 
 
 def test_groups_alike_beside_the_compute_leave_the_drag_unfitted() -> None:
@@ -49,7 +47,6 @@ def test_groups_alike_beside_the_compute_leave_the_drag_unfitted() -> None:
     groups = {"a": [DragGroup(1, MB, 0.030, 0.030), DragGroup(1, 2 * MB, 0.050, 0.050)]}
     fit = fit_drag(groups, {"a": MS})
     assert fit.drag == 0.0 and str(MIN_SHARE_SPREAD) in fit.reason
-    assert fit.beta == {"a": group_beta(groups["a"], MS)}
 
 
 def test_a_drag_column_that_follows_the_bytes_is_not_fitted() -> None:
@@ -61,5 +58,4 @@ def test_a_drag_column_that_follows_the_bytes_is_not_fitted() -> None:
 
 
 def test_no_group_no_fit() -> None:
-    assert fit_drag({"a": []}, {"a": MS}) == fit_drag({}, {})
-    assert fit_drag({}, {}).beta == {}
+    assert fit_drag({"a": []}, {"a": MS}) == fit_drag({}, {}) == DragFit(0.0, "no busy group")

@@ -17,7 +17,8 @@ cores) and a ``beta`` per link by least squares over every link's groups, ``alph
 Invariants: ``0 <= k <= MAX_DRAG / (1 + MAX_DRAG)``; where the fit cannot tell ``k`` from ``beta``
 (every group as much beside the compute as the others, :data:`MIN_SHARE_SPREAD`) or finds no drag
 (``k <= 0``), ``d = 0`` and every ``beta`` is the one-parameter fit with ``alpha`` fixed, as without
-drag; with ``k`` clamped, each ``beta`` is fitted again with ``k`` fixed. A group's time with the cores
+drag. The fit returns the drag alone: each link's ``beta`` is :func:`group_beta` with ``alpha`` and the
+(clamped) ``k`` fixed, the least squares in ``beta`` that ``k`` leaves. A group's time with the cores
 free is ``T - k o`` (:meth:`DragFit.free_seconds`).
 """
 
@@ -49,11 +50,10 @@ class DragGroup:
 
 @dataclass(frozen=True)
 class DragFit:
-    """The fitted drag ``d`` (``k = d / (1 + d)``), each link's ``beta`` (seconds per byte, cores free)
-    and why ``d`` is 0 where it is (``reason``; empty when fitted)."""
+    """The fitted drag ``d`` (``k = d / (1 + d)``) and why it is 0 where it is (``reason``; empty when
+    fitted). Each link's ``beta`` with the cores free is :func:`group_beta` with ``k``."""
 
     drag: float
-    beta: dict[str, float]
     reason: str = ""
 
     @property
@@ -79,18 +79,15 @@ def group_beta(groups: Sequence[DragGroup], alpha: float, k: float = 0.0) -> flo
 
 def fit_drag(groups: Mapping[str, Sequence[DragGroup]], alphas: Mapping[str, float]) -> DragFit:
     """Fit (1) over every link's groups (module docstring). ``groups[l]``: link ``l``'s busy groups (a
-    link without any is left out of the fit and gets no ``beta``); ``alphas[l]``: its start-up."""
+    link without any is left out of the fit); ``alphas[l]``: its start-up."""
     links = [lk for lk in groups if groups[lk]]
     rows = [(lk, g) for lk in links for g in groups[lk]]
 
-    def without(reason: str) -> DragFit:
-        return DragFit(0.0, {lk: group_beta(groups[lk], alphas[lk]) for lk in links}, reason)
-
     if not rows:
-        return DragFit(0.0, {}, "no busy group")
+        return DragFit(0.0, "no busy group")
     shares = [g.beside / g.seconds for _, g in rows if g.seconds > 0]
     if not shares or max(shares) - min(shares) < MIN_SHARE_SPREAD:
-        return without(f"the groups' shares beside the compute spread by less than {MIN_SHARE_SPREAD}")
+        return DragFit(0.0, f"the groups' shares beside the compute spread by less than {MIN_SHARE_SPREAD}")
     col = {lk: i for i, lk in enumerate(links)}
     a = np.zeros((len(rows), len(links) + 1))
     y = np.zeros(len(rows))
@@ -100,9 +97,9 @@ def fit_drag(groups: Mapping[str, Sequence[DragGroup]], alphas: Mapping[str, flo
         y[i] = g.seconds - alphas[lk] * g.count
     solution, _, rank, _ = np.linalg.lstsq(a, y, rcond=None)
     if rank < a.shape[1]:
-        return without("the groups do not determine the drag apart from the links' transfer times")
+        return DragFit(0.0, "the groups do not determine the drag apart from the links' transfer times")
     k = float(solution[-1])
     if k <= 0:
-        return without("no drag: the groups beside the compute were no slower")
+        return DragFit(0.0, "no drag: the groups beside the compute were no slower")
     k = min(k, MAX_DRAG / (1.0 + MAX_DRAG))
-    return DragFit(k / (1.0 - k), {lk: group_beta(groups[lk], alphas[lk], k) for lk in links})
+    return DragFit(k / (1.0 - k))

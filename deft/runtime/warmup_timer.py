@@ -643,7 +643,7 @@ class WarmupTimer:
         """The gloo links' drag (:func:`deft.profiler.drag.fit_drag`) over their busy groups; 0 unless
         ``drag`` was asked for, and on CUDA (the model's compute leaves gloo's threads the cores)."""
         if not self.drag or self.cuda:
-            return DragFit(0.0, {}, "not measured" if not self.drag else "CUDA: the compute is on the device")
+            return DragFit(0.0, "not measured" if not self.drag else "CUDA: the compute is on the device")
         gloo = {k: [DragGroup(len(g.buckets), sum(wire[b] for b in g.buckets), g.seconds, g.beside) for g in loads[k]]
                 for k in alphas if link_backends[k] == "gloo"}
         return fit_drag(gloo, alphas)
@@ -664,7 +664,7 @@ class WarmupTimer:
         for k in alphas:
             groups = loads[k] or pooled
             alpha = alphas[k]
-            fit = drag if link_backends[k] == "gloo" else DragFit(0.0, {})
+            fit = drag if link_backends[k] == "gloo" else DragFit(0.0)
             rows = [DragGroup(len(g.buckets), sum(wire[b] for b in g.buckets), g.seconds, g.beside) for g in groups]
             beta = group_beta(rows, alpha, fit.k)
             lk = self.links[k]
