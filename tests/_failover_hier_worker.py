@@ -10,8 +10,9 @@ later, a rank still running prints every thread's stack to its stderr. Its repor
 stdout): the largest difference to torch DDP's parameters (relative to each parameter's largest element),
 the iterations the applied updates merged, ``plan_info["link_failures"]`` and the parameters' sums; or,
 where deft raised, the error. A rank that raised exits with status 1 at once (deft's error is the
-report); one that finished closes the wrapper, destroys the process groups and exits normally, which must
-not wait for the collectives stuck on the lost link's groups."""
+report); one that finished closes the wrapper and destroys the process groups, which must not wait for the
+collectives stuck on the lost link's groups, writes ``<dir>/closed<rank>`` and exits with status 0 (by
+``os._exit``: torch's gloo can abort a process at interpreter teardown)."""
 
 from __future__ import annotations
 
@@ -77,6 +78,8 @@ def main() -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(report), encoding="utf-8")
     ddp.close()
     dist.destroy_process_group()
+    (out / f"closed{rank}").write_text("closed\n", encoding="utf-8")
+    os._exit(0)  # torch's gloo can abort a process at interpreter teardown (tests/_dist.py)
 
 
 if __name__ == "__main__":

@@ -85,7 +85,12 @@ def _run(out: Path, nic: int, bound_s: float, timeout_s: float = TIMEOUT_S
     missing = [r for r in range(4) if not (out / f"rank{r}.json").exists()]
     assert not missing, "\n".join(e[-3000:] for e in errs)
     reports = [json.loads((out / f"rank{r}.json").read_text(encoding="utf-8")) for r in range(4)]
-    return reports, [p.returncode for p in procs], max(r["at"] for r in reports) - down
+    codes = [p.returncode for p in procs]
+    # a torchrun that failed after every report was written tells why on its stderr, kept in the test's output
+    for h, (code, err) in enumerate(zip(codes, errs, strict=True)):
+        if code:
+            print(f"torchrun of host {h} exited {code}:\n{err[-6000:]}")
+    return reports, codes, max(r["at"] for r in reports) - down
 
 
 def test_second_nic_down_with_two_ranks_per_host_finishes_with_torch_ddps_parameters(tmp_path: Path) -> None:
@@ -93,6 +98,7 @@ def test_second_nic_down_with_two_ranks_per_host_finishes_with_torch_ddps_parame
     # training or at its exit
     reports, codes, took = _run(tmp_path, nic=1, bound_s=TIMEOUT_S)
     assert codes == [0, 0], reports  # and exited normally, the wrapper closed, the groups destroyed
+    assert all((tmp_path / f"closed{r}").exists() for r in range(4))
     assert took < TIMEOUT_S, took
     assert all(r["sums"] == reports[0]["sums"] for r in reports)  # the ranks applied the same updates
     for r in reports:
