@@ -105,6 +105,7 @@ def _median(xs: list[float]) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_timing_and_kineto_agree(tmp_path: Path) -> None:
     from deft.profile import Profile
     from deft.profiler import kineto

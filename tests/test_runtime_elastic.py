@@ -39,6 +39,7 @@ def torchrun(out: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_killed_rank_resumes_from_the_checkpoint_with_each_gradient_once(tmp_path: Path) -> None:
     job = torchrun(tmp_path)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-6000:]

@@ -313,6 +313,7 @@ def survived() -> list[dict[str, object]]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_lost_link_is_survived_with_torch_ddps_parameters(survived: list[dict[str, Any]]) -> None:
     res = survived
     for name in CASES:
@@ -340,6 +341,7 @@ def test_a_lost_link_is_survived_with_torch_ddps_parameters(survived: list[dict[
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_resumed_run_never_sends_on_a_link_its_checkpoint_lost(survived: list[dict[str, Any]]) -> None:
     """The checkpoint was taken before the first plan: the resumed run profiles and plans again, on the
     links its record left (not on the working ``second``), with torch DDP's parameters."""
@@ -353,6 +355,7 @@ def test_a_resumed_run_never_sends_on_a_link_its_checkpoint_lost(survived: list[
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_rank_stuck_on_the_lost_link_exits_without_waiting_for_it(tmp_path: Path) -> None:
     """Rank 1's all-reduce on ``second`` waits for rank 0, whose end is gone and who stays alive (its
     socket never closes, as behind a dead NIC) until rank 1 has exited: rank 1 closes the wrapper,
@@ -389,6 +392,7 @@ def primary_worker(rank: int, world: int) -> dict[str, object]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_the_primary_link_lost_stops_the_run_naming_it() -> None:
     for r in values(run_ranks(primary_worker, 2, timeout=180)):
         assert r["error"] is not None and "link 'primary'" in r["error"], r
@@ -428,6 +432,7 @@ def alone_worker(rank: int, world: int, path: str) -> dict[str, object]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_one_rank_alone_applies_a_deferred_guarded_bucket_without_a_collective(tmp_path: Path) -> None:
     """What one rank does alone between iterations (a state_dict) needs no agreement: the guarded sends
     were judged by every rank after the step."""

@@ -69,6 +69,7 @@ def first_error_line(results: list[RankResult]) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_dead_peer_gives_clear_error(tmp_path: Path) -> None:
     sched = tmp_path / "schedule.json"
     delayed_schedule((30, 30, 23)).save(sched)
@@ -78,6 +79,7 @@ def test_dead_peer_gives_clear_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_stalled_peer_times_out_with_clear_error(tmp_path: Path) -> None:
     # the staller sleeps timeout_s + 6 s (less once rank 0 has ended) and then carries on: without the link
     # timeout rank 0's collective would complete late and no error would be raised, so the timeout error
@@ -96,6 +98,7 @@ def mismatch_worker(rank: int, world: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_mismatched_config_names_the_rank() -> None:
     res = run_ranks(mismatch_worker, 2, (), timeout=60)
     for r in res:
@@ -133,6 +136,7 @@ def planner_failure_worker(rank: int, world: int, lag: int) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 @pytest.mark.parametrize("lag", [0, 3])
 def test_a_planner_failure_on_rank_0_stops_every_rank_with_its_error(lag: int) -> None:
     from tests._dist import values

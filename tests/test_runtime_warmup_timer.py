@@ -218,6 +218,7 @@ def two_link_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_profile_iterations_send_each_bucket_once_over_both_links() -> None:
     from deft.profile import Profile
 
@@ -311,6 +312,7 @@ def held_worker(rank: int, world: int, contention: bool = True, drag: bool | Non
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_the_last_profile_iteration_runs_its_backward_beside_no_collective() -> None:
     # the other profile iterations send each bucket as its gradient is ready (during the backward);
     # the last holds every send to the backward's end: its backward is timed alone, and the links'
@@ -337,6 +339,7 @@ def test_the_last_profile_iteration_runs_its_backward_beside_no_collective() -> 
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_contention_off_holds_nothing_and_prices_none() -> None:
     for doc in values(run_ranks(held_worker, 2, (False,), timeout=120)):
         assert all(n > 0 for n in doc["during"]), doc
@@ -346,6 +349,7 @@ def test_contention_off_holds_nothing_and_prices_none() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_drag_alone_holds_the_last_iteration_and_prices_no_contention() -> None:
     # the held iteration's sends ran beside no compute: the drag is fitted against them; the contention
     # is neither estimated nor priced
@@ -388,6 +392,7 @@ def late_rank_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_late_rank_is_the_spread_not_the_links_price() -> None:
     # rank 0 sends LATE_S before rank 1 reaches the same collectives: each link's first busy group of an
     # iteration holds that wait on rank 0 and not on rank 1. The spread records it; the links' prices
@@ -418,6 +423,7 @@ def probe_dead_peer_worker(rank: int, world: int) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_alpha_probe_names_rank_link_and_probe_when_a_peer_stalls() -> None:
     msg = values(run_ranks(probe_dead_peer_worker, 2, (), timeout=60))[0]
     assert msg.startswith("rank 0: alpha probe (one-element all-reduce 1 of ") and "on link 'wire'" in msg, msg
