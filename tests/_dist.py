@@ -71,6 +71,9 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, outdir: str
         if init_group:
             dist.init_process_group("gloo", rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=init_timeout_s))
+            # every rank has joined before any runs fn: a rank that ends at once (an error expected at
+            # construction) must not take rank 0's store away from a peer still connecting its group
+            dist.barrier()
         value = fn(rank, world, *args)
         out.write_text(json.dumps({"value": value}))
         code = 0

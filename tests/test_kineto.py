@@ -5,7 +5,6 @@ from __future__ import annotations
 import gzip
 import json
 import math
-import os
 import statistics
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 from deft import Profile, TraceError
 from deft.profiler import kineto
 from deft.profiler.nvtx import format_range_name
-from tests._dist import free_port
+from tests._dist import run_ranks, values
 from tests._fixtures import fixture_path
 
 # DDP's 5 buckets of ResNet-50 on this run, in backward (ready) order; they sum to ResNet-50's
@@ -212,16 +211,13 @@ def _model():  # type: ignore[no-untyped-def]
     return body, head
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def trace_worker(rank: int, world: int, out: str) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn as nn
 
     from deft.profiler import nvtx
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
     acts = [torch.profiler.ProfilerActivity.CPU]
@@ -280,17 +276,14 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                 wall[k].append(v)
     prof.export_chrome_trace(f"{out}/deft/rank{rank}.json")
     Path(f"{out}/deft/wall{rank}.json").write_text(json.dumps(wall))
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def cpu_traces(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch.multiprocessing as mp
-
     out = tmp_path_factory.mktemp("kineto_cpu")
     (out / "ddp").mkdir()
     (out / "deft").mkdir()
-    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    values(run_ranks(trace_worker, 2, (str(out),), timeout=180))  # one intra-op thread per rank
     return out
 
 

@@ -17,13 +17,11 @@ block means over blocks much longer than the directions' memory.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 from sklearn import datasets
 
 from deft.errors import ContractError
@@ -36,7 +34,8 @@ from deft.preserver.noise import (
     local_stats,
     step_estimate,
 )
-from tests._dist import free_port
+from tests._dist import run_ranks
+from tests._dist import values as rank_values
 
 
 @dataclass
@@ -360,43 +359,24 @@ def test_bad_decay():
         DirectionPair(decay=-0.1)
 
 
-def _gather_worker(rank: int, world: int, port: int, q) -> None:  # pragma: no cover - child process
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        mine = LocalStats(float(rank + 1), None if rank == 2 else 0.5 * rank, 1.0, batch=8)
-        q.put((rank, all_gather_stats(mine)))
-        q.put((rank, all_gather_stats(LocalStats(1.0, float(rank), -float(rank), 8))))
-    finally:
-        dist.destroy_process_group()
+def gather_worker(rank: int, world: int) -> list[list[list[float | int | None]]]:
+    """Two all-gathers of this rank's statistics (rank 2 has no directions in the first); each result as
+    ``[sq_norm, proj_a, proj_b, batch]`` per rank."""
+    mine = LocalStats(float(rank + 1), None if rank == 2 else 0.5 * rank, 1.0, batch=8)
+    out = []
+    for stats in (mine, LocalStats(1.0, float(rank), -float(rank), 8)):
+        out.append([[x.sq_norm, x.proj_a, x.proj_b, x.batch] for x in all_gather_stats(stats)])
+    return out
 
 
 @pytest.mark.slow
-def test_all_gather_stats_three_ranks():
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_gather_worker, args=(r, 3, port, q)) for r in range(3)]
-    for p in procs:
-        p.start()
-    try:
-        results = [q.get(timeout=120) for _ in range(6)]
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    assert all(p.exitcode == 0 for p in procs)
-    first = [r for _, r in results if r[0].proj_a is None]
-    second = [r for _, r in results if r[0].proj_a is not None]
-    assert len(first) == 3 and len(second) == 3
-    for r in first:  # rank 2 had no directions: nobody gets projections
-        assert [x.sq_norm for x in r] == [1.0, 2.0, 3.0] and all(x.proj_b is None for x in r)
-    for r in second:
-        assert [x.proj_a for x in r] == [0.0, 1.0, 2.0] and [x.proj_b for x in r] == [0.0, -1.0, -2.0]
-        assert all(x.batch == 8 for x in r)
+def test_all_gather_stats_three_ranks() -> None:
+    results = rank_values(run_ranks(gather_worker, 3, timeout=120))
+    for first, second in results:
+        # rank 2 had no directions: nobody gets projections
+        assert [x[0] for x in first] == [1.0, 2.0, 3.0] and all(x[1] is None and x[2] is None for x in first)
+        assert [x[1] for x in second] == [0.0, 1.0, 2.0] and [x[2] for x in second] == [0.0, -1.0, -2.0]
+        assert all(x[3] == 8 for x in second)
 
 
 def test_training_loop_recipe_with_autograd():
