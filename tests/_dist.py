@@ -59,6 +59,7 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, outdir: str
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # what the rank runs: a library (Accelerate) may set its own otherwise
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)

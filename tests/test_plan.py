@@ -509,7 +509,7 @@ for path in sys.argv[1:]:
 def test_same_schedule_byte_for_byte_in_fresh_processes_on_a_busy_machine() -> None:
     """A plan must not depend on machine load: a solver under wall-clock limits would let a fresh
     process on a loaded machine plan another schedule (VGG-19: cycle 3 in one process, cycle 6 in
-    another). One process plans on the machine as it is, two more while two CPU burners keep both cores
+    another). One process plans on the machine as it is, another while two CPU burners keep both cores
     busy; the schedule files (digest, and the whole JSON including meta) must be identical."""
     root = Path(__file__).resolve().parents[1]
     profiles = [str(root / "examples" / "profiles" / f"{m}.json") for m in ("vgg19", "gpt2")]
@@ -524,10 +524,10 @@ def test_same_schedule_byte_for_byte_in_fresh_processes_on_a_busy_machine() -> N
     outputs = [one()]
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
-        outputs += [one(), one()]
+        outputs.append(one())
     finally:
         for b in burners:
             b.kill()
             b.wait()
     assert len(outputs[0].splitlines()) == 4
-    assert outputs[1] == outputs[0] and outputs[2] == outputs[0]
+    assert outputs[1] == outputs[0]

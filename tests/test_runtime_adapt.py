@@ -297,6 +297,7 @@ def failed_decision_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_failed_decision_stops_the_adaptation_unsettled_and_training_goes_on() -> None:
     # The decision's error is every rank's record, the episode did not end in a settled state (nothing
     # watches the links to re-open it), no decision follows, and every gradient is still applied once.
@@ -309,6 +310,7 @@ def test_a_failed_decision_stops_the_adaptation_unsettled_and_training_goes_on()
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_adaptation_converges_and_keeps_every_gradient_exactly_once() -> None:
     a, b = values(run_ranks(adapt_worker, 2, timeout=120))
     assert a["digests"] == b["digests"] and a["log"] == b["log"] and a["params"] == b["params"]
@@ -365,6 +367,7 @@ def heavy_head_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_the_adaptation_times_the_backward_from_the_outputs_gradient_as_the_profile_does() -> None:
     """The profile times the backward from the gradient of the module's output; the adaptation must
     measure the same span, or its compute factor prices the parameter-free head's backward (most of this
@@ -509,6 +512,7 @@ def warmup_back_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_plan_slower_than_the_warm_up_ends_on_the_warm_up_schedule() -> None:
     a, b = values(run_ranks(warmup_back_worker, 2, timeout=120))
     assert a["digests"] == b["digests"] and a["log"] == b["log"] and a["params"] == b["params"]
@@ -588,6 +592,7 @@ def lag_back_worker(rank: int, world: int, lag_iters: int = 6) -> dict[str, Any]
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_plan_slower_than_what_ran_while_rank_0_planned_goes_back_to_it() -> None:
     a, b = values(run_ranks(lag_back_worker, 2, timeout=180))
     assert a["digests"] == b["digests"] and a["log"] == b["log"] and a["params"] == b["params"]
@@ -605,6 +610,7 @@ def test_a_plan_slower_than_what_ran_while_rank_0_planned_goes_back_to_it() -> N
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_too_few_iterations_beside_the_plan_leave_the_warm_up_as_the_candidate() -> None:
     # The same run with a plan-lag limit of 2: one iteration ran beside rank 0's plan before every rank
     # waited for it, under LAG_SAMPLES, so the candidate is the warm-up's schedule, timed in the warm-up
@@ -650,6 +656,7 @@ def profile_codec_back_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_going_back_to_the_profile_iterations_schedule_keeps_their_codec() -> None:
     a, b = values(run_ranks(profile_codec_back_worker, 2, timeout=180))
     assert a["final"] == b["final"] and a["adapt"] == b["adapt"]
@@ -732,6 +739,7 @@ RACE_RECHECK, RACE_ITERS = 10, 22
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_an_adaptation_decided_on_a_schedule_a_re_check_replaced_is_dropped() -> None:
     a, b = values(run_ranks(race_worker, 2, timeout=120))
     assert a["log"] == b["log"] and a["params"] == b["params"] and a["adapt"] == b["adapt"]

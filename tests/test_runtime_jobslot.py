@@ -51,6 +51,7 @@ def early_worker(rank: int, world: int) -> list[bool]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_running_decision_is_collected_once_done_before_its_due_iteration() -> None:
     for v in values(run_ranks(early_worker, 2, timeout=60)):
         assert v == [False, False, True, False, True]
@@ -72,6 +73,7 @@ def slow_worker(rank: int, world: int) -> dict[str, object]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_decision_slower_than_the_timeout_is_waited_for_not_taken_for_a_dead_rank() -> None:
     r0, r1 = values(run_ranks(slow_worker, 2, timeout=60))
     assert r0 == {"ready": True, "doc": {"plan": "slow"}, "done": True, "sent": [7]}
@@ -97,6 +99,7 @@ def dead_worker(rank: int, world: int) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_dead_rank_0_at_the_due_iteration_fails_the_others_clearly() -> None:
     r1 = run_ranks(dead_worker, 2, timeout=60)[1]
     assert r1.value is not None and r1.value.startswith("CommunicationError"), r1
