@@ -297,7 +297,6 @@ def failed_decision_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.serial
 def test_a_failed_decision_stops_the_adaptation_unsettled_and_training_goes_on() -> None:
     # The decision's error is every rank's record, the episode did not end in a settled state (nothing
     # watches the links to re-open it), no decision follows, and every gradient is still applied once.
@@ -310,7 +309,6 @@ def test_a_failed_decision_stops_the_adaptation_unsettled_and_training_goes_on()
 
 
 @pytest.mark.slow
-@pytest.mark.serial
 def test_adaptation_converges_and_keeps_every_gradient_exactly_once() -> None:
     a, b = values(run_ranks(adapt_worker, 2, timeout=120))
     assert a["digests"] == b["digests"] and a["log"] == b["log"] and a["params"] == b["params"]
