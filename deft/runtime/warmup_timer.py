@@ -644,8 +644,7 @@ class WarmupTimer:
         ``drag`` was asked for, and on CUDA (the model's compute leaves gloo's threads the cores)."""
         if not self.drag or self.cuda:
             return DragFit(0.0, "not measured" if not self.drag else "CUDA: the compute is on the device")
-        gloo = {k: [DragGroup(len(g.buckets), sum(wire[b] for b in g.buckets), g.seconds, g.beside) for g in loads[k]]
-                for k in alphas if link_backends[k] == "gloo"}
+        gloo = {k: _drag_groups(loads[k], wire) for k in alphas if link_backends[k] == "gloo"}
         return fit_drag(gloo, alphas)
 
     def _fit_links(self, loads: Mapping[str, list[BusyGroup]], pooled: Sequence[BusyGroup],
@@ -665,7 +664,7 @@ class WarmupTimer:
             groups = loads[k] or pooled
             alpha = alphas[k]
             fit = drag if link_backends[k] == "gloo" else DragFit(0.0)
-            rows = [DragGroup(len(g.buckets), sum(wire[b] for b in g.buckets), g.seconds, g.beside) for g in groups]
+            rows = _drag_groups(groups, wire)
             beta = group_beta(rows, alpha, fit.k)
             lk = self.links[k]
             links.append(Link(name=k, backend=link_backends[k], ifname=lk.ifname, alpha_s=alpha, beta_s_per_byte=beta,
@@ -725,6 +724,11 @@ class WarmupTimer:
 #: The largest contention a profile carries (compute at a fifth of its speed beside each busy link):
 #: beyond it the backward beside the sends and the one alone differ for another reason (a stall).
 MAX_CONTENTION = 4.0
+
+
+def _drag_groups(groups: Sequence[BusyGroup], wire: Sequence[int]) -> list[DragGroup]:
+    """The busy groups as the fits read them: sends, wire bytes, seconds and seconds beside the compute."""
+    return [DragGroup(len(g.buckets), sum(wire[b] for b in g.buckets), g.seconds, g.beside) for g in groups]
 
 
 def busy_counts(spans: Sequence[Sequence[tuple[float, float]]], lo: float, hi: float) -> dict[int, float]:
