@@ -27,6 +27,7 @@ from deft.runtime.adapt import (
     plan_digest,
 )
 from deft.runtime.codecs.choice import Recoding, planned_profile
+from deft.runtime.link_timing import REOPEN_WINDOWS
 from deft.runtime.planning import make_schedule
 from deft.schedule import Schedule, synchronous_schedule
 from deft.solver.codecs import CodecCost, encoded_profile
@@ -895,3 +896,71 @@ def test_a_plan_slower_than_the_best_goes_back_first_and_int8_is_weighed_on_the_
     # ... and that window, measured as before, chooses the codecs again with int8
     _, _, rec2 = adapter.decide(back, profile, measured, _backward_window(coded, running), replan=_replan)
     assert rec2["codecs"]["codec"] == "int8" and "chosen again" in rec2["decision"]
+
+
+# -- the watch after going back to a schedule measured before (link_timing.Watch's baseline) ------------
+BACK_WINDOW = 3  # adapt_window: iterations measured per window
+
+
+def back_then_faster_worker(rank: int, world: int) -> dict[str, Any]:
+    """The every-rank :class:`Adaptation` driven through iterations whose times the test sets (one rank, a
+    real control group): the lag-free plan ``A`` measures 112 ms (predicted 80), the re-plan ``B`` 120 ms,
+    so the adaptation goes back to ``A`` and settles; from then on ``A`` runs in 70 ms (a slowed link
+    recovered while ``B`` was measured). The re-plan is ``B`` whatever the corrected profile (the planner
+    is replaced). Returns the decisions' records and the iterations each switch was installed at."""
+    import torch.distributed as dist
+
+    from deft.runtime import adapt
+    from deft.runtime.background import JobSlot
+    from deft.runtime.control import ControlPlane
+    from deft.runtime.planning import Planning
+
+    profile, cfg = three_buckets(), DeftConfig(adapt_window=BACK_WINDOW, plan_lag_iters=0)
+    first, other = lagfree_plan(profile, cfg), no_delay_plan(profile, cfg)
+
+    class Planned:
+        schedule = other
+
+    adapt.make_schedule = lambda *a, **kw: Planned()  # type: ignore[assignment,misc]
+    control = ControlPlane(dist.group.WORLD, 30.0)
+    planning = Planning(cfg, control, profile, None)
+    adaptation = adapt.Adaptation(cfg, control, planning, JobSlot(control))
+    adaptation.start(True, None, None)
+    running, now, back_at = first, 0.0, None
+    records: list[dict[str, Any]] = []
+    installed: list[tuple[int, str]] = []
+    for t in range(40):
+        on_first = plan_digest(running) == plan_digest(first)  # going back re-predicts it: same plan
+        seconds = 0.120 if not on_first else 0.112 if back_at is None else 0.070
+        adaptation.forward_begins(t, now, 0, 0)
+        adaptation.forward_ends(None)
+        adaptation.backward_begins(now + 0.2 * seconds)
+        adaptation.backward_ends(now + 0.6 * seconds)
+        now += seconds
+        out = adaptation.after_step(t, running, profile)
+        if out is not None:
+            records.append(out.record)
+            profile = out.profile or profile
+        switch = planning.take_switch()
+        if switch is not None:
+            running = switch.schedule
+            back = plan_digest(running) == plan_digest(first)
+            installed.append((t, "back" if back else "other"))
+            back_at = t if back else back_at
+    return {"records": records, "installed": installed}
+
+
+@pytest.mark.slow
+def test_going_back_to_a_schedule_watches_it_against_the_window_that_measured_it() -> None:
+    (out,) = values(run_ranks(back_then_faster_worker, 1, timeout=60))
+    records, installed = out["records"], out["installed"]
+    assert [what for _, what in installed][:2] == ["other", "back"], (installed, records)
+    back_at = installed[1][0]
+    settled = [r for r in records if r["iteration"] == back_at]
+    assert settled and settled[0]["settled"] and "back to it" in settled[0]["decision"], records
+    # every window on A since runs 70 ms against the 112 ms it was measured in: REOPEN_WINDOWS of them
+    # re-open the adaptation (a watch whose baseline were the first window back would never see it)
+    reopened = [r for r in records if r.get("episode", 0) >= 1]
+    assert reopened, records
+    assert reopened[0]["iteration"] <= back_at + REOPEN_WINDOWS * (BACK_WINDOW + 1), (back_at, records)
+    assert "112.0 ms in the settled window" in reopened[0]["reopened"], reopened[0]

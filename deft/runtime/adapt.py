@@ -499,6 +499,7 @@ class Adaptation:
         self._forward_s = 0.0  # ... and forward
         self._links_window: LinkWindow | None = None  # the last window's link timing
         self._synchronous: WindowFigures | None = None  # the warm-up's candidate as measured (every rank)
+        self._measured: dict[str, WindowFigures] = {}  # plan_digest -> its last window (every rank)
 
     @property
     def watching(self) -> bool:
@@ -569,6 +570,7 @@ class Adaptation:
             self._candidate, self._candidate_profile = candidate, candidate_profile
             self._watch, self._episode, self._reason, self._fallen_back = None, 0, "", False
             self._synchronous = None
+            self._measured = {}
 
     def stop(self) -> None:
         """A link was lost (:mod:`deft.runtime.failover`): the schedules measured, the candidate and the
@@ -646,6 +648,7 @@ class Adaptation:
         if self._synchronous is None and synchronous_s > 0 and self._episode == 0:
             self._synchronous = WindowFigures(synchronous_s, synchronous_spread_s)
         self._links_window = LinkWindow(self._figures.per_byte, {n: ld.sends for n, ld in loads.items()})
+        self._measured[plan_digest(running)] = self._figures
         self.reset_window()
         self._from = running.digest()
         if self._adapter is None:
@@ -685,12 +688,14 @@ class Adaptation:
             out = os.environ.get("DEFT_PROFILE_OUT")
             if out and self._control.rank == 0:  # `deft simulate` on it predicts what this run measures
                 corrected.save(out)
-        replan = self._offer(t, doc, record) if "schedule" in doc and not moved else None
+        offered = (Schedule.from_dict(as_object(doc, "schedule"), "schedule re-planned by rank 0")
+                   if "schedule" in doc and not moved else None)
+        replan = self._offer(t, offered, record) if offered is not None else None
         if replan is not None and self._fallen_back and corrected is None:
             # the plan's profile prices its codecs: a later calibration of the warm-up's schedule needs its own
             corrected = self._candidate_profile
         # A superseded decision is void, "done" with it: the schedule the re-check chose is measured next.
-        self._settled(doc, superseded)
+        self._settled(doc, superseded, None if replan is None or offered is None else plan_digest(offered))
         record["settled"] = self._watch is not None  # the episode ended here: only a watch re-opens it
         return Outcome(record, corrected, replan)
 
@@ -712,10 +717,9 @@ class Adaptation:
             self._adapter.know_int8(cost)
         return cost is not None
 
-    def _offer(self, t: int, doc: Decision, record: JsonDict) -> JsonDict | None:
-        """Every rank: the re-planned schedule in ``doc`` offered for the next cycle boundary; its record
+    def _offer(self, t: int, schedule: Schedule, record: JsonDict) -> JsonDict | None:
+        """Every rank: ``schedule``, re-planned by rank 0, offered for the next cycle boundary; its record
         for ``plan_info["replans"]`` (None: a re-check's switch went first)."""
-        schedule = Schedule.from_dict(as_object(doc, "schedule"), "schedule re-planned by rank 0")
         self._control.check_agreement("schedule", schedule.digest())
         back = self._candidate is not None and plan_digest(schedule) == plan_digest(self._candidate)
         self._fallen_back = back  # settled on it, only a link's drift re-opens (link_timing.Watch)
@@ -733,9 +737,17 @@ class Adaptation:
                 **({"link_factors": record["link_factors"]} if "link_factors" in record else {}),
                 **({"plan_s": cost.get("plan_s"), "waited_s": cost.get("waited_s")} if cost else {})}
 
-    def _settled(self, doc: Decision, superseded: bool) -> None:
-        """After a decision: adapting on, or settled and watching (the baseline: the window decided on when
-        the running schedule stays, else the next window), or off after a failed decision."""
+    def _settled(self, doc: Decision, superseded: bool, to: str | None) -> None:
+        """After a decision: adapting on, or settled and watching, or off after a failed decision. The
+        watch's baseline: the window decided on when the running schedule stays; switching to ``to`` (a
+        :func:`plan_digest`), the last window measured on it, else (one not measured yet) the next window.
+
+        Note:
+            Going back to a schedule measured earlier in the episode, the next window is not its
+            baseline: a link that changed since that measurement (a slowed link recovering while the
+            episode still decided) is already in the next window, and a watch taking it as the
+            baseline never sees the change that left the plan priced for links that are gone. The
+            window that measured it is the one the decision to go back was made on."""
         if superseded or not doc["done"]:
             self.on, self._watch = True, None
             return
@@ -743,8 +755,8 @@ class Adaptation:
         self.on = self.links.on = not failed
         # back on the warm-up's schedule in the first episode: it was chosen on its time then (Watch)
         chosen_on = self._synchronous if self._fallen_back and self._episode == 0 else None
-        self._watch = None if failed else Watch(self.config.adapt_tolerance,
-                                                None if "schedule" in doc else self._figures,
+        baseline = self._figures if "schedule" not in doc else None if to is None else self._measured.get(to)
+        self._watch = None if failed else Watch(self.config.adapt_tolerance, baseline,
                                                 links_only=self._fallen_back, chosen_on=chosen_on)
 
 

@@ -19,8 +19,9 @@ Two jobs for :mod:`deft.runtime.adapt`:
   :data:`LINK_DRIFT` of 1 (either way) is set to 1: the links' times measured beside the model's
   compute wander by that much without any link changing, and such noise must not move bytes.
 * **Re-opening** (:class:`Watch`, :func:`drift`). Once the adaptation has settled, every window is still
-  measured and compared with the window it settled on (its *baseline*; the first window after a switch
-  when it settled by switching). A window *drifts* when a link's time per byte against the primary's
+  measured and compared with the window it settled on (its *baseline*; settled by going back to a
+  schedule measured before, the last window measured on it; by a switch to one not measured yet, the
+  first window after the switch). A window *drifts* when a link's time per byte against the primary's
   moved by more than :data:`LINK_DRIFT` either way, or when its median iteration moved by more than
   ``adapt_tolerance`` and by more than :data:`NOISE_K` times the windows' spread (the median absolute
   deviation of their iterations: a shift that large is not the window's own noise). Only
