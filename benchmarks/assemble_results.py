@@ -24,6 +24,7 @@ ORDER = [
     "prices.md",
     "prices_clock.md",
     "prices_drag.md",
+    "prices_wait.md",
     "codec_paths.md",
     "slow_links.md",
     "house.md",

@@ -93,12 +93,13 @@ def warmup_priced(doc: dict[str, Any]) -> str:
 
 
 def spread_priced(doc: dict[str, Any]) -> str:
-    """The run's first plan priced with the ranks' spread (the profile's ``meta["rank_spread_s"]``, not
-    priced by deft): each link's sends lengthened by that link's spread per iteration shared over the
-    plan's sends on it, simulated on the profile the plan was made on, against the first window's
-    measurement: "simulated / measured (error)". Only where the saved schedule is the first plan (the
-    first record's) and the saved profile is the first plan's, uncorrected or corrected once by that
-    record's factors (undone here); "-" for any other run."""
+    """The run's first plan priced with the ranks' spread (the profile's ``meta["rank_spread_s"]``, for
+    runs whose deft did not price it): each link's sends lengthened by that link's spread per iteration
+    shared over the plan's sends on it, simulated on the profile the plan was made on, against the first
+    window's measurement: "simulated / measured (error)". Only where the saved schedule is the first plan
+    (the first record's) and the saved profile is the first plan's, uncorrected or corrected once by that
+    record's factors (undone here); "in deft's price" where the profile's links already carry it
+    (``Link.wait_s``, ``DeftConfig.rank_wait``); "-" for any other run."""
     from deft.config import DeftConfig
     from deft.errors import DeftError
     from deft.profile import Profile
@@ -116,6 +117,8 @@ def spread_priced(doc: dict[str, Any]) -> str:
     try:
         schedule = Schedule.from_dict(sched["schedule"], "the run's saved schedule")
         profile = Profile.from_dict(sched["profile"], "the run's saved profile")
+        if any(lk.wait_s > 0 for lk in profile.links):
+            return "in deft's price"
         if schedule.digest() != first.get("schedule") or set(spread) != set(schedule.links):
             return "-"
         if isinstance(first.get("compute_factor"), float) and isinstance(first.get("comm_factor"), float):
@@ -178,7 +181,8 @@ def report(groups: list[tuple[str, list[Path]]], note: str, command: str, title:
              "groups (`meta.rank_spread_s`; `-`: not recorded). With the ranks' "
              "spread: the first plan simulated with each link's sends lengthened by the ranks' spread the "
              "profile recorded (`meta.rank_spread_s`, per iteration, shared over the plan's sends on the link; "
-             "deft does not price it) / its first window (`-`: no spread recorded, or the first plan's profile "
+             "for runs whose deft did not price it) / its first window (`in deft's price`: the run's profile "
+             "priced it, `DeftConfig.rank_wait`; `-`: no spread recorded, or the first plan's profile "
              "not recoverable from the run). Within "
              f"{TOLERANCE:.0%}: every plan of the run.", "",
              "| code | model | Mbit/s | layout | contention | drag | plans: predicted / measured (ms) | first plan | "

@@ -98,6 +98,9 @@ class DeftConfig:
     # profile iterations' sends beside and after the backward and priced (deft.profile.Link.drag; none
     # on CUDA). Off by default: it did not move the first plans' error (benchmarks/results/prices_drag.md)
     drag: bool = False
+    # The ranks' spread, what a send waits for the last rank to reach it (the profile iterations' busy
+    # groups measure it), is priced as each link's wait per iteration (deft.profile.Link.wait_s)
+    rank_wait: bool = True
     preserver: bool = True
     preserver_max_tries: int = 10
     capacity_growth: float = 1.25

@@ -51,6 +51,19 @@ def _nonneg(x: float) -> bool:
     return math.isfinite(x) and x >= 0
 
 
+def _validate_link(source: str, i: int, link: Link) -> None:
+    """``links[i]`` of a profile read from ``source``: a known backend, finite non-negative figures."""
+    if link.backend not in BACKENDS:
+        raise ContractError(source, f"links[{i}].backend", f"expected nccl or gloo, got {link.backend!r}")
+    if not _nonneg(link.alpha_s) or not _nonneg(link.beta_s_per_byte):
+        raise ContractError(source, f"links[{i}]", "alpha_s and beta_s_per_byte must be finite and >= 0, "
+                            f"got {link.alpha_s} and {link.beta_s_per_byte}")
+    for name, value, unit in (("contention", link.contention, ""), ("drag", link.drag, ""),
+                              ("wait_s", link.wait_s, " (seconds per iteration)")):
+        if not _nonneg(value):
+            raise ContractError(source, f"links[{i}].{name}", f"expected a finite number >= 0{unit}, got {value}")
+
+
 @dataclass(frozen=True)
 class Bucket:
     """A group of parameters whose gradients are communicated together."""
@@ -88,7 +101,10 @@ class Link:
     reductions and socket copies run on the CPU cores the model computes on). ``drag``: the mirror, what
     the compute takes from the link's transfers where they share the processor; while the rank's
     compute stream is busy the link's sends run at ``1 / (1 + drag)`` of their speed, and the link's
-    model and measured times are its sends' with the cores free (0: none, as on NCCL).
+    model and measured times are its sends' with the cores free (0: none, as on NCCL). ``wait_s``: the
+    seconds per iteration the link's sends wait for the last rank to reach them (the ranks' spread: the
+    link's measured times are the last rank's, who waits for nobody); the simulator shares it over the
+    link's sends in an iteration (0: none, as for one rank or ranks in step).
     """
 
     name: str
@@ -98,6 +114,7 @@ class Link:
     beta_s_per_byte: float = 0.0
     contention: float = 0.0
     drag: float = 0.0
+    wait_s: float = 0.0
 
     def time(self, nbytes: int) -> float:
         return self.alpha_s + self.beta_s_per_byte * nbytes
@@ -334,16 +351,7 @@ class Profile:
         if len(set(names)) != len(names):
             raise ContractError(source, "links", f"link names must be unique, got {names}")
         for i, link in enumerate(self.links):
-            if link.backend not in BACKENDS:
-                raise ContractError(source, f"links[{i}].backend", f"expected nccl or gloo, got {link.backend!r}")
-            if not _nonneg(link.alpha_s) or not _nonneg(link.beta_s_per_byte):
-                raise ContractError(source, f"links[{i}]", "alpha_s and beta_s_per_byte must be finite and >= 0, "
-                                    f"got {link.alpha_s} and {link.beta_s_per_byte}")
-            if not _nonneg(link.contention):
-                raise ContractError(source, f"links[{i}].contention", f"expected a finite number >= 0, got "
-                                    f"{link.contention}")
-            if not _nonneg(link.drag):
-                raise ContractError(source, f"links[{i}].drag", f"expected a finite number >= 0, got {link.drag}")
+            _validate_link(source, i, link)
         for i, b in enumerate(self.buckets):
             if b.id != i:
                 raise ContractError(source, f"buckets[{i}].id", f"expected {i} (ids are 0..n-1 in order), got {b.id}")
@@ -395,7 +403,8 @@ class Profile:
                  "alpha_s": k.alpha_s, "beta_s_per_byte": k.beta_s_per_byte,
                  # absent when 0: older profiles' digests unchanged
                  **({"contention": k.contention} if k.contention else {}),
-                 **({"drag": k.drag} if k.drag else {})}
+                 **({"drag": k.drag} if k.drag else {}),
+                 **({"wait_s": k.wait_s} if k.wait_s else {})}
                 for k in self.links
             ],
             "buckets": buckets,
@@ -428,6 +437,7 @@ class Profile:
                 name=lf.str("name"), backend=lf.str("backend", choices=BACKENDS), ifname=lf.opt_str("ifname"),
                 alpha_s=lf.float("alpha_s", 0.0), beta_s_per_byte=lf.float("beta_s_per_byte", 0.0),
                 contention=lf.float("contention", 0.0), drag=lf.float("drag", 0.0),
+                wait_s=lf.float("wait_s", 0.0),
             ))
         buckets, times = [], []
         for bf in f.items("buckets"):

@@ -117,15 +117,16 @@ def test_the_warm_up_schedule_gone_back_to_is_simulated_on_the_saved_profile_aga
     assert prices.warmup_priced(doc) == "-"
 
 
-def _spread_run(run_dir: Path, records: list[dict[str, Any]], factors: tuple[float, float] | None) -> None:
+def _spread_run(run_dir: Path, records: list[dict[str, Any]], factors: tuple[float, float] | None,
+                wait_s: float = 0.0) -> None:
     """One bucket on link ``a``: forward 2 s, backward 3 s, all-reduce 1.5 s after the backward (6.5 s an
-    iteration); the ranks' spread 0.5 s per iteration on ``a``. Saved corrected by ``factors`` (compute,
-    comm) when given, as the first window's correction saves it."""
+    iteration); the ranks' spread 0.5 s per iteration on ``a`` (priced by deft as ``wait_s`` when given).
+    Saved corrected by ``factors`` (compute, comm) when given, as the first window's correction saves it."""
     from deft.profile import Bucket, BucketTimes, Link, Profile
     from deft.schedule import synchronous_schedule
 
     profile = Profile(buckets=(Bucket(0, ("p0",), 250, 1000),), times=(BucketTimes(2.0, 3.0, {"a": 1.5}),),
-                      links=(Link("a", "gloo"),), world_size=2, source="synthetic",
+                      links=(Link("a", "gloo", wait_s=wait_s),), world_size=2, source="synthetic",
                       meta={"rank_spread_s": {"a": {"median": 0.5, "total_per_iteration": 0.5}}})
     schedule = synchronous_schedule((250,), (1000,), ("a",), ("a",))
     saved = profile if factors is None else profile.scaled(*factors)
@@ -157,3 +158,7 @@ def test_the_first_plan_priced_with_the_ranks_spread_by_hand(prices: Any, tmp_pa
     _spread_run(tmp_path / "replanned", [{"schedule": "another", "predicted_s": 6.5, "measured_s": 7.7}], None)
     (doc,) = prices.load(tmp_path / "replanned")
     assert prices.spread_priced(doc) == "-"
+    # a run whose deft priced the spread itself (its links' wait_s): not priced twice
+    _spread_run(tmp_path / "waited", [{"predicted_s": 7.0, "measured_s": 7.7}], None, wait_s=0.5)
+    (doc,) = prices.load(tmp_path / "waited")
+    assert prices.spread_priced(doc) == "in deft's price"

@@ -388,7 +388,8 @@ def late_rank_worker(rank: int, world: int) -> dict[str, Any]:
     prof = ddp.profile
     assert prof is not None
     return {"spread": prof.meta["rank_spread_s"], "comm": [prof.comm_time(b, lk) for lk in prof.link_names
-                                                           for b in range(prof.n)]}
+                                                           for b in range(prof.n)],
+            "wait": {lk.name: lk.wait_s for lk in prof.links}}
 
 
 @pytest.mark.slow
@@ -396,12 +397,13 @@ def late_rank_worker(rank: int, world: int) -> dict[str, Any]:
 def test_a_late_rank_is_the_spread_not_the_links_price() -> None:
     # rank 0 sends LATE_S before rank 1 reaches the same collectives: each link's first busy group of an
     # iteration holds that wait on rank 0 and not on rank 1. The spread records it; the links' prices
-    # (the groups' minimum over ranks) do not.
+    # (the groups' minimum over ranks) do not; each link's wait per iteration prices it (rank_wait, default).
     a, b = values(run_ranks(late_rank_worker, 2, timeout=120))
     assert a == b
     for link, v in a["spread"].items():
         assert v["total_per_iteration"] >= 0.5 * LATE_S, (link, a["spread"])
     assert max(a["comm"]) < 0.5 * LATE_S, a["comm"]
+    assert set(a["wait"]) == {"primary", "second"} and min(a["wait"].values()) >= 0.5 * LATE_S, a["wait"]
 
 
 def probe_dead_peer_worker(rank: int, world: int) -> str:

@@ -430,3 +430,36 @@ def test_more_contention_is_never_faster(scheme: str) -> None:
     assert all(b >= a - 1e-12 for a, b in itertools.pairwise(times)), times
     assert times[-1] > times[0], times
     assert times[0] == pytest.approx(simulate(p, scheme).iteration_s)  # 0: as without the field
+
+
+# ------------------------------------------------------------------------------------------- the ranks' wait
+def _waiting(p: Profile, wait: float) -> Profile:
+    return dataclasses.replace(p, links=tuple(dataclasses.replace(lk, wait_s=wait) for lk in p.links))
+
+
+def test_one_send_an_iteration_carries_the_whole_wait() -> None:
+    # the only send is the exposed tail (test above: 6.5); it waits 0.5 for the last rank every iteration
+    p = _waiting(make_profile([2.0], [3.0], [{"a": 1.5}]), 0.5)
+    for scheme in BASELINES:
+        assert simulate(p, scheme).iteration_s == pytest.approx(7.0), scheme
+
+
+def test_the_wait_is_shared_over_the_sends_and_slack_absorbs_a_hidden_ones_share() -> None:
+    # two sends an iteration share a wait of 1.0: bucket 0's send (2 + 0.5 from t = 3) still ends under
+    # bucket 1's backward (until 7), bucket 1's exposed tail grows by its 0.5: 2 + 5 + 3.5. DDP fuses both
+    # buckets into one message, which carries the whole wait: 12 + 1.
+    p = _waiting(make_profile([1.0, 1.0], [1.0, 4.0], [{"a": 2.0}, {"a": 3.0}]), 1.0)
+    assert simulate(p, "wfbp").iteration_s == pytest.approx(10.5)
+    assert simulate(p, "ddp").iteration_s == pytest.approx(13.0)
+    # a schedule's sends as well: each bucket on its own when ready, the step after both (10 without the wait)
+    s = synchronous_schedule((250, 250), (1000, 1000), ("a",), ("a", "a"))
+    assert simulate_schedule(_waiting(p, 0.0), s).iteration_s == pytest.approx(10.0)
+    assert simulate_schedule(p, s).iteration_s == pytest.approx(10.5)
+
+
+def test_the_wait_round_trips_and_is_checked() -> None:
+    p = _waiting(make_profile([2.0], [3.0], [{"a": 1.5}]), 0.25)
+    assert Profile.from_dict(p.to_dict()).links[0].wait_s == 0.25
+    assert "wait_s" not in _waiting(p, 0.0).to_dict()["links"][0]  # absent when 0: older profiles' digests stand
+    with pytest.raises(ContractError, match=r"links\[0\]\.wait_s"):
+        _waiting(p, -0.1)

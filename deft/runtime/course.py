@@ -176,7 +176,7 @@ class Course:
             shared = self.config.contention or self.config.drag
             held = self.profile_iters - 1 if self.profile_iters >= 2 and shared and not cuda else None
             self._timer = WarmupTimer(self._module, self._params, ex.layout, live, cuda, self._wait_work, self.failover,
-                                      held, self.config.contention, self.config.drag)
+                                      held, self.config.contention, self.config.drag, self.config.rank_wait)
             ex.observe(self._timer)
         if self._timer is not None and ex.idle and ex.layout is not None:
             coded = self.codecs.profile_schedule(self._timer.schedule())

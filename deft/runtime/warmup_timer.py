@@ -329,10 +329,11 @@ class WarmupTimer:
     def __init__(self, module: nn.Module, params: Sequence[torch.Tensor], layout: FlatLayout,
                  links: dict[str, CommLink], cuda: bool, wait: Callable[[Collective, str, int], None],
                  failover: LinkFailover | None = None, held: int | None = None, contention: bool = False,
-                 drag: bool = False) -> None:
+                 drag: bool = False, rank_wait: bool = False) -> None:
         self.held = held  # the profile iteration whose backward runs alone (holds_next), None: none
         self.contention = contention  # price the links' contention (needs ``held``)
         self.drag = drag  # fit the gloo links' drag (deft.profiler.drag)
+        self.rank_wait = rank_wait  # price the ranks' spread (deft.profile.Link.wait_s)
         self._wait = wait  # waits for a launched collective (NCCL's completion is stamped after it)
         self._failover = failover  # the links lost (none: every link lives); the probe's agreement
         self.layout = layout
@@ -667,8 +668,9 @@ class WarmupTimer:
             rows = _drag_groups(groups, wire)
             beta = group_beta(rows, alpha, fit.k)
             lk = self.links[k]
+            wait = sum(g.spread for g in loads[k]) / len(self.samples) if self.rank_wait and loads[k] else 0.0
             links.append(Link(name=k, backend=link_backends[k], ifname=lk.ifname, alpha_s=alpha, beta_s_per_byte=beta,
-                              drag=fit.drag))
+                              drag=fit.drag, wait_s=wait))
             alone: dict[int, list[float]] = {}
             for g, row in zip(groups, rows, strict=True):
                 if loads[k] and len(g.buckets) == 1:
@@ -683,7 +685,7 @@ class WarmupTimer:
         modelled ones (the probe, the busy groups per link, which buckets were measured alone, the
         codec's sources, the links that carried nothing and took ``beta`` from all links, the links
         lost before the profile was made, the drag's fit, and per link the ranks' spread: what the
-        groups' earliest ranks waited for their last, not priced)."""
+        groups' earliest ranks waited for their last, priced as the links' ``wait_s`` where asked)."""
         link_names = list(alphas)
         meta: JsonDict = {
             "profile_iterations": len(self.samples),
@@ -703,7 +705,7 @@ class WarmupTimer:
                                                       "groups with each link's beta (deft.profiler.drag)"},
             "buckets_measured_alone": {k: sorted(c) for k, c in zip(link_names, comm, strict=True)},
             # what a send waits for the last rank to reach it, which the groups' times (the minimum over
-            # ranks) leave out: not priced, kept to be read
+            # ranks) leave out: priced as each link's wait_s where DeftConfig.rank_wait is on
             "rank_spread_s": {k: {"median": statistics.median(g.spread for g in loads[k]),
                                   "total_per_iteration": sum(g.spread for g in loads[k]) / len(self.samples)}
                               for k in link_names if loads[k]}}

@@ -52,6 +52,11 @@ Model
   busy (``d_l`` its drag). Speeds change only when a task starts or ends; each running task's end is
   projected again then (``_EventLoop``'s Note [shared processor]). Compute with no send beside it,
   sends with no compute beside them, and links with neither run as measured.
+* **The ranks' spread** (:class:`deft.profile.Link`'s ``wait_s``): a send starts when the last rank
+  reaches it, and a link's measured times are that rank's, who waits for nobody. Each iteration's sends
+  on link ``l`` are lengthened by ``wait_l / m_l`` (``m_l`` the link's sends per iteration;
+  :func:`send_waits`): the link stays busy ``wait_l`` longer where it is the bound, and compute with
+  slack beside the sends absorbs it.
 * **Steady state**: iteration time is averaged over whole cycles after a warm-up, between forward
   starts; bubble ratio = compute idle time / window; link utilisation = busy time / window.
 
@@ -79,7 +84,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -555,6 +560,12 @@ def _message_codec_s(profile: Profile, parts: Sequence[tuple[int, float]]) -> fl
     return sum(frac * profile.codec_time(b) for b, frac in parts)
 
 
+def send_waits(profile: Profile, sends: Mapping[str, float]) -> dict[str, float]:
+    """Per link, the seconds each send waits for the last rank: the link's ``wait_s`` shared over its
+    ``sends`` per iteration (links without a wait, or without sends, absent)."""
+    return {lk.name: lk.wait_s / sends[lk.name] for lk in profile.links if lk.wait_s > 0 and sends.get(lk.name, 0) > 0}
+
+
 def _run_synchronous(profile: Profile, messages: Sequence[_Message], iterations: int, *, barrier: bool,
                      credit: dict[str, int] | None = None) -> _Engine:
     """Every iteration sends ``messages`` (in this launch order) once its gradients are ready.
@@ -564,6 +575,7 @@ def _run_synchronous(profile: Profile, messages: Sequence[_Message], iterations:
     """
     eng = _engine(profile, credit)
     alpha = {lk: link_model(profile, lk)[0] for lk in profile.link_names}
+    wait = send_waits(profile, Counter(m.link for m in messages))
     fwd_deps: dict[int, list[int]] = {}
     codecs = [(m.ready_bucket, _message_codec_s(profile, m.parts)) for m in messages]
     coded = [d > 0 for _, d in codecs]
@@ -578,7 +590,8 @@ def _run_synchronous(profile: Profile, messages: Sequence[_Message], iterations:
             label = "+".join(str(b) for b in sorted({b for b, _ in m.parts}))
             if any(f < 1.0 for _, f in m.parts):
                 label += "'"  # a piece of a partitioned bucket
-            cid = eng.add_comm(_Comm(link=m.link, duration=message_time(profile, m.link, m.parts, alpha[m.link]),
+            duration = message_time(profile, m.link, m.parts, alpha[m.link]) + wait.get(m.link, 0.0)
+            cid = eng.add_comm(_Comm(link=m.link, duration=duration,
                                      bucket=m.ready_bucket, iteration=t, stage_iteration=t, label=label,
                                      nbytes=m.nbytes, priority=m.priority), grad_after=grad_after)
             eng.comms[cid].launched = True
@@ -704,6 +717,8 @@ class _ScheduleGraph:
         self.bwd_of: dict[int, list[int]] = {}  # iteration -> its backward tasks' ids, by bucket
         self.comm_of: dict[tuple[int, int], int] = {}  # (group's last iteration, bucket) -> comm id
         self.ahead: dict[tuple[int, int], int] = {}    # sends of updates finishing in the forward, by (last, bucket)
+        sends = Counter(task.link for st in schedule.stages for task in st.comms)
+        self.wait = send_waits(profile, {lk: m / schedule.cycle for lk, m in sends.items()})
 
     def _finishing(self, position: int) -> bool:
         return self.schedule.updates[self.schedule.group_of(position)].finish_in_forward
@@ -715,7 +730,8 @@ class _ScheduleGraph:
         """A send of ``bucket`` of the group ending at ``last``, launched in iteration ``t``; it waits for
         ``after`` (its codec task) or else for the backward that completes its gradient."""
         profile = self.profile
-        return self.eng.add_comm(_Comm(link=task_link, duration=profile.comm_time(bucket, task_link), bucket=bucket,
+        duration = profile.comm_time(bucket, task_link) + self.wait.get(task_link, 0.0)
+        return self.eng.add_comm(_Comm(link=task_link, duration=duration, bucket=bucket,
                                        iteration=last, stage_iteration=t, label=label,
                                        nbytes=profile.buckets[bucket].wire),
                                  grad_after=self.bwd_of[last][self.ready[bucket]] if after is None else after)
