@@ -99,7 +99,9 @@ class DeftConfig:
     # on CUDA). Off by default: it did not move the first plans' error (benchmarks/results/prices_drag.md)
     drag: bool = False
     # The ranks' spread, what a send waits for the last rank to reach it (the profile iterations' busy
-    # groups measure it), is priced as each link's wait per iteration (deft.profile.Link.wait_s)
+    # groups measure it), is priced as each link's wait per iteration (deft.profile.Link.wait_s). On by
+    # default: it brought the eight-host first plan closer and let a four-rank calibration keep the wait
+    # apart from the links (benchmarks/results/prices_wait.md)
     rank_wait: bool = True
     preserver: bool = True
     preserver_max_tries: int = 10
