@@ -93,13 +93,13 @@ def warmup_priced(doc: dict[str, Any]) -> str:
 
 
 def spread_priced(doc: dict[str, Any]) -> str:
-    """The run's first plan priced with the ranks' spread (the profile's ``meta["rank_spread_s"]``, for
-    runs whose deft did not price it): each link's sends lengthened by that link's spread per iteration
-    shared over the plan's sends on it, simulated on the profile the plan was made on, against the first
-    window's measurement: "simulated / measured (error)". Only where the saved schedule is the first plan
-    (the first record's) and the saved profile is the first plan's, uncorrected or corrected once by that
-    record's factors (undone here); "in deft's price" where the profile's links already carry it
-    (``Link.wait_s``, ``DeftConfig.rank_wait``); "-" for any other run."""
+    """The run's first plan priced with the ranks' spread, simulated on the profile the plan was made on
+    against the first window's measurement: "simulated / measured (error)". Where the run's deft priced
+    it (the profile's links carry ``wait_s``, ``DeftConfig.rank_wait``), that price, and the same plan
+    simulated without it ("; without it N"); where it did not, each link's ``wait_s`` set to its spread
+    per iteration (``meta["rank_spread_s"]``) as deft would. Only where the saved schedule is the first
+    plan (the first record's) and the saved profile is the first plan's, uncorrected or corrected once
+    by that record's factors (undone here); "-" for any other run."""
     from deft.config import DeftConfig
     from deft.errors import DeftError
     from deft.profile import Profile
@@ -117,8 +117,6 @@ def spread_priced(doc: dict[str, Any]) -> str:
     try:
         schedule = Schedule.from_dict(sched["schedule"], "the run's saved schedule")
         profile = Profile.from_dict(sched["profile"], "the run's saved profile")
-        if any(lk.wait_s > 0 for lk in profile.links):
-            return "in deft's price"
         if schedule.digest() != first.get("schedule") or set(spread) != set(schedule.links):
             return "-"
         if isinstance(first.get("compute_factor"), float) and isinstance(first.get("comm_factor"), float):
@@ -128,16 +126,19 @@ def spread_priced(doc: dict[str, Any]) -> str:
         config = DeftConfig.load(saved_config) if isinstance(saved_config, str) and Path(saved_config).is_file() \
             else DeftConfig()
         profile = profile_for_schedule(profile, schedule, config)  # the plan's pieces, where it cut buckets
-        sends = {lk: sum(1 for st in schedule.stages for c in st.comms if c.link == lk) for lk in schedule.links}
-        extra = {lk: spread[lk]["total_per_iteration"] / sends[lk] for lk in schedule.links if sends[lk]}
-        times = tuple(replace(t, comm_s={k: v + extra.get(k, 0.0) for k, v in t.comm_s.items()})
-                      for t in profile.times)
-        links = tuple(replace(lk, alpha_s=lk.alpha_s + extra.get(lk.name, 0.0)) for lk in profile.links)
-        simulated = simulate_schedule(replace(profile, times=times, links=links), schedule).iteration_s
+        priced = any(lk.wait_s > 0 for lk in profile.links)
+
+        def waiting(wait: Any) -> Any:
+            return replace(profile, links=tuple(replace(lk, wait_s=wait(lk)) for lk in profile.links))
+
+        simulated = simulate_schedule(profile if priced else waiting(
+            lambda lk: spread[lk.name]["total_per_iteration"] if lk.name in spread else 0.0), schedule).iteration_s
+        without = simulate_schedule(waiting(lambda lk: 0.0), schedule).iteration_s if priced else None
     except DeftError:
         return "-"
     measured = float(first["measured_s"])
-    return f"{simulated * 1e3:.0f} / {measured * 1e3:.0f} ({simulated / measured - 1:+.1%})"
+    out = f"{simulated * 1e3:.0f} / {measured * 1e3:.0f} ({simulated / measured - 1:+.1%})"
+    return out if without is None else f"{out}; without it {without * 1e3:.0f}"
 
 
 def row(label: str, run_dir: Path, doc: dict[str, Any]) -> str:
@@ -181,9 +182,9 @@ def report(groups: list[tuple[str, list[Path]]], note: str, command: str, title:
              "groups (`meta.rank_spread_s`; `-`: not recorded). With the ranks' "
              "spread: the first plan simulated with each link's sends lengthened by the ranks' spread the "
              "profile recorded (`meta.rank_spread_s`, per iteration, shared over the plan's sends on the link; "
-             "for runs whose deft did not price it) / its first window (`in deft's price`: the run's profile "
-             "priced it, `DeftConfig.rank_wait`; `-`: no spread recorded, or the first plan's profile "
-             "not recoverable from the run). Within "
+             "as deft prices it, `deft.profile.Link.wait_s`) / its first window; where the run's deft priced it "
+             "(`DeftConfig.rank_wait`), also the same plan without it; `-`: no spread recorded, or the first "
+             "plan's profile not recoverable from the run. Within "
              f"{TOLERANCE:.0%}: every plan of the run.", "",
              "| code | model | Mbit/s | layout | contention | drag | plans: predicted / measured (ms) | first plan | "
              f"first window against the profile | warm-up schedule: simulated / measured (ms) | "

@@ -100,8 +100,8 @@ class DeftConfig:
     drag: bool = False
     # The ranks' spread, what a send waits for the last rank to reach it (the profile iterations' busy
     # groups measure it), is priced as each link's wait per iteration (deft.profile.Link.wait_s). On by
-    # default: it brought the eight-host first plan closer and let a four-rank calibration keep the wait
-    # apart from the links (benchmarks/results/prices_wait.md)
+    # default: a four-rank calibration keeps the wait apart from the links and its re-plan holds its
+    # price (benchmarks/results/prices_wait.md)
     rank_wait: bool = True
     preserver: bool = True
     preserver_max_tries: int = 10

@@ -158,7 +158,8 @@ def test_the_first_plan_priced_with_the_ranks_spread_by_hand(prices: Any, tmp_pa
     _spread_run(tmp_path / "replanned", [{"schedule": "another", "predicted_s": 6.5, "measured_s": 7.7}], None)
     (doc,) = prices.load(tmp_path / "replanned")
     assert prices.spread_priced(doc) == "-"
-    # a run whose deft priced the spread itself (its links' wait_s): not priced twice
+    # a run whose deft priced the spread itself (its links' wait_s): its price, not the spread twice, and
+    # the same plan without it (6.5 s)
     _spread_run(tmp_path / "waited", [{"predicted_s": 7.0, "measured_s": 7.7}], None, wait_s=0.5)
     (doc,) = prices.load(tmp_path / "waited")
-    assert prices.spread_priced(doc) == "in deft's price"
+    assert prices.spread_priced(doc) == "7000 / 7700 (-9.1%); without it 6500"
