@@ -219,7 +219,7 @@ def test_the_adaptation_replans_on_a_slowed_link_within_a_bounded_number_of_iter
     # few bytes on that link, whose time per byte then reads off its rate either way (a CI run read it
     # 1.58x the primary, unloaded; benchmarks/results/faults.md, "Where deft loses")
     back_ratio = ratios[back[0]["iteration"] - 1]  # the profile that decision corrected, read after its step
-    assert back_ratio is not None and back_ratio <= 2.0 * before < FACTOR * before / 2, (before, back_ratio, timeline)
+    assert back_ratio is not None and back_ratio <= 2.0 * before, (before, back_ratio, timeline)
 
 
 def _agreed(reports: list[dict[str, Any]], steps: int = INSTALL_STEPS) -> tuple[dict[str, Any], tuple[Any, Any]]:
