@@ -668,7 +668,7 @@ class WarmupTimer:
             rows = _drag_groups(groups, wire)
             beta = group_beta(rows, alpha, fit.k)
             lk = self.links[k]
-            wait = sum(g.spread for g in loads[k]) / len(self.samples) if self.rank_wait and loads[k] else 0.0
+            wait = self._spread_per_iteration(loads[k]) if self.rank_wait and loads[k] else 0.0
             links.append(Link(name=k, backend=link_backends[k], ifname=lk.ifname, alpha_s=alpha, beta_s_per_byte=beta,
                               drag=fit.drag, wait_s=wait))
             alone: dict[int, list[float]] = {}
@@ -677,6 +677,11 @@ class WarmupTimer:
                     alone.setdefault(g.buckets[0], []).append(fit.free_seconds(row))
             comm.append({b: statistics.median(v) for b, v in alone.items()})
         return links, comm
+
+    def _spread_per_iteration(self, groups: Sequence[BusyGroup]) -> float:
+        """A link's busy groups' spread, summed and shared over the profile iterations: what its sends
+        waited for the last rank in one iteration."""
+        return sum(g.spread for g in groups) / len(self.samples)
 
     def _meta(self, loads: Mapping[str, list[BusyGroup]], alphas: Mapping[str, float],
               comm: Sequence[dict[int, float]], codec: Codec | None, rank_contention: list[JsonDict],
@@ -707,7 +712,7 @@ class WarmupTimer:
             # what a send waits for the last rank to reach it, which the groups' times (the minimum over
             # ranks) leave out: priced as each link's wait_s where DeftConfig.rank_wait is on
             "rank_spread_s": {k: {"median": statistics.median(g.spread for g in loads[k]),
-                                  "total_per_iteration": sum(g.spread for g in loads[k]) / len(self.samples)}
+                                  "total_per_iteration": self._spread_per_iteration(loads[k])}
                               for k in link_names if loads[k]}}
         if codec is not None:
             meta["codec"] = {"wire_nbytes": "the hook's maths" if codec.wire_known else
