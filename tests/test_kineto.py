@@ -143,17 +143,19 @@ def test_missing_file(tmp_path: Path) -> None:
 
 
 # -- several ranks: compute at the slowest rank's pace ---------------------------------------------------------
-def _deft_trace(rank: int, fwd: list[list[float]], bwd: list[list[float]], comm: list[float]) -> dict[str, object]:
-    """A CPU trace of one rank of a deft run with two buckets (times in us): per iteration ``i`` the
-    ranges ``deft/fwd`` of bucket 1 then 0 (``fwd[i][b]`` long), then per bucket 0, 1 ``deft/bwd``
-    (``bwd[i][b]``) and a ``deft/comm`` range around a ``c10d::allreduce_`` of ``comm[b]`` us (no gloo
-    range: the operator's own duration is the comm time) of 1000 (bucket 0) or 3000 elements."""
+def _deft_trace(rank: int, fwd: list[list[float]], bwd: list[list[float]], comm: list[float],
+               first: int = 0) -> dict[str, object]:
+    """A CPU trace of one rank of a deft run with two buckets (times in us): per iteration ``i`` (numbered
+    from ``first``) the ranges ``deft/fwd`` of bucket 1 then 0 (``fwd[i - first][b]`` long), then per
+    bucket 0, 1 ``deft/bwd`` (``bwd[i - first][b]``) and a ``deft/comm`` range around a
+    ``c10d::allreduce_`` of ``comm[b]`` us (no gloo range: the operator's own duration is the comm time)
+    of 1000 (bucket 0) or 3000 elements."""
     ev: list[dict[str, object]] = []
 
     def add(name: str, cat: str, ts: float, dur: float, args: dict[str, object] | None = None) -> None:
         ev.append({"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 1, "ts": ts, "dur": dur, "args": args or {}})
 
-    for i, (f, g) in enumerate(zip(fwd, bwd, strict=True)):
+    for i, (f, g) in enumerate(zip(fwd, bwd, strict=True), start=first):
         t = 100_000.0 * (i + 1)
         for b in (1, 0):
             add(format_range_name("fwd", b, i), "user_annotation", t, f[b])
@@ -199,6 +201,44 @@ def test_ranks_stalled_in_different_buckets_are_charged_the_slower_ranks_compute
         assert t.backward_s == statistics.median(r.backward_s for r in mine)
     assert [t.backward_s for t in one.times] == pytest.approx([5e-3, 2e-3])
     assert [t.comm_s["primary"] for t in one.times] == pytest.approx([300e-6, 400e-6])
+
+
+def test_ranks_slow_in_different_steps_are_paced_per_step(tmp_path: Path) -> None:
+    # Two buckets, forward 1 + 1 ms and backward 2 + 2 ms on both ranks in steps 0, 1, 2; rank 0 loses
+    # 4 ms in bucket 0's backward in step 1, rank 1 loses 4 ms in bucket 1's in step 2. Per step the
+    # ranks compute (ms) 6, 10, 6 and 6, 6, 10; the slower rank per step: 6, 10, 10, median 10. Each
+    # rank's medians over steps first would give 6 (each rank's typical step), though every step but
+    # one waits 10 ms for a slow rank. The buckets share 10 ms as their medians: 1, 1, 2, 2 of 6.
+    ms = 1000.0
+    f = [[1 * ms, 1 * ms]] * 3
+    traces = {0: _deft_trace(0, f, [[2 * ms, 2 * ms], [6 * ms, 2 * ms], [2 * ms, 2 * ms]], [300.0, 400.0]),
+              1: _deft_trace(1, f, [[2 * ms, 2 * ms], [2 * ms, 2 * ms], [2 * ms, 6 * ms]], [500.0, 200.0])}
+    for r, doc in traces.items():
+        _write(tmp_path, f"rank{r}.json", json.dumps(doc).encode())
+    prof = kineto.load(tmp_path)
+    assert [t.forward_s for t in prof.times] == pytest.approx([10e-3 / 6, 10e-3 / 6])
+    assert [t.backward_s for t in prof.times] == pytest.approx([20e-3 / 6, 20e-3 / 6])
+    assert [t.comm_s["primary"] for t in prof.times] == pytest.approx([500e-6, 400e-6])
+    assert "3 steps every rank holds" in prof.meta["reduction"]
+    assert "no step in common" not in prof.meta["reduction"]
+
+
+def test_ranks_without_a_common_step_are_paced_by_their_medians(tmp_path: Path) -> None:
+    # The traces of the previous test, rank 1's of steps 3, 4, 5 (slow in step 5): no step to match, so
+    # each rank's medians over its own steps go first: forward 1, 1 and backward 2, 2 ms on both ranks,
+    # the slower rank's total 6 ms, the buckets' medians unscaled.
+    ms = 1000.0
+    f = [[1 * ms, 1 * ms]] * 3
+    traces = {0: _deft_trace(0, f, [[2 * ms, 2 * ms], [6 * ms, 2 * ms], [2 * ms, 2 * ms]], [300.0, 400.0]),
+              1: _deft_trace(1, f, [[2 * ms, 2 * ms], [2 * ms, 2 * ms], [2 * ms, 6 * ms]], [500.0, 200.0], first=3)}
+    for r, doc in traces.items():
+        _write(tmp_path, f"rank{r}.json", json.dumps(doc).encode())
+    prof = kineto.load(tmp_path)
+    assert prof.meta["steps_used"] == [0, 1, 2]  # rank 0's; rank 1 used 3, 4, 5
+    assert [t.forward_s for t in prof.times] == pytest.approx([1e-3, 1e-3])
+    assert [t.backward_s for t in prof.times] == pytest.approx([2e-3, 2e-3])
+    assert [t.comm_s["primary"] for t in prof.times] == pytest.approx([500e-6, 400e-6])
+    assert "no step in common" in prof.meta["reduction"] and "paced_medians" in prof.meta["reduction"]
 
 
 # -- real CPU runs: torch DDP over gloo, and deft-style per-bucket ranges ------------------------------------

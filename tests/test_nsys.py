@@ -281,18 +281,23 @@ def test_synthetic_profile(tmp_path: Path) -> None:
 
 
 def build_compute_export(path: Path, per_rank: dict[int, tuple[list[float], list[float], list[float]]],
-                         iterations: int = 3) -> Path:
+                         iterations: int = 3, *, slow: dict[tuple[int, int], tuple[float, float]] | None = None,
+                         first: dict[int, int] | None = None) -> Path:
     """Ranks (pids) with two buckets each, one NCCL link: ``per_rank[pid] = (fwd, bwd, comm)`` gives
-    each bucket's forward, backward and all-reduce kernel time (us), the same in every iteration.
-    Each deft range launches one kernel of that length; the kernels run one after another."""
+    each bucket's forward, backward and all-reduce kernel time (us), the same in every iteration but
+    where ``slow[(pid, iteration)] = (s0, s1)`` adds ``s0`` and ``s1`` us to buckets 0's and 1's
+    backward. A rank's iterations are numbered from ``first[pid]`` (default 0). Each deft range
+    launches one kernel of that length; the kernels run one after another."""
     b = Builder(path)
     for pid, (fwd, bwd, comm) in per_rank.items():
         b.process(pid)
-        for it in range(iterations):
+        for it in range((first or {}).get(pid, 0), (first or {}).get(pid, 0) + iterations):
             o, corr = 10_000.0 * (it + 1), 100 * it
             gpu = o + 100  # the GPU timeline of this iteration, after every launch
-            for cpu, (kind, bucket, us) in enumerate([("fwd", 1, fwd[1]), ("fwd", 0, fwd[0]), ("bwd", 0, bwd[0]),
-                                                      ("comm", 0, comm[0]), ("bwd", 1, bwd[1]), ("comm", 1, comm[1])]):
+            s0, s1 = (slow or {}).get((pid, it), (0.0, 0.0))
+            for cpu, (kind, bucket, us) in enumerate([("fwd", 1, fwd[1]), ("fwd", 0, fwd[0]),
+                                                      ("bwd", 0, bwd[0] + s0), ("comm", 0, comm[0]),
+                                                      ("bwd", 1, bwd[1] + s1), ("comm", 1, comm[1])]):
                 link = "primary" if kind == "comm" else None
                 start = o + 10 * cpu
                 b.nvtx(pid, start, start + 10, format_range_name(kind, bucket, it, link, it if link else None))
@@ -330,6 +335,36 @@ def test_ranks_stalled_in_different_buckets_are_charged_the_slower_ranks_compute
             assert got == statistics.median(r.seconds for r in charged if r.kind == kind and r.bucket == bk)
     assert [(t.forward_s, t.backward_s) for t in one.times] == [pytest.approx((100 * us, 500 * us)),
                                                                pytest.approx((100 * us, 200 * us))]
+
+
+def test_ranks_slow_in_different_iterations_are_paced_per_iteration(tmp_path: Path) -> None:
+    # Two buckets, forward 100 + 100 us and backward 200 + 200 us on both ranks in iterations 0, 1, 2;
+    # rank 100 loses 400 us in bucket 0's backward in iteration 1, rank 101 400 us in bucket 1's in
+    # iteration 2. Per iteration the ranks compute (us) 600, 1000, 600 and 600, 600, 1000; the slower
+    # rank per iteration: 600, 1000, 1000, median 1000 (each rank's medians first would give 600). The
+    # buckets share it as their medians over ranks: 100, 100, 200, 200 of 600.
+    us = 1e-6
+    ranks = {100: ([100.0, 100.0], [200.0, 200.0], [30.0, 40.0]), 101: ([100.0, 100.0], [200.0, 200.0], [50.0, 20.0])}
+    prof = nsys.load(build_compute_export(tmp_path / "two.sqlite", ranks,
+                                          slow={(100, 1): (400.0, 0.0), (101, 2): (0.0, 400.0)}))
+    assert [t.forward_s for t in prof.times] == pytest.approx([1000 / 6 * us, 1000 / 6 * us])
+    assert [t.backward_s for t in prof.times] == pytest.approx([2000 / 6 * us, 2000 / 6 * us])
+    assert [t.comm_s["primary"] for t in prof.times] == pytest.approx([50 * us, 40 * us])
+    assert "3 iterations every rank holds" in prof.meta["reduction"]
+
+
+def test_ranks_without_a_common_iteration_are_paced_by_their_medians(tmp_path: Path) -> None:
+    # As above, but rank 101's export holds iterations 3, 4, 5 (slow in 5): no iteration to match, so
+    # each rank's medians over its own iterations go first: 100, 100, 200, 200 us on both ranks, the
+    # slower rank's total 600 us, the buckets' medians unscaled.
+    us = 1e-6
+    ranks = {100: ([100.0, 100.0], [200.0, 200.0], [30.0, 40.0]), 101: ([100.0, 100.0], [200.0, 200.0], [50.0, 20.0])}
+    prof = nsys.load(build_compute_export(tmp_path / "apart.sqlite", ranks, first={101: 3},
+                                          slow={(100, 1): (400.0, 0.0), (101, 5): (0.0, 400.0)}))
+    assert [t.forward_s for t in prof.times] == pytest.approx([100 * us, 100 * us])
+    assert [t.backward_s for t in prof.times] == pytest.approx([200 * us, 200 * us])
+    assert [t.comm_s["primary"] for t in prof.times] == pytest.approx([50 * us, 40 * us])
+    assert "no iteration in common" in prof.meta["reduction"] and "paced_medians" in prof.meta["reduction"]
 
 
 def test_not_sqlite(tmp_path: Path) -> None:

@@ -40,7 +40,8 @@ class ThreadBuilder(Builder):
 
 
 def build_ddp_export(path: Path, iterations: int = 4, *, autograd_nvtx: bool = True,
-                     stall: dict[int, tuple[float, float]] | None = None) -> Path:
+                     stall: dict[int, tuple[float, float]] | None = None,
+                     stall_at: dict[tuple[int, int], tuple[float, float]] | None = None) -> Path:
     """Per rank and iteration (times in us from the iteration's origin ``o``; GPU times the same clock):
 
     forward thread: addmm (seq s2, bucket 1's first op) kernel 50-150, relu 150-180, addmm (s0, bucket
@@ -51,15 +52,17 @@ def build_ddp_export(path: Path, iterations: int = 4, *, autograd_nvtx: bool = T
     110, backward 1 = 570 - 410 = 160. Iteration 0 has DDP's first-iteration buckets (other sizes) and
     is left out. ``stall[pid] = (s0, s1)`` lengthens that rank's AddmmBackward kernels (s0: bucket 0's,
     s1: bucket 1's) by ``s0`` and ``s1`` us and delays every later backward-thread kernel by as much, so
-    its backward 0 is ``110 + s0`` and backward 1 ``160 + s1``.
+    its backward 0 is ``110 + s0`` and backward 1 ``160 + s1``; ``stall_at[(pid, iteration)]`` adds such
+    stalls in that iteration only.
     """
     b = ThreadBuilder(path)
     for pid in (100, 101):
         b.process(pid)
         main, bwd = pid, pid + 1000
         corr = 0
-        s0, s1 = (stall or {}).get(pid, (0.0, 0.0))
         for it in range(iterations):
+            base, extra = (stall or {}).get(pid, (0.0, 0.0)), (stall_at or {}).get((pid, it), (0.0, 0.0))
+            s0, s1 = base[0] + extra[0], base[1] + extra[1]
             o = 10_000.0 * (it + 1)
             seq = {k: v + 10 * it for k, v in SEQ.items()}
 
@@ -157,6 +160,22 @@ def test_ranks_stalled_in_different_buckets_are_charged_the_slower_ranks_compute
     # comm (kernel lengths unchanged by the stall): the slower rank's median, as without it
     assert t0.comm_s["primary"] == pytest.approx(150 * US) and t1.comm_s["primary"] == pytest.approx(200 * US)
     assert "pace" in prof.meta["reduction"]
+
+
+def test_ranks_slow_in_different_iterations_are_paced_per_iteration(tmp_path: Path) -> None:
+    # Forward 100 and 130, backward 110 and 160 (us) on both ranks; rank 100 loses 200 in bucket 0's
+    # backward in iteration 1, rank 101 200 in bucket 1's in iteration 2 (iteration 0 is left out: DDP's
+    # first buckets). Per kept iteration 1, 2, 3 the ranks compute 700, 500, 500 and 500, 700, 500; the
+    # slower rank per iteration: 700, 700, 500, median 700 (each rank's medians first would give 500).
+    # The buckets share it as their medians: 100, 130, 110, 160 of 500.
+    p = build_ddp_export(tmp_path / "apart.sqlite", stall_at={(100, 1): (200.0, 0.0), (101, 2): (0.0, 200.0)})
+    got = {(s.pid, s.iteration, s.bucket): s.backward_s for s in nsys.ddp_bucket_steps(p) if s.iteration > 0}
+    assert (got[(100, 1, 0)], got[(101, 2, 1)], got[(100, 2, 0)]) == pytest.approx((310 * US, 360 * US, 110 * US))
+    prof = nsys.load_ddp(p)
+    t0, t1 = prof.times
+    assert (t0.forward_s, t1.forward_s) == pytest.approx((100 * 1.4 * US, 130 * 1.4 * US))
+    assert (t0.backward_s, t1.backward_s) == pytest.approx((110 * 1.4 * US, 160 * 1.4 * US))
+    assert "3 iterations every rank holds" in prof.meta["reduction"]
 
 
 def test_comm_ops_join_their_operator(tmp_path: Path) -> None:

@@ -4,13 +4,11 @@ Two gloo ranks train a two-layer MLP whose buckets differ 64-fold in size (bucke
 output layer, 16 K elements; bucket 1: the 1024 x 1024 hidden layer, 1 M elements, 4 MB), with
 ``DEFT_TRACE_DIR`` set, so the profile iterations are both timed (:mod:`deft.runtime.warmup_timer`) and
 recorded by torch.profiler; :func:`deft.profiler.kineto.load` reads the traces of both ranks. Both
-sides reduce forward and backward to the ranks' pace (:mod:`deft.profiler.pace`: the slowest rank's
-total, shared by the buckets' medians over ranks; the timer takes the slowest rank per iteration and
-then the median over iterations, the trace parser each rank's medians over iterations and then the
-slowest rank: at profile level the trace's times are scaled by the ratio of the two orders on the
-timer's own samples, which differ as much as the iterations vary on a loaded machine); communication
-is compared iteration by iteration (the timer's profile derives link times from the stamps, see
-below).
+sides reduce forward and backward to the ranks' pace in the same order (:mod:`deft.profiler.pace`: the
+slowest rank per iteration, then the median over iterations, shared by the buckets' medians over
+ranks; the trace parser matches the ranks' iterations by the deft ranges' iteration numbers);
+communication is compared iteration by iteration (the timer's profile derives link times from the
+stamps, see below).
 
 What each side measures, and the tolerance it justifies:
 
@@ -133,18 +131,10 @@ def test_timing_and_kineto_agree(tmp_path: Path) -> None:
              for b, (tt, kt) in enumerate(zip(timing.times, trace.times, strict=True))]
     msg = "\n".join(lines)
 
-    # Profile level (compute at the ranks' pace on both sides). The two sides take the maximum over ranks
-    # and the median over iterations in opposite orders; that order is not what is under test, so the
-    # trace's times are scaled by the ratio of the two orders on the timer's own samples.
-    totals = [[sum(s["fwd"]) + sum(s["bwd"]) for s in docs[r]["samples"]] for r in (0, 1)]
-    per_iteration = _median([max(t) for t in zip(*totals, strict=True)])
-    per_rank = max(sum(_median([s[k][b] for s in docs[r]["samples"]]) for k in ("fwd", "bwd") for b in range(n))
-                   for r in (0, 1))
-    order = per_iteration / per_rank
-    msg += f"\npace: per iteration {per_iteration * 1e3:.3f} ms, per rank {per_rank * 1e3:.3f} ms"
+    # Profile level (compute at the ranks' pace on both sides, per iteration first).
+    assert "every rank holds" in trace.meta["reduction"], trace.meta["reduction"]
     for tt, kt in zip(timing.times, trace.times, strict=True):
-        scaled = kt.backward_s * order
-        assert abs(tt.backward_s - scaled) <= 0.15 * max(tt.backward_s, scaled) + 3e-4, msg
+        assert abs(tt.backward_s - kt.backward_s) <= 0.15 * max(tt.backward_s, kt.backward_s) + 3e-4, msg
 
     # Iteration by iteration on each rank: the same intervals, paired.
     for rank in (0, 1):

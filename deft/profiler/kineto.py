@@ -46,9 +46,12 @@ deft's bucket order. With ``t_b`` the launch time of bucket ``b``'s all-reduce:
 
 :func:`load` reduces the steps whose bucket sizes agree with the most common layout by the median
 per bucket and field (robust to one slow step) and builds a :class:`deft.Profile`. Over several
-ranks' traces, forward and backward go at the slowest rank's pace (:mod:`deft.profiler.pace`: its
-total of per-bucket medians, shared by the buckets' medians over ranks) and each link's comm time is
-the maximum over ranks.
+ranks' traces, forward and backward go at the ranks' pace (:func:`deft.profiler.pace.paced_ranks`),
+in the warm-up timer's order on the steps every rank holds (matched by step number: ``ProfilerStep#N``,
+or a deft range's iteration): ``T = median_s max_r sum_b (forward[r][s][b] + backward[r][s][b])``,
+shared by the buckets' medians over ranks. Where the ranks hold no step in common, ``T`` is the slowest
+rank's total of its own per-bucket medians (``meta["reduction"]`` says which). Each link's comm time
+is the maximum over ranks of their medians over steps.
 
 deft traces: an all-reduce launched inside a ``deft/comm/{link}/b{bucket}/...`` range (see
 :mod:`deft.profiler.nvtx`) takes its bucket and link from the range; then ``deft/fwd`` and
@@ -75,7 +78,7 @@ from deft._json import JsonDict, JsonValue
 from deft.errors import TraceError
 from deft.profile import Bucket, BucketTimes, Link, Profile
 from deft.profiler.nvtx import RangeName, parse_range_name
-from deft.profiler.pace import paced_medians
+from deft.profiler.pace import Paced, paced_ranks
 from deft.profiler.tables import format_table, median
 
 US = 1e-6  # trace timestamps are microseconds
@@ -672,12 +675,16 @@ def _trace_files(path: Path) -> list[Path]:
     return files
 
 
+#: One rank's compute per step: step number -> (forward seconds per bucket, backward seconds per bucket).
+_StepCompute = dict[int, tuple[list[float], list[float]]]
+
+
 def load(path: str | Path, rank: int | None = None) -> Profile:
     """A :class:`deft.Profile` (source ``"kineto"``) from one trace, or a directory of per-rank traces.
 
     ``rank`` selects the trace of that rank (checked against ``distributedInfo.rank``). For a directory
-    and ``rank=None`` every rank's trace is read and the per-rank medians over steps are reduced over
-    ranks (:func:`_over_ranks`: compute at the slowest rank's pace, comm the maximum over ranks).
+    and ``rank=None`` every rank's trace is read and reduced over ranks (:func:`_over_ranks`: compute at
+    the ranks' pace per step where their steps match, comm the maximum over ranks of their medians).
     """
     p = Path(path)
     traces = [read_trace(f) for f in _trace_files(p)]
@@ -689,12 +696,13 @@ def load(path: str | Path, rank: int | None = None) -> Profile:
         traces = chosen
     per_rank = [_profile_rows(t) for t in traces]
     ref_layout = per_rank[0][1]
-    for t, (_, layout, _) in zip(traces, per_rank, strict=True):
+    for t, (_, layout, _, _) in zip(traces, per_rank, strict=True):
         if layout != ref_layout:
             raise TraceError(t.path, f"bucket layout {layout} differs from {traces[0].path}'s {ref_layout}")
-    links = sorted({lk for rows, _, _ in per_rank for b in rows.values() for lk in b.comm_s},
+    links = sorted({lk for rows, _, _, _ in per_rank for b in rows.values() for lk in b.comm_s},
                    key=lambda x: (x != "primary", x))
-    times = _over_ranks([rows for rows, _, _ in per_rank], len(ref_layout), links)
+    times, paced = _over_ranks([rows for rows, _, _, _ in per_rank], [c for _, _, _, c in per_rank],
+                               len(ref_layout), links)
     info = per_rank[0][2]
     buckets = tuple(
         Bucket(id=b, params=(f"<unknown: bucket {b} of the trace, {numel} elements>",), numel=numel, nbytes=nbytes)
@@ -712,8 +720,7 @@ def load(path: str | Path, rank: int | None = None) -> Profile:
         meta={
             "trace": [t.path for t in traces], "ranks": [t.rank for t in traces],
             "steps_used": info.steps_used, "steps_skipped": info.steps_skipped,
-            "reduction": "median over steps per rank; compute at the slowest rank's pace (deft.profiler.pace), "
-                         "communication max over ranks",
+            "reduction": f"{paced.describe('step')}; communication: median over steps per rank, max over ranks",
             "params_known": False, "deft_ranges": info.deft_ranges,
             "note": "a Kineto trace holds no parameter names; bucket params are placeholders. nbytes = "
                     "numel x dtype size of the all-reduce"
@@ -722,19 +729,27 @@ def load(path: str | Path, rank: int | None = None) -> Profile:
     )
 
 
-def _over_ranks(per_rank: Sequence[Mapping[int, _BucketMedians]], n: int, links: Sequence[str]) -> list[BucketTimes]:
-    """Each of the ``n`` buckets' times from every rank's medians over steps (``per_rank[r][b]``).
+def _over_ranks(per_rank: Sequence[Mapping[int, _BucketMedians]], compute: Sequence[_StepCompute], n: int,
+                links: Sequence[str]) -> tuple[list[BucketTimes], Paced]:
+    """Each of the ``n`` buckets' times from every rank's medians over steps (``per_rank[r][b]``) and
+    its per-step compute (``compute[r][s]``, :func:`_step_compute`), and how the compute was reduced.
 
-    Forward and backward go at the ranks' pace (:func:`deft.profiler.pace.paced_medians`): with
-    ``f[r][b]``, ``g[r][b]`` rank ``r``'s medians, the total is ``T = max_r sum_b (f[r][b] + g[r][b])``,
-    the slowest rank's, and bucket ``b`` gets ``median_r f[r][b] * T / S`` and
-    ``median_r g[r][b] * T / S``, ``S`` the sum of those medians over ranks (the per-bucket maximum over
-    ranks would add up stalls that different ranks had in different buckets). One rank's medians are
+    Forward and backward go at the ranks' pace (:func:`deft.profiler.pace.paced_ranks`): with
+    ``f[r][s][b]``, ``g[r][s][b]`` rank ``r``'s times in step ``s``, the total is
+    ``T = median_s max_r sum_b (f[r][s][b] + g[r][s][b])`` over the steps every rank holds (in each
+    step the slowest rank's, as the warm-up timer reduces), and bucket ``b`` gets
+    ``median_r f_rb * T / S`` and ``median_r g_rb * T / S``, ``f_rb`` and ``g_rb`` the rank's medians over
+    those steps and ``S`` the sum of the buckets' medians over ranks (the per-bucket maximum over ranks
+    would add up stalls that different ranks had in different buckets). Where the ranks hold no step in
+    common, ``T`` is the slowest rank's total of its medians over its own steps. One rank's medians are
     taken unchanged. A link's comm time is the maximum over the ranks that sent the bucket on it: a
     synchronous all-reduce completes only when the slowest rank arrives.
     """
-    fwd, bwd = paced_medians([[rows[b].forward_s for b in range(n)] for rows in per_rank],
-                             [[rows[b].backward_s for b in range(n)] for rows in per_rank])
+    paced = paced_ranks([{s: f for s, (f, _) in c.items()} for c in compute],
+                        [{s: g for s, (_, g) in c.items()} for c in compute],
+                        [[rows[b].forward_s for b in range(n)] for rows in per_rank],
+                        [[rows[b].backward_s for b in range(n)] for rows in per_rank])
+    fwd, bwd = paced.forward_s, paced.backward_s
     times = []
     for b in range(n):
         comm = {}
@@ -743,7 +758,7 @@ def _over_ranks(per_rank: Sequence[Mapping[int, _BucketMedians]], n: int, links:
             if vals:
                 comm[lk] = max(vals)
         times.append(BucketTimes(forward_s=fwd[b], backward_s=bwd[b], comm_s=comm))
-    return times
+    return times, paced
 
 
 @dataclass(frozen=True)
@@ -769,9 +784,10 @@ class _RunInfo:
     deft_ranges: bool
 
 
-def _profile_rows(trace: Trace) -> tuple[dict[int, _BucketMedians], list[tuple[int, int]], _RunInfo]:
+def _profile_rows(trace: Trace) -> tuple[dict[int, _BucketMedians], list[tuple[int, int]], _RunInfo, _StepCompute]:
     """Per bucket: median forward, backward and per-link comm seconds over the usable steps; the
-    bucket layout ``(numel, nbytes)``; and the run's facts (:func:`_usable_steps` says which steps)."""
+    bucket layout ``(numel, nbytes)``; the run's facts (:func:`_usable_steps` says which steps); and
+    the compute of each usable step that timed every bucket (:func:`_step_compute`)."""
     all_colls, rows = _analyse(trace)
     deft_ranges = any(c.deft is not None for c in all_colls if c.is_allreduce)
     common, used, skipped = _usable_steps(trace, rows, deft_ranges)
@@ -808,7 +824,17 @@ def _profile_rows(trace: Trace) -> tuple[dict[int, _BucketMedians], list[tuple[i
         versions["nccl"] = str(dist["nccl_version"])
     info = _RunInfo(backends=backends, world_size=world, versions=versions, steps_used=used, steps_skipped=skipped,
                     model=Path(trace.path).name, dtype_assumed=dtype_assumed, deft_ranges=deft_ranges)
-    return dict(out), layout, info
+    return dict(out), layout, info, _step_compute(sel, len(layout))
+
+
+def _step_compute(rows: Sequence[BucketStep], n: int) -> _StepCompute:
+    """Per step of ``rows`` in which each of the ``n`` buckets has a row: every bucket's forward and
+    backward seconds (a bucket sent on two links in one step counts once)."""
+    by_step: dict[int, dict[int, BucketStep]] = defaultdict(dict)
+    for r in rows:
+        by_step[r.step][r.bucket] = r
+    return {s: ([bs[b].forward_s for b in range(n)], [bs[b].backward_s for b in range(n)])
+            for s, bs in sorted(by_step.items()) if all(b in bs for b in range(n))}
 
 
 Layout = tuple[tuple[int | None, int | None], ...]  # (numel, nbytes) per bucket, as the all-reduces recorded

@@ -21,12 +21,14 @@ Bucket times (:func:`load`) come from deft's NVTX ranges (:mod:`deft.profiler.nv
 (process) and iteration, a ``deft/fwd`` or ``deft/bwd`` range's time is the GPU span
 ``[first start, last end]`` of the compute kernels launched inside it (its CPU duration if it launched
 none), and a ``deft/comm`` range's time is the span of the NCCL kernels launched inside it (its CPU
-duration if none: a gloo link, whose completion nsys cannot see). Each bucket then takes the median
-over iterations per rank. Over ranks, forward and backward go at the slowest rank's pace
-(:mod:`deft.profiler.pace`: the largest per-rank total of those medians, shared by the buckets'
-medians over ranks) and a link's comm time is the maximum over ranks (the slowest rank gates a
-synchronous all-reduce). Sizes come from ``deft/bucket/...`` marks
-(:func:`deft.profiler.nvtx.mark_layout`).
+duration if none: a gloo link, whose completion nsys cannot see). Over ranks, forward and backward go
+at the ranks' pace (:func:`deft.profiler.pace.paced_ranks`), in the warm-up timer's order on the
+iterations every rank holds (matched by iteration index): ``T = median_i max_r sum_b (fwd[r][i][b] +
+bwd[r][i][b])``, shared by the buckets' medians over ranks; where the ranks hold no iteration in
+common, ``T`` is the slowest rank's total of its per-bucket medians over its own iterations
+(``meta["reduction"]`` says which; one rank's medians are taken unchanged). A link's comm time is the
+maximum over ranks of their medians over iterations (the slowest rank gates a synchronous
+all-reduce). Sizes come from ``deft/bucket/...`` marks (:func:`deft.profiler.nvtx.mark_layout`).
 
 An export without deft ranges but with NCCL all-reduces is read as a plain torch DDP run
 (:func:`load_ddp`): the paper's four-step walk of Fig. 8, where nsys' join of a kernel to its launching
@@ -51,13 +53,10 @@ from typing import Any, TypedDict
 from deft.errors import TraceError
 from deft.profile import Bucket, BucketTimes, Link, Profile
 from deft.profiler.nvtx import RangeName, parse_layout_name, parse_range_name
-from deft.profiler.pace import paced_medians
+from deft.profiler.pace import Paced, paced_ranks
 from deft.profiler.tables import format_table, median
 
 NS = 1e-9
-#: The profile's ``meta["reduction"]`` (:func:`load`, :func:`load_ddp`).
-REDUCTION = ("median over iterations per rank; compute at the slowest rank's pace (deft.profiler.pace), "
-             "communication max over ranks")
 PUSH_POP, START_END, MARK, DOMAIN_CREATE = 59, 60, 34, 75
 _NCCL_KERNEL_RE = re.compile(r"nccl(?:Dev)?Kernel_([A-Za-z]+)")
 _SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -385,7 +384,7 @@ def load(path: str | Path, world_size: int | None = None) -> Profile:
     if not links:
         raise TraceError(str(path), "has deft forward/backward ranges but no deft/comm ranges: no communication "
                                     "time per bucket")
-    times = _bucket_times(ranges, pids, n, links, str(path))
+    times, paced = _bucket_times(ranges, pids, n, links, str(path))
     sizes_known = all(b in layout for b in range(n))
     buckets = tuple(Bucket(id=b, params=(f"<unknown: bucket {b} of the nsys export>",),
                            numel=layout.get(b, (0, 0))[0], nbytes=layout.get(b, (0, 0))[1]) for b in range(n))
@@ -393,7 +392,7 @@ def load(path: str | Path, world_size: int | None = None) -> Profile:
         buckets=buckets, times=tuple(times),
         links=tuple(Link(name=lk, backend="nccl" if lk in nccl_links else "gloo") for lk in links),
         world_size=world_size or max(1, len(pids)), source="nsys", model=Path(path).name,
-        meta={"export": str(path), "ranks_pids": pids, "reduction": REDUCTION, "params_known": False,
+        meta={"export": str(path), "ranks_pids": pids, "reduction": _reduction(paced), "params_known": False,
               "sizes_known": sizes_known,
               "note": "NVTX ranges carry no parameter names; sizes come from deft/bucket marks"
                       + ("" if sizes_known else " (absent for some buckets: numel/nbytes 0 there)")},
@@ -411,13 +410,20 @@ def _no_deft_ranges(ex: Export) -> TraceError:
                                f"kernels: {nccl}; {s['nvtx_ranges']} NVTX ranges, most common: {top}")
 
 
+def _reduction(paced: Paced) -> str:
+    """The profile's ``meta["reduction"]`` (:func:`load`, :func:`load_ddp`)."""
+    return f"{paced.describe('iteration')}; communication: median over iterations per rank, max over ranks"
+
+
 def _bucket_times(ranges: list[BucketRange], pids: list[int | None], n: int, links: list[str],
-                  source: str) -> list[BucketTimes]:
-    """Each bucket's forward, backward and per-link comm time from per rank the median over iterations
-    of the time charged in each iteration. Forward and backward: at the ranks' pace
-    (:func:`deft.profiler.pace.paced_medians` of the ranks that recorded compute ranges; a bucket
-    without a range on such a rank counts 0 there). Comm: the maximum over ranks, since the slowest
-    rank gates a synchronous all-reduce. Every bucket must have a comm range on every link."""
+                  source: str) -> tuple[list[BucketTimes], Paced]:
+    """Each bucket's forward, backward and per-link comm time, and how the compute was reduced.
+    Forward and backward: at the ranks' pace (:func:`deft.profiler.pace.paced_ranks`) of the ranks that
+    recorded compute ranges, from the time charged per rank, iteration and bucket (:func:`_compute_steps`;
+    a bucket without a range there counts 0) and, where the ranks hold no iteration in common, its median
+    over the rank's iterations. Comm: per rank the median over iterations, then the maximum over ranks,
+    since the slowest rank gates a synchronous all-reduce. Every bucket must have a comm range on every
+    link."""
 
     def per_rank(pid: int | None, kind: str, b: int, link: str | None = None) -> float | None:
         per_it: dict[int, float] = defaultdict(float)
@@ -431,10 +437,13 @@ def _bucket_times(ranges: list[BucketRange], pids: list[int | None], n: int, lin
         return max(vals) if vals else None
 
     computing = [p for p in pids if any(r.pid == p and r.kind in ("fwd", "bwd") for r in ranges)]
-    fwd, bwd = [0.0] * n, [0.0] * n
+    paced = Paced([0.0] * n, [0.0] * n, [], 0)
     if computing:
-        fwd, bwd = paced_medians([[per_rank(p, "fwd", b) or 0.0 for b in range(n)] for p in computing],
-                                 [[per_rank(p, "bwd", b) or 0.0 for b in range(n)] for p in computing])
+        paced = paced_ranks([_compute_steps(ranges, p, "fwd", n) for p in computing],
+                            [_compute_steps(ranges, p, "bwd", n) for p in computing],
+                            [[per_rank(p, "fwd", b) or 0.0 for b in range(n)] for p in computing],
+                            [[per_rank(p, "bwd", b) or 0.0 for b in range(n)] for p in computing])
+    fwd, bwd = paced.forward_s, paced.backward_s
     times, missing = [], []
     for b in range(n):
         comm = {lk: v for lk in links if (v := comm_max(b, lk)) is not None}
@@ -443,7 +452,19 @@ def _bucket_times(ranges: list[BucketRange], pids: list[int | None], n: int, lin
         times.append(BucketTimes(forward_s=fwd[b], backward_s=bwd[b], comm_s=comm))
     if missing:
         raise TraceError(source, f"buckets {missing} have no deft/comm range on every link ({', '.join(links)})")
-    return times
+    return times, paced
+
+
+def _compute_steps(ranges: list[BucketRange], pid: int | None, kind: str, n: int) -> dict[int, list[float]]:
+    """Rank ``pid``'s ``kind`` ("fwd" or "bwd") seconds per iteration and bucket: per iteration in which
+    the rank recorded a forward or backward range, each of the ``n`` buckets' charged time summed over
+    its ranges of that kind (0 where it has none)."""
+    its = {r.iteration for r in ranges if r.pid == pid and r.kind in ("fwd", "bwd")}
+    out = {i: [0.0] * n for i in sorted(its)}
+    for r in ranges:
+        if r.pid == pid and r.kind == kind:
+            out[r.iteration][r.bucket] += r.seconds
+    return out
 
 
 # -- a plain torch DDP export: the paper's four-step walk (Fig. 8) -------------------------------------------
@@ -719,8 +740,9 @@ def load_ddp(path: str | Path | Export, world_size: int | None = None) -> Profil
 
     ``comm_b`` is the all-reduce kernel's GPU span. Iterations whose bucket count (and sizes, when
     shapes were recorded) differ from the most common one are left out (DDP rebuilds its buckets after
-    the first iteration); each bucket takes the median over iterations per rank, and over ranks forward
-    and backward go at the slowest rank's pace and comm takes the maximum, as in :func:`load`.
+    the first iteration). Over ranks, as in :func:`load`: forward and backward go at the ranks' pace per
+    iteration on the iterations (by index) that every rank kept, else at the slowest rank's total of its
+    medians over iterations; comm is the maximum over ranks of their medians over iterations.
     """
     ex, own = _open(path)
     try:
@@ -740,7 +762,7 @@ def load_ddp(path: str | Path | Export, world_size: int | None = None) -> Profil
                                  "Capture with torch.autograd.profiler.emit_nvtx() around the training loop "
                                  "and `nsys profile --trace=cuda,nvtx`")
     pids = sorted({p for p, _ in kept}, key=lambda p: -1 if p is None else p)
-    times = _reduced_times(kept, pids)
+    times, paced = _reduced_times(kept, pids)
     first = next(iter(kept.values()))
     sizes_known = all(s.numel is not None and s.nbytes is not None for s in first)
     buckets = tuple(Bucket(id=b, params=(f"<unknown: bucket {b} of the nsys export>",), numel=s.numel or 0,
@@ -750,7 +772,7 @@ def load_ddp(path: str | Path | Export, world_size: int | None = None) -> Profil
         world_size=world_size or max(1, len(pids)), source="nsys", model=name,
         meta={"export": source, "ranks_pids": pids, "walk": "torch DDP (paper Fig. 8)",
               "iterations": sorted({i for _, i in kept}), "dropped_iterations": len(per_iter) - len(kept),
-              "reduction": REDUCTION, "params_known": False,
+              "reduction": _reduction(paced), "params_known": False,
               "sizes_known": sizes_known,
               "note": "bucket b is the b-th all-reduce of the backward; sizes from the c10d operators' recorded "
                       "shapes and the NCCL kernels' dtype" + ("" if sizes_known else
@@ -772,19 +794,26 @@ def _common_shape_iterations(steps: list[DdpBucketStep]) -> tuple[_StepsByIterat
     return per_iter, kept
 
 
-def _reduced_times(kept: _StepsByIteration, pids: list[int | None]) -> tuple[BucketTimes, ...]:
-    """Each bucket's times from the median over iterations per rank: forward and backward at the ranks'
-    pace (:func:`deft.profiler.pace.paced_medians`), comm the maximum over ranks. Every rank in ``pids``
-    has kept iterations, each with every bucket."""
+def _reduced_times(kept: _StepsByIteration, pids: list[int | None]) -> tuple[tuple[BucketTimes, ...], Paced]:
+    """Each bucket's times, and how the compute was reduced: forward and backward at the ranks' pace
+    (:func:`deft.profiler.pace.paced_ranks`: per iteration on the iterations every rank kept, else from
+    each rank's medians over its iterations), comm the maximum over ranks of their medians over
+    iterations. Every rank in ``pids`` has kept iterations, each with every bucket."""
 
     def per_rank(p: int | None, b: int, get: str) -> float:
         return median([getattr(v[b], get) for (q, _), v in kept.items() if q == p])
 
+    def steps(p: int | None, get: str) -> dict[int, list[float]]:
+        return {i: [getattr(s, get) for s in v] for (q, i), v in kept.items() if q == p}
+
     n = len(next(iter(kept.values())))
-    fwd, bwd = paced_medians([[per_rank(p, b, "forward_s") for b in range(n)] for p in pids],
-                             [[per_rank(p, b, "backward_s") for b in range(n)] for p in pids])
+    paced = paced_ranks([steps(p, "forward_s") for p in pids], [steps(p, "backward_s") for p in pids],
+                        [[per_rank(p, b, "forward_s") for b in range(n)] for p in pids],
+                        [[per_rank(p, b, "backward_s") for b in range(n)] for p in pids])
+    fwd, bwd = paced.forward_s, paced.backward_s
     return tuple(BucketTimes(forward_s=fwd[b], backward_s=bwd[b],
-                             comm_s={"primary": max(per_rank(p, b, "comm_s") for p in pids)}) for b in range(n))
+                             comm_s={"primary": max(per_rank(p, b, "comm_s") for p in pids)})
+                 for b in range(n)), paced
 
 
 # -- command line -----------------------------------------------------------------------------------------
