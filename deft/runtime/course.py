@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypedDict
 
 import torch
@@ -41,6 +41,7 @@ from deft.runtime.codecs.choice import CodecInputs
 from deft.runtime.codecs.first_iteration import TimedBroadcast
 from deft.runtime.codecs.hooks import CommHook
 from deft.runtime.codecs.policy import CodecPolicy
+from deft.runtime.compute_drift import ComputeClock, drift
 from deft.runtime.control import Collective, ControlPlane
 from deft.runtime.executor import DueUpdate, Executor, Pending
 from deft.runtime.failover import LinkFailover, loss_phase, without_links
@@ -54,6 +55,8 @@ from deft.runtime.tracing import profile_iters_from_env
 from deft.runtime.updates import LogEntry
 from deft.runtime.warmup_timer import WarmupTimer
 from deft.schedule import Schedule, synchronous_schedule
+from deft.solver.partition import profile_for_schedule
+from deft.solver.simulate import simulate_schedule
 
 log = logging.getLogger("deft.runtime")
 
@@ -120,6 +123,7 @@ class Course:
         self._timer: WarmupTimer | None = None
         self._warm_layout: FlatLayout | None = None  # the layout the profile iterations ran (set at the plan)
         self._lag_run: LagRun | None = None  # what runs while rank 0 plans in the background, and its clock
+        self._compute = ComputeClock()  # each iteration's compute until the plan: the drift it is priced with
         # The preserver's live inputs.
         self.losses: collections.deque[float] = collections.deque(maxlen=64)
         self.batch: int | None = None
@@ -159,6 +163,8 @@ class Course:
         cal, ex = self.calendar, self._executor
         now = time.perf_counter()
         self.adaptation.forward_begins(t, now, cal.warm_end if self.planning.measuring else 1, cal.plan_at)
+        if not self.planned:
+            self._compute.forward(t, now)
         if self._lag_run is not None and not self.planned:
             self._lag_run.clock.forward(t, now, self._lag_run.first, t)  # every lag iteration so far
         if t == 0 and not self.planned and cal.warm_end < cal.plan_at:
@@ -194,6 +200,8 @@ class Course:
         """The autograd pass of this iteration ended (the collectives of its backward may run on)."""
         self.adaptation.backward_ends(now)
         self.codecs.backward_ends(now)
+        if not self.planned:
+            self._compute.backward_ends(now)
 
     def forward_ends(self, output: object) -> None:
         if self._timer is not None:
@@ -400,8 +408,39 @@ class Course:
         schedule, info, timing = self.planning.finish(self.jobs.take())
         if self._uses_lost(schedule):  # planned before a link was lost, and not started again (lag 0)
             schedule, info = self.planning.agree(self.profile, None, self._control.world)
+        schedule = self._priced_with_drift(t, schedule, info)
         self._install_plan(t, schedule, info, {"lag_iters": self.config.plan_lag_iters,
                                                **{k: round(v, 4) for k, v in timing.items()}}, started)
+
+    def _priced_with_drift(self, t: int, schedule: Schedule, info: JsonDict) -> Schedule:
+        """Collective: the compute of the iterations that ran while rank 0 planned against the profile's
+        (:mod:`deft.runtime.compute_drift`); where it drifted beyond the tolerance, the running profile's
+        compute is scaled by it and the plan priced on that (recorded in ``info["compute_drift"]``)."""
+        lag, cal = self._lag_run, self.calendar
+        if lag is None or self.profile is None or not self.planning.measuring:
+            return schedule
+        profiled, lagged = range(cal.warm_end, cal.plan_at), range(lag.first, t - 1)  # the last may wait for the plan
+        if not profiled or len(lagged) < LAG_SAMPLES:
+            return schedule
+        row = self._control.max_rows([self._compute.row([*profiled, *lagged])], "compute per iteration")[0]
+        found = drift(row[:len(profiled)], row[len(profiled):], self.config.adapt_tolerance, LAG_SAMPLES)
+        if found is None:
+            return schedule
+        doc = info["compute_drift"] = found.to_dict()
+        if not found.applied:
+            return schedule
+        before, self.profile = self.profile, self.profile.scaled(compute=found.factor)
+        try:
+            was, now = (simulate_schedule(profile_for_schedule(self.codecs.planned_profile(p, info), schedule,
+                                                               self.config), schedule).iteration_s
+                        for p in (before, self.profile))
+        except DeftError as e:  # not a partition of the profile: the plan keeps its price
+            doc["unpriced"] = str(e)
+            return schedule
+        if was <= 0:
+            return schedule
+        doc["predicted_before_s"] = schedule.predicted_iteration_s
+        return replace(schedule, predicted_iteration_s=schedule.predicted_iteration_s * now / was)
 
     def _install_plan(self, t: int, schedule: Schedule, info: JsonDict, background: JsonDict | None,
                       started: float) -> None:

@@ -1,0 +1,85 @@
+"""The compute's drift between the profile and the plan: each rank's compute in the profile iterations
+against the iterations that ran while rank 0 planned in the background.
+
+The profile prices the compute of its own few iterations. A machine still speeding up when they run (or
+slowing down: another job, a throttled processor) leaves the first plan priced for a compute it no longer
+has. The iterations that run while rank 0 plans (``DeftConfig.plan_lag_iters``) run the same synchronous
+schedule on the same buckets, and run anyway, so they tell at no cost whether the profile's compute still
+holds when the plan starts. :class:`ComputeClock` times, on each rank, iteration ``t``'s compute
+``c_r(t)``: from its forward's start to the end of its (last) autograd pass, deft's launch calls and hooks
+inside it on both sides alike. The drift (:func:`drift`) is::
+
+    g = median_{t in lag} max_r c_r(t) / median_{t in profile} max_r c_r(t)
+
+each iteration at the slowest rank (the pace, as the profile reduces its compute: :mod:`deft.profiler.pace`),
+then the median over the iterations (one slow iteration moves neither). Where ``|g - 1|`` exceeds
+``DeftConfig.adapt_tolerance`` the first plan is priced on the profile with every compute time ``x g``
+(:meth:`deft.profile.Profile.scaled`): the plan is not made again (the adaptation's first window decides
+that, against this price); within the tolerance the adaptation's first window takes the drift as it takes
+any error of that size. Fewer than ``min_samples`` timed lag iterations: no drift is read.
+
+Note: the lag iterations send with the codec the preserver accepted so far, where the profile iterations
+sent exact (or the profile's codec) and rotated their buckets over the links: on a CPU machine whose cores
+the gloo threads share, part of ``g`` is the sends' lighter load on the compute. That part is the plan's
+too (it sends coded), so it belongs in its price as much as the machine's own drift does.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from deft._json import JsonDict
+
+
+@dataclass
+class ComputeClock:
+    """This rank's compute per iteration before the first plan is installed (module docstring)."""
+
+    seconds: dict[int, float] = field(default_factory=dict)
+    _start: tuple[int, float] | None = None  # (iteration, its forward's start)
+
+    def forward(self, t: int, now: float) -> None:
+        """Iteration ``t``'s first forward begins at ``now``."""
+        self._start = (t, now)
+
+    def backward_ends(self, now: float) -> None:
+        """An autograd pass of the running iteration ended at ``now``: its compute so far."""
+        if self._start is not None:
+            t, began = self._start
+            self.seconds[t] = now - began
+
+    def row(self, iterations: Sequence[int]) -> list[float]:
+        """The compute of each of ``iterations`` (0.0 where none was timed), for the max over ranks."""
+        return [self.seconds.get(t, 0.0) for t in iterations]
+
+
+@dataclass(frozen=True)
+class Drift:
+    """The profile iterations' and the lag iterations' compute (each the median of the slowest rank's),
+    their ratio ``factor`` (``g``), and whether the first plan is priced with it."""
+
+    profile_s: float
+    lag_s: float
+    factor: float
+    applied: bool
+    samples: int
+
+    def to_dict(self) -> JsonDict:
+        return {"profile_s": round(self.profile_s, 4), "lag_s": round(self.lag_s, 4),
+                "factor": round(self.factor, 4), "applied": self.applied, "lag_samples": self.samples}
+
+
+def drift(profile_rows: Sequence[float], lag_rows: Sequence[float], tolerance: float,
+          min_samples: int) -> Drift | None:
+    """``g`` of the module docstring from the slowest rank's compute of each profile and lag iteration
+    (``max_r c_r(t)``; iterations timed on no rank, 0.0, left out). None: fewer than ``min_samples``
+    lag iterations, or no profile iteration, were timed."""
+    prof = [s for s in profile_rows if s > 0]
+    lag = [s for s in lag_rows if s > 0]
+    if not prof or len(lag) < min_samples:
+        return None
+    p, q = statistics.median(prof), statistics.median(lag)
+    g = q / p
+    return Drift(p, q, g, abs(g - 1.0) > tolerance, len(lag))

@@ -1,0 +1,110 @@
+"""The compute's drift between the profile iterations and those run while rank 0 plans
+(:mod:`deft.runtime.compute_drift`): the reduction by hand, and two ranks whose compute drops after the
+profile iterations (the first plan priced on the drifted compute) or stays (priced as profiled)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from deft.runtime.compute_drift import ComputeClock, drift
+from tests._dist import run_ranks, slow_first_planner, values
+
+
+def test_drift_is_the_ratio_of_the_lag_and_profile_medians_of_the_slowest_ranks_compute() -> None:
+    # profile: 2.0 and 2.4 timed, one iteration timed on no rank (0.0): median 2.2; lag: 1.5, 1.6, 1.7 and
+    # one slow iteration (5.0): median (1.6 + 1.7) / 2 = 1.65; g = 1.65 / 2.2 = 0.75, beyond 0.1
+    d = drift([2.0, 0.0, 2.4], [1.5, 1.6, 5.0, 1.7], tolerance=0.1, min_samples=3)
+    assert d is not None
+    assert (d.profile_s, d.lag_s, d.samples, d.applied) == (pytest.approx(2.2), pytest.approx(1.65), 4, True)
+    assert d.factor == pytest.approx(0.75)
+
+
+def test_a_drift_within_the_tolerance_is_recorded_not_applied() -> None:
+    d = drift([2.0, 2.0, 2.0], [2.1, 2.1, 2.1], tolerance=0.1, min_samples=3)  # g = 1.05
+    assert d is not None and d.factor == pytest.approx(1.05) and not d.applied
+    slower = drift([2.0], [2.5, 2.5, 2.5], tolerance=0.1, min_samples=3)  # g = 1.25: a slowdown drifts too
+    assert slower is not None and slower.applied
+
+
+def test_too_few_lag_iterations_or_no_profile_iteration_read_no_drift() -> None:
+    assert drift([2.0, 2.0], [1.0, 1.0, 0.0], tolerance=0.1, min_samples=3) is None
+    assert drift([0.0, 0.0], [1.0, 1.0, 1.0], tolerance=0.1, min_samples=3) is None
+
+
+def test_the_clock_times_an_iteration_from_its_forward_to_its_last_autograd_pass() -> None:
+    clock = ComputeClock()
+    clock.backward_ends(0.5)  # no forward began: nothing timed
+    clock.forward(4, 10.0)
+    clock.backward_ends(10.3)  # a micro-batch's pass
+    clock.backward_ends(10.7)  # the iteration's last
+    clock.forward(5, 11.0)
+    clock.backward_ends(11.2)
+    assert clock.row([3, 4, 5]) == [0.0, pytest.approx(0.7), pytest.approx(0.2)]
+
+
+# -- two ranks ------------------------------------------------------------------------------------------
+PROFILED = (1, 2, 3)  # warmup_iters 1, profile_iters 3
+ITERS = 18  # the plan collected at iteration 10 (6 lag iterations), its first window 10-15
+
+
+class Sleepy(nn.Module):
+    """A small MLP whose forward also sleeps ``delay`` seconds: compute the loop slows or speeds up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 4))
+        self.delay = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.delay)
+        out: torch.Tensor = self.net(x)
+        return out
+
+
+def drift_worker(rank: int, world: int, profiled_s: float, later_s: float) -> dict[str, Any]:
+    import deft
+
+    slow_first_planner(rank, 2.0)  # the six lag iterations all run before the plan is collected
+    torch.manual_seed(0)
+    model = Sleepy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ddp = deft.DistributedDataParallel(model, config={
+        "epsilon": 0.0, "warmup_iters": 1, "profile_iters": 3, "plan_lag_iters": 6, "adapt_window": 6,
+        "timeout_s": 60})
+    g = torch.Generator().manual_seed(rank)
+    for t in range(ITERS):
+        model.delay = profiled_s if t in PROFILED else later_s
+        x, y = torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    ddp.flush()
+    return {"plan": ddp.plan_info}
+
+
+@pytest.mark.slow
+def test_compute_faster_after_the_profile_prices_the_first_plan_on_the_lag_iterations_compute() -> None:
+    """0.4 s of sleep in each profile iteration's forward, 0.1 s after: ``g`` about 0.25 (the MLP's own
+    compute is milliseconds), and the plan's price moves towards what its first window measures."""
+    plan = values(run_ranks(drift_worker, 2, (0.4, 0.1), timeout=180))[0]["plan"]
+    found = plan["compute_drift"]
+    assert found["applied"] is True and found["lag_samples"] == 5, found
+    assert 0.15 < found["factor"] < 0.45, found
+    first = plan["adapt"][0]
+    before, priced, measured = found["predicted_before_s"], first["predicted_s"], first["measured_s"]
+    assert priced < 0.6 * before, (priced, before)
+    assert abs(priced - measured) < abs(before - measured), (priced, before, measured)
+
+
+@pytest.mark.slow
+def test_compute_as_profiled_keeps_the_first_plans_price() -> None:
+    """0.2 s of sleep in every forward: ``g`` near 1, within the tolerance, recorded and not applied."""
+    plan = values(run_ranks(drift_worker, 2, (0.2, 0.2), timeout=180))[0]["plan"]
+    found = plan["compute_drift"]
+    assert found["applied"] is False and "predicted_before_s" not in found, found
+    assert 0.9 < found["factor"] < 1.1, found
