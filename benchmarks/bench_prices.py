@@ -141,6 +141,20 @@ def spread_priced(doc: dict[str, Any]) -> str:
     return out if without is None else f"{out}; without it {without * 1e3:.0f}"
 
 
+def drift_priced(doc: dict[str, Any]) -> str:
+    """The compute's drift deft read between its profile and lag iterations (``plan_info.compute_drift``):
+    the factor, and where it was applied the first plan's price before and after it; "-" where none was
+    read (no background plan, too few lag iterations, or a run before it was recorded)."""
+    found = (((doc["summary"].get("schedule") or {}).get("plan_info") or {}).get("compute_drift")) or {}
+    if not isinstance(found.get("factor"), (int, float)):
+        return "-"
+    if not found.get("applied"):
+        return f"x {found['factor']:.2f} (within the tolerance)"
+    before = found.get("predicted_before_s")
+    priced = f": first plan {before * 1e3:.0f} ms before it" if isinstance(before, (int, float)) else ""
+    return f"x {found['factor']:.2f} (applied{priced})"
+
+
 def row(label: str, run_dir: Path, doc: dict[str, Any]) -> str:
     s = doc["summary"]
     layout = peers.Layout.of(s)
@@ -157,7 +171,7 @@ def row(label: str, run_dir: Path, doc: dict[str, Any]) -> str:
     return (f"| {label} | {workload(doc)} | {s['rate_mbit']:g} | {layout.words()} | "
             f"{', '.join(f'{r:.2f}' for r in rho) or '-'} | {', '.join(f'{d:.2f}' for d in drag) or '-'} | "
             f"{plans or '-'} | {first} | {first_window(doc)} | "
-            f"{warmup_priced(doc)} | {spread_s} | {spread_priced(doc)} | {held} | "
+            f"{warmup_priced(doc)} | {spread_s} | {spread_priced(doc)} | {drift_priced(doc)} | {held} | "
             f"{s['iter_s_mean'] * 1e3:.0f} | `{run_dir.name}` |")
 
 
@@ -184,13 +198,17 @@ def report(groups: list[tuple[str, list[Path]]], note: str, command: str, title:
              "profile recorded (`meta.rank_spread_s`, per iteration, shared over the plan's sends on the link; "
              "as deft prices it, `deft.profile.Link.wait_s`) / its first window; where the run's deft priced it "
              "(`DeftConfig.rank_wait`), also the same plan without it; `-`: no spread recorded, or the first "
-             "plan's profile not recoverable from the run. Within "
+             "plan's profile not recoverable from the run. Compute drift: the lag iterations' compute over the "
+             "profile iterations' (`plan_info.compute_drift`, the slowest rank's, medians; applied beyond "
+             "`adapt_tolerance`: the first plan priced on the profile's compute times it, its price before "
+             "given); `-`: none read. Within "
              f"{TOLERANCE:.0%}: every plan of the run.", "",
              "| code | model | Mbit/s | layout | contention | drag | plans: predicted / measured (ms) | first plan | "
              f"first window against the profile | warm-up schedule: simulated / measured (ms) | "
-             "ranks' spread (s) | first plan with the ranks' spread: simulated / measured (ms) | within "
+             "ranks' spread (s) | first plan with the ranks' spread: simulated / measured (ms) | compute drift | "
+             "within "
              f"{TOLERANCE:.0%} | steady iteration (ms) | runs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, dirs in groups:
         for d in dirs:
             lines += [row(label, d, doc) for doc in load(d)]

@@ -103,6 +103,10 @@ class DeftConfig:
     # default: a four-rank calibration keeps the wait apart from the links and its re-plan holds its
     # price (benchmarks/results/prices_wait.md)
     rank_wait: bool = True
+    # The compute of the iterations run while rank 0 plans in the background, against the profile
+    # iterations': beyond adapt_tolerance the first plan is priced on the profile's compute scaled by it
+    # (deft.runtime.compute_drift; benchmarks/results/prices_drift.md)
+    compute_drift: bool = True
     preserver: bool = True
     preserver_max_tries: int = 10
     capacity_growth: float = 1.25

@@ -16,7 +16,7 @@ then the median over the iterations (one slow iteration moves neither). Where ``
 ``DeftConfig.adapt_tolerance`` the first plan is priced on the profile with every compute time ``x g``
 (:meth:`deft.profile.Profile.scaled`): the plan is not made again (the adaptation's first window decides
 that, against this price); within the tolerance the adaptation's first window takes the drift as it takes
-any error of that size. Fewer than ``min_samples`` timed lag iterations: no drift is read.
+any error of that size. Fewer than :data:`MIN_LAG_SAMPLES` timed lag iterations: no drift is read.
 
 Note: the lag iterations send with the codec the preserver accepted so far, where the profile iterations
 sent exact (or the profile's codec) and rotated their buckets over the links: on a CPU machine whose cores
@@ -31,6 +31,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from deft._json import JsonDict
+
+#: The fewest timed lag iterations a drift is read from: a plan is often collected after two (its
+#: planning takes about two iterations on the testbed's CNN at 2 to 8 ranks), and the median of two
+#: is their mean, one slow iteration half in it; the tolerance carries the rest.
+MIN_LAG_SAMPLES = 2
 
 
 @dataclass
@@ -65,14 +70,17 @@ class Drift:
     factor: float
     applied: bool
     samples: int
+    rows: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())  # the slowest rank's, per iteration
 
     def to_dict(self) -> JsonDict:
         return {"profile_s": round(self.profile_s, 4), "lag_s": round(self.lag_s, 4),
-                "factor": round(self.factor, 4), "applied": self.applied, "lag_samples": self.samples}
+                "factor": round(self.factor, 4), "applied": self.applied, "lag_samples": self.samples,
+                "profile_iterations_s": [round(s, 4) for s in self.rows[0]],
+                "lag_iterations_s": [round(s, 4) for s in self.rows[1]]}
 
 
 def drift(profile_rows: Sequence[float], lag_rows: Sequence[float], tolerance: float,
-          min_samples: int) -> Drift | None:
+          min_samples: int = MIN_LAG_SAMPLES) -> Drift | None:
     """``g`` of the module docstring from the slowest rank's compute of each profile and lag iteration
     (``max_r c_r(t)``; iterations timed on no rank, 0.0, left out). None: fewer than ``min_samples``
     lag iterations, or no profile iteration, were timed."""
@@ -82,4 +90,4 @@ def drift(profile_rows: Sequence[float], lag_rows: Sequence[float], tolerance: f
         return None
     p, q = statistics.median(prof), statistics.median(lag)
     g = q / p
-    return Drift(p, q, g, abs(g - 1.0) > tolerance, len(lag))
+    return Drift(p, q, g, abs(g - 1.0) > tolerance, len(lag), (tuple(prof), tuple(lag)))

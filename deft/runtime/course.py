@@ -41,7 +41,7 @@ from deft.runtime.codecs.choice import CodecInputs
 from deft.runtime.codecs.first_iteration import TimedBroadcast
 from deft.runtime.codecs.hooks import CommHook
 from deft.runtime.codecs.policy import CodecPolicy
-from deft.runtime.compute_drift import ComputeClock, drift
+from deft.runtime.compute_drift import MIN_LAG_SAMPLES, ComputeClock, drift
 from deft.runtime.control import Collective, ControlPlane
 from deft.runtime.executor import DueUpdate, Executor, Pending
 from deft.runtime.failover import LinkFailover, loss_phase, without_links
@@ -417,13 +417,14 @@ class Course:
         (:mod:`deft.runtime.compute_drift`); where it drifted beyond the tolerance, the running profile's
         compute is scaled by it and the plan priced on that (recorded in ``info["compute_drift"]``)."""
         lag, cal = self._lag_run, self.calendar
-        if lag is None or self.profile is None or not self.planning.measuring:
+        if lag is None or self.profile is None or not self.planning.measuring or not self.config.compute_drift:
             return schedule
-        profiled, lagged = range(cal.warm_end, cal.plan_at), range(lag.first, t - 1)  # the last may wait for the plan
-        if not profiled or len(lagged) < LAG_SAMPLES:
+        # every lag iteration counts: a wait for the plan comes after the step, outside the compute timed
+        profiled, lagged = range(cal.warm_end, cal.plan_at), range(lag.first, t)
+        if not profiled or len(lagged) < MIN_LAG_SAMPLES:
             return schedule
         row = self._control.max_rows([self._compute.row([*profiled, *lagged])], "compute per iteration")[0]
-        found = drift(row[:len(profiled)], row[len(profiled):], self.config.adapt_tolerance, LAG_SAMPLES)
+        found = drift(row[:len(profiled)], row[len(profiled):], self.config.adapt_tolerance)
         if found is None:
             return schedule
         doc = info["compute_drift"] = found.to_dict()
