@@ -31,6 +31,16 @@ def test_a_drift_within_the_tolerance_is_recorded_not_applied() -> None:
     assert slower is not None and slower.applied
 
 
+def test_a_drift_within_the_profile_iterations_own_spread_is_not_applied() -> None:
+    # profile 1.0, 2.0, 1.5 (median 1.5), lag 1.2 and 1.1 (median 1.15): g = 0.767, beyond 0.1, but the lag's
+    # median is no faster than the profile's fastest iteration (1.0): chance, not drift
+    d = drift([1.0, 2.0, 1.5], [1.2, 1.1], tolerance=0.1)
+    assert d is not None and d.factor == pytest.approx(1.15 / 1.5) and not d.applied
+    # the lag's median below the fastest profile iteration: applied, one slow lag iteration or not
+    d = drift([1.0, 2.0, 1.5], [0.9, 0.95, 3.0], tolerance=0.1)
+    assert d is not None and d.applied
+
+
 def test_too_few_lag_iterations_or_no_profile_iteration_read_no_drift() -> None:
     assert drift([2.0, 2.0], [1.0, 1.0, 0.0], tolerance=0.1, min_samples=3) is None
     assert drift([0.0, 0.0], [1.0, 1.0, 1.0], tolerance=0.1, min_samples=3) is None

@@ -13,10 +13,14 @@ inside it on both sides alike. The drift (:func:`drift`) is::
 
 each iteration at the slowest rank (the pace, as the profile reduces its compute: :mod:`deft.profiler.pace`),
 then the median over the iterations (one slow iteration moves neither). Where ``|g - 1|`` exceeds
-``DeftConfig.adapt_tolerance`` the first plan is priced on the profile with every compute time ``x g``
+``DeftConfig.adapt_tolerance`` and the drift exceeds the profile iterations' own spread (the lag
+iterations' median faster than the fastest profile iteration, or slower than the slowest) the first
+plan is priced on the profile with every compute time ``x g``
 (:meth:`deft.profile.Profile.scaled`): the plan is not made again (the adaptation's first window decides
-that, against this price); within the tolerance the adaptation's first window takes the drift as it takes
-any error of that size. Fewer than :data:`MIN_LAG_SAMPLES` timed lag iterations: no drift is read.
+that, against this price); otherwise the adaptation's first window takes the drift as it takes any error
+of that size. Why the spread: with more ranks than cores the profile iterations' compute varies by a
+tenth or more from one iteration to the next, and a ratio of two medians of two or three iterations each
+moves as much by chance (prices_drift.md). Fewer than :data:`MIN_LAG_SAMPLES` timed lag iterations: no drift is read.
 
 Note: the lag iterations send with the codec the preserver accepted so far, where the profile iterations
 sent exact (or the profile's codec) and rotated their buckets over the links: on a CPU machine whose cores
@@ -63,7 +67,8 @@ class ComputeClock:
 @dataclass(frozen=True)
 class Drift:
     """The profile iterations' and the lag iterations' compute (each the median of the slowest rank's),
-    their ratio ``factor`` (``g``), and whether the first plan is priced with it."""
+    their ratio ``factor`` (``g``), and whether the first plan is priced with it (beyond the tolerance and
+    the profile iterations' spread: module docstring)."""
 
     profile_s: float
     lag_s: float
@@ -90,4 +95,5 @@ def drift(profile_rows: Sequence[float], lag_rows: Sequence[float], tolerance: f
         return None
     p, q = statistics.median(prof), statistics.median(lag)
     g = q / p
-    return Drift(p, q, g, abs(g - 1.0) > tolerance, len(lag), (tuple(prof), tuple(lag)))
+    beyond_spread = q < min(prof) or q > max(prof)
+    return Drift(p, q, g, abs(g - 1.0) > tolerance and beyond_spread, len(lag), (tuple(prof), tuple(lag)))
