@@ -25,6 +25,7 @@ ORDER = [
     "prices_clock.md",
     "prices_drag.md",
     "prices_wait.md",
+    "prices_drift.md",
     "codec_paths.md",
     "slow_links.md",
     "house.md",
