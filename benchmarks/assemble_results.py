@@ -19,6 +19,7 @@ ORDER = [
     "peers_torchft.md",
     "peers_trainer.md",
     "peers_hosts.md",
+    "peers_hosts_ranks.md",
     "peers_lm_hosts.md",
     "peers_lm_hosts_50.md",
     "prices.md",
