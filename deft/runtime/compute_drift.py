@@ -20,12 +20,15 @@ plan is priced on the profile with every compute time ``x g``
 that, against this price); otherwise the adaptation's first window takes the drift as it takes any error
 of that size. Why the spread: with more ranks than cores the profile iterations' compute varies by a
 tenth or more from one iteration to the next, and a ratio of two medians of two or three iterations each
-moves as much by chance (prices_drift.md). Fewer than :data:`MIN_LAG_SAMPLES` timed lag iterations: no drift is read.
+moves as much by chance (benchmarks/results/prices_drift.md). Fewer than :data:`MIN_LAG_SAMPLES` timed
+lag iterations: no drift is read.
 
-Note: the lag iterations send with the codec the preserver accepted so far, where the profile iterations
-sent exact (or the profile's codec) and rotated their buckets over the links: on a CPU machine whose cores
-the gloo threads share, part of ``g`` is the sends' lighter load on the compute. That part is the plan's
-too (it sends coded), so it belongs in its price as much as the machine's own drift does.
+Note: what else is in ``g``. The lag iterations send with the codec the preserver accepted so far, where
+the profile iterations sent exact (or the profile's codec) and rotated their buckets over the links: on
+a CPU machine whose cores the gloo threads share, part of ``g`` is the sends' lighter load on the
+compute, which the plan's iterations share (they send coded too). And rank 0's planner thread runs beside
+the lag iterations (at ``DeftConfig.planner_nice``), which the plan's do not: where it takes a core the
+compute needs, part of ``g`` is the planner's.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from deft._json import JsonDict
 
 #: The fewest timed lag iterations a drift is read from: a plan is often collected after two (its
 #: planning takes about two iterations on the testbed's CNN at 2 to 8 ranks), and the median of two
-#: is their mean, one slow iteration half in it; the tolerance carries the rest.
+#: is their mean, one slow iteration half in it; the tolerance and the spread rule carry the rest.
 MIN_LAG_SAMPLES = 2
 
 
