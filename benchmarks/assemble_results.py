@@ -22,6 +22,7 @@ ORDER = [
     "peers_hosts_ranks.md",
     "peers_lm_hosts.md",
     "peers_lm_hosts_50.md",
+    "peers_lm_fp16.md",
     "prices.md",
     "prices_clock.md",
     "prices_drag.md",
