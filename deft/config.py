@@ -104,8 +104,8 @@ class DeftConfig:
     # price (benchmarks/results/prices_wait.md)
     rank_wait: bool = True
     # The compute of the iterations run while rank 0 plans in the background, against the profile
-    # iterations': beyond adapt_tolerance the first plan is priced on the profile's compute scaled by it
-    # (deft.runtime.compute_drift; benchmarks/results/prices_drift.md)
+    # iterations': beyond adapt_tolerance and the profile iterations' spread the first plan is priced on
+    # the profile's compute scaled by it (deft.runtime.compute_drift; benchmarks/results/prices_drift.md)
     compute_drift: bool = True
     preserver: bool = True
     preserver_max_tries: int = 10
