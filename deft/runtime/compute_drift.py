@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 
 from deft._json import JsonDict
 
-#: The fewest timed lag iterations a drift is read from: a plan is often collected after two (its
-#: planning takes about two iterations on the testbed's CNN at 2 to 8 ranks), and the median of two
-#: is their mean, one slow iteration half in it; the tolerance and the spread rule carry the rest.
+#: The fewest timed lag iterations a drift is read from: a plan is often collected after two
+#: (benchmarks/results/prices_drift.md, the lag samples of each run's record); the median of two is
+#: their mean, one slow iteration half in it, and the tolerance and the spread rule carry the rest.
 MIN_LAG_SAMPLES = 2
 
 

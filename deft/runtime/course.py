@@ -414,8 +414,10 @@ class Course:
 
     def _priced_with_drift(self, t: int, schedule: Schedule, info: JsonDict) -> Schedule:
         """Collective: the compute of the iterations that ran while rank 0 planned against the profile's
-        (:mod:`deft.runtime.compute_drift`); where it drifted beyond the tolerance, the running profile's
-        compute is scaled by it and the plan priced on that (recorded in ``info["compute_drift"]``)."""
+        (:mod:`deft.runtime.compute_drift`); where it drifted beyond the tolerance and the profile
+        iterations' spread, the running profile's compute is scaled by it and the plan priced on that
+        (recorded in ``info["compute_drift"]``; a plan whose buckets the profile cannot be cut into keeps
+        its price, and the record says why)."""
         lag, cal = self._lag_run, self.calendar
         if lag is None or self.profile is None or not self.planning.measuring or not self.config.compute_drift:
             return schedule
@@ -435,10 +437,11 @@ class Course:
             was, now = (simulate_schedule(profile_for_schedule(self.codecs.planned_profile(p, info), schedule,
                                                                self.config), schedule).iteration_s
                         for p in (before, self.profile))
-        except DeftError as e:  # not a partition of the profile: the plan keeps its price
+        except DeftError as e:
             doc["unpriced"] = str(e)
             return schedule
-        if was <= 0:
+        if was <= 0:  # a profile of zero times: nothing to scale the price by
+            doc["unpriced"] = "the plan simulates to no time on the profile"
             return schedule
         doc["predicted_before_s"] = schedule.predicted_iteration_s
         return replace(schedule, predicted_iteration_s=schedule.predicted_iteration_s * now / was)
