@@ -69,7 +69,7 @@ def _schedule(path: str, model: torch.nn.Module) -> str:
 def lm_run(rank: int, world: int, *, deft: dict[str, Any] | None, mixed_precision: str = "no",
            scaler: bool = False, inf_at: int | None = None, save_at: int | None = None,
            resume: str | None = None, tmp: str = "", clip: bool = True,
-           join: bool = False) -> dict[str, Any]:
+           join: bool = False, dynamo: str = "no") -> dict[str, Any]:
     """One training run; ``deft``: deft's config (None: plain Accelerate, torch DDP).
 
     ``scaler``: Accelerate's fp16 path with a GradScaler (fp16 autocast, scaled backward, unscale in
@@ -77,7 +77,8 @@ def lm_run(rank: int, world: int, *, deft: dict[str, Any] | None, mixed_precisio
     CPU; ``inf_at``: rank 0's loss is made infinite at that micro-batch. ``save_at``: stop after that
     many optimizer steps with ``save_state`` into ``tmp``; ``resume``: ``load_state`` from there and
     run the rest. ``clip``: clip at :data:`MAX_NORM`; ``join``: enter ``join_uneven_inputs`` first,
-    with even and uneven batches (the error text of the latter is returned). Returns the parameters,
+    with even and uneven batches (the error text of the latter is returned); ``dynamo``: Accelerate's
+    ``dynamo_backend`` (it compiles the prepared wrapper, torch DDP's or deft's). Returns the parameters,
     the losses, the clipped norms, deft's update log and whether an update was left finishing in the
     next forward after each step.
     """
@@ -88,11 +89,14 @@ def lm_run(rank: int, world: int, *, deft: dict[str, Any] | None, mixed_precisio
 
     began = time.perf_counter()
     _reset()
+    if dynamo != "no":  # compiled afresh, as in a process of its own: Dynamo would reuse the code it
+        torch._dynamo.reset()  # compiled for GPT-2's classes in an earlier run, whose modules had no hooks
     if deft is None:
-        acc = accelerate.Accelerator(cpu=True, mixed_precision=mixed_precision, gradient_accumulation_steps=ACCUM)
+        acc = accelerate.Accelerator(cpu=True, mixed_precision=mixed_precision, gradient_accumulation_steps=ACCUM,
+                                     dynamo_backend=dynamo)
     else:
         acc = Accelerator(cpu=True, mixed_precision=mixed_precision, gradient_accumulation_steps=ACCUM,
-                          deft_config=deft)
+                          dynamo_backend=dynamo, deft_config=deft)
     if scaler:
         acc.native_amp, acc.scaler = True, torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
     model = _gpt2()
@@ -174,5 +178,8 @@ def cases(rank: int, world: int, tmp: str) -> dict[str, Any]:
     res["noclip_torch"] = lm_run(rank, world, deft=None, clip=False)
     res["deferring_deft"] = lm_run(rank, world, deft=deferring, clip=False)
     res["deferring_clipped_deft"] = lm_run(rank, world, deft=deferring)
+    # dynamo_backend: Accelerate compiles the prepared wrapper (deft's hooks run between its graphs)
+    res["compiled_torch"] = lm_run(rank, world, deft=None, clip=False, dynamo="aot_eager")
+    res["compiled_deferring_deft"] = lm_run(rank, world, deft=deferring, clip=False, dynamo="aot_eager")
     res["default_deft"] = lm_run(rank, world, deft={"warmup_iters": 1, "profile_iters": 2, "bucket_cap_mb": 0.001})
     return res

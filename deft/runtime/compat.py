@@ -109,7 +109,8 @@ def for_compiled(module: torch.nn.Module, cfg: DeftConfig) -> tuple[DeftConfig, 
     itself or a submodule), or None. A compiled graph runs the forward without deft's per-module hooks
     between layers, and updating a parameter its backward saved is an in-place error there: a compiled
     module gets whole updates at the step (``forward_updates = false``). Wrapping first and compiling
-    the wrapper, as torch advises for DDP, keeps them."""
+    the wrapper, as torch advises for DDP, keeps them: deft's hooks run between graphs
+    (:mod:`deft.runtime.eager`)."""
     for name, m in module.named_modules():
         if type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None:
             why = f"the module{' ' + repr(name) if name else ''} is compiled (torch.compile before wrapping)"

@@ -43,6 +43,7 @@ from deft.runtime.codecs.hooks import CommHook
 from deft.runtime.codecs.policy import CodecPolicy
 from deft.runtime.compute_drift import MIN_LAG_SAMPLES, ComputeClock, drift
 from deft.runtime.control import Collective, ControlPlane
+from deft.runtime.eager import ForwardHooks
 from deft.runtime.executor import DueUpdate, Executor, Pending
 from deft.runtime.failover import LinkFailover, loss_phase, without_links
 from deft.runtime.grad_stats import GradStats, walk_stats
@@ -97,9 +98,10 @@ class Course:
     def __init__(self, config: DeftConfig, control: ControlPlane, module: nn.Module, names: list[str],
                  params: list[torch.Tensor], links: dict[str, CommLink], executor: Executor,
                  optim: OptimizerBinding, update_log: list[LogEntry], given_profile: Profile | None,
-                 ranks: list[int] | None, install: Install, comm_hook: CommHook | None = None,
+                 ranks: list[int] | None, install: Install, hooks: ForwardHooks, comm_hook: CommHook | None = None,
                  init_broadcast: TimedBroadcast | None = None) -> None:
         self.config, self._control, self._module = config, control, module
+        self._hooks = hooks  # the wrapper's forward hooks, which the warm-up timer listens to
         self._names, self._params, self._links, self._executor = names, params, links, executor
         self._optim, self._log, self._install = optim, update_log, install
         self._primary = next(iter(links.values()))
@@ -181,8 +183,9 @@ class Course:
             # each other: the links' contention and drag (on CUDA neither: the compute is the device's)
             shared = self.config.contention or self.config.drag
             held = self.profile_iters - 1 if self.profile_iters >= 2 and shared and not cuda else None
-            self._timer = WarmupTimer(self._module, self._params, ex.layout, live, cuda, self._wait_work, self.failover,
-                                      held, self.config.contention, self.config.drag, self.config.rank_wait)
+            self._timer = WarmupTimer(self._module, self._params, ex.layout, live, cuda, self._wait_work, self._hooks,
+                                      self.failover, held, self.config.contention, self.config.drag,
+                                      self.config.rank_wait)
             ex.observe(self._timer)
         if self._timer is not None and ex.idle and ex.layout is not None:
             coded = self.codecs.profile_schedule(self._timer.schedule())

@@ -43,6 +43,7 @@ from deft.runtime.compat import (
     warn_shared_rendezvous_store,
 )
 from deft.runtime.control import ControlPlane, broadcast_state, digest, wait_work
+from deft.runtime.eager import outside_graphs
 from deft.runtime.executor import PendingUpdate
 from deft.runtime.links import CommLink, make_buffer_group, make_control_group, make_links
 from deft.runtime.mode import SyncSwitch, Wiring, start_mode
@@ -149,6 +150,7 @@ class DistributedDataParallel(nn.Module):
         self._sync_buffers_now()
         return self._mode.forward(args, kwargs)
 
+    @outside_graphs
     def _sync_buffers_now(self) -> None:
         """Collective: buffers (BatchNorm statistics) follow rank 0 at a forward that comes after a
         training forward outside ``no_sync()``, evaluation forwards included: torch DDP's rule."""

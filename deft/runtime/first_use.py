@@ -76,10 +76,11 @@ class FirstUseRecorder:
             self._stack = []
 
 
-def first_use_modules(module: nn.Module, params: list[torch.Tensor],
-                      recorded: Mapping[int, nn.Module]) -> dict[int, list[int]]:
+def first_use_modules(module: nn.Module, params: list[torch.Tensor], recorded: Mapping[int, nn.Module],
+                      hooked: Callable[[nn.Module], nn.Module] = lambda m: m) -> dict[int, list[int]]:
     """``id(module) -> parameter indices`` whose deferred updates its forward pre-hook applies: the
-    recorded first use, else the module owning the parameter."""
+    recorded first use, else the module owning the parameter; ``hooked`` gives the module whose
+    pre-hook runs first before that one's forward (``deft.runtime.eager.ForwardHooks.hooked``)."""
     index = {id(p): i for i, p in enumerate(params)}
     out: dict[int, list[int]] = {}
     owners: dict[int, nn.Module] = {}
@@ -90,5 +91,5 @@ def first_use_modules(module: nn.Module, params: list[torch.Tensor],
     for i in range(len(params)):
         m = recorded[i] if i in recorded else owners.get(i)
         if m is not None:
-            out.setdefault(id(m), []).append(i)
+            out.setdefault(id(hooked(m)), []).append(i)
     return out

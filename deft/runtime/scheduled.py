@@ -14,6 +14,7 @@ The checkpoint record is :class:`deft.runtime.checkpoint.RuntimeState`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import weakref
@@ -31,6 +32,7 @@ from deft.runtime.buckets import FlatLayout
 from deft.runtime.checkpoint import RuntimeState, StateDoc, check_mode
 from deft.runtime.codecs.hooks import CommHook, from_config
 from deft.runtime.course import Course
+from deft.runtime.eager import ForwardHooks, outside_graphs
 from deft.runtime.executor import Executor, PendingUpdate
 from deft.runtime.first_use import FirstUseRecorder
 from deft.runtime.grad_stats import check_probe_args, probe_curvature
@@ -60,13 +62,18 @@ class ScheduledRun:
         self._executor = Executor(self._params, self._links, self.rank, self.world, cfg.timeout_s, self.device)
         self._optim = OptimizerBinding(self._params, self._before_step, self._after_step, optimizer,
                                        fresh=self._finish_deferred)
-        self._updates = UpdateApplier(self.module, self._params, self._executor, self._optim, cfg, wiring.compiled)
+        # installed once, before any compile sees the module (deft.runtime.eager); the others listen
+        self._forward_hooks = ForwardHooks(self.module)
+        self._updates = UpdateApplier(self.module, self._params, self._executor, self._optim, cfg,
+                                      self._forward_hooks, wiring.compiled)
         self._course = Course(cfg, self._control, self.module, self._names, self._params, self._links,
                               self._executor, self._optim, self._updates.log, given_profile, wiring.ranks,
-                              self._install, from_config(cfg), wiring.init_broadcast)
+                              self._install, self._forward_hooks, from_config(cfg), wiring.init_broadcast)
         self._tracing = Tracing(self.module, self._params, self._executor, dist.get_rank(), self._cuda,
-                                self._course.calendar.warm_end, self._course.profile_iters)
+                                self._course.calendar.warm_end, self._course.profile_iters, self._forward_hooks)
         self._first_use: FirstUseRecorder | None = FirstUseRecorder(self._params) if cfg.forward_updates else None
+        self._watching: FirstUseRecorder | None = None  # the first use being recorded in this forward
+        self._training_forward = False  # the forward running now records gradients
         self._t = 0  # index of the current (or next) training iteration
         self._phase = Phase.IDLE
         self._step_open = False  # the user's step began (its post hook ends the iteration)
@@ -79,10 +86,17 @@ class ScheduledRun:
 
     # -- the facade's events ---------------------------------------------------------------------------
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not torch.is_grad_enabled():
-            out = self.module(*args, **kwargs)  # evaluation: no gradient communication, nothing counted
-            self._updates.finish_deferred()  # parameters of modules the evaluation did not run
-            return out
+        # deft's bookkeeping around the module, eagerly under Dynamo (deft.runtime.eager): only the call
+        # of the module between them is traced when the wrapper is compiled
+        run = self._forward_begins(args, kwargs)
+        return self._forward_ends(run(*args, **kwargs))
+
+    @outside_graphs
+    def _forward_begins(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any]:
+        """The iteration's state before the module runs; what runs it (the module, or once, a watched call)."""
+        self._training_forward = torch.is_grad_enabled()
+        if not self._training_forward:
+            return self.module  # evaluation: no gradient communication, nothing counted
         if self._phase is Phase.BACKWARD_DONE:
             if not self._updates.exposed:
                 raise DeftError(f"the forward of a new iteration started before optimizer.step() of iteration "
@@ -94,14 +108,19 @@ class ScheduledRun:
             self._begin_iteration()
             self._course.note_batch(batch_size(args, kwargs))
         self._sync.forward_begins()
-        if self._first_use is not None:  # once, in the first training forward (deft.runtime.first_use)
-            recorder, self._first_use = self._first_use, None
-            with recorder.watching(self.module):
-                out = self.module(*args, **kwargs)
-            self._updates.record_first_use(recorder.first)
-        else:
-            out = self.module(*args, **kwargs)
+        self._watching, self._first_use = self._first_use, None
+        if self._watching is not None:  # once, in the first training forward (deft.runtime.first_use)
+            return functools.partial(_watched_call, self._watching, self.module)
+        return self.module
+
+    @outside_graphs
+    def _forward_ends(self, out: Any) -> Any:
         self._updates.finish_deferred()  # parameters of modules this forward did not run
+        if not self._training_forward:
+            return out
+        if self._watching is not None:
+            self._updates.record_first_use(self._watching.first)
+            self._watching = None
         self._course.forward_ends(out)
         self._tracing.forward_ends(out)
         return out
@@ -156,6 +175,7 @@ class ScheduledRun:
         self._optim.remove()
         self._course.close()
         self._tracing.close()
+        self._forward_hooks.close()
 
     # -- views -----------------------------------------------------------------------------------------
     @property
@@ -367,6 +387,13 @@ class ScheduledRun:
         self._tracing.set_layout(layout)
         if self._course.stats is not None:
             self._course.stats.on_layout()
+
+
+@outside_graphs
+def _watched_call(recorder: FirstUseRecorder, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The module's forward under ``recorder``; eager, so its function mode sees every real call."""
+    with recorder.watching(module):
+        return module(*args, **kwargs)
 
 
 def _grad_hook(me: weakref.ref[ScheduledRun], index: int) -> Callable[[torch.Tensor], None]:

@@ -37,6 +37,7 @@ from deft.errors import DeftError
 from deft.profiler import nvtx
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.control import Collective
+from deft.runtime.eager import ForwardHooks
 from deft.runtime.executor import Executor
 from deft.runtime.tensors import tensors_in
 
@@ -127,15 +128,14 @@ def dominant_buckets(module: nn.Module, params: list[torch.Tensor], layout: Flat
 class ForwardRanges:
     """Per-bucket forward ranges from module pre-hooks (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, params: list[torch.Tensor]) -> None:
+    def __init__(self, module: nn.Module, params: list[torch.Tensor], hooks: ForwardHooks) -> None:
         self._module, self._params = module, params
         self._dominant: dict[int, int] = {}
         self._tok: nvtx.Range | None = None
         self._cur = -1
         self._iteration = 0
         self._on = False
-        owners = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]
-        self._handles = [m.register_forward_pre_hook(self._pre) for m in owners]
+        self._handles = [hooks.listen(pre=self._pre)]  # _dominant names the parameter-owning modules
 
     def set_layout(self, layout: FlatLayout) -> None:
         self._dominant = dominant_buckets(self._module, self._params, layout)
@@ -153,7 +153,7 @@ class ForwardRanges:
             h.remove()
         self._handles.clear()
 
-    def _pre(self, m: nn.Module, args: object) -> None:
+    def _pre(self, m: nn.Module) -> None:
         if not self._on:
             return
         b = self._dominant.get(id(m))
@@ -286,13 +286,13 @@ class Tracing:
     and the backward ranges (an executor observer)."""
 
     def __init__(self, module: nn.Module, params: list[torch.Tensor], executor: Executor, rank: int, cuda: bool,
-                 first: int, count: int) -> None:
+                 first: int, count: int, hooks: ForwardHooks) -> None:
         trace_dir = os.environ.get(TRACE_DIR_ENV) or None
         if not nvtx.nvtx_enabled() and nvtx_wanted("cuda" if cuda else "cpu"):
             nvtx.configure(True)  # on by default on CUDA; never switched off here (a user may have forced it on)
         self._tracer = None if trace_dir is None else TraceRecorder(trace_dir, rank, cuda,
                                                                     *trace_window_from_env(first, count))
-        self._fwd = ForwardRanges(module, params) if trace_dir or nvtx.nvtx_enabled() else None
+        self._fwd = ForwardRanges(module, params, hooks) if trace_dir or nvtx.nvtx_enabled() else None
         self._bwd = BackwardRanges(executor)
         self._rank = rank
         executor.observe(self._bwd)

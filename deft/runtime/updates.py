@@ -29,7 +29,6 @@ Invariants (docs/DESIGN.md, "Runtime"):
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -38,6 +37,7 @@ from torch.utils.hooks import RemovableHandle
 
 from deft.config import DeftConfig
 from deft.preserver.gaussian_walk import merge_lr_factor
+from deft.runtime.eager import ForwardHooks
 from deft.runtime.executor import DueUpdate, Executor
 from deft.runtime.first_use import first_use_modules
 from deft.runtime.optimizer_hooks import LearningRate, OptimizerBinding, merged_lr, restore_lr, scale_lr
@@ -57,8 +57,9 @@ class UpdateApplier:
     """Puts due updates into ``p.grad`` and through the optimizer (module docstring)."""
 
     def __init__(self, module: nn.Module, params: list[torch.Tensor], executor: Executor,
-                 optim: OptimizerBinding, config: DeftConfig, compiled: str | None = None) -> None:
+                 optim: OptimizerBinding, config: DeftConfig, hooks: ForwardHooks, compiled: str | None = None) -> None:
         self._module, self._params, self._executor, self.optim = module, params, executor, optim
+        self._hooks = hooks  # the wrapper's forward hooks (deft.runtime.eager)
         self._scaling = config.merge_lr_scaling
         self._compiled = compiled  # why the module runs compiled (then updates are applied whole), or None
         self.log: list[LogEntry] = []
@@ -74,7 +75,7 @@ class UpdateApplier:
         # Updates finishing in the forward: module pre-hooks, and the step's hyperparameters.
         self._owned: dict[int, list[int]] = {}  # id(module) -> parameters updated before its forward
         self.first_use: dict[int, nn.Module] = {}  # parameter -> module of its first use (recorded once)
-        self._fwd_hooks: list[RemovableHandle] = []
+        self._listening: RemovableHandle | None = None  # before_module, listening to the forward's hooks
         self._finish_hparams: list[dict[str, object]] = []
 
     def set_clip(self, clip: tuple[float, float] | None) -> None:
@@ -247,19 +248,16 @@ class UpdateApplier:
 
     # -- updates finishing in the forward (Update.finish_in_forward) -----------------------------------
     def set_forward_hooks(self, on: bool) -> None:
-        """While the schedule has updates finishing in the forward: a pre-hook on every module where a
-        parameter is first used (:mod:`deft.runtime.first_use`) applies that parameter's deferred update
-        before the module runs."""
-        for h in self._fwd_hooks:
-            h.remove()
-        self._fwd_hooks = []
+        """While the schedule has updates finishing in the forward: as a module where a parameter is
+        first used (:mod:`deft.runtime.first_use`) begins its forward, that parameter's deferred update
+        is applied (the wrapper's :class:`~deft.runtime.eager.ForwardHooks`, listened to meanwhile)."""
+        if self._listening is not None:
+            self._listening.remove()
+            self._listening = None
         if not on:
             return
-        self._owned = first_use_modules(self._module, self._params, self.first_use)
-        hook = _forward_pre_hook(weakref.ref(self))
-        for m in self._module.modules():
-            if id(m) in self._owned:
-                self._fwd_hooks.append(m.register_forward_pre_hook(hook))
+        self._owned = first_use_modules(self._module, self._params, self.first_use, self._hooks.hooked)
+        self._listening = self._hooks.listen(pre=self.before_module)
 
     def before_module(self, m: nn.Module) -> None:
         """Forward pre-hook: the module's deferred parameters get their update now."""
@@ -294,12 +292,3 @@ class UpdateApplier:
 
     def close(self) -> None:
         self.set_forward_hooks(False)
-
-
-def _forward_pre_hook(me: weakref.ref[UpdateApplier]) -> Callable[[nn.Module, object], None]:
-    """A weak reference, so a dropped wrapper does not keep applying."""
-    def hook(m: nn.Module, args: object) -> None:
-        d = me()
-        if d is not None:
-            d.before_module(m)
-    return hook

@@ -127,6 +127,7 @@ from deft.profiler.pace import paced_compute
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.codecs.timing import Codec
 from deft.runtime.control import FUTURE_TYPES, Collective, ControlPlane, wait_work
+from deft.runtime.eager import ForwardHooks
 from deft.runtime.failover import ALPHA_PROBE, LinkFailover, Stopwatch
 from deft.runtime.links import CommLink
 from deft.runtime.tensors import tensors_in
@@ -328,8 +329,8 @@ class WarmupTimer:
 
     def __init__(self, module: nn.Module, params: Sequence[torch.Tensor], layout: FlatLayout,
                  links: dict[str, CommLink], cuda: bool, wait: Callable[[Collective, str, int], None],
-                 failover: LinkFailover | None = None, held: int | None = None, contention: bool = False,
-                 drag: bool = False, rank_wait: bool = False) -> None:
+                 hooks: ForwardHooks, failover: LinkFailover | None = None, held: int | None = None,
+                 contention: bool = False, drag: bool = False, rank_wait: bool = False) -> None:
         self.held = held  # the profile iteration whose backward runs alone (holds_next), None: none
         self.contention = contention  # price the links' contention (needs ``held``)
         self.drag = drag  # fit the gloo links' drag (deft.profiler.drag)
@@ -364,8 +365,8 @@ class WarmupTimer:
                     per_bucket[b] = per_bucket.get(b, 0) + max(overlap, 1 if slot.numel == 0 else 0)
             total = sum(per_bucket.values()) or 1
             self._shares[id(m)] = [(b, c / total) for b, c in per_bucket.items()]
-            self._handles.append(m.register_forward_pre_hook(self._pre))
-            self._handles.append(m.register_forward_hook(self._post))
+        # the forward per module, from the wrapper's hooks (deft.runtime.eager: they outlive this timer)
+        self._handles.append(hooks.listen(pre=self._pre, post=self._post))
 
     def close(self) -> None:
         for h in self._handles:
@@ -402,8 +403,8 @@ class WarmupTimer:
         self._started = {}
         self._stack.clear()
 
-    def _pre(self, m: nn.Module, args: tuple[object, ...]) -> None:
-        if self._cur is None:
+    def _pre(self, m: nn.Module) -> None:
+        if self._cur is None or id(m) not in self._shares:
             return
         now = self._now()
         if self._stack:
@@ -411,8 +412,8 @@ class WarmupTimer:
             top.spent += now - top.since
         self._stack.append(_Frame(id(m), now, 0.0))
 
-    def _post(self, m: nn.Module, args: tuple[object, ...], out: object) -> None:
-        if self._cur is None or not self._stack:
+    def _post(self, m: nn.Module) -> None:
+        if self._cur is None or not self._stack or id(m) not in self._shares:
             return
         now = self._now()
         frame = self._stack.pop()

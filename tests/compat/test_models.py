@@ -116,6 +116,46 @@ def test_torch_compile_before_or_after_wrapping(order: str, tmp_path: Any) -> No
     check_exact(values(run_ranks(compile_worker, 2, (order, str(tmp_path)), timeout=240)))
 
 
+#: Iterations of the wrapper compiled after wrapping before its graphs must be stable: the watched first
+#: forward, then the forced schedule's deferred updates from iteration 1 on.
+COMPILE_WARM = 3
+
+
+def compiled_steady_worker(rank: int, world: int, workdir: str, steady: int) -> list[float]:
+    """The wrapper compiled after wrapping, its ``steady`` iterations after :data:`COMPILE_WARM` under
+    ``torch.compiler.set_stance("fail_on_recompile")``; the losses."""
+    from tests.compat._harness import batch, deft_wrapper
+
+    model = mlp()
+    wrapped = torch.compile(deft_wrapper(model, "forced", 0.0, workdir, rank), backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+
+    def step(t: int) -> None:
+        x, y = batch(rank, t)
+        loss = nn.functional.cross_entropy(wrapped(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+
+    for t in range(COMPILE_WARM):
+        step(t)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for t in range(COMPILE_WARM, COMPILE_WARM + steady):
+            step(t)
+    return losses
+
+
+@pytest.mark.slow
+def test_the_wrapper_compiled_after_wrapping_does_not_recompile_every_iteration(tmp_path: Any) -> None:
+    """Dynamo runs deft's bookkeeping between graphs instead of tracing it: traced, the iteration's state
+    (which buckets are in flight, the iteration number) became guards and every iteration a recompile,
+    until Dynamo's recompile limit sent the frames back to eager."""
+    out = values(run_ranks(compiled_steady_worker, 2, (str(tmp_path), 6), timeout=240))
+    assert all(len(v) == COMPILE_WARM + 6 and all(math.isfinite(x) for x in v) for v in out)
+
+
 # -- refused at construction ---------------------------------------------------------------------------------
 def meta_worker(rank: int, world: int) -> str:
     import deft

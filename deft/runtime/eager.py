@@ -1,0 +1,123 @@
+"""deft's bookkeeping outside Dynamo's graphs, for a wrapper compiled after wrapping.
+
+torch advises compiling the DDP-wrapped model (``torch.compile(DistributedDataParallel(model))``), and
+a line copied from torch DDP does so with deft; so does Accelerate's ``dynamo_backend``. Dynamo then
+traces the wrapper's ``forward`` and every module hook it meets. deft's part of the forward reads and
+changes per-iteration state (the iteration, the buckets still in flight, clocks, the phase of the run):
+traced, each such value becomes a guard of the graph, so every iteration failed the last one's guards
+and recompiled, until Dynamo's recompile limit sent the frame back to eager for the rest of the run.
+
+So every entry point of deft's into the forward (the wrapper's bookkeeping before and after the
+module, the buffers' broadcast, the module hooks) is marked :func:`outside_graphs`: Dynamo breaks the
+graph there and calls it eagerly, and guards nothing inside it. The module's own layers between two
+hooks are compiled.
+
+And the module hooks never change (:class:`ForwardHooks`). Dynamo does not guard a module's hooks
+(``torch._dynamo.config.skip_nnmodule_hook_guards``, on by default): code compiled while a module had
+no hook never calls one added later. deft's hooks came and went over a run (the warm-up timer's, the
+deferred updates' as each schedule started): under Accelerate's ``dynamo_backend`` with gradient
+accumulation, the first iteration's second micro-batch was compiled before the schedule's pre-hooks
+existed, so a deferred update was applied at the forward's end instead, after its parameter's use was
+saved for the backward: autograd's in-place error in the backward. Now one pre-hook and one post-hook
+per module are installed with the wrapper and kept until it closes, and deft's collaborators listen
+to them for as long as they need.
+
+For the same reason, code Dynamo compiled for the model's classes *before* the wrapper was built
+(another instance, an earlier run in the same process) is reused for the wrapped model without deft's
+hooks: build the wrapper before compiling anything of its model's classes, or call
+``torch._dynamo.reset()`` first.
+
+Note: a graph break at each hooked module is the price; torch DDP under Dynamo splits its graph at
+bucket boundaries for a similar reason (``DDPOptimizer``). A module compiled *before* wrapping gets its
+updates whole at the step (``deft.runtime.compat.for_compiled``): its compiled code may predate the
+hooks.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def outside_graphs(fn: F) -> F:
+    """``fn``, called eagerly between graphs when Dynamo traces a caller (module docstring)."""
+    return cast(F, torch.compiler.disable(fn, reason="deft's per-iteration bookkeeping runs eagerly"))
+
+
+#: A listener of :class:`ForwardHooks`: called with the module whose forward begins (or ends).
+Listener = Callable[[nn.Module], None]
+
+
+class ForwardHooks:
+    """A forward pre-hook and a forward hook on every module with a parameter in its subtree, from the
+    wrapper's construction to its close; what they call is whoever :meth:`listen` s now (module
+    docstring). A module without a parameter under it gets none: a parameter it uses first is
+    attributed to its nearest hooked ancestor (:meth:`hooked`)."""
+
+    def __init__(self, root: nn.Module) -> None:
+        # OrderedDict: a RemovableHandle keeps a weak reference to its dicts (a dict takes none)
+        self._pre: OrderedDict[int, Listener] = OrderedDict()
+        self._post: OrderedDict[int, Listener] = OrderedDict()
+        self._hooked = {id(m) for m in root.modules() if next(m.parameters(), None) is not None}
+        self._parent = {id(child): m for m in root.modules() for child in m.children()}
+        pre, post = _pre_hook(weakref.ref(self)), _post_hook(weakref.ref(self))
+        self._handles = [h for m in root.modules() if id(m) in self._hooked
+                         for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+
+    def listen(self, pre: Listener | None = None, post: Listener | None = None) -> RemovableHandle:
+        """Call ``pre`` (``post``) as each hooked module's forward begins (ends), until the handle's
+        ``remove()``."""
+        handle = RemovableHandle(self._pre, extra_dict=self._post)
+        if pre is not None:
+            self._pre[handle.id] = pre
+        if post is not None:
+            self._post[handle.id] = post
+        return handle
+
+    def hooked(self, m: nn.Module) -> nn.Module:
+        """``m``, or its nearest ancestor with hooks: a pre-hook there runs before ``m``'s forward."""
+        while id(m) not in self._hooked and id(m) in self._parent:
+            m = self._parent[id(m)]
+        return m
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._pre.clear()
+        self._post.clear()
+
+    def begins(self, m: nn.Module) -> None:
+        for fn in tuple(self._pre.values()):
+            fn(m)
+
+    def ends(self, m: nn.Module) -> None:
+        for fn in tuple(self._post.values()):
+            fn(m)
+
+
+def _pre_hook(me: weakref.ref[ForwardHooks]) -> Callable[[nn.Module, object], None]:
+    """A weak reference, so a dropped wrapper's listeners are not called."""
+    @outside_graphs
+    def hook(m: nn.Module, args: object) -> None:
+        d = me()
+        if d is not None:
+            d.begins(m)
+    return hook
+
+
+def _post_hook(me: weakref.ref[ForwardHooks]) -> Callable[[nn.Module, object, object], None]:
+    @outside_graphs
+    def hook(m: nn.Module, args: object, out: object) -> None:
+        d = me()
+        if d is not None:
+            d.ends(m)
+    return hook
