@@ -23,6 +23,7 @@ ORDER = [
     "peers_lm_hosts.md",
     "peers_lm_hosts_50.md",
     "peers_lm_fp16.md",
+    "peers_lm_machine.md",
     "prices.md",
     "prices_clock.md",
     "prices_drag.md",
