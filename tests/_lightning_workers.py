@@ -114,12 +114,18 @@ def module_class() -> type:
 
 def fit(world: int, strategy: Any, steps: int, precision: str = "32-true", ckpt_dir: str | None = None,
         ckpt_path: str | None = None, module: Any = None, callbacks: list[Any] | None = None,
-        manual: bool = False, clip: bool = True) -> Any:
-    """A fresh module trained by a fresh Trainer for ``steps`` optimizer steps; the module."""
+        manual: bool = False, clip: bool = True, compiled: bool = False) -> Any:
+    """A fresh module trained by a fresh Trainer for ``steps`` optimizer steps; the module.
+    ``compiled``: ``fit`` gets ``torch.compile(module)`` (Lightning compiles its forward and steps),
+    compiled afresh as in a process of its own (Dynamo would reuse an earlier run's code for the class)."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     module = module_class()(manual, norms=clip)
+    given: Any = module
+    if compiled:
+        torch._dynamo.reset()
+        given = torch.compile(module, backend="aot_eager")
     data = dataset(world)
     train = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=False)
     val = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=False)
@@ -132,7 +138,7 @@ def fit(world: int, strategy: Any, steps: int, precision: str = "32-true", ckpt_
                          val_check_interval=BATCHES_PER_EPOCH // 2, limit_val_batches=2, num_sanity_val_steps=0,
                          logger=False, enable_checkpointing=ckpt_dir is not None, callbacks=callbacks,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=ckpt_dir)
-    trainer.fit(module, train, val, ckpt_path=ckpt_path)
+    trainer.fit(given, train, val, ckpt_path=ckpt_path)
     return module
 
 
@@ -211,6 +217,11 @@ def parity_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     end_of_second = os.path.join(ckpt_dir, f"epoch=1-step={BATCHES_PER_EPOCH}.ckpt")
     resumed, its = _deft_fit(world, forced, steps, ckpt_path=end_of_second, clip=False)
     out["resumed"] = {"worst": worst(params(resumed), params(ours)), "applied": its, "saved": saved}
+    # torch.compile(module) given to fit, on the same schedule
+    ref_compiled = fit(world, "ddp", steps, clip=False, compiled=True)
+    ours, its = _deft_fit(world, forced, steps, clip=False, compiled=True)
+    out["compiled"] = {"worst": worst(params(ours), params(ref_compiled)), "applied": its,
+                       "vs_eager": worst(params(ref_compiled), params(ref))}
     # the obvious integration, on the same schedule
     naive = fit(world, naive_strategy(forced), steps, clip=False)
     out["naive"] = {"worst": worst(params(naive), params(ref))}

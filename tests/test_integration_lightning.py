@@ -5,7 +5,8 @@ One rank-spawn runs every case (tests/_lightning_workers.py): a small classifier
 after it) through the strategy's wrapper, 8 optimizer steps. At epsilon 0 deft's parameters and
 validation losses must equal torch DDP's: with norm clipping that engages in 32-true and bf16-mixed;
 and on a forced schedule whose updates finish in the next forward, with ``ModelCheckpoint`` saving at
-every validation and a run resumed from the end of the second epoch equal to the uninterrupted one.
+every validation and a run resumed from the end of the second epoch equal to the uninterrupted one,
+and with ``torch.compile(module)`` given to ``fit``.
 The obvious integration (a ``DDPStrategy`` that only builds deft's wrapper) must be caught: it ends
 ``fit`` with the last update still unapplied. At the default epsilon every gradient is applied once
 and the loss falls; manual optimization is refused at setup.
@@ -48,6 +49,17 @@ def test_deft_strategy_matches_ddp_with_accumulation_and_clipping(ranks: list[di
         assert case["val"] == pytest.approx(case["ref_val"], abs=1e-5)
         assert case["losses"] == pytest.approx(case["ref_losses"], abs=1e-5)
         assert case["applied"] == list(range(STEPS))  # one deft iteration per optimizer step, each applied once
+
+
+@pytest.mark.slow
+def test_a_compiled_module_on_updates_finishing_in_the_forward_matches_ddp(ranks: list[dict[str, Any]]) -> None:
+    """``trainer.fit(torch.compile(module))``: Lightning compiles the module's forward and steps, deft's
+    pre-hooks apply the deferred updates inside them; torch DDP's run is compiled alike."""
+    for v in ranks:
+        case = v["compiled"]
+        assert case["worst"] < 1e-5, case["worst"]
+        assert case["applied"] == list(range(STEPS))
+        assert case["vs_eager"] < 1e-5  # compiled, torch DDP's maths is its eager maths (aot_eager)
 
 
 @pytest.mark.slow
