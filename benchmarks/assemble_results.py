@@ -24,6 +24,7 @@ ORDER = [
     "peers_lm_hosts_50.md",
     "peers_lm_fp16.md",
     "peers_lm_machine.md",
+    "peers_lm_adapt.md",
     "prices.md",
     "prices_clock.md",
     "prices_drag.md",
