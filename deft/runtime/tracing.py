@@ -9,13 +9,13 @@ profiler running); otherwise every entry point returns after one flag test.
   the forward's output arriving) or from the end of the previous bucket's launches, to the moment
   ``b``'s gradient is complete. The warm-up timer measures the same intervals, so a trace and the
   timing profile of the same iterations agree on them (tests/test_profiler_agreement.py).
-* ``deft/fwd/b{b}/it{t}`` (:class:`ForwardRanges`): forward hooks on the parameter-owning modules;
-  a bucket's range runs from the start of a module whose parameters lie mostly in that bucket until
-  a module of another bucket starts, or the forward ends. Parameter-free modules and glue are thus
-  charged to the bucket before them (the timer spreads them in proportion instead). The hooks are
-  installed only when tracing was requested at construction (``DEFT_NVTX=1`` / an NVTX tool, a model
-  on CUDA unless ``DEFT_NVTX=0`` (:func:`nvtx_wanted`), or ``DEFT_TRACE_DIR``), so an untraced CPU run
-  has no forward hooks at all.
+* ``deft/fwd/b{b}/it{t}`` (:class:`ForwardRanges`): the starts of the parameter-owning modules (the
+  wrapper's forward hooks, :class:`deft.runtime.eager.ForwardHooks`); a bucket's range runs from the
+  start of a module whose parameters lie mostly in that bucket until a module of another bucket
+  starts, or the forward ends. Parameter-free modules and glue are thus charged to the bucket before
+  them (the timer spreads them in proportion instead). The ranges listen only when tracing was
+  requested at construction (``DEFT_NVTX=1`` / an NVTX tool, a model on CUDA unless ``DEFT_NVTX=0``
+  (:func:`nvtx_wanted`), or ``DEFT_TRACE_DIR``).
 
 :class:`TraceRecorder` records the profile iterations (``DEFT_TRACE_ITERS=FIRST:COUNT``: any other window,
 of the running plan say) with ``torch.profiler`` (``DEFT_TRACE_DIR``):
