@@ -4,8 +4,8 @@ torch advises compiling the DDP-wrapped model (``torch.compile(DistributedDataPa
 a line copied from torch DDP does so with deft; so does Accelerate's ``dynamo_backend``. Dynamo then
 traces the wrapper's ``forward`` and every module hook it meets. deft's part of the forward reads and
 changes per-iteration state (the iteration, the buckets still in flight, clocks, the phase of the run):
-traced, each such value becomes a guard of the graph, so every iteration failed the last one's guards
-and recompiled, until Dynamo's recompile limit sent the frame back to eager for the rest of the run.
+traced, each such value would become a guard of the graph, every iteration would fail the last one's
+guards and recompile, until Dynamo's recompile limit sent the frame back to eager for the rest of the run.
 
 So every entry point of deft's into the forward (the wrapper's bookkeeping before and after the
 module, the buffers' broadcast, the module hooks) is marked :func:`outside_graphs`: Dynamo breaks the
@@ -14,13 +14,13 @@ hooks are compiled.
 
 And the module hooks never change (:class:`ForwardHooks`). Dynamo does not guard a module's hooks
 (``torch._dynamo.config.skip_nnmodule_hook_guards``, on by default): code compiled while a module had
-no hook never calls one added later. deft's hooks came and went over a run (the warm-up timer's, the
-deferred updates' as each schedule started): under Accelerate's ``dynamo_backend`` with gradient
-accumulation, the first iteration's second micro-batch was compiled before the schedule's pre-hooks
-existed, so a deferred update was applied at the forward's end instead, after its parameter's use was
-saved for the backward: autograd's in-place error in the backward. Now one pre-hook and one post-hook
-per module are installed with the wrapper and kept until it closes, and deft's collaborators listen
-to them for as long as they need.
+no hook never calls one added later. deft's needs change over a run (the warm-up timer's, the
+deferred updates' as each schedule starts): were its hooks added as they are needed, a forward compiled
+before a schedule's pre-hooks existed (under Accelerate's ``dynamo_backend`` with accumulation, the
+first iteration's second micro-batch) would never apply a deferred update before its module; it would
+be applied at the forward's end, after its parameter's use was saved for the backward, and the backward
+would fail in place. So one pre-hook and one post-hook per module are installed with the wrapper and
+kept until it closes, and deft's collaborators listen to them for as long as they need.
 
 For the same reason, code Dynamo compiled for the model's classes *before* the wrapper was built
 (another instance, an earlier run in the same process) is reused for the wrapped model without deft's
@@ -58,7 +58,7 @@ Listener = Callable[[nn.Module], None]
 
 class ForwardHooks:
     """A forward pre-hook and a forward hook on every module with a parameter in its subtree, from the
-    wrapper's construction to its close; what they call is whoever :meth:`listen` s now (module
+    wrapper's construction to its close; they call whoever listens now (:meth:`listen`; module
     docstring). A module without a parameter under it gets none: a parameter it uses first is
     attributed to its nearest hooked ancestor (:meth:`hooked`)."""
 
@@ -96,10 +96,12 @@ class ForwardHooks:
         self._post.clear()
 
     def begins(self, m: nn.Module) -> None:
+        """``m``'s forward begins: every pre listener, in the order they listen."""
         for fn in tuple(self._pre.values()):
             fn(m)
 
     def ends(self, m: nn.Module) -> None:
+        """``m``'s forward ended: every post listener."""
         for fn in tuple(self._post.values()):
             fn(m)
 
