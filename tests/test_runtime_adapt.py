@@ -9,6 +9,7 @@ still applied exactly once (closed form, as the other runtime tests).
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -206,12 +207,12 @@ def test_a_slower_window_calibrated_with_faster_links_settles(backward: float, r
     assert ("faster than profiled" in rec["decision"]) is not replans
 
 
-@pytest.mark.parametrize(("faster", "replans"), [(1.15, False), (1.3, True), (1 / 1.15, True)])
-def test_a_schedule_faster_than_predicted_is_replanned_only_beyond_twice_the_tolerance(faster: float,
-                                                                                     replans: bool) -> None:
-    # adapt_tolerance 0.1: measured 15 % faster than predicted settles (within 2 x 0.1), 30 % faster
-    # re-plans; 15 % slower re-plans (beyond 0.1). The links are the bound here, so every window is
-    # reproduced by a factor in range.
+@pytest.mark.parametrize(("faster", "replans"), [(1.15, False), (1.3, False), (2.0, False), (1 / 1.15, True)])
+def test_a_schedule_faster_than_predicted_settles_and_a_slower_one_is_replanned(faster: float,
+                                                                                 replans: bool) -> None:
+    # adapt_tolerance 0.1: measured 15 %, 30 % or twice as fast as predicted settles; 15 % slower
+    # re-plans (beyond 0.1). The links are the bound here, so every window is reproduced by a factor
+    # in range.
     p, sched = vgg_lagfree(8.0)
     cfg = DeftConfig()
     measured = sched.predicted_iteration_s / faster
@@ -236,6 +237,8 @@ def test_adapter_is_bounded() -> None:
 
 
 ITERS = 30
+#: The loop's own time per iteration in adapt_worker, between backward and step.
+LOOP_S = 0.04
 
 
 def comm_heavy_ddp(deft: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, warmup_iters: int,
@@ -266,17 +269,19 @@ def adapt_worker(rank: int, world: int) -> dict[str, Any]:
 
     model = Linear()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    # The given profile claims all-reduces of 18 ms per bucket; on loopback they take far less, so the
-    # first window is far off the prediction (beyond 2 x the tolerance for a faster schedule even on a
-    # loaded machine: at 6 ms a CI run measured only 16 % under it, and settled) and the loop calibrates.
+    # The given profile claims a few ms per iteration; the loop spends LOOP_S more between backward and
+    # step (inside the iteration, forward to forward), which its backward does not show, so the first
+    # window is far slower than predicted, the calibration puts the difference on the links, and the
+    # loop re-plans on a profile whose links are the bound. (A window faster than predicted settles.)
     # Planned in the iteration: with a given profile no iteration then runs the warm-up's synchronous
     # schedule beside the planner, so no measured candidate competes with the plan (on loopback it was
     # sometimes faster, and the first decision went back to it instead of calibrating: that branch is
     # test_a_plan_slower_than_the_warm_up_ends_on_the_warm_up_schedule's).
-    ddp = comm_heavy_ddp(deft, model, opt, warmup_iters=1, comm=3.0, plan_lag_iters=0)
+    ddp = comm_heavy_ddp(deft, model, opt, warmup_iters=1, comm=1.0, plan_lag_iters=0)
     digests = []
     for t in range(ITERS):
         ddp(coefficients(rank, t)).backward()
+        time.sleep(LOOP_S)
         opt.step()
         opt.zero_grad()
         digests.append(ddp.schedule.digest())
@@ -321,7 +326,7 @@ def test_adaptation_converges_and_keeps_every_gradient_exactly_once() -> None:
     assert a["adapt"] == b["adapt"]  # rank 0's decisions, broadcast
     # the first episode (a link's drift on loopback may re-open another before the run ends)
     records = [r for r in a["adapt"] if "episode" not in r]
-    assert records[0]["error"] > 0.10 and "comm_factor" in records[0]  # far off: calibrated
+    assert records[0]["error"] < -0.10 and records[0]["comm_factor"] > 1.0  # far slower: the links calibrated
     assert "settled" in records[-1]["decision"] or "back" in records[-1]["decision"]
     # every decision but the last went on adapting; the last ended the episode (the record says so)
     assert [r["settled"] for r in records] == [False] * (len(records) - 1) + [True], records
