@@ -25,6 +25,7 @@ ORDER = [
     "peers_lm_fp16.md",
     "peers_lm_machine.md",
     "peers_lm_adapt.md",
+    "peers_lm_settle.md",
     "prices.md",
     "prices_clock.md",
     "prices_drag.md",
