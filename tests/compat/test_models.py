@@ -91,9 +91,9 @@ def _compiled_mlp() -> nn.Module:
     return torch.compile(mlp(), backend="aot_eager")  # type: ignore[return-value]
 
 
-def compile_worker(rank: int, world: int, order: str, workdir: str) -> dict[str, Any]:
+def compile_worker(rank: int, world: int, order: str, recipe: str, workdir: str) -> dict[str, Any]:
     """``order``: ``"before"`` compiles the model and wraps the compiled one; ``"after"`` wraps, then
-    compiles the wrapper (torch's own advice for DDP)."""
+    compiles the wrapper (torch's own advice for DDP) and trains through the loop ``recipe`` names."""
     if order == "before":
         return run(Recipe(_compiled_mlp, _plain), rank, "forced", 0.0, workdir)
     import tests.compat._harness as h
@@ -105,15 +105,17 @@ def compile_worker(rank: int, world: int, order: str, workdir: str) -> dict[str,
 
     h.deft_wrapper = compiled_after  # type: ignore[assignment]
     try:
-        return run(Recipe(mlp, _plain), rank, "forced", 0.0, workdir)
+        return run(RECIPES[recipe], rank, "forced", 0.0, workdir)
     finally:
         h.deft_wrapper = wrap  # type: ignore[assignment]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("order", ["before", "after"])
-def test_torch_compile_before_or_after_wrapping(order: str, tmp_path: Any) -> None:
-    check_exact(values(run_ranks(compile_worker, 2, (order, str(tmp_path)), timeout=240)))
+# after wrapping also torch's documented AMP loop (GradScaler's unscale reads every gradient at the step)
+@pytest.mark.parametrize(("order", "recipe"), [("before", "plain"), ("after", "plain"),
+                                               ("after", "amp_bf16_documented")])
+def test_torch_compile_before_or_after_wrapping(order: str, recipe: str, tmp_path: Any) -> None:
+    check_exact(values(run_ranks(compile_worker, 2, (order, recipe, str(tmp_path)), timeout=240)))
 
 
 #: Iterations of the wrapper compiled after wrapping before its graphs must be stable: the watched first
