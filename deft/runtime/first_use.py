@@ -77,7 +77,7 @@ class FirstUseRecorder:
 
 
 def first_use_modules(module: nn.Module, params: list[torch.Tensor], recorded: Mapping[int, nn.Module],
-                      hooked: Callable[[nn.Module], nn.Module] = lambda m: m) -> dict[int, list[int]]:
+                      hooked: Callable[[nn.Module], nn.Module]) -> dict[int, list[int]]:
     """``id(module) -> parameter indices`` whose deferred updates its forward pre-hook applies: the
     recorded first use, else the module owning the parameter; ``hooked`` gives the module whose
     pre-hook runs first before that one's forward (``deft.runtime.eager.ForwardHooks.hooked``)."""
