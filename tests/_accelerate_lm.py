@@ -89,8 +89,8 @@ def lm_run(rank: int, world: int, *, deft: dict[str, Any] | None, mixed_precisio
 
     began = time.perf_counter()
     _reset()
-    if dynamo != "no":  # compiled afresh, as in a process of its own: Dynamo would reuse the code it
-        torch._dynamo.reset()  # compiled for GPT-2's classes in an earlier run, whose modules had no hooks
+    if dynamo != "no" and deft is None:  # torch DDP's compiled afresh; deft's run after it in this process
+        torch._dynamo.reset()  # gets that code for GPT-2's classes, which deft's wrapper must drop itself
     if deft is None:
         acc = accelerate.Accelerator(cpu=True, mixed_precision=mixed_precision, gradient_accumulation_steps=ACCUM,
                                      dynamo_backend=dynamo)

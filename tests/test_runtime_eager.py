@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import gc
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from deft.runtime.eager import ForwardHooks, outside_graphs
+from deft.runtime.eager import ForwardHooks, forget_compiled, outside_graphs
 
 
 class Net(nn.Module):
@@ -93,3 +96,69 @@ def test_the_same_bookkeeping_traced_recompiles_as_its_state_changes() -> None:
     step(torch.ones(2))
     with torch.compiler.set_stance("fail_on_recompile"), pytest.raises(RuntimeError, match="recompile"):
         step(torch.ones(2))
+
+
+class Broken(nn.Module):
+    """A forward Dynamo resumes after a graph break of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(h)
+
+
+def _returns_as_is(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A decorator as HuggingFace puts on its models' ``forward`` (``functools.wraps``)."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+class Decorated(Broken):
+    """A graph break in the decorated function: Dynamo compiles it as a frame of its own."""
+
+    @_returns_as_is
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        torch._dynamo.graph_break()
+        return self.second(h)
+
+
+def _heard_after_an_earlier_compile(cls: type[nn.Module], forget: bool) -> tuple[list[str], list[str]]:
+    """An instance of ``cls`` compiled and run before a second one gets deft's hooks; the second's
+    modules heard under ``torch.compile``, and what :func:`forget_compiled` dropped."""
+    torch._dynamo.reset()
+    torch.compile(cls(), backend="eager")(torch.randn(2, 4))
+    net = cls()
+    hooks = ForwardHooks(net)
+    dropped = forget_compiled(net) if forget else []
+    names = {id(m): n or "root" for n, m in net.named_modules()}
+    heard: list[str] = []
+    hooks.listen(pre=lambda m: heard.append(names[id(m)]))
+    torch.compile(net, backend="eager")(torch.randn(2, 4))
+    return heard, dropped
+
+
+@pytest.mark.parametrize("cls", [Net, Broken, Decorated])
+def test_code_compiled_for_the_class_before_the_hooks_is_dropped_and_the_hooks_run(cls: type[nn.Module]) -> None:
+    heard, dropped = _heard_after_an_earlier_compile(cls, forget=True)
+    children = ["body", "body.0", "body.2"] if cls is Net else ["first", "second"]
+    assert heard == ["root", *children]
+    assert dropped == [cls.forward.__qualname__]
+
+
+@pytest.mark.parametrize("cls", [Net, Broken, Decorated])
+def test_without_dropping_it_the_earlier_code_runs_past_the_hooks(cls: type[nn.Module]) -> None:
+    """The check above can fail: Dynamo reuses the class's code, compiled while no module had a hook."""
+    heard, _ = _heard_after_an_earlier_compile(cls, forget=False)
+    assert heard == ["root"]  # only the root's hook, which runs outside its compiled forward
+
+
+def test_nothing_compiled_for_the_class_nothing_dropped() -> None:
+    torch._dynamo.reset()
+    assert forget_compiled(Net()) == []

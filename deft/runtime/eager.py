@@ -23,9 +23,11 @@ would fail in place. So one pre-hook and one post-hook per module are installed 
 kept until it closes, and deft's collaborators listen to them for as long as they need.
 
 For the same reason, code Dynamo compiled for the model's classes *before* the wrapper was built
-(another instance, an earlier run in the same process) is reused for the wrapped model without deft's
-hooks: build the wrapper before compiling anything of its model's classes, or call
-``torch._dynamo.reset()`` first.
+(another instance compiled, torch DDP's run before deft's in one process) would be reused for the
+wrapped model without deft's hooks: a deferred update would not be applied before its module, and the
+backward would fail in place many iterations in. So the wrapper drops that code when it installs the
+hooks (:func:`forget_compiled`); the model's classes compile again, with the hooks, the next time Dynamo
+meets them.
 
 Note: a graph break at each hooked module is the price; torch DDP under Dynamo splits its graph at
 bucket boundaries for a similar reason (``DDPOptimizer``). A module compiled *before* wrapping gets its
@@ -104,6 +106,50 @@ class ForwardHooks:
         """``m``'s forward ended: every post listener."""
         for fn in tuple(self._post.values()):
             fn(m)
+
+
+def forget_compiled(root: nn.Module) -> list[str]:
+    """Drop the code Dynamo compiled for the ``forward`` of ``root``'s module classes (and the functions
+    their decorators wrap), and for the frames it resumes them in after a graph break; the names of the
+    forwards that had some.
+
+    Note: Dynamo caches compiled code on the code object of the function it compiled, which is the
+    class's ``forward``, shared by every instance; its guards check the instance's tensors but not
+    its modules' hooks (module docstring), so nothing else would tell the old code from the new. Code
+    of other classes is left as it is; an instance of these classes elsewhere compiles again once.
+    """
+    from torch._dynamo import eval_frame, resume_execution
+
+    resumes = resume_execution.ContinueExecutionCache.cache
+    dropped: list[str] = []
+    for fn in dict.fromkeys(type(m).forward for m in root.modules()):  # each class's once, in order
+        codes = [c for f in _unwrapped(fn) for c in _with_resumes(f.__code__, resumes)]
+        if any(eval_frame._debug_get_cache_entry_list(c) for c in codes):
+            for c in codes:
+                eval_frame.remove_from_cache(c)
+            dropped.append(fn.__qualname__)
+    return dropped
+
+
+def _unwrapped(fn: Any) -> list[Any]:
+    """``fn`` and the functions its decorators wrap (``__wrapped__``, as HuggingFace's ``forward``
+    decorators set it): Dynamo may have compiled any of them, the outermost's code shared by every
+    function that decorator wraps."""
+    out: list[Any] = []
+    while hasattr(fn, "__code__") and fn not in out:
+        out.append(fn)
+        fn = getattr(fn, "__wrapped__", None)
+    return out
+
+
+def _with_resumes(code: Any, resumes: Any) -> list[Any]:
+    """``code`` and every frame Dynamo generated to resume it, or them, after a graph break."""
+    out, todo = [], [code]
+    while todo:
+        c = todo.pop()
+        out.append(c)
+        todo.extend(resumes.get(c, {}).values())
+    return out
 
 
 def _pre_hook(me: weakref.ref[ForwardHooks]) -> Callable[[nn.Module, object], None]:

@@ -32,7 +32,7 @@ from deft.runtime.buckets import FlatLayout
 from deft.runtime.checkpoint import RuntimeState, StateDoc, check_mode
 from deft.runtime.codecs.hooks import CommHook, from_config
 from deft.runtime.course import Course
-from deft.runtime.eager import ForwardHooks, outside_graphs
+from deft.runtime.eager import ForwardHooks, forget_compiled, outside_graphs
 from deft.runtime.executor import Executor, PendingUpdate
 from deft.runtime.first_use import FirstUseRecorder
 from deft.runtime.grad_stats import check_probe_args, probe_curvature
@@ -64,6 +64,10 @@ class ScheduledRun:
                                        fresh=self._finish_deferred)
         # installed once, before any compile sees the module (deft.runtime.eager); the others listen
         self._forward_hooks = ForwardHooks(self.module)
+        dropped = forget_compiled(self.module)
+        if dropped:
+            log.info("deft: code torch.compile made for %s before deft's hooks existed is dropped: it compiles "
+                     "again with them", ", ".join(dropped))
         self._updates = UpdateApplier(self.module, self._params, self._executor, self._optim, cfg,
                                       self._forward_hooks, wiring.compiled)
         self._course = Course(cfg, self._control, self.module, self._names, self._params, self._links,
