@@ -26,6 +26,7 @@ ORDER = [
     "peers_lm_machine.md",
     "peers_lm_adapt.md",
     "peers_lm_settle.md",
+    "peers_lm_pair.md",
     "prices.md",
     "prices_clock.md",
     "prices_drag.md",

@@ -158,3 +158,19 @@ def test_every_plan_is_priced_against_its_own_measurement(peers: Any) -> None:
     # no adaptation: the schedule's prediction against the steady iteration
     got = peers.plan_prices(_deft_doc([], 1.0, 1.1))
     assert [(p.predicted_s, p.measured_s, p.on) for p in got] == [(1.1, 1.0, "run")]
+
+
+def _run(name: str, losses: list[float]) -> dict[str, Any]:
+    return {"summary": {"name": name}, "evals": [{"iter": 10 * (i + 1), "val_loss": v} for i, v in enumerate(losses)]}
+
+
+def test_the_loss_target_is_torch_ddps_at_80_percent_of_its_run(peers: Any) -> None:
+    runs = [_run("deft", [3.0, 2.9, 2.8, 2.7, 2.6]), _run("torch", [3.1, 3.0, 2.95, 2.85, 2.8])]
+    assert peers.WORKLOADS["lm"].targets(runs) == (2.85,)
+
+
+def test_without_torch_ddp_the_loss_target_is_the_median_over_every_run(peers: Any) -> None:
+    """Not the first run's own value, which that run reaches exactly and the others by chance."""
+    runs = [_run("deft", [3.0, 2.9, 2.8, 2.70, 2.6]), _run("deft-fp16", [3.0, 2.9, 2.8, 2.72, 2.6]),
+            _run("deft", [3.0, 2.9, 2.8, 2.76, 2.6])]
+    assert peers.WORKLOADS["lm"].targets(runs) == (2.72,)
