@@ -7,11 +7,15 @@ loads them in fresh processes and finishes the run; the final parameters and the
 those of the uninterrupted run bit for bit. The wrapper's state_dict is saved twice, with ``torch.save``
 and with ``safetensors`` (tensors only: deft's record is one uint8 tensor); the resumed run loads the
 safetensors file, the torch.save one is loaded with ``weights_only=True`` for the checks of bad input.
+The same checkpoint taken with ``torch.distributed.checkpoint`` (every rank saves at once) resumes the
+same way.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import io
 from pathlib import Path
 
 import pytest
@@ -21,7 +25,16 @@ from torch import nn
 
 from deft.config import DeftConfig
 from deft.errors import ContractError
-from deft.runtime.checkpoint import LocalStepsState, check_mode, check_stamp, decode_record, encode_record, stamp
+from deft.runtime.checkpoint import (
+    LocalStepsState,
+    check_mode,
+    check_stamp,
+    decode_record,
+    encode_record,
+    record_key,
+    stamp,
+    take_records,
+)
 from deft.runtime.compat import shared_config
 from tests._dist import run_ranks, slow_first_planner, values
 from tests.test_runtime_delayed import delayed_schedule
@@ -99,7 +112,7 @@ def resume_worker(rank: int, world: int, schedule_path: str, ckpt_dir: str,
         assert f"load it on rank {1 - rank} of 2" in str(e), e
     ckpt = torch.load(Path(ckpt_dir) / f"rank{rank}.pt", weights_only=True)
     if compression == "int8-schedule":  # a damaged codec state is refused, naming the field, before any change
-        key = next(k for k in ckpt["ddp"] if k.endswith("_extra_state"))
+        key = record_key(rank)
         state = decode_record(ckpt["ddp"][key])
         assert isinstance(state, dict)
         assert state["codec_hooks"]["int8"]["state"]["calls"] > 0  # the schedule's int8 hook ran and counted
@@ -136,6 +149,61 @@ def test_checkpoint_mid_cycle_resumes_exactly(tmp_path: Path, compression: str) 
         assert resumed[r]["log"] == first[r]["full"]["log"]
         assert resumed[r]["params"] == first[r]["full"]["params"]  # bit for bit
     assert resumed[0]["params"] == resumed[1]["params"]
+
+
+# -- torch.distributed.checkpoint ---------------------------------------------------------------------
+def dcp_save_worker(rank: int, world: int, schedule_path: str, ckpt_dir: str, compression: str) -> None:
+    """The first half of :func:`first_half_worker`'s run, saved as torch's DCP recipe does for a DDP
+    model: ``get_state_dict(model, optimizer)`` into ``dcp.save``, every rank at once."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import deft
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, config=config(schedule_path, compression))
+    train(ddp, opt, rank, 0, STOP)
+    model_sd, optim_sd = get_state_dict(ddp, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(Path(ckpt_dir) / "dcp"))
+
+
+def dcp_resume_worker(rank: int, world: int, schedule_path: str, ckpt_dir: str,
+                      compression: str) -> dict[str, object]:
+    """A fresh wrapper and optimizer loaded as torch's DCP recipe does (``get_state_dict``, ``dcp.load``,
+    ``set_state_dict``), trained to the end."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import deft
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, config=config(schedule_path, compression))
+    model_sd, optim_sd = get_state_dict(ddp, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(Path(ckpt_dir) / "dcp"))
+    set_state_dict(ddp, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert ddp.iteration == STOP
+    train(ddp, opt, rank, STOP, TOTAL)
+    ddp.flush()
+    return {"params": [p.tolist() for p in model.parameters()], "log": [[t, list(i)] for t, i in ddp.update_log]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compression", ["none", "powersgd"])
+def test_a_torch_distributed_checkpoint_mid_cycle_resumes_exactly(tmp_path: Path, compression: str) -> None:
+    """DCP keeps one copy of a key every rank saves, and loads a tensor only into one of the saved size:
+    each rank's record (its own queued gradients, PowerSGD's error feedback) must come back to it."""
+    sched = tmp_path / "schedule.json"
+    delayed_schedule((30, 30, 23)).save(sched)
+    first = values(run_ranks(first_half_worker, 2, (str(sched), str(tmp_path), compression), timeout=120))
+    assert first[0]["pending_at_stop"] == {"6": [[0, 1], [5, 6]]}
+    values(run_ranks(dcp_save_worker, 2, (str(sched), str(tmp_path), compression), timeout=120))
+    resumed = values(run_ranks(dcp_resume_worker, 2, (str(sched), str(tmp_path), compression), timeout=120))
+    for r in range(2):
+        assert resumed[r]["log"] == first[r]["full"]["log"]
+        assert resumed[r]["params"] == first[r]["full"]["params"]  # bit for bit
 
 
 # -- a checkpoint while rank 0 plans in the background -----------------------------------------------
@@ -200,18 +268,18 @@ def test_local_steps_record_round_trips_and_names_what_it_refuses() -> None:
     st = LocalStepsState(rank=1, world=2, t=7, local_steps=pending)
     doc = st.to_dict()
     assert doc["mode"] == "local_steps" and LocalStepsState.from_dict(doc) == st
-    with pytest.raises(ContractError, match=r"_extra_state\.version: expected local-steps state version 1, got 2"):
+    with pytest.raises(ContractError, match=r"deft_state\.version: expected local-steps state version 1, got 2"):
         LocalStepsState.from_dict({**doc, "version": 2})
-    with pytest.raises(ContractError, match=r"_extra_state: missing field\(s\) \['t'\]"):
+    with pytest.raises(ContractError, match=r"deft_state: missing field\(s\) \['t'\]"):
         LocalStepsState.from_dict({k: v for k, v in doc.items() if k != "t"})
-    with pytest.raises(ContractError, match=r"_extra_state: expected a dict, got list"):
+    with pytest.raises(ContractError, match=r"deft_state: expected a dict, got list"):
         LocalStepsState.from_dict([])
     # an averaging in flight belongs to the rank that saved it; without one any rank of the same world loads
-    with pytest.raises(ContractError, match=r"_extra_state\.rank: this checkpoint holds rank 1's \(of 2\) snapshot"):
+    with pytest.raises(ContractError, match=r"deft_state\.rank: this checkpoint holds rank 1's \(of 2\) snapshot"):
         st.check_owner(0, 2)
     st.check_owner(1, 2)
     dataclasses.replace(st, local_steps={"pending": None}).check_owner(0, 2)
-    with pytest.raises(ContractError, match=r"_extra_state\.rank"):
+    with pytest.raises(ContractError, match=r"deft_state\.rank"):
         dataclasses.replace(st, local_steps={"pending": None}).check_owner(0, 3)
 
 
@@ -219,7 +287,7 @@ def test_a_record_is_loaded_only_by_the_mode_that_saved_it() -> None:
     local_doc = LocalStepsState(rank=0, world=1, t=0, local_steps={}).to_dict()
     check_mode(local_doc, local_steps=True)
     check_mode({"version": 1}, local_steps=False)
-    with pytest.raises(ContractError, match=r"_extra_state\.mode: the checkpoint was saved in local-steps mode and "
+    with pytest.raises(ContractError, match=r"deft_state\.mode: the checkpoint was saved in local-steps mode and "
                                             r"this wrapper runs outside it \(config.local_steps must match\)"):
         check_mode(local_doc, local_steps=False)
     with pytest.raises(ContractError, match="saved outside local-steps mode and this wrapper runs in it"):
@@ -234,10 +302,32 @@ def test_the_record_travels_as_one_uint8_tensor_and_bad_bytes_are_named() -> Non
     assert isinstance(back, dict) and back["version"] == 1 and back["order"].tolist() == [0, 1, 2, 3]
     assert back["groups"][0]["buffers"]["float32"].tolist() == [1.0, 1.0, 1.0]
     assert decode_record({"version": 1}) == {"version": 1}  # the document itself (an older checkpoint)
-    with pytest.raises(ContractError, match=r"_extra_state: the uint8 tensor is not a deft record"):
+    with pytest.raises(ContractError, match=r"deft_state: the uint8 tensor is not a deft record"):
         decode_record(torch.zeros(16, dtype=torch.uint8))
-    with pytest.raises(ContractError, match=r"_extra_state: expected deft's record .* got a 2-D torch.float32"):
+    with pytest.raises(ContractError, match=r"deft_state: expected deft's record .* got a 2-D torch.float32"):
         decode_record(torch.zeros(2, 2))
+
+
+def test_the_record_copies_and_pickles_as_a_plain_uint8_tensor() -> None:
+    """``copy.deepcopy(ddp.state_dict())`` (a kept best model) and ``torch.save``: nothing of deft's needed
+    to read it back."""
+    t = encode_record({"version": 1})
+    kept = copy.deepcopy({"r": t})["r"]
+    assert decode_record(kept) == {"version": 1}
+    buf = io.BytesIO()
+    torch.save({"r": t}, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=True)["r"]
+    assert type(back) is torch.Tensor and decode_record(back) == {"version": 1}
+
+
+def test_each_ranks_record_and_an_older_checkpoints_are_taken_out_of_the_state_dict() -> None:
+    sd = {"module.w": torch.ones(1), "deft_state_rank0": torch.zeros(1), "deft_state_rank1": torch.ones(2),
+          "_extra_state": torch.ones(3), "inner.deft_state_rank0": torch.ones(4)}
+    found = take_records(sd, "")
+    assert sorted(found, key=str) == [0, 1, None] and found[1].numel() == 2 and found[None].numel() == 3
+    assert sorted(sd) == ["inner.deft_state_rank0", "module.w"]  # another prefix's stays
+    assert record_key(1) == "deft_state_rank1"
 
 
 def test_a_record_of_another_world_or_config_is_refused_naming_the_field() -> None:
@@ -245,11 +335,11 @@ def test_a_record_of_another_world_or_config_is_refused_naming_the_field() -> No
     doc = stamp({"version": 1, "world": 2}, shared)
     check_stamp(doc, 2, shared)
     check_stamp(doc, 2, shared_config(DeftConfig.resolve({"epsilon": 0.1, "timeout_s": 5, "adapt": False})))
-    with pytest.raises(ContractError, match=r"_extra_state\.world: the checkpoint was saved by a job of 2 ranks "
+    with pytest.raises(ContractError, match=r"deft_state\.world: the checkpoint was saved by a job of 2 ranks "
                                             r"and this one has 4"):
         check_stamp(doc, 4, shared)
     other = shared_config(DeftConfig.resolve({"epsilon": 0.0, "compression": "fp16"}))
-    with pytest.raises(ContractError, match=r"_extra_state\.config: .*epsilon \(saved 0\.1, now 0\.0\); "
+    with pytest.raises(ContractError, match=r"deft_state\.config: .*epsilon \(saved 0\.1, now 0\.0\); "
                                             r"compression \(saved 'auto', now 'fp16'\)"):
         check_stamp(doc, 2, other)
     check_stamp({"version": 1, "world": 2}, 2, other)  # no stamp (an older checkpoint): its mode checks it

@@ -523,7 +523,7 @@ def test_local_steps_mode_refusals_views_and_foreign_checkpoints() -> None:
     for r in values(run_ranks(modes_worker, 2)):
         assert "no bucket to hook" in r["hook"] and r["hook"].startswith("DeftError: register_comm_hook")
         assert r["schedule"].startswith("DeftError: schedule: local-steps mode")
-        assert "_extra_state.mode" in r["local_into_scheduled"]
+        assert "deft_state.mode" in r["local_into_scheduled"]
         assert "saved in local-steps mode and this wrapper runs outside it" in r["local_into_scheduled"]
         assert "saved outside local-steps mode and this wrapper runs in it" in r["scheduled_into_local"]
         assert r["calibrate"] is None

@@ -205,7 +205,7 @@ class Accelerator(accelerate.Accelerator):
         """
         location = super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
         if self.deft_wrappers:
-            records = [w.get_extra_state() for w in self.deft_wrappers]
+            records = [w.get_deft_state() for w in self.deft_wrappers]
             torch.save({"records": records}, Path(location) / RECORD_FILE.format(rank=self.process_index))
         return str(location)
 
@@ -223,7 +223,7 @@ class Accelerator(accelerate.Accelerator):
             raise DeftError(f"{path}: {len(records)} deft record(s) for {len(self.deft_wrappers)} prepared "
                             "deft model(s): prepare the same models as the run that saved it")
         for w, record in zip(self.deft_wrappers, records, strict=True):
-            w.set_extra_state(record)
+            w.set_deft_state(record)
 
 
 def _core(model: object) -> object:

@@ -68,7 +68,7 @@ from deft.runtime.phase import Phase
 
 #: The name ``Trainer(strategy=...)`` takes.
 NAME = "deft"
-#: The checkpoint key holding deft's record (the wrapper's ``get_extra_state()``).
+#: The checkpoint key holding deft's record (the wrapper's ``get_deft_state()``).
 CHECKPOINT_KEY = "deft"
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ class DeftMethods(_Base):
                                       **self._ddp_kwargs)
         record, self._deft_record = self._deft_record, None
         if record is not None:
-            ddp.set_extra_state(record)
+            ddp.set_deft_state(record)
         return ddp
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -163,7 +163,7 @@ class DeftMethods(_Base):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         ddp = self.deft_ddp
         if ddp is not None and ddp.phase is Phase.IDLE:  # between micro-batches the resumed run profiles again
-            checkpoint[CHECKPOINT_KEY] = ddp.get_extra_state()
+            checkpoint[CHECKPOINT_KEY] = ddp.get_deft_state()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -171,7 +171,7 @@ class DeftMethods(_Base):
         record = checkpoint.get(CHECKPOINT_KEY)
         ddp = self.deft_ddp
         if record is not None and ddp is not None:
-            ddp.set_extra_state(record)
+            ddp.set_deft_state(record)
         else:
             self._deft_record = record
 

@@ -29,7 +29,7 @@ from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.errors import DeftError
 from deft.profile import Profile
-from deft.runtime.checkpoint import check_stamp, decode_record, encode_record, stamp
+from deft.runtime.checkpoint import check_stamp, decode_record, encode_record, record_key, stamp, take_records
 from deft.runtime.codecs.first_iteration import TimedBroadcast
 from deft.runtime.codecs.hooks import CommHook
 from deft.runtime.compat import (
@@ -111,6 +111,11 @@ class DistributedDataParallel(nn.Module):
         self._sync_buffers = self.broadcast_buffers if forward_sync_buffers is None else bool(forward_sync_buffers)
         self._buffers_due = True  # the next forward broadcasts the buffers (torch DDP's first forward does)
         self._build(given_profile, optimizer)
+        # deft's record travels in state_dict() under this rank's key (deft.runtime.checkpoint, its Note)
+        self._record_to_load: dict[int | None, object] = {}
+        self.register_state_dict_post_hook(_add_record)
+        self.register_load_state_dict_pre_hook(_take_record)
+        self.register_load_state_dict_post_hook(_load_record)
 
     def _connect(self, init_sync: bool) -> None:
         """Collective: the control plane, the ranks' agreement on config and model, the links, and
@@ -294,14 +299,37 @@ class DistributedDataParallel(nn.Module):
         self._mode.close()
 
     # -- checkpoint (deft.runtime.checkpoint) ----------------------------------------------------
-    def get_extra_state(self) -> torch.Tensor:
-        """deft's runtime state for ``state_dict()``: the mode's record as one uint8 tensor, so the
+    def get_deft_state(self) -> torch.Tensor:
+        """deft's runtime state, which ``state_dict()`` holds under this rank's key
+        (:func:`deft.runtime.checkpoint.record_key`): the mode's record as one uint8 tensor, so the
         state_dict saves with safetensors too (:func:`deft.runtime.checkpoint.encode_record`)."""
         return encode_record(stamp(self._mode.state(), shared_config(self.config)))
 
-    def set_extra_state(self, state: object) -> None:
-        """Restore :meth:`get_extra_state` (or the record itself, a dict); a record of another world
+    def set_deft_state(self, state: object) -> None:
+        """Restore :meth:`get_deft_state` (or the record itself, a dict); a record of another world
         size or config is refused first (:func:`deft.runtime.checkpoint.check_stamp`)."""
         doc = decode_record(state, self.device)
         check_stamp(doc, self.world, shared_config(self.config))
         self._mode.load_state(doc)
+
+
+def _add_record(ddp: DistributedDataParallel, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """``state_dict()``'s post-hook: this rank's record, after the module's parameters (whose pre-hook
+    finished the deferred updates)."""
+    state_dict[prefix + record_key(ddp.rank)] = ddp.get_deft_state()
+
+
+def _take_record(ddp: DistributedDataParallel, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """``load_state_dict()``'s pre-hook: the records out of ``state_dict`` (no unexpected keys), kept
+    for the post-hook, so that the record is loaded after the parameters, as it was saved."""
+    ddp._record_to_load = take_records(state_dict, prefix)
+
+
+def _load_record(ddp: DistributedDataParallel, incompatible_keys: Any) -> None:
+    """``load_state_dict()``'s post-hook: this rank's record, or else the one record given (a single
+    file saved by one rank: refused where it holds that rank's own pending state)."""
+    found, ddp._record_to_load = ddp._record_to_load, {}
+    if not found:
+        return  # torch DDP's state_dict, or the module's: deft starts as after a module checkpoint
+    own = ddp.rank if ddp.rank in found else None if None in found else min(r for r in found if r is not None)
+    ddp.set_deft_state(found[own])

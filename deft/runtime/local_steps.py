@@ -365,18 +365,18 @@ class LocalSteps:
 
     def load_state_dict(self, state: object) -> None:
         if not isinstance(state, dict):
-            raise ContractError(SOURCE, "_extra_state.local_steps", f"expected a dict, got {type(state).__name__}")
+            raise ContractError(SOURCE, "deft_state.local_steps", f"expected a dict, got {type(state).__name__}")
         if state.get("version") != STATE_VERSION:
-            raise ContractError(SOURCE, "_extra_state.local_steps.version",
+            raise ContractError(SOURCE, "deft_state.local_steps.version",
                                 f"expected version {STATE_VERSION}, got {state.get('version')!r}: the record was "
                                 "written by another version of deft's local-steps mode")
         for key, mine in (("H", self.h_max), ("local_period", self.period_mode), ("outer", self.outer)):
             if state.get(key) != mine:
-                raise ContractError(SOURCE, f"_extra_state.local_steps.{key}",
+                raise ContractError(SOURCE, f"deft_state.local_steps.{key}",
                                     f"the checkpoint was saved with {key} = {state.get(key)!r}, this run has {mine!r}")
         pending = state.get("pending")
         if pending is not None and int(pending["apply_after"]) - int(pending["step"]) != self.delay:
-            raise ContractError(SOURCE, "_extra_state.local_steps.pending",
+            raise ContractError(SOURCE, "deft_state.local_steps.pending",
                                 f"an averaging in flight due {int(pending['apply_after']) - int(pending['step'])} "
                                 f"steps after its launch, this run applies after {self.delay} "
                                 "(local_overlap / local_overlap_iters differ)")
@@ -411,12 +411,12 @@ class LocalSteps:
             ada = doc["adacomm"]
             adacomm = None if ada is None else AdaComm.from_json(ada)
         except (KeyError, TypeError, ValueError) as e:
-            raise ContractError(SOURCE, "_extra_state.local_steps.period",
+            raise ContractError(SOURCE, "deft_state.local_steps.period",
                                 f"a damaged running period's record ({type(e).__name__}: {e})") from None
         floor = period_floor(self.delay)
         if (adacomm is None) != (self.adacomm is None) or not self.h_max >= h >= floor \
                 or (adacomm is not None and adacomm.h_min != floor):
-            raise ContractError(SOURCE, "_extra_state.local_steps.period",
+            raise ContractError(SOURCE, "deft_state.local_steps.period",
                                 f"period H = {h} (adacomm record: {adacomm is not None}) does not fit this run's "
                                 f"local_period {self.period_mode!r}, H_max {self.h_max}, overlap {self.delay}")
         self.h, self.next_point, self.gaps, self.loss_sum, self.loss_count = h, next_point, gaps, loss_sum, loss_count
@@ -428,7 +428,7 @@ class LocalSteps:
         want = {name: sum(p.numel() for p in ps) for name, ps in self.groups.items()}
         got = {k: v.numel() for k, v in doc.items()} if isinstance(doc, dict) else None
         if got != want:
-            raise ContractError(SOURCE, f"_extra_state.local_steps.{field}",
+            raise ContractError(SOURCE, f"deft_state.local_steps.{field}",
                                 f"expected flat vectors of {want} elements per dtype (this model), got {got}")
 
     def _copy(self, doc: object) -> dict[str, torch.Tensor] | None:

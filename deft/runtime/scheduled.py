@@ -330,7 +330,8 @@ class ScheduledRun:
     def _before_step(self) -> None:
         """Before the user's ``optimizer.step()``: the due update's gradient is in ``p.grad``."""
         if self._phase is Phase.IDLE:
-            self._updates.clear_grads()  # a step without an iteration changes nothing
+            # no iteration: the step applies whatever gradients the caller set, as under torch DDP
+            # (torch.distributed.checkpoint's get_state_dict steps zero gradients at lr 0 to create the state)
             self._step_open = False
             return
         if self._phase is Phase.FORWARD and self._micro_batches:

@@ -110,19 +110,19 @@ class SoloState:
     def from_dict(cls, state: object) -> SoloState:
         """Read and check a saved record; every problem names the field."""
         if not isinstance(state, dict):
-            raise ContractError(SOURCE, "_extra_state", f"expected a dict, got {type(state).__name__}")
+            raise ContractError(SOURCE, "deft_state", f"expected a dict, got {type(state).__name__}")
         if state.get("solo") is not True:
-            raise ContractError(SOURCE, "_extra_state.solo",
+            raise ContractError(SOURCE, "deft_state.solo",
                                 "the checkpoint was saved by deft's scheduling machinery (config.solo = false or "
                                 "more than one rank) and this one-rank wrapper runs solo: build it with "
                                 "solo = false to resume it, or load only ddp.module's and the optimizer's state "
                                 "dicts")
         if state.get("version") != SOLO_STATE_VERSION:
-            raise ContractError(SOURCE, "_extra_state.version",
+            raise ContractError(SOURCE, "deft_state.version",
                                 f"expected solo state version {SOLO_STATE_VERSION}, got {state.get('version')!r}")
         missing = [k for k in ("rank", "world", "t") if k not in state]
         if missing:
-            raise ContractError(SOURCE, "_extra_state", f"missing field(s) {missing}")
+            raise ContractError(SOURCE, "deft_state", f"missing field(s) {missing}")
         return cls(rank=int(state["rank"]), world=int(state["world"]), t=int(state["t"]),
                    local_steps=state.get("mode") == LOCAL_MODE)
 
@@ -225,6 +225,6 @@ class SoloMode:
     def load_state(self, state: object) -> None:
         st = SoloState.from_dict(state)
         if st.world != self.world:
-            raise ContractError(SOURCE, "_extra_state.world", f"the checkpoint was saved by a job of {st.world} "
+            raise ContractError(SOURCE, "deft_state.world", f"the checkpoint was saved by a job of {st.world} "
                                 f"ranks and this one has {self.world}")
         self._t = st.t

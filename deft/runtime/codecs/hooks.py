@@ -159,7 +159,7 @@ class CommHook:
         raise DeftError(f"the comm hook state {type(st).__name__} cannot be checkpointed: give it state_dict() and "
                         "load_state_dict(), or use a PowerSGDState / a process group")
 
-    def load_state_dict(self, saved: StateDoc | None, source: str, field: str = "_extra_state.comm_hook") -> None:
+    def load_state_dict(self, saved: StateDoc | None, source: str, field: str = "deft_state.comm_hook") -> None:
         """Restore :meth:`state_dict`; a state the hook's own ``load_state_dict`` refuses is a
         :class:`ContractError` naming ``field``."""
         st = self.state
@@ -167,7 +167,7 @@ class CommHook:
             return
         if saved.get("kind") == "PowerSGDState":
             if not isinstance(st, powerSGD_hook.PowerSGDState):
-                raise ContractError(source, "_extra_state.comm_hook", f"the checkpoint holds a PowerSGD state but "
+                raise ContractError(source, "deft_state.comm_hook", f"the checkpoint holds a PowerSGD state but "
                                     f"the registered hook's state is {type(st).__name__}")
             doc = dict(saved["state"])
             rng = doc.pop("rng")

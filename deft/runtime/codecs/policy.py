@@ -125,7 +125,7 @@ class CodecPolicy:
         if saved is None:
             return
         if self._comm_hook is None:
-            raise ContractError(source, "_extra_state.comm_hook", "the checkpoint holds a comm hook's state but no "
+            raise ContractError(source, "deft_state.comm_hook", "the checkpoint holds a comm hook's state but no "
                                 "hook is registered: call ddp.register_comm_hook(...) before load_state_dict")
         self._comm_hook.load_state_dict(saved, source)
 
@@ -137,7 +137,7 @@ class CodecPolicy:
     def load_hook_states(self, saved: dict[str, StateDoc], source: str) -> None:
         """Restore :meth:`hook_states` (a resumed run rounds as the uninterrupted one)."""
         for name, st in saved.items():
-            self._hook(name).load_state_dict(st, source, f"_extra_state.codec_hooks.{name}")
+            self._hook(name).load_state_dict(st, source, f"deft_state.codec_hooks.{name}")
 
     def restore(self, profile_codec: object | None) -> None:
         """A checkpoint is loaded: its record of the profile iterations' codec (a damaged one is refused)."""
