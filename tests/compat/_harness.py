@@ -54,7 +54,7 @@ class Recipe:
     batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
     scaler: bool = False
     restart_at: int | None = None  # checkpoint and resume in a fresh wrapper before this iteration
-    restart_from: str = "wrapper"  # whose state_dict the checkpoint holds: the wrapper's or the module's
+    restart_from: str = "wrapper"  # how the checkpoint is taken: the wrapper's state_dict, the module's, or "dcp"
 
 
 @dataclass
@@ -214,6 +214,8 @@ def _resume(recipe: Recipe, loop: Loop, kind: str, mode: str, epsilon: float | N
     """A checkpoint the way users take one (the wrapper's state_dict, or the bare module's as many
     scripts do, with the optimizer's and the scaler's), saved to a file and loaded into a fresh model,
     wrapper and optimizer."""
+    if recipe.restart_from == "dcp":
+        return _resume_dcp(recipe, loop, kind, mode, epsilon, workdir, rank)
     path = os.path.join(workdir, f"{kind}-rank{rank}.pt")
     whose = loop.wrapped if recipe.restart_from == "wrapper" else loop.model
     torch.save({"model": whose.state_dict(), "opt": loop.opt.state_dict(),
@@ -235,6 +237,28 @@ def _resume(recipe: Recipe, loop: Loop, kind: str, mode: str, epsilon: float | N
         scaler = torch.amp.GradScaler("cpu")
         scaler.load_state_dict(saved["scaler"])
     return Loop(model, wrapped, opt, rank, loop.log, scaler, loop.is_deft)
+
+
+def _resume_dcp(recipe: Recipe, loop: Loop, kind: str, mode: str, epsilon: float | None, workdir: str,
+                rank: int) -> Loop:
+    """torch.distributed.checkpoint as torch's recipe takes one of a DDP model: ``get_state_dict`` of the
+    wrapper and optimizer into ``dcp.save`` on every rank; a fresh model, wrapper and optimizer whose
+    ``get_state_dict`` ``dcp.load`` fills, then ``set_state_dict``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    folder = os.path.join(workdir, f"{kind}-dcp")
+    model_sd, optim_sd = get_state_dict(loop.wrapped, loop.opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+    model = recipe.model()
+    wrapped: nn.Module = (nn.parallel.DistributedDataParallel(model) if kind == "torch"
+                          else deft_wrapper(model, mode, epsilon, workdir, rank))
+    opt = recipe.optimizer(model)
+    model_sd, optim_sd = get_state_dict(wrapped, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(wrapped, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return Loop(model, wrapped, opt, rank, loop.log, loop.scaler, loop.is_deft)
 
 
 def worst_relative(a: list[list[float]], b: list[list[float]]) -> float:

@@ -141,6 +141,7 @@ RECIPES: dict[str, Recipe] = {
     "batchnorm_eval_mid_training": Recipe(_bn_model, _bn_eval),
     "checkpoint_and_resume": Recipe(mlp, _plain, optimizer=_adam, restart_at=13),
     "checkpoint_of_the_module": Recipe(mlp, _plain, optimizer=_adam, restart_at=13, restart_from="module"),
+    "checkpoint_through_dcp": Recipe(mlp, _plain, optimizer=_adam, restart_at=13, restart_from="dcp"),
     "functional_parameter_use": Recipe(_functional_model, _plain, optimizer=_adam),
 }
 
