@@ -32,6 +32,7 @@ ORDER = [
     "prices_drag.md",
     "prices_wait.md",
     "prices_drift.md",
+    "prices_settle.md",
     "codec_paths.md",
     "slow_links.md",
     "house.md",
