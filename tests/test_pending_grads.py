@@ -70,3 +70,34 @@ def test_settle_for_step_keeps_touched_and_drops_untouched_and_placeholders() ->
     assert untouched.grad is None and calls == []  # applied in the next forward, never waited for here
     assert placeholder.grad is None  # never applied
     assert torch.equal(plain.grad, torch.tensor([7.0, 8.0]))
+
+
+def _after_step(value: torch.Tensor) -> tuple[torch.nn.Parameter, list[int]]:
+    calls: list[int] = []
+    p = torch.nn.Parameter(torch.zeros_like(value))
+
+    def read() -> torch.Tensor:
+        calls.append(1)
+        return value.clone()
+    p.grad = PendingGrad.after_step(p, read)
+    return p, calls
+
+
+def test_an_after_step_gradient_zeroed_waits_for_nothing_and_reads_zeros() -> None:
+    """``zero_grad(set_to_none=False)`` right after the step: no wait for the bucket, zeros after."""
+    p, calls = _after_step(torch.tensor([1.0, -2.0]))
+    q = torch.nn.Parameter(torch.ones(2))
+    q.grad = torch.ones(2)
+    torch.optim.SGD([p, q], lr=0.1).zero_grad(set_to_none=False)
+    assert calls == []
+    assert p.grad is not None and q.grad is not None
+    assert p.grad.tolist() == [0.0, 0.0] and q.grad.tolist() == [0.0, 0.0]
+
+
+def test_an_after_step_gradient_read_gives_its_value_and_a_pending_one_zeroed_is_resolved() -> None:
+    p, calls = _after_step(torch.tensor([3.0, 4.0]))
+    assert p.grad is not None and float(p.grad.norm()) == 5.0 and calls == [1]
+    before, waited = _param_with_pending(torch.tensor([1.0]))  # before the step: zeroing it is touching it
+    assert before.grad is not None
+    before.grad.zero_()
+    assert waited == [1] and before.grad.tolist() == [0.0]

@@ -781,6 +781,15 @@ class Executor:
                 self._close(g)
         return grads
 
+    def peek(self, i: int) -> torch.Tensor | None:
+        """Deferred parameter ``i``'s averaged gradient, waited for, while it stays deferred (a read after
+        the step: the next forward still applies it); None if it is not deferred."""
+        for g in [g for g in self.groups.values() if g.deferred and i in g.deferred]:
+            assert self.layout is not None
+            self._settle(g, sorted(self.layout.param_buckets[i]))
+            return self._grads(g, [i])[i]
+        return None
+
     def judge_pending(self) -> None:
         """Collective, between iterations (every rank after its step): wait for every guarded send still in
         flight and judge them all with one agreement (:meth:`_judge_guarded`). Then nothing after the step

@@ -22,6 +22,11 @@ optimizer reads it (:func:`settle_for_step`) and applied in the next forward. So
 A *placeholder* (:meth:`PendingGrad.zeros`) stands in ``p.grad`` at a step where no update is due (a
 merged schedule's inner iterations): zeros for code that reads it (GradScaler needs some gradient to
 inf-check), taken out before the optimizer steps, so the step changes nothing.
+
+After the step, as torch DDP leaves the averaged gradient in ``p.grad`` until ``zero_grad()``, each
+one taken out comes back as an *after-step* future (:meth:`PendingGrad.after_step`): a read waits for
+the bucket without taking the update from the next forward, and zeroing it (``zero_grad(set_to_none=
+False)``) waits for nothing.
 """
 
 from __future__ import annotations
@@ -39,13 +44,14 @@ class PendingGrad(torch.Tensor):
     _resolve: Callable[[], torch.Tensor]
     _value: torch.Tensor | None
     placeholder: bool
+    after: bool  # an after-step future (module docstring)
 
     @staticmethod
     def __new__(cls, like: torch.Tensor, resolve: Callable[[], torch.Tensor], placeholder: bool = False
                 ) -> PendingGrad:
         r = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device,
                                                 requires_grad=False)
-        r._resolve, r._value, r.placeholder = resolve, None, placeholder
+        r._resolve, r._value, r.placeholder, r.after = resolve, None, placeholder, False
         return r
 
     def __init__(self, like: torch.Tensor, resolve: Callable[[], torch.Tensor], placeholder: bool = False) -> None:
@@ -55,6 +61,14 @@ class PendingGrad(torch.Tensor):
     def zeros(cls, like: torch.Tensor) -> PendingGrad:
         """A placeholder: zeros to whoever reads it; never applied."""
         return cls(like, lambda: torch.zeros(like.shape, dtype=like.dtype, device=like.device), placeholder=True)
+
+    @classmethod
+    def after_step(cls, like: torch.Tensor, read: Callable[[], torch.Tensor]) -> PendingGrad:
+        """What ``p.grad`` holds after the step where the update is still deferred: ``read`` gives its
+        value without taking it from the executor (module docstring)."""
+        r = cls(like, read)
+        r.after = True
+        return r
 
     @property
     def resolved(self) -> bool:
@@ -83,9 +97,33 @@ class PendingGrad(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: object,  # type: ignore[override]
                            args: tuple[object, ...] = (), kwargs: dict[str, object] | None = None) -> object:
+        if func in _ZEROING and _zeroed_after_step(args[0]):
+            return args[0]
+
         def unwrap(x: object) -> object:
             return x.value() if isinstance(x, PendingGrad) else x
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+#: What ``zero_grad(set_to_none=False)`` runs on the gradients.
+_ZEROING = (torch.ops.aten.zero_.default, torch.ops.aten._foreach_zero_.default)
+
+
+def _zeroed_after_step(target: object) -> bool:
+    """Zero the after-step futures among ``target`` (a tensor or a list) without waiting for them, and
+    the other tensors of a list as usual; False (nothing done) when an unresolved pre-step one is
+    among them: that one is resolved and zeroed as any operation does."""
+    items = list(target) if isinstance(target, (list, tuple)) else [target]
+    if any(isinstance(t, PendingGrad) and not t.after and not t.resolved for t in items):
+        return False
+    for t in items:
+        if isinstance(t, PendingGrad) and not t.resolved:
+            t._value = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+        elif isinstance(t, PendingGrad):
+            t.value().zero_()
+        else:
+            t.zero_()  # type: ignore[union-attr]
+    return True
 
 
 def settle_for_step(params: Iterable[torch.Tensor]) -> None:

@@ -60,7 +60,7 @@ class ScheduledRun:
         self.rank, self.world, self._cuda = wiring.rank, wiring.world, wiring.device.type == "cuda"
         self._control, self._links, self._sync = wiring.control, wiring.links, wiring.sync
         self._executor = Executor(self._params, self._links, self.rank, self.world, cfg.timeout_s, self.device)
-        self._optim = OptimizerBinding(self._params, self._before_step, self._after_step, optimizer,
+        self._optim = OptimizerBinding(self._params, self._before_step, self._after_user_step, optimizer,
                                        fresh=self._finish_deferred)
         # installed once, before any compile sees the module (deft.runtime.eager); the others listen
         self._forward_hooks = ForwardHooks(self.module)
@@ -237,6 +237,7 @@ class ScheduledRun:
         st = RuntimeState.from_dict(state)
         self._require_idle("deft's state can only be loaded; loading")
         st.check_owner(self.rank, self.world)
+        self._updates.drop_after_step()  # they read groups the loaded ones replace
         # first, so that a damaged codec state is refused before anything of this wrapper changes
         self._course.codecs.load_hook_states(st.codec_hooks, "deft checkpoint")
         layout = FlatLayout(st.order, self._names, self._params, st.schedule.bucket_numel, "deft checkpoint: schedule")
@@ -268,6 +269,7 @@ class ScheduledRun:
 
     def _begin_iteration(self) -> None:
         """A forward begins (or a first gradient arrives through the bare module)."""
+        self._updates.drop_after_step()
         self._phase = Phase.FORWARD
         self._micro_batches = False
         self._course.before_forward(self._t, self._cuda)
@@ -367,13 +369,17 @@ class ScheduledRun:
         self._step_open = True
         self._after_step()
 
-    def _after_step(self) -> None:
-        """After the user's ``optimizer.step()``: the iteration ends; warm-up, planning, re-checks follow."""
+    def _after_user_step(self) -> None:
+        self._after_step(stepped=True)
+
+    def _after_step(self, stepped: bool = False) -> None:
+        """After the user's ``optimizer.step()`` (``stepped``; else a skipped step or a carried micro-batch
+        at the next forward): the iteration ends; warm-up, planning, re-checks follow."""
         self._updates.restore_lr()
         if not self._step_open:
             return
         self._step_open = False
-        self._updates.end_step(self._t)
+        self._updates.end_step(self._t, stepped)
         self._sync.iteration_ends()
         self._phase = Phase.IDLE
         self._course.iteration_ends()

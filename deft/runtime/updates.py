@@ -29,13 +29,15 @@ Invariants (docs/DESIGN.md, "Runtime"):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from deft.config import DeftConfig
+from deft.errors import DeftError
 from deft.preserver.gaussian_walk import merge_lr_factor
 from deft.runtime.eager import ForwardHooks
 from deft.runtime.executor import DueUpdate, Executor
@@ -77,6 +79,8 @@ class UpdateApplier:
         self.first_use: dict[int, nn.Module] = {}  # parameter -> module of its first use (recorded once)
         self._listening: RemovableHandle | None = None  # before_module, listening to the forward's hooks
         self._finish_hparams: list[dict[str, object]] = []
+        self._taken: dict[int, PendingGrad] = {}  # the futures the step's settle took out of p.grad
+        self._left: list[torch.Tensor | None] = []  # what the last step left in p.grad (keep_after_step)
 
     def set_clip(self, clip: tuple[float, float] | None) -> None:
         """``clip_grad_norm_on_update``: clip each update to ``(max_norm, norm_type)`` (None: off)."""
@@ -189,6 +193,8 @@ class UpdateApplier:
     def before_step(self) -> None:
         """Right before the user's ``optimizer.step()`` applies the exposed update: gradients the loop
         touched are applied by it, untouched deferred ones in the next forward (:mod:`pending_grads`)."""
+        self._taken = {i: g for i, p in enumerate(self._params)
+                       if isinstance(g := p.grad, PendingGrad) and (g.placeholder or not g.resolved)}
         settle_for_step(self._params)
         # A merge of k iterations steps with the lr scaled, restored in after_step before any LR scheduler.
         if self._exposed_iterations and self.optim.optimizer is not None:
@@ -208,14 +214,50 @@ class UpdateApplier:
             restore_lr(self.optim.optimizer, self._lr_saved)
             self._lr_saved = None
 
-    def end_step(self, t: int) -> None:
-        """The iteration ``t`` ends: the exposed update, if the step took it, goes into the log."""
+    def end_step(self, t: int, stepped: bool = False) -> None:
+        """The iteration ``t`` ends: the exposed update, if the step took it, goes into the log.
+        ``stepped``: the user's ``optimizer.step()`` ended it, and ``p.grad`` keeps what torch DDP's would
+        hold until the next training forward (:meth:`keep_after_step`); else it is cleared."""
         self._exposed = None
         if self._exposed_iterations is not None:
             self.log.extend((t, its) for its in [*self._carried_iterations, self._exposed_iterations] if its)
             self._carried_iterations = []
             self._exposed_iterations = None
-        self.clear_grads()
+        if stepped:
+            self.keep_after_step()
+        else:
+            self.clear_grads()
+        self._taken = {}
+
+    def keep_after_step(self) -> None:
+        """After the user's step, ``p.grad`` holds the averaged gradient as under torch DDP: what the step
+        applied stays; a deferred one the step did not touch comes back as an after-step future (read:
+        waited for, still applied in the next forward); a placeholder comes back as zeros. Dropped at the
+        next training forward (:meth:`drop_after_step`), before the buffers are used again."""
+        for i, g in self._taken.items():
+            p = self._params[i]
+            if p.grad is None:
+                p.grad = PendingGrad.zeros(p) if g.placeholder else PendingGrad.after_step(p, self._reader(i))
+        self._left = [p.grad for p in self._params]
+
+    def drop_after_step(self) -> None:
+        """A training forward begins: what :meth:`keep_after_step` left and the loop did not replace
+        leaves ``p.grad`` (the loop's ``zero_grad()`` would have; a loop that never zeroes accumulates
+        from here, as deft's iterations always start)."""
+        for p, g in zip(self._params, self._left, strict=False):
+            if g is not None and p.grad is g:
+                p.grad = None
+        self._left = []
+
+    def _reader(self, i: int) -> Callable[[], torch.Tensor]:
+        """Parameter ``i``'s averaged gradient after the step: waited for, left deferred."""
+        def read() -> torch.Tensor:
+            g = self._executor.peek(i)
+            if g is None:
+                raise DeftError(f"the gradient of parameter {i} was read after deft applied its deferred "
+                                "update; read gradients before the next forward, evaluation or state_dict()")
+            return g
+        return read
 
     def step_merged(self, k: int) -> None:
         """deft's own optimizer step for an update merging ``k`` iterations (lr scaled by the config)."""
@@ -239,12 +281,35 @@ class UpdateApplier:
 
     def drain(self, t: int) -> None:
         """``flush()``: every queued update applied now, oldest first; the cycle restarts at ``t``."""
-        for upd in self._executor.drain():
-            self.set_grads(upd.grads)
-            self.step_merged(len(upd.iterations))
-            self.log.append((t - 1, upd.iterations))
-        self.clear_grads()
+        for p in self._params:  # read now, while the executor still holds them as deferred
+            if isinstance(p.grad, PendingGrad) and p.grad.after:
+                p.grad.value()
+        with self._after_step_kept():
+            for upd in self._executor.drain():
+                self.set_grads(upd.grads)
+                self.step_merged(len(upd.iterations))
+                self.log.append((t - 1, upd.iterations))
+            self.clear_grads()
         self._executor.restart_cycle(t)
+
+    @contextlib.contextmanager
+    def _after_step_kept(self) -> Iterator[Callable[[list[torch.Tensor | None]], None]]:
+        """Around deft's own steps between the user's step and the next forward (a checkpoint, an
+        evaluation, ``flush()``): an after-step future about to be applied takes its value first (the
+        yielded function, given the gradients about to be applied), and ``p.grad`` is given back what
+        :meth:`keep_after_step` left there, after the steps cleared it."""
+        before = [p.grad for p in self._params]
+
+        def resolve(grads: list[torch.Tensor | None]) -> None:
+            for p, g in zip(self._params, grads, strict=True):
+                if g is not None and isinstance(p.grad, PendingGrad) and p.grad.after and not p.grad.resolved:
+                    p.grad._value = g
+        try:
+            yield resolve
+        finally:
+            for p, was, left in zip(self._params, before, self._left, strict=False):
+                if was is not None and was is left:
+                    p.grad = was
 
     # -- updates finishing in the forward (Update.finish_in_forward) -----------------------------------
     def set_forward_hooks(self, on: bool) -> None:
@@ -279,16 +344,18 @@ class UpdateApplier:
         opt = self.optim.optimizer
         assert opt is not None
         now = [{k: g[k] for k in snap} for g, snap in zip(opt.param_groups, self._finish_hparams, strict=True)]
-        try:
-            for g, snap in zip(opt.param_groups, self._finish_hparams, strict=True):
-                g.update(snap)
-            for p, gr in zip(self._params, grads, strict=True):
-                p.grad = gr
-            self.optim.step_internally()
-        finally:
-            for g, values in zip(opt.param_groups, now, strict=True):
-                g.update(values)
-            self.clear_grads()
+        with self._after_step_kept() as resolve:
+            resolve(grads)
+            try:
+                for g, snap in zip(opt.param_groups, self._finish_hparams, strict=True):
+                    g.update(snap)
+                for p, gr in zip(self._params, grads, strict=True):
+                    p.grad = gr
+                self.optim.step_internally()
+            finally:
+                for g, values in zip(opt.param_groups, now, strict=True):
+                    g.update(values)
+                self.clear_grads()
 
     def close(self) -> None:
         self.set_forward_hooks(False)

@@ -94,6 +94,36 @@ def _log_norm(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
     loop.log.losses.append(loss.item())
 
 
+def _log_norm_after(checkpoint: bool) -> Any:
+    def step(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The norm read after ``optimizer.step()`` (``checkpoint``: and after a ``state_dict()`` there,
+        which applies deft's deferred updates), skipping the parameters without a gradient, as many
+        loops do; ``zero_grad()`` at the top of the next iteration."""
+        loop.opt.zero_grad()
+        loss = loss_fn(loop.wrapped(x), y)
+        loss.backward()
+        loop.opt.step()
+        if checkpoint and t % 4 == 3:
+            loop.wrapped.state_dict()
+        grads = [p.grad for p in loop.model.parameters() if p.grad is not None]
+        loop.log.values.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+                               if grads else 0.0)
+        loop.log.values.append(float(len(grads)))
+        loop.log.losses.append(loss.item())
+    return step
+
+
+def _zero_to_zeros_after_step(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """``zero_grad(set_to_none=False)`` right after the step (the default before torch 2.0)."""
+    loss = loss_fn(loop.wrapped(x), y)
+    loss.backward()
+    loop.opt.step()
+    loop.opt.zero_grad(set_to_none=False)
+    loop.log.values.append(float(sum(float(p.grad.abs().sum()) for p in loop.model.parameters()
+                                     if p.grad is not None)))
+    loop.log.losses.append(loss.item())
+
+
 def _no_sync(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
     with loop.wrapped.no_sync():  # type: ignore[operator]
         (0.5 * loss_fn(loop.wrapped(x[:8]), y[:8])).backward()
@@ -137,6 +167,9 @@ RECIPES: dict[str, Recipe] = {
     "clip_from_start": Recipe(mlp, _clip_always),
     "clip_from_iteration_15": Recipe(mlp, _clip_late),
     "grad_norm_logging": Recipe(mlp, _log_norm),
+    "grad_norm_after_step": Recipe(mlp, _log_norm_after(checkpoint=False)),
+    "grad_norm_after_step_and_state_dict": Recipe(mlp, _log_norm_after(checkpoint=True)),
+    "zero_grad_to_zeros_after_step": Recipe(mlp, _zero_to_zeros_after_step),
     "no_sync": Recipe(mlp, _no_sync),
     "batchnorm_eval_mid_training": Recipe(_bn_model, _bn_eval),
     "checkpoint_and_resume": Recipe(mlp, _plain, optimizer=_adam, restart_at=13),
