@@ -33,6 +33,7 @@ ORDER = [
     "prices_wait.md",
     "prices_drift.md",
     "prices_settle.md",
+    "runtime_ab.md",
     "codec_paths.md",
     "slow_links.md",
     "house.md",
