@@ -17,14 +17,16 @@ import torch
 from deft.runtime.pending_grads import PendingGrad, settle_for_step
 
 
-def _param_with_pending(value: torch.Tensor) -> tuple[torch.nn.Parameter, list[int]]:
+def _param_with_pending(value: torch.Tensor, after_step: bool = False) -> tuple[torch.nn.Parameter, list[int]]:
+    """A parameter whose ``p.grad`` is a future of ``value`` (``after_step``: an after-step one); the
+    list its resolver appends to."""
     calls: list[int] = []
     p = torch.nn.Parameter(torch.zeros_like(value))
 
     def resolve() -> torch.Tensor:
         calls.append(1)
         return value.clone()
-    p.grad = PendingGrad(p, resolve)
+    p.grad = PendingGrad.after_step(p, resolve) if after_step else PendingGrad(p, resolve)
     return p, calls
 
 
@@ -72,20 +74,9 @@ def test_settle_for_step_keeps_touched_and_drops_untouched_and_placeholders() ->
     assert torch.equal(plain.grad, torch.tensor([7.0, 8.0]))
 
 
-def _after_step(value: torch.Tensor) -> tuple[torch.nn.Parameter, list[int]]:
-    calls: list[int] = []
-    p = torch.nn.Parameter(torch.zeros_like(value))
-
-    def read() -> torch.Tensor:
-        calls.append(1)
-        return value.clone()
-    p.grad = PendingGrad.after_step(p, read)
-    return p, calls
-
-
 def test_an_after_step_gradient_zeroed_waits_for_nothing_and_reads_zeros() -> None:
     """``zero_grad(set_to_none=False)`` right after the step: no wait for the bucket, zeros after."""
-    p, calls = _after_step(torch.tensor([1.0, -2.0]))
+    p, calls = _param_with_pending(torch.tensor([1.0, -2.0]), after_step=True)
     q = torch.nn.Parameter(torch.ones(2))
     q.grad = torch.ones(2)
     torch.optim.SGD([p, q], lr=0.1).zero_grad(set_to_none=False)
@@ -95,7 +86,7 @@ def test_an_after_step_gradient_zeroed_waits_for_nothing_and_reads_zeros() -> No
 
 
 def test_an_after_step_gradient_read_gives_its_value_and_a_pending_one_zeroed_is_resolved() -> None:
-    p, calls = _after_step(torch.tensor([3.0, 4.0]))
+    p, calls = _param_with_pending(torch.tensor([3.0, 4.0]), after_step=True)
     assert p.grad is not None and float(p.grad.norm()) == 5.0 and calls == [1]
     before, waited = _param_with_pending(torch.tensor([1.0]))  # before the step: zeroing it is touching it
     assert before.grad is not None
