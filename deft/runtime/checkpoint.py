@@ -22,7 +22,7 @@ its own checkpoint while one is pending; loading another rank's fails with a cle
 Note: ``torch.distributed.checkpoint`` (DCP) saves a state_dict from every rank at once and keeps one
 copy of a key every rank saves, and it loads a tensor only into one of the saved size. So the key is
 the rank's own (each rank's record is kept) and the value a :class:`RecordTensor`, which DCP saves as
-bytes (it loads those whatever the fresh wrapper's record's size); elsewhere it is a plain ``uint8``
+bytes (it loads those whatever the fresh wrapper's record's size); elsewhere it acts as a plain ``uint8``
 tensor, and pickles as one.
 """
 
