@@ -184,7 +184,7 @@ def default_epsilon_worker(rank: int, world: int, recipe: str, workdir: str) -> 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["amp_bf16_documented", "amp_fp16_inf_after_plan", "clip_from_start",
-                                    "grad_norm_logging", "plain"])
+                                    "grad_norm_after_step", "grad_norm_logging", "plain"])
 def test_default_epsilon_on_a_merging_schedule_trains(recipe: str, tmp_path: Any) -> None:
     check_merged_runs(values(run_ranks(default_epsilon_worker, 2, (recipe, str(tmp_path)), timeout=180)), recipe)
 
