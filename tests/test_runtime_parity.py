@@ -23,6 +23,7 @@ from torch import nn
 
 from deft.schedule import CommTask, Schedule, StagePlan, Update
 from tests._dist import run_ranks, values
+from tests.compat._harness import close
 
 STEPS = 20
 CLIP = 0.5
@@ -215,3 +216,41 @@ def test_update_finishing_in_the_forward_matches_torch_ddp(kind: str, branch: bo
         assert refused is None or (str(refused).startswith("off") and "clip" in str(refused))
         assert v["finishing"] == ([False] * STEPS if accum else [False] + [True] * (STEPS - 1))
     assert out[0]["params"] == out[1]["params"]
+
+
+def after_step_flush_worker(rank: int, world: int, path: str) -> dict[str, object]:
+    """The ``early`` deferring schedule: after each step the gradient norms are read, ``flush()`` applies
+    the updates still finishing, and the norms are read again; torch DDP's run gives the reference."""
+    ours, opt, ddp = deferring_run(path, rank)
+    torch.manual_seed(0)
+    ref = Net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    tddp = nn.parallel.DistributedDataParallel(ref)
+
+    def norms(m: nn.Module) -> list[float]:
+        return [float(p.grad.norm()) for p in m.parameters() if p.grad is not None]
+
+    before, after, torch_norms = [], [], []
+    for step in range(6):
+        x, y = _batch(rank, step)
+        for wrapped, o in ((ddp, opt), (tddp, ref_opt)):
+            o.zero_grad()
+            nn.functional.cross_entropy(wrapped(x), y).backward()
+            o.step()
+        before.append(norms(ours))
+        ddp.flush()  # type: ignore[operator]
+        after.append(norms(ours))
+        torch_norms.append(norms(ref))
+    return {"before": before, "after": after, "torch": torch_norms,
+            "trainable": sum(p.requires_grad for p in ref.parameters())}
+
+
+@pytest.mark.slow
+def test_gradients_read_after_the_step_are_torch_ddps_before_and_after_a_flush(tmp_path: Path) -> None:
+    """``flush()`` between the step and a read (it steps the finishing updates itself) gives the loop's
+    ``p.grad`` back as the step left it."""
+    path = str(tmp_path / "early.json")
+    for v in values(run_ranks(after_step_flush_worker, 2, (path,), timeout=120)):
+        assert all(len(n) == v["trainable"] for n in v["torch"])  # every trainable parameter has a gradient
+        for ours_before, ours_after, theirs in zip(v["before"], v["after"], v["torch"], strict=True):
+            assert close(ours_before, theirs) and close(ours_after, theirs), (ours_before, ours_after, theirs)

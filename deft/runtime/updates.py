@@ -281,10 +281,7 @@ class UpdateApplier:
 
     def drain(self, t: int) -> None:
         """``flush()``: every queued update applied now, oldest first; the cycle restarts at ``t``."""
-        for p in self._params:  # read now, while the executor still holds them as deferred
-            if isinstance(p.grad, PendingGrad) and p.grad.after:
-                p.grad.value()
-        with self._after_step_kept():
+        with self._after_step_kept():  # flush() finished the deferred first: the after-step futures hold values
             for upd in self._executor.drain():
                 self.set_grads(upd.grads)
                 self.step_merged(len(upd.iterations))
