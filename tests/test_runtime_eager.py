@@ -162,3 +162,13 @@ def test_without_dropping_it_the_earlier_code_runs_past_the_hooks(cls: type[nn.M
 def test_nothing_compiled_for_the_class_nothing_dropped() -> None:
     torch._dynamo.reset()
     assert forget_compiled(Net()) == []
+
+
+def test_a_torch_without_dynamos_cache_helpers_is_said_and_nothing_dropped(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from torch._dynamo import eval_frame
+
+    monkeypatch.delattr(eval_frame, "remove_from_cache")
+    with caplog.at_level("WARNING", logger="deft.runtime"):
+        assert forget_compiled(Net()) == []
+    assert "torch._dynamo.reset()" in caplog.text

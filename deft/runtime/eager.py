@@ -37,6 +37,7 @@ hooks.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -45,6 +46,8 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+log = logging.getLogger("deft.runtime")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -120,13 +123,20 @@ def forget_compiled(root: nn.Module) -> list[str]:
     """
     from torch._dynamo import eval_frame, resume_execution
 
-    resumes = resume_execution.ContinueExecutionCache.cache
+    try:  # Dynamo's own helpers, not a public API: another torch may lack them
+        resumes = resume_execution.ContinueExecutionCache.cache
+        entries, remove = eval_frame._debug_get_cache_entry_list, eval_frame.remove_from_cache
+    except AttributeError as e:
+        log.warning("deft: cannot drop code torch.compile made for the model's classes before deft's hooks "
+                    "(%s); if this process compiled them before building the wrapper, call "
+                    "torch._dynamo.reset() first", e)
+        return []
     dropped: list[str] = []
     for fn in dict.fromkeys(type(m).forward for m in root.modules()):  # each class's once, in order
         codes = [c for f in _unwrapped(fn) for c in _with_resumes(f.__code__, resumes)]
-        if any(eval_frame._debug_get_cache_entry_list(c) for c in codes):
+        if any(entries(c) for c in codes):
             for c in codes:
-                eval_frame.remove_from_cache(c)
+                remove(c)
             dropped.append(fn.__qualname__)
     return dropped
 
