@@ -12,6 +12,7 @@ update applied.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -313,3 +314,45 @@ def test_codec_timing_leaves_the_global_rng_and_the_hook_state_alone() -> None:
     assert v["timed"]
     assert v["after"] == v["without"]
     assert v["iter"] == 0 and v["memories"] == 0
+
+
+def _codec_timing_of_buckets_alike(rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from deft.runtime.codecs.hooks import CommHook, HookBucket
+    from deft.runtime.codecs.timing import time_hook
+
+    calls: list[int] = []
+
+    def counting(state: object, bucket: Any) -> Any:
+        calls.append(bucket.index())
+        return default_hooks.fp16_compress_hook(state, bucket)  # type: ignore[arg-type]
+
+    def bucket(index: int, shapes: list[tuple[int, ...]], is_last: bool = False) -> HookBucket:
+        numel = sum(math.prod(s) for s in shapes)
+        buf = torch.randn(numel, generator=torch.Generator().manual_seed(index))
+        grads, at = [], 0
+        for s in shapes:
+            grads.append(buf[at:at + math.prod(s)].view(s))
+            at += math.prod(s)
+        return HookBucket(index, buf, grads, [torch.zeros(s) for s in shapes], is_last=is_last)
+
+    # Buckets 0, 1 and 3 are alike (a repeated block); 2 holds the same elements in other shapes, 4 is last.
+    block = [(64, 32), (32,)]
+    buckets = [bucket(0, block), bucket(1, block), bucket(2, [(32, 64), (32,)]), bucket(3, block),
+               bucket(4, block, is_last=True)]
+    seconds = time_hook(CommHook(None, counting, "counting"), dist.group.WORLD, buckets, repeats=3)
+    return {"calls": calls, "seconds": seconds}
+
+
+@pytest.mark.slow
+def test_codec_timing_runs_the_hook_once_per_class_of_buckets_alike() -> None:
+    """A codec's compute depends on the gradients' shapes, not their values: buckets alike share one
+    timing (1 untimed + 3 timed runs of the first of them) and buckets that differ are timed apart."""
+    (res,) = run_ranks(_codec_timing_of_buckets_alike, world=1, timeout=120)
+    assert res.ok, res.error
+    calls, seconds = res.value["calls"], res.value["seconds"]
+    assert calls == [0] * 4 + [2] * 4 + [4] * 4
+    assert len(seconds) == 5 and seconds[0] == seconds[1] == seconds[3] > 0
+    assert seconds[2] > 0 and seconds[4] > 0

@@ -1,11 +1,11 @@
 """Timing a codec on the profile's buckets, the same result on every rank.
 
 A codec's cost in the profile (DESIGN.md, "Compression in the profile") is its bytes on the wire per
-bucket (:func:`deft.runtime.codecs.wire.wire_nbytes`) and its compute: the hook run on each bucket on
-a one-rank process group (its collectives then move nothing), on a scratch copy of its state, timed
-from the call to its future's completion: encode, the hook's own compute between its collectives,
-decode (:func:`time_hook`). :func:`measure_codec` takes the maximum over the ranks, so every rank
-prices the same codec.
+bucket (:func:`deft.runtime.codecs.wire.wire_nbytes`) and its compute: the hook run on each bucket
+(once per class of buckets alike) on a one-rank process group (its collectives then move nothing), on
+a scratch copy of its state, timed from the call to its future's completion: encode, the hook's own
+compute between its collectives, decode (:func:`time_hook`). :func:`measure_codec` takes the maximum
+over the ranks, so every rank prices the same codec.
 """
 
 from __future__ import annotations
@@ -48,14 +48,17 @@ def measure_here(hook: CommHook, layout: FlatLayout, params: Sequence[torch.Tens
     cannot be hooked at all (the executor refuses it), so it is given its plain size and no compute."""
     buffers = layout.new_buffers(device)
     buckets, wire, known = [], [], True
+    filled: set[tuple[object, ...]] = set()
     for b in range(layout.n_buckets):
         views = layout.bucket_views(buffers, b)
         if len(views) != 1:
             wire.append(sum(v.numel() * v.element_size() for v in views))
             continue
         view = views[0]
-        view.copy_(torch.randn(view.shape, generator=torch.Generator().manual_seed(b)).to(view.dtype))
         hb = hook_bucket(layout, params, b, view, is_last=b == layout.n_buckets - 1)
+        if _alike(hb) not in filled:  # only the first of buckets alike is timed (time_hook)
+            filled.add(_alike(hb))
+            view.copy_(torch.randn(view.shape, generator=torch.Generator().manual_seed(b)).to(view.dtype))
         size = wire_nbytes(hook, [tuple(g.shape) for g in hb.gradients()], view.element_size(),
                            int8.scatter_supported(None, view.device), hosts)
         known &= size is not None
@@ -94,7 +97,8 @@ def time_hook(hook: CommHook, group: dist.ProcessGroup, buckets: Sequence[HookBu
                repeats: int = 3) -> list[float] | None:
     """Seconds of the hook's compute per bucket: the hook on ``group`` (one rank: its collectives move
     nothing), from the call to its future's value, the median of ``repeats`` runs after one untimed
-    run (which allocates PowerSGD's memories); the buckets' buffers are overwritten.
+    run (which allocates PowerSGD's memories), once per class of buckets alike (Note [buckets alike]
+    in :func:`_time_buckets`); the buckets' buffers are overwritten.
     ``None``: a state deft cannot copy (:func:`scratch_state`).
 
     The training's random streams are left as they were: PowerSGD draws its initial Q by calling
@@ -111,25 +115,45 @@ def time_hook(hook: CommHook, group: dist.ProcessGroup, buckets: Sequence[HookBu
 
 
 def _time_buckets(hook: CommHook, state: object, buckets: Sequence[HookBucket], repeats: int) -> list[float]:
+    """Each bucket's seconds; buckets alike (:func:`_alike`) are timed once, on the first of them.
+
+    Note [buckets alike]: a hook's compute is a function of the gradients it is handed, their shapes,
+    dtype and device (and, for PowerSGD, whether the bucket is the iteration's last), not of their
+    values; a model of repeated blocks (a transformer's layers) has many buckets alike, and timing each
+    costs the planning iteration ``(repeats + 1)`` runs of the codec over the whole model."""
+    timed: dict[tuple[object, ...], float] = {}
     out = []
     for bucket in buckets:
-        runs = []
-        cuda = bucket.buffer().is_cuda  # a CUDA future's wait() orders streams only: synchronize to time the work
-        for k in range(repeats + 1):
-            if cuda:
-                torch.cuda.synchronize(bucket.buffer().device)
-            t0 = time.perf_counter()
-            try:
-                hook_result(hook.hook(state, bucket).wait())
-            except Exception as e:  # name the bucket: the caller names the hook and the rank
-                raise RuntimeError(f"bucket {bucket.index()} ({bucket.buffer().numel()} elements): "
-                                   f"{type(e).__name__}: {e}") from e
-            if cuda:
-                torch.cuda.synchronize(bucket.buffer().device)
-            if k:
-                runs.append(time.perf_counter() - t0)
-        out.append(sorted(runs)[len(runs) // 2])
+        key = _alike(bucket)
+        if key not in timed:
+            timed[key] = _time_one(hook, state, bucket, repeats)
+        out.append(timed[key])
     return out
+
+
+def _alike(bucket: HookBucket) -> tuple[object, ...]:
+    """What a hook's compute on ``bucket`` depends on: its gradients' shapes, dtype, device, last-ness."""
+    buf = bucket.buffer()
+    return (tuple(tuple(g.shape) for g in bucket.gradients()), buf.dtype, buf.device, bucket.is_last())
+
+
+def _time_one(hook: CommHook, state: object, bucket: HookBucket, repeats: int) -> float:
+    runs = []
+    cuda = bucket.buffer().is_cuda  # a CUDA future's wait() orders streams only: synchronize to time the work
+    for k in range(repeats + 1):
+        if cuda:
+            torch.cuda.synchronize(bucket.buffer().device)
+        t0 = time.perf_counter()
+        try:
+            hook_result(hook.hook(state, bucket).wait())
+        except Exception as e:  # name the bucket: the caller names the hook and the rank
+            raise RuntimeError(f"bucket {bucket.index()} ({bucket.buffer().numel()} elements): "
+                               f"{type(e).__name__}: {e}") from e
+        if cuda:
+            torch.cuda.synchronize(bucket.buffer().device)
+        if k:
+            runs.append(time.perf_counter() - t0)
+    return sorted(runs)[len(runs) // 2]
 
 
 def measure_codec(hook: CommHook | None, layout: FlatLayout, params: Sequence[torch.Tensor],
