@@ -92,12 +92,12 @@ def warmup_priced(doc: dict[str, Any]) -> str:
     return f"{simulated * 1e3:.0f} / {measured * 1e3:.0f} ({measured / simulated:.2f}x)"
 
 
-def spread_priced(doc: dict[str, Any]) -> str:
-    """The run's first plan priced with the ranks' spread, simulated on the profile the plan was made on
+def lag_priced(doc: dict[str, Any]) -> str:
+    """The run's first plan priced with the last rank's lag, simulated on the profile the plan was made on
     against the first window's measurement: "simulated / measured (error)". Where the run's deft priced
-    it (the profile's links carry ``wait_s``, ``DeftConfig.rank_wait``), that price, and the same plan
-    simulated without it ("; without it N"); where it did not, each link's ``wait_s`` set to its spread
-    per iteration (``meta["rank_spread_s"]``) as deft would. Only where the saved schedule is the first
+    it (the profile's links carry ``lag_s``, ``DeftConfig.rank_wait``), that price, and the same plan
+    simulated without it ("; without it N"); where it did not, each link's ``lag_s`` set to its sends'
+    mean lag (``meta["rank_lag_s"]``) as deft would. Only where the saved schedule is the first
     plan (the first record's) and the saved profile is the first plan's, uncorrected or corrected once
     by that record's factors (undone here); "-" for any other run."""
     from deft.config import DeftConfig
@@ -110,14 +110,14 @@ def spread_priced(doc: dict[str, Any]) -> str:
     sched = doc["summary"].get("schedule") or {}
     saved_config = doc["summary"].get("config")
     records = [r for r in (sched.get("plan_info") or {}).get("adapt") or [] if isinstance(r, dict)]
-    spread = ((sched.get("profile") or {}).get("meta") or {}).get("rank_spread_s")
-    if not records or not spread or not sched.get("schedule"):
+    lags = ((sched.get("profile") or {}).get("meta") or {}).get("rank_lag_s")
+    if not records or not lags or not sched.get("schedule"):
         return "-"
     first = records[0]
     try:
         schedule = Schedule.from_dict(sched["schedule"], "the run's saved schedule")
         profile = Profile.from_dict(sched["profile"], "the run's saved profile")
-        if schedule.digest() != first.get("schedule") or set(spread) != set(schedule.links):
+        if schedule.digest() != first.get("schedule") or set(lags) != set(schedule.links):
             return "-"
         if isinstance(first.get("compute_factor"), float) and isinstance(first.get("comm_factor"), float):
             if len(records) > 1:
@@ -126,14 +126,14 @@ def spread_priced(doc: dict[str, Any]) -> str:
         config = DeftConfig.load(saved_config) if isinstance(saved_config, str) and Path(saved_config).is_file() \
             else DeftConfig()
         profile = profile_for_schedule(profile, schedule, config)  # the plan's pieces, where it cut buckets
-        priced = any(lk.wait_s > 0 for lk in profile.links)
+        priced = any(lk.lag_s > 0 for lk in profile.links)
 
-        def waiting(wait: Any) -> Any:
-            return replace(profile, links=tuple(replace(lk, wait_s=wait(lk)) for lk in profile.links))
+        def lagging(lag: Any) -> Any:
+            return replace(profile, links=tuple(replace(lk, lag_s=lag(lk)) for lk in profile.links))
 
-        simulated = simulate_schedule(profile if priced else waiting(
-            lambda lk: spread[lk.name]["total_per_iteration"] if lk.name in spread else 0.0), schedule).iteration_s
-        without = simulate_schedule(waiting(lambda lk: 0.0), schedule).iteration_s if priced else None
+        simulated = simulate_schedule(profile if priced else lagging(
+            lambda lk: lags[lk.name]["mean"] if lk.name in lags else 0.0), schedule).iteration_s
+        without = simulate_schedule(lagging(lambda lk: 0.0), schedule).iteration_s if priced else None
     except DeftError:
         return "-"
     measured = float(first["measured_s"])
@@ -161,8 +161,8 @@ def row(label: str, run_dir: Path, doc: dict[str, Any]) -> str:
     links = ((s.get("schedule") or {}).get("profile") or {}).get("links") or []
     rho = sorted({float(lk.get("contention", 0.0)) for lk in links})
     drag = sorted({float(lk.get("drag", 0.0)) for lk in links})
-    spread = (((s.get("schedule") or {}).get("profile") or {}).get("meta") or {}).get("rank_spread_s") or {}
-    spread_s = ", ".join(f"{v['total_per_iteration']:.2f}" for v in spread.values()) or "-"
+    lags = (((s.get("schedule") or {}).get("profile") or {}).get("meta") or {}).get("rank_lag_s") or {}
+    lag_s = ", ".join(f"{v['mean'] * 1e3:.0f}" for v in lags.values()) or "-"
     prices = peers.plan_prices(doc)
     plans = "; ".join(f"{p.predicted_s * 1e3:.0f} / {p.measured_s * 1e3:.0f} ({p.error:+.1%})" for p in prices)
     first = f"{prices[0].error:+.1%}" if prices else "-"
@@ -171,7 +171,7 @@ def row(label: str, run_dir: Path, doc: dict[str, Any]) -> str:
     return (f"| {label} | {workload(doc)} | {s['rate_mbit']:g} | {layout.words()} | "
             f"{', '.join(f'{r:.2f}' for r in rho) or '-'} | {', '.join(f'{d:.2f}' for d in drag) or '-'} | "
             f"{plans or '-'} | {first} | {first_window(doc)} | "
-            f"{warmup_priced(doc)} | {spread_s} | {spread_priced(doc)} | {drift_priced(doc)} | {held} | "
+            f"{warmup_priced(doc)} | {lag_s} | {lag_priced(doc)} | {drift_priced(doc)} | {held} | "
             f"{s['iter_s_mean'] * 1e3:.0f} | `{run_dir.name}` |")
 
 
@@ -191,21 +191,21 @@ def report(groups: list[tuple[str, list[Path]]], note: str, command: str, title:
              f"window measured it). First window against the profile: its forward, backward and each link's busy time "
              "over the profile's prices of them (1: as priced; `-`: not recorded). Warm-up schedule: where the "
              "run went back to the warm-up's synchronous schedule, that schedule simulated on the run's saved "
-             "(uncorrected) profile / as it was measured (`-`: the run did not go back to it). Ranks' spread: per "
-             "link, the seconds per profile iteration the earliest rank waited for the last in the link's busy "
-             "groups (`meta.rank_spread_s`; `-`: not recorded). With the ranks' "
-             "spread: the first plan simulated with each link's sends lengthened by the ranks' spread the "
-             "profile recorded (`meta.rank_spread_s`, per iteration, shared over the plan's sends on the link; "
-             "as deft prices it, `deft.profile.Link.wait_s`) / its first window; where the run's deft priced it "
-             "(`DeftConfig.rank_wait`), also the same plan without it; `-`: no spread recorded, or the first "
-             "plan's profile not recoverable from the run. Compute drift: the lag iterations' compute over the "
+             "(uncorrected) profile / as it was measured (`-`: the run did not go back to it). Last rank's lag: per "
+             "link, the mean over the profile iterations' sends of how long after the paced rank (the one with "
+             "the most compute) the last rank launched each (`meta.rank_lag_s`, ms; `-`: not recorded). With "
+             "the lag: the first plan simulated with each link's sends starting no earlier than that lag after "
+             "their hand-over (as deft prices it, `deft.profile.Link.lag_s`) / its first window; where the "
+             "run's deft priced it (`DeftConfig.rank_wait`), also the same plan without it; `-`: no lag "
+             "recorded, or the first plan's profile not recoverable from the run. Compute drift: the lag "
+             "iterations' compute over the "
              "profile iterations' (`plan_info.compute_drift`, the slowest rank's, medians; applied beyond "
              "`adapt_tolerance`: the first plan priced on the profile's compute times it, its price before "
              "given); `-`: none read. Within "
              f"{TOLERANCE:.0%}: every plan of the run.", "",
              "| code | model | Mbit/s | layout | contention | drag | plans: predicted / measured (ms) | first plan | "
              f"first window against the profile | warm-up schedule: simulated / measured (ms) | "
-             "ranks' spread (s) | first plan with the ranks' spread: simulated / measured (ms) | compute drift | "
+             "last rank's lag (ms) | first plan with the lag: simulated / measured (ms) | compute drift | "
              "within "
              f"{TOLERANCE:.0%} | steady iteration (ms) | runs |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -98,10 +98,9 @@ class DeftConfig:
     # profile iterations' sends beside and after the backward and priced (deft.profile.Link.drag; none
     # on CUDA). Off by default: it did not move the first plans' error (benchmarks/results/prices_drag.md)
     drag: bool = False
-    # The ranks' spread, what a send waits for the last rank to reach it (the profile iterations' busy
-    # groups measure it), is priced as each link's wait per iteration (deft.profile.Link.wait_s). On by
-    # default: a four-rank calibration keeps the wait apart from the links and its re-plan holds its
-    # price (benchmarks/results/prices_wait.md)
+    # What the paced rank's sends wait for the last rank to reach them (the profile iterations' sends
+    # measure it) is priced as each link's lag per send (deft.profile.Link.lag_s; measured:
+    # benchmarks/results/prices_lag.md)
     rank_wait: bool = True
     # The compute of the iterations run while rank 0 plans in the background, against the profile
     # iterations': beyond adapt_tolerance and the profile iterations' spread the first plan is priced on

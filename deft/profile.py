@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -36,6 +37,8 @@ from pathlib import Path
 
 from deft._json import Fields, JsonDict, JsonValue, read_json, write_json
 from deft.errors import ContractError
+
+log = logging.getLogger("deft.profile")
 
 SCHEMA_VERSION = 2
 SCHEMAS = (1, 2)  # schema 1: no compression fields
@@ -59,7 +62,7 @@ def _validate_link(source: str, i: int, link: Link) -> None:
         raise ContractError(source, f"links[{i}]", "alpha_s and beta_s_per_byte must be finite and >= 0, "
                             f"got {link.alpha_s} and {link.beta_s_per_byte}")
     for name, value, unit in (("contention", link.contention, ""), ("drag", link.drag, ""),
-                              ("wait_s", link.wait_s, " (seconds per iteration)")):
+                              ("lag_s", link.lag_s, " (seconds per send)")):
         if not _nonneg(value):
             raise ContractError(source, f"links[{i}].{name}", f"expected a finite number >= 0{unit}, got {value}")
 
@@ -101,10 +104,11 @@ class Link:
     reductions and socket copies run on the CPU cores the model computes on). ``drag``: the mirror, what
     the compute takes from the link's transfers where they share the processor; while the rank's
     compute stream is busy the link's sends run at ``1 / (1 + drag)`` of their speed, and the link's
-    model and measured times are its sends' with the cores free (0: none, as on NCCL). ``wait_s``: the
-    seconds per iteration the link's sends wait for the last rank to reach them (the ranks' spread: the
-    link's measured times are the last rank's, who waits for nobody); the simulator shares it over the
-    link's sends in an iteration (0: none, as for one rank or ranks in step).
+    model and measured times are its sends' with the cores free (0: none, as on NCCL). ``lag_s``: the
+    seconds after its launch that a send of the link waits for the last rank to reach it, where the
+    launch is the rank's whose compute the profile prices (the ranks' pace, :mod:`deft.profiler.pace`):
+    a send starts no earlier than ``lag_s`` after it is handed to the link (0: none, as for one rank or
+    ranks in step). The link's measured times are the last rank's, who waits for nobody.
     """
 
     name: str
@@ -114,7 +118,7 @@ class Link:
     beta_s_per_byte: float = 0.0
     contention: float = 0.0
     drag: float = 0.0
-    wait_s: float = 0.0
+    lag_s: float = 0.0
 
     def time(self, nbytes: int) -> float:
         return self.alpha_s + self.beta_s_per_byte * nbytes
@@ -404,7 +408,7 @@ class Profile:
                  # absent when 0: older profiles' digests unchanged
                  **({"contention": k.contention} if k.contention else {}),
                  **({"drag": k.drag} if k.drag else {}),
-                 **({"wait_s": k.wait_s} if k.wait_s else {})}
+                 **({"lag_s": k.lag_s} if k.lag_s else {})}
                 for k in self.links
             ],
             "buckets": buckets,
@@ -432,12 +436,15 @@ class Profile:
         if schema >= 2 and not codec:
             raise f.error("codec", "schema 2 carries compression: expected the codec's name (a non-empty string)")
         links = []
-        for lf in f.items("links"):
+        for i, lf in enumerate(f.items("links")):
+            if "wait_s" in lf.doc:
+                log.warning("%s: links[%d].wait_s is an older deft's wait per iteration for the last rank; it is "
+                            "not priced (this deft prices the last rank's lag per send, lag_s)", source, i)
             links.append(Link(
                 name=lf.str("name"), backend=lf.str("backend", choices=BACKENDS), ifname=lf.opt_str("ifname"),
                 alpha_s=lf.float("alpha_s", 0.0), beta_s_per_byte=lf.float("beta_s_per_byte", 0.0),
                 contention=lf.float("contention", 0.0), drag=lf.float("drag", 0.0),
-                wait_s=lf.float("wait_s", 0.0),
+                lag_s=lf.float("lag_s", 0.0),
             ))
         buckets, times = [], []
         for bf in f.items("buckets"):

@@ -133,17 +133,17 @@ def test_the_warm_up_schedule_gone_back_to_is_simulated_on_the_saved_profile_aga
     assert prices.warmup_priced(doc) == "-"
 
 
-def _spread_run(run_dir: Path, records: list[dict[str, Any]], factors: tuple[float, float] | None,
-                wait_s: float = 0.0) -> None:
+def _lag_run(run_dir: Path, records: list[dict[str, Any]], factors: tuple[float, float] | None,
+             lag_s: float = 0.0) -> None:
     """One bucket on link ``a``: forward 2 s, backward 3 s, all-reduce 1.5 s after the backward (6.5 s an
-    iteration); the ranks' spread 0.5 s per iteration on ``a`` (priced by deft as ``wait_s`` when given).
+    iteration); the last rank's lag 0.5 s per send on ``a`` (priced by deft as ``lag_s`` when given).
     Saved corrected by ``factors`` (compute, comm) when given, as the first window's correction saves it."""
     from deft.profile import Bucket, BucketTimes, Link, Profile
     from deft.schedule import synchronous_schedule
 
     profile = Profile(buckets=(Bucket(0, ("p0",), 250, 1000),), times=(BucketTimes(2.0, 3.0, {"a": 1.5}),),
-                      links=(Link("a", "gloo", wait_s=wait_s),), world_size=2, source="synthetic",
-                      meta={"rank_spread_s": {"a": {"median": 0.5, "total_per_iteration": 0.5}}})
+                      links=(Link("a", "gloo", lag_s=lag_s),), world_size=2, source="synthetic",
+                      meta={"rank_lag_s": {"a": {"mean": 0.5, "median": 0.5, "max": 0.5, "sends": 3}}})
     schedule = synchronous_schedule((250,), (1000,), ("a",), ("a",))
     saved = profile if factors is None else profile.scaled(*factors)
     for r in records:
@@ -155,27 +155,27 @@ def _spread_run(run_dir: Path, records: list[dict[str, Any]], factors: tuple[flo
     (run_dir / "deft.50.s0.r0.json").write_text(json.dumps(doc), encoding="utf-8")
 
 
-def test_the_first_plan_priced_with_the_ranks_spread_by_hand(prices: Any, tmp_path: Path) -> None:
-    # the send lengthened by the whole spread (one send on the link): 1.5 + 0.5 after the backward, 7 s
-    _spread_run(tmp_path / "plain", [{"predicted_s": 6.5, "measured_s": 7.7}], None)
+def test_the_first_plan_priced_with_the_last_ranks_lag_by_hand(prices: Any, tmp_path: Path) -> None:
+    # the send, handed to an idle link after the backward, waits the lag: 0.5 + 1.5 after it, 7 s
+    _lag_run(tmp_path / "plain", [{"predicted_s": 6.5, "measured_s": 7.7}], None)
     (doc,) = prices.load(tmp_path / "plain")
-    assert prices.spread_priced(doc) == "7000 / 7700 (-9.1%)"
-    assert "| 0.50 | 7000 / 7700 (-9.1%) |" in prices.row("plain", tmp_path / "plain", doc)  # the spread beside it
+    assert prices.lag_priced(doc) == "7000 / 7700 (-9.1%)"
+    assert "| 500 | 7000 / 7700 (-9.1%) |" in prices.row("plain", tmp_path / "plain", doc)  # the lag beside it
     # saved corrected once by the first window (compute x 2, comm x 0.5): undone, the same price
-    _spread_run(tmp_path / "corrected", [{"predicted_s": 6.5, "measured_s": 7.7, "compute_factor": 2.0,
+    _lag_run(tmp_path / "corrected", [{"predicted_s": 6.5, "measured_s": 7.7, "compute_factor": 2.0,
                                           "comm_factor": 0.5}], (2.0, 0.5))
     (doc,) = prices.load(tmp_path / "corrected")
-    assert prices.spread_priced(doc) == "7000 / 7700 (-9.1%)"
+    assert prices.lag_priced(doc) == "7000 / 7700 (-9.1%)"
     # corrected again by a later window, or the saved schedule not the first plan: not recoverable
-    _spread_run(tmp_path / "twice", [{"predicted_s": 6.5, "measured_s": 7.7, "compute_factor": 2.0,
+    _lag_run(tmp_path / "twice", [{"predicted_s": 6.5, "measured_s": 7.7, "compute_factor": 2.0,
                                       "comm_factor": 0.5}, {"predicted_s": 7.0, "measured_s": 7.1}], (2.0, 0.5))
     (doc,) = prices.load(tmp_path / "twice")
-    assert prices.spread_priced(doc) == "-"
-    _spread_run(tmp_path / "replanned", [{"schedule": "another", "predicted_s": 6.5, "measured_s": 7.7}], None)
+    assert prices.lag_priced(doc) == "-"
+    _lag_run(tmp_path / "replanned", [{"schedule": "another", "predicted_s": 6.5, "measured_s": 7.7}], None)
     (doc,) = prices.load(tmp_path / "replanned")
-    assert prices.spread_priced(doc) == "-"
-    # a run whose deft priced the spread itself (its links' wait_s): its price, not the spread twice, and
+    assert prices.lag_priced(doc) == "-"
+    # a run whose deft priced the lag itself (its links' lag_s): its price, not the lag twice, and
     # the same plan without it (6.5 s)
-    _spread_run(tmp_path / "waited", [{"predicted_s": 7.0, "measured_s": 7.7}], None, wait_s=0.5)
+    _lag_run(tmp_path / "waited", [{"predicted_s": 7.0, "measured_s": 7.7}], None, lag_s=0.5)
     (doc,) = prices.load(tmp_path / "waited")
-    assert prices.spread_priced(doc) == "7000 / 7700 (-9.1%); without it 6500"
+    assert prices.lag_priced(doc) == "7000 / 7700 (-9.1%); without it 6500"

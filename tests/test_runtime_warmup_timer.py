@@ -47,6 +47,7 @@ from deft.runtime.warmup_timer import (
     fit_group_beta,
     link_rotation,
     probe_alpha,
+    send_lags,
 )
 from tests._dist import run_ranks, values
 
@@ -98,7 +99,18 @@ def test_a_groups_time_beside_the_compute_is_that_of_the_rank_whose_time_it_is()
                              [[(0.0, 4.0)], [(0.0, 2.0), (8.0, 20.0)]])
     assert [x.seconds for x in got] == pytest.approx([4.1, 2.2])
     assert [x.beside for x in got] == pytest.approx([1.0, 1.2])
-    assert [x.spread for x in got] == pytest.approx([0.9, 0.8])  # rank 0 busy 5 and 3 s
+
+
+def test_a_sends_lag_is_the_last_ranks_launch_after_the_paced_ranks_by_each_ranks_clock() -> None:
+    # bucket 0 completes at once on both ranks; rank 0 held it 5 s, rank 1 4.1 s: rank 1 launched it 0.9 s
+    # after rank 0, and bucket 1 2.2 s against 3: 0.8 s. Rank 1's clock runs 100 s ahead of rank 0's: the
+    # durations do not care. Paced on rank 1 (the last to launch) neither send waits.
+    rank0 = {0: (0.0, 5.0), 1: (6.0, 9.0)}
+    rank1 = {0: (101.0, 105.1), 1: (107.0, 109.2)}
+    assert send_lags([rank0, rank1], 0) == pytest.approx([0.9, 0.8])
+    assert send_lags([rank0, rank1], 1) == pytest.approx([0.0, 0.0])
+    # a bucket that failed on rank 1 has no lag
+    assert send_lags([rank0, {0: (101.0, 105.1)}], 0) == pytest.approx([0.9])
 
 
 def test_fit_beta_with_alpha_fixed_by_hand() -> None:
@@ -261,7 +273,7 @@ def test_profile_iterations_send_each_bucket_once_over_both_links() -> None:
         assert link.alpha_s == probe["alpha_s"][link.name]
     # 3 or 4 pieces per link per iteration, in 1 to 4 busy groups each
     assert all(PROFILE <= prof.meta["busy_groups"][k] <= 4 * PROFILE for k in ("primary", "second"))
-    assert sorted(prof.meta["rank_spread_s"]) == ["primary", "second"]  # measured below, with a late rank
+    assert sorted(prof.meta["rank_lag_s"]) == ["primary", "second"]  # measured below, with a late rank
 
 
 def held_worker(rank: int, world: int, contention: bool = True, drag: bool | None = None) -> dict[str, Any]:
@@ -363,17 +375,21 @@ def test_drag_alone_holds_the_last_iteration_and_prices_no_contention() -> None:
 
 
 LATE_S = 0.3  # rank 1 starts each profile iteration this late
+SLOW_S = 0.3  # rank 0's forward is this much longer than rank 1's
 
 
-def late_rank_worker(rank: int, world: int) -> dict[str, Any]:
-    """Rank 1 sleeps before each profile iteration's forward: rank 0's sends wait for it. The ranks'
-    spread per link, and the links' prices."""
+def late_rank_worker(rank: int, world: int, late: float, slow: float) -> dict[str, Any]:
+    """Rank 1 sleeps ``late`` before each profile iteration's forward (outside the compute timed), rank
+    0 sleeps ``slow`` inside its forward (a parameter-free module's pre-hook: compute). The links'
+    lags behind the paced rank, and their prices."""
     import time
 
     import deft
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
+    if rank == 0:
+        model[1].register_forward_pre_hook(lambda module, args: time.sleep(slow))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     ddp = deft.DistributedDataParallel(model, optimizer=opt, config={
         "warmup_iters": WARMUP, "profile_iters": 3, "epsilon": 0.0, "bucket_cap_mb": 0.05, "timeout_s": 60,
@@ -381,29 +397,38 @@ def late_rank_worker(rank: int, world: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(rank)
     for t in range(WARMUP + 3):
         if rank == 1 and t >= WARMUP:
-            time.sleep(LATE_S)
+            time.sleep(late)
         ddp(torch.randn(64, 64, generator=g)).square().mean().backward()
         opt.step()
         opt.zero_grad()
     prof = ddp.profile
     assert prof is not None
-    return {"spread": prof.meta["rank_spread_s"], "comm": [prof.comm_time(b, lk) for lk in prof.link_names
-                                                           for b in range(prof.n)],
-            "wait": {lk.name: lk.wait_s for lk in prof.links}}
+    return {"meta": prof.meta["rank_lag_s"], "comm": [prof.comm_time(b, lk) for lk in prof.link_names
+                                                      for b in range(prof.n)],
+            "lag": {lk.name: lk.lag_s for lk in prof.links}}
 
 
 @pytest.mark.slow
 @pytest.mark.serial
-def test_a_late_rank_is_the_spread_not_the_links_price() -> None:
-    # rank 0 sends LATE_S before rank 1 reaches the same collectives: each link's first busy group of an
-    # iteration holds that wait on rank 0 and not on rank 1. The spread records it; the links' prices
-    # (the groups' minimum over ranks) do not; each link's wait per iteration prices it (rank_wait, default).
-    a, b = values(run_ranks(late_rank_worker, 2, timeout=120))
+def test_a_late_rank_is_a_lag_not_the_links_price() -> None:
+    # rank 0 computes 0.05 s longer (the paced rank) but rank 1 starts LATE_S later: every send of rank
+    # 0 waits about LATE_S - 0.05 for rank 1. The links' prices (the groups' minimum over ranks) leave it
+    # out; each link's lag prices it (rank_wait, default).
+    a, b = values(run_ranks(late_rank_worker, 2, (LATE_S, 0.05), timeout=120))
     assert a == b
-    for link, v in a["spread"].items():
-        assert v["total_per_iteration"] >= 0.5 * LATE_S, (link, a["spread"])
+    assert set(a["lag"]) == {"primary", "second"} and min(a["lag"].values()) >= 0.5 * LATE_S, a["lag"]
     assert max(a["comm"]) < 0.5 * LATE_S, a["comm"]
-    assert set(a["wait"]) == {"primary", "second"} and min(a["wait"].values()) >= 0.5 * LATE_S, a["wait"]
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+def test_a_slower_ranks_compute_is_not_a_lag() -> None:
+    # rank 0's forward is SLOW_S longer: rank 1's sends all wait for it, but that wait is rank 0's
+    # compute, which the profile prices as the ranks' pace; rank 0's own sends wait for nobody.
+    a, b = values(run_ranks(late_rank_worker, 2, (0.0, SLOW_S), timeout=120))
+    assert a == b
+    assert max(a["lag"].values()) < 0.1 * SLOW_S, (a["lag"], a["meta"])
+    assert max(a["comm"]) < 0.5 * SLOW_S, a["comm"]
 
 
 def probe_dead_peer_worker(rank: int, world: int) -> str:

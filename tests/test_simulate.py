@@ -432,34 +432,49 @@ def test_more_contention_is_never_faster(scheme: str) -> None:
     assert times[0] == pytest.approx(simulate(p, scheme).iteration_s)  # 0: as without the field
 
 
-# ------------------------------------------------------------------------------------------- the ranks' wait
-def _waiting(p: Profile, wait: float) -> Profile:
-    return dataclasses.replace(p, links=tuple(dataclasses.replace(lk, wait_s=wait) for lk in p.links))
+# -------------------------------------------------------------------------------------------- the last rank's lag
+def _lagging(p: Profile, lag: float) -> Profile:
+    return dataclasses.replace(p, links=tuple(dataclasses.replace(lk, lag_s=lag) for lk in p.links))
 
 
-def test_one_send_an_iteration_carries_the_whole_wait() -> None:
-    # the only send is the exposed tail (test above: 6.5); it waits 0.5 for the last rank every iteration
-    p = _waiting(make_profile([2.0], [3.0], [{"a": 1.5}]), 0.5)
+def test_a_send_on_an_idle_link_waits_the_whole_lag() -> None:
+    # the only send is the exposed tail (test above: 6.5); the last rank reaches it 0.5 after this one
+    p = _lagging(make_profile([2.0], [3.0], [{"a": 1.5}]), 0.5)
     for scheme in BASELINES:
         assert simulate(p, scheme).iteration_s == pytest.approx(7.0), scheme
 
 
-def test_the_wait_is_shared_over_the_sends_and_slack_absorbs_a_hidden_ones_share() -> None:
-    # two sends an iteration share a wait of 1.0: bucket 0's send (2 + 0.5 from t = 3) still ends under
-    # bucket 1's backward (until 7), bucket 1's exposed tail grows by its 0.5: 2 + 5 + 3.5. DDP fuses both
-    # buckets into one message, which carries the whole wait: 12 + 1.
-    p = _waiting(make_profile([1.0, 1.0], [1.0, 4.0], [{"a": 2.0}, {"a": 3.0}]), 1.0)
-    assert simulate(p, "wfbp").iteration_s == pytest.approx(10.5)
+def test_every_send_that_finds_its_link_idle_waits_the_lag() -> None:
+    # bucket 0's send (2 + 1 from t = 3) still ends under bucket 1's backward (until 7); bucket 1's,
+    # handed at 7 to an idle link, waits its 1 too: 7 + 1 + 3. DDP fuses both buckets into one message,
+    # which waits once: 7 + 1 + 5.
+    p = _lagging(make_profile([1.0, 1.0], [1.0, 4.0], [{"a": 2.0}, {"a": 3.0}]), 1.0)
+    assert simulate(p, "wfbp").iteration_s == pytest.approx(11.0)
     assert simulate(p, "ddp").iteration_s == pytest.approx(13.0)
-    # a schedule's sends as well: each bucket on its own when ready, the step after both (10 without the wait)
+    # a schedule's sends as well: each bucket on its own when ready, the step after both (10 without the lag)
     s = synchronous_schedule((250, 250), (1000, 1000), ("a",), ("a", "a"))
-    assert simulate_schedule(_waiting(p, 0.0), s).iteration_s == pytest.approx(10.0)
-    assert simulate_schedule(p, s).iteration_s == pytest.approx(10.5)
+    assert simulate_schedule(_lagging(p, 0.0), s).iteration_s == pytest.approx(10.0)
+    assert simulate_schedule(p, s).iteration_s == pytest.approx(11.0)
 
 
-def test_the_wait_round_trips_and_is_checked() -> None:
-    p = _waiting(make_profile([2.0], [3.0], [{"a": 1.5}]), 0.25)
-    assert Profile.from_dict(p.to_dict()).links[0].wait_s == 0.25
-    assert "wait_s" not in _waiting(p, 0.0).to_dict()["links"][0]  # absent when 0: older profiles' digests stand
-    with pytest.raises(ContractError, match=r"links\[0\]\.wait_s"):
-        _waiting(p, -0.1)
+def test_a_send_queued_behind_another_has_met_its_lag_before_it_starts() -> None:
+    # the link is the bound: bucket 0's send is handed at 3 and held 1 + 3 (until 7); bucket 1's, handed at
+    # 3.5, starts at 7, when the last rank reached it long ago: 7 + 3 = 10, one lag over the 9 without it
+    # (a lag added to every send's length would give 11).
+    p = make_profile([1.0, 1.0], [1.0, 0.5], [{"a": 3.0}, {"a": 3.0}])
+    assert simulate(p, "wfbp").iteration_s == pytest.approx(9.0)
+    assert simulate(_lagging(p, 1.0), "wfbp").iteration_s == pytest.approx(10.0)
+
+
+def test_the_lag_round_trips_and_is_checked(caplog: pytest.LogCaptureFixture) -> None:
+    p = _lagging(make_profile([2.0], [3.0], [{"a": 1.5}]), 0.25)
+    assert Profile.from_dict(p.to_dict()).links[0].lag_s == 0.25
+    assert "lag_s" not in _lagging(p, 0.0).to_dict()["links"][0]  # absent when 0: older profiles' digests stand
+    with pytest.raises(ContractError, match=r"links\[0\]\.lag_s"):
+        _lagging(p, -0.1)
+    # an older deft's wait per iteration is not a lag per send: read, said, and not priced
+    doc = _lagging(p, 0.0).to_dict()
+    doc["links"][0]["wait_s"] = 0.5
+    with caplog.at_level("WARNING", logger="deft.profile"):
+        old = Profile.from_dict(doc, "old.json")
+    assert old.links[0].lag_s == 0.0 and "old.json: links[0].wait_s" in caplog.text

@@ -59,6 +59,10 @@ measured:
   total length of that rank's periods inside it. A collective launched on an idle link waits there
   for the slowest rank to reach it; the last rank to launch waits for nobody, so the minimum drops the
   ranks' compute skew (a bucket launched on a busy link adds only link time on every rank);
+* what that skew costs where the compute priced is not the last rank's: each send's *lag*, how long
+  after the paced rank (each iteration's rank with the most compute, :mod:`deft.profiler.pace`)
+  launched it the last rank did (:func:`send_lags`), the mean per link its ``lag_s``
+  (``DeftConfig.rank_wait``);
 * each link's model is ``T = alpha * m + beta * B`` (``m`` collectives of ``B`` bytes in a group), for
   the planner's buckets and the pieces it cuts them into (each piece pays ``alpha`` once,
   :mod:`deft.solver.partition`). ``alpha``, the per-message start-up, is *measured*, not fitted
@@ -173,13 +177,11 @@ def busy_periods(spans: Sequence[tuple[float, float]]) -> list[tuple[list[int], 
 @dataclass(frozen=True)
 class BusyGroup:
     """Buckets one link carried together in one iteration, the seconds it was busy with them and how
-    many of those were beside the compute (on the rank whose seconds they are); ``spread``: the ranks'
-    busy seconds in it, largest less smallest (what the earliest rank waited for the last)."""
+    many of those were beside the compute (on the rank whose seconds they are)."""
 
     buckets: tuple[int, ...]
     seconds: float
     beside: float = 0.0
-    spread: float = 0.0
 
 
 def common_busy_groups(per_rank: Sequence[Mapping[int, tuple[float, float]]],
@@ -192,8 +194,7 @@ def common_busy_groups(per_rank: Sequence[Mapping[int, tuple[float, float]]],
     inside the group; then the minimum over ranks. A bucket missing on some rank (its collective
     failed) takes its whole group out. Groups are returned in bucket order. ``compute[r]``: rank
     ``r``'s compute spans in the iteration (none given: none); a group's ``beside`` is how long the
-    periods of the rank with the least seconds overlapped them, its ``spread`` the largest rank's
-    seconds less the smallest's.
+    periods of the rank with the least seconds overlapped them.
     """
     parent: dict[int, int] = {}
 
@@ -229,8 +230,28 @@ def common_busy_groups(per_rank: Sequence[Mapping[int, tuple[float, float]]],
         busy = [(sum(hi - lo for lo, hi in spans), r) for r, spans in enumerate(per)]
         seconds, r = min(busy)
         beside = sum(_overlap(span, c) for span in per[r] for c in (compute[r] if r < len(compute) else ()))
-        out.append(BusyGroup(tuple(members), seconds, beside, max(busy)[0] - seconds))
+        out.append(BusyGroup(tuple(members), seconds, beside))
     return out
+
+
+def send_lags(per_rank: Sequence[Mapping[int, tuple[float, float]]], pace: int) -> list[float]:
+    """How long after rank ``pace`` launched each send the last rank launched it, in bucket order.
+
+    ``per_rank[r]`` maps bucket -> ``(launch, completion)`` on rank ``r``'s clock; buckets not on every
+    rank are left out. A collective completes on every rank at once, so with ``D_r = C_r - L_r`` a
+    send's duration on rank ``r``, ``D_pace - min_r D_r = L_last - L_pace`` (>= 0): the last rank's
+    launch after the paced rank's, read off each rank's own clock (the ranks' clocks need not agree).
+
+    Note [the paced rank]: the profile's compute is the ranks' pace, the slowest rank's
+    (:func:`deft.profiler.pace.paced_compute`); where that rank is also the last to send, the others'
+    waits for it are its compute, already priced. Only what the paced rank's own sends wait for a
+    rank behind it (one that started the iteration late, or was slower in part of it) is not: the
+    ranks' busy time in a group, largest less smallest, would charge the fastest rank's whole wait
+    again on top of the slowest rank's compute.
+    """
+    common = set.intersection(*(set(spans) for spans in per_rank)) if per_rank else set()
+    return [max(0.0, (per_rank[pace][b][1] - per_rank[pace][b][0])
+                - min(spans[b][1] - spans[b][0] for spans in per_rank)) for b in sorted(common)]
 
 
 def _compute_spans(s: Sample) -> list[list[float]]:
@@ -306,6 +327,7 @@ class _RankSends(TypedDict):
 
     iterations: list[dict[str, list[list[float]]]]  # per iteration, per link: [bucket, launch, completion]
     compute: list[list[list[float]]]  # per iteration: its forward's and backward's [start, end]
+    pace: list[float]  # per iteration: its forward's and backward's seconds (as paced_compute sums them)
 
 
 @dataclass
@@ -334,7 +356,7 @@ class WarmupTimer:
         self.held = held  # the profile iteration whose backward runs alone (holds_next), None: none
         self.contention = contention  # price the links' contention (needs ``held``)
         self.drag = drag  # fit the gloo links' drag (deft.profiler.drag)
-        self.rank_wait = rank_wait  # price the ranks' spread (deft.profile.Link.wait_s)
+        self.rank_wait = rank_wait  # price the last rank's lag (deft.profile.Link.lag_s)
         self._wait = wait  # waits for a launched collective (NCCL's completion is stamped after it)
         self._failover = failover  # the links lost (none: every link lives); the probe's agreement
         self.layout = layout
@@ -524,7 +546,7 @@ class WarmupTimer:
         nbytes = list(self.layout.bucket_nbytes())
         wire = list(codec.wire_nbytes) if codec is not None else nbytes
         codec_s = list(codec.codec_s) if codec is not None else [0.0] * n
-        every_link = self._busy_groups(control, codec_s)
+        every_link, lags = self._busy_groups(control, codec_s)
         alphas = self._probe(control, t)
         link_names = list(alphas)
         loads = {k: every_link[k] for k in link_names}
@@ -532,7 +554,7 @@ class WarmupTimer:
         if not pooled:
             raise RuntimeError("internal: no all-reduce of the profile iterations completed")
         drag = self._drag(loads, alphas, wire, link_backends)
-        links, comm = self._fit_links(loads, pooled, alphas, wire, link_backends, drag)
+        links, comm = self._fit_links(loads, pooled, alphas, wire, link_backends, drag, lags)
         links = [replace(lk, contention=rho) if lk.backend == "gloo" else lk for lk in links]
         buckets = tuple(Bucket(id=b, params=self.layout.bucket_names(b),
                                numel=self.layout.bucket_numel[b], nbytes=nbytes[b],
@@ -543,7 +565,7 @@ class WarmupTimer:
                       for b in range(n))
         return Profile(buckets=buckets, times=times, links=tuple(links), world_size=world, source="timing",
                        versions={"torch": torch.__version__}, model=model,
-                       meta=self._meta(loads, alphas, comm, codec, rank_contention, drag),
+                       meta=self._meta(loads, alphas, comm, codec, rank_contention, drag, lags),
                        codec=codec.name if codec is not None else "")
 
     def _probe(self, control: ControlPlane, t: int) -> dict[str, float]:
@@ -617,10 +639,12 @@ class WarmupTimer:
             rhos.append(contention(pure, busy_counts(spans, start, end), sum(s["bwd"])))
         return statistics.median(rhos)
 
-    def _busy_groups(self, control: ControlPlane, codec_s: Sequence[float]) -> dict[str, list[BusyGroup]]:
+    def _busy_groups(self, control: ControlPlane, codec_s: Sequence[float]
+                     ) -> tuple[dict[str, list[BusyGroup]], dict[str, list[float]]]:
         """Per link, the busy groups of every profile iteration (:func:`common_busy_groups`, each with its
         time beside the compute: the iteration's forward and backward), each less the codec compute of
-        its buckets (never below 0), so that the links are fitted over wire time.
+        its buckets (never below 0), so that the links are fitted over wire time; and its sends' lags
+        behind each iteration's paced rank, the one with the most compute (:func:`send_lags`).
 
         Collective on the control group: every rank gathers every rank's send intervals, so every rank
         forms the same groups (and so computes the same profile)."""
@@ -628,17 +652,21 @@ class WarmupTimer:
         # A bucket's launch and comm entries are set together (end_iteration): both or neither.
         mine = [{k: [[b, lo, lo + c] for b, (lo, c) in enumerate(zip(s["launch"][k], s["comm"][k], strict=True))
                      if lo is not None and c is not None] for k in link_names} for s in self.samples]
-        doc: _RankSends = {"iterations": mine, "compute": [_compute_spans(s) for s in self.samples]}
+        doc: _RankSends = {"iterations": mine, "compute": [_compute_spans(s) for s in self.samples],
+                           "pace": [sum(s["fwd"]) + sum(s["bwd"]) for s in self.samples]}
         every = control.all_gather_json(doc, "all-reduce times of the profile iterations")
         loads: dict[str, list[BusyGroup]] = {k: [] for k in link_names}
+        lags: dict[str, list[float]] = {k: [] for k in link_names}
         for i in range(len(self.samples)):
             compute = [[(lo, hi) for lo, hi in d["compute"][i]] for d in every]
+            paced = max(range(len(every)), key=lambda r: every[r]["pace"][i])
             for k in link_names:
                 per_rank = [{int(b): (lo, hi) for b, lo, hi in d["iterations"][i][k]} for d in every]
                 for g in common_busy_groups(per_rank, compute):
                     wire_s = max(0.0, g.seconds - sum(codec_s[b] for b in g.buckets))
-                    loads[k].append(BusyGroup(g.buckets, wire_s, min(g.beside, wire_s), g.spread))
-        return loads
+                    loads[k].append(BusyGroup(g.buckets, wire_s, min(g.beside, wire_s)))
+                lags[k].extend(send_lags(per_rank, paced))
+        return loads, lags
 
     def _drag(self, loads: Mapping[str, list[BusyGroup]], alphas: Mapping[str, float], wire: Sequence[int],
               link_backends: Mapping[str, str]) -> DragFit:
@@ -651,15 +679,17 @@ class WarmupTimer:
 
     def _fit_links(self, loads: Mapping[str, list[BusyGroup]], pooled: Sequence[BusyGroup],
                    alphas: Mapping[str, float], wire: Sequence[int], link_backends: Mapping[str, str],
-                   drag: DragFit) -> tuple[list[Link], list[dict[int, float]]]:
+                   drag: DragFit, lags: Mapping[str, list[float]]) -> tuple[list[Link], list[dict[int, float]]]:
         """Per link (in link order), its model and its buckets' direct times (module docstring).
 
         ``beta`` is fitted over the link's own busy groups with its probed ``alpha`` fixed, or over
         ``pooled`` (every link's groups) when the link carried nothing, because every link must have a
         model; a bucket alone in a group on the link gets the median of those groups' times. On a link
         with ``drag``, ``beta`` is fitted with the drag's share fixed and a time is the group's with the
-        cores free (:meth:`~deft.profiler.drag.DragFit.free_seconds`). Local only: every rank holds the
-        same groups and alphas, so every rank gets the same result."""
+        cores free (:meth:`~deft.profiler.drag.DragFit.free_seconds`). Its ``lag_s`` (where
+        ``rank_wait``) is the mean of its sends' lags behind the paced rank (:func:`send_lags`): a send
+        an iteration late costs its lag, one in step none. Local only: every rank holds the same groups,
+        lags and alphas, so every rank gets the same result."""
         links: list[Link] = []
         comm: list[dict[int, float]] = []
         for k in alphas:
@@ -669,9 +699,9 @@ class WarmupTimer:
             rows = _drag_groups(groups, wire)
             beta = group_beta(rows, alpha, fit.k)
             lk = self.links[k]
-            wait = self._spread_per_iteration(loads[k]) if self.rank_wait and loads[k] else 0.0
+            lag = statistics.fmean(lags[k]) if self.rank_wait and lags.get(k) else 0.0
             links.append(Link(name=k, backend=link_backends[k], ifname=lk.ifname, alpha_s=alpha, beta_s_per_byte=beta,
-                              drag=fit.drag, wait_s=wait))
+                              drag=fit.drag, lag_s=lag))
             alone: dict[int, list[float]] = {}
             for g, row in zip(groups, rows, strict=True):
                 if loads[k] and len(g.buckets) == 1:
@@ -679,19 +709,14 @@ class WarmupTimer:
             comm.append({b: statistics.median(v) for b, v in alone.items()})
         return links, comm
 
-    def _spread_per_iteration(self, groups: Sequence[BusyGroup]) -> float:
-        """A link's busy groups' spread, summed and shared over the profile iterations: what its sends
-        waited for the last rank in one iteration."""
-        return sum(g.spread for g in groups) / len(self.samples)
-
     def _meta(self, loads: Mapping[str, list[BusyGroup]], alphas: Mapping[str, float],
               comm: Sequence[dict[int, float]], codec: Codec | None, rank_contention: list[JsonDict],
-              drag: DragFit) -> JsonDict:
+              drag: DragFit, lags: Mapping[str, list[float]]) -> JsonDict:
         """The profile's ``meta``: how it was reduced, so that a reader can tell measured times from
         modelled ones (the probe, the busy groups per link, which buckets were measured alone, the
         codec's sources, the links that carried nothing and took ``beta`` from all links, the links
-        lost before the profile was made, the drag's fit, and per link the ranks' spread: what the
-        groups' earliest ranks waited for their last, priced as the links' ``wait_s`` where asked)."""
+        lost before the profile was made, the drag's fit, and per link its sends' lags behind the paced
+        rank, priced as the links' ``lag_s`` where asked)."""
         link_names = list(alphas)
         meta: JsonDict = {
             "profile_iterations": len(self.samples),
@@ -710,11 +735,11 @@ class WarmupTimer:
                     {"drag": drag.drag, "reduction": "one drag for the gloo links, least squares over their busy "
                                                       "groups with each link's beta (deft.profiler.drag)"},
             "buckets_measured_alone": {k: sorted(c) for k, c in zip(link_names, comm, strict=True)},
-            # what a send waits for the last rank to reach it, which the groups' times (the minimum over
-            # ranks) leave out: priced as each link's wait_s where DeftConfig.rank_wait is on
-            "rank_spread_s": {k: {"median": statistics.median(g.spread for g in loads[k]),
-                                  "total_per_iteration": self._spread_per_iteration(loads[k])}
-                              for k in link_names if loads[k]}}
+            # what the paced rank's sends wait for the last rank to reach them, which the groups' times
+            # (the minimum over ranks) leave out: priced as each link's lag_s where DeftConfig.rank_wait is on
+            "rank_lag_s": {k: {"mean": statistics.fmean(lags[k]), "median": statistics.median(lags[k]),
+                               "max": max(lags[k]), "sends": len(lags[k])}
+                           for k in link_names if lags.get(k)}}
         if codec is not None:
             meta["codec"] = {"wire_nbytes": "the hook's maths" if codec.wire_known else
                              "unknown for this hook: the bucket's size assumed",

@@ -52,11 +52,12 @@ Model
   busy (``d_l`` its drag). Speeds change only when a task starts or ends; each running task's end is
   projected again then (``_EventLoop``'s Note [shared processor]). Compute with no send beside it,
   sends with no compute beside them, and links with neither run as measured.
-* **The ranks' spread** (:class:`deft.profile.Link`'s ``wait_s``): a send starts when the last rank
-  reaches it, and a link's measured times are that rank's, who waits for nobody. Each iteration's sends
-  on link ``l`` are lengthened by ``wait_l / m_l`` (``m_l`` the link's sends per iteration;
-  :func:`send_waits`): the link stays busy ``wait_l`` longer where it is the bound, and compute with
-  slack beside the sends absorbs it.
+* **The last rank's lag** (:class:`deft.profile.Link`'s ``lag_s``): the compute simulated is the
+  ranks' pace, and a send starts when the last rank reaches it, ``lag_l`` after the paced rank handed
+  it to link ``l``; a link's measured times are the last rank's, who waits for nobody. A send handed at
+  ``h`` that its link would start at ``s`` holds the link ``max(0, h + lag_l - s)`` longer: on an idle
+  link every send waits the lag, on a link that is the bound only the sends that find it idle do (a
+  queued send was handed long before it starts).
 * **Steady state**: iteration time is averaged over whole cycles after a warm-up, between forward
   starts; bubble ratio = compute idle time / window; link utilisation = busy time / window.
 
@@ -84,7 +85,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -263,6 +264,8 @@ class _Comm:
     priority: tuple[float, ...] = ()
     launched: bool = False
     grad_ready: bool = True
+    lag: float = 0.0  # the last rank reaches it this long after it is handed to its link (send_lags)
+    handed: float = math.nan
     start: float = math.nan
     end: float = math.nan
 
@@ -368,6 +371,7 @@ class _EventLoop:
         """Hand a send to its link: it starts when the link (for a serial codec, every link) is free."""
         c = self.eng.comms[cid]
         self.handed.add(cid)
+        c.handed = self.now
         self.in_flight[c.link] += c.nbytes
         key = self._key(c.link)
         if (not self.sending if self.eng.serial else c.link not in self.sending) and not self.queue.get(key):
@@ -379,12 +383,14 @@ class _EventLoop:
         c = self.eng.comms[cid]
         c.start = self.now
         self.sending[c.link] = cid
+        # the link holds it until the last rank reaches it (module docstring, "The last rank's lag")
+        held = c.duration + max(0.0, c.handed + c.lag - self.now) if c.lag > 0 else c.duration
         if self.shared:
             self._settle()
-            self.work[("comm", cid)] = (c.duration, 1.0)
+            self.work[("comm", cid)] = (held, 1.0)
             self._project()
         else:
-            c.end = self.now + c.duration
+            c.end = self.now + held
             self.push(c.end, "comm", cid)
 
     # -- Note [shared processor] ----------------------------------------------------------------------
@@ -560,10 +566,10 @@ def _message_codec_s(profile: Profile, parts: Sequence[tuple[int, float]]) -> fl
     return sum(frac * profile.codec_time(b) for b, frac in parts)
 
 
-def send_waits(profile: Profile, sends: Mapping[str, float]) -> dict[str, float]:
-    """Per link, the seconds each send waits for the last rank: the link's ``wait_s`` shared over its
-    ``sends`` per iteration (links without a wait, or without sends, absent)."""
-    return {lk.name: lk.wait_s / sends[lk.name] for lk in profile.links if lk.wait_s > 0 and sends.get(lk.name, 0) > 0}
+def send_lags(profile: Profile) -> dict[str, float]:
+    """Per link, the seconds after its hand-over that a send waits for the last rank (the link's
+    ``lag_s``; links without one absent)."""
+    return {lk.name: lk.lag_s for lk in profile.links if lk.lag_s > 0}
 
 
 def _run_synchronous(profile: Profile, messages: Sequence[_Message], iterations: int, *, barrier: bool,
@@ -575,7 +581,7 @@ def _run_synchronous(profile: Profile, messages: Sequence[_Message], iterations:
     """
     eng = _engine(profile, credit)
     alpha = {lk: link_model(profile, lk)[0] for lk in profile.link_names}
-    wait = send_waits(profile, Counter(m.link for m in messages))
+    lag = send_lags(profile)
     fwd_deps: dict[int, list[int]] = {}
     codecs = [(m.ready_bucket, _message_codec_s(profile, m.parts)) for m in messages]
     coded = [d > 0 for _, d in codecs]
@@ -590,10 +596,11 @@ def _run_synchronous(profile: Profile, messages: Sequence[_Message], iterations:
             label = "+".join(str(b) for b in sorted({b for b, _ in m.parts}))
             if any(f < 1.0 for _, f in m.parts):
                 label += "'"  # a piece of a partitioned bucket
-            duration = message_time(profile, m.link, m.parts, alpha[m.link]) + wait.get(m.link, 0.0)
+            duration = message_time(profile, m.link, m.parts, alpha[m.link])
             cid = eng.add_comm(_Comm(link=m.link, duration=duration,
                                      bucket=m.ready_bucket, iteration=t, stage_iteration=t, label=label,
-                                     nbytes=m.nbytes, priority=m.priority), grad_after=grad_after)
+                                     nbytes=m.nbytes, priority=m.priority, lag=lag.get(m.link, 0.0)),
+                               grad_after=grad_after)
             eng.comms[cid].launched = True
             ids.append(cid)
         fwd_deps = {}
@@ -717,8 +724,7 @@ class _ScheduleGraph:
         self.bwd_of: dict[int, list[int]] = {}  # iteration -> its backward tasks' ids, by bucket
         self.comm_of: dict[tuple[int, int], int] = {}  # (group's last iteration, bucket) -> comm id
         self.ahead: dict[tuple[int, int], int] = {}    # sends of updates finishing in the forward, by (last, bucket)
-        sends = Counter(task.link for st in schedule.stages for task in st.comms)
-        self.wait = send_waits(profile, {lk: m / schedule.cycle for lk, m in sends.items()})
+        self.lag = send_lags(profile)
 
     def _finishing(self, position: int) -> bool:
         return self.schedule.updates[self.schedule.group_of(position)].finish_in_forward
@@ -730,10 +736,9 @@ class _ScheduleGraph:
         """A send of ``bucket`` of the group ending at ``last``, launched in iteration ``t``; it waits for
         ``after`` (its codec task) or else for the backward that completes its gradient."""
         profile = self.profile
-        duration = profile.comm_time(bucket, task_link) + self.wait.get(task_link, 0.0)
-        return self.eng.add_comm(_Comm(link=task_link, duration=duration, bucket=bucket,
+        return self.eng.add_comm(_Comm(link=task_link, duration=profile.comm_time(bucket, task_link), bucket=bucket,
                                        iteration=last, stage_iteration=t, label=label,
-                                       nbytes=profile.buckets[bucket].wire),
+                                       nbytes=profile.buckets[bucket].wire, lag=self.lag.get(task_link, 0.0)),
                                  grad_after=self.bwd_of[last][self.ready[bucket]] if after is None else after)
 
     def _sent(self, position: int, stage: str) -> list[CommTask]:
