@@ -206,7 +206,12 @@ def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float],
 
 @dataclass(frozen=True)
 class Profile:
-    """Per-bucket forward, backward and communication times of one model on one cluster."""
+    """Per-bucket forward, backward and communication times of one model on one cluster.
+
+    ``step_s``: the seconds per iteration the rank computes outside the forward and the backward, the
+    optimizer's step and the training loop's own work after the backward (clipping, the learning-rate
+    schedule, the next batch): charged to the compute stream at each iteration's step (0: not measured,
+    as from a trace)."""
 
     buckets: tuple[Bucket, ...]
     times: tuple[BucketTimes, ...]
@@ -217,6 +222,7 @@ class Profile:
     model: str = ""
     meta: JsonDict = field(default_factory=dict)
     codec: str = ""  # the comm hook compressing every send ("": none)
+    step_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.validate("<profile>")
@@ -261,13 +267,13 @@ class Profile:
         return self.codec in ELEMENTWISE_CODECS
 
     def scaled(self, compute: float = 1.0, comm: float = 1.0) -> Profile:
-        """This profile with every compute time (the codec's included) x ``compute`` and every all-reduce
-        (and link model) x ``comm``."""
+        """This profile with every compute time (the codec's and the step's included) x ``compute`` and
+        every all-reduce (and link model) x ``comm``."""
         times = tuple(BucketTimes(t.forward_s * compute, t.backward_s * compute,
                                   {k: v * comm for k, v in t.comm_s.items()}, t.codec_s * compute) for t in self.times)
         links = tuple(replace(lk, alpha_s=lk.alpha_s * comm, beta_s_per_byte=lk.beta_s_per_byte * comm)
                       for lk in self.links)
-        return replace(self, times=times, links=links)
+        return replace(self, times=times, links=links, step_s=self.step_s * compute)
 
     @property
     def forward_s(self) -> float:
@@ -351,6 +357,9 @@ class Profile:
             )
         if not self.links:
             raise ContractError(source, "links", "expected at least one link")
+        if not _nonneg(self.step_s):
+            raise ContractError(source, "step_s", f"expected a finite number >= 0 (seconds per iteration), "
+                                f"got {self.step_s}")
         names = [link.name for link in self.links]
         if len(set(names)) != len(names):
             raise ContractError(source, "links", f"link names must be unique, got {names}")
@@ -401,6 +410,7 @@ class Profile:
             "model": self.model,
             "source": self.source,
             "world_size": self.world_size,
+            **({"step_s": self.step_s} if self.step_s else {}),  # absent when 0: older profiles' digests unchanged
             "versions": dict(self.versions),
             "links": [
                 {"name": k.name, "backend": k.backend, "ifname": k.ifname,
@@ -475,6 +485,7 @@ class Profile:
         object.__setattr__(prof, "model", f.str("model", ""))
         object.__setattr__(prof, "meta", f.dict("meta", {}))
         object.__setattr__(prof, "codec", codec)
+        object.__setattr__(prof, "step_s", f.float("step_s", 0.0))
         prof.validate(source)
         return prof
 

@@ -454,3 +454,43 @@ def probe_dead_peer_worker(rank: int, world: int) -> str:
 def test_alpha_probe_names_rank_link_and_probe_when_a_peer_stalls() -> None:
     msg = values(run_ranks(probe_dead_peer_worker, 2, (), timeout=60))[0]
     assert msg.startswith("rank 0: alpha probe (one-element all-reduce 1 of ") and "on link 'wire'" in msg, msg
+
+
+STEP_S = 0.2  # rank 1's loop works this long between its backward and its step
+
+
+def loop_step_worker(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1's loop sleeps STEP_S after each backward (its own work: clipping, logging): the profile's
+    ``step_s`` and each rank's seconds per profile iteration."""
+    import time
+
+    import deft
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, config={
+        "warmup_iters": WARMUP, "profile_iters": 3, "epsilon": 0.0, "bucket_cap_mb": 0.05, "timeout_s": 60})
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(WARMUP + 3):
+        ddp(torch.randn(64, 64, generator=g)).square().mean().backward()
+        if rank == 1:
+            time.sleep(STEP_S)
+        opt.step()
+        opt.zero_grad()
+    prof = ddp.profile
+    assert prof is not None
+    return {"step_s": prof.step_s, "ranks": prof.meta["step_s"]["ranks"]}
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+def test_the_loops_own_work_after_the_backward_is_the_profiles_step() -> None:
+    # the two profile iterations timed whole: rank 1's carry its sleep, rank 0's only a small SGD step;
+    # the profile takes the slowest rank's
+    a, b = values(run_ranks(loop_step_worker, 2, timeout=120))
+    assert a == b
+    fast, slow = a["ranks"]
+    assert len(fast) == len(slow) == 2 and None not in fast + slow, a
+    assert max(fast) < 0.5 * STEP_S and min(slow) >= STEP_S, a
+    assert STEP_S <= a["step_s"] < 2 * STEP_S, a

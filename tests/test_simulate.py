@@ -478,3 +478,32 @@ def test_the_lag_round_trips_and_is_checked(caplog: pytest.LogCaptureFixture) ->
     with caplog.at_level("WARNING", logger="deft.profile"):
         old = Profile.from_dict(doc, "old.json")
     assert old.links[0].lag_s == 0.0 and "old.json: links[0].wait_s" in caplog.text
+
+
+# ------------------------------------------------------------------------------------------------ the step
+def test_the_step_runs_on_the_compute_stream_after_the_sends_it_waits_for() -> None:
+    # 2 forward + 3 backward + the exposed 1.5 send, then a 0.5 s step before the next forward: 7.0 where
+    # the step waits for every send (torch DDP); where only the next forward waits for its bucket's send
+    # (ByteScheduler, US-Byte) the step runs beside it: 6.5
+    p = dataclasses.replace(make_profile([2.0], [3.0], [{"a": 1.5}]), step_s=0.5)
+    for scheme in ("ddp", "wfbp", "mgwfbp"):
+        assert simulate(p, scheme).iteration_s == pytest.approx(7.0), scheme
+    for scheme in ("bytescheduler", "usbyte"):
+        assert simulate(p, scheme).iteration_s == pytest.approx(6.5), scheme
+    assert simulate(p, "ddp").compute_bound_s == pytest.approx(5.5)
+    # a lag-free update of the one bucket, waited for just before its forward: the step (5 -> 5.5) runs
+    # beside the send (5 -> 6.5), and the next forward waits for the send: 6.5
+    lagfree = Schedule(cycle=1, links=("a",), bucket_numel=(250,), bucket_nbytes=(1000,),
+                       stages=(StagePlan(0, "forward"), StagePlan(0, "backward", (CommTask(0, 0, "a"),))),
+                       updates=(Update((0,), 0, finish_in_forward=True, deferred=(0,)),))
+    assert simulate_schedule(p, lagfree).iteration_s == pytest.approx(6.5)
+    assert simulate_schedule(dataclasses.replace(p, step_s=2.0), lagfree).iteration_s == pytest.approx(7.0)
+
+
+def test_the_step_scales_with_the_compute_round_trips_and_is_checked() -> None:
+    p = dataclasses.replace(make_profile([2.0], [3.0], [{"a": 1.5}]), step_s=0.5)
+    assert p.scaled(compute=2.0, comm=3.0).step_s == pytest.approx(1.0)
+    assert Profile.from_dict(p.to_dict()).step_s == 0.5
+    assert "step_s" not in make_profile([2.0], [3.0], [{"a": 1.5}]).to_dict()  # absent when 0: digests stand
+    with pytest.raises(ContractError, match=r"step_s"):
+        dataclasses.replace(p, step_s=-1.0)

@@ -52,6 +52,7 @@ from deft.runtime.links import CommLink
 from deft.runtime.optimizer_hooks import OptimizerBinding
 from deft.runtime.planning import Planning, Switch
 from deft.runtime.records import RunRecord, SwitchRecord, as_object
+from deft.runtime.step_clock import StepClock
 from deft.runtime.tracing import profile_iters_from_env
 from deft.runtime.updates import LogEntry
 from deft.runtime.warmup_timer import WarmupTimer
@@ -126,6 +127,7 @@ class Course:
         self._warm_layout: FlatLayout | None = None  # the layout the profile iterations ran (set at the plan)
         self._lag_run: LagRun | None = None  # what runs while rank 0 plans in the background, and its clock
         self._compute = ComputeClock()  # each iteration's compute until the plan: the drift it is priced with
+        self._steps = StepClock()  # the loop's own time per iteration until the plan: the profile's step_s
         # The preserver's live inputs.
         self.losses: collections.deque[float] = collections.deque(maxlen=64)
         self.batch: int | None = None
@@ -205,6 +207,16 @@ class Course:
         self.codecs.backward_ends(now)
         if not self.planned:
             self._compute.backward_ends(now)
+
+    def loop_resumes(self, t: int) -> None:
+        """A deft hook of iteration ``t`` returns to the training loop (:mod:`deft.runtime.step_clock`)."""
+        if not self.planned:
+            self._steps.resume(t, time.perf_counter())
+
+    def loop_pauses(self) -> None:
+        """A deft hook, or a training forward, begins: the loop's own work since it resumed counts."""
+        if not self.planned:
+            self._steps.pause(time.perf_counter())
 
     def forward_ends(self, output: object) -> None:
         if self._timer is not None:
@@ -396,8 +408,10 @@ class Course:
         # The profile iterations ran a comm hook or deft's profile codec on every bucket.
         codec = self.codecs.measure_profiled(ex.layout)
         backends = {n: lk.backend for n, lk in self._links.items()}
+        # the profile iterations timed whole: the last one's step ends in this planning
+        steps = self._steps.row(range(self.calendar.warm_end, self.calendar.plan_at - 1))
         profile = timer.profile(self._control, self._control.world, backends, type(self._module).__name__, codec,
-                                ex.t)
+                                ex.t, steps)
         ex.unobserve(timer)
         self.close()
         out = os.environ.get("DEFT_PROFILE_OUT")

@@ -101,6 +101,7 @@ class ScheduledRun:
         self._training_forward = torch.is_grad_enabled()
         if not self._training_forward:
             return self.module  # evaluation: no gradient communication, nothing counted
+        self._course.loop_pauses()  # the loop's own work of the last iteration ends here
         if self._phase is Phase.BACKWARD_DONE:
             if not self._updates.exposed:
                 raise DeftError(f"the forward of a new iteration started before optimizer.step() of iteration "
@@ -305,6 +306,7 @@ class ScheduledRun:
             self._executor.end_backward()
             self._phase = Phase.BACKWARD_DONE
             self._expose()
+            self._course.loop_resumes(self._t)
         self._tracing.backward_ends()
 
     def _expose(self) -> None:
@@ -331,6 +333,13 @@ class ScheduledRun:
 
     def _before_step(self) -> None:
         """Before the user's ``optimizer.step()``: the due update's gradient is in ``p.grad``."""
+        self._course.loop_pauses()
+        try:
+            self._prepare_step()
+        finally:
+            self._course.loop_resumes(self._t)  # the optimizer's own step is the loop's
+
+    def _prepare_step(self) -> None:
         if self._phase is Phase.IDLE:
             # no iteration: the step applies whatever gradients the caller set, as under torch DDP
             # (torch.distributed.checkpoint's get_state_dict steps zero gradients at lr 0 to create the state)
@@ -370,7 +379,10 @@ class ScheduledRun:
         self._after_step()
 
     def _after_user_step(self) -> None:
+        t = self._t
+        self._course.loop_pauses()
         self._after_step(stepped=True)
+        self._course.loop_resumes(t)  # zero_grad, the schedule, the next batch: the loop's, until its forward
 
     def _after_step(self, stepped: bool = False) -> None:
         """After the user's ``optimizer.step()`` (``stepped``; else a skipped step or a carried micro-batch

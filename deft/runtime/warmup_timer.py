@@ -320,6 +320,7 @@ class _RankCompute(TypedDict):
     rho: float | None
     alone_s: float | None  # the median backward of the held iterations
     beside_s: float | None  # the median backward of the others
+    steps: list[float | None]  # the loop's own seconds per iteration timed whole (deft.runtime.step_clock)
 
 
 class _RankSends(TypedDict):
@@ -364,6 +365,7 @@ class WarmupTimer:
         self.cuda = cuda
         self.n = layout.n_buckets
         self.samples: list[Sample] = []
+        self._step_rows: list[list[float | None]] = []  # every rank's loop seconds per profile iteration
         self._cur: Sample | None = None
         self._launches: list[_Launch] = []
         self._started: dict[int, float] = {}  # bucket -> when its chained hooked send really started
@@ -533,16 +535,18 @@ class WarmupTimer:
 
     # -- reduction -----------------------------------------------------------------------------
     def profile(self, control: ControlPlane, world: int, link_backends: dict[str, str], model: str,
-                codec: Codec | None = None, t: int = -1) -> Profile:
+                codec: Codec | None = None, t: int = -1, steps: Sequence[float | None] = ()) -> Profile:
         """Reduce the samples (module docstring); collective on the control group. ``codec``: the comm
-        hook's bytes on the wire and compute per bucket (None: no hook). A bucket names its parameters
-        as the layout does (:meth:`~deft.runtime.buckets.FlatLayout.bucket_names`: a piece of a cut one
-        by its range). The profile is on the links left: one lost before or in the probe (at iteration
-        ``t``, :meth:`_probe`) is not in it, whatever it measured before."""
+        hook's bytes on the wire and compute per bucket (None: no hook). ``steps``: this rank's seconds
+        of the loop's own work in each profile iteration timed whole (:mod:`deft.runtime.step_clock`;
+        None: not timed), the profile's ``step_s`` their median over iterations of the slowest rank's. A
+        bucket names its parameters as the layout does (:meth:`~deft.runtime.buckets.FlatLayout.bucket_names`:
+        a piece of a cut one by its range). The profile is on the links left: one lost before or in the
+        probe (at iteration ``t``, :meth:`_probe`) is not in it, whatever it measured before."""
         if not self.samples:
             raise RuntimeError("internal: no profile iteration was timed")
         n = self.n
-        fwd, bwd, rho, rank_contention = self._compute_times(control)
+        fwd, bwd, rho, rank_contention, step_s = self._compute_times(control, steps)
         nbytes = list(self.layout.bucket_nbytes())
         wire = list(codec.wire_nbytes) if codec is not None else nbytes
         codec_s = list(codec.codec_s) if codec is not None else [0.0] * n
@@ -566,7 +570,7 @@ class WarmupTimer:
         return Profile(buckets=buckets, times=times, links=tuple(links), world_size=world, source="timing",
                        versions={"torch": torch.__version__}, model=model,
                        meta=self._meta(loads, alphas, comm, codec, rank_contention, drag, lags),
-                       codec=codec.name if codec is not None else "")
+                       codec=codec.name if codec is not None else "", step_s=step_s)
 
     def _probe(self, control: ControlPlane, t: int) -> dict[str, float]:
         """Each link's per-message start-up (:func:`probe_alpha`), the maximum over ranks, for the links
@@ -597,21 +601,23 @@ class WarmupTimer:
         rows = control.max_rows([[mine[k] for k in names]], "per-message start-up (one-element all-reduces)")
         return dict(zip(names, rows[0], strict=True))
 
-    def _compute_times(self, control: ControlPlane) -> tuple[list[float], list[float], float, list[JsonDict]]:
+    def _compute_times(self, control: ControlPlane, steps: Sequence[float | None]
+                       ) -> tuple[list[float], list[float], float, list[JsonDict], float]:
         """Each bucket's forward and backward seconds at the ranks' pace
         (:func:`~deft.profiler.pace.paced_compute`) from every rank's profile iterations, and the links'
         contention: the median over ranks of :meth:`_contention`, 0 without a held iteration, and each
         rank's estimate with its backward alone and beside its sends (for the profile's ``meta``). The
         forward ran beside no collective in any of them (the synchronous step waited for every one); the
         backward is the held iterations' where there are some and the contention is priced. Collective on
-        the control group."""
+        the control group. And the loop's own time per iteration (``steps``, :mod:`deft.runtime.step_clock`):
+        the median over the iterations every rank timed of the slowest rank's, 0 where none was."""
         alone = [sum(s["bwd"]) for s in self.samples if s["held"]]
         beside = [sum(s["bwd"]) for s in self.samples if not s["held"]]
         mine: _RankCompute = {"fwd": [list(s["fwd"]) for s in self.samples],
                               "bwd": [list(s["bwd"]) for s in self.samples],
                               "held": [s["held"] for s in self.samples], "rho": self._contention(),
                               "alone_s": statistics.median(alone) if alone else None,
-                              "beside_s": statistics.median(beside) if beside else None}
+                              "beside_s": statistics.median(beside) if beside else None, "steps": list(steps)}
         every = control.all_gather_json(mine, "compute times of the profile iterations")
         fwd, bwd = paced_compute([d["fwd"] for d in every], [d["bwd"] for d in every])
         held = [[x for x, h in zip(d["bwd"], d["held"], strict=True) if h] for d in every]
@@ -619,7 +625,9 @@ class WarmupTimer:
             bwd = paced_compute([[x for x, h in zip(d["fwd"], d["held"], strict=True) if h] for d in every], held)[1]
         rhos = [d["rho"] for d in every if d["rho"] is not None]
         ranks: list[JsonDict] = [{"rho": d["rho"], "alone_s": d["alone_s"], "beside_s": d["beside_s"]} for d in every]
-        return fwd, bwd, statistics.median(rhos) if rhos else 0.0, ranks
+        self._step_rows = [d["steps"] for d in every]  # for the profile's meta
+        timed = [max(row) for row in zip(*(d["steps"] for d in every), strict=True) if None not in row]
+        return fwd, bwd, statistics.median(rhos) if rhos else 0.0, ranks, statistics.median(timed) if timed else 0.0
 
     def _contention(self) -> float | None:
         """This rank's estimate of the links' contention (:func:`contention`): each profile iteration's
@@ -728,6 +736,9 @@ class WarmupTimer:
             "alpha_probe": {"warmup": PROBE_WARMUP, "repeats": PROBE_REPEATS,
                             "alpha_s": {k: alphas[k] for k in link_names}},
             "busy_groups": {k: len(loads[k]) for k in link_names},
+            "step_s": {"ranks": self._step_rows,
+                       "reduction": "the loop's own seconds per profile iteration timed whole, per rank "
+                                    "(deft.runtime.step_clock); the median over iterations of the max over ranks"},
             "contention": {"held_iteration": self.held, "ranks": rank_contention,
                            "reduction": "per rank: the median over the iterations beside their sends; "
                                         "the median over ranks"},

@@ -8,7 +8,8 @@ Model
 -----
 * One **compute stream** runs, for each iteration, the forward of buckets ``n-1 .. 0`` (input side first)
   then the backward of buckets ``0 .. n-1`` (bucket 0, nearest the output, is ready first), then the
-  optimizer step (zero time; it only waits). Tasks start as soon as the stream is free and their
+  optimizer step (the profile's ``step_s``, the loop's work outside the forward and the backward; it
+  starts once the sends it waits for have ended). Tasks start as soon as the stream is free and their
   dependencies are met.
 * One **queue per link**: all-reduces run one at a time. The schemes use two disciplines:
   *ordered* (a fixed launch order, each all-reduce waiting for its gradient and its predecessor, the way
@@ -604,7 +605,7 @@ def _run_synchronous(profile: Profile, messages: Sequence[_Message], iterations:
             eng.comms[cid].launched = True
             ids.append(cid)
         fwd_deps = {}
-        eng.add_compute(_Compute("update", -1, t, 0.0, deps=ids if barrier else []))
+        eng.add_compute(_Compute("update", -1, t, profile.step_s, deps=ids if barrier else []))
         if not barrier:
             for m, cid in zip(messages, ids, strict=True):
                 for b, _ in m.parts:
@@ -823,7 +824,7 @@ class _ScheduleGraph:
                 deps.extend(self.comm_of[(last, b)] for b in range(n) if (last, b) not in self.ahead)
                 applied = True
         # "step": an optimizer step with no update due changes nothing and waits for nothing.
-        self.eng.add_compute(_Compute("update" if applied else "step", -1, t, 0.0, deps=deps))
+        self.eng.add_compute(_Compute("update" if applied else "step", -1, t, self.profile.step_s, deps=deps))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -856,7 +857,8 @@ def _result(scheme: str, profile: Profile, eng: _Engine, cycle: int, warm: int, 
               for x in eng.compute]
     events += [SimEvent(x.link, "comm", x.bucket, x.iteration, x.start, x.end, x.label, x.stage_iteration)
                for x in eng.comms if not math.isnan(x.start)]
-    return SimResult(scheme=scheme, iteration_s=iteration_s, compute_bound_s=profile.forward_s + profile.backward_s,
+    return SimResult(scheme=scheme, iteration_s=iteration_s,
+                     compute_bound_s=profile.forward_s + profile.backward_s + profile.step_s,
                      # max: busy may exceed the span by rounding (codec tasks end where the span ends)
                      bubble_ratio=max(0.0, (span - busy) / span) if span > 0 else 0.0,
                      updates_per_iteration=updates_per_iteration, link_utilization=util,
