@@ -84,11 +84,13 @@ profile is rescaled and the codec chosen again at ``N``.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import overload
 
 from deft._json import JsonDict
 from deft.config import DeftConfig
@@ -131,7 +133,7 @@ class SimResult:
     bubble_ratio: float
     updates_per_iteration: float
     link_utilization: dict[str, float]
-    events: tuple[SimEvent, ...]
+    events: Sequence[SimEvent]  # the timeline's bars, in the engine's task order (built on first read)
     window: tuple[float, float]  # the steady-state window the figures are measured on
     iteration_starts: tuple[float, ...]  # forward start of every simulated iteration
     cycle: int = 1
@@ -852,18 +854,50 @@ def _result(scheme: str, profile: Profile, eng: _Engine, cycle: int, warm: int, 
         first = (starts[warm + half] - t0) / half
         second = (t1 - starts[warm + measured - half]) / half
         meta = {**meta, "converged": abs(first - second) <= 1e-6 * max(first, second, 1e-12)}
-    events = [SimEvent("compute", x.kind, x.bucket, x.iteration, x.start, x.end,
-                       "" if x.kind in ("update", "step", "launch") else str(x.bucket), x.iteration)
-              for x in eng.compute]
-    events += [SimEvent(x.link, "comm", x.bucket, x.iteration, x.start, x.end, x.label, x.stage_iteration)
-               for x in eng.comms if not math.isnan(x.start)]
     return SimResult(scheme=scheme, iteration_s=iteration_s,
                      compute_bound_s=profile.forward_s + profile.backward_s + profile.step_s,
                      # max: busy may exceed the span by rounding (codec tasks end where the span ends)
                      bubble_ratio=max(0.0, (span - busy) / span) if span > 0 else 0.0,
                      updates_per_iteration=updates_per_iteration, link_utilization=util,
-                     events=tuple(events), window=(t0, t1), iteration_starts=tuple(starts), cycle=cycle,
+                     events=_Events(eng.compute, eng.comms), window=(t0, t1), iteration_starts=tuple(starts),
+                     cycle=cycle,
                      meta=meta)
+
+
+class _Events(Sequence[SimEvent]):
+    """A simulation's :class:`SimEvent` bars, made from the engine's tasks when first read: a planner
+    prices many schedules by their figures alone and would otherwise make every bar of each."""
+
+    def __init__(self, compute: Sequence[_Compute], comms: Sequence[_Comm]) -> None:
+        self._compute, self._comms = compute, comms
+
+    @functools.cached_property
+    def _bars(self) -> tuple[SimEvent, ...]:
+        bars = [SimEvent("compute", x.kind, x.bucket, x.iteration, x.start, x.end,
+                         "" if x.kind in ("update", "step", "launch") else str(x.bucket), x.iteration)
+                for x in self._compute]
+        bars += [SimEvent(x.link, "comm", x.bucket, x.iteration, x.start, x.end, x.label, x.stage_iteration)
+                 for x in self._comms if not math.isnan(x.start)]
+        return tuple(bars)
+
+    @overload
+    def __getitem__(self, i: int) -> SimEvent: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[SimEvent, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> SimEvent | tuple[SimEvent, ...]:
+        return self._bars[i]
+
+    def __len__(self) -> int:
+        return len(self._bars)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    __hash__ = None  # type: ignore[assignment]  # equal by value; unhashable, as SimResult is (its dicts)
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} simulated events>"
 
 
 def _window(cycle: int, iterations: int) -> tuple[int, int]:
