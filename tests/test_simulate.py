@@ -507,3 +507,14 @@ def test_the_step_scales_with_the_compute_round_trips_and_is_checked() -> None:
     assert "step_s" not in make_profile([2.0], [3.0], [{"a": 1.5}]).to_dict()  # absent when 0: digests stand
     with pytest.raises(ContractError, match=r"step_s"):
         dataclasses.replace(p, step_s=-1.0)
+
+
+def test_a_results_events_read_as_the_tuple_of_bars_they_stand_for() -> None:
+    # the one bucket's timeline in torch DDP's scheme: forward, backward, the step, then its send
+    r = simulate(make_profile([2.0], [3.0], [{"a": 1.5}]), "ddp")
+    bars = tuple(r.events)
+    assert r.events == bars and len(r.events) == len(bars) and r.events[0] == bars[0] and r.events[-1:] == bars[-1:]
+    first = [e for e in bars if e.iteration == 0]
+    assert [(e.row, e.kind) for e in first] == [("compute", "forward"), ("compute", "backward"),
+                                                ("compute", "update"), ("a", "comm")]
+    assert [(e.start_s, e.end_s) for e in first] == [(0.0, 2.0), (2.0, 5.0), (6.5, 6.5), (5.0, 6.5)]
