@@ -26,7 +26,9 @@ rank 0 gets the slowest rank's medians (one max-reduction) and decides (:class:`
    adaptation not re-opened by a drift nor weighing a codec measured since its last choice (the
    compute factor took more than the slowdown: the two
    factors do not tell which to plan around, and such re-plans measured slower and went back:
-   benchmarks/results/peers_lm_hosts.md, "int8 against fp16"). Where deft
+   benchmarks/results/peers_lm_hosts.md, "int8 against fp16"); and, the mirror, one that prices the
+   links slower by more than ``adapt_tolerance`` beyond what the window timed them at (the miss is not
+   the links'; such re-plans measured slower too: benchmarks/results/prices_lag.md). Where deft
    chose the plan's codecs itself (``compression = "auto"``: :class:`deft.runtime.codecs.choice.Recoding`),
    the choice is made again on the measured exact profile corrected by the same factors; a different
    choice is planned on that profile instead. Why: the choice priced each bucket on the profiled
@@ -335,6 +337,17 @@ class Adapter:
             # so does a codec measured since the last choice, for which the measurement was made)
             return self._settle(record, f"measured slower than predicted but calibrated with the links x "
                                 f"{cal.comm:.3g}, faster than profiled: settled")
+        timed = record.get("links_vs_profile")
+        if (isinstance(timed, dict) and timed and measured_s > running.predicted_iteration_s
+                and not (reopened or self.rechoose) and all(v == 1.0 for v in cal.links.values())
+                and cal.comm > (1.0 + cfg.adapt_tolerance) * max(float(v) for v in timed.values())):
+            # The mirror: the calibration puts the miss on the links, but the window timed every link at
+            # about its price. The miss lies where the two factors do not reach (the forward beside the
+            # sends, the loop's step), and a plan around links slower than they run was measured slower
+            # than the one it replaced (benchmarks/results/prices_lag.md).
+            return self._settle(record, f"measured slower than predicted, calibrated with the links x "
+                                f"{cal.comm:.3g} while the window timed them at x "
+                                f"{max(float(v) for v in timed.values()):.3g}: settled")
         self.replans += 1
         target, chosen = self._recode(cal, corrected, record)
         new = replan(target)
