@@ -267,7 +267,7 @@ class _Comm:
     priority: tuple[float, ...] = ()
     launched: bool = False
     grad_ready: bool = True
-    lag: float = 0.0  # the last rank reaches it this long after it is handed to its link (send_lags)
+    lag: float = 0.0  # the last rank reaches it this long after it is handed to its link (link_lags)
     handed: float = math.nan
     start: float = math.nan
     end: float = math.nan
@@ -386,7 +386,8 @@ class _EventLoop:
         c = self.eng.comms[cid]
         c.start = self.now
         self.sending[c.link] = cid
-        # the link holds it until the last rank reaches it (module docstring, "The last rank's lag")
+        # the link holds it until the last rank reaches it (module docstring, "The last rank's lag"); on a
+        # shared processor that wait is run as work, so a link's drag slows it too (drag is opt-in)
         held = c.duration + max(0.0, c.handed + c.lag - self.now) if c.lag > 0 else c.duration
         if self.shared:
             self._settle()
@@ -569,7 +570,7 @@ def _message_codec_s(profile: Profile, parts: Sequence[tuple[int, float]]) -> fl
     return sum(frac * profile.codec_time(b) for b, frac in parts)
 
 
-def send_lags(profile: Profile) -> dict[str, float]:
+def link_lags(profile: Profile) -> dict[str, float]:
     """Per link, the seconds after its hand-over that a send waits for the last rank (the link's
     ``lag_s``; links without one absent)."""
     return {lk.name: lk.lag_s for lk in profile.links if lk.lag_s > 0}
@@ -584,7 +585,7 @@ def _run_synchronous(profile: Profile, messages: Sequence[_Message], iterations:
     """
     eng = _engine(profile, credit)
     alpha = {lk: link_model(profile, lk)[0] for lk in profile.link_names}
-    lag = send_lags(profile)
+    lag = link_lags(profile)
     fwd_deps: dict[int, list[int]] = {}
     codecs = [(m.ready_bucket, _message_codec_s(profile, m.parts)) for m in messages]
     coded = [d > 0 for _, d in codecs]
@@ -727,7 +728,7 @@ class _ScheduleGraph:
         self.bwd_of: dict[int, list[int]] = {}  # iteration -> its backward tasks' ids, by bucket
         self.comm_of: dict[tuple[int, int], int] = {}  # (group's last iteration, bucket) -> comm id
         self.ahead: dict[tuple[int, int], int] = {}    # sends of updates finishing in the forward, by (last, bucket)
-        self.lag = send_lags(profile)
+        self.lag = link_lags(profile)
 
     def _finishing(self, position: int) -> bool:
         return self.schedule.updates[self.schedule.group_of(position)].finish_in_forward
