@@ -46,6 +46,7 @@ from deft.runtime.warmup_timer import (
     contention,
     fit_group_beta,
     link_rotation,
+    paced_step,
     probe_alpha,
     send_lags,
 )
@@ -99,6 +100,12 @@ def test_a_groups_time_beside_the_compute_is_that_of_the_rank_whose_time_it_is()
                              [[(0.0, 4.0)], [(0.0, 2.0), (8.0, 20.0)]])
     assert [x.seconds for x in got] == pytest.approx([4.1, 2.2])
     assert [x.beside for x in got] == pytest.approx([1.0, 1.2])
+
+
+def test_the_profiles_step_is_the_median_of_the_slowest_ranks_over_iterations_every_rank_timed() -> None:
+    # iterations: (0.1, 0.3) -> 0.3, (0.2, 0.1) -> 0.2, (None, 0.5) not timed on rank 0: median 0.25
+    assert paced_step([[0.1, 0.2, None], [0.3, 0.1, 0.5]]) == pytest.approx(0.25)
+    assert paced_step([[None], [0.4]]) == 0.0 and paced_step([]) == 0.0
 
 
 def test_a_sends_lag_is_the_last_ranks_launch_after_the_paced_ranks_by_each_ranks_clock() -> None:
@@ -474,6 +481,7 @@ def loop_step_worker(rank: int, world: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(rank)
     for _ in range(WARMUP + 3):
         ddp(torch.randn(64, 64, generator=g)).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the loop's own work, as users write it
         if rank == 1:
             time.sleep(STEP_S)
         opt.step()

@@ -254,6 +254,14 @@ def send_lags(per_rank: Sequence[Mapping[int, tuple[float, float]]], pace: int) 
                 - min(spans[b][1] - spans[b][0] for spans in per_rank)) for b in sorted(common)]
 
 
+def paced_step(rows: Sequence[Sequence[float | None]]) -> float:
+    """The profile's ``step_s`` from ``rows[r][i]``, rank ``r``'s loop seconds in profile iteration ``i``
+    (None: not timed): the median over the iterations every rank timed of the slowest rank's, as the
+    compute is paced (:mod:`deft.profiler.pace`); 0 where no iteration was timed on every rank."""
+    timed = [max(x for x in col if x is not None) for col in zip(*rows, strict=True) if None not in col]
+    return statistics.median(timed) if timed else 0.0
+
+
 def _compute_spans(s: Sample) -> list[list[float]]:
     """One profile iteration's compute spans on this rank: its forward and its backward (start to the
     last bucket ready)."""
@@ -365,7 +373,6 @@ class WarmupTimer:
         self.cuda = cuda
         self.n = layout.n_buckets
         self.samples: list[Sample] = []
-        self._step_rows: list[list[float | None]] = []  # every rank's loop seconds per profile iteration
         self._cur: Sample | None = None
         self._launches: list[_Launch] = []
         self._started: dict[int, float] = {}  # bucket -> when its chained hooked send really started
@@ -546,7 +553,7 @@ class WarmupTimer:
         if not self.samples:
             raise RuntimeError("internal: no profile iteration was timed")
         n = self.n
-        fwd, bwd, rho, rank_contention, step_s = self._compute_times(control, steps)
+        fwd, bwd, rho, rank_contention, step_rows = self._compute_times(control, steps)
         nbytes = list(self.layout.bucket_nbytes())
         wire = list(codec.wire_nbytes) if codec is not None else nbytes
         codec_s = list(codec.codec_s) if codec is not None else [0.0] * n
@@ -569,8 +576,8 @@ class WarmupTimer:
                       for b in range(n))
         return Profile(buckets=buckets, times=times, links=tuple(links), world_size=world, source="timing",
                        versions={"torch": torch.__version__}, model=model,
-                       meta=self._meta(loads, alphas, comm, codec, rank_contention, drag, lags),
-                       codec=codec.name if codec is not None else "", step_s=step_s)
+                       meta=self._meta(loads, alphas, comm, codec, rank_contention, drag, lags, step_rows),
+                       codec=codec.name if codec is not None else "", step_s=paced_step(step_rows))
 
     def _probe(self, control: ControlPlane, t: int) -> dict[str, float]:
         """Each link's per-message start-up (:func:`probe_alpha`), the maximum over ranks, for the links
@@ -602,15 +609,15 @@ class WarmupTimer:
         return dict(zip(names, rows[0], strict=True))
 
     def _compute_times(self, control: ControlPlane, steps: Sequence[float | None]
-                       ) -> tuple[list[float], list[float], float, list[JsonDict], float]:
+                       ) -> tuple[list[float], list[float], float, list[JsonDict], list[list[float | None]]]:
         """Each bucket's forward and backward seconds at the ranks' pace
         (:func:`~deft.profiler.pace.paced_compute`) from every rank's profile iterations, and the links'
         contention: the median over ranks of :meth:`_contention`, 0 without a held iteration, and each
         rank's estimate with its backward alone and beside its sends (for the profile's ``meta``). The
         forward ran beside no collective in any of them (the synchronous step waited for every one); the
         backward is the held iterations' where there are some and the contention is priced. Collective on
-        the control group. And the loop's own time per iteration (``steps``, :mod:`deft.runtime.step_clock`):
-        the median over the iterations every rank timed of the slowest rank's, 0 where none was."""
+        the control group. And every rank's ``steps`` (the loop's own seconds per iteration,
+        :mod:`deft.runtime.step_clock`), for :func:`paced_step`."""
         alone = [sum(s["bwd"]) for s in self.samples if s["held"]]
         beside = [sum(s["bwd"]) for s in self.samples if not s["held"]]
         mine: _RankCompute = {"fwd": [list(s["fwd"]) for s in self.samples],
@@ -625,9 +632,7 @@ class WarmupTimer:
             bwd = paced_compute([[x for x, h in zip(d["fwd"], d["held"], strict=True) if h] for d in every], held)[1]
         rhos = [d["rho"] for d in every if d["rho"] is not None]
         ranks: list[JsonDict] = [{"rho": d["rho"], "alone_s": d["alone_s"], "beside_s": d["beside_s"]} for d in every]
-        self._step_rows = [d["steps"] for d in every]  # for the profile's meta
-        timed = [max(row) for row in zip(*(d["steps"] for d in every), strict=True) if None not in row]
-        return fwd, bwd, statistics.median(rhos) if rhos else 0.0, ranks, statistics.median(timed) if timed else 0.0
+        return fwd, bwd, statistics.median(rhos) if rhos else 0.0, ranks, [d["steps"] for d in every]
 
     def _contention(self) -> float | None:
         """This rank's estimate of the links' contention (:func:`contention`): each profile iteration's
@@ -719,7 +724,7 @@ class WarmupTimer:
 
     def _meta(self, loads: Mapping[str, list[BusyGroup]], alphas: Mapping[str, float],
               comm: Sequence[dict[int, float]], codec: Codec | None, rank_contention: list[JsonDict],
-              drag: DragFit, lags: Mapping[str, list[float]]) -> JsonDict:
+              drag: DragFit, lags: Mapping[str, list[float]], step_rows: list[list[float | None]]) -> JsonDict:
         """The profile's ``meta``: how it was reduced, so that a reader can tell measured times from
         modelled ones (the probe, the busy groups per link, which buckets were measured alone, the
         codec's sources, the links that carried nothing and took ``beta`` from all links, the links
@@ -736,7 +741,7 @@ class WarmupTimer:
             "alpha_probe": {"warmup": PROBE_WARMUP, "repeats": PROBE_REPEATS,
                             "alpha_s": {k: alphas[k] for k in link_names}},
             "busy_groups": {k: len(loads[k]) for k in link_names},
-            "step_s": {"ranks": self._step_rows,
+            "step_s": {"ranks": step_rows,
                        "reduction": "the loop's own seconds per profile iteration timed whole, per rank "
                                     "(deft.runtime.step_clock); the median over iterations of the max over ranks"},
             "contention": {"held_iteration": self.held, "ranks": rank_contention,
