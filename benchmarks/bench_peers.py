@@ -181,6 +181,8 @@ class Scheme:
     before: bool = False
     # the training loop of a trainer library (train_lm.py --trainer): lm workload only
     trainer: str | None = None
+    # deft config settings of this scheme (over --deft-config's)
+    config: tuple[tuple[str, Any], ...] = ()
 
     def env(self, tb: Testbed) -> dict[str, str]:
         """What this scheme's ranks get on top of :meth:`Testbed.env_for` (which binds gloo to nic0)."""
@@ -252,6 +254,9 @@ SCHEMES: dict[str, Scheme] = {
     # deft-adacomm8, deft-diloco-ada8
     **{f"deft-{name}{'' if h_max == 16 else h_max}": adacomm_scheme(h_max, outer)
        for h_max in (16, 8) for name, outer in (("adacomm", "average"), ("diloco-ada", "diloco"))},
+    # the link-failover guard off: a lost second link then ends the run (what the guard costs)
+    "deft-unguarded": Scheme("deft default, two links, link failover off", ("--ddp", "deft"), links=2,
+                             config=(("link_failover", False),)),
     "deft-before": Scheme("deft default before this change ($DEFT_BEFORE_TREE), two links", ("--ddp", "deft"),
                           links=2, before=True),
     "deft-fp16": Scheme("deft default + fp16 hook, two links", ("--ddp", "deft", "--compression", "fp16"), links=2),
@@ -409,7 +414,7 @@ def run_procs(tb: Testbed, procs: list[Proc], timeout_s: float, label: str, live
 
 def run_config(tb: Testbed, sch: Scheme, path: Path, args: argparse.Namespace) -> Path:
     """The deft config of one run at ``path``: the testbed's links the scheme uses, and ``--deft-config``."""
-    return tb.write_config(path, links=sch.links, **args.deft_config)
+    return tb.write_config(path, links=sch.links, **{**args.deft_config, **dict(sch.config)})
 
 
 def run_one(tb: Testbed, name: str, rep: int, seed: int, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:

@@ -61,6 +61,11 @@ def test_deft_settings_reach_every_runs_config(peers: Any, tmp_path: Path) -> No
     config = DeftConfig.load(path)
     assert (config.plan_lag_iters, config.solver, config.contention) == (0, "greedy", True)
     assert [lk.ifname for lk in config.links] == ["nic0", "nic1"]  # and the scheme's two links
+    assert config.link_failover  # the default; the unguarded scheme turns it off, over --deft-config
+    path = peers.run_config(Testbed(hosts=2, links=2, tag="argtest"), peers.SCHEMES["deft-unguarded"],
+                            tmp_path / "unguarded.toml", args)
+    config = DeftConfig.load(path)
+    assert (config.link_failover, config.plan_lag_iters, len(config.links)) == (False, 0, 2)
 
 
 def test_default_and_chosen_layouts(peers: Any) -> None:

@@ -264,7 +264,7 @@ class Course:
         """Collective: iteration ``t - 1`` ended. The ready order after the first; then planning (or
         collecting a background plan), re-checks, adaptation and a switch at a cycle boundary."""
         if self.failover.on:
-            self._executor.judge_pending()  # before anything reads a deferred parameter (Executor.judge_pending)
+            self._executor.open_pending()  # before anything reads a deferred parameter (Executor.open_pending)
         if self.ready_order is None:
             self.ready_order = self._control.broadcast_ints(ready_order(list(self.order_seen), len(self._params)),
                                                             "gradient ready order")

@@ -37,10 +37,10 @@ Waiting happens only in :meth:`Executor.take_update`, :meth:`Executor.finish` (a
 becomes a :class:`~deft.errors.CommunicationError` naming this rank, the link and the collective.
 
 Sends on a non-primary link are *guarded* (:mod:`deft.runtime.failover`, :meth:`Executor.guard_links`):
-they run on a copy of the bucket, each wait for them is bounded by the link's deadline, and every rank
-agrees on the links lost before any of their results is copied into the buffers; a lost link's
-buckets are all-reduced again on the primary from the buffers, and its later sends go on the primary.
-Every rank settles the same sends at the same points, so the agreements match.
+they run on a copy of the bucket, and a result is copied into the buffers only once the ranks' verdict
+on its send is reached (:mod:`deft.runtime.verdicts`): a lost link's buckets are summed again from the
+buffers' local gradients, and its later sends go on the primary. Every rank opens verdicts on the same
+sends at the same points (the step, and right after it :meth:`Executor.open_pending`), so they match.
 """
 
 from __future__ import annotations
@@ -59,8 +59,10 @@ from deft.runtime.buckets import FlatLayout
 from deft.runtime.checkpoint import GroupState
 from deft.runtime.codecs.hooks import CommHook, hook_bucket, hook_result
 from deft.runtime.control import FUTURE_TYPES, Collective, wait_work
-from deft.runtime.failover import LinkFailover, Stopwatch
+from deft.runtime.failover import LinkFailover
+from deft.runtime.hierarchy import HierarchicalWork
 from deft.runtime.links import CommLink
+from deft.runtime.verdicts import Verdict
 from deft.schedule import CommTask, Schedule
 
 
@@ -102,13 +104,16 @@ class Pending:
 
     ``post``: run once with the future's value after it completes (a hook's result into the buffer).
     ``resend``: a guarded send's bucket (:mod:`deft.runtime.failover`), this rank's local gradient, which
-    the collective runs on a copy of: all-reduced again on the primary link if its link is lost."""
+    the collective runs on a copy of: all-reduced again if its link is lost. ``verdict``: the ranks'
+    verdict on it once opened (:mod:`deft.runtime.verdicts`), ``index`` its place there."""
 
     work: Collective
     link: str
     what: str
     post: Callable[[object], None] | None = None
     resend: torch.Tensor | None = None
+    verdict: Verdict | None = None
+    index: int = -1
 
 
 @dataclass
@@ -276,7 +281,7 @@ class Executor:
                             f"{lay.n_buckets} buckets launched, tasks of earlier iterations: "
                             f"{[t.bucket for t in tasks if t.origin != 0]})")
         # the dropped results are not this iteration's: the buffer stays exact
-        self._settle(g, sorted(g.launched), keep=False)
+        self._settle(g, sorted(g.launched), keep=False, collective=True)
         g.launched.clear()
         self.use_hooks(hooks)
         self._start_stage("backward")
@@ -601,72 +606,76 @@ class Executor:
                 raise CommunicationError(f"rank {self.rank}: the comm hook's result for the {pending.what} on link "
                                          f"{pending.link!r} is unusable: {e}") from e
 
-    def _settle(self, g: GroupInstance, buckets: Iterable[int] | None = None, keep: bool = True) -> None:
+    def _settle(self, g: GroupInstance, buckets: Iterable[int] | None = None, keep: bool = True,
+                collective: bool = False) -> None:
         """Wait for the collectives of ``buckets`` of ``g`` (default: all, the used map included), in order;
-        ``keep=False``: drop their results (the buffers keep the local gradients). Guarded sends are
-        judged together at the end (:meth:`_judge_guarded`)."""
+        ``keep=False``: drop their results (the buffers keep the local gradients). A guarded send is taken
+        once the ranks' verdict on it is reached (:meth:`_take`); ``collective``: every rank settles these
+        sends here, so the links the verdicts found lost are recorded (:meth:`_record`)."""
         waits = [p for b in (list(g.pending) if buckets is None else list(buckets)) for p in g.pending.pop(b, ())]
-        judged: list[tuple[Pending, object]] = []
-        failed: dict[str, str] = {}  # link -> this rank's first failure on it
-        watch = Stopwatch()
-        for p in waits:
-            if not keep:
+        if not keep:
+            for p in waits:
                 p.post = None
-            if p.resend is not None:
-                judged.append((p, self._wait_guarded(p, failed, watch)))
-                continue
-            try:
+        guarded = [p for p in waits if p.resend is not None]
+        self._open_verdict([p for p in guarded if p.verdict is None])  # the same set on every rank
+        for p in waits:
+            if p.resend is None:
                 self.wait(p)
-            except CommunicationError as e:  # after a guarded link failed: a peer is gone, not the link
-                if not failed:
-                    raise
-                raise CommunicationError(f"{next(iter(failed.values()))} Then: {e}") from None
-        if judged:
-            self._judge_guarded(judged, failed, watch)
+            else:
+                self._take(p)
+        if collective:
+            self._record()
 
-    def _wait_guarded(self, p: Pending, failed: dict[str, str], watch: Stopwatch) -> object:
-        """A guarded send's value within its link's deadline; None, with the failure in ``failed``, if it
-        failed or ran out (a link already lost or failed here is not waited for)."""
-        fo = self.failover
-        assert fo is not None and p.resend is not None
-        if p.link in fo.dead or p.link in failed:
-            return None
-        began = time.perf_counter()
-        try:
-            return wait_work(p.work, p.link, p.what, self.rank,
-                             fo.deadline(p.link, p.resend.numel() * p.resend.element_size()))
-        except CommunicationError as e:
-            watch.failed_wait(began)
-            failed[p.link] = str(e)
-            return None
+    def open_pending(self) -> None:
+        """Collective, between iterations (every rank after its step): open the ranks' verdict on every
+        guarded send still in flight, and do not wait for it (:mod:`deft.runtime.verdicts`): the next
+        forward's deferred parameters, or a ``state_dict()`` or an evaluation that one rank runs alone,
+        wait for the verdict only where they use a result, and every rank reaches it without them."""
+        self._open_verdict([p for last in sorted(self.groups) for ps in self.groups[last].pending.values()
+                            for p in ps if p.resend is not None and p.verdict is None])
 
-    def _judge_guarded(self, judged: list[tuple[Pending, object]], failed: dict[str, str], watch: Stopwatch) -> None:
-        """Collective (:mod:`deft.runtime.failover`): agree with every rank which links are lost; the other
-        guarded sends' results go into the buffers (``post``), the lost links' buckets are all-reduced again
-        on the primary from the local gradients they kept (a dropped result, ``post`` None: not sent)."""
+    def _open_verdict(self, sends: list[Pending]) -> None:
+        """The ranks' verdict on ``sends``: reached in the background; a send not done within its link's
+        deadline for every guarded byte in flight on that link counts as failed."""
         fo = self.failover
-        assert fo is not None
-        before = set(fo.dead)
-        try:
-            lost = fo.agree(failed)
-        except CommunicationError as e:  # the control group failed too: a peer is gone, or the primary's NIC
-            first = judged[0][0]
-            seen = next(iter(failed.values()), f"rank {self.rank}: {first.what} on link {first.link!r} completed here.")
-            raise CommunicationError(f"{seen} The ranks could not agree whether the link is lost over the control "
-                                     f"group, which runs on the primary link {fo.primary!r}'s NIC: that NIC is down "
-                                     f"or a peer rank is gone: {e}") from None
-        again: list[tuple[Pending, Pending]] = []
-        for p, value in judged:
-            if p.link not in lost:
-                self._post(p, value)
-            elif p.post is not None:
-                assert p.resend is not None
-                what = f"{p.what}, sent again on the primary link (link {p.link!r} lost)"
-                again.append((p, Pending(self.links[self.primary].all_reduce(p.resend), self.primary, what)))
-        for _, q in again:
-            self.wait(q)
-        for name in sorted(lost - before):
-            fo.lost(name, self.t, sum(1 for p, _ in again if p.link == name), watch.seconds(), failed.get(name, ""))
+        if not sends:
+            return
+        assert fo is not None and fo.verdicts is not None
+        in_flight = {id(p): p for g in self.groups.values() for ps in g.pending.values() for p in ps
+                     if p.resend is not None}
+        in_flight.update((id(p), p) for p in sends)  # a settle has taken its sends out of the groups
+        ahead: dict[str, int] = {}
+        for p in in_flight.values():
+            assert p.resend is not None
+            ahead[p.link] = ahead.get(p.link, 0) + p.resend.numel() * p.resend.element_size()
+        deadline = max(fo.deadline(p.link, ahead.get(p.link, 0)) for p in sends)
+        futures = [p.work if isinstance(p.work, FUTURE_TYPES) else p.work.get_future() for p in sends]
+        v = fo.verdicts.open([p.link for p in sends], futures, [p.resend for p in sends if p.resend is not None],
+                             [_describe(p) for p in sends], deadline, set(fo.dead))
+        for i, p in enumerate(sends):
+            p.verdict, p.index = v, i
+
+    def _take(self, p: Pending) -> None:
+        """A guarded send's result, once the ranks' verdict is reached: its own if its link stands, else
+        the ranks' sum of their local gradients, sent again (a dropped result, ``post`` None: neither)."""
+        fo, v = self.failover, p.verdict
+        assert fo is not None and fo.verdicts is not None and v is not None and p.resend is not None
+        fo.verdicts.wait(v, f"{p.what} on link {p.link!r}")
+        if p.link not in v.lost:
+            self._post(p, wait_work(p.work, p.link, p.what, self.rank, self.timeout_s))
+        elif p.post is not None:
+            p.post = None
+            p.resend.copy_(v.resent[p.index])
+
+    def _record(self) -> None:
+        """Where every rank is (a step): the links lost by the verdicts opened so far are recorded, from
+        then on their sends go on the primary link and the course re-plans without them. The verdicts
+        opened before this step are reached by now where a lag-free plan's forward used their sends."""
+        fo = self.failover
+        if fo is None or fo.verdicts is None:
+            return
+        for loss in fo.verdicts.losses():
+            fo.lost(loss.link, self.t, loss.resent, loss.seconds, loss.why)
 
     def due(self, t: int) -> list[int]:
         """Last-iteration keys of the group instances whose update is applied after the step of ``t``."""
@@ -695,7 +704,7 @@ class Executor:
                             f"{len(g.launched)} of {n} buckets were sent")
         if not g.finish_in_forward or whole:
             self.groups.pop(last)
-            self._settle(g)
+            self._settle(g, collective=True)
             grads = self._grads(g, range(len(self.params)))
             self._release(g.buffers)
             return DueUpdate(tuple(g.iterations), grads)
@@ -706,16 +715,16 @@ class Executor:
             # Every parameter got a gradient here, so some rank used it: the all-reduced used map says
             # nothing new and is not waited for now. It is queued on the primary link behind that link's
             # deferred sends (Update.deferred); waiting for it would wait for them at the step.
-            self._settle(g, now_buckets)
+            self._settle(g, now_buckets, collective=True)
             g.used = [1] * len(self.params)
         else:
-            self._settle(g, [-1, *now_buckets])
+            self._settle(g, [-1, *now_buckets], collective=True)
             g.used = self._used(g)
         deferred = set(range(len(self.params))) - set(now)
         g.deferred = {i for i in deferred if g.used[i] > 0}  # unused parameters keep grad None anyway
         grads = self._grads(g, now)
         if not g.deferred:
-            self._close(g)
+            self._close(g, collective=True)
         return DueUpdate(tuple(g.iterations), grads)
 
     def _ahead_buckets(self, g: GroupInstance) -> set[int]:
@@ -751,8 +760,8 @@ class Executor:
         assert g.used_map is not None
         return [int(c) for c in g.used_map.tolist()]
 
-    def _close(self, g: GroupInstance) -> None:
-        self._settle(g)
+    def _close(self, g: GroupInstance, collective: bool = False) -> None:
+        self._settle(g, collective=collective)
         self.groups.pop(g.last, None)
         self._release(g.buffers)
 
@@ -789,21 +798,6 @@ class Executor:
             self._settle(g, sorted(self.layout.param_buckets[i]))
             return self._grads(g, [i])[i]
         return None
-
-    def judge_pending(self) -> None:
-        """Collective, between iterations (every rank after its step): wait for every guarded send still in
-        flight and judge them all with one agreement (:meth:`_judge_guarded`). Then nothing after the step
-        needs an agreement: a forward's deferred parameters, or a ``state_dict()`` or an evaluation that
-        one rank runs alone, only wait for what every rank launched and the ranks judged."""
-        judged: list[tuple[Pending, object]] = []
-        failed: dict[str, str] = {}
-        watch = Stopwatch()
-        for last in sorted(self.groups):
-            g = self.groups[last]
-            for b in [b for b, ps in g.pending.items() if any(p.resend is not None for p in ps)]:
-                judged.extend((p, self._wait_guarded(p, failed, watch)) for p in g.pending.pop(b))
-        if judged:
-            self._judge_guarded(judged, failed, watch)
 
     def drain(self) -> list[DueUpdate]:
         """Send every bucket not yet sent (primary link, bucket order), wait, return all updates.
@@ -914,6 +908,14 @@ def _hook_post(view: torch.Tensor, world: int) -> Callable[[object], None]:
             view.copy_(result.reshape(-1))
         view.mul_(world)
     return post
+
+
+def _describe(p: Pending) -> Callable[[], str]:
+    """What a guarded send is, on which link, and (a hierarchical all-reduce) the step it is in."""
+    def what() -> str:
+        step = p.work.step if isinstance(p.work, HierarchicalWork) else ""
+        return f"{p.what} on link {p.link!r}" + (f", {step}" if step else "")
+    return what
 
 
 def _copy_back(staged: torch.Tensor, view: torch.Tensor) -> Callable[[object], None]:

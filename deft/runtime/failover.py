@@ -6,17 +6,20 @@ good. Each wait on it is bounded by the link's *deadline* (:meth:`LinkFailover.d
 ``timeout_s``: ``link_deadline_factor`` times the profiled time of those bytes on that link, never below
 ``link_deadline_s`` (the deadline alone before a profile exists), never above ``timeout_s``.
 
-Every wait that took a guarded result ends with :meth:`LinkFailover.agree`, one all-reduce (max) over the
-control group of a flag per link: the links some rank saw fail or miss its deadline. The ranks wait for
-and judge the sends the step needs at the step, and every other guarded send in flight right after the
-step (:meth:`deft.runtime.executor.Executor.judge_pending`), where every rank is: what one rank does alone
-between iterations (its ``state_dict()``) never needs an agreement. The control group
-runs on the primary link's NIC (:func:`deft.runtime.links.make_control_group`), so the agreement does not
-depend on the link it judges. All ranks get the same set and take the same branch for every bucket: a
-good link's results are used; a lost link's are dropped on every rank (one rank may have seen its
-all-reduce complete, another not) and the buckets are all-reduced again on the primary link from the
-local gradients the failed collective never touched. From then on the executor sends that link's
-traffic on the primary, and the course re-plans on the links left (:meth:`LinkFailover.take_lost`).
+A guarded result is used only once the ranks' *verdict* on its send is reached
+(:mod:`deft.runtime.verdicts`, on :attr:`LinkFailover.verdicts`): one all-reduce (max) of a flag per link,
+the links some rank saw fail or miss the deadline, launched off the training thread as soon as the
+verdict's sends end. The executor opens a verdict on the sends the step needs at the step, and on every
+other guarded send in flight right after the step
+(:meth:`deft.runtime.executor.Executor.open_pending`), where every rank is, and waits for one only where
+a result is used: what one rank does alone between iterations (its ``state_dict()``) needs no rank but
+itself. The verdict group runs on the primary link's NIC (:func:`deft.runtime.links.make_control_group`),
+so the verdict does not depend on the link it judges. All ranks get the same set and take the same
+branch for every bucket: a good link's results are used; a lost link's are dropped on every rank (one
+rank may have seen its all-reduce complete, another not) and the buckets are all-reduced again from the
+local gradients the failed collective never touched. Where every rank is next (a step), the loss is
+recorded: from then on the executor sends that link's traffic on the primary, and the course re-plans
+on the links left (:meth:`LinkFailover.take_lost`).
 
 Before the first plan the same rules hold: the first iteration's sends and the profile iterations'
 are guarded sends of the executor; the warm-up timer rotates the buckets over the links left and
@@ -58,7 +61,8 @@ from deft.config import DeftConfig
 from deft.profile import Link, Profile
 from deft.runtime.calendar import Calendar
 from deft.runtime.control import ControlPlane
-from deft.runtime.links import CommLink
+from deft.runtime.links import CommLink, make_control_group
+from deft.runtime.verdicts import VerdictChain
 
 log = logging.getLogger("deft.runtime")
 
@@ -78,6 +82,9 @@ class LinkFailover:
         self._hierarchies = {n: lk.hierarchy for n, lk in links.items() if lk.hierarchy is not None}
         self.primary = self.links[0]
         self.on = config.link_failover and len(self.links) > 1
+        # collective where on: every rank builds the failover at the same point (the course's construction)
+        self.verdicts = (VerdictChain(make_control_group(config, dist.get_process_group_ranks(control.group)),
+                                      self.links, control.rank, config.timeout_s) if self.on else None)
         self.dead: set[str] = set()
         self._models: dict[str, Link] = {}
         self._unplanned: list[JsonDict] = []  # the records of links lost, not yet re-planned without (take_lost)
@@ -102,8 +109,9 @@ class LinkFailover:
 
     # -- agreement -------------------------------------------------------------------------------------
     def agree(self, failed: dict[str, str]) -> set[str]:
-        """Collective: the links lost on any rank (``failed``: this rank's, with why), those lost before
-        included; the same set on every rank."""
+        """Collective, on the training thread (before the first plan: the probe of the links' start-up):
+        the links lost on any rank (``failed``: this rank's, with why), those lost before included; the
+        same set on every rank."""
         flags = torch.tensor([1 if (n in failed or n in self.dead) else 0 for n in self.links], dtype=torch.int32)
         self._control.wait(dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control.group, async_op=True),
                            "all-reduce of the links' health")

@@ -175,13 +175,18 @@ class HierarchicalWork(dist.Work):
         waited = timeout is None or self._future.done() or future_done_event(self._future).wait(timeout.total_seconds())
         if not waited:
             assert timeout is not None
-            at = f", {self._step[-1]}" if self._step else ""
+            at = f", {self.step}" if self.step else ""
             raise TimeoutError(f"hierarchical all-reduce not done after {timeout.total_seconds():g} s{at}")
         self._future.wait()  # raises the collective's error
         return True
 
     def is_completed(self) -> bool:
         return self._future.done()
+
+    @property
+    def step(self) -> str:
+        """The step it is in (empty before the first), for a message that it is late."""
+        return self._step[-1] if self._step else ""
 
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
         return self._future

@@ -1,0 +1,141 @@
+"""The ranks' verdict on guarded sends (deft.runtime.verdicts), on two gloo ranks over loopback.
+
+The sends are futures this test completes, fails or leaves hanging, from a thread of its own where a
+gloo thread would: a verdict is opened without waiting for them, reached once they end (or at its
+deadline) without the training thread, the same on every rank even where the ranks see their sends end
+in different orders, and a lost link's sends are summed again from the local gradients.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from deft.runtime.verdicts import VerdictChain
+from tests._dist import run_ranks, values
+
+LINKS = ["primary", "second", "third"]
+
+
+def _chain() -> VerdictChain:
+    return VerdictChain(dist.new_group(backend="gloo"), LINKS, dist.get_rank(), timeout_s=20.0)
+
+
+def _later(seconds: float, fn: Callable[[], object]) -> None:
+    """``fn()`` on a thread of its own after ``seconds`` (as a gloo thread completes a send)."""
+    t = threading.Timer(seconds, fn)
+    t.daemon = True
+    t.start()
+
+
+def _local(rank: int) -> torch.Tensor:
+    return torch.full((4,), float(rank + 1))
+
+
+def _what() -> str:
+    return "a send"
+
+
+def _done() -> torch.futures.Future[object]:
+    f: torch.futures.Future[object] = torch.futures.Future()
+    f.set_result(None)
+    return f
+
+
+def good_worker(rank: int, world: int) -> dict[str, object]:
+    chain = _chain()
+    fut: torch.futures.Future[object] = torch.futures.Future()
+    v = chain.open(["second"], [fut], [_local(rank)], [_what], 10.0, set())
+    reached_before = v.done  # the send has not ended: open returned without it
+    _later(0.2, lambda: fut.set_result(None))
+    chain.wait(v, "send")
+    return {"before": reached_before, "lost": sorted(v.lost), "resent": len(v.resent),
+            "losses": [loss.link for loss in chain.losses()]}
+
+
+@pytest.mark.slow
+def test_a_verdict_opens_without_waiting_and_keeps_a_link_whose_sends_completed() -> None:
+    for r in values(run_ranks(good_worker, 2, timeout=60)):
+        assert r == {"before": False, "lost": [], "resent": 0, "losses": []}
+
+
+def failed_worker(rank: int, world: int, mode: str) -> dict[str, object]:
+    """Rank 1's send on ``second`` fails (``mode="error"``) or never ends (``"hang"``); rank 0's completes."""
+    chain = _chain()
+    fut: torch.futures.Future[object] = torch.futures.Future()
+    ok = _done()
+    v = chain.open(["second", "third"], [fut, ok], [_local(rank), 10 * _local(rank)], [_what, _what], 3.0, set())
+    if rank == 0:
+        _later(0.1, lambda: fut.set_result(None))
+    elif mode == "error":
+        _later(0.1, lambda: fut.set_exception(RuntimeError("injected: the connection was reset")))
+    chain.wait(v, "send")
+    losses = chain.losses()
+    return {"lost": sorted(v.lost), "resent": {str(i): t.tolist() for i, t in v.resent.items()},
+            "losses": [(loss.link, loss.resent, bool(loss.why)) for loss in losses]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["error", "hang"])
+def test_a_send_that_failed_on_one_rank_is_lost_on_every_rank_and_summed_again(mode: str) -> None:
+    res = values(run_ranks(failed_worker, 2, (mode,), timeout=60))
+    for rank, r in enumerate(res):
+        assert r["lost"] == ["second"], r
+        assert r["resent"] == {"0": [3.0] * 4}, r  # send 0 summed again: 1 + 2, both ranks' local gradients
+        assert r["losses"] == [["second", 1, rank == 1]], r  # only rank 1 saw it fail
+
+
+def order_worker(rank: int, world: int) -> dict[str, object]:
+    """Two verdicts; their sends end in opposite orders on the two ranks: rank 0's second verdict is
+    ready first, rank 1's first. Rank 1's send of the first fails on ``second``, rank 0's of the second
+    on ``third``."""
+    chain = _chain()
+    a: torch.futures.Future[object] = torch.futures.Future()
+    b: torch.futures.Future[object] = torch.futures.Future()
+    v1 = chain.open(["second"], [a], [_local(rank)], [_what], 10.0, set())
+    v2 = chain.open(["third"], [b], [_local(rank)], [_what], 10.0, set())
+    fail_a, fail_b = rank == 1, rank == 0
+
+    def end(f: torch.futures.Future[object], fail: bool) -> None:
+        f.set_exception(RuntimeError("injected")) if fail else f.set_result(None)
+
+    first, second = ((b, fail_b), (a, fail_a)) if rank == 0 else ((a, fail_a), (b, fail_b))
+    _later(0.1, lambda: end(*first))
+    _later(0.6, lambda: end(*second))
+    chain.wait(v2, "send")
+    chain.wait(v1, "send")
+    return {"v1": sorted(v1.lost), "v2": sorted(v2.lost)}
+
+
+@pytest.mark.slow
+def test_verdicts_are_reached_in_the_order_opened_whatever_order_their_sends_end() -> None:
+    for r in values(run_ranks(order_worker, 2, timeout=60)):
+        # the second verdict names the first's loss too: a link lost stays lost
+        assert r == {"v1": ["second"], "v2": ["second", "third"]}, r
+
+
+def alone_worker(rank: int, world: int) -> dict[str, object]:
+    """Rank 0 waits for the verdict while rank 1's training thread waits in a barrier that rank 0 joins
+    only after: rank 1's flags go out from its send's completion, without its training thread (and
+    long before the deadline, past the harness's bound)."""
+    chain = _chain()
+    fut: torch.futures.Future[object] = torch.futures.Future()
+    v = chain.open(["second"], [fut], [_local(rank)], [_what], 1000.0, set())
+    _later(0.3, lambda: fut.set_result(None))
+    if rank == 0:
+        chain.wait(v, "send")
+        dist.barrier()
+    else:
+        dist.barrier()
+        chain.wait(v, "send")
+    return {"lost": sorted(v.lost)}
+
+
+@pytest.mark.slow
+def test_one_rank_waits_for_a_verdict_while_the_others_training_thread_is_elsewhere() -> None:
+    for r in values(run_ranks(alone_worker, 2, timeout=60)):
+        assert r["lost"] == [], r
