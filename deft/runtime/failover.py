@@ -7,8 +7,8 @@ good. Each wait on it is bounded by the link's *deadline* (:meth:`LinkFailover.d
 ``link_deadline_s`` (the deadline alone before a profile exists), never above ``timeout_s``.
 
 A guarded result is used only once the ranks' *verdict* on its send is reached
-(:mod:`deft.runtime.verdicts`, on :attr:`LinkFailover.verdicts`): one all-reduce (max) of a flag per link,
-the links some rank saw fail or miss the deadline, launched off the training thread as soon as the
+(:mod:`deft.runtime.verdicts`, on :attr:`LinkFailover.verdicts`): one sum over the ranks of a flag per link,
+the links some rank saw fail or miss the deadline, summed off the training thread as soon as the
 verdict's sends end. The executor opens a verdict on the sends the step needs at the step, and on every
 other guarded send in flight right after the step
 (:meth:`deft.runtime.executor.Executor.open_pending`), where every rank is, and waits for one only where
@@ -61,6 +61,7 @@ from deft.config import DeftConfig
 from deft.profile import Link, Profile
 from deft.runtime.calendar import Calendar
 from deft.runtime.control import ControlPlane
+from deft.runtime.hierarchy import HierarchicalAllReduce, make_hierarchy_groups
 from deft.runtime.links import CommLink, make_control_group
 from deft.runtime.verdicts import VerdictChain
 
@@ -82,9 +83,7 @@ class LinkFailover:
         self._hierarchies = {n: lk.hierarchy for n, lk in links.items() if lk.hierarchy is not None}
         self.primary = self.links[0]
         self.on = config.link_failover and len(self.links) > 1
-        # collective where on: every rank builds the failover at the same point (the course's construction)
-        self.verdicts = (VerdictChain(make_control_group(config, dist.get_process_group_ranks(control.group)),
-                                      self.links, control.rank, config.timeout_s) if self.on else None)
+        self.verdicts = _verdict_chain(config, control, links) if self.on else None
         self.dead: set[str] = set()
         self._models: dict[str, Link] = {}
         self._unplanned: list[JsonDict] = []  # the records of links lost, not yet re-planned without (take_lost)
@@ -159,6 +158,18 @@ class LinkFailover:
 
     def live(self, names: list[str]) -> list[str]:
         return [n for n in names if n not in self.dead]
+
+
+def _verdict_chain(config: DeftConfig, control: ControlPlane, links: Mapping[str, CommLink]) -> VerdictChain:
+    """Collective (every rank builds the failover at the same point, the course's construction): the
+    verdicts' groups on the primary link's NIC; with several ranks per host (the primary link's host
+    layout) the flags summed inside the host, across the hosts' first ranks and back."""
+    group = make_control_group(config, dist.get_process_group_ranks(control.group))
+    primary = next(iter(links.values()))
+    layout = primary.hierarchy.groups.layout if primary.hierarchy is not None else None
+    sum_flags = (None if layout is None else
+                 HierarchicalAllReduce(make_hierarchy_groups(layout, "gloo", config.links[0].ifname, config.timeout_s)))
+    return VerdictChain(group, list(links), control.rank, config.timeout_s, sum_flags)
 
 
 def loss_phase(calendar: Calendar, planned: bool, t: int) -> str:

@@ -8,8 +8,8 @@ and is reached in three steps that need no training thread:
 1. *ready*: each of its sends has completed or failed on this rank, or runs on a link already lost, or
    the verdict's deadline has passed (a timer thread);
 2. *flags*: this rank's flag per link, 1 where one of the verdict's sends on it failed or was not done
-   when the verdict became ready or where the link was lost before, all-reduced (max) over the verdict
-   group; a link flagged on any rank is lost, on every rank alike;
+   when the verdict became ready or where the link was lost before, summed over the ranks; a link
+   flagged on any rank is lost, on every rank alike;
 3. *resends*: the sends on the lost links are all-reduced again over the same group, each from a copy of
    the local gradient its failed send never touched; their sums replace the dropped results.
 
@@ -31,9 +31,12 @@ Note:
 
     The verdict group is a CPU gloo group on the primary link's NIC, like the control group, so a verdict
     does not depend on the link it judges; it carries nothing else, so collectives launched from any
-    thread keep one order. A resend of a CUDA gradient copies the buffer on the launching thread's
-    current stream (the device's default stream on a gloo thread): the bucket was last written when its
-    send was launched, long before its verdict.
+    thread keep one order. With several ranks per host the flags go up inside the host, across the
+    hosts' first ranks and back (:class:`deft.runtime.hierarchy.HierarchicalAllReduce`, on groups of
+    their own): a message queued behind the primary's gradients crosses a NIC twice, where gloo's ring
+    over every rank crosses one at each of its ``2(N - 1)`` steps. A resend of a CUDA gradient copies
+    the buffer on the launching thread's current stream (the device's default stream on a gloo thread):
+    the bucket was last written when its send was launched, long before its verdict.
 """
 
 from __future__ import annotations
@@ -101,10 +104,13 @@ class Verdict:
 class VerdictChain:
     """Verdicts in the order they were opened, on the verdict ``group`` (module docstring); ``links``: the
     run's links in config order (the flags' order), ``timeout_s``: the bound of a wait beyond a verdict's
-    deadline."""
+    deadline; ``sum_flags``: the flags' asynchronous in-place sum over the ranks (default: an all-reduce
+    over ``group``)."""
 
-    def __init__(self, group: dist.ProcessGroup, links: Sequence[str], rank: int, timeout_s: float) -> None:
+    def __init__(self, group: dist.ProcessGroup, links: Sequence[str], rank: int, timeout_s: float,
+                 sum_flags: Callable[[torch.Tensor], dist.Work] | None = None) -> None:
         self.group, self.links, self.rank, self.timeout_s = group, list(links), rank, timeout_s
+        self._sum_flags = sum_flags if sum_flags is not None else self._all_reduce
         self._lock = threading.RLock()  # re-entered: a future already done runs its callback at once
         self._queue: deque[Verdict] = deque()  # opened, flags not launched yet
         self._busy = False  # the head's predecessor has launched its flags but not yet its resends
@@ -157,6 +163,11 @@ class VerdictChain:
                                 u.failed.get(link, "")))
         return out
 
+    def _all_reduce(self, tensor: torch.Tensor) -> dist.Work:
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        assert work is not None
+        return work
+
     # -- the background steps (any thread) ------------------------------------------------------------
     def _expire(self, v: Verdict) -> None:
         with self._lock:
@@ -196,9 +207,7 @@ class VerdictChain:
             v.failed_at = now
         flags = torch.tensor([1 if (n in gone or n in v.failed) else 0 for n in self.links], dtype=torch.int32)
         try:
-            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-            assert work is not None
-            fut = work.get_future()
+            fut = self._sum_flags(flags).get_future()
         except Exception as e:
             self._break(v, f"the flags' all-reduce could not be launched: {e}")
             return
@@ -216,8 +225,7 @@ class VerdictChain:
             v.lost = frozenset(lost)
             again = {i: v.local[i].detach().clone() for i, link in enumerate(v.links) if link in lost}
             try:
-                works = [dist.all_reduce(c, group=self.group, async_op=True) for c in again.values()]
-                futs = [w.get_future() for w in works if w is not None]
+                futs = [self._all_reduce(c).get_future() for c in again.values()]
             except Exception as e:
                 self._break(v, f"a resend could not be launched: {e}")
                 return
