@@ -15,14 +15,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deft.runtime.verdicts import VerdictChain
+from deft.runtime.verdicts import VerdictChain, flat_sum
 from tests._dist import run_ranks, values
 
 LINKS = ["primary", "second", "third"]
 
 
 def _chain() -> VerdictChain:
-    return VerdictChain(dist.new_group(backend="gloo"), LINKS, dist.get_rank(), timeout_s=20.0)
+    flags, resends = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
+    return VerdictChain(flat_sum(flags), resends, LINKS, dist.get_rank(), timeout_s=20.0)
 
 
 def _later(seconds: float, fn: Callable[[], object]) -> None:

@@ -612,8 +612,10 @@ class Executor:
         ``keep=False``: drop their results (the buffers keep the local gradients). A guarded send is taken
         once the ranks' verdict on it is reached (:meth:`_take`); ``collective``: every rank settles these
         sends here, so the links the verdicts found lost are recorded (:meth:`_record`)."""
-        # bucket order, not launch order: a verdict's sends (and its resends) are listed alike on every rank
-        waits = [p for b in (sorted(g.pending) if buckets is None else list(buckets)) for p in g.pending.pop(b, ())]
+        # bucket order, not launch order: a verdict's sends (and its resends) are listed alike on every
+        # rank; the used map (-1) last, as it was launched
+        order = sorted(g.pending, key=lambda b: (b < 0, b)) if buckets is None else list(buckets)
+        waits = [p for b in order for p in g.pending.pop(b, ())]
         if not keep:
             for p in waits:
                 p.post = None
@@ -629,11 +631,14 @@ class Executor:
 
     def open_pending(self) -> None:
         """Collective, between iterations (every rank after its step): open the ranks' verdict on every
-        guarded send still in flight, and do not wait for it (:mod:`deft.runtime.verdicts`): the next
-        forward's deferred parameters, or a ``state_dict()`` or an evaluation that one rank runs alone,
-        wait for the verdict only where they use a result, and every rank reaches it without them."""
-        self._open_verdict([p for last in sorted(self.groups) for b in sorted(self.groups[last].pending)
-                            for p in self.groups[last].pending[b] if p.resend is not None and p.verdict is None])
+        guarded send still in flight, one per bucket, and do not wait for them (:mod:`deft.runtime.verdicts`):
+        the next forward's deferred parameters, or a ``state_dict()`` or an evaluation that one rank runs
+        alone, wait for a bucket's verdict only where they use its result, and every rank reaches it
+        without them."""
+        for last in sorted(self.groups):
+            g = self.groups[last]
+            for b in sorted(g.pending):
+                self._open_verdict([p for p in g.pending[b] if p.resend is not None and p.verdict is None])
 
     def _open_verdict(self, sends: list[Pending]) -> None:
         """The ranks' verdict on ``sends``: reached in the background; a send not done within its link's

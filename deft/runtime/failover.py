@@ -63,7 +63,7 @@ from deft.runtime.calendar import Calendar
 from deft.runtime.control import ControlPlane
 from deft.runtime.hierarchy import HierarchicalAllReduce, make_hierarchy_groups
 from deft.runtime.links import CommLink, make_control_group
-from deft.runtime.verdicts import VerdictChain
+from deft.runtime.verdicts import VerdictChain, flat_sum
 
 log = logging.getLogger("deft.runtime")
 
@@ -164,12 +164,13 @@ def _verdict_chain(config: DeftConfig, control: ControlPlane, links: Mapping[str
     """Collective (every rank builds the failover at the same point, the course's construction): the
     verdicts' groups on the primary link's NIC; with several ranks per host (the primary link's host
     layout) the flags summed inside the host, across the hosts' first ranks and back."""
-    group = make_control_group(config, dist.get_process_group_ranks(control.group))
+    ranks = dist.get_process_group_ranks(control.group)
+    resends = make_control_group(config, ranks)
     primary = next(iter(links.values()))
     layout = primary.hierarchy.groups.layout if primary.hierarchy is not None else None
-    sum_flags = (None if layout is None else
+    sum_flags = (flat_sum(make_control_group(config, ranks)) if layout is None else
                  HierarchicalAllReduce(make_hierarchy_groups(layout, "gloo", config.links[0].ifname, config.timeout_s)))
-    return VerdictChain(group, list(links), control.rank, config.timeout_s, sum_flags)
+    return VerdictChain(sum_flags, resends, list(links), control.rank, config.timeout_s)
 
 
 def loss_phase(calendar: Calendar, planned: bool, t: int) -> str:

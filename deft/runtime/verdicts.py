@@ -10,13 +10,14 @@ and is reached in three steps that need no training thread:
 2. *flags*: this rank's flag per link, 1 where one of the verdict's sends on it failed or was not done
    when the verdict became ready or where the link was lost before, summed over the ranks; a link
    flagged on any rank is lost, on every rank alike;
-3. *resends*: the sends on the lost links are all-reduced again over the same group, each from a copy of
-   the local gradient its failed send never touched; their sums replace the dropped results.
+3. *resends*: the sends on the lost links are all-reduced again, each from a copy of the local gradient
+   its failed send never touched; their sums replace the dropped results.
 
-Verdicts take these steps one after another in the order they were opened: a verdict's flags are
-launched only once the verdict before it has launched its resends, whichever thread launches them (a
-send's completion callback, the timer, the training thread), so the group's collectives match on every
-rank. The training thread waits for a verdict only where one of its results is used
+Verdicts take these steps in the order they were opened, whichever thread runs them (a send's
+completion callback, the timer, the training thread): their flags go out one behind the other, each as
+soon as its own sends end, and are taken in that order, a link lost by one verdict lost in every later
+one, the resends launched on a group of their own; so each group's collectives match on every rank.
+The training thread waits for a verdict only where one of its results is used
 (:meth:`VerdictChain.wait`), and hands out the losses where every rank is (:meth:`VerdictChain.losses`).
 
 Note:
@@ -29,9 +30,11 @@ Note:
     training thread, one rank alone (a ``state_dict()`` or an evaluation between iterations) may wait
     for a verdict: the other ranks' flags and resends go out without them.
 
-    The verdict group is a CPU gloo group on the primary link's NIC, like the control group, so a verdict
-    does not depend on the link it judges; it carries nothing else, so collectives launched from any
-    thread keep one order. With several ranks per host the flags go up inside the host, across the
+    The verdicts' groups are CPU gloo groups on the primary link's NIC, like the control group, so a
+    verdict does not depend on the link it judges; they carry nothing else, so collectives launched
+    from any thread keep one order. A verdict per bucket costs a message each, not a wait: the
+    forward waits for a deferred bucket's own verdict only, not for the sends the plan overlaps with the
+    layers before it. With several ranks per host the flags go up inside the host, across the
     hosts' first ranks and back (:class:`deft.runtime.hierarchy.HierarchicalAllReduce`, on groups of
     their own): a message queued behind the primary's gradients crosses a NIC twice, where gloo's ring
     over every rank crosses one at each of its ``2(N - 1)`` steps. A resend of a CUDA gradient copies
@@ -41,6 +44,7 @@ Note:
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -102,21 +106,22 @@ class Verdict:
 
 
 class VerdictChain:
-    """Verdicts in the order they were opened, on the verdict ``group`` (module docstring); ``links``: the
-    run's links in config order (the flags' order), ``timeout_s``: the bound of a wait beyond a verdict's
-    deadline; ``sum_flags``: the flags' asynchronous in-place sum over the ranks (default: an all-reduce
-    over ``group``)."""
+    """Verdicts in the order they were opened (module docstring). ``sum_flags``: the flags' asynchronous
+    in-place sum over the ranks, on a group of its own; ``resend_group``: where a lost link's sends are
+    summed again; ``links``: the run's links in config order (the flags' order); ``timeout_s``: the bound
+    of a wait beyond a verdict's deadline."""
 
-    def __init__(self, group: dist.ProcessGroup, links: Sequence[str], rank: int, timeout_s: float,
-                 sum_flags: Callable[[torch.Tensor], dist.Work] | None = None) -> None:
-        self.group, self.links, self.rank, self.timeout_s = group, list(links), rank, timeout_s
-        self._sum_flags = sum_flags if sum_flags is not None else self._all_reduce
+    def __init__(self, sum_flags: Callable[[torch.Tensor], dist.Work], resend_group: dist.ProcessGroup,
+                 links: Sequence[str], rank: int, timeout_s: float) -> None:
+        self._sum_flags, self.resend_group = sum_flags, resend_group
+        self.links, self.rank, self.timeout_s = list(links), rank, timeout_s
         self._lock = threading.RLock()  # re-entered: a future already done runs its callback at once
         self._queue: deque[Verdict] = deque()  # opened, flags not launched yet
-        self._busy = False  # the head's predecessor has launched its flags but not yet its resends
-        self._lost: set[str] = set()  # links lost by the verdicts reached so far
-        self._broken: str | None = None  # the group failed: every later verdict fails with this
-        self._unrecorded: deque[Verdict] = deque()  # opened, losses not yet handed out (losses_through)
+        # flags launched, not yet taken (in order: the losses before a verdict are part of it)
+        self._agreeing: deque[tuple[Verdict, torch.Tensor, Future[object]]] = deque()
+        self._lost: set[str] = set()  # links lost by the verdicts taken so far
+        self._broken: str | None = None  # a group failed: every later verdict fails with this
+        self._unrecorded: deque[Verdict] = deque()  # opened, losses not yet handed out (losses)
         self._recorded: set[str] = set()
 
     def open(self, links: Sequence[str], futures: Sequence[Future[object]], local: Sequence[torch.Tensor],
@@ -163,11 +168,6 @@ class VerdictChain:
                                 u.failed.get(link, "")))
         return out
 
-    def _all_reduce(self, tensor: torch.Tensor) -> dist.Work:
-        work = dist.all_reduce(tensor, group=self.group, async_op=True)
-        assert work is not None
-        return work
-
     # -- the background steps (any thread) ------------------------------------------------------------
     def _expire(self, v: Verdict) -> None:
         with self._lock:
@@ -179,14 +179,13 @@ class VerdictChain:
         return v.expired or all(f.done() or link in gone for link, f in zip(v.links, v.futures, strict=True))
 
     def _pump(self) -> None:
-        """Launch the flags of every verdict at the head of the queue that is ready, in order."""
+        """Launch the flags of every verdict at the head of the queue that is ready, in order (a flags sum
+        needs no earlier one's result: they go out one behind the other, each as its sends end)."""
         with self._lock:
             if self._broken is not None:
-                while self._queue:
-                    self._queue.popleft().finish(self._broken)
+                self._fail_pending()
                 return
-            while self._queue and not self._busy and self._ready(self._queue[0]):
-                self._busy = True
+            while self._queue and self._ready(self._queue[0]):
                 self._flags(self._queue.popleft())
 
     def _flags(self, v: Verdict) -> None:
@@ -209,33 +208,37 @@ class VerdictChain:
         try:
             fut = self._sum_flags(flags).get_future()
         except Exception as e:
-            self._break(v, f"the flags' all-reduce could not be launched: {e}")
+            self._break(v, f"the flags' sum could not be launched: {e}")
             return
-        fut.add_done_callback(lambda f: self._agreed(v, flags, f))
+        self._agreeing.append((v, flags, fut))
+        fut.add_done_callback(lambda _: self._agreed())
 
-    def _agreed(self, v: Verdict, flags: torch.Tensor, fut: Future[object]) -> None:
+    def _agreed(self) -> None:
+        """Take the verdicts whose flags are summed, in the order opened: a link lost by one is lost in
+        every later one, and its resends go out in that order on every rank."""
         with self._lock:
-            try:
-                fut.value()
-            except Exception as e:
-                self._break(v, f"the flags' all-reduce failed: {e}")
-                return
-            lost = {n for n, f in zip(self.links, flags.tolist(), strict=True) if f}
-            self._lost |= lost
-            v.lost = frozenset(lost)
-            again = {i: v.local[i].detach().clone() for i, link in enumerate(v.links) if link in lost}
-            try:
-                futs = [self._all_reduce(c).get_future() for c in again.values()]
-            except Exception as e:
-                self._break(v, f"a resend could not be launched: {e}")
-                return
-            v.resent = again
-            self._busy = False
-            if futs:
-                torch.futures.collect_all(futs).add_done_callback(lambda f: self._resent(v, f))
-            else:
-                v.finish()
-            self._pump()
+            while self._agreeing and self._agreeing[0][2].done():
+                v, flags, fut = self._agreeing.popleft()
+                try:
+                    fut.value()
+                except Exception as e:
+                    self._break(v, f"the flags' sum failed: {e}")
+                    return
+                lost = {n for n, f in zip(self.links, flags.tolist(), strict=True) if f} | self._lost
+                self._lost |= lost
+                v.lost = frozenset(lost)
+                again = {i: v.local[i].detach().clone() for i, link in enumerate(v.links) if link in lost}
+                try:
+                    futs = [_all_reduce(c, self.resend_group).get_future() for c in again.values()]
+                except Exception as e:
+                    self._break(v, f"a resend could not be launched: {e}")
+                    return
+                v.resent = again
+                if futs:
+                    torch.futures.collect_all(futs).add_done_callback(functools.partial(self._resent, v))
+                else:
+                    v.finish()
+            self._pump()  # a verdict waiting for a send on a link now lost waits no more
 
     def _resent(self, v: Verdict, fut: Future[list[Future[object]]]) -> None:
         try:
@@ -249,16 +252,33 @@ class VerdictChain:
         v.finish()
 
     def _break(self, v: Verdict, why: str) -> None:
-        """The verdict group failed (lock held): ``v`` and every later verdict fail with ``why``."""
+        """A group failed (lock held): ``v`` and every later verdict fail with ``why``."""
         self._broken = self._broken or why
-        self._busy = False
         v.finish(self._broken)
-        self._pump()
+        self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        assert self._broken is not None
+        for u in [*self._queue, *(a[0] for a in self._agreeing)]:
+            u.finish(self._broken)
+        self._queue.clear()
+        self._agreeing.clear()
 
     def _fail_all(self, why: str) -> None:
         with self._lock:
             self._broken = self._broken or why
-            for u in [*self._queue, *self._unrecorded]:
+            self._fail_pending()
+            for u in self._unrecorded:
                 if not u.done:
                     u.finish(self._broken)
-            self._queue.clear()
+
+
+def flat_sum(group: dist.ProcessGroup) -> Callable[[torch.Tensor], dist.Work]:
+    """``sum_flags`` of :class:`VerdictChain`: one all-reduce over ``group``."""
+    return functools.partial(_all_reduce, group=group)
+
+
+def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    assert work is not None
+    return work
