@@ -631,14 +631,14 @@ class Executor:
 
     def open_pending(self) -> None:
         """Collective, between iterations (every rank after its step): open the ranks' verdict on every
-        guarded send still in flight, one per bucket, and do not wait for them (:mod:`deft.runtime.verdicts`):
-        the next forward's deferred parameters, or a ``state_dict()`` or an evaluation that one rank runs
-        alone, wait for a bucket's verdict only where they use its result, and every rank reaches it
-        without them."""
-        for last in sorted(self.groups):
-            g = self.groups[last]
-            for b in sorted(g.pending):
-                self._open_verdict([p for p in g.pending[b] if p.resend is not None and p.verdict is None])
+        guarded send still in flight, and do not wait for it (:mod:`deft.runtime.verdicts`): the next
+        forward's deferred parameters, or a ``state_dict()`` or an evaluation that one rank runs alone,
+        wait for the verdict only where they use a result, and every rank reaches it without them.
+
+        One verdict, not one per bucket: each is a message over the primary link's NIC queued behind its
+        gradients, and gloo runs a group's collectives two at a time (benchmarks/results/failover_async.md)."""
+        self._open_verdict([p for last in sorted(self.groups) for b in sorted(self.groups[last].pending)
+                            for p in self.groups[last].pending[b] if p.resend is not None and p.verdict is None])
 
     def _open_verdict(self, sends: list[Pending]) -> None:
         """The ranks' verdict on ``sends``: reached in the background; a send not done within its link's

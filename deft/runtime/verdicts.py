@@ -32,9 +32,7 @@ Note:
 
     The verdicts' groups are CPU gloo groups on the primary link's NIC, like the control group, so a
     verdict does not depend on the link it judges; they carry nothing else, so collectives launched
-    from any thread keep one order. A verdict per bucket costs a message each, not a wait: the
-    forward waits for a deferred bucket's own verdict only, not for the sends the plan overlaps with the
-    layers before it. With several ranks per host the flags go up inside the host, across the
+    from any thread keep one order. With several ranks per host the flags go up inside the host, across the
     hosts' first ranks and back (:class:`deft.runtime.hierarchy.HierarchicalAllReduce`, on groups of
     their own): a message queued behind the primary's gradients crosses a NIC twice, where gloo's ring
     over every rank crosses one at each of its ``2(N - 1)`` steps. A resend of a CUDA gradient copies
