@@ -65,6 +65,9 @@ def _validate_link(source: str, i: int, link: Link) -> None:
                               ("lag_s", link.lag_s, " (seconds per send)")):
         if not _nonneg(value):
             raise ContractError(source, f"links[{i}].{name}", f"expected a finite number >= 0{unit}, got {value}")
+    if i == 0 and link.guarded:
+        raise ContractError(source, "links[0].guarded", "expected false: the first link is the primary, which "
+                            "carries the ranks' verdicts on the guarded links")
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,9 @@ class Link:
     seconds after its launch that a send of the link waits for the last rank to reach it, where the
     launch is the rank's whose compute the profile prices (the ranks' pace, :mod:`deft.profiler.pace`):
     a send starts no earlier than ``lag_s`` after it is handed to the link (0: none, as for one rank or
-    ranks in step). The link's measured times are the last rank's, who waits for nobody.
+    ranks in step). The link's measured times are the last rank's, who waits for nobody. ``guarded``:
+    its sends' results are used only after the ranks' verdict on them, a message over the primary link
+    (the runtime's link-failover guard, :mod:`deft.runtime.verdicts`; False: used as they arrive).
     """
 
     name: str
@@ -119,6 +124,7 @@ class Link:
     contention: float = 0.0
     drag: float = 0.0
     lag_s: float = 0.0
+    guarded: bool = False
 
     def time(self, nbytes: int) -> float:
         return self.alpha_s + self.beta_s_per_byte * nbytes
@@ -418,7 +424,8 @@ class Profile:
                  # absent when 0: older profiles' digests unchanged
                  **({"contention": k.contention} if k.contention else {}),
                  **({"drag": k.drag} if k.drag else {}),
-                 **({"lag_s": k.lag_s} if k.lag_s else {})}
+                 **({"lag_s": k.lag_s} if k.lag_s else {}),
+                 **({"guarded": True} if k.guarded else {})}
                 for k in self.links
             ],
             "buckets": buckets,
@@ -454,7 +461,7 @@ class Profile:
                 name=lf.str("name"), backend=lf.str("backend", choices=BACKENDS), ifname=lf.opt_str("ifname"),
                 alpha_s=lf.float("alpha_s", 0.0), beta_s_per_byte=lf.float("beta_s_per_byte", 0.0),
                 contention=lf.float("contention", 0.0), drag=lf.float("drag", 0.0),
-                lag_s=lf.float("lag_s", 0.0),
+                lag_s=lf.float("lag_s", 0.0), guarded=lf.bool("guarded", False),
             ))
         buckets, times = [], []
         for bf in f.items("buckets"):

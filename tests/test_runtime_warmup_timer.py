@@ -281,6 +281,8 @@ def test_profile_iterations_send_each_bucket_once_over_both_links() -> None:
     # 3 or 4 pieces per link per iteration, in 1 to 4 busy groups each
     assert all(PROFILE <= prof.meta["busy_groups"][k] <= 4 * PROFILE for k in ("primary", "second"))
     assert sorted(prof.meta["rank_lag_s"]) == ["primary", "second"]  # measured below, with a late rank
+    # the link-failover guard (on by default) judges the second link's sends over the primary
+    assert [lk.guarded for lk in prof.links] == [False, True]
 
 
 def held_worker(rank: int, world: int, contention: bool = True, drag: bool | None = None) -> dict[str, Any]:

@@ -518,3 +518,51 @@ def test_a_results_events_read_as_the_tuple_of_bars_they_stand_for() -> None:
     assert [(e.row, e.kind) for e in first] == [("compute", "forward"), ("compute", "backward"),
                                                 ("compute", "update"), ("a", "comm")]
     assert [(e.start_s, e.end_s) for e in first] == [(0.0, 2.0), (2.0, 5.0), (6.5, 6.5), (5.0, 6.5)]
+
+
+# -------------------------------------------------------------------------------------- the ranks' verdict
+def _guarded(fwd: list[float], bwd: list[float], comm: list[dict[str, float]], on: bool = True,
+             step_s: float = 0.0) -> Profile:
+    """A primary link ``a`` (start-up 0.25) and a second link ``b``, guarded where ``on``."""
+    links = (Link("a", "gloo", None, 0.25, 0.0), Link("b", "gloo", guarded=on))
+    return dataclasses.replace(make_profile(fwd, bwd, comm, links=links), step_s=step_s)
+
+
+def test_the_step_waits_for_the_verdict_on_the_guarded_sends_it_needs() -> None:
+    # bucket 0 on b (3 -> 5), bucket 1 on a (4 -> 4.5): the step at 5; guarded, the verdict is handed to
+    # the idle primary at 5 and lasts its start-up: 5.25
+    times = ([1.0, 1.0], [1.0, 1.0], [{"a": 0.5, "b": 2.0}, {"a": 0.5, "b": 2.0}])
+    s = synchronous_schedule((250, 250), (1000, 1000), ("a", "b"), ("b", "a"))
+    assert simulate_schedule(_guarded(*times, on=False), s).iteration_s == pytest.approx(5.0)
+    assert simulate_schedule(_guarded(*times), s).iteration_s == pytest.approx(5.25)
+
+
+def test_a_verdict_queues_behind_what_the_primary_carries() -> None:
+    # bucket 1's send on a runs 4 -> 7; the verdict on bucket 0's (3 -> 5) waits behind it: 7 -> 7.25,
+    # where a verdict beside the primary's sends would end at 5.25 and leave the step at 7
+    times = ([1.0, 1.0], [1.0, 1.0], [{"a": 3.0, "b": 2.0}, {"a": 3.0, "b": 2.0}])
+    s = synchronous_schedule((250, 250), (1000, 1000), ("a", "b"), ("b", "a"))
+    assert simulate_schedule(_guarded(*times, on=False), s).iteration_s == pytest.approx(7.0)
+    res = simulate_schedule(_guarded(*times), s)
+    assert res.iteration_s == pytest.approx(7.25)
+    verdicts = [e for e in res.events if e.kind == "verdict" and e.iteration == 0]
+    assert [(e.row, e.start_s, e.end_s) for e in verdicts] == [("a", pytest.approx(7.0), pytest.approx(7.25))]
+
+
+def test_a_lag_free_forward_waits_for_the_verdict_on_its_deferred_send() -> None:
+    # the lag-free case of the step's test above: the next forward waits for the deferred send (6.5) and,
+    # on a guarded link, for the verdict after it on the idle primary: 6.75
+    times = ([2.0], [3.0], [{"a": 1.5, "b": 1.5}])
+    lagfree = Schedule(cycle=1, links=("a", "b"), bucket_numel=(250,), bucket_nbytes=(1000,),
+                       stages=(StagePlan(0, "forward"), StagePlan(0, "backward", (CommTask(0, 0, "b"),))),
+                       updates=(Update((0,), 0, finish_in_forward=True, deferred=(0,)),))
+    assert simulate_schedule(_guarded(*times, on=False, step_s=0.5), lagfree).iteration_s == pytest.approx(6.5)
+    assert simulate_schedule(_guarded(*times, step_s=0.5), lagfree).iteration_s == pytest.approx(6.75)
+
+
+def test_guarded_round_trips_and_never_marks_the_primary() -> None:
+    p = _guarded([2.0], [3.0], [{"a": 1.5, "b": 1.5}])
+    assert [lk.guarded for lk in Profile.from_dict(p.to_dict()).links] == [False, True]
+    assert "guarded" not in p.to_dict()["links"][0]  # absent when False: older profiles' digests stand
+    with pytest.raises(ContractError, match=r"links\[0\]\.guarded"):
+        dataclasses.replace(p, links=(Link("a", "gloo", guarded=True), Link("b", "gloo")))

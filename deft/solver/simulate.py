@@ -59,6 +59,13 @@ Model
   ``h`` that its link would start at ``s`` holds the link ``max(0, h + lag_l - s)`` longer: on an idle
   link every send waits the lag, on a link that is the bound only the sends that find it idle do (a
   queued send was handed long before it starts).
+* **The ranks' verdict on a guarded link** (:class:`deft.profile.Link`'s ``guarded``: the runtime's
+  link-failover guard): a result sent on such a link is used only once the ranks agree the link stands,
+  a message on the primary link, handed to it once the sends it judges have ended (it queues behind
+  what the primary carries then) and lasting the primary's start-up ``alpha``. The step waits for the
+  verdict on the guarded sends it needs; a lag-free forward's first layer whose deferred bucket went on a
+  guarded link waits for the one on all the sends in flight after the step before it
+  (``deft.runtime.verdicts``).
 * **Steady state**: iteration time is averaged over whole cycles after a warm-up, between forward
   starts; bubble ratio = compute idle time / window; link utilisation = busy time / window.
 
@@ -116,7 +123,8 @@ class SimEvent:
     """
 
     row: str
-    kind: str  # forward | backward | update (an optimizer step applying an update) | step (no update) | comm
+    # forward | backward | update (an optimizer step applying an update) | step (no update) | comm | verdict
+    kind: str
     bucket: int
     iteration: int
     start_s: float
@@ -268,6 +276,7 @@ class _Comm:
     launched: bool = False
     grad_ready: bool = True
     lag: float = 0.0  # the last rank reaches it this long after it is handed to its link (link_lags)
+    after: tuple[int, ...] = ()  # a verdict: the sends it judges, handed once they have all ended
     handed: float = math.nan
     start: float = math.nan
     end: float = math.nan
@@ -289,6 +298,7 @@ class _Engine:
         self.credit = credit or {}  # link -> credit bytes: priority + credit discipline
         self.order: dict[str, list[int]] = {lk: [] for lk in self.links}  # ordered discipline
         self.waiting_on_grad: dict[int, list[int]] = {}  # compute id -> comm ids it makes ready
+        self.verdicts_of: dict[int, list[int]] = {}  # comm id -> the verdicts waiting for it (add_verdict)
 
     def add_comm(self, comm: _Comm, grad_after: int | None) -> int:
         cid = len(self.comms)
@@ -299,6 +309,16 @@ class _Engine:
             self.waiting_on_grad.setdefault(grad_after, []).append(cid)
         self.comms.append(comm)
         self.order[comm.link].append(cid)
+        return cid
+
+    def add_verdict(self, link: str, duration: float, after: Sequence[int], iteration: int) -> int:
+        """A verdict on the sends ``after`` (module docstring): handed to ``link`` once they have ended,
+        outside the link's launch order."""
+        cid = len(self.comms)
+        self.comms.append(_Comm(link=link, duration=duration, bucket=-1, iteration=iteration, stage_iteration=iteration,
+                                label="verdict", launched=True, after=tuple(after)))
+        for d in set(after):
+            self.verdicts_of.setdefault(d, []).append(cid)
         return cid
 
     def add_compute(self, task: _Compute) -> int:
@@ -514,6 +534,9 @@ class _EventLoop:
                 q = self.queue.get(self._key(c.link))
                 if q:
                     self._start_comm(q.popleft())
+                for vid in self.eng.verdicts_of.get(idx, ()):
+                    if all(self.finished[d] for d in self.eng.comms[vid].after) and vid not in self.handed:
+                        self.dispatch(vid)
         if changed:
             self._project()
 
@@ -729,6 +752,9 @@ class _ScheduleGraph:
         self.comm_of: dict[tuple[int, int], int] = {}  # (group's last iteration, bucket) -> comm id
         self.ahead: dict[tuple[int, int], int] = {}    # sends of updates finishing in the forward, by (last, bucket)
         self.lag = link_lags(profile)
+        self.guarded = {lk.name for lk in profile.links[1:] if lk.guarded}
+        self.primary = profile.links[0].name
+        self.verdict_s = link_model(profile, self.primary)[0] if self.guarded else 0.0
 
     def _finishing(self, position: int) -> bool:
         return self.schedule.updates[self.schedule.group_of(position)].finish_in_forward
@@ -776,10 +802,13 @@ class _ScheduleGraph:
     def _wait_for_forward_sends(self, t: int, fwd: list[int]) -> None:
         """The forward of bucket ``b``'s module (``fwd`` lists buckets ``n-1..0``) waits for the send of a
         lag-free update finishing in this forward: the runtime's wait in the module's pre-hook."""
-        n = self.profile.n
-        for b in range(n):
-            if (t - 1, b) in self.ahead:
-                self.eng.compute[fwd[n - 1 - self.gate[b]]].deps.append(self.ahead[(t - 1, b)])
+        n, eng = self.profile.n, self.eng
+        ahead = {b: self.ahead[(t - 1, b)] for b in range(n) if (t - 1, b) in self.ahead}
+        judged = [cid for cid in ahead.values() if eng.comms[cid].link in self.guarded]
+        verdict = eng.add_verdict(self.primary, self.verdict_s, judged, t - 1) if judged else None
+        for b, cid in ahead.items():
+            wait = verdict if verdict is not None and eng.comms[cid].link in self.guarded else cid
+            eng.compute[fwd[n - 1 - self.gate[b]]].deps.append(wait)
 
     def _launch_stage_sends(self, t: int, p: int, tasks: _Tasks, fwd_sent: list[CommTask],
                             bwd_sent: list[CommTask]) -> None:
@@ -826,6 +855,9 @@ class _ScheduleGraph:
             if last >= 0:
                 deps.extend(self.comm_of[(last, b)] for b in range(n) if (last, b) not in self.ahead)
                 applied = True
+        judged = [cid for cid in deps if self.eng.comms[cid].link in self.guarded]
+        if judged:
+            deps.append(self.eng.add_verdict(self.primary, self.verdict_s, judged, t))
         # "step": an optimizer step with no update due changes nothing and waits for nothing.
         self.eng.add_compute(_Compute("update" if applied else "step", -1, t, self.profile.step_s, deps=deps))
 
@@ -877,7 +909,8 @@ class _Events(Sequence[SimEvent]):
         bars = [SimEvent("compute", x.kind, x.bucket, x.iteration, x.start, x.end,
                          "" if x.kind in ("update", "step", "launch") else str(x.bucket), x.iteration)
                 for x in self._compute]
-        bars += [SimEvent(x.link, "comm", x.bucket, x.iteration, x.start, x.end, x.label, x.stage_iteration)
+        bars += [SimEvent(x.link, "verdict" if x.after else "comm", x.bucket, x.iteration, x.start, x.end, x.label,
+                          x.stage_iteration)
                  for x in self._comms if not math.isnan(x.start)]
         return tuple(bars)
 
