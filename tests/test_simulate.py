@@ -537,18 +537,16 @@ def test_the_step_waits_for_the_verdict_on_the_guarded_sends_it_needs() -> None:
     assert simulate_schedule(_guarded(*times), s).iteration_s == pytest.approx(5.25)
 
 
-def test_a_verdict_waits_for_the_primarys_send_in_flight_not_for_those_queued() -> None:
-    # sends: bucket 0 on b 4 -> 6; bucket 1 on a 5 -> 8, bucket 2 on a queued behind it from 6. The verdict
-    # on bucket 0, handed at 6, goes after bucket 1 (8 -> 8.25), ahead of bucket 2 (8.25 -> 11.25): the
-    # step at 11.25 (11 unguarded). Beside the primary's sends it would run 6 -> 6.25; behind every send
-    # queued, 11 -> 11.25.
-    times = ([1.0] * 3, [1.0] * 3, [{"a": 2.0, "b": 2.0}, {"a": 3.0, "b": 3.0}, {"a": 3.0, "b": 3.0}])
-    s = synchronous_schedule((250,) * 3, (1000,) * 3, ("a", "b"), ("b", "a", "a"))
-    assert simulate_schedule(_guarded(*times, on=False), s).iteration_s == pytest.approx(11.0)
+def test_a_verdict_queues_behind_what_the_primary_carries() -> None:
+    # bucket 1's send on a runs 4 -> 7; the verdict on bucket 0's (3 -> 5) waits behind it: 7 -> 7.25,
+    # where a verdict beside the primary's sends would end at 5.25 and leave the step at 7
+    times = ([1.0, 1.0], [1.0, 1.0], [{"a": 3.0, "b": 2.0}, {"a": 3.0, "b": 2.0}])
+    s = synchronous_schedule((250, 250), (1000, 1000), ("a", "b"), ("b", "a"))
+    assert simulate_schedule(_guarded(*times, on=False), s).iteration_s == pytest.approx(7.0)
     res = simulate_schedule(_guarded(*times), s)
-    assert res.iteration_s == pytest.approx(11.25)
+    assert res.iteration_s == pytest.approx(7.25)
     verdicts = [e for e in res.events if e.kind == "verdict" and e.iteration == 0]
-    assert [(e.row, e.start_s, e.end_s) for e in verdicts] == [("a", pytest.approx(8.0), pytest.approx(8.25))]
+    assert [(e.row, e.start_s, e.end_s) for e in verdicts] == [("a", pytest.approx(7.0), pytest.approx(7.25))]
 
 
 def test_a_lag_free_forward_waits_for_the_verdict_on_its_deferred_send() -> None:

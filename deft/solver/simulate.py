@@ -61,10 +61,8 @@ Model
   queued send was handed long before it starts).
 * **The ranks' verdict on a guarded link** (:class:`deft.profile.Link`'s ``guarded``: the runtime's
   link-failover guard): a result sent on such a link is used only once the ranks agree the link stands,
-  a message on the primary link, handed to it once the sends it judges have ended and lasting the
-  primary's start-up ``alpha``. It waits for the send in flight on the primary, whose bytes fill the
-  NIC's queue, but not for the sends queued behind that one: those are another process group's
-  collectives, not yet written to the NIC. The step waits for the
+  a message on the primary link, handed to it once the sends it judges have ended (it queues behind
+  what the primary carries then) and lasting the primary's start-up ``alpha``. The step waits for the
   verdict on the guarded sends it needs; a lag-free forward's first layer whose deferred bucket went on a
   guarded link waits for the one on all the sends in flight after the step before it
   (``deft.runtime.verdicts``).
@@ -401,9 +399,6 @@ class _EventLoop:
         key = self._key(c.link)
         if (not self.sending if self.eng.serial else c.link not in self.sending) and not self.queue.get(key):
             self._start_comm(cid)
-        elif c.after:  # a verdict: behind the send in flight, ahead of those queued (module docstring)
-            q = self.queue.setdefault(key, deque())
-            q.insert(next((i for i, q_id in enumerate(q) if not self.eng.comms[q_id].after), len(q)), cid)
         else:
             self.queue.setdefault(key, deque()).append(cid)
 
