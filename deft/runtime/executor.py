@@ -656,8 +656,11 @@ class Executor:
             ahead[p.link] = ahead.get(p.link, 0) + p.resend.numel() * p.resend.element_size()
         deadline = max(fo.deadline(p.link, ahead.get(p.link, 0)) for p in sends)
         futures = [p.work if isinstance(p.work, FUTURE_TYPES) else p.work.get_future() for p in sends]
-        v = fo.verdicts.open([p.link for p in sends], futures, [p.resend for p in sends if p.resend is not None],
-                             [_describe(p) for p in sends], deadline, set(fo.dead))
+        local = [p.resend for p in sends if p.resend is not None]
+        if len(local) != len(sends):
+            raise DeftError("internal: a verdict on a send that is not guarded")
+        v = fo.verdicts.open([p.link for p in sends], futures, local, [_describe(p) for p in sends], deadline,
+                             set(fo.dead))
         for i, p in enumerate(sends):
             p.verdict, p.index = v, i
 

@@ -21,14 +21,14 @@ The training thread waits for a verdict only where one of its results is used
 (:meth:`VerdictChain.wait`), and hands out the losses where every rank is (:meth:`VerdictChain.losses`).
 
 Note:
-    Why off the training thread. Judged by the training thread, each wait for guarded sends ended with
-    an agreement it launched and waited for: a round trip over the primary link's NIC, queued behind
-    that link's gradients, at every step; and right after the step (where every rank is, so that what
-    one rank does alone between iterations needs no collective) it waited for the sends that a lag-free
-    plan overlaps with the next forward, losing that overlap on the guarded links. Here a verdict's
-    flags go out as soon as its sends end, beside the compute, and since no rank's flags wait for its
-    training thread, one rank alone (a ``state_dict()`` or an evaluation between iterations) may wait
-    for a verdict: the other ranks' flags and resends go out without them.
+    Why off the training thread. An agreement the training thread launched and waited for would put a
+    round trip over the primary link's NIC, queued behind that link's gradients, on the critical path of
+    every step; and, to let one rank alone read a deferred result between iterations without a collective
+    the others miss, it would have to judge every guarded send in flight right after the step, waiting
+    for the sends a lag-free plan overlaps with the next forward. Here a verdict's flags go out as soon as
+    its sends end, beside the compute, and since no rank's flags wait for its training thread, one rank
+    alone (a ``state_dict()`` or an evaluation between iterations) may wait for a verdict: the other
+    ranks' flags and resends go out without them.
 
     The verdicts' groups are CPU gloo groups on the primary link's NIC, like the control group, so a
     verdict does not depend on the link it judges; they carry nothing else, so collectives launched
