@@ -140,3 +140,25 @@ def alone_worker(rank: int, world: int) -> dict[str, object]:
 def test_one_rank_waits_for_a_verdict_while_the_others_training_thread_is_elsewhere() -> None:
     for r in values(run_ranks(alone_worker, 2, timeout=60)):
         assert r["lost"] == [], r
+
+
+def test_a_plans_profile_is_priced_for_the_verdicts_this_run_waits_for() -> None:
+    """Whoever measured the profile (a given one, one taken with another ``link_failover``), the plan is
+    priced for this run's guard: the verdict lengthens the step only where the run guards the link."""
+    from deft.profile import Bucket, BucketTimes, Link, Profile
+    from deft.runtime.failover import guarded_links
+    from deft.schedule import synchronous_schedule
+    from deft.solver.simulate import simulate_schedule
+
+    taken = Profile(buckets=tuple(Bucket(i, (f"p{i}",), 250, 1000) for i in range(2)),
+                    times=tuple(BucketTimes(1.0, 1.0, {"a": 0.5, "b": 2.0}) for _ in range(2)),
+                    links=(Link("a", "gloo", None, 0.25, 0.0), Link("b", "gloo", guarded=True)), world_size=2,
+                    source="synthetic")
+    s = synchronous_schedule((250, 250), (1000, 1000), ("a", "b"), ("b", "a"))
+    guarded = guarded_links(taken, lambda name: name == "b")
+    unguarded = guarded_links(taken, lambda name: False)
+    assert [lk.guarded for lk in guarded.links] == [False, True]
+    assert [lk.guarded for lk in unguarded.links] == [False, False]
+    # bucket 0 on b ends at 5, the step waits for its verdict on the idle primary (its start-up 0.25)
+    assert simulate_schedule(guarded, s).iteration_s == pytest.approx(5.25)
+    assert simulate_schedule(unguarded, s).iteration_s == pytest.approx(5.0)

@@ -45,7 +45,7 @@ from deft.runtime.compute_drift import MIN_LAG_SAMPLES, ComputeClock, drift
 from deft.runtime.control import Collective, ControlPlane
 from deft.runtime.eager import ForwardHooks
 from deft.runtime.executor import DueUpdate, Executor, Pending
-from deft.runtime.failover import LinkFailover, loss_phase, without_links
+from deft.runtime.failover import LinkFailover, guarded_links, loss_phase, without_links
 from deft.runtime.grad_stats import GradStats, walk_stats
 from deft.runtime.layouts import balanced_links, plan_order, ready_order, warmup_layout
 from deft.runtime.links import CommLink
@@ -367,6 +367,8 @@ class Course:
         self._links_lost(t)  # one lost in the probe: the plan is made without it
         if self.profile is not None and self.failover.dead:
             self.profile = without_links(self.profile, self.failover.dead)
+        if self.profile is not None:  # the plan is priced for the verdicts this run waits for
+            self.profile = guarded_links(self.profile, self.failover.guards)
         stats, self._stats_reason = self._walk_stats()
         opt = self._optim.optimizer
         self._judged_lr = None if opt is None else planning_lr(opt.param_groups)

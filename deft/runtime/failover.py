@@ -204,6 +204,14 @@ def without_links(profile: Profile, dead: set[str]) -> Profile:
     return dataclasses.replace(profile, links=links, times=times)
 
 
+def guarded_links(profile: Profile, guards: Callable[[str], bool]) -> Profile:
+    """``profile`` with each link's ``guarded`` as this run guards it (``guards``: :meth:`LinkFailover.guards`),
+    whoever measured it: a given profile, or one taken with another ``link_failover``, is priced for the
+    verdicts this run will wait for (:mod:`deft.solver.simulate`)."""
+    links = tuple(dataclasses.replace(lk, guarded=guards(lk.name)) for lk in profile.links)
+    return profile if links == profile.links else dataclasses.replace(profile, links=links)
+
+
 class Stopwatch:
     """The first failed wait's start, for the time a loss cost (``perf_counter`` seconds)."""
 

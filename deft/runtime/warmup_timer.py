@@ -714,8 +714,7 @@ class WarmupTimer:
             lk = self.links[k]
             lag = statistics.fmean(lags[k]) if self.rank_wait and lags.get(k) else 0.0
             links.append(Link(name=k, backend=link_backends[k], ifname=lk.ifname, alpha_s=alpha, beta_s_per_byte=beta,
-                              drag=fit.drag, lag_s=lag,
-                              guarded=self._failover is not None and self._failover.guards(k)))
+                              drag=fit.drag, lag_s=lag))
             alone: dict[int, list[float]] = {}
             for g, row in zip(groups, rows, strict=True):
                 if loads[k] and len(g.buckets) == 1:

@@ -12,7 +12,7 @@ How deft gets a schedule that defers buckets (``mode``):
   buckets 0 and 1 (the output side) *deferred*: still in flight after the step, applied just before
   their first use in the next forward. Nothing is planned or adapted.
 * ``"given"``: a communication-heavy profile is given, deft plans at once (``plan_lag_iters = 0``),
-  the lag-free planner defers buckets, adaptation runs.
+  the lag-free planner defers buckets, adaptation runs; the link-failover guard is off.
 * ``"measured"``: deft profiles itself and plans in the background (``plan_lag_iters = 2``),
   adaptation runs with a short window (it may switch schedules; a switch flushes).
 * ``"merged"`` (epsilon > 0 only): a schedule file merging two iterations per update, buckets sent in
@@ -157,7 +157,10 @@ def deft_wrapper(model: nn.Module, mode: str, epsilon: float | None, workdir: st
         cfg["schedule_path"] = path
     elif mode == "given":
         profile = heavy_profile(model)
-        cfg |= {"plan_lag_iters": 0, "adapt_window": 4}
+        # the guard off: what this mode checks is a plan that defers sends past the step, and the second
+        # link's verdict, priced in the plan (deft.runtime.failover.guarded_links), makes the planner keep
+        # this profile's sends at the step; "forced" runs a deferring schedule with the guard on
+        cfg |= {"plan_lag_iters": 0, "adapt_window": 4, "link_failover": False}
     elif mode == "measured":
         cfg |= {"plan_lag_iters": 2, "adapt_window": 4}
     else:
