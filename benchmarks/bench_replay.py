@@ -2,14 +2,16 @@
 
     sudo .venv/bin/python benchmarks/bench_replay.py [--profiles vgg19,resnet101,gpt2] [--rate-mbit 250]
                                                      [--scale 1.0] [--iters 40] [--schemes ddp,deft-eps0]
+                                                     [--hosts N] [--results FILE]
+    .venv/bin/python benchmarks/bench_replay.py --from-runs DIR[,DIR...] [--profiles ...] [--results FILE]
 
 What it measures: the scheduler and the runtime, apart from this machine's CPU. For each reference
 profile of ``examples/profiles`` it builds a synthetic model with one parameter tensor per bucket;
 bucket ``i``'s forward and backward are an autograd function that sleeps the bucket's forward time
 and, in backward, its backward time, and returns a gradient of the parameter's shape. ``time.sleep``
 releases the CPU (and the GIL) as a GPU kernel would, so the gloo threads run undisturbed. The model
-runs on the testbed (2 hosts x 2 links) with torch DDP and with deft, and the measured iteration time
-is compared with :mod:`deft.solver.simulate` on the same profile.
+runs on the testbed (``--hosts`` hosts, one rank each, x 2 links) with torch DDP and with deft, and the
+measured iteration time is compared with :mod:`deft.solver.simulate` on the same profile.
 
 Each bucket is one module owning one parameter, so deft's per-module forward pre-hooks (an update
 finishing in the forward) wait for one bucket each, as the simulator assumes. Each run also records
@@ -22,11 +24,14 @@ Rescaling (the paper's coverage rate is kept):
 
 * times: every forward, backward and all-reduce time of the profile is multiplied by ``--scale``
   (1.0: the paper's milliseconds; an iteration is then a few hundred ms);
-* sizes: the profile was measured on 16 A100s at 40 Gbit/s, the testbed is 2 ranks at
+* sizes: the profile was measured on 16 A100s at 40 Gbit/s, the testbed is ``--hosts`` ranks at
   ``--rate-mbit``. Bucket ``i`` gets ``nbytes_i = scale * T_i(primary) / beta`` bytes, ``beta`` the
   2-rank ring all-reduce cost per byte at the link rate (8 / rate, plus ``--overhead`` for TCP/IP
-  headers, 7 % measured in ``results/testbed.md``), so its all-reduce takes about the scaled paper
-  time and compute/communication keep the paper's ratio;
+  headers, 7 % measured in ``results/testbed.md``), so at two hosts its all-reduce takes about the scaled
+  paper time and compute/communication keep the paper's ratio. The same model at every ``--hosts``: with
+  N hosts gloo's ring puts ``2 (N - 1) / N`` of each bucket on every NIC (and ``2 (N - 1)`` start-ups on
+  its path), so the all-reduces grow with N as a real job's do when it adds hosts, while the sleeping
+  compute per rank stays: what deft gains at N apart from this machine's 2 cores;
 * second link: ``--second-link profile`` (default) shapes nic1 to ``rate / mu``, ``mu`` the profile's
   second/primary communication ratio (1.65 for the reference profiles: the paper's gloo vs NCCL), by
   replacing the tbf qdisc of nic1 in both hosts; ``same`` leaves it at the rate;
@@ -164,7 +169,7 @@ def param_name(i: int) -> str:
 
 
 def measured_profile(t: Target, comm: dict[str, list[float]], ifnames: dict[str, str],
-                     alpha: dict[str, float] | None = None) -> Profile:
+                     alpha: dict[str, float] | None = None, world_size: int = 2) -> Profile:
     """The profile deft and the simulator get: the target's compute, the measured all-reduce times;
     each link's ``alpha`` the probed one with ``beta`` fitted to it, or (``alpha=None``) both fitted."""
     links = []
@@ -179,7 +184,7 @@ def measured_profile(t: Target, comm: dict[str, list[float]], ifnames: dict[str,
     buckets = tuple(Bucket(id=i, params=(param_name(i),), numel=n // 4, nbytes=n) for i, n in enumerate(t.nbytes))
     times = tuple(BucketTimes(forward_s=f, backward_s=b, comm_s={lk: comm[lk][i] for lk in LINKS})
                   for i, (f, b) in enumerate(zip(t.forward_s, t.backward_s, strict=True)))
-    return Profile(buckets=buckets, times=times, links=tuple(links), world_size=2, source="synthetic",
+    return Profile(buckets=buckets, times=times, links=tuple(links), world_size=world_size, source="synthetic",
                    model=f"{t.name}-replay", meta={"replay_of": t.name, "mu": t.mu})
 
 
@@ -403,8 +408,8 @@ def run_profile(tb: Testbed, name: str, args: argparse.Namespace, names: list[st
         print(f"[bench_replay] {name}: all buckets on {lk}: {alone * 1e3:.0f} ms alone, {sum(times) * 1e3:.0f} ms "
               f"with the other link busy ({sum(times) / alone:.2f}x)", flush=True)
     alpha = measured["alpha_s"]
-    prof = measured_profile(tgt, comm, ifnames, alpha)
-    fitted = measured_profile(tgt, comm, ifnames)
+    prof = measured_profile(tgt, comm, ifnames, alpha, world_size=tb.hosts)
+    fitted = measured_profile(tgt, comm, ifnames, world_size=tb.hosts)
     print(f"[bench_replay] {name}: alpha probed " + ", ".join(f"{k} {alpha[k] * 1e3:.3f} ms" for k in LINKS)
           + "; fitted " + ", ".join(f"{lk.name} {lk.alpha_s * 1e3:.3f} ms" for lk in fitted.links), flush=True)
     paths = {"probe": out_dir / f"{name}.profile.json", "fit": out_dir / f"{name}.profile-fit.json"}
@@ -436,8 +441,8 @@ def run_profile(tb: Testbed, name: str, args: argparse.Namespace, names: list[st
             runs[scheme] = {"error": str(e).splitlines()[0]}
             continue
         runs[scheme] = {**json.loads(Path(str(out).replace("{host}", "0")).read_text(encoding="utf-8")), "load": load}
-    return {"name": name, "profile": prof.to_dict(), "profile_fit": fitted.to_dict(), "alpha_probed": alpha,
-            "target": tgt.__dict__, "second_rate_mbit": second_rate,
+    return {"name": name, "hosts": tb.hosts, "profile": prof.to_dict(), "profile_fit": fitted.to_dict(),
+            "alpha_probed": alpha, "target": tgt.__dict__, "second_rate_mbit": second_rate,
             "concurrent_s": measured.get("concurrent_s"), "runs": runs}
 
 
@@ -509,12 +514,14 @@ def analyse(rec: dict[str, Any], args: argparse.Namespace) -> tuple[list[Row], d
 
 
 def report(args: argparse.Namespace, recs: list[dict[str, Any]], command: str) -> str:
+    hosts = sorted({int(rec.get("hosts", 2)) for rec in recs})
     lines = ["## Replay: measured vs simulated iteration time (`benchmarks/bench_replay.py`)", "",
              f"Command: `{command}`  ",
              f"Machine: {machine()}; {args.note}. Compute is emulated by sleeps (the CPU is free for gloo); "
-             "on this 2-core machine the gloo threads of both links still share the CPU with each other and "
-             "with whatever else runs.  ",
-             f"Testbed: 2 hosts x 2 links, nic0 at {args.rate_mbit:g} Mbit/s; times scaled by {args.scale:g}; "
+             "on this 2-core machine the gloo threads of both links (and, with more hosts, of every host) still "
+             "share the CPU with each other and with whatever else runs.  ",
+             f"Testbed: {' / '.join(map(str, hosts))} hosts (one rank each) x 2 links, nic0 at "
+             f"{args.rate_mbit:g} Mbit/s; times scaled by {args.scale:g}; "
              f"{args.iters} iterations per run, steady state after {args.skip_iters} (whole cycles, time between "
              "forward starts, rank 0). Simulated: `deft.solver.simulate` on the measured profile "
              "(torch DDP as `wfbp`: one all-reduce per bucket, step after all; deft: `simulate_schedule` of the "
@@ -524,11 +531,13 @@ def report(args: argparse.Namespace, recs: list[dict[str, Any]], command: str) -
              "(training thread and gloo threads) over the same window. Load: the machine's 1-minute load average "
              "when the run started (2 cores).", ""]
     verdicts = []
+    speedups: list[tuple[str, int, str, float, float, float, float]] = []  # profile, hosts, scheme, ms, sim, ddp...
     for rec in recs:
         rows, failed = analyse(rec, args)
         t = rec["target"]
         prof = Profile.from_dict(rec["profile"])
-        lines += [f"### {rec['name']}", "",
+        n_hosts = int(rec.get("hosts", 2))
+        lines += [f"### {rec['name']}, {n_hosts} hosts", "",
                   f"{prof.n} buckets, {sum(t['nbytes']) / 1e6:.2f} MB; compute {prof.forward_s * 1e3:.0f} + "
                   f"{prof.backward_s * 1e3:.0f} ms (forward + backward); all-reduce of every bucket measured "
                   f"{prof.total_comm_s('primary') * 1e3:.0f} ms on primary (paper, scaled: "
@@ -545,11 +554,13 @@ def report(args: argparse.Namespace, recs: list[dict[str, Any]], command: str) -
                 sm, ss = ddp.measured_s / r.measured_s, ddp.simulated_s / r.simulated_s
                 gain = f"{(sm - 1) / (ss - 1):.0%}" if ss > 1.0001 else "-"
                 sp = [f"{sm:.2f}x", f"{ss:.2f}x", f"{sm / ss:.0%}", gain]
-                verdicts.append(Verdict(rec["name"], r.scheme, abs(r.error) <= 0.10, sm / ss >= 0.9))
+                verdicts.append(Verdict(f"{rec['name']}@{n_hosts}", r.scheme, abs(r.error) <= 0.10, sm / ss >= 0.9))
+                speedups.append((rec["name"], n_hosts, r.scheme, r.measured_s, r.simulated_s,
+                                 ddp.measured_s, ddp.simulated_s))
             else:
                 sp = ["-"] * 4
                 if r.scheme == "ddp":
-                    verdicts.append(Verdict(rec["name"], r.scheme, abs(r.error) <= 0.10, None))
+                    verdicts.append(Verdict(f"{rec['name']}@{n_hosts}", r.scheme, abs(r.error) <= 0.10, None))
             cpu, comp, load = (("-" if v is None else f"{v * k:.{d}f}")
                                for v, k, d in ((r.cpu_s, 1e3, 0), (r.compute_s, 1e3, 0), (r.load, 1, 1)))
             lines.append(f"| {SCHEMES[r.scheme].label} | {r.measured_s * 1e3:.0f} | {r.simulated_s * 1e3:.0f} | "
@@ -557,8 +568,27 @@ def report(args: argparse.Namespace, recs: list[dict[str, Any]], command: str) -
         for scheme, why in failed.items():
             lines.append(f"| {SCHEMES[scheme].label} | failed: {why} |" + " |" * 11)
         lines.append("")
+    if len(hosts) > 1:
+        lines += by_world_size(speedups)
     lines += targets_line(verdicts)
     return "\n".join(lines)
+
+
+def by_world_size(speedups: list[tuple[str, int, str, float, float, float, float]]) -> list[str]:
+    """deft's speedup over torch DDP per profile and scheme at each host count, measured and simulated,
+    and each against the smallest host count's (the issue's bar: at least as large at more hosts)."""
+    lines = ["### deft's speedup over torch DDP by world size", "",
+             "Each cell: measured speedup (simulated) and, after the arrow, the measured speedup over the "
+             "smallest world size's; torch DDP's and deft's iterations (ms) measured / simulated beside.", "",
+             "| profile | scheme | hosts | torch DDP (ms) | deft (ms) | speedup measured (simulated) | "
+             "against the fewest hosts |", "|---|---|---|---|---|---|---|"]
+    first: dict[tuple[str, str], float] = {}
+    for name, hosts, scheme, ms, sim, ddp_ms, ddp_sim in sorted(speedups, key=lambda x: (x[0], x[2], x[1])):
+        sm, ss = ddp_ms / ms, ddp_sim / sim
+        base = first.setdefault((name, scheme), sm)
+        lines.append(f"| {name} | {SCHEMES[scheme].label} | {hosts} | {ddp_ms * 1e3:.0f} / {ddp_sim * 1e3:.0f} | "
+                     f"{ms * 1e3:.0f} / {sim * 1e3:.0f} | {sm:.2f}x ({ss:.2f}x) | {sm / base:.2f} |")
+    return [*lines, ""]
 
 
 @dataclass(frozen=True)
@@ -605,7 +635,11 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     ap.add_argument("--note", default="machine shared with other jobs during this run")
     ap.add_argument("--save-runs", default=None, help="keep specs, profiles and records in this directory")
-    ap.add_argument("--from-runs", default=None, help="no runs: rebuild the report from a --save-runs directory")
+    ap.add_argument("--hosts", type=int, default=2, help="testbed hosts, one rank each (the world size)")
+    ap.add_argument("--from-runs", default=None,
+                    help="no runs: rebuild the report from --save-runs directories (comma-separated; several "
+                         "host counts add a table of the speedup by world size)")
+    ap.add_argument("--results", default=str(RESULTS), help="the markdown file whose replay section is written")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     names = [n for n in args.schemes.split(",") if n]
@@ -618,24 +652,31 @@ def main() -> int:
         ap.error(f"--profiles: no file {profile_path(missing[0])}")
     if not (args.rate_mbit > 0 and args.scale > 0 and args.overhead >= 0):
         ap.error("--rate-mbit and --scale must be > 0, --overhead >= 0")
+    if args.hosts < 2:
+        ap.error(f"--hosts: expected at least 2 hosts, got {args.hosts}")
     if args.iters <= args.skip_iters + 4:
         ap.error(f"--iters ({args.iters}) must exceed --skip-iters ({args.skip_iters}) by more than 4")
     handle_signals()
     # the ranks import deft from this checkout, not from wherever the interpreter's deft is installed
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     if args.from_runs:
-        run_dir = Path(args.from_runs)
-        recs = [json.loads((run_dir / f"{Path(p).stem}.record.json").read_text(encoding="utf-8")) for p in profiles]
-        cmd = run_dir / "command.txt"
-        command = cmd.read_text(encoding="utf-8").strip() if cmd.exists() else command_line()
+        recs, commands = [], []
+        for run_dir in (Path(d) for d in args.from_runs.split(",") if d):
+            recs += [json.loads(f.read_text(encoding="utf-8")) for p in profiles
+                     for f in [run_dir / f"{Path(p).stem}.record.json"] if f.is_file()]
+            cmd = run_dir / "command.txt"
+            commands.append(cmd.read_text(encoding="utf-8").strip() if cmd.exists() else f"(runs in {run_dir})")
+        command = "; ".join(commands)
     else:
         command = command_line()
         recs = []
-        with tempfile.TemporaryDirectory() as tmp, Testbed(hosts=2, links=2, rate_mbit=args.rate_mbit) as tb:
+        with tempfile.TemporaryDirectory() as tmp, \
+                Testbed(hosts=args.hosts, links=2, rate_mbit=args.rate_mbit) as tb:
             out_dir = Path(args.save_runs or tmp)
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "command.txt").write_text(command + "\n", encoding="utf-8")
-            print(f"[bench_replay] testbed {tb.base} up: 2 hosts x 2 links at {args.rate_mbit:g} Mbit/s", flush=True)
+            print(f"[bench_replay] testbed {tb.base} up: {tb.hosts} hosts x 2 links at {args.rate_mbit:g} Mbit/s",
+                  flush=True)
             for p in profiles:
                 t0 = time.perf_counter()
                 try:
@@ -652,10 +693,11 @@ def main() -> int:
     text = report(args, recs, command)
     print(text)
     if not args.no_write:
-        if not RESULTS.exists():
-            RESULTS.write_text(HEADER, encoding="utf-8")
-        update_section("replay", text, RESULTS)
-        print(f"[bench_replay] wrote {RESULTS.relative_to(ROOT)}")
+        results = Path(args.results)
+        if not results.exists():
+            results.write_text(HEADER, encoding="utf-8")
+        update_section("replay", text, results)
+        print(f"[bench_replay] wrote {results}")
     return 0
 
 
