@@ -48,28 +48,36 @@ def handle_signals() -> None:
 
 
 def run_ranks(tb: Testbed, argv: Sequence[str], timeout_s: float, label: str, config: Path | None = None,
-              echo: Callable[[int, str], bool] | None = None, alone: bool = False) -> list[str]:
-    """Run ``argv`` as rank h on host h (world = hosts); stream output; raise on failure or timeout.
+              echo: Callable[[int, str], bool] | None = None, alone: bool = False, per_host: int = 1) -> list[str]:
+    """Run ``argv`` as rank ``h * per_host + l`` on host h (world = hosts x ``per_host``, with the
+    environment torchrun's ``--nproc-per-node per_host`` gives); stream output; raise on failure or timeout.
 
     ``echo(rank, line)`` decides which lines to print live (default: rank 0's, and any line with
-    "error" from the others). ``alone``: every host runs its own single-rank job instead (same CPU
-    load, no communication). ``{host}`` in an argument becomes the host's index (distinct output
-    files for jobs that each think they are rank 0). Returns each host's full output.
+    "error" from the others). ``alone``: every rank runs its own single-rank job instead (same CPU
+    load, no communication). ``{host}`` in an argument becomes the rank's index, which is the host's
+    with one rank per host (distinct output files for jobs that each think they are rank 0); each rank
+    also gets it as ``BENCH_SLOT``. Returns each rank's full output.
     """
-    world = tb.hosts
+    if per_host < 1:
+        raise ValueError(f"per_host: expected at least 1 rank per host, got {per_host}")
+    world = tb.hosts * per_host
     echo = echo or (lambda rank, line: (rank == 0 or "error" in line.lower()) and _NOISE not in line)
     procs = []
     logs: list[list[str]] = [[] for _ in range(world)]
     threads = []
-    for h in range(world):
-        env = tb.env_for(h, rank=h, world=world, port=PORT, config=config)
-        if alone:
-            env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR=tb.addr(h, 0))
-        host_argv = [a.replace("{host}", str(h)) for a in argv]
+    for rank in range(world):
+        h, local = divmod(rank, per_host)
+        env = tb.env_for(h, rank=rank, world=world, port=PORT, config=config, local_rank=local,
+                         local_world=per_host)
+        env["BENCH_SLOT"] = str(rank)
+        if alone:  # a port of its own: the ranks of one host share its addresses
+            env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR=tb.addr(h, 0), MASTER_PORT=str(PORT + local),
+                       LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        host_argv = [a.replace("{host}", str(rank)) for a in argv]
         p = tb.popen(h, host_argv, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         procs.append(p)
 
-        def pump(rank: int = h, proc: Any = p) -> None:
+        def pump(rank: int = rank, proc: Any = p) -> None:
             for line in proc.stdout:
                 logs[rank].append(line)
                 if echo(rank, line):

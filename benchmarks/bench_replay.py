@@ -32,6 +32,11 @@ Rescaling (the paper's coverage rate is kept):
   N hosts gloo's ring puts ``2 (N - 1) / N`` of each bucket on every NIC (and ``2 (N - 1)`` start-ups on
   its path), so the all-reduces grow with N as a real job's do when it adds hosts, while the sleeping
   compute per rank stays: what deft gains at N apart from this machine's 2 cores;
+* ranks per host: ``--ranks-per-host M`` starts M ranks on every host (rank ``h * M + l`` on host h, as
+  torchrun's ``--nproc-per-node M``); their traffic inside a host stays off the shaped NICs. The profile
+  measured before the runs is the default group's flat ring, what torch DDP runs; deft's links go
+  hierarchical there (``hierarchical = "auto"``), so only the schemes that time themselves (``-self``)
+  are priced on what they run;
 * second link: ``--second-link profile`` (default) shapes nic1 to ``rate / mu``, ``mu`` the profile's
   second/primary communication ratio (1.65 for the reference profiles: the paper's gloo vs NCCL), by
   replacing the tbf qdisc of nic1 in both hosts; ``same`` leaves it at the rate;
@@ -54,8 +59,12 @@ epsilon = 0 (no delayed update) on both links; ``deft-eps0-fit`` the same with t
 timer: what a user gets), plans on that, and its schedule is simulated on the profile deft measured
 (``ddp.profile``); ``deft-eps0-fine`` the lag-free plan on the finest partition alone (half the
 no-delay plan's capacity: many pieces, each paying the start-up), planned here and given to deft as its
-schedule file; ``deft`` deft's default config (epsilon 0.01, preserver on) on both links;
+schedule file; ``deft-eps0-unguarded`` ``deft-eps0`` with ``link_failover = false`` (the second link's
+results used without the ranks' verdict on them: what the guard costs); ``deft`` deft's default config
+(epsilon 0.01, preserver on) on both links; ``deft-self`` the same timing itself (no profile given);
 ``deft-plan`` deft with the preserver off (the planner's DeFT schedule, delayed updates as planned).
+A deft run's links are guarded as the run guards them (every link but the primary, unless
+``link_failover`` is off), so its simulation prices the verdicts it waited for.
 Every other deft run is given the measured profile (``profile=``), so it plans on exactly what the
 simulator sees; the schedule it ran (``ddp.schedule``) is simulated with
 :func:`deft.solver.simulate.simulate_schedule` on the profile that schedule refers to.
@@ -77,6 +86,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +97,7 @@ from bench_links import ROOT, command_line, handle_signals, machine, run_ranks, 
 from deft.config import DeftConfig
 from deft.errors import ContractError
 from deft.profile import Bucket, BucketTimes, Link, Profile, fit_alpha_beta
+from deft.runtime.failover import guarded_links
 from deft.runtime.warmup_timer import fit_group_beta
 from deft.schedule import Schedule
 from deft.solver.compare import simulate
@@ -116,6 +127,8 @@ SCHEMES: dict[str, Scheme] = {
     # Adaptation off: the replay measures the schedule planned on the given profile against its
     # simulation; a switch to a schedule planned on a corrected profile would measure something else.
     "deft-eps0": Scheme("deft, epsilon 0, two links", {"epsilon": 0.0, "adapt": False}),
+    "deft-eps0-unguarded": Scheme("deft, epsilon 0, two links, link failover off",
+                                  {"epsilon": 0.0, "adapt": False, "link_failover": False}),
     "deft-eps0-fit": Scheme("deft, epsilon 0, two links, fitted alpha (before)", {"epsilon": 0.0, "adapt": False},
                             profile="fit"),
     "deft-eps0-self": Scheme("deft, epsilon 0, two links, its own warm-up profile", {"epsilon": 0.0, "adapt": False},
@@ -123,6 +136,7 @@ SCHEMES: dict[str, Scheme] = {
     "deft-eps0-fine": Scheme("deft, epsilon 0, two links, lag-free plan on the finest partition (x0.5)",
                              {"epsilon": 0.0, "adapt": False}, scales=(0.5,)),
     "deft": Scheme("deft default (epsilon 0.01, preserver), two links", {"adapt": False}),
+    "deft-self": Scheme("deft default, its own warm-up profile", {"adapt": False}, profile="self"),
     "deft-plan": Scheme("deft, preserver off (the planner's schedule), two links",
                         {"preserver": False, "adapt": False}),
 }
@@ -202,7 +216,7 @@ def worker(spec_path: str) -> int:
     try:
         doc = _measure(spec, dist) if spec["job"] == "measure" else _train(spec, torch, dist)
         if rank == 0:  # a compute-only job per host: each is its own rank 0
-            out = Path(spec["out"].replace("{host}", os.environ.get("GROUP_RANK", "0")))
+            out = Path(spec["out"].replace("{host}", os.environ.get("BENCH_SLOT", os.environ.get("GROUP_RANK", "0"))))
             out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
         dist.barrier()
     finally:
@@ -400,7 +414,7 @@ def run_profile(tb: Testbed, name: str, args: argparse.Namespace, names: list[st
     spec.write_text(json.dumps({**base, "job": "measure", "iters": args.comm_iters,
                                 "out": str(out_dir / f"{name}.measure.json")}), encoding="utf-8")
     run_ranks(tb, [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec)], timeout_s=args.timeout,
-              label=f"{name}/measure")
+              label=f"{name}/measure", per_host=args.ranks_per_host)
     measured = json.loads((out_dir / f"{name}.measure.json").read_text(encoding="utf-8"))
     comm = measured["comm_s"]
     for lk, times in measured.get("concurrent_s", {}).items():
@@ -408,8 +422,9 @@ def run_profile(tb: Testbed, name: str, args: argparse.Namespace, names: list[st
         print(f"[bench_replay] {name}: all buckets on {lk}: {alone * 1e3:.0f} ms alone, {sum(times) * 1e3:.0f} ms "
               f"with the other link busy ({sum(times) / alone:.2f}x)", flush=True)
     alpha = measured["alpha_s"]
-    prof = measured_profile(tgt, comm, ifnames, alpha, world_size=tb.hosts)
-    fitted = measured_profile(tgt, comm, ifnames, world_size=tb.hosts)
+    world = tb.hosts * args.ranks_per_host
+    prof = measured_profile(tgt, comm, ifnames, alpha, world_size=world)
+    fitted = measured_profile(tgt, comm, ifnames, world_size=world)
     print(f"[bench_replay] {name}: alpha probed " + ", ".join(f"{k} {alpha[k] * 1e3:.3f} ms" for k in LINKS)
           + "; fitted " + ", ".join(f"{lk.name} {lk.alpha_s * 1e3:.3f} ms" for lk in fitted.links), flush=True)
     paths = {"probe": out_dir / f"{name}.profile.json", "fit": out_dir / f"{name}.profile-fit.json"}
@@ -435,14 +450,16 @@ def run_profile(tb: Testbed, name: str, args: argparse.Namespace, names: list[st
         load = os.getloadavg()[0]
         try:
             run_ranks(tb, [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec)],
-                      timeout_s=args.timeout, label=f"{name}/{scheme}", config=config, alone=alone)
+                      timeout_s=args.timeout, label=f"{name}/{scheme}", config=config, alone=alone,
+                      per_host=args.ranks_per_host)
         except RuntimeError as e:
             print(f"[bench_replay] {name}/{scheme} FAILED: {e}", flush=True)
             runs[scheme] = {"error": str(e).splitlines()[0]}
             continue
         runs[scheme] = {**json.loads(Path(str(out).replace("{host}", "0")).read_text(encoding="utf-8")), "load": load}
-    return {"name": name, "hosts": tb.hosts, "profile": prof.to_dict(), "profile_fit": fitted.to_dict(),
-            "alpha_probed": alpha, "target": tgt.__dict__, "second_rate_mbit": second_rate,
+    return {"name": name, "hosts": tb.hosts, "ranks_per_host": args.ranks_per_host, "profile": prof.to_dict(),
+            "profile_fit": fitted.to_dict(), "alpha_probed": alpha, "target": tgt.__dict__,
+            "rate_mbit": args.rate_mbit, "second_rate_mbit": second_rate,
             "concurrent_s": measured.get("concurrent_s"), "runs": runs}
 
 
@@ -467,6 +484,13 @@ def per_iteration(run: dict[str, Any], key: str, skip: int, n: int) -> float | N
     """A cumulative counter's growth per iteration over the iteration-time window (None: not recorded)."""
     c = run.get(key)
     return None if not c else (c[skip + n] - c[skip]) / n
+
+
+def guards(profile: Profile, on: bool) -> Callable[[str], bool]:
+    """Which links a run guards, as ``deft.runtime.failover.LinkFailover.guards`` decides: every link
+    but the primary where ``link_failover`` is on and there are two or more."""
+    primary = profile.links[0].name
+    return lambda link: on and len(profile.links) > 1 and link != primary
 
 
 def analyse(rec: dict[str, Any], args: argparse.Namespace) -> tuple[list[Row], dict[str, str]]:
@@ -497,6 +521,9 @@ def analyse(rec: dict[str, Any], args: argparse.Namespace) -> tuple[list[Row], d
         cfg = DeftConfig.from_dict({"epsilon": SCHEMES[scheme].settings.get("epsilon", 0.01)})
         given = {"fit": rec.get("profile_fit"), "self": run.get("profile")}.get(SCHEMES[scheme].profile)
         base = prof if given is None else Profile.from_dict(given, f"{rec['name']}/{scheme} profile")
+        # the links deft's run guarded (its own profile says; a given one is marked as the run marks it)
+        if given is None:
+            base = guarded_links(base, guards(base, SCHEMES[scheme].settings.get("link_failover", True)))
         planned = profile_for_schedule(base, sched, cfg)
         sim = simulate_schedule(planned, sched)
         measured, n = steady_s(run["starts"], args.skip_iters, sched.cycle)
@@ -513,15 +540,26 @@ def analyse(rec: dict[str, Any], args: argparse.Namespace) -> tuple[list[Row], d
     return rows, failed
 
 
+def layout_of(rec: dict[str, Any]) -> tuple[int, int]:
+    """A record's (hosts, ranks per host); records made before either was kept ran 2 x 1."""
+    return int(rec.get("hosts", 2)), int(rec.get("ranks_per_host", 1))
+
+
+def layout_name(layout: tuple[int, int]) -> str:
+    hosts, per_host = layout
+    return f"{hosts} hosts" if per_host == 1 else f"{hosts} hosts x {per_host} ranks"
+
+
 def report(args: argparse.Namespace, recs: list[dict[str, Any]], command: str) -> str:
-    hosts = sorted({int(rec.get("hosts", 2)) for rec in recs})
+    layouts = sorted({layout_of(rec) for rec in recs})
+    rates = sorted({float(rec.get("rate_mbit", args.rate_mbit)) for rec in recs})
     lines = ["## Replay: measured vs simulated iteration time (`benchmarks/bench_replay.py`)", "",
              f"Command: `{command}`  ",
              f"Machine: {machine()}; {args.note}. Compute is emulated by sleeps (the CPU is free for gloo); "
              "on this 2-core machine the gloo threads of both links (and, with more hosts, of every host) still "
              "share the CPU with each other and with whatever else runs.  ",
-             f"Testbed: {' / '.join(map(str, hosts))} hosts (one rank each) x 2 links, nic0 at "
-             f"{args.rate_mbit:g} Mbit/s; times scaled by {args.scale:g}; "
+             f"Testbed: {' / '.join(map(layout_name, layouts))} (one rank per host unless said) x 2 links, nic0 at "
+             f"{' / '.join(f'{r:g}' for r in rates)} Mbit/s; times scaled by {args.scale:g}; "
              f"{args.iters} iterations per run, steady state after {args.skip_iters} (whole cycles, time between "
              "forward starts, rank 0). Simulated: `deft.solver.simulate` on the measured profile "
              "(torch DDP as `wfbp`: one all-reduce per bucket, step after all; deft: `simulate_schedule` of the "
@@ -531,13 +569,14 @@ def report(args: argparse.Namespace, recs: list[dict[str, Any]], command: str) -
              "(training thread and gloo threads) over the same window. Load: the machine's 1-minute load average "
              "when the run started (2 cores).", ""]
     verdicts = []
-    speedups: list[tuple[str, int, str, float, float, float, float]] = []  # profile, hosts, scheme, ms, sim, ddp...
+    speedups: list[Speedup] = []
     for rec in recs:
         rows, failed = analyse(rec, args)
         t = rec["target"]
         prof = Profile.from_dict(rec["profile"])
-        n_hosts = int(rec.get("hosts", 2))
-        lines += [f"### {rec['name']}, {n_hosts} hosts", "",
+        layout = layout_of(rec)
+        where = f"{rec['name']}@{layout_name(layout)}"
+        lines += [f"### {rec['name']}, {layout_name(layout)}", "",
                   f"{prof.n} buckets, {sum(t['nbytes']) / 1e6:.2f} MB; compute {prof.forward_s * 1e3:.0f} + "
                   f"{prof.backward_s * 1e3:.0f} ms (forward + backward); all-reduce of every bucket measured "
                   f"{prof.total_comm_s('primary') * 1e3:.0f} ms on primary (paper, scaled: "
@@ -554,13 +593,13 @@ def report(args: argparse.Namespace, recs: list[dict[str, Any]], command: str) -
                 sm, ss = ddp.measured_s / r.measured_s, ddp.simulated_s / r.simulated_s
                 gain = f"{(sm - 1) / (ss - 1):.0%}" if ss > 1.0001 else "-"
                 sp = [f"{sm:.2f}x", f"{ss:.2f}x", f"{sm / ss:.0%}", gain]
-                verdicts.append(Verdict(f"{rec['name']}@{n_hosts}", r.scheme, abs(r.error) <= 0.10, sm / ss >= 0.9))
-                speedups.append((rec["name"], n_hosts, r.scheme, r.measured_s, r.simulated_s,
-                                 ddp.measured_s, ddp.simulated_s))
+                verdicts.append(Verdict(where, r.scheme, abs(r.error) <= 0.10, sm / ss >= 0.9))
+                speedups.append(Speedup(rec["name"], layout, r.scheme, r.measured_s, r.simulated_s,
+                                        ddp.measured_s, ddp.simulated_s))
             else:
                 sp = ["-"] * 4
                 if r.scheme == "ddp":
-                    verdicts.append(Verdict(f"{rec['name']}@{n_hosts}", r.scheme, abs(r.error) <= 0.10, None))
+                    verdicts.append(Verdict(where, r.scheme, abs(r.error) <= 0.10, None))
             cpu, comp, load = (("-" if v is None else f"{v * k:.{d}f}")
                                for v, k, d in ((r.cpu_s, 1e3, 0), (r.compute_s, 1e3, 0), (r.load, 1, 1)))
             lines.append(f"| {SCHEMES[r.scheme].label} | {r.measured_s * 1e3:.0f} | {r.simulated_s * 1e3:.0f} | "
@@ -568,26 +607,41 @@ def report(args: argparse.Namespace, recs: list[dict[str, Any]], command: str) -
         for scheme, why in failed.items():
             lines.append(f"| {SCHEMES[scheme].label} | failed: {why} |" + " |" * 11)
         lines.append("")
-    if len(hosts) > 1:
+    if len(layouts) > 1:
         lines += by_world_size(speedups)
     lines += targets_line(verdicts)
     return "\n".join(lines)
 
 
-def by_world_size(speedups: list[tuple[str, int, str, float, float, float, float]]) -> list[str]:
-    """deft's speedup over torch DDP per profile and scheme at each host count, measured and simulated,
-    and each against the smallest host count's (the issue's bar: at least as large at more hosts)."""
+@dataclass(frozen=True)
+class Speedup:
+    """One deft run's iteration beside torch DDP's in the same record (seconds, measured and simulated)."""
+
+    profile: str
+    layout: tuple[int, int]  # hosts, ranks per host
+    scheme: str
+    measured_s: float
+    simulated_s: float
+    ddp_measured_s: float
+    ddp_simulated_s: float
+
+
+def by_world_size(speedups: list[Speedup]) -> list[str]:
+    """deft's speedup over torch DDP per profile and scheme in each layout, measured and simulated, and
+    each against the two-host layout's (the issue's bar: at least as large with more hosts)."""
     lines = ["### deft's speedup over torch DDP by world size", "",
-             "Each cell: measured speedup (simulated) and, after the arrow, the measured speedup over the "
-             "smallest world size's; torch DDP's and deft's iterations (ms) measured / simulated beside.", "",
-             "| profile | scheme | hosts | torch DDP (ms) | deft (ms) | speedup measured (simulated) | "
-             "against the fewest hosts |", "|---|---|---|---|---|---|---|"]
-    first: dict[tuple[str, str], float] = {}
-    for name, hosts, scheme, ms, sim, ddp_ms, ddp_sim in sorted(speedups, key=lambda x: (x[0], x[2], x[1])):
-        sm, ss = ddp_ms / ms, ddp_sim / sim
-        base = first.setdefault((name, scheme), sm)
-        lines.append(f"| {name} | {SCHEMES[scheme].label} | {hosts} | {ddp_ms * 1e3:.0f} / {ddp_sim * 1e3:.0f} | "
-                     f"{ms * 1e3:.0f} / {sim * 1e3:.0f} | {sm:.2f}x ({ss:.2f}x) | {sm / base:.2f} |")
+             "Each row: torch DDP's and deft's iterations (ms, measured / simulated), deft's speedup measured "
+             "(simulated), and the measured speedup over the same profile and scheme's at 2 hosts x 1 rank.", "",
+             "| profile | scheme | ranks | layout | torch DDP (ms) | deft (ms) | speedup measured (simulated) | "
+             "against 2 hosts |", "|---|---|---|---|---|---|---|---|"]
+    base = {(x.profile, x.scheme): x.ddp_measured_s / x.measured_s for x in speedups if x.layout == (2, 1)}
+    for x in sorted(speedups, key=lambda x: (x.profile, x.scheme, x.layout[0] * x.layout[1], x.layout)):
+        sm, ss = x.ddp_measured_s / x.measured_s, x.ddp_simulated_s / x.simulated_s
+        two = base.get((x.profile, x.scheme))
+        lines.append(f"| {x.profile} | {SCHEMES[x.scheme].label} | {x.layout[0] * x.layout[1]} | "
+                     f"{layout_name(x.layout)} | {x.ddp_measured_s * 1e3:.0f} / {x.ddp_simulated_s * 1e3:.0f} | "
+                     f"{x.measured_s * 1e3:.0f} / {x.simulated_s * 1e3:.0f} | {sm:.2f}x ({ss:.2f}x) | "
+                     f"{'-' if two is None else f'{sm / two:.2f}'} |")
     return [*lines, ""]
 
 
@@ -635,7 +689,10 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     ap.add_argument("--note", default="machine shared with other jobs during this run")
     ap.add_argument("--save-runs", default=None, help="keep specs, profiles and records in this directory")
-    ap.add_argument("--hosts", type=int, default=2, help="testbed hosts, one rank each (the world size)")
+    ap.add_argument("--hosts", type=int, default=2, help="testbed hosts")
+    ap.add_argument("--ranks-per-host", type=int, default=1,
+                    help="ranks per host (torchrun's --nproc-per-node): their traffic inside a host stays off the "
+                         "shaped NICs; profiles given to deft are measured with the default group's flat ring")
     ap.add_argument("--from-runs", default=None,
                     help="no runs: rebuild the report from --save-runs directories (comma-separated; several "
                          "host counts add a table of the speedup by world size)")
@@ -652,8 +709,8 @@ def main() -> int:
         ap.error(f"--profiles: no file {profile_path(missing[0])}")
     if not (args.rate_mbit > 0 and args.scale > 0 and args.overhead >= 0):
         ap.error("--rate-mbit and --scale must be > 0, --overhead >= 0")
-    if args.hosts < 2:
-        ap.error(f"--hosts: expected at least 2 hosts, got {args.hosts}")
+    if args.hosts < 2 or args.ranks_per_host < 1:
+        ap.error(f"--hosts: expected at least 2 hosts of at least 1 rank, got {args.hosts} x {args.ranks_per_host}")
     if args.iters <= args.skip_iters + 4:
         ap.error(f"--iters ({args.iters}) must exceed --skip-iters ({args.skip_iters}) by more than 4")
     handle_signals()
@@ -675,8 +732,8 @@ def main() -> int:
             out_dir = Path(args.save_runs or tmp)
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "command.txt").write_text(command + "\n", encoding="utf-8")
-            print(f"[bench_replay] testbed {tb.base} up: {tb.hosts} hosts x 2 links at {args.rate_mbit:g} Mbit/s",
-                  flush=True)
+            print(f"[bench_replay] testbed {tb.base} up: {tb.hosts} hosts x {args.ranks_per_host} rank(s) x 2 links "
+                  f"at {args.rate_mbit:g} Mbit/s", flush=True)
             for p in profiles:
                 t0 = time.perf_counter()
                 try:
