@@ -20,6 +20,10 @@ default group must build the links in the same order (the config digest check ru
 
 Counters (``calls``, ``bytes``) per link let tests and reports prove that each link carried traffic.
 
+A flat gloo link of CPU tensors runs its all-reduces one at a time, in launch order
+(:mod:`deft.runtime.link_queue`): gloo would run two at once, and the first would end late for its
+deadline.
+
 With several ranks per host (``hierarchical``, :mod:`deft.runtime.hierarchy`) a gloo link's
 all-reduce is hierarchical: inside each host, then across hosts on the link's NIC. ``CommLink.group``
 stays the flat group of every rank, which comm hooks (the int8 codec), the first collective and the
@@ -40,6 +44,7 @@ import torch.distributed as dist
 from deft.config import DeftConfig, LinkConfig
 from deft.netif import new_group_on_nic
 from deft.runtime.hierarchy import HierarchicalAllReduce, HostLayout, gather_layout, make_hierarchy_groups
+from deft.runtime.link_queue import LinkQueue
 
 log = logging.getLogger("deft.runtime")
 
@@ -61,11 +66,15 @@ class CommLink:
     group: dist.ProcessGroup
     stats: LinkStats = field(default_factory=LinkStats)
     hierarchy: HierarchicalAllReduce | None = None
+    queue: LinkQueue | None = None  # one send in flight (:mod:`deft.runtime.link_queue`); None: gloo's own
 
     def all_reduce(self, tensor: torch.Tensor) -> dist.Work:
-        """Launch an asynchronous sum all-reduce of ``tensor`` in place, counted; returns the Work."""
+        """Launch an asynchronous sum all-reduce of ``tensor`` in place, counted; returns the Work. On a
+        queued link it starts once the link's earlier sends have completed."""
         self.stats.calls += 1
         self.stats.bytes += tensor.numel() * tensor.element_size()
+        if self.queue is not None and self.hierarchy is None:
+            return self.queue.submit(lambda: self.launch(tensor), tensor.device)
         return self.launch(tensor)
 
     def launch(self, tensor: torch.Tensor) -> dist.Work:
@@ -134,7 +143,8 @@ def make_links(config: DeftConfig, cuda: bool, ranks: Sequence[int] | None,
             if verdict.fixed is not True:
                 log.warning("deft: link %r runs gloo on CUDA tensors: %s", lk.name, verdict.reason)
         links[lk.name] = CommLink(lk.name, backend, lk.ifname,
-                                  _new_group(backend, lk.ifname, config.timeout_s, ranks))
+                                  _new_group(backend, lk.ifname, config.timeout_s, ranks),
+                                  queue=LinkQueue() if backend == "gloo" and not cuda else None)
     layout = host_layout(config, cuda, ranks, next(iter(links.values())))
     if layout is not None:
         for link in links.values():

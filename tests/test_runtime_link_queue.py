@@ -1,0 +1,156 @@
+"""One send in flight per gloo link (deft.runtime.link_queue): launched in order, each after the one before
+it has completed, failures passed on without holding the queue; on two gloo ranks, a link's sends no
+longer overlap (gloo alone runs two at once) and their sums are right."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from deft.runtime.link_queue import LinkQueue, QueuedWork
+from deft.runtime.links import CommLink
+from tests._dist import run_ranks, values
+
+CPU = torch.device("cpu")
+
+
+class HeldWork(dist.Work):
+    """A collective this test completes (or fails) by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.future: torch.futures.Future[object] = torch.futures.Future()
+
+    def get_future(self) -> torch.futures.Future[object]:
+        return self.future
+
+
+def _queue_of_three() -> tuple[LinkQueue, list[HeldWork], list[str], list[QueuedWork]]:
+    q, works, launched = LinkQueue(), [HeldWork() for _ in range(3)], []
+
+    def launcher(i: int) -> object:
+        def launch() -> dist.Work:
+            launched.append(f"send {i}")
+            return works[i]
+        return launch
+    handles = [q.submit(launcher(i), CPU) for i in range(3)]  # type: ignore[arg-type]
+    return q, works, launched, handles
+
+
+def test_each_send_launches_after_the_one_before_it_completes() -> None:
+    _, works, launched, handles = _queue_of_three()
+    assert launched == ["send 0"]  # the link was idle: at once
+    works[0].future.set_result([torch.ones(2)])
+    assert launched == ["send 0", "send 1"]
+    assert handles[0].is_completed() and not handles[1].is_completed()
+    works[1].future.set_result([torch.zeros(2)])
+    works[2].future.set_result([torch.full((2,), 2.0)])
+    assert launched == ["send 0", "send 1", "send 2"]
+    assert [h.get_future().value()[0].tolist() for h in handles] == [[1.0, 1.0], [0.0, 0.0], [2.0, 2.0]]
+    assert all(h.wait(timedelta(seconds=1)) for h in handles)
+
+
+def test_a_failed_send_fails_the_sends_behind_it_unlaunched() -> None:
+    _, works, launched, handles = _queue_of_three()
+    works[0].future.set_exception(RuntimeError("Connection closed by peer"))
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        handles[0].wait()
+    # a failed transport is given nothing more: the sends queued behind fail, naming the first failure
+    assert launched == ["send 0"]
+    for h in handles[1:]:
+        with pytest.raises(RuntimeError, match="not launched: an earlier all-reduce on this link failed "
+                                               r"\(RuntimeError: Connection closed by peer\)"):
+            h.wait()
+
+
+def test_a_launch_that_raises_fails_its_handle_and_the_sends_behind_it() -> None:
+    q, launched = LinkQueue(), []
+
+    def broken() -> dist.Work:
+        launched.append("broken")
+        raise RuntimeError("the group was destroyed")
+    first = q.submit(broken, CPU)
+    second = q.submit(lambda: launched.append("second") or HeldWork(), CPU)  # type: ignore[func-returns-value]
+    with pytest.raises(RuntimeError, match="the group was destroyed"):
+        first.wait()
+    with pytest.raises(RuntimeError, match="not launched"):
+        second.wait()
+    assert launched == ["broken"]
+
+
+def test_a_wait_past_its_timeout_raises() -> None:
+    _, _, _, handles = _queue_of_three()
+    with pytest.raises(TimeoutError, match=r"queued all-reduce not done after 0\.05 s"):
+        handles[0].wait(timedelta(seconds=0.05))
+
+
+def test_sends_from_two_threads_keep_the_order_they_were_queued_in() -> None:
+    q, order, lock = LinkQueue(), [], threading.Lock()
+    works = {}
+
+    def launcher(name: str) -> object:
+        def launch() -> dist.Work:
+            with lock:
+                order.append(name)
+            works[name] = HeldWork()
+            works[name].future.set_result([torch.ones(1)])  # completes at once: the next may go
+            return works[name]
+        return launch
+    threads = [threading.Thread(target=lambda t=t: [q.submit(launcher(f"{t}{i}"), CPU)  # type: ignore[arg-type]
+                                                    for i in range(50)]) for t in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(order) == sorted(f"{t}{i}" for t in "ab" for i in range(50))
+    assert [x for x in order if x[0] == "a"] == [f"a{i}" for i in range(50)]
+
+
+# -- two gloo ranks ------------------------------------------------------------------------------------
+def _spans(rank: int, world: int, queued: bool) -> dict[str, object]:
+    """Three 4 MB all-reduces on one link, rank 1 joining 0.3 s late; each send's launch on the wire
+    (the group's own call) and completion, per rank."""
+    group = dist.new_group(backend="gloo")
+    link = CommLink("second", "gloo", None, group, queue=LinkQueue() if queued else None)
+    stamps: list[list[float]] = []
+    real = link.launch
+
+    def stamped(t: torch.Tensor) -> dist.Work:
+        row = [time.perf_counter()]
+        stamps.append(row)
+        work = real(t)
+        work.get_future().then(lambda _: row.append(time.perf_counter()))
+        return work
+    link.launch = stamped  # type: ignore[method-assign]
+    if rank == 1:
+        time.sleep(0.3)
+    tensors = [torch.full((1 << 20,), float(rank + i)) for i in range(3)]
+    works = [link.all_reduce(t) for t in tensors]
+    for w in works:
+        w.wait(timedelta(seconds=30))
+    deadline = time.monotonic() + 5
+    while any(len(s) < 2 for s in stamps) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    overlaps = sum(1 for a, b in itertools.pairwise(stamps) if b[0] < a[1])
+    return {"overlaps": overlaps, "sums": [t[0].item() for t in tensors], "calls": link.stats.calls}
+
+
+@pytest.mark.slow
+def test_a_queued_link_runs_its_sends_one_after_another() -> None:
+    res = values(run_ranks(_spans, world=2, args=(True,), timeout=90))
+    assert [r["overlaps"] for r in res] == [0, 0]
+    assert all(r["sums"] == [1.0, 3.0, 5.0] and r["calls"] == 3 for r in res)
+
+
+@pytest.mark.slow
+def test_gloo_alone_launches_a_links_sends_before_the_first_ends() -> None:
+    # the variant without the queue: the check above fails there
+    res = values(run_ranks(_spans, world=2, args=(False,), timeout=90))
+    assert all(r["overlaps"] >= 1 for r in res)
+    assert all(r["sums"] == [1.0, 3.0, 5.0] for r in res)
