@@ -8,6 +8,7 @@ import itertools
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,3 +155,67 @@ def test_gloo_alone_launches_a_links_sends_before_the_first_ends() -> None:
     res = values(run_ranks(_spans, world=2, args=(False,), timeout=90))
     assert all(r["overlaps"] >= 1 for r in res)
     assert all(r["sums"] == [1.0, 3.0, 5.0] for r in res)
+
+
+def _coded_overlaps(rank: int, world: int, schedule_path: str, queued: bool) -> dict[str, int]:
+    """deft on a schedule that sends every bucket through the fp16 hook on link "second", rank 1's
+    backward 50 ms late: how many of rank 0's fp16 all-reduces on that link's group were launched before
+    the one before them had completed."""
+    from torch import nn
+
+    import deft
+    import deft.runtime.links as links_module
+
+    if not queued:  # the broken variant: gloo's own two at a time
+        links_module.LinkQueue = lambda: None  # type: ignore[assignment,misc,unused-ignore]
+    stamps: dict[int, list[list[float]]] = {}
+    real = dist.all_reduce
+
+    def stamped(tensor: torch.Tensor, *args: object, group: object = None, **kwargs: object) -> object:
+        row = [time.perf_counter()]
+        work = real(tensor, *args, group=group, **kwargs)  # type: ignore[arg-type]
+        if tensor.dtype == torch.float16 and work is not None:
+            stamps.setdefault(id(group), []).append(row)
+            work.get_future().then(lambda _: row.append(time.perf_counter()))
+        return work
+    dist.all_reduce = stamped  # type: ignore[assignment]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4))
+    if rank == 1:
+        model[0].register_full_backward_hook(lambda *_: time.sleep(0.05))
+    ddp = deft.DistributedDataParallel(model, config={
+        "epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2, "timeout_s": 30, "schedule_path": schedule_path,
+        "links": [{"name": "primary"}, {"name": "second"}], "bucket_cap_mb": 0.01})
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(8):
+        nn.functional.mse_loss(ddp(torch.randn(8, 32, generator=g)), torch.zeros(8, 4)).backward()
+        opt.step()
+        opt.zero_grad()
+    ddp.flush()
+    time.sleep(0.2)
+    rows = max(stamps.values(), key=len)  # the second link's group: every coded send
+    return {"sends": len(rows), "overlaps": sum(1 for a, b in itertools.pairwise(rows) if b[0] < a[-1])}
+
+
+def _coded_schedule(tmp_path: Path) -> str:
+    from deft.schedule import synchronous_schedule
+
+    numel = (1028, 65792, 8448)  # the model's buckets at bucket_cap_mb 0.01, output side first
+    sched = synchronous_schedule(numel, tuple(4 * n for n in numel), ("primary", "second"),
+                                 ("second", "second", "second"))
+    path = tmp_path / "coded.json"
+    sched.__class__(**{**sched.__dict__, "codecs": ("fp16", "fp16", "fp16")}).save(path)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_a_coded_links_hooked_sends_run_one_after_another(tmp_path: Path) -> None:
+    res = values(run_ranks(_coded_overlaps, world=2, args=(_coded_schedule(tmp_path), True), timeout=120))
+    assert res[0]["sends"] >= 12 and res[0]["overlaps"] == 0
+
+
+@pytest.mark.slow
+def test_a_coded_links_hooked_sends_overlap_without_the_queue(tmp_path: Path) -> None:
+    res = values(run_ranks(_coded_overlaps, world=2, args=(_coded_schedule(tmp_path), False), timeout=120))
+    assert res[0]["overlaps"] >= 1

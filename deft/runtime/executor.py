@@ -49,7 +49,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
@@ -537,7 +537,11 @@ class Executor:
                 raise DeftError(f"{where} returned {type(fut).__name__}; a comm hook must return a "
                                 "torch.futures.Future whose value is the bucket's averaged gradient")
             return fut
-        return self._chained(launch) if hook.chained else launch()
+        if hook.chained:
+            return self._chained(launch)
+        if link.queue is not None:  # its collectives on the link's group, one send in flight there
+            return cast("torch.futures.Future[torch.Tensor]", link.queue.submit(launch, self.device).get_future())
+        return launch()
 
     def _chained(self, launch: Callable[[], torch.futures.Future[T]]) -> torch.futures.Future[T]:
         """Run ``launch`` (which starts collectives and returns their Future) once every earlier chained

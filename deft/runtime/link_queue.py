@@ -9,7 +9,9 @@ take as long as one after the other.
 
 :class:`LinkQueue` restores the queue the plan priced: each send is launched from the completion
 callback of the one before it (at once where the link is idle), and its handle is a :class:`QueuedWork`,
-a ``dist.Work`` over a future of its own, so that the runtime waits on it as on any all-reduce's.
+a ``dist.Work`` over a future of its own, so that the runtime waits on it as on any all-reduce's. A
+send is a plain all-reduce (``CommLink.all_reduce``) or an element-wise codec's hook on the link's
+group (the executor's coded buckets: their collectives start inside the hook's call).
 
 Invariants:
 
@@ -32,11 +34,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from deft.runtime.control import future_done_event
+from deft.runtime.control import FUTURE_TYPES, future_done_event
 
 
 class QueuedWork(dist.Work):
@@ -69,9 +72,10 @@ class LinkQueue:
         self._tail: torch.futures.Future[object] | None = None
         self._lock = threading.Lock()
 
-    def submit(self, launch: Callable[[], dist.Work], device: torch.device) -> QueuedWork:
-        """Queue ``launch`` (which starts one collective on this link and returns its Work) behind the
-        sends submitted before it; ``device``: the tensors' (a future holding CUDA tensors names it)."""
+    def submit(self, launch: Callable[[], dist.Work | torch.futures.Future[Any]], device: torch.device) -> QueuedWork:
+        """Queue ``launch`` (which starts one send on this link and returns its Work, or a comm hook's
+        Future, whose value the handle's future takes) behind the sends submitted before it; ``device``:
+        the tensors' (a future holding CUDA tensors names it)."""
         outer: torch.futures.Future[object] = torch.futures.Future(
             devices=[device] if device.type == "cuda" else None)
 
@@ -81,7 +85,8 @@ class LinkQueue:
                 outer.set_exception(RuntimeError(f"not launched: an earlier all-reduce on this link failed ({failed})"))
                 return
             try:
-                inner = launch().get_future()
+                started = launch()
+                inner = started if isinstance(started, FUTURE_TYPES) else started.get_future()
             except Exception as e:
                 outer.set_exception(e)
                 return
