@@ -570,13 +570,15 @@ def report(args: argparse.Namespace, recs: list[dict[str, Any]], command: str) -
              "when the run started (2 cores).", ""]
     verdicts = []
     speedups: list[Speedup] = []
+    side: list[tuple[str, tuple[int, int], str, str, float, float, float | None]] = []
     for rec in recs:
         rows, failed = analyse(rec, args)
         t = rec["target"]
         prof = Profile.from_dict(rec["profile"])
         layout = layout_of(rec)
-        where = f"{rec['name']}@{layout_name(layout)}"
-        lines += [f"### {rec['name']}, {layout_name(layout)}", "",
+        label = f"{rec['label']}: " if rec.get("label") else ""
+        where = f"{label}{rec['name']}@{layout_name(layout)}"
+        lines += [f"### {label}{rec['name']}, {layout_name(layout)}", "",
                   f"{prof.n} buckets, {sum(t['nbytes']) / 1e6:.2f} MB; compute {prof.forward_s * 1e3:.0f} + "
                   f"{prof.backward_s * 1e3:.0f} ms (forward + backward); all-reduce of every bucket measured "
                   f"{prof.total_comm_s('primary') * 1e3:.0f} ms on primary (paper, scaled: "
@@ -600,6 +602,9 @@ def report(args: argparse.Namespace, recs: list[dict[str, Any]], command: str) -
                 sp = ["-"] * 4
                 if r.scheme == "ddp":
                     verdicts.append(Verdict(where, r.scheme, abs(r.error) <= 0.10, None))
+            if rec.get("label") and r.scheme != "compute":
+                side.append((rec["name"], layout, r.scheme, rec["label"], r.measured_s, r.simulated_s,
+                             None if ddp is None or r is ddp else ddp.measured_s / r.measured_s))
             cpu, comp, load = (("-" if v is None else f"{v * k:.{d}f}")
                                for v, k, d in ((r.cpu_s, 1e3, 0), (r.compute_s, 1e3, 0), (r.load, 1, 1)))
             lines.append(f"| {SCHEMES[r.scheme].label} | {r.measured_s * 1e3:.0f} | {r.simulated_s * 1e3:.0f} | "
@@ -609,6 +614,8 @@ def report(args: argparse.Namespace, recs: list[dict[str, Any]], command: str) -
         lines.append("")
     if len(layouts) > 1:
         lines += by_world_size(speedups)
+    if side:
+        lines += side_by_side(side)
     lines += targets_line(verdicts)
     return "\n".join(lines)
 
@@ -624,6 +631,25 @@ class Speedup:
     simulated_s: float
     ddp_measured_s: float
     ddp_simulated_s: float
+
+
+def side_by_side(side: list[tuple[str, tuple[int, int], str, str, float, float, float | None]]) -> list[str]:
+    """Each profile, layout and scheme measured under each label (``--labels``: the run directories'
+    code), one row: measured / simulated (error) and the speedup over that run's torch DDP."""
+    labels = list(dict.fromkeys(x[3] for x in side))
+    cells: dict[tuple[str, tuple[int, int], str], dict[str, str]] = {}
+    for name, layout, scheme, label, ms, sim, speedup in side:
+        sp = "" if speedup is None else f", {speedup:.2f}x"
+        cells.setdefault((name, layout, scheme), {})[label] = \
+            f"{ms * 1e3:.0f} / {sim * 1e3:.0f} ({ms / sim - 1:+.1%}{sp})"
+    lines = ["### Side by side", "",
+             "Each cell: measured / simulated iteration (ms), the measurement's error against the simulation "
+             "and, for deft, its speedup over the same directory's torch DDP run.", "",
+             f"| profile | layout | scheme | {' | '.join(labels)} |", "|---|---|---|" + "---|" * len(labels)]
+    for (name, layout, scheme), by in cells.items():
+        lines.append(f"| {name} | {layout_name(layout)} | {SCHEMES[scheme].label} | "
+                     + " | ".join(by.get(label, "-") for label in labels) + " |")
+    return [*lines, ""]
 
 
 def by_world_size(speedups: list[Speedup]) -> list[str]:
@@ -696,6 +722,8 @@ def main() -> int:
     ap.add_argument("--from-runs", default=None,
                     help="no runs: rebuild the report from --save-runs directories (comma-separated; several "
                          "host counts add a table of the speedup by world size)")
+    ap.add_argument("--labels", default=None,
+                    help="with --from-runs: a label per directory (the code it ran), and a side-by-side table")
     ap.add_argument("--results", default=str(RESULTS), help="the markdown file whose replay section is written")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
@@ -718,9 +746,13 @@ def main() -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     if args.from_runs:
         recs, commands = [], []
-        for run_dir in (Path(d) for d in args.from_runs.split(",") if d):
-            recs += [json.loads(f.read_text(encoding="utf-8")) for p in profiles
-                     for f in [run_dir / f"{Path(p).stem}.record.json"] if f.is_file()]
+        dirs = [Path(d) for d in args.from_runs.split(",") if d]
+        labels = [x for x in args.labels.split(",") if x] if args.labels else []
+        if labels and len(labels) != len(dirs):
+            ap.error(f"--labels: expected one per --from-runs directory ({len(dirs)}), got {len(labels)}")
+        for i, run_dir in enumerate(dirs):
+            recs += [{**json.loads(f.read_text(encoding="utf-8")), **({"label": labels[i]} if labels else {})}
+                     for p in profiles for f in [run_dir / f"{Path(p).stem}.record.json"] if f.is_file()]
             cmd = run_dir / "command.txt"
             commands.append(cmd.read_text(encoding="utf-8").strip() if cmd.exists() else f"(runs in {run_dir})")
         command = "; ".join(commands)

@@ -92,3 +92,17 @@ def test_speedup_by_world_size_against_two_hosts(replay: Any) -> None:
 def test_speedup_without_a_two_host_run_has_no_ratio(replay: Any) -> None:
     rows = replay.by_world_size([replay.Speedup("gpt2", (8, 1), "deft", 0.5, 0.5, 1.0, 1.0)])
     assert rows[-2].endswith("| 2.00x (2.00x) | - |")
+
+
+def test_side_by_side_puts_each_codes_run_in_its_column(replay: Any) -> None:
+    rows = replay.side_by_side([
+        ("vgg19", (2, 1), "ddp", "before", 0.290, 0.288, None),
+        ("vgg19", (2, 1), "deft-eps0", "before", 0.181, 0.161, 1.6),
+        ("vgg19", (2, 1), "deft-eps0", "after", 0.158, 0.161, 1.875),
+    ])
+    table = [r for r in rows if r.startswith("| vgg19 |")]
+    assert rows[4] == "| profile | layout | scheme | before | after |"
+    assert table == [
+        "| vgg19 | 2 hosts | torch DDP (one bucket per profile bucket) | 290 / 288 (+0.7%) | - |",
+        "| vgg19 | 2 hosts | deft, epsilon 0, two links | 181 / 161 (+12.4%, 1.60x) | 158 / 161 (-1.9%, 1.88x) |",
+    ]

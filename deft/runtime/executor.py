@@ -539,7 +539,7 @@ class Executor:
             return fut
         if hook.chained:
             return self._chained(launch)
-        if link.queue is not None:  # its collectives on the link's group, one send in flight there
+        if link.queue is not None and hook.queueable:  # its collective on the link's group, one send in flight
             return cast("torch.futures.Future[torch.Tensor]", link.queue.submit(launch, self.device).get_future())
         return launch()
 

@@ -10,8 +10,10 @@ take as long as one after the other.
 :class:`LinkQueue` restores the queue the plan priced: each send is launched from the completion
 callback of the one before it (at once where the link is idle), and its handle is a :class:`QueuedWork`,
 a ``dist.Work`` over a future of its own, so that the runtime waits on it as on any all-reduce's. A
-send is a plain all-reduce (``CommLink.all_reduce``) or an element-wise codec's hook on the link's
-group (the executor's coded buckets: their collectives start inside the hook's call).
+send is a plain all-reduce (``CommLink.all_reduce``) or a 16-bit codec's hook on the link's group (the
+executor's coded buckets: their collective starts inside the hook's call, which then waits its turn).
+int8's hook is called at launch and its collectives go beside the queue: its count of calls numbers
+its draws and tags, which must follow the launch order on every rank.
 
 Invariants:
 
@@ -23,7 +25,7 @@ Invariants:
 * The callback runs on the gloo thread that completed the previous send; launching a collective there
   only enqueues it (as :mod:`deft.runtime.hierarchy` issues its steps).
 
-Note [why not per message only]
+Note [why torch DDP does not need it]
 Torch DDP launches its buckets the same way and gets the same sharing, but waits for all of them at
 the step: only the sum of the sends matters to it, and the sum does not change. deft waits for each
 bucket where its deadline is (the step, or the forward of its module), so which one ends first does.
