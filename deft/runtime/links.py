@@ -22,7 +22,8 @@ Counters (``calls``, ``bytes``) per link let tests and reports prove that each l
 
 A flat gloo link of CPU tensors runs its all-reduces one at a time, in launch order
 (:mod:`deft.runtime.link_queue`): gloo would run two at once, and the first would end late for its
-deadline.
+deadline. A hierarchical link is not queued: one pass of the CNN at 2 hosts x 2 ranks with its coded
+sends queued on the flat group was no faster (benchmarks/results/link_queue.md).
 
 With several ranks per host (``hierarchical``, :mod:`deft.runtime.hierarchy`) a gloo link's
 all-reduce is hierarchical: inside each host, then across hosts on the link's NIC. ``CommLink.group``
@@ -73,7 +74,7 @@ class CommLink:
         queued link it starts once the link's earlier sends have completed."""
         self.stats.calls += 1
         self.stats.bytes += tensor.numel() * tensor.element_size()
-        if self.queue is not None and self.hierarchy is None:
+        if self.queue is not None:
             return self.queue.submit(lambda: self.launch(tensor), tensor.device)
         return self.launch(tensor)
 
@@ -151,6 +152,7 @@ def make_links(config: DeftConfig, cuda: bool, ranks: Sequence[int] | None,
             if link.backend == "gloo":
                 groups = make_hierarchy_groups(layout, "gloo", link.ifname, config.timeout_s)
                 link.hierarchy = HierarchicalAllReduce(groups)
+                link.queue = None  # not queued (module docstring)
     return links
 
 
