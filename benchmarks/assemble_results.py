@@ -38,6 +38,8 @@ ORDER = [
     "failover_async.md",
     "failover_async_lm.md",
     "failover_async_prices.md",
+    "replay_hosts.md",
+    "link_queue.md",
     "runtime_ab.md",
     "codec_paths.md",
     "slow_links.md",
