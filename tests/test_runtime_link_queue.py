@@ -185,7 +185,8 @@ def _coded_overlaps(rank: int, world: int, schedule_path: str, queued: bool) -> 
         model[0].register_full_backward_hook(lambda *_: time.sleep(0.05))
     ddp = deft.DistributedDataParallel(model, config={
         "epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2, "timeout_s": 30, "schedule_path": schedule_path,
-        "links": [{"name": "primary"}, {"name": "second"}], "bucket_cap_mb": 0.01})
+        "links": [{"name": "primary"}, {"name": "second"}], "bucket_cap_mb": 0.01, "link_queue": True,
+        "compression": "fp16"})
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(rank)
     for _ in range(8):
@@ -221,48 +222,13 @@ def test_a_coded_links_hooked_sends_overlap_without_the_queue(tmp_path: Path) ->
     assert res[0]["overlaps"] >= 1
 
 
-def _int8_call_threads(rank: int, world: int, schedule_path: str, queue_int8: bool) -> list[str]:
-    """deft with every bucket int8 on link "second": the threads int8's hook was called on (its count of
-    calls numbers its draws and tags, so it must be the launch order on every rank)."""
-    from torch import nn
+def test_a_queue_beside_a_codec_that_numbers_its_calls_is_refused() -> None:
+    from deft.config import DeftConfig
+    from deft.errors import ContractError
 
-    import deft
-    from deft.runtime.codecs.hooks import CommHook
-    from deft.runtime.int8_hook import Int8State
-
-    if queue_int8:  # the broken variant: int8's call waits in the queue, on gloo's threads
-        CommHook.queueable = property(lambda self: True)  # type: ignore[method-assign,assignment]
-    threads: list[str] = []
-    rng = Int8State.rng
-
-    def counted(self: Int8State, device: torch.device) -> torch.Generator:
-        threads.append(threading.current_thread().name)
-        return rng(self, device)
-    Int8State.rng = counted  # type: ignore[method-assign]
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4))
-    if rank == 1:
-        model[0].register_full_backward_hook(lambda *_: time.sleep(0.05))
-    ddp = deft.DistributedDataParallel(model, config={
-        "epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2, "timeout_s": 30, "schedule_path": schedule_path,
-        "compression": "int8", "links": [{"name": "primary"}, {"name": "second"}], "bucket_cap_mb": 0.01})
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(6):
-        nn.functional.mse_loss(ddp(torch.randn(8, 32, generator=g)), torch.zeros(8, 4)).backward()
-        opt.step()
-        opt.zero_grad()
-    ddp.flush()
-    return sorted(set(threads))
-
-
-@pytest.mark.slow
-def test_int8s_hook_is_called_at_launch_on_the_training_thread(tmp_path: Path) -> None:
-    res = values(run_ranks(_int8_call_threads, world=2, args=(_coded_schedule(tmp_path), False), timeout=120))
-    assert res == [["MainThread"], ["MainThread"]]
-
-
-@pytest.mark.slow
-def test_int8s_hook_queued_would_be_called_on_gloos_threads(tmp_path: Path) -> None:
-    res = values(run_ranks(_int8_call_threads, world=2, args=(_coded_schedule(tmp_path), True), timeout=120))
-    assert all(set(r) - {"MainThread"} for r in res)
+    for compression in ("int8", "auto"):  # "auto" may choose int8
+        with pytest.raises(ContractError, match=r"link_queue: expected compression \"none\", \"fp16\" or "
+                                                r"\"bf16\" with link_queue = true"):
+            DeftConfig.from_dict({"link_queue": True, "compression": compression})
+    assert DeftConfig.from_dict({"link_queue": True, "compression": "none"}).link_queue
+    assert not DeftConfig().link_queue  # off unless asked for

@@ -1,4 +1,5 @@
-"""One send in flight per gloo link: the link's collectives run one after another, in launch order.
+"""One send in flight per gloo link (``link_queue = true``): the link's collectives run one after another,
+in launch order.
 
 The plan prices a link as a queue (:mod:`deft.solver.simulate`): a send starts when the one before it
 on the link has ended, and the one the next forward needs first is launched first, so it ends first.

@@ -20,8 +20,8 @@ default group must build the links in the same order (the config digest check ru
 
 Counters (``calls``, ``bytes``) per link let tests and reports prove that each link carried traffic.
 
-A flat gloo link of CPU tensors runs its all-reduces one at a time, in launch order
-(:mod:`deft.runtime.link_queue`): gloo would run two at once, and the first would end late for its
+With ``link_queue = true`` a flat gloo link of CPU tensors runs its all-reduces one at a time, in launch
+order (:mod:`deft.runtime.link_queue`): gloo would run two at once, and the first would end late for its
 deadline. A hierarchical link is not queued: one pass of the CNN at 2 hosts x 2 ranks with its coded
 sends queued on the flat group was no faster (benchmarks/results/link_queue.md).
 
@@ -145,7 +145,7 @@ def make_links(config: DeftConfig, cuda: bool, ranks: Sequence[int] | None,
                 log.warning("deft: link %r runs gloo on CUDA tensors: %s", lk.name, verdict.reason)
         links[lk.name] = CommLink(lk.name, backend, lk.ifname,
                                   _new_group(backend, lk.ifname, config.timeout_s, ranks),
-                                  queue=LinkQueue() if backend == "gloo" and not cuda else None)
+                                  queue=LinkQueue() if config.link_queue and backend == "gloo" and not cuda else None)
     layout = host_layout(config, cuda, ranks, next(iter(links.values())))
     if layout is not None:
         for link in links.values():
