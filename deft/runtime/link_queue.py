@@ -13,9 +13,10 @@ callback of the one before it (at once where the link is idle), and its handle i
 a ``dist.Work`` over a future of its own, so that the runtime waits on it as on any all-reduce's. A
 send is a plain all-reduce (``CommLink.all_reduce``) or a 16-bit codec's hook on the link's group (the
 executor's coded buckets: their collective starts inside the hook's call, which then waits its turn).
-int8's hook is called at launch and its collectives go beside the queue: its count of calls numbers
-its draws and tags, which must follow the launch order on every rank. A hierarchical link (several
-ranks per host, :mod:`deft.runtime.hierarchy`) has no queue.
+int8's hook cannot wait in the queue (its count of calls numbers its draws and tags, which must follow
+the launch order on every rank) nor run beside it (its collectives would enter the group in another
+order on another rank), so the config refuses the queue with a compression that may choose it. A
+hierarchical link (several ranks per host, :mod:`deft.runtime.hierarchy`) has no queue.
 
 Invariants:
 
