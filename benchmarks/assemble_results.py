@@ -44,6 +44,7 @@ ORDER = [
     "link_queue_cnn.md",
     "link_queue_lm.md",
     "link_queue_prices.md",
+    "link_queue_fp16.md",
     "runtime_ab.md",
     "codec_paths.md",
     "slow_links.md",
