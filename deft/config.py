@@ -151,9 +151,10 @@ class DeftConfig:
     # floor alone before the profile), at most timeout_s. false: every wait has timeout_s, a loss ends the run.
     link_failover: bool = True
     # Opt-in: a flat gloo link of CPU tensors runs one send at a time, in launch order (deft.runtime.link_queue);
-    # gloo's own two at once end the first late for its deadline. Needs compression "none", "fp16" or "bf16":
-    # int8's hook numbers its calls in launch order across links, which a queued link would reorder
-    # (benchmarks/results/link_queue.md, where it measured faster and where slower).
+    # gloo's own two at once end the first late for its deadline. Needs compression "none", "fp16" or "bf16"
+    # and a schedule file without int8 buckets: int8's hook numbers its calls in launch order across links,
+    # which a queued link would reorder (benchmarks/results/link_queue.md, where it measured faster and
+    # where slower).
     link_queue: bool = False
     # Several ranks per host: gloo links all-reduce inside each host, then across hosts (deft.runtime.hierarchy).
     # "auto": where torchrun's variables show several ranks on each of several hosts; true: the same, warning

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from deft.runtime.link_queue import LinkQueue, QueuedWork
 from deft.runtime.links import CommLink
+from deft.schedule import synchronous_schedule
 from tests._dist import run_ranks, values
 
 CPU = torch.device("cpu")
@@ -200,8 +201,6 @@ def _coded_overlaps(rank: int, world: int, schedule_path: str, queued: bool) -> 
 
 
 def _coded_schedule(tmp_path: Path) -> str:
-    from deft.schedule import synchronous_schedule
-
     numel = (1028, 65792, 8448)  # the model's buckets at bucket_cap_mb 0.01, output side first
     sched = synchronous_schedule(numel, tuple(4 * n for n in numel), ("primary", "second"),
                                  ("second", "second", "second"))
@@ -232,3 +231,22 @@ def test_a_queue_beside_a_codec_that_numbers_its_calls_is_refused() -> None:
             DeftConfig.from_dict({"link_queue": True, "compression": compression})
     assert DeftConfig.from_dict({"link_queue": True, "compression": "none"}).link_queue
     assert not DeftConfig().link_queue  # off unless asked for
+
+
+def test_a_schedule_file_with_int8_beside_a_queue_is_refused_by_name(tmp_path: Path) -> None:
+    from torch import nn
+
+    from deft.config import DeftConfig
+    from deft.errors import ContractError
+    from deft.runtime.planning import check_schedule_file
+
+    path = tmp_path / "int8.json"
+    model = nn.Linear(32, 256)  # 8448 elements: one bucket
+    sched = synchronous_schedule((8448,), (4 * 8448,), ("primary", "second"), ("second",))
+    sched.__class__(**{**sched.__dict__, "codecs": ("int8",)}).save(path)
+    links = [{"name": "primary"}, {"name": "second"}]
+    queued = DeftConfig.from_dict({"links": links, "link_queue": True, "compression": "none",
+                                   "schedule_path": str(path)})
+    with pytest.raises(ContractError, match=r"int8\.json: codecs: int8 on a bucket, with link_queue = true"):
+        check_schedule_file(queued, model)
+    check_schedule_file(DeftConfig.from_dict({"links": links, "schedule_path": str(path)}), model)  # no queue

@@ -539,7 +539,9 @@ class Executor:
             return fut
         if hook.chained:
             return self._chained(launch)
-        if link.queue is not None and hook.queueable:  # its collective on the link's group, one send in flight
+        if link.queue is not None:  # its collective on the link's group, one send in flight
+            if not hook.queueable:  # the config and the schedule-file check refuse these beside a queue
+                raise DeftError(f"internal: {where}: a hook that numbers its calls on a queued link")
             return cast("torch.futures.Future[torch.Tensor]", link.queue.submit(launch, self.device).get_future())
         return launch()
 

@@ -23,7 +23,7 @@ Counters (``calls``, ``bytes``) per link let tests and reports prove that each l
 With ``link_queue = true`` a flat gloo link of CPU tensors runs its all-reduces one at a time, in launch
 order (:mod:`deft.runtime.link_queue`): gloo would run two at once, and the first would end late for its
 deadline. A hierarchical link is not queued: one pass of the CNN at 2 hosts x 2 ranks with its coded
-sends queued on the flat group was no faster (benchmarks/results/link_queue.md).
+sends queued on the flat group was no faster (benchmarks/results/link_queue_cnn.md).
 
 With several ranks per host (``hierarchical``, :mod:`deft.runtime.hierarchy`) a gloo link's
 all-reduce is hierarchical: inside each host, then across hosts on the link's NIC. ``CommLink.group``
