@@ -4,6 +4,7 @@
                                                      [--scale 1.0] [--iters 40] [--schemes ddp,deft-eps0]
                                                      [--hosts N] [--results FILE]
     .venv/bin/python benchmarks/bench_replay.py --from-runs DIR[,DIR...] [--profiles ...] [--results FILE]
+    .venv/bin/python benchmarks/bench_replay.py --from-runs DIR --profiles NAME --comms SCHEME:ITERATION
 
 What it measures: the scheduler and the runtime, apart from this machine's CPU. For each reference
 profile of ``examples/profiles`` it builds a synthetic model with one parameter tensor per bucket;
@@ -97,7 +98,7 @@ from bench_links import ROOT, command_line, handle_signals, machine, run_ranks, 
 from deft.config import DeftConfig
 from deft.errors import ContractError
 from deft.profile import Bucket, BucketTimes, Link, Profile, fit_alpha_beta
-from deft.runtime.failover import guarded_links
+from deft.runtime.failover import guarded, guarded_links, guarding
 from deft.runtime.warmup_timer import fit_group_beta
 from deft.schedule import Schedule
 from deft.solver.compare import simulate
@@ -486,11 +487,11 @@ def per_iteration(run: dict[str, Any], key: str, skip: int, n: int) -> float | N
     return None if not c else (c[skip + n] - c[skip]) / n
 
 
-def guards(profile: Profile, on: bool) -> Callable[[str], bool]:
-    """Which links a run guards, as ``deft.runtime.failover.LinkFailover.guards`` decides: every link
-    but the primary where ``link_failover`` is on and there are two or more."""
-    primary = profile.links[0].name
-    return lambda link: on and len(profile.links) > 1 and link != primary
+def guards(profile: Profile, link_failover: bool) -> Callable[[str], bool]:
+    """Which of ``profile``'s links a run guards, as the run decides it (:mod:`deft.runtime.failover`)."""
+    names = [lk.name for lk in profile.links]
+    on = guarding(link_failover, names)
+    return lambda link: guarded(on, names[0], link)
 
 
 def analyse(rec: dict[str, Any], args: argparse.Namespace) -> tuple[list[Row], dict[str, str]]:
@@ -521,8 +522,7 @@ def analyse(rec: dict[str, Any], args: argparse.Namespace) -> tuple[list[Row], d
         cfg = DeftConfig.from_dict({"epsilon": SCHEMES[scheme].settings.get("epsilon", 0.01)})
         given = {"fit": rec.get("profile_fit"), "self": run.get("profile")}.get(SCHEMES[scheme].profile)
         base = prof if given is None else Profile.from_dict(given, f"{rec['name']}/{scheme} profile")
-        # the links deft's run guarded (its own profile says; a given one is marked as the run marks it)
-        if given is None:
+        if SCHEMES[scheme].profile != "self":  # deft's own profile says which links it guarded
             base = guarded_links(base, guards(base, SCHEMES[scheme].settings.get("link_failover", True)))
         planned = profile_for_schedule(base, sched, cfg)
         sim = simulate_schedule(planned, sched)
@@ -633,6 +633,26 @@ class Speedup:
     ddp_simulated_s: float
 
 
+def comm_log(rec: dict[str, Any], scheme: str, iteration: int) -> list[str]:
+    """The collectives a deft run's links launched in ``iteration`` (from its forward's start to the next
+    one's, rank 0, the run's own ``comms`` record): when each was launched and ended, how long it took,
+    and what the link's fitted model prices it at alone (``alpha + beta * bytes``)."""
+    run = rec["runs"].get(scheme) or {}
+    starts, comms = run.get("starts") or [], run.get("comms") or []
+    if not comms or not 0 <= iteration < len(starts) - 1:
+        raise ValueError(f"{rec['name']}/{scheme}: no collectives recorded for iteration {iteration}")
+    t0, t1 = starts[iteration], starts[iteration + 1]
+    links = {lk.name: lk for lk in Profile.from_dict(rec["profile"]).links}
+    lines = [f"### Collectives of {rec['name']}/{scheme}, iteration {iteration} (rank 0)", "",
+             "| link | bytes | launched (ms) | ended (ms) | took (ms) | priced alone (ms) |",
+             "|---|---|---|---|---|---|"]
+    for link, nbytes, launched, ended in sorted((c for c in comms if t0 <= c[2] < t1), key=lambda c: c[2]):
+        lk = links[link]
+        lines.append(f"| {link} | {nbytes} | {(launched - t0) * 1e3:.1f} | {(ended - t0) * 1e3:.1f} | "
+                     f"{(ended - launched) * 1e3:.1f} | {(lk.alpha_s + lk.beta_s_per_byte * nbytes) * 1e3:.1f} |")
+    return [*lines, ""]
+
+
 def side_by_side(side: list[tuple[str, tuple[int, int], str, str, float, float, float | None]]) -> list[str]:
     """Each profile, layout and scheme measured under each label (``--labels``: the run directories'
     code), one row: measured / simulated (error) and the speedup over that run's torch DDP."""
@@ -724,6 +744,9 @@ def main() -> int:
                          "host counts add a table of the speedup by world size)")
     ap.add_argument("--labels", default=None,
                     help="with --from-runs: a label per directory (the code it ran), and a side-by-side table")
+    ap.add_argument("--comms", default=None, metavar="SCHEME:ITERATION",
+                    help="with --from-runs: print the collectives that scheme's run launched in that iteration "
+                         "and write nothing")
     ap.add_argument("--results", default=str(RESULTS), help="the markdown file whose replay section is written")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
@@ -779,6 +802,11 @@ def main() -> int:
     if not recs:
         print("[bench_replay] nothing ran", flush=True)
         return 1
+    if args.comms:
+        scheme, _, it = args.comms.partition(":")
+        for rec in recs:
+            print("\n".join(comm_log(rec, scheme, int(it))))
+        return 0
     text = report(args, recs, command)
     print(text)
     if not args.no_write:

@@ -106,3 +106,19 @@ def test_side_by_side_puts_each_codes_run_in_its_column(replay: Any) -> None:
         "| vgg19 | 2 hosts | torch DDP (one bucket per profile bucket) | 290 / 288 (+0.7%) | - |",
         "| vgg19 | 2 hosts | deft, epsilon 0, two links | 181 / 161 (+12.4%, 1.60x) | 158 / 161 (-1.9%, 1.88x) |",
     ]
+
+
+def test_the_comm_log_times_an_iterations_collectives_against_their_price(replay: Any) -> None:
+    from deft.profile import Bucket, BucketTimes, Link, Profile
+
+    prof = Profile(buckets=(Bucket(0, ("w",), 250, 1000),), times=(BucketTimes(0.01, 0.02, {"a": 0.05}),),
+                   links=(Link("a", "gloo", None, 0.001, 1e-5),), world_size=2, source="synthetic")
+    rec = {"name": "m", "profile": prof.to_dict(), "runs": {"deft-eps0": {
+        "starts": [10.0, 10.5, 11.0],
+        "comms": [["a", 1000, 10.6, 10.75], ["a", 2000, 10.4, 10.45], ["a", 1000, 10.55, 10.6]]}}}
+    rows = replay.comm_log(rec, "deft-eps0", 1)
+    # iteration 1 runs from 10.5 to 11.0: the two launched in it, in launch order; priced 1 + 10 ms alone
+    assert [r for r in rows if r.startswith("| a |")] == ["| a | 1000 | 50.0 | 100.0 | 50.0 | 11.0 |",
+                                                         "| a | 1000 | 100.0 | 250.0 | 150.0 | 11.0 |"]
+    with pytest.raises(ValueError, match="m/deft-eps0: no collectives recorded for iteration 2"):
+        replay.comm_log(rec, "deft-eps0", 2)

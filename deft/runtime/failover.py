@@ -51,7 +51,7 @@ import ctypes
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -82,7 +82,7 @@ class LinkFailover:
                         for n, lk in links.items()}
         self._hierarchies = {n: lk.hierarchy for n, lk in links.items() if lk.hierarchy is not None}
         self.primary = self.links[0]
-        self.on = config.link_failover and len(self.links) > 1
+        self.on = guarding(config.link_failover, self.links)
         self.verdicts = _verdict_chain(config, control, links) if self.on else None
         self.dead: set[str] = set()
         self._models: dict[str, Link] = {}
@@ -95,7 +95,7 @@ class LinkFailover:
 
     def guards(self, link: str) -> bool:
         """Is a collective on ``link`` guarded (run on a copy, its loss survivable)?"""
-        return self.on and link != self.primary
+        return guarded(self.on, self.primary, link)
 
     def deadline(self, link: str, nbytes: int) -> float:
         """Seconds one wait for ``nbytes`` on ``link`` may take before the link is judged lost."""
@@ -202,6 +202,16 @@ def without_links(profile: Profile, dead: set[str]) -> Profile:
     times = tuple(dataclasses.replace(t, comm_s={k: v for k, v in t.comm_s.items() if k not in dead})
                   for t in profile.times)
     return dataclasses.replace(profile, links=links, times=times)
+
+
+def guarding(link_failover: bool, links: Sequence[str]) -> bool:
+    """Whether a run with these links guards any: ``link_failover`` on and a link besides the primary."""
+    return link_failover and len(links) > 1
+
+
+def guarded(on: bool, primary: str, link: str) -> bool:
+    """Whether ``link`` is guarded in a run that guards (``on``): every link but the primary."""
+    return on and link != primary
 
 
 def guarded_links(profile: Profile, guards: Callable[[str], bool]) -> Profile:
