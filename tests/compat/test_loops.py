@@ -228,3 +228,20 @@ def _skipped(v: dict[str, Any]) -> set[int]:
             out.add(t)
         prev = s
     return out
+
+
+#: The documented loops that touch gradients between backward() and step(), and the plain one.
+QUEUED_RECIPES = ("plain", "amp_bf16_documented", "amp_fp16_inf_after_plan", "clip_from_start", "grad_norm_logging")
+
+
+def queued_worker(rank: int, world: int, recipe: str, workdir: str) -> dict[str, Any]:
+    return run(RECIPES[recipe], rank, "forced", 0.0, workdir, extra={"link_queue": True, "compression": "none"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", QUEUED_RECIPES)
+def test_recipe_with_the_link_queue_matches_torch_ddp_at_epsilon_zero(recipe: str, tmp_path: Any) -> None:
+    # link_queue (opt-in): each gloo link's sends one at a time, the forced schedule deferring two buckets
+    out = values(run_ranks(queued_worker, 2, (recipe, str(tmp_path)), timeout=180))
+    check_exact(out)
+    assert (out[0]["deferred"] == 0) == (recipe in READS_EVERY_GRADIENT), out[0]
