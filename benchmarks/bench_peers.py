@@ -37,7 +37,8 @@ for ``--epochs`` epochs with every scheme and every seed of ``--seeds`` (default
 * ``deft-fp16``, ``deft-powersgd``: the same with deft's ``compression`` knob (``--compression``):
   torch's fp16 hook, or PowerSGD with the powersgd row's settings (rank 4, error feedback, warm
   start, from 10 % of the iterations on), on deft's scheduled buckets;
-* ``deft-fp16-queued``: ``deft-fp16`` with ``link_queue = true`` (one send in flight per gloo link);
+* ``deft-queued``, ``deft-fp16-queued``: ``deft``, ``deft-fp16`` with ``link_queue = true`` (one send in
+  flight per gloo link);
 * ``deft-local4``, ``deft-local8``, ``deft-diloco8``: deft's local-steps mode (``--local-steps``),
   post-local SGD or DiLoCo at a fixed period; ``deft-adacomm``, ``deft-diloco-ada``: the same with
   ``--local-period adacomm`` and ``--local-steps 16`` as the largest period: deft chooses the period
@@ -261,7 +262,9 @@ SCHEMES: dict[str, Scheme] = {
     "deft-before": Scheme("deft default before this change ($DEFT_BEFORE_TREE), two links", ("--ddp", "deft"),
                           links=2, before=True),
     "deft-fp16": Scheme("deft default + fp16 hook, two links", ("--ddp", "deft", "--compression", "fp16"), links=2),
-    # the same with one send in flight per gloo link (link_queue, opt-in beside a 16-bit codec)
+    # the default and deft + fp16 with one send in flight per gloo link (link_queue, opt-in)
+    "deft-queued": Scheme("deft default, two links, link queue", ("--ddp", "deft"), links=2,
+                          config=(("link_queue", True),)),
     "deft-fp16-queued": Scheme("deft default + fp16 hook, two links, link queue", ("--ddp", "deft", "--compression",
                                "fp16"), links=2, config=(("link_queue", True), ("compression", "fp16"))),
     "deft-int8": Scheme("deft default + deft's int8 hook, two links", ("--ddp", "deft", "--compression", "int8"),

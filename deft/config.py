@@ -52,16 +52,6 @@ LOCAL_OUTERS = ("average", "diloco")
 LOCAL_PERIODS = ("fixed", "adacomm")
 
 
-#: The compressions a queued link runs beside (``link_queue``): their hooks keep no state between calls.
-QUEUE_COMPRESSIONS = ("none", "fp16", "bf16")
-
-
-def _queue_problem(compression: str) -> str:
-    return (f"expected compression \"none\", \"fp16\" or \"bf16\" with link_queue = true, got {compression!r}: "
-            "int8's hook (which \"auto\" may choose) numbers its calls in launch order across links, and a queued "
-            "link launches later, in its own order")
-
-
 @dataclass(frozen=True)
 class LinkConfig:
     """One communication link. ``backend="auto"``: the first link runs the default process group's
@@ -150,11 +140,9 @@ class DeftConfig:
     # link_deadline_factor x the profiled time of the bytes on that link, at least link_deadline_s (the
     # floor alone before the profile), at most timeout_s. false: every wait has timeout_s, a loss ends the run.
     link_failover: bool = True
-    # Opt-in: a flat gloo link of CPU tensors runs one send at a time, in launch order (deft.runtime.link_queue);
-    # gloo's own two at once end the first late for its deadline. Needs compression "none", "fp16" or "bf16"
-    # and a schedule file without int8 buckets: int8's hook numbers its calls in launch order across links,
-    # which a queued link would reorder (benchmarks/results/link_queue.md, where it measured faster and
-    # where slower).
+    # Opt-in: a gloo link of CPU tensors runs one collective at a time, in launch order (its group has one gloo
+    # worker thread, deft.runtime.link_queue); gloo's own two at once end the first late for its deadline
+    # (benchmarks/results/link_queue.md, where it measured faster and where slower).
     link_queue: bool = False
     # Several ranks per host: gloo links all-reduce inside each host, then across hosts (deft.runtime.hierarchy).
     # "auto": where torchrun's variables show several ranks on each of several hosts; true: the same, warning
@@ -226,8 +214,6 @@ class DeftConfig:
                       f"got {self.merge_lr_scaling!r}")
         if self.compression not in COMPRESSIONS:
             raise bad("compression", f"expected one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
-        if self.link_queue and self.compression not in QUEUE_COMPRESSIONS:
-            raise bad("link_queue", _queue_problem(self.compression))
         if self.profile_codec not in PROFILE_CODECS:
             raise bad("profile_codec", f"expected one of {', '.join(PROFILE_CODECS)}, got {self.profile_codec!r}")
         if self.powersgd_rank < 1:

@@ -64,32 +64,26 @@ class Fault:
 
 
 class Injector:
-    """Wraps ``CommLink.all_reduce``, ``LinkQueue.submit`` (a queued send's launch, later) and
-    ``torch.distributed.all_reduce`` in this process; :meth:`arm` at each iteration's start. A link's group
-    is known by the sends it carried; its one-element all-reduces outside a send's launch are the probe."""
+    """Wraps ``CommLink.all_reduce`` and ``torch.distributed.all_reduce`` in this process; :meth:`arm` at each
+    iteration's start. A link's group is known by the sends it carried; its one-element all-reduces outside
+    a send's launch are the probe."""
 
     def __init__(self, faults: list[Fault]) -> None:
-        from deft.runtime.link_queue import LinkQueue
         from deft.runtime.links import CommLink
 
         self.faults, self.t, self.lied = faults, -1, False
         self.groups: dict[object, str] = {}  # a link's process group -> the link's name
         self.sending = False  # launching a send (its own dist.all_reduce is a send, not a probe)
-        self.original, self.plain, self.submit = CommLink.all_reduce, dist.all_reduce, LinkQueue.submit
+        self.original, self.plain = CommLink.all_reduce, dist.all_reduce
         injector = self
 
         def all_reduce(link: CommLink, tensor: torch.Tensor) -> object:
             return injector.call(link, tensor)
 
-        def submit(queue: LinkQueue, launch: Callable[[], object], device: torch.device) -> object:
-            # a queued link launches its sends later, from a gloo thread (deft.runtime.link_queue)
-            return injector.submit(queue, lambda: injector.sent(launch), device)
-
         def direct(tensor: torch.Tensor, *args: object, group: object = None, **kwargs: object) -> object:
             return injector.direct(tensor, group, args, kwargs)
 
         CommLink.all_reduce = all_reduce  # type: ignore[method-assign,assignment]
-        LinkQueue.submit = submit  # type: ignore[method-assign,assignment]
         dist.all_reduce = direct  # type: ignore[assignment]
 
     def arm(self, t: int) -> None:
@@ -130,11 +124,9 @@ class Injector:
         return torch.futures.Future()  # never completes
 
     def remove(self) -> None:
-        from deft.runtime.link_queue import LinkQueue
         from deft.runtime.links import CommLink
 
         CommLink.all_reduce = self.original  # type: ignore[method-assign]
-        LinkQueue.submit = self.submit  # type: ignore[method-assign]
         dist.all_reduce = self.plain
 
 

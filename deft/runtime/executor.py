@@ -49,7 +49,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -539,10 +539,6 @@ class Executor:
             return fut
         if hook.chained:
             return self._chained(launch)
-        if link.queue is not None:  # its collective on the link's group, one send in flight
-            if not hook.queueable:  # the config and the schedule-file check refuse these beside a queue
-                raise DeftError(f"internal: {where}: a hook that numbers its calls on a queued link")
-            return cast("torch.futures.Future[torch.Tensor]", link.queue.submit(launch, self.device).get_future())
         return launch()
 
     def _chained(self, launch: Callable[[], torch.futures.Future[T]]) -> torch.futures.Future[T]:

@@ -20,10 +20,10 @@ default group must build the links in the same order (the config digest check ru
 
 Counters (``calls``, ``bytes``) per link let tests and reports prove that each link carried traffic.
 
-With ``link_queue = true`` a flat gloo link of CPU tensors runs its all-reduces one at a time, in launch
-order (:mod:`deft.runtime.link_queue`): gloo would run two at once, and the first would end late for its
-deadline. A hierarchical link is not queued: one pass of the CNN at 2 hosts x 2 ranks with its coded
-sends queued on the flat group was no faster (benchmarks/results/link_queue_cnn.md).
+With ``link_queue = true`` a gloo link of CPU tensors runs its collectives one at a time, in launch
+order (:mod:`deft.runtime.link_queue`: its group has one gloo worker thread): gloo would run two at once,
+and the first would end late for its deadline. A hierarchical link's own groups (inside the hosts,
+across them) keep gloo's two threads; its flat group, which its comm hooks run on, is serial.
 
 With several ranks per host (``hierarchical``, :mod:`deft.runtime.hierarchy`) a gloo link's
 all-reduce is hierarchical: inside each host, then across hosts on the link's NIC. ``CommLink.group``
@@ -45,7 +45,7 @@ import torch.distributed as dist
 from deft.config import DeftConfig, LinkConfig
 from deft.netif import new_group_on_nic
 from deft.runtime.hierarchy import HierarchicalAllReduce, HostLayout, gather_layout, make_hierarchy_groups
-from deft.runtime.link_queue import LinkQueue
+from deft.runtime.link_queue import serial_gloo_group
 
 log = logging.getLogger("deft.runtime")
 
@@ -67,15 +67,11 @@ class CommLink:
     group: dist.ProcessGroup
     stats: LinkStats = field(default_factory=LinkStats)
     hierarchy: HierarchicalAllReduce | None = None
-    queue: LinkQueue | None = None  # one send in flight (:mod:`deft.runtime.link_queue`); None: gloo's own
 
     def all_reduce(self, tensor: torch.Tensor) -> dist.Work:
-        """Launch an asynchronous sum all-reduce of ``tensor`` in place, counted; returns the Work. On a
-        queued link it starts once the link's earlier sends have completed."""
+        """Launch an asynchronous sum all-reduce of ``tensor`` in place, counted; returns the Work."""
         self.stats.calls += 1
         self.stats.bytes += tensor.numel() * tensor.element_size()
-        if self.queue is not None:
-            return self.queue.submit(lambda: self.launch(tensor), tensor.device)
         return self.launch(tensor)
 
     def launch(self, tensor: torch.Tensor) -> dist.Work:
@@ -143,16 +139,16 @@ def make_links(config: DeftConfig, cuda: bool, ranks: Sequence[int] | None,
             verdict = gloo_cuda_fix()
             if verdict.fixed is not True:
                 log.warning("deft: link %r runs gloo on CUDA tensors: %s", lk.name, verdict.reason)
-        links[lk.name] = CommLink(lk.name, backend, lk.ifname,
-                                  _new_group(backend, lk.ifname, config.timeout_s, ranks),
-                                  queue=LinkQueue() if config.link_queue and backend == "gloo" and not cuda else None)
+        serial = config.link_queue and backend == "gloo" and not cuda
+        group = (serial_gloo_group(lk.ifname, config.timeout_s, ranks) if serial
+                 else _new_group(backend, lk.ifname, config.timeout_s, ranks))
+        links[lk.name] = CommLink(lk.name, backend, lk.ifname, group)
     layout = host_layout(config, cuda, ranks, next(iter(links.values())))
     if layout is not None:
         for link in links.values():
             if link.backend == "gloo":
                 groups = make_hierarchy_groups(layout, "gloo", link.ifname, config.timeout_s)
                 link.hierarchy = HierarchicalAllReduce(groups)
-                link.queue = None  # not queued (module docstring)
     return links
 
 

@@ -94,10 +94,6 @@ def check_schedule_file(cfg: DeftConfig, module: nn.Module) -> None:
     if unknown:
         raise ContractError(path, "links", f"link(s) {unknown} are not in the config's links "
                             f"{list(cfg.link_names)}; name the config's links like the schedule's")
-    if cfg.link_queue and "int8" in sched.codecs:
-        raise ContractError(path, "codecs", "int8 on a bucket, with link_queue = true: int8's hook numbers its calls "
-                            "in launch order across links, which a queued link would reorder; plan without int8 "
-                            "or set link_queue = false")
 
 
 # -- rank 0's decision ----------------------------------------------------------------------------

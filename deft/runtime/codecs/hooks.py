@@ -95,12 +95,6 @@ class HookBucket:
 SINGLE_COLLECTIVE_HOOKS = (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook,
                            int8.int8_compress_hook)
 
-#: Hooks with no state at all (torch's 16-bit casts): their call may wait for the link's earlier sends and
-#: run on the gloo thread that completed them (:mod:`deft.runtime.link_queue`). int8's count of calls
-#: numbers its draws and tags in call order, which must stay the launch order on every rank: it is
-#: called at launch.
-STATELESS_HOOKS = (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook)
-
 #: torch's hooks that write their result into the bucket's own buffer (and its gradient views) and
 #: never resize it, as an in-place all-reduce does: deft hands them its buffer itself, no copy.
 #: (``batched_powerSGD_hook`` pads the buffer to a square in place, and a user's hook may do anything:
@@ -124,11 +118,6 @@ class CommHook:
         every rank); any other hook (PowerSGD starts collectives from callbacks and shares state) is
         chained. The simulator's ``serial`` links follow this (:func:`deft.solver.simulate.serial_codec`)."""
         return self.hook not in SINGLE_COLLECTIVE_HOOKS
-
-    @property
-    def queueable(self) -> bool:
-        """Whether its call may wait for the link's earlier sends (:data:`STATELESS_HOOKS`)."""
-        return self.hook in STATELESS_HOOKS
 
     @property
     def in_place(self) -> bool:
