@@ -138,7 +138,7 @@ def _sums(links: dict, rank: int) -> dict[str, object]:
     return out
 
 
-def hierarchy_worker(rank: int, world: int) -> dict[str, object]:
+def hierarchy_worker(rank: int, world: int, queued: bool) -> dict[str, object]:
     import deft
     from deft.runtime.links import make_links
 
@@ -152,7 +152,8 @@ def hierarchy_worker(rank: int, world: int) -> dict[str, object]:
     irregular = list(records)
     _as_two_hosts(rank)
     cfg = DeftConfig.from_dict({"epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2, "bucket_cap_mb": 0.001,
-                                "hierarchical": True, "links": [{"name": "primary"}, {"name": "second"}]})
+                                "hierarchical": True, "links": [{"name": "primary"}, {"name": "second"}],
+                                "link_queue": queued})
     sums = _sums(make_links(cfg, False, None), rank)
     ref = _model()
     _train(nn.parallel.DistributedDataParallel(ref), ref, rank)
@@ -166,8 +167,10 @@ def hierarchy_worker(rank: int, world: int) -> dict[str, object]:
 
 
 @pytest.mark.slow
-def test_hierarchical_all_reduce_sums_every_rank_and_deft_equals_torch_ddp() -> None:
-    results = run_ranks(hierarchy_worker, world=4, timeout=240)
+@pytest.mark.parametrize("queued", [False, True], ids=["gloo-threads", "link-queue"])
+def test_hierarchical_all_reduce_sums_every_rank_and_deft_equals_torch_ddp(queued: bool) -> None:
+    # link-queue: the leaders' group and the flat one serial (one gloo thread), the same sums and parameters
+    results = run_ranks(hierarchy_worker, world=4, args=(queued,), timeout=240)
     assert all(r.ok for r in results), [r.error for r in results]
     values = [r.value for r in results]
     for v in values:

@@ -1,7 +1,8 @@
 """The second link's NIC taken down in every host mid-run, on the testbed (two hosts, two 250 Mbit/s
 links): deft at epsilon 0 detects it within the link's deadline, agrees over the primary link, sends the
 lost buckets again there, re-plans on the primary and finishes with torch DDP's parameters, every
-iteration's gradient applied once."""
+iteration's gradient applied once; the same with ``link_queue`` (each link's group on one gloo thread,
+the sends behind the failed one queued in gloo)."""
 
 from __future__ import annotations
 
@@ -41,9 +42,10 @@ def _wait_ready(procs: list[subprocess.Popen[str]], timeout_s: float) -> None:
             raise AssertionError("the ranks did not reach the iteration where the NIC goes down")
 
 
-def _run_once(tmp_path: Path) -> list[dict]:
+def _run_once(tmp_path: Path, queued: bool) -> list[dict]:
     with Testbed(hosts=2, links=2, rate_mbit=250) as tb:
-        config = tb.write_config(epsilon=0.0, warmup_iters=1, profile_iters=2, timeout_s=60, link_deadline_s=3)
+        config = tb.write_config(epsilon=0.0, warmup_iters=1, profile_iters=2, timeout_s=60, link_deadline_s=3,
+                                 link_queue=queued)
         go = tmp_path / "go"
         go.unlink(missing_ok=True)
         port = free_port()
@@ -63,8 +65,9 @@ def _run_once(tmp_path: Path) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.netns
 @pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
-def test_second_nic_down_mid_run_finishes_with_torch_ddps_parameters(tmp_path: Path) -> None:
-    a, b = _run_once(tmp_path)
+@pytest.mark.parametrize("queued", [False, True], ids=["gloo-threads", "link-queue"])
+def test_second_nic_down_mid_run_finishes_with_torch_ddps_parameters(tmp_path: Path, queued: bool) -> None:
+    a, b = _run_once(tmp_path, queued)
     assert a["sums"] == b["sums"]  # the ranks applied the same updates
     for r in (a, b):
         assert r["worst"] < 1e-5, r["worst"]

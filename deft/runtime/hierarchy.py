@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from deft.netif import new_group_on_nic
 from deft.runtime.control import future_done_event
+from deft.runtime.link_queue import serial_gloo_group
 
 log = logging.getLogger("deft.runtime")
 
@@ -212,17 +213,21 @@ class HierarchyGroups:
         return [self.reduce, self.broadcast, *([] if self.leaders is None else [self.leaders])]
 
 
-def make_hierarchy_groups(layout: HostLayout, backend: str, ifname: str | None, timeout_s: float) -> HierarchyGroups:
+def make_hierarchy_groups(layout: HostLayout, backend: str, ifname: str | None, timeout_s: float,
+                          serial: bool = False) -> HierarchyGroups:
     """Collective over the world: every rank creates every host's two groups, then the leaders' group,
     in the same order (``dist.new_group`` is collective), all bound to the link's NIC: ranks of one host
-    reach each other at its address over the loopback, so only the leaders' group crosses the NIC."""
+    reach each other at its address over the loopback, so only the leaders' group crosses the NIC.
+    ``serial`` (``link_queue``): the leaders' group runs one step 2 at a time, in the order
+    :class:`InOrder` issues them (:mod:`deft.runtime.link_queue`)."""
     rank = dist.get_rank()
     mine: list[dist.ProcessGroup] = []
     for h in range(layout.hosts):
         pair = [new_group_on_nic(backend, ifname, timeout_s, layout.host_ranks(h)) for _ in range(2)]
         if rank in layout.host_ranks(h):
             mine = pair
-    leaders = new_group_on_nic(backend, ifname, timeout_s, layout.leaders)
+    leaders = (serial_gloo_group(ifname, timeout_s, layout.leaders) if serial
+               else new_group_on_nic(backend, ifname, timeout_s, layout.leaders))
     return HierarchyGroups(layout, rank, mine[0], mine[1], leaders if rank in layout.leaders else None)
 
 

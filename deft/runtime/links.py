@@ -22,8 +22,9 @@ Counters (``calls``, ``bytes``) per link let tests and reports prove that each l
 
 With ``link_queue = true`` a gloo link of CPU tensors runs its collectives one at a time, in launch
 order (:mod:`deft.runtime.link_queue`: its group has one gloo worker thread): gloo would run two at once,
-and the first would end late for its deadline. A hierarchical link's own groups (inside the hosts,
-across them) keep gloo's two threads; its flat group, which its comm hooks run on, is serial.
+and the first would end late for its deadline. On a hierarchical link the leaders' group (the step across
+hosts, on the NIC) and the flat group (its comm hooks) are serial; the groups inside a host, on the
+loopback, keep gloo's two threads.
 
 With several ranks per host (``hierarchical``, :mod:`deft.runtime.hierarchy`) a gloo link's
 all-reduce is hierarchical: inside each host, then across hosts on the link's NIC. ``CommLink.group``
@@ -147,7 +148,7 @@ def make_links(config: DeftConfig, cuda: bool, ranks: Sequence[int] | None,
     if layout is not None:
         for link in links.values():
             if link.backend == "gloo":
-                groups = make_hierarchy_groups(layout, "gloo", link.ifname, config.timeout_s)
+                groups = make_hierarchy_groups(layout, "gloo", link.ifname, config.timeout_s, serial=config.link_queue)
                 link.hierarchy = HierarchicalAllReduce(groups)
     return links
 
