@@ -23,6 +23,12 @@ all-reduced. Rules that keep the runtime's invariants:
 * **Results.** The hook's averaged result is copied into the group's buffer and multiplied by the
   world size, so the buffer holds a sum as after a plain all-reduce; the update divides by
   ``world * k`` as always.
+* **torch's 16-bit casts without their callback.** ``fp16_compress_hook`` and ``bf16_compress_hook``
+  on CPU tensors run as :func:`cast_send`: the same cast, division and all-reduce, but the copy back
+  into the buffer is the executor's, where it takes the result, not a ``then`` callback: that
+  callback runs on gloo's worker thread, which first waits for the GIL while the training thread
+  holds it, and holds the link meanwhile (one thread per link with ``link_queue``). The bits are the
+  hook's own.
 * **Errors.** A hook that does not return a Future, a future that fails, or a result of the wrong
   size raises a :class:`~deft.errors.CommunicationError` naming the bucket, the update and the link;
   nothing is applied then.
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -95,6 +102,10 @@ class HookBucket:
 SINGLE_COLLECTIVE_HOOKS = (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook,
                            int8.int8_compress_hook)
 
+#: torch's 16-bit casts and their dtype, run as :func:`cast_send` on CPU tensors (module docstring)
+CAST_HOOKS: dict[Hook, torch.dtype] = {default_hooks.fp16_compress_hook: torch.float16,
+                                       default_hooks.bf16_compress_hook: torch.bfloat16}
+
 #: torch's hooks that write their result into the bucket's own buffer (and its gradient views) and
 #: never resize it, as an in-place all-reduce does: deft hands them its buffer itself, no copy.
 #: (``batched_powerSGD_hook`` pads the buffer to a square in place, and a user's hook may do anything:
@@ -127,8 +138,13 @@ class CommHook:
         return self.hook in IN_PLACE_HOOKS
 
     def launch(self, group: dist.ProcessGroup, bucket: HookBucket) -> torch.futures.Future[torch.Tensor]:
-        """Call the hook with ``group`` as its process group; the Future it returns."""
+        """Call the hook with ``group`` as its process group; the Future it returns (torch's 16-bit
+        casts on CPU tensors: :func:`cast_send`'s, whose value is the averaged cast, not yet copied back)."""
         state = self.state
+        dtype = CAST_HOOKS.get(self.hook)
+        if dtype is not None and bucket.buffer().device.type == "cpu" \
+                and (state is None or isinstance(state, dist.ProcessGroup)):
+            return cast_send(dtype, group, bucket)
         if state is None or isinstance(state, dist.ProcessGroup):
             fut = self.hook(group, bucket)
         elif hasattr(state, "process_group"):
@@ -210,6 +226,18 @@ def codec_hook(name: str) -> CommHook:
     if name == "int8":
         return CommHook(int8.Int8State(), int8.int8_compress_hook, name)
     return CommHook(None, CODEC_HOOKS[name], name)
+
+
+def cast_send(dtype: torch.dtype, group: dist.ProcessGroup, bucket: HookBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's ``_compress_hook`` (default_hooks.py) without its ``decompress`` callback: the bucket cast
+    to ``dtype`` and divided by the world size, all-reduced on ``group``; the future's value is
+    ``[that sum]``, which the executor copies into the buffer (``buffer.copy_``, as ``decompress`` does)
+    where it takes the result. Invariant: the same operations in the same order as the hook, so the
+    same bits."""
+    compressed = bucket.buffer().to(dtype).div_(group.size())
+    work = dist.all_reduce(compressed, group=group, async_op=True)
+    assert work is not None
+    return cast("torch.futures.Future[torch.Tensor]", work.get_future())
 
 
 def hook_result(value: object) -> torch.Tensor:
