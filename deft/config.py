@@ -126,6 +126,11 @@ class DeftConfig:
     # The planner thread's nice value (Linux; 0: the training's own priority): it should use the CPU the
     # training leaves idle, which shortens the time to accuracy (measured: benchmarks/results/peers.md).
     planner_nice: int = 10
+    # Python's GIL switch interval (ms) while a scheduled run has a gloo link, restored by close(): gloo's
+    # worker threads run each send's completion callback (the adaptation's link clock, int8's average) and
+    # hold the link until they have the GIL, which a busy training thread keeps up to this long
+    # (deft.runtime.switch_interval; benchmarks/results/gloo_callbacks.md). 0: leave Python's own (5 ms).
+    switch_interval_ms: float = 0.5
     adapt: bool = True             # check the running schedule against measured time; re-plan (deft.runtime.adapt)
     adapt_window: int = 6          # iterations measured per decision
     adapt_max_replans: int = 2
@@ -230,6 +235,9 @@ class DeftConfig:
             low = 0 if name in ("warmup_iters", "plan_lag_iters") else 1
             if getattr(self, name) < low:
                 raise bad(name, f"expected an integer >= {low}, got {getattr(self, name)}")
+        if not 0 <= self.switch_interval_ms <= 5:
+            raise bad("switch_interval_ms", f"expected a number of milliseconds in [0, 5] (0: Python's own "
+                      f"interval; it is 5 by default), got {self.switch_interval_ms}")
         if not 0 <= self.planner_nice <= 19:
             raise bad("planner_nice", f"expected an integer in [0, 19] (a nice value), got {self.planner_nice}")
         if self.capacity_growth <= 1.0:

@@ -18,47 +18,31 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
+
+from deft.runtime.switch_interval import SWITCH
 
 if TYPE_CHECKING:
     from deft.runtime.control import ControlPlane
 
 log = logging.getLogger("deft.runtime")
 
-#: Python's GIL switch interval while a background job runs (seconds; Python's default is 0.005). The
-#: training thread gives the GIL up for every torch operation and takes it back after; while a job's
-#: thread runs Python (the planner's simulations) each take-back waits up to the interval, so at
-#: Python's default the iteration that runs beside rank 0's planner is slowed; a short interval keeps it
-#: at the others' pace (benchmarks/results/slow_links.md).
+#: Python's GIL switch interval while a background job runs (seconds): each take-back of the GIL by the
+#: training thread waits on the job's thread up to the interval, so at Python's default the iteration
+#: that runs beside rank 0's planner is slowed; a short interval keeps it at the others' pace
+#: (benchmarks/results/slow_links.md; :mod:`deft.runtime.switch_interval`).
 SWITCH_INTERVAL_S = 0.0005
 
 
-class _SwitchInterval:
-    """Python's switch interval at :data:`SWITCH_INTERVAL_S` while any job runs; the caller's value
-    back once the last one ends (jobs may overlap: the solver's preload and the first plan)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._running = 0
-        self._saved = 0.0
-
-    def __enter__(self) -> None:
-        with self._lock:
-            if self._running == 0:
-                self._saved = sys.getswitchinterval()
-                sys.setswitchinterval(min(self._saved, SWITCH_INTERVAL_S))
-            self._running += 1
-
-    def __exit__(self, *exc: object) -> None:
-        with self._lock:
-            self._running -= 1
-            if self._running == 0:
-                sys.setswitchinterval(self._saved)
-
-
-_SWITCH = _SwitchInterval()
+@contextlib.contextmanager
+def _short_switch() -> Iterator[None]:
+    token = SWITCH.hold(SWITCH_INTERVAL_S)
+    try:
+        yield
+    finally:
+        SWITCH.release(token)
 
 
 class Background:
@@ -85,7 +69,7 @@ class Background:
                 # thread (and the solver threads it starts). Elsewhere a thread id is no process id.
                 with contextlib.suppress(OSError):
                     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
-            with _SWITCH:
+            with _short_switch():
                 self._doc = self._fn()
         except BaseException as e:  # carried to every rank, never lost in a thread
             log.exception("deft: background job %s failed", self._thread.name)

@@ -36,9 +36,11 @@ from deft.runtime.eager import ForwardHooks, forget_compiled, outside_graphs
 from deft.runtime.executor import Executor, PendingUpdate
 from deft.runtime.first_use import FirstUseRecorder
 from deft.runtime.grad_stats import check_probe_args, probe_curvature
+from deft.runtime.links import CommLink
 from deft.runtime.optimizer_hooks import OptimizerBinding
 from deft.runtime.phase import Phase
 from deft.runtime.records import PlanInfoView
+from deft.runtime.switch_interval import SWITCH
 from deft.runtime.tensors import batch_size
 from deft.runtime.tracing import Tracing
 from deft.runtime.updates import LogEntry, UpdateApplier
@@ -84,6 +86,7 @@ class ScheduledRun:
         self._micro_batches = False  # a backward under no_sync() in this iteration (saving must wait for the step)
         self._course.install_warmup(list(reversed(range(len(self._params)))), t0=0)
         me = weakref.ref(self)
+        self._switch = _hold_switch_interval(self, cfg.switch_interval_ms, self._links)
         self._hooks = [p.register_post_accumulate_grad_hook(_grad_hook(me, i)) for i, p in enumerate(self._params)]
         # Whoever reads the module's state_dict gets the parameters torch DDP would have.
         self._hooks.append(self.module.register_state_dict_pre_hook(_state_dict_hook(me)))
@@ -173,6 +176,8 @@ class ScheduledRun:
         self._updates.set_clip(clip)
 
     def close(self) -> None:
+        if self._switch is not None:
+            self._switch()
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -417,6 +422,14 @@ def _watched_call(recorder: FirstUseRecorder, module: nn.Module, *args: Any, **k
     """The module's forward under ``recorder``; eager, so its function mode sees every real call."""
     with recorder.watching(module):
         return module(*args, **kwargs)
+
+
+def _hold_switch_interval(owner: ScheduledRun, ms: float, links: dict[str, CommLink]) -> weakref.finalize | None:
+    """Python's switch interval at ``ms`` while ``owner`` lives or until the returned finalizer is called
+    (:mod:`deft.runtime.switch_interval`), where a link is gloo (its threads run the sends' callbacks)."""
+    if ms <= 0 or not any(link.backend == "gloo" for link in links.values()):
+        return None
+    return weakref.finalize(owner, SWITCH.release, SWITCH.hold(ms / 1000))
 
 
 def _grad_hook(me: weakref.ref[ScheduledRun], index: int) -> Callable[[torch.Tensor], None]:
