@@ -1,6 +1,7 @@
 """What a Python callback on gloo's worker thread costs a link while the training thread runs Python.
 
     sudo .venv/bin/python benchmarks/bench_gloo_callbacks.py [--rate-mbit 250] [--sends 40] [--reps 5]
+        [--switch-ms 5,1,0.5]
 
 Two hosts of the testbed, one link. Each rank launches ``--sends`` all-reduces of 100,000 fp16
 elements (200 KB) at once on the link's group and keeps its main thread busy in pure Python (holding
@@ -8,8 +9,9 @@ the GIL, as a model's Python between torch's kernels does) until all have comple
 launches to the last completion, per rep. Four cells: the group with gloo's own two worker threads or
 one (``deft.runtime.link_queue.serial_gloo_group``), and each send with or without a ``then`` callback
 that copies its result back (as torch's ``fp16_compress_hook`` decompresses; deft's ``cast_send`` does
-not). The callback runs on the gloo thread that completed the send, which first waits for the GIL.
-Results go to ``benchmarks/results/gloo_callbacks.md`` unless ``--no-write``. Both ranks' gloo threads
+not). The callback runs on the gloo thread that completed the send, which first waits for the GIL, up
+to Python's switch interval (each of ``--switch-ms``; deft holds ``switch_interval_ms`` while it runs).
+Results go to their section of ``benchmarks/results/gloo_callbacks.md`` unless ``--no-write``. Both ranks' gloo threads
 and their busy main threads share the machine's cores: the table says how many.
 """
 
@@ -26,17 +28,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_links import handle_signals, run_ranks  # noqa: E402
+from benchmarks.bench_links import command_line, handle_signals, machine, run_ranks, update_section  # noqa: E402
 from deft.testbed import Testbed  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "gloo_callbacks.md"
 CELLS = [(serial, callback) for serial in (False, True) for callback in (False, True)]
 
 
-def worker(sends: int, reps: int, switch_ms: float) -> None:
-    """One rank: every cell, ``reps`` times; prints one JSON line of milliseconds per cell."""
-    if switch_ms > 0:
-        sys.setswitchinterval(switch_ms / 1000)
+def worker(sends: int, reps: int, switch_ms: list[float]) -> None:
+    """One rank: every cell at every interval, ``reps`` times; prints one JSON line of milliseconds per cell."""
     import torch
     import torch.distributed as dist
 
@@ -44,9 +44,11 @@ def worker(sends: int, reps: int, switch_ms: float) -> None:
 
     dist.init_process_group("gloo")
     out: dict[str, list[float]] = {}
-    for serial, callback in CELLS:
-        group = serial_gloo_group(None, 120.0, None) if serial else dist.new_group(backend="gloo")
-        times = []
+    groups = {serial: serial_gloo_group(None, 120.0, None) if serial else dist.new_group(backend="gloo")
+              for serial in (False, True)}
+    for (serial, callback), ms in ((cell, ms) for ms in switch_ms for cell in CELLS):
+        sys.setswitchinterval(ms / 1000)
+        group, times = groups[serial], []
         for _ in range(reps + 1):  # the first rep warms the group's connections up: dropped
             buffers = [torch.randn(100_000) for _ in range(sends)]
             dist.barrier(group=group)
@@ -60,20 +62,21 @@ def worker(sends: int, reps: int, switch_ms: float) -> None:
                 for i in range(20_000):  # pure Python: the GIL held between checks
                     x += i
             times.append(1000 * (time.perf_counter() - t0))
-        out[f"{'serial' if serial else 'two threads'}, {'callback' if callback else 'no callback'}"] = times[1:]
+        out[f"{ms:g} ms, {'serial' if serial else 'two threads'}, {'callback' if callback else 'no callback'}"] \
+            = times[1:]
     print("RESULT " + json.dumps(out), flush=True)
     os._exit(0)  # torch 2.13's gloo may abort at teardown
 
 
 def main() -> int:
     if len(sys.argv) == 5 and sys.argv[1] == "--worker":
-        worker(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))
+        worker(int(sys.argv[2]), int(sys.argv[3]), [float(x) for x in sys.argv[4].split(",")])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rate-mbit", type=float, default=250.0)
     ap.add_argument("--sends", type=int, default=40)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--switch-ms", type=float, default=0.0,
-                    help="the ranks' GIL switch interval in ms (sys.setswitchinterval; 0: Python's 5 ms)")
+    ap.add_argument("--switch-ms", default="5,1,0.5",
+                    help="comma-separated GIL switch intervals in ms (sys.setswitchinterval; Python's own is 5)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     handle_signals()
@@ -87,21 +90,21 @@ def main() -> int:
     text = "\n".join([
         "## A callback on gloo's thread against the training thread's GIL (`benchmarks/bench_gloo_callbacks.py`)",
         "",
-        f"Command: `{' '.join(['.venv/bin/python', 'benchmarks/bench_gloo_callbacks.py', *sys.argv[1:]])}`  ",
-        f"Testbed: 2 hosts, one link at {args.rate_mbit:g} Mbit/s; {os.cpu_count()} cores shared by both ranks' "
-        f"gloo threads and their busy main threads. {args.sends} fp16 all-reduces of 200 KB launched at once, "
-        f"{args.reps} reps (rank 0's times; a warm-up rep dropped); GIL switch interval "
-        f"{args.switch_ms if args.switch_ms > 0 else 5:g} ms; the bytes alone take {wire_ms:.0f} ms at "
-        "the link's rate (ring of 2: each rank sends its buffer once).",
+        f"Command: `{command_line()}`  ",
+        f"Machine: {machine()}. Testbed: 2 hosts, one link at {args.rate_mbit:g} Mbit/s; the cores shared by "
+        f"both ranks' gloo threads and their busy main threads. {args.sends} fp16 all-reduces of 200 KB "
+        f"launched at once, {args.reps} reps (rank 0's times; a warm-up rep dropped) at each GIL switch "
+        f"interval; the bytes alone take {wire_ms:.0f} ms at the link's rate (ring of 2: each rank sends its "
+        "buffer once).",
         "",
-        "| group, send | median (ms) | range | / the bytes' time |",
+        "| switch interval, group, send | median (ms) | range | / the bytes' time |",
         "|---|---|---|---|",
         *rows,
         "",
     ])
     print(text)
-    if not args.no_write:
-        RESULTS.write_text(text, encoding="utf-8")
+    if not args.no_write:  # the section only: a reading written by hand after it stays
+        update_section("gloo_callbacks", text, RESULTS)
     return 0
 
 

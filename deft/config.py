@@ -126,11 +126,12 @@ class DeftConfig:
     # The planner thread's nice value (Linux; 0: the training's own priority): it should use the CPU the
     # training leaves idle, which shortens the time to accuracy (measured: benchmarks/results/peers.md).
     planner_nice: int = 10
-    # Python's GIL switch interval (ms) while a scheduled run has a gloo link, restored by close(): gloo's
-    # worker threads run each send's completion callback (the adaptation's link clock, int8's average) and
-    # hold the link until they have the GIL, which a busy training thread keeps up to this long
-    # (deft.runtime.switch_interval; benchmarks/results/gloo_callbacks.md). 0: leave Python's own (5 ms).
-    switch_interval_ms: float = 0.5
+    # Opt-in: Python's GIL switch interval (ms) while a scheduled run has a gloo link, restored by close():
+    # gloo's worker threads run each send's completion callback (the adaptation's link clock, int8's average)
+    # and hold the link until they have the GIL, which a busy training thread keeps up to this long
+    # (deft.runtime.switch_interval; benchmarks/results/gloo_callbacks.md). 0: leave Python's own (5 ms); off
+    # by default, as its passes on the GPT-2 disagreed (benchmarks/results/switch_interval_lm.md).
+    switch_interval_ms: float = 0.0
     adapt: bool = True             # check the running schedule against measured time; re-plan (deft.runtime.adapt)
     adapt_window: int = 6          # iterations measured per decision
     adapt_max_replans: int = 2

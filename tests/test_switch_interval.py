@@ -1,6 +1,6 @@
 """Python's GIL switch interval held short while deft's threads need the GIL (deft.runtime.switch_interval):
 the shortest hold wins, the caller's own comes back after the last; a scheduled run with gloo links holds
-``switch_interval_ms`` until ``close()``, and 0 leaves Python's own."""
+``switch_interval_ms`` until ``close()``, and 0 (the default) leaves Python's own."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def test_a_hold_never_lengthens_the_callers_interval(caller_interval: float) -> 
 def test_a_switch_interval_out_of_range_is_refused_by_name() -> None:
     with pytest.raises(ContractError, match=r"switch_interval_ms: expected a number of milliseconds in \[0, 5\]"):
         DeftConfig.from_dict({"switch_interval_ms": -1.0})
-    assert DeftConfig().switch_interval_ms == 0.5
+    assert DeftConfig().switch_interval_ms == 0.0  # opt-in: Python's own unless asked for
 
 
 def _intervals(rank: int, world: int, ms: float) -> dict[str, Any]:

@@ -9,9 +9,8 @@ of deft's threads wait so:
   waits on it, and the iteration beside the planner is slowed;
 * gloo's worker threads, which run a send's completion callbacks (the adaptation's link clock stamps
   every send, int8's hook averages its pieces, the link-failover verdicts): the callback holds its gloo
-  thread, and with it the link, until it has the GIL. With a busy training thread, 40 sends with a
-  callback each took 2.2x their bytes' time on gloo's two threads and 2.9x on one
-  (``link_queue``), 1.04x and 1.17x at a 0.5 ms interval (benchmarks/results/gloo_callbacks.md).
+  thread, and with it the link, until it has the GIL (benchmarks/results/gloo_callbacks.md): held
+  only where ``switch_interval_ms`` asks for it.
 
 :data:`SWITCH` holds the interval at the shortest one asked for while any holder is active, never
 longer than the caller's own, and gives the caller's value back once the last holder has left.
