@@ -24,9 +24,9 @@ Invariants:
 Note [why not a queue in Python]
 Launching each send from the completion callback of the one before it gives the same order, but every
 launch then waits for the GIL on gloo's thread while the training thread holds it (the forward and
-backward on the CPU), and the link idles meanwhile: on a model of many small buckets the links lost
-more than the order gained (benchmarks/results/link_queue_lm.md). A comm hook's call cannot wait in
-such a queue either when it numbers its calls (int8's draws and tags follow the call order).
+backward on the CPU), and the link idles meanwhile (benchmarks/results/gloo_callbacks.md). A comm
+hook's call cannot wait in such a queue either when it numbers its calls (int8's draws and tags follow
+the call order).
 
 Note [why torch DDP does not need it]
 Torch DDP launches its buckets the same way and gets the same sharing, but waits for all of them at
