@@ -235,7 +235,7 @@ QUEUED_RECIPES = ("plain", "amp_bf16_documented", "amp_fp16_inf_after_plan", "cl
 
 
 def queued_worker(rank: int, world: int, recipe: str, workdir: str) -> dict[str, Any]:
-    return run(RECIPES[recipe], rank, "forced", 0.0, workdir, extra={"link_queue": True, "compression": "none"})
+    return run(RECIPES[recipe], rank, "forced", 0.0, workdir, extra={"link_queue": True})  # the default codecs
 
 
 @pytest.mark.slow
