@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from deft.config import LinkConfig
-from deft.runtime.links import default_backend, gloo_cuda_fix, link_backend
+from deft.runtime.links import default_backend, gloo_cuda_fix, link_backend, queues
 from deft.runtime.tracing import nvtx_wanted
 from deft.schedule import CommTask, Schedule, StagePlan, Update
 from tests._dist import run_ranks, values
@@ -56,6 +56,13 @@ def test_the_primary_link_follows_the_default_groups_backend(backend: str, cuda:
     assert link_backend(LinkConfig(name="primary"), 0, cuda, primary) == expected
     assert link_backend(LinkConfig(name="second"), 1, cuda, primary) == "gloo"
     assert link_backend(LinkConfig(name="primary", backend="gloo"), 0, cuda, primary) == "gloo"
+
+
+@pytest.mark.parametrize(("backend", "cuda", "serial"), [
+    ("gloo", False, True), ("gloo", True, False), ("nccl", True, False)])
+def test_link_queue_serialises_gloo_links_of_cpu_tensors_only(backend: str, cuda: bool, serial: bool) -> None:
+    # the others keep their backend's threads, with a warning from make_links (deft.runtime.links)
+    assert queues(backend, cuda) is serial
 
 
 @pytest.mark.parametrize(("version", "hip", "fixed"), [

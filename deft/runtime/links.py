@@ -140,7 +140,11 @@ def make_links(config: DeftConfig, cuda: bool, ranks: Sequence[int] | None,
             verdict = gloo_cuda_fix()
             if verdict.fixed is not True:
                 log.warning("deft: link %r runs gloo on CUDA tensors: %s", lk.name, verdict.reason)
-        serial = config.link_queue and backend == "gloo" and not cuda
+        serial = config.link_queue and queues(backend, cuda)
+        if config.link_queue and not serial:
+            log.warning("deft: link_queue: link %r (%s on %s tensors) keeps its backend's own threads: only a "
+                        "gloo link of CPU tensors runs one collective at a time", lk.name, backend,
+                        "CUDA" if cuda else "CPU")
         group = (serial_gloo_group(lk.ifname, config.timeout_s, ranks) if serial
                  else _new_group(backend, lk.ifname, config.timeout_s, ranks))
         links[lk.name] = CommLink(lk.name, backend, lk.ifname, group)
@@ -151,6 +155,12 @@ def make_links(config: DeftConfig, cuda: bool, ranks: Sequence[int] | None,
                 groups = make_hierarchy_groups(layout, "gloo", link.ifname, config.timeout_s, serial=config.link_queue)
                 link.hierarchy = HierarchicalAllReduce(groups)
     return links
+
+
+def queues(backend: str, cuda: bool) -> bool:
+    """Whether ``link_queue`` makes a link of ``backend`` serial (:mod:`deft.runtime.link_queue`): gloo on
+    CPU tensors only (NCCL has its own streams; gloo on CUDA tensors stages through its own copies)."""
+    return backend == "gloo" and not cuda
 
 
 def host_layout(config: DeftConfig, cuda: bool, ranks: Sequence[int] | None, primary: CommLink) -> HostLayout | None:
