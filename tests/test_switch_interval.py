@@ -40,6 +40,14 @@ def test_the_shortest_hold_wins_and_the_callers_interval_comes_back(caller_inter
     assert sys.getswitchinterval() == pytest.approx(caller_interval, abs=2e-6)
 
 
+def test_holding_releases_on_leaving_the_block_even_by_an_error(caller_interval: float) -> None:
+    s = SwitchInterval()
+    with pytest.raises(RuntimeError, match="planner failed"), s.holding(0.0005):
+        assert sys.getswitchinterval() == pytest.approx(0.0005, abs=2e-6)
+        raise RuntimeError("planner failed")
+    assert sys.getswitchinterval() == pytest.approx(caller_interval, abs=2e-6)
+
+
 def test_a_hold_never_lengthens_the_callers_interval(caller_interval: float) -> None:
     s = SwitchInterval()
     token = s.hold(0.005)  # longer than the caller's 4 ms

@@ -18,7 +18,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -34,15 +34,6 @@ log = logging.getLogger("deft.runtime")
 #: that runs beside rank 0's planner is slowed; a short interval keeps it at the others' pace
 #: (benchmarks/results/slow_links.md; :mod:`deft.runtime.switch_interval`).
 SWITCH_INTERVAL_S = 0.0005
-
-
-@contextlib.contextmanager
-def _short_switch() -> Iterator[None]:
-    token = SWITCH.hold(SWITCH_INTERVAL_S)
-    try:
-        yield
-    finally:
-        SWITCH.release(token)
 
 
 class Background:
@@ -69,7 +60,7 @@ class Background:
                 # thread (and the solver threads it starts). Elsewhere a thread id is no process id.
                 with contextlib.suppress(OSError):
                     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
-            with _short_switch():
+            with SWITCH.holding(SWITCH_INTERVAL_S):
                 self._doc = self._fn()
         except BaseException as e:  # carried to every rank, never lost in a thread
             log.exception("deft: background job %s failed", self._thread.name)

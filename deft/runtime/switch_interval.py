@@ -18,8 +18,10 @@ longer than the caller's own, and gives the caller's value back once the last ho
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
+from collections.abc import Iterator
 
 
 class SwitchInterval:
@@ -40,6 +42,15 @@ class SwitchInterval:
             self._held[token] = seconds
             sys.setswitchinterval(min(self._saved, *self._held.values()))
             return token
+
+    @contextlib.contextmanager
+    def holding(self, seconds: float) -> Iterator[None]:
+        """:meth:`hold` for the ``with`` block."""
+        token = self.hold(seconds)
+        try:
+            yield
+        finally:
+            self.release(token)
 
     def release(self, token: int) -> None:
         """End the hold ``token`` (a token released already: nothing)."""
