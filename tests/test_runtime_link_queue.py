@@ -62,11 +62,13 @@ def test_a_serial_links_sends_end_one_after_another(serial: bool) -> None:
 
 def _not_a_member(rank: int, world: int) -> dict[str, Any]:
     group = serial_gloo_group(None, 30.0, [0, 1])  # collective over the world: rank 2 is not in it
-    if rank == 2:
-        return {"member": False}
-    t = torch.ones(4)
-    dist.all_reduce(t, group=group)
-    return {"member": True, "sum": t[0].item()}
+    out: dict[str, Any] = {"member": False}
+    if rank != 2:
+        t = torch.ones(4)
+        dist.all_reduce(t, group=group)
+        out = {"member": True, "sum": t[0].item()}
+    dist.barrier()  # rank 0 holds the store: every rank is done before it leaves
+    return out
 
 
 @pytest.mark.slow
@@ -85,9 +87,11 @@ def _ignored(rank: int, world: int) -> str:
     link_queue._one_thread_gloo = contextlib.nullcontext  # type: ignore[assignment]
     try:
         serial_gloo_group(None, 30.0, None)
+        said = "built"
     except DeftError as e:
-        return str(e)
-    return "built"
+        said = str(e)
+    dist.barrier()  # rank 0 holds the store: it leaves only once rank 1 is done with the group too
+    return said
 
 
 @pytest.mark.slow
