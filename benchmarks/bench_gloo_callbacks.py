@@ -6,13 +6,16 @@
 Two hosts of the testbed, one link. Each rank launches ``--sends`` all-reduces of 100,000 fp16
 elements (200 KB) at once on the link's group and keeps its main thread busy in pure Python (holding
 the GIL, as a model's Python between torch's kernels does) until all have completed: the time from the
-launches to the last completion, per rep. Four cells: the group with gloo's own two worker threads or
-one (``deft.runtime.link_queue.serial_gloo_group``), and each send with or without a ``then`` callback
-that copies its result back (as torch's ``fp16_compress_hook`` decompresses; deft's ``cast_send`` does
-not). The callback runs on the gloo thread that completed the send, which first waits for the GIL, up
-to Python's switch interval (each of ``--switch-ms``; deft holds ``switch_interval_ms`` while it runs).
-Results go to their section of ``benchmarks/results/gloo_callbacks.md`` unless ``--no-write``. Both ranks' gloo threads
-and their busy main threads share the machine's cores: the table says how many.
+launches to the last completion (and, for a waiter, its last stamp), per rep. Six cells: the group
+with gloo's own two worker threads or one (``deft.runtime.link_queue.serial_gloo_group``), and each send
+without a callback, with a ``then`` callback that copies its result back (as torch's
+``fp16_compress_hook`` decompresses; deft's ``cast_send`` does not), or stamped by a *waiter*, a Python
+thread of its own waiting on the sends in launch order (``deft.runtime.completions``, as deft stamps
+its sends). The callback runs on the gloo thread that completed the send, which first waits for the
+GIL, up to Python's switch interval (each of ``--switch-ms``; deft holds ``switch_interval_ms`` while
+it runs). Results go to their section of ``benchmarks/results/gloo_callbacks.md`` unless
+``--no-write``. Both ranks' gloo threads and their busy main threads share the machine's cores: the
+table says how many.
 """
 
 from __future__ import annotations
@@ -20,10 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -32,12 +39,20 @@ from benchmarks.bench_links import command_line, handle_signals, machine, run_ra
 from deft.testbed import Testbed  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "gloo_callbacks.md"
-CELLS = [(serial, callback) for serial in (False, True) for callback in (False, True)]
+SENDS = ("no callback", "callback", "waiter")
+CELLS = [(serial, send) for serial in (False, True) for send in SENDS]
+
+
+def waiter(futures: queue.SimpleQueue[torch.futures.Future[object] | None], stamps: list[float]) -> None:
+    """Stamp each future's completion in launch order from a Python thread of its own (``wait`` lets the
+    GIL go): what a send's completion time costs without a callback on gloo's thread."""
+    while (fut := futures.get()) is not None:
+        fut.wait()
+        stamps.append(time.perf_counter())
 
 
 def worker(sends: int, reps: int, switch_ms: list[float]) -> None:
     """One rank: every cell at every interval, ``reps`` times; prints one JSON line of milliseconds per cell."""
-    import torch
     import torch.distributed as dist
 
     from deft.runtime.link_queue import serial_gloo_group
@@ -46,24 +61,32 @@ def worker(sends: int, reps: int, switch_ms: list[float]) -> None:
     out: dict[str, list[float]] = {}
     groups = {serial: serial_gloo_group(None, 120.0, None) if serial else dist.new_group(backend="gloo")
               for serial in (False, True)}
-    for (serial, callback), ms in ((cell, ms) for ms in switch_ms for cell in CELLS):
+    for (serial, send), ms in ((cell, ms) for ms in switch_ms for cell in CELLS):
         sys.setswitchinterval(ms / 1000)
         group, times = groups[serial], []
         for _ in range(reps + 1):  # the first rep warms the group's connections up: dropped
             buffers = [torch.randn(100_000) for _ in range(sends)]
             dist.barrier(group=group)
             t0 = time.perf_counter()
-            futures = []
+            futures, stamps = [], []
+            pending: queue.SimpleQueue[torch.futures.Future[object] | None] = queue.SimpleQueue()
+            stamper = threading.Thread(target=waiter, args=(pending, stamps), daemon=True)
+            stamper.start()
             for b in buffers:
                 fut = dist.all_reduce(b.to(torch.float16).div_(2), group=group, async_op=True).get_future()
-                futures.append(fut.then(lambda f, b=b: b.copy_(f.value()[0])) if callback else fut)
-            while not all(f.done() for f in futures):
+                if send == "callback":
+                    fut = fut.then(lambda f, b=b: b.copy_(f.value()[0]))
+                elif send == "waiter":
+                    pending.put(fut)
+                futures.append(fut)
+            pending.put(None)
+            while not all(f.done() for f in futures) or (send == "waiter" and len(stamps) < sends):
                 x = 0
                 for i in range(20_000):  # pure Python: the GIL held between checks
                     x += i
             times.append(1000 * (time.perf_counter() - t0))
-        out[f"{ms:g} ms, {'serial' if serial else 'two threads'}, {'callback' if callback else 'no callback'}"] \
-            = times[1:]
+            stamper.join()
+        out[f"{ms:g} ms, {'serial' if serial else 'two threads'}, {send}"] = times[1:]
     print("RESULT " + json.dumps(out), flush=True)
     os._exit(0)  # torch 2.13's gloo may abort at teardown
 

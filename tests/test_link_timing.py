@@ -274,6 +274,7 @@ def test_every_hooked_send_of_a_window_counts_its_own_busy_time(monkeypatch: pyt
         lc.launched(0, "primary", [fut], t)
         clock.now = t + 1.0
         fut.set_result(torch.zeros(1))
+        lc.settle()  # stamped before the test's clock moves on
     loads = lc.take([100])
     assert loads["primary"].sends == {0: 3} and loads["primary"].busy_s == pytest.approx(3.0)
 
@@ -294,8 +295,10 @@ def test_a_chained_hooks_send_is_busy_from_when_it_really_started(monkeypatch: p
         lc.hook_started(0, t)
         clock.now = t + 1.0
         f0.set_result(torch.zeros(1))
+        lc.settle()
         lc.hook_started(1, t + 1.0)
         clock.now = t + 3.0
         f1.set_result(torch.zeros(1))
+        lc.settle()
     loads = lc.take([100, 100])
     assert loads["primary"].busy_s == pytest.approx(2.0) and loads["second"].busy_s == pytest.approx(4.0)

@@ -8,17 +8,21 @@ in different orders, and a lost link's sends are summed again from the local gra
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from deft.runtime.link_queue import serial_gloo_group
 from deft.runtime.verdicts import VerdictChain, flat_sum
 from tests._dist import run_ranks, values
 
 LINKS = ["primary", "second", "third"]
+HOLD_S = 3.0  # the main thread's pure-Python loop: a 256 KB send on loopback takes milliseconds
 
 
 def _chain() -> VerdictChain:
@@ -162,3 +166,35 @@ def test_a_plans_profile_is_priced_for_the_verdicts_this_run_waits_for() -> None
     # bucket 0 on b ends at 5, the step waits for its verdict on the idle primary (its start-up 0.25)
     assert simulate_schedule(guarded, s).iteration_s == pytest.approx(5.25)
     assert simulate_schedule(unguarded, s).iteration_s == pytest.approx(5.0)
+
+
+def held_link_worker(rank: int, world: int) -> dict[str, object]:
+    """A verdict opened on a real send of a serial link (one gloo thread), then the link's next send while
+    the main thread runs pure Python, holding the GIL (a switch interval longer than the loop): the next
+    send completes during the loop (a callback on the first send's future would hold the link's only
+    thread until the loop ends: tests/test_completions.py keeps that broken variant)."""
+    link = serial_gloo_group(None, 60.0, None)
+    chain = _chain()
+    dist.barrier(group=link)
+    first = dist.all_reduce(torch.ones(1 << 16), group=link, async_op=True)
+    assert first is not None
+    v = chain.open(["second"], [first.get_future()], [_local(rank)], [_what], 30.0, set())
+    second = dist.all_reduce(torch.ones(1 << 16), group=link, async_op=True)
+    assert second is not None
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(HOLD_S * 4)
+    try:
+        t0 = time.perf_counter()
+        while not second.is_completed() and time.perf_counter() - t0 < HOLD_S:
+            pass
+        during = second.is_completed()
+    finally:
+        sys.setswitchinterval(before)
+    chain.wait(v, "send")
+    return {"during": during, "lost": sorted(v.lost)}
+
+
+@pytest.mark.slow
+def test_a_verdict_does_not_hold_its_link_while_python_runs() -> None:
+    for r in values(run_ranks(held_link_worker, 2, timeout=60)):
+        assert r == {"during": True, "lost": []}

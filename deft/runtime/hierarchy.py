@@ -24,12 +24,16 @@ divisible by ``M``. gloo's ``reduce_scatter`` has no future (``Work::getFuture n
 a sharded reduction inside the host would be ``M`` reduces or a full all-reduce anyway.
 
 Note: ordering. gloo matches a group's collectives by the order they were issued. Step 1 is issued by
-the caller, in call order; steps 2 and 3 are issued from the completion callbacks of the step before,
-on gloo's threads, where two all-reduces in flight may complete in either order on different ranks.
+the caller, in call order; steps 2 and 3 are issued when the step before completes, where two
+all-reduces in flight may complete in either order on different ranks.
 So each later step goes through an :class:`InOrder` that issues it in call order, and step 3 runs on a
 second group of the host's ranks: on the first, a later call's step 1 (issued by the caller) could
 otherwise pass an earlier call's step 3 on one rank and not on another. This is the chaining torch's
 PowerSGD hook does (torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py), kept in order.
+A step's completion is learnt by a thread per step waiting on its futures in issue order
+(:class:`deft.runtime.completions.Completions`), not by a callback on gloo's thread, which would hold
+the group until it has the GIL; the waits in issue order cost nothing, as every step is issued in call
+order anyway.
 
 Note: a lost link. A dead NIC fails (or stalls) step 2 on the leaders only; the host's other ranks wait
 in step 3 for a broadcast that does not come, on groups that never fail (their traffic is on the
@@ -54,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from deft.netif import new_group_on_nic
+from deft.runtime.completions import Completions
 from deft.runtime.control import future_done_event
 from deft.runtime.link_queue import serial_gloo_group
 
@@ -290,6 +295,7 @@ class HierarchicalAllReduce:
         self._across = InOrder()
         self._inside = InOrder()
         self._sends = LeaderBroadcasts(groups) if groups.leaders is not None else None
+        self._ended = Completions()  # a thread per step issues the next (module docstring, Note on ordering)
 
     def release(self) -> None:
         """The link is lost on every rank (:mod:`deft.runtime.failover`) and no call follows: on the host's
@@ -323,29 +329,30 @@ class HierarchicalAllReduce:
             step.append("in step 3 (broadcast inside the host)" if sends is not None else
                         f"in step 3 (waiting for rank {g.leader}, the host's first rank, to broadcast the sum of "
                         "its step across the hosts)")
-            self._then(lambda: dist.broadcast(tensor, src=g.leader, group=g.broadcast, async_op=True)
+            self._then("broadcast", lambda: dist.broadcast(tensor, src=g.leader, group=g.broadcast, async_op=True)
                        if sends is None else sends.send(ticket), ticket, out, lambda: out.set_result([tensor]), [])
 
         def across() -> None:
             assert sends is not None
             step.append("in step 2 (all-reduce across the hosts' first ranks)")
-            self._then(lambda: dist.all_reduce(tensor, group=g.leaders, async_op=True), ticket, out,
+            self._then("across", lambda: dist.all_reduce(tensor, group=g.leaders, async_op=True), ticket, out,
                        lambda: queued(3, self._inside, broadcast), [(self._inside, sends.stick)])
 
         def queued(n: int, order: InOrder, launch: Callable[[], None]) -> None:
             step.append(f"step {n} queued behind an earlier all-reduce's")
             order.ready(ticket, launch)
 
-        self._then(lambda: first, ticket, out,
+        self._then("reduce", lambda: first, ticket, out,
                    lambda: queued(2, self._across, across) if sends is not None else
                    queued(3, self._inside, broadcast), later)
         return HierarchicalWork(out, step)
 
-    def _then(self, launch: Callable[[], dist.Work | None], ticket: int, out: torch.futures.Future[list[torch.Tensor]],
-              next_step: Callable[[], None], skip: list[tuple[InOrder, Callable[[], None] | None]]) -> None:
-        """``launch()`` a step and, when it completes, ``next_step``; if either fails, the error goes on
-        ``out`` and this ticket runs its ``skip`` launch (None: nothing) in place of the later steps (the
-        calls after it still run, in order)."""
+    def _then(self, on: str, launch: Callable[[], dist.Work | None], ticket: int,
+              out: torch.futures.Future[list[torch.Tensor]], next_step: Callable[[], None],
+              skip: list[tuple[InOrder, Callable[[], None] | None]]) -> None:
+        """``launch()`` a step (``on``: "reduce", "across" or "broadcast") and, when it completes,
+        ``next_step``; if either fails, the error goes on ``out`` and this ticket runs its ``skip`` launch
+        (None: nothing) in place of the later steps (the calls after it still run, in order)."""
         def done(f: torch.futures.Future[object]) -> None:
             try:
                 f.value()
@@ -356,7 +363,8 @@ class HierarchicalAllReduce:
         try:
             work = launch()
             assert work is not None
-            work.get_future().add_done_callback(done)
+            fut = work.get_future()
+            self._ended.watch(on, fut, then=lambda: done(fut))
         except Exception as e:
             self._fail(ticket, out, e, skip)
 

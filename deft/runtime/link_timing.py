@@ -3,8 +3,8 @@
 Two jobs for :mod:`deft.runtime.adapt`:
 
 * **A link's time per byte** (:class:`LinkClock`, an executor observer). Every send of the running
-  schedule on a gloo link is stamped at launch and at completion (a callback on its Work's future, as
-  the warm-up timer stamps the profile iterations' sends: :mod:`deft.runtime.warmup_timer`). A link's
+  schedule on a gloo link is stamped at launch and at completion (by the link's waiting thread,
+  :mod:`deft.runtime.completions`, as the warm-up timer stamps the profile iterations' sends). A link's
   *busy time* in a window is the length of the union of its sends' intervals
   (:func:`deft.runtime.warmup_timer.busy_periods`: a link carries overlapping sends in about the time
   it takes them one after another), its *time per byte* the busy time over the bytes sent. The ranks
@@ -32,10 +32,8 @@ Two jobs for :mod:`deft.runtime.adapt`:
 
 from __future__ import annotations
 
-import functools
 import statistics
 import threading
-import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -43,6 +41,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from deft.profile import Profile
+from deft.runtime.completions import Completions, wait_stamped
 from deft.runtime.control import FUTURE_TYPES, Collective
 from deft.runtime.warmup_timer import busy_periods
 
@@ -67,6 +66,8 @@ class _Send:
     works: int
     stamps: list[float] = field(default_factory=list)
     started: float | None = None  # a hooked send: when the hook really ran (a chained one waits for its turn)
+    sources: list[torch._C.Future[object]] = field(default_factory=list)  # the Works' futures
+    stamped: list[threading.Event] = field(default_factory=list)  # set once each is stamped
 
     @property
     def span(self) -> tuple[float, float] | None:
@@ -74,12 +75,6 @@ class _Send:
             return None
         end = max(self.stamps)
         return min(max(self.launched, self.started or self.launched), end), end
-
-
-def _stamp(fut: torch._C.Future[object], stamps: list[float]) -> None:
-    """Append ``fut``'s completion time; a failed collective (``value`` raises) stamps nothing."""
-    fut.value()
-    stamps.append(time.perf_counter())
 
 
 @dataclass(frozen=True)
@@ -108,6 +103,7 @@ class LinkClock:
         self._lock = threading.Lock()
         self._early: dict[int, float] = {}              # bucket -> its hook ran inside the launch call
         self._awaiting: dict[int, list[_Send]] = {}     # bucket -> its sends launched before their hook ran
+        self._stamps = Completions()
 
     # Note: a hooked send's start is stamped per send, not per bucket. A window spans several
     # iterations, each sending every bucket: one start per bucket, overwritten by the next iteration's,
@@ -141,7 +137,14 @@ class LinkClock:
             self._sends.append(rec)
         for w in works:
             fut = w if isinstance(w, FUTURE_TYPES) else w.get_future()
-            fut.then(functools.partial(_stamp, stamps=rec.stamps))  # list.append is atomic
+            rec.sources.append(fut)
+            rec.stamped.append(self._stamps.watch(link, fut, rec.stamps))
+
+    def settle(self) -> None:
+        """Wait until every completed send is stamped (its waiting thread may lag its completion)."""
+        with self._lock:
+            sends = list(self._sends)
+        wait_stamped((s.link, s.sources, s.stamped) for s in sends)
 
     def reset(self) -> None:
         with self._lock:
@@ -150,6 +153,7 @@ class LinkClock:
     def take(self, nbytes: Sequence[int]) -> dict[str, LinkLoad]:
         """The completed sends since the last call, per link (``nbytes[b]``: bucket ``b``'s bytes); the
         ones still in flight count in the next window."""
+        self.settle()
         spans: dict[str, list[tuple[float, float]]] = {}
         sent: dict[str, Counter[int]] = {}
         left = []

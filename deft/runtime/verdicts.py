@@ -13,8 +13,8 @@ and is reached in three steps that need no training thread:
 3. *resends*: the sends on the lost links are all-reduced again, each from a copy of the local gradient
    its failed send never touched; their sums replace the dropped results.
 
-Verdicts take these steps in the order they were opened, whichever thread runs them (a send's
-completion callback, the timer, the training thread): their flags go out one behind the other, each as
+Verdicts take these steps in the order they were opened, whichever thread runs them (a thread per link
+waiting on its guarded sends, the timer, the training thread): their flags go out one behind the other, each as
 soon as its own sends end, and are taken in that order, a link lost by one verdict lost in every later
 one, the resends launched on a group of their own; so each group's collectives match on every rank.
 The training thread waits for a verdict only where one of its results is used
@@ -29,6 +29,12 @@ Note:
     its sends end, beside the compute, and since no rank's flags wait for its training thread, one rank
     alone (a ``state_dict()`` or an evaluation between iterations) may wait for a verdict: the other
     ranks' flags and resends go out without them.
+
+    A guarded send's end is learnt by a thread per link waiting on the link's sends in launch order
+    (:class:`deft.runtime.completions.Completions`), not by a callback on the send's future: that runs on
+    the gloo thread that completed the send, which holds the link until it has the GIL, while the
+    training thread runs the model's Python. A send that never completes holds that link's later ones;
+    their verdicts wait for their deadline timers, as a lost link's sends do.
 
     The verdicts' groups are CPU gloo groups on the primary link's NIC, like the control group, so a
     verdict does not depend on the link it judges; they carry nothing else, so collectives launched
@@ -53,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from deft.errors import CommunicationError
+from deft.runtime.completions import Completions
 
 Future = torch._C.Future
 
@@ -121,6 +128,7 @@ class VerdictChain:
         self._broken: str | None = None  # a group failed: every later verdict fails with this
         self._unrecorded: deque[Verdict] = deque()  # opened, losses not yet handed out (losses)
         self._recorded: set[str] = set()
+        self._ended = Completions()  # one thread per link learns that its guarded sends ended
 
     def open(self, links: Sequence[str], futures: Sequence[Future[object]], local: Sequence[torch.Tensor],
              whats: Sequence[Callable[[], str]], deadline_s: float, lost_before: set[str]) -> Verdict:
@@ -134,8 +142,8 @@ class VerdictChain:
         v.timer = threading.Timer(deadline_s, self._expire, (v,))
         v.timer.daemon = True
         v.timer.start()
-        for fut in v.futures:
-            fut.add_done_callback(lambda _: self._pump())
+        for link, fut in zip(v.links, v.futures, strict=True):
+            self._ended.watch(link, fut, then=self._pump)  # off gloo's thread (module docstring, Note)
         self._pump()
         return v
 

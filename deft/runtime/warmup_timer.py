@@ -37,9 +37,9 @@ and nothing is waited for early, so a profile iteration costs about what a torch
   others' beside the backward, and :func:`deft.profiler.drag.fit_drag` fits the gloo links' drag and
   their transfer times with the cores free from both kinds. On CUDA none (the compute is the device's).
 * **communication**: each launch records its launch time ``L`` (the executor's clock before the
-  call) and its completion time ``C``, stamped by a callback on the Work's future
-  (``Work.get_future().then``, waited for before the sample is read): gloo marks the future
-  complete on its worker thread the moment the collective finishes, just before it closes its
+  call) and its completion time ``C``, stamped by the link's waiting thread as the Work's future
+  completes (:mod:`deft.runtime.completions`, waited for before the sample is read): gloo marks the
+  future complete on its worker thread the moment the collective finishes, just before it closes its
   ``gloo:all_reduce`` profiler range.
   (NCCL futures complete at launch, with stream semantics; on an NCCL link the timer waits for the
   collective and synchronizes the device, so there it serializes as before.)
@@ -109,11 +109,10 @@ rank gathers every rank's compute times and launch and completion times and comp
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import itertools
 import math
 import statistics
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -130,6 +129,7 @@ from deft.profiler.drag import DragFit, DragGroup, fit_drag, group_beta
 from deft.profiler.pace import paced_compute
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.codecs.timing import Codec
+from deft.runtime.completions import Completions, wait_stamped
 from deft.runtime.control import FUTURE_TYPES, Collective, ControlPlane, wait_work
 from deft.runtime.eager import ForwardHooks
 from deft.runtime.failover import ALPHA_PROBE, LinkFailover, Stopwatch
@@ -275,12 +275,6 @@ def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
     return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
 
 
-def _stamp(fut: torch._C.Future[object], stamps: list[float]) -> None:
-    """Append the completion time of ``fut``; a failed collective (``value`` raises) stamps nothing."""
-    fut.value()
-    stamps.append(time.perf_counter())
-
-
 @dataclass
 class _Launch:
     """One bucket's real all-reduce in a profile iteration; ``stamps`` get one completion per Work."""
@@ -290,7 +284,7 @@ class _Launch:
     launched: float
     works: int
     stamps: list[float] = field(default_factory=list)
-    stamped: list[torch._C.Future[object]] = field(default_factory=list)  # the stamping callbacks' own futures
+    stamped: list[threading.Event] = field(default_factory=list)  # set once a collective is stamped
     sources: list[torch._C.Future[object]] = field(default_factory=list)  # the collectives' futures
 
     @property
@@ -377,6 +371,7 @@ class WarmupTimer:
         self._launches: list[_Launch] = []
         self._started: dict[int, float] = {}  # bucket -> when its chained hooked send really started
         self._stack: list[_Frame] = []
+        self._stamps = Completions()
         self._mark = 0.0
         self._handles: list[RemovableHandle] = []
         index = {id(p): i for i, p in enumerate(params)}
@@ -490,8 +485,8 @@ class WarmupTimer:
     def launched(self, b: int, link: str, works: Sequence[Collective], t_start: float) -> None:
         """Bucket ``b``'s real all-reduce went out on ``link`` at ``t_start``: stamp its completion.
 
-        gloo: a done-callback on each Work's future stamps the time on gloo's worker thread; nothing
-        waits here. NCCL (its future completes at launch): ``wait`` for it, then synchronize.
+        gloo: the link's waiting thread stamps each Work's completion (:mod:`deft.runtime.completions`);
+        nothing waits here. NCCL (its future completes at launch): ``wait`` for it, then synchronize.
         """
         if self._cur is None:
             return
@@ -504,12 +499,11 @@ class WarmupTimer:
             rec.stamps.extend(done for _ in works)
         else:
             for w in works:
-                # list.append is atomic: callbacks of one bucket's Works may run on different gloo threads.
-                # ``then`` (not a bare done-callback): the step's wait returns once the collective is
-                # marked complete, possibly before its callbacks ran; end_iteration waits for these.
+                # the step's wait returns once the collective is marked complete, possibly before its
+                # stamp: end_iteration waits for these
                 fut = w if isinstance(w, FUTURE_TYPES) else w.get_future()  # a comm hook's Future, or a Work
                 rec.sources.append(fut)
-                rec.stamped.append(fut.then(functools.partial(_stamp, stamps=rec.stamps)))
+                rec.stamped.append(self._stamps.watch(link, fut, rec.stamps))
         self._mark = self._now()  # deft's launch call is not backward time
 
     def end_iteration(self) -> None:
@@ -524,13 +518,10 @@ class WarmupTimer:
             cur["fwd"] = [f + rest * w / wsum for f, w in zip(cur["fwd"], weights, strict=True)]
             cur["launch"] = {name: [None] * self.n for name in self.links}
             cur["comm"] = {name: [None] * self.n for name in self.links}
+            # the step waited for the collectives: a complete one's stamp follows; one on a lost link may
+            # never complete (deft.runtime.failover), and stamps nothing
+            wait_stamped((r.link, r.sources, r.stamped) for r in self._launches)
             for r in self._launches:
-                # the step waited for the collectives: a complete one's stamp follows; one on a lost link
-                # may never complete (deft.runtime.failover), and stamps nothing
-                for src, f in zip(r.sources, r.stamped, strict=True):
-                    if src.done():
-                        with contextlib.suppress(Exception):  # a failed collective is reported by the step
-                            f.wait()
                 done = r.completed
                 if done is not None:  # a failed collective stamps nothing
                     start = max(r.launched, self._started.get(r.bucket, r.launched))
