@@ -1,7 +1,7 @@
 """A link's completion stamps from a thread of its own (deft.runtime.completions): never before a future
 completed, in launch order per link, nothing for a failed one, one link's stuck send not holding
 another's; and a serial link's next send not held while the training thread holds the GIL (a ``then``
-callback's stamp, the broken variant, holds it)."""
+callback, or a gloo all-gather's future taken at all, the broken variants, hold it)."""
 
 from __future__ import annotations
 
@@ -81,18 +81,24 @@ def test_a_links_thread_ends_when_idle_and_the_next_send_starts_one() -> None:
     assert done.wait(WAIT_S) and len(stamps) == 1
 
 
-def _second_send_while_python_runs(rank: int, world: int, stamped: bool) -> dict[str, Any]:
+def _second_send_while_python_runs(rank: int, world: int, first_by: str) -> dict[str, Any]:
     """Two sends on a serial link (one gloo thread) while the main thread runs pure Python, holding the
     GIL (a switch interval longer than the loop: nothing takes it away): does the second complete
-    during the loop? The first's stamp goes to a Completions, or (the broken variant) to a ``then``
-    callback, which waits on the link's only gloo thread for the GIL."""
+    during the loop? The first, 8 MB (in flight when the loop starts), is an all-reduce watched by a
+    Completions, or (the broken variants) an all-reduce with a ``then`` callback, or an all-gather whose
+    future was taken: at their completion the link's only gloo thread waits for the GIL."""
     group = serial_gloo_group(None, 60.0, None)
     stamper, stamps = Completions(), []
     dist.barrier(group=group)
-    first = dist.all_reduce(torch.ones(1 << 16), group=group, async_op=True).get_future()
-    if stamped:
-        stamper.watch("primary", first, stamps)
+    big = torch.ones(1 << 21)
+    if first_by == "all-gather future":
+        first = dist.all_gather([torch.empty_like(big) for _ in range(world)], big, group=group,
+                                async_op=True).get_future()
     else:
+        first = dist.all_reduce(big, group=group, async_op=True).get_future()
+    if first_by == "completions":
+        stamper.watch("primary", first, stamps)
+    elif first_by == "then":
         first.then(lambda _f: stamps.append(time.perf_counter()))
     second = dist.all_reduce(torch.ones(1 << 16), group=group, async_op=True).get_future()
     before = sys.getswitchinterval()
@@ -105,13 +111,15 @@ def _second_send_while_python_runs(rank: int, world: int, stamped: bool) -> dict
     finally:
         sys.setswitchinterval(before)
     second.wait()
+    first.wait()
     dist.barrier()
     return {"second_during_python": during}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stamped", [True, pytest.param(False, marks=pytest.mark.xfail(
-    strict=True, reason="a then callback holds the link's only gloo thread until it gets the GIL"))])
-def test_a_stamp_does_not_hold_the_link_while_python_runs(stamped: bool) -> None:
-    for r in values(run_ranks(_second_send_while_python_runs, world=2, args=(stamped,), timeout=120)):
+@pytest.mark.parametrize("first_by", ["completions", *(pytest.param(v, marks=pytest.mark.xfail(
+    strict=True, reason="gloo's only thread for the link waits for the GIL at the first send's completion"))
+    for v in ("then", "all-gather future"))])
+def test_a_watched_send_does_not_hold_the_link_while_python_runs(first_by: str) -> None:
+    for r in values(run_ranks(_second_send_while_python_runs, world=2, args=(first_by,), timeout=120)):
         assert r["second_during_python"], r

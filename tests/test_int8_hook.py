@@ -9,6 +9,8 @@ gradients (``max |g| / 127`` per 256 elements), not read from the hook.
 from __future__ import annotations
 
 import math
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -206,7 +208,11 @@ def test_int8_under_torchs_amp_loop_equals_torch_ddp_and_skips_the_overflow(tmp_
 
 
 class _FailedWork:
-    """What a collective on a lost link gives back: a future that completes with the error."""
+    """What a collective on a lost link gives back: a wait that raises, a future that completes with the
+    error."""
+
+    def wait(self, timeout: object = None) -> bool:
+        raise RuntimeError("injected: the link's all-gather failed")
 
     def get_future(self) -> torch.futures.Future[Any]:
         fut: torch.futures.Future[Any] = torch.futures.Future()
@@ -254,3 +260,43 @@ def test_a_payload_gathered_in_pieces_decodes_as_gathered_whole_and_a_failed_pie
         assert r["sizes"] == [r["payload"] // 2] * 2 and r["equal"], r
         # a piece whose all-gather failed (a lost link) fails the bucket's future, not decoded as sent
         assert "injected" in r["failed"], r
+
+
+HOLD_S = 3.0  # the main thread's pure-Python loop: a 256 KB send on loopback takes milliseconds
+
+
+def held_link_worker(rank: int, world: int) -> dict[str, Any]:
+    """The hook's gather on a serial link (one gloo thread), then the link's next send while the main
+    thread runs pure Python, holding the GIL (a switch interval longer than the loop): the next send
+    completes during the loop, the hook's decode waiting for the GIL off gloo's thread (a decode in a
+    callback on the gather's future, or the gather's future taken at all, would hold the link's only
+    thread: tests/test_completions.py keeps those broken variants)."""
+    from deft.runtime.link_queue import serial_gloo_group
+
+    link = serial_gloo_group(None, 60.0, None)
+    state = Int8State(process_group=link)
+    dist.barrier(group=link)
+    buf = gradient(rank)
+    fut = int8_compress_hook(state, HookBucket(0, buf, [buf], [buf], True))
+    work = dist.all_reduce(torch.ones(1 << 16), group=link, async_op=True)
+    assert work is not None
+    second = work.get_future()  # its done() keeps the GIL (Work.is_completed lets it go)
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(HOLD_S * 4)
+    try:
+        t0 = time.perf_counter()
+        while not second.done() and time.perf_counter() - t0 < HOLD_S:
+            pass
+        during = second.done()
+    finally:
+        sys.setswitchinterval(before)
+    average = fut.wait()
+    dist.barrier()
+    return {"during": during, "average": average.tolist()}
+
+
+@pytest.mark.slow
+def test_the_hooks_decode_does_not_hold_its_link_while_python_runs() -> None:
+    results = values(run_ranks(held_link_worker, 2, timeout=60))
+    assert all(r["during"] for r in results), results
+    assert results[0]["average"] == results[1]["average"]

@@ -179,15 +179,16 @@ def held_link_worker(rank: int, world: int) -> dict[str, object]:
     first = dist.all_reduce(torch.ones(1 << 16), group=link, async_op=True)
     assert first is not None
     v = chain.open(["second"], [first.get_future()], [_local(rank)], [_what], 30.0, set())
-    second = dist.all_reduce(torch.ones(1 << 16), group=link, async_op=True)
-    assert second is not None
+    work = dist.all_reduce(torch.ones(1 << 16), group=link, async_op=True)
+    assert work is not None
+    second = work.get_future()  # its done() keeps the GIL (Work.is_completed lets it go)
     before = sys.getswitchinterval()
     sys.setswitchinterval(HOLD_S * 4)
     try:
         t0 = time.perf_counter()
-        while not second.is_completed() and time.perf_counter() - t0 < HOLD_S:
+        while not second.done() and time.perf_counter() - t0 < HOLD_S:
             pass
-        during = second.is_completed()
+        during = second.done()
     finally:
         sys.setswitchinterval(before)
     chain.wait(v, "send")

@@ -19,7 +19,12 @@ generator; the ranks all-gather every rank's payload and every rank decodes the 
     ĝ_i = (sum_r s_{r,k(i)} q_{r,i}) / R      (summed in rank order, float32)
 
 from the same bytes, so the ranks agree bit for bit. On gloo the payload is all-gathered in equal pieces
-of about :data:`GATHER_PIECE` bytes, issued together in the call (the same bytes, in one future).
+of about :data:`GATHER_PIECE` bytes, issued together in the call (the same bytes, in one future), and
+decoded on the state's thread for the group, which waits for the pieces' Works, not in a callback on
+their futures: that would run on gloo's worker thread, which waits there for the GIL while the training
+thread holds it, and the link's next collective waits behind it. (Taking a gloo all-gather's future at
+all does that: on its completion gloo's thread waits for the GIL, an all-reduce's does not;
+``tests/test_int8_hook.py`` holds the GIL and watches the link's next send.)
 ``ĝ`` is unbiased for ``ḡ = mean_r g_r`` and the ranks' draws are independent, so
 
     E|ĝ - ḡ|² <= (1 / (4 R²)) sum_r sum_k n_k s_{r,k}² = P / (4 · 127² · R),
@@ -82,7 +87,7 @@ one state, each link on its own group: their exchanges overlap, as their all-red
 import math
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -101,8 +106,8 @@ GATHER_PIECE = 2 ** 18
 
 class Int8State:
     """The hook's state: the process group (set by deft per link), the seed and the calls so far, and
-    a thread per process group that runs the scatter path's second exchanges on it (started at the
-    group's first use).
+    a thread per process group that runs the scatter path's second exchanges on it and decodes the
+    gather path's pieces on gloo (started at the group's first use).
 
     Call ``c`` on rank ``r`` draws from a generator seeded by ``(seed, c, r)``, so the state is the same
     on every rank (every rank calls the hook for the same buckets) and a checkpoint saved on one rank
@@ -246,16 +251,28 @@ def int8_compress_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futur
     gathered = [torch.empty_like(payload) for _ in range(world)]
     pieces = max(1, round(payload.numel() / GATHER_PIECE)) if gloo_cpu else 1
     piece = math.ceil(payload.numel() / pieces)  # equal pieces, none much smaller than the rest
-    futs = [dist.all_gather([g[lo:lo + piece] for g in gathered], payload[lo:lo + piece], group=group,
-                            async_op=True).get_future() for lo in range(0, payload.numel(), piece)]
+    works = [dist.all_gather([g[lo:lo + piece] for g in gathered], payload[lo:lo + piece], group=group,
+                             async_op=True) for lo in range(0, payload.numel(), piece)]
 
-    def average(done: torch.futures.Future[list[torch.futures.Future[object]]]) -> torch.Tensor:
-        for part in done.wait():
+    def average(parts: Sequence[dist.Work | torch.futures.Future[object]]) -> torch.Tensor:
+        for part in parts:
             part.wait()  # a piece that failed (a lost link) fails the bucket's future: nothing decoded
         buffer.copy_(decode(gathered, n))
         return buffer
 
-    return torch.futures.collect_all(futs).then(average)
+    if not gloo_cpu:  # the device's streams: torch's callback orders the decode after the collectives
+        futs = [w.get_future() for w in works]
+        return torch.futures.collect_all(futs).then(lambda _: average(futs))
+    result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+    def finish() -> None:
+        try:
+            result.set_result(average(works))
+        except Exception as e:  # the future carries it to whoever waits
+            result.set_exception(e)  # type: ignore[arg-type]  # torch types the exception as the value type
+
+    state.submit(finish, group)  # decoded off gloo's threads (module docstring)
+    return result
 
 
 def round_blocks(blocks: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
