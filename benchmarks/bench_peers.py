@@ -90,6 +90,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -1061,6 +1062,28 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     return args, names, rates
 
 
+#: The flags that shape the runs themselves, which a report from saved runs describes as they ran.
+RUN_SHAPE = ("epochs", "iters", "eval_every", "skip_iters", "batch_size", "lr", "lr_schedule")
+
+
+def adopt_run_shape(args: argparse.Namespace, recorded: list[str]) -> None:
+    """A report from saved runs (``--from-runs``) takes each :data:`RUN_SHAPE` flag left at its default
+    from the commands that made the runs (``recorded``), where they agree: the report describes the runs
+    as they ran (``--iters 120``), not as this command's defaults would have."""
+    defaults = parse_args(["--workload", args.workload])[0]
+    made = []
+    for cmd in recorded:
+        words = shlex.split(cmd)
+        tail = next((words[i + 1:] for i, w in enumerate(words) if w.endswith("bench_peers.py")), None)
+        if tail is not None:
+            with contextlib.suppress(SystemExit):  # a scheme since renamed or removed: that command says nothing
+                made.append(parse_args(tail)[0])
+    for key in RUN_SHAPE:
+        values = {repr(getattr(m, key)) for m in made}
+        if getattr(args, key) == getattr(defaults, key) and len(values) == 1:
+            setattr(args, key, getattr(made[0], key))
+
+
 def main() -> int:
     args, names, rates = parse_args()
     handle_signals()
@@ -1074,7 +1097,9 @@ def main() -> int:
         for d in docs:  # records of older runs: "localsgd" is localsgd4
             d["summary"]["name"] = canonical(d["summary"]["name"])
         docs = [d for d in docs if d["summary"]["name"] in names and d["summary"]["rate_mbit"] in rates]
-        command = "; ".join(recorded_command(run_dir, command_line()) for run_dir in run_dirs)
+        recorded = [recorded_command(run_dir, command_line()) for run_dir in run_dirs]
+        command = "; ".join(recorded)
+        adopt_run_shape(args, recorded)
     else:
         command = command_line()
         with tempfile.TemporaryDirectory() as tmp:

@@ -179,3 +179,17 @@ def test_without_torch_ddp_the_loss_target_is_the_median_over_every_run(peers: A
     runs = [_run("deft", [3.0, 2.9, 2.8, 2.70, 2.6]), _run("deft-fp16", [3.0, 2.9, 2.8, 2.72, 2.6]),
             _run("deft", [3.0, 2.9, 2.8, 2.76, 2.6])]
     assert peers.WORKLOADS["lm"].targets(runs) == (2.72,)
+
+
+def test_a_report_from_saved_runs_describes_them_as_they_ran(peers: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    made = ("sudo .venv/bin/python benchmarks/bench_peers.py --workload lm --rates 250 --iters 120 --eval-every 12 "
+            "--seeds 2,3 --schemes deft,deft-fp16 --save-runs /tmp/runs --no-write")
+    args = peers.parse_args(["--workload", "lm", "--rates", "250", "--from-runs", "/tmp/runs"])[0]
+    peers.adopt_run_shape(args, [made])
+    assert (args.iters, args.eval_every, args.skip_iters) == (120, 12, 12)
+    # a flag this command sets stays; commands that disagree, or name a scheme no longer known, say nothing
+    args = peers.parse_args(["--workload", "lm", "--iters", "60", "--from-runs", "/tmp/runs"])[0]
+    peers.adopt_run_shape(args, [made, made.replace("--eval-every 12", "--eval-every 6"),
+                                 made.replace("deft-fp16", "no-such-scheme").replace("--iters 120", "--iters 90")])
+    capsys.readouterr()
+    assert (args.iters, args.eval_every) == (60, 20)  # the lm workload's own
