@@ -103,8 +103,8 @@ class DeftConfig:
     # benchmarks/results/prices_lag.md)
     rank_wait: bool = True
     # The compute of the iterations run while rank 0 plans in the background, against the profile
-    # iterations': beyond adapt_tolerance and the profile iterations' spread the first plan is priced on
-    # the profile's compute scaled by it (deft.runtime.compute_drift; benchmarks/results/prices_drift.md)
+    # iterations': sped up beyond adapt_tolerance and the profile iterations' spread, the first plan is priced
+    # on the profile's compute scaled by it (deft.runtime.compute_drift; benchmarks/results/prices_drift.md)
     compute_drift: bool = True
     preserver: bool = True
     preserver_max_tries: int = 10
@@ -127,8 +127,8 @@ class DeftConfig:
     # training leaves idle, which shortens the time to accuracy (measured: benchmarks/results/peers.md).
     planner_nice: int = 10
     # Opt-in: Python's GIL switch interval (ms) while a scheduled run has a gloo link, restored by close():
-    # gloo's worker threads run each send's completion callback (the adaptation's link clock, int8's average)
-    # and hold the link until they have the GIL, which a busy training thread keeps up to this long
+    # gloo's worker threads run a hook's completion callbacks (torch's PowerSGD, a user's hook) and hold
+    # the link until they have the GIL, which a busy training thread keeps up to this long
     # (deft.runtime.switch_interval; benchmarks/results/gloo_callbacks.md). 0: leave Python's own (5 ms); off
     # by default, as its passes on the GPT-2 disagreed (benchmarks/results/switch_interval_lm.md).
     switch_interval_ms: float = 0.0

@@ -27,8 +27,14 @@ def test_drift_is_the_ratio_of_the_lag_and_profile_medians_of_the_slowest_ranks_
 def test_a_drift_within_the_tolerance_is_recorded_not_applied() -> None:
     d = drift([2.0, 2.0, 2.0], [2.1, 2.1, 2.1], tolerance=0.1, min_samples=3)  # g = 1.05
     assert d is not None and d.factor == pytest.approx(1.05) and not d.applied
-    slower = drift([2.0], [2.5, 2.5, 2.5], tolerance=0.1, min_samples=3)  # g = 1.25: a slowdown drifts too
-    assert slower is not None and slower.applied
+
+
+
+def test_a_slowdown_is_recorded_not_applied() -> None:
+    # g = 1.25, beyond the tolerance and the profile's spread: rank 0's planner ran beside the lag
+    # iterations and may be all of it (compute_drift's Note)
+    slower = drift([2.0, 1.9, 2.1], [2.5, 2.5, 2.5], tolerance=0.1, min_samples=3)
+    assert slower is not None and slower.factor == pytest.approx(1.25) and not slower.applied
 
 
 def test_a_drift_within_the_profile_iterations_own_spread_is_not_applied() -> None:

@@ -12,10 +12,10 @@ inside it on both sides alike. The drift (:func:`drift`) is::
     g = median_{t in lag} max_r c_r(t) / median_{t in profile} max_r c_r(t)
 
 each iteration at the slowest rank (the pace, as the profile reduces its compute: :mod:`deft.profiler.pace`),
-then the median over the iterations (one slow iteration moves neither). Where ``|g - 1|`` exceeds
-``DeftConfig.adapt_tolerance`` and the drift exceeds the profile iterations' own spread (the lag
-iterations' median faster than the fastest profile iteration, or slower than the slowest) the first
-plan is priced on the profile with every compute time ``x g``
+then the median over the iterations (one slow iteration moves neither). Where the compute sped up
+(``g < 1``) by more than ``DeftConfig.adapt_tolerance`` and beyond the profile iterations' own spread
+(the lag iterations' median faster than the fastest profile iteration) the first plan is priced on the
+profile with every compute time ``x g``
 (:meth:`deft.profile.Profile.scaled`): the plan is not made again (the adaptation's first window decides
 that, against this price); otherwise the adaptation's first window takes the drift as it takes any error
 of that size. Why the spread: with more ranks than cores the profile iterations' compute varies by a
@@ -27,8 +27,12 @@ Note: what else is in ``g``. The lag iterations send with the codec the preserve
 the profile iterations sent exact (or the profile's codec) and rotated their buckets over the links: on
 a CPU machine whose cores the gloo threads share, part of ``g`` is the sends' lighter load on the
 compute, which the plan's iterations share (they send coded too). And rank 0's planner thread runs beside
-the lag iterations (at ``DeftConfig.planner_nice``), which the plan's do not: where it takes a core the
-compute needs, part of ``g`` is the planner's.
+every lag iteration (the plan is collected at the first boundary after it ends, :mod:`deft.runtime.background`),
+at ``DeftConfig.planner_nice``, which the plan's iterations do not: where it takes a core the compute
+needs, part of ``g`` is the planner's. The planner only slows the lag iterations, so a speed-up is the
+machine's (or the sends'), while a slowdown may be the planner's alone: a slowdown is recorded, not
+applied, and the adaptation's first window measures the plan without the planner (the measurements:
+benchmarks/results/prices_drift.md, "A slowdown is the planner's").
 """
 
 from __future__ import annotations
@@ -70,8 +74,8 @@ class ComputeClock:
 @dataclass(frozen=True)
 class Drift:
     """The profile iterations' and the lag iterations' compute (each the median of the slowest rank's),
-    their ratio ``factor`` (``g``), and whether the first plan is priced with it (beyond the tolerance and
-    the profile iterations' spread: module docstring)."""
+    their ratio ``factor`` (``g``), and whether the first plan is priced with it (a speed-up beyond the
+    tolerance and the profile iterations' spread: module docstring)."""
 
     profile_s: float
     lag_s: float
@@ -98,5 +102,5 @@ def drift(profile_rows: Sequence[float], lag_rows: Sequence[float], tolerance: f
         return None
     p, q = statistics.median(prof), statistics.median(lag)
     g = q / p
-    beyond_spread = q < min(prof) or q > max(prof)
-    return Drift(p, q, g, abs(g - 1.0) > tolerance and beyond_spread, len(lag), (tuple(prof), tuple(lag)))
+    # a speed-up only (module docstring, Note): the planner beside the lag iterations can only slow them
+    return Drift(p, q, g, g < 1.0 - tolerance and q < min(prof), len(lag), (tuple(prof), tuple(lag)))

@@ -7,10 +7,10 @@ of deft's threads wait so:
 
 * rank 0's background planner (:mod:`deft.runtime.background`): each take-back of the training thread
   waits on it, and the iteration beside the planner is slowed;
-* gloo's worker threads, which run a send's completion callbacks (the adaptation's link clock stamps
-  every send, int8's hook averages its pieces, the link-failover verdicts): the callback holds its gloo
-  thread, and with it the link, until it has the GIL (benchmarks/results/gloo_callbacks.md): held
-  only where ``switch_interval_ms`` asks for it.
+* gloo's worker threads, which run a send's completion callbacks (torch's PowerSGD hook chains its
+  collectives so, a user's hook may): the callback holds its gloo thread, and with it the link, until it
+  has the GIL (benchmarks/results/gloo_callbacks.md; deft's own completions are learnt off those
+  threads, :mod:`deft.runtime.completions`): held only where ``switch_interval_ms`` asks for it.
 
 :data:`SWITCH` holds the interval at the shortest one asked for while any holder is active, never
 longer than the caller's own, and gives the caller's value back once the last holder has left.
