@@ -627,7 +627,9 @@ def test_too_few_iterations_beside_the_plan_leave_the_warm_up_as_the_candidate()
     a, b = values(run_ranks(lag_back_worker, 2, args=(2,), timeout=180))
     assert a["digests"] == b["digests"] and a["adapt"] == b["adapt"]
     assert 1 <= len(a["lag"]) <= 2
-    assert a["adapt"] and all(r["synchronous_s"] >= 2 * SLOW_S for r in a["adapt"])
+    # the first window weighs the warm-up's time (a later episode, re-opened by a blip on a busy machine,
+    # forgets the candidate: Adapter.reopen)
+    assert a["adapt"] and a["adapt"][0]["synchronous_s"] >= 2 * SLOW_S
     assert not any("synchronous" in r.get("decision", "") for r in a["adapt"])
     assert a["digests"][-1] != a["digests"][a["lag"][-1]]  # the run ends on a plan, not the warm-up's schedule
     assert sorted(t for _, its in a["log"] for t in its) == list(range(SYNC_ITERS))
