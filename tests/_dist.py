@@ -225,3 +225,33 @@ def slow_first_planner(rank: int, seconds: float) -> None:
         return slow(*args, **kwargs)
 
     planning.make_schedule = slowed  # type: ignore[assignment]  # this spawned process only
+
+
+#: How long :func:`next_send_ends_while_python_holds_the_gil` holds the GIL: a 256 KB send on loopback
+#: takes milliseconds.
+HOLD_S = 3.0
+
+
+def next_send_ends_while_python_holds_the_gil(group: Any) -> bool:
+    """Launch a 256 KB all-reduce on ``group`` and run pure Python, holding the GIL (a switch interval
+    longer than the loop: nothing takes it away), until it completes or :data:`HOLD_S` passes: did it
+    complete meanwhile? On a serial link (one gloo thread) it does not where something before it makes
+    gloo's thread wait for the GIL. Its future's ``done()`` keeps the GIL (``Work.is_completed`` lets it
+    go); the send is waited for before returning."""
+    import torch
+    import torch.distributed as dist
+
+    work = dist.all_reduce(torch.ones(1 << 16), group=group, async_op=True)
+    assert work is not None
+    fut = work.get_future()
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(HOLD_S * 4)
+    try:
+        t0 = time.perf_counter()
+        while not fut.done() and time.perf_counter() - t0 < HOLD_S:
+            pass
+        during = fut.done()
+    finally:
+        sys.setswitchinterval(before)
+    fut.wait()
+    return during

@@ -5,7 +5,6 @@ callback, or a gloo all-gather's future taken at all, the broken variants, hold 
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from typing import Any
@@ -16,10 +15,9 @@ import torch.distributed as dist
 
 from deft.runtime.completions import Completions
 from deft.runtime.link_queue import serial_gloo_group
-from tests._dist import run_ranks, values
+from tests._dist import next_send_ends_while_python_holds_the_gil, run_ranks, values
 
 WAIT_S = 10.0  # generous: the events are set as soon as the stamping thread runs
-HOLD_S = 3.0  # the main thread's pure-Python loop: two 256 KB sends on loopback take milliseconds
 
 
 def _stamper_threads() -> list[str]:
@@ -100,17 +98,7 @@ def _second_send_while_python_runs(rank: int, world: int, first_by: str) -> dict
         stamper.watch("primary", first, stamps)
     elif first_by == "then":
         first.then(lambda _f: stamps.append(time.perf_counter()))
-    second = dist.all_reduce(torch.ones(1 << 16), group=group, async_op=True).get_future()
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(HOLD_S * 4)
-    try:
-        t0 = time.perf_counter()
-        while not second.done() and time.perf_counter() - t0 < HOLD_S:  # the GIL is held throughout
-            pass
-        during = second.done()
-    finally:
-        sys.setswitchinterval(before)
-    second.wait()
+    during = next_send_ends_while_python_holds_the_gil(group)
     first.wait()
     dist.barrier()
     return {"second_during_python": during}

@@ -9,8 +9,6 @@ gradients (``max |g| / 127`` per 256 elements), not read from the hook.
 from __future__ import annotations
 
 import math
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,7 @@ from deft.runtime.codecs.hooks import HookBucket, codec_hook, from_config
 from deft.runtime.codecs.wire import int8_nbytes, wire_nbytes
 from deft.runtime.int8_hook import Int8State, int8_compress_hook  # the public path (README)
 from deft.schedule import CommTask, Schedule, StagePlan, Update
-from tests._dist import amp_steps, run_ranks, train_steps, values
+from tests._dist import amp_steps, next_send_ends_while_python_holds_the_gil, run_ranks, train_steps, values
 
 N = 1000  # not a multiple of the 256-element block: the last block is padded
 DRAWS = 300
@@ -262,8 +260,6 @@ def test_a_payload_gathered_in_pieces_decodes_as_gathered_whole_and_a_failed_pie
         assert "injected" in r["failed"], r
 
 
-HOLD_S = 3.0  # the main thread's pure-Python loop: a 256 KB send on loopback takes milliseconds
-
 
 def held_link_worker(rank: int, world: int) -> dict[str, Any]:
     """The hook's gather on a serial link (one gloo thread), then the link's next send while the main
@@ -278,18 +274,7 @@ def held_link_worker(rank: int, world: int) -> dict[str, Any]:
     dist.barrier(group=link)
     buf = gradient(rank)
     fut = int8_compress_hook(state, HookBucket(0, buf, [buf], [buf], True))
-    work = dist.all_reduce(torch.ones(1 << 16), group=link, async_op=True)
-    assert work is not None
-    second = work.get_future()  # its done() keeps the GIL (Work.is_completed lets it go)
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(HOLD_S * 4)
-    try:
-        t0 = time.perf_counter()
-        while not second.done() and time.perf_counter() - t0 < HOLD_S:
-            pass
-        during = second.done()
-    finally:
-        sys.setswitchinterval(before)
+    during = next_send_ends_while_python_holds_the_gil(link)
     average = fut.wait()
     dist.barrier()
     return {"during": during, "average": average.tolist()}

@@ -8,9 +8,7 @@ in different orders, and a lost link's sends are summed again from the local gra
 
 from __future__ import annotations
 
-import sys
 import threading
-import time
 from collections.abc import Callable
 
 import pytest
@@ -19,10 +17,9 @@ import torch.distributed as dist
 
 from deft.runtime.link_queue import serial_gloo_group
 from deft.runtime.verdicts import VerdictChain, flat_sum
-from tests._dist import run_ranks, values
+from tests._dist import next_send_ends_while_python_holds_the_gil, run_ranks, values
 
 LINKS = ["primary", "second", "third"]
-HOLD_S = 3.0  # the main thread's pure-Python loop: a 256 KB send on loopback takes milliseconds
 
 
 def _chain() -> VerdictChain:
@@ -179,18 +176,7 @@ def held_link_worker(rank: int, world: int) -> dict[str, object]:
     first = dist.all_reduce(torch.ones(1 << 16), group=link, async_op=True)
     assert first is not None
     v = chain.open(["second"], [first.get_future()], [_local(rank)], [_what], 30.0, set())
-    work = dist.all_reduce(torch.ones(1 << 16), group=link, async_op=True)
-    assert work is not None
-    second = work.get_future()  # its done() keeps the GIL (Work.is_completed lets it go)
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(HOLD_S * 4)
-    try:
-        t0 = time.perf_counter()
-        while not second.done() and time.perf_counter() - t0 < HOLD_S:
-            pass
-        during = second.done()
-    finally:
-        sys.setswitchinterval(before)
+    during = next_send_ends_while_python_holds_the_gil(link)
     chain.wait(v, "send")
     return {"during": during, "lost": sorted(v.lost)}
 
