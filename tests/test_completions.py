@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deft.runtime.completions import Completions
+from deft.runtime.completions import Completions, wait_stamped
 from deft.runtime.link_queue import serial_gloo_group
 from tests._dist import next_send_ends_while_python_holds_the_gil, run_ranks, values
 
@@ -111,3 +111,39 @@ def _second_send_while_python_runs(rank: int, world: int, first_by: str) -> dict
 def test_a_watched_send_does_not_hold_the_link_while_python_runs(first_by: str) -> None:
     for r in values(run_ranks(_second_send_while_python_runs, world=2, args=(first_by,), timeout=120)):
         assert r["second_during_python"], r
+
+
+def test_a_links_stuck_send_holds_only_its_own_later_stamps_from_the_wait() -> None:
+    # primary: a send that never completes (a lost link), then one that did; second: one that did. The
+    # wait returns: it waits for the second link's stamp and not for the primary's later one, which the
+    # stuck send holds (its thread waits on that send first)
+    stamper = Completions()
+    stuck, after, other = (torch.futures.Future() for _ in range(3))
+    s_after: list[float] = []
+    s_other: list[float] = []
+    e_stuck = stamper.watch("primary", stuck, [])
+    e_after = stamper.watch("primary", after, s_after)
+    e_other = stamper.watch("second", other, s_other)
+    after.set_result(None)
+    other.set_result(None)
+    wait_stamped([("primary", [stuck, after], [e_stuck, e_after]), ("second", [other], [e_other])])
+    assert len(s_other) == 1 and e_other.is_set()
+    assert s_after == [] and not e_after.is_set()
+    stuck.set_result(None)  # the link comes back: its later stamp follows
+    assert e_after.wait(WAIT_S) and len(s_after) == 1
+
+
+def test_an_action_that_raises_is_logged_and_the_links_next_future_is_served(
+        caplog: pytest.LogCaptureFixture) -> None:
+    stamper = Completions()
+    first, second = torch.futures.Future(), torch.futures.Future()
+
+    def broken() -> None:
+        raise RuntimeError("injected: the verdict's pump failed")
+
+    stamper.watch("primary", first, then=broken)
+    done = stamper.watch("primary", second, [])
+    first.set_result(None)
+    second.set_result(None)
+    assert done.wait(WAIT_S)
+    assert "injected: the verdict's pump failed" in caplog.text and "link 'primary'" in caplog.text

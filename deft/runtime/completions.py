@@ -28,13 +28,15 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
+
+log = logging.getLogger("deft.runtime")
 
 #: Seconds a link's thread waits for another future before it ends.
 IDLE_S = 1.0
@@ -55,7 +57,7 @@ class Completions:
               then: Callable[[], None] | None = None) -> threading.Event:
         """Once ``fut`` completes, after every future watched on ``link`` before it: append its completion
         time to ``stamps`` (nothing if it failed), set the returned event, then call ``then()`` on the
-        link's thread (an exception it raises is its own to report: it is dropped here)."""
+        link's thread (an exception it raises is logged, and the link's next future is waited on)."""
         done = threading.Event()
         with self._lock:
             q = self._queues.setdefault(link, queue.SimpleQueue())
@@ -86,8 +88,10 @@ class Completions:
             finally:
                 done.set()
             if then is not None:
-                with contextlib.suppress(Exception):  # the link's later futures must not die with it
+                try:
                     then()
+                except Exception:  # logged: the link's later futures must not die with it
+                    log.exception("deft: an action on a completed collective of link %r failed", link)
 
 
 def wait_stamped(sends: Iterable[tuple[str, Sequence[torch._C.Future[object]], Sequence[threading.Event]]]) -> None:

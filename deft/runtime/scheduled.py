@@ -426,7 +426,7 @@ def _watched_call(recorder: FirstUseRecorder, module: nn.Module, *args: Any, **k
 
 def _hold_switch_interval(owner: ScheduledRun, ms: float, links: dict[str, CommLink]) -> weakref.finalize | None:
     """Python's switch interval at ``ms`` while ``owner`` lives or until the returned finalizer is called
-    (:mod:`deft.runtime.switch_interval`), where a link is gloo (its threads run the sends' callbacks)."""
+    (:mod:`deft.runtime.switch_interval`), where a link is gloo (its threads run hooks' callbacks)."""
     if ms <= 0 or not any(link.backend == "gloo" for link in links.values()):
         return None
     return weakref.finalize(owner, SWITCH.release, SWITCH.hold(ms / 1000))
