@@ -63,7 +63,7 @@ def first_plans(dirs: list[Path]) -> list[FirstPlan]:
             measured = first.get("measured_s")
             if not measured:
                 continue
-            model = "GPT-2" if summary.get("final_val_loss") is not None else "CNN"
+            model = "GPT-2" if summary.get("final_val_loss") is not None else "CNN"  # lm runs record a loss
             out.append(FirstPlan(str(path.relative_to(d.parent)), model, float(summary["rate_mbit"]),
                                  int(summary.get("world_size") or 0), float(drift["factor"]),
                                  first["predicted_s"] / measured - 1, drift["predicted_before_s"] / measured - 1))
