@@ -251,7 +251,7 @@ def scale_workers(profile: Profile, workers: int, cores: int | None = None) -> P
 # --------------------------------------------------------------------------------------------------
 # The event engine
 # --------------------------------------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)  # slots: the engine makes thousands of these per simulation
 class _Compute:
     kind: str
     bucket: int
@@ -263,7 +263,7 @@ class _Compute:
     end: float = math.nan
 
 
-@dataclass
+@dataclass(slots=True)
 class _Comm:
     link: str
     duration: float
@@ -330,8 +330,7 @@ class _Engine:
         event is left. Raises when a compute task is still waiting then (a dependency never sent)."""
         loop = _EventLoop(self)
         while True:
-            while loop.kick():
-                pass
+            loop.kick()
             if not loop.heap:
                 break
             loop.handle_instant()
@@ -377,6 +376,9 @@ class _EventLoop:
         self.shared = bool(eng.contention or eng.drag)  # Note [shared processor]
         self.work: dict[tuple[str, int], tuple[float, float]] = {}  # running task -> (work left, speed)
         self.work_at = 0.0  # when ``work`` was last settled
+        # the links by discipline, fixed for the run: priority + credit, or launch order
+        self.credited = [lk for lk in eng.links if lk in eng.credit]
+        self.ordered = [(lk, eng.order[lk]) for lk in eng.links if lk not in eng.credit]
 
     def push(self, t: float, kind: str, idx: int) -> None:
         heapq.heappush(self.heap, (t, self.seq, kind, idx))
@@ -447,32 +449,37 @@ class _EventLoop:
         if c.link in self.eng.credit and self.available(cid):
             heapq.heappush(self.ready_q[c.link], (c.priority, cid))
 
-    def kick(self) -> bool:
-        """Hand every send that may go to its link, then start the next compute task if it can;
-        whether anything happened."""
-        progress = self._dispatch_links()
-        started = self._start_compute()
-        return progress or started
+    def kick(self) -> None:
+        """Hand every send that may go to its link, then start the next compute task if it can, and
+        hand the sends that task launched. Nothing more can happen at this instant then: handing a send
+        ends none (so no compute task waiting on one can start), and the started task holds the stream."""
+        self._dispatch_links()
+        if self._start_compute():
+            self._dispatch_links()
 
     def _dispatch_links(self) -> bool:
         eng = self.eng
         progress = False
-        for lk in eng.links:
-            if lk in eng.credit:
-                q = self.ready_q[lk]
-                # ByteScheduler's Algorithm 1, line 16: remaining credit > size (strictly); a piece
-                # no smaller than the whole credit goes alone rather than never.
-                while q and (self.in_flight[lk] == 0
-                             or eng.credit[lk] - self.in_flight[lk] > eng.comms[q[0][1]].nbytes):
-                    _, cid = heapq.heappop(q)
-                    self.dispatch(cid)
-                    progress = True
-            else:
-                order = eng.order[lk]
-                while self.head[lk] < len(order) and self.available(order[self.head[lk]]):
-                    self.dispatch(order[self.head[lk]])
-                    self.head[lk] += 1
-                    progress = True
+        for lk in self.credited:
+            q = self.ready_q[lk]
+            # ByteScheduler's Algorithm 1, line 16: remaining credit > size (strictly); a piece
+            # no smaller than the whole credit goes alone rather than never.
+            while q and (self.in_flight[lk] == 0
+                         or eng.credit[lk] - self.in_flight[lk] > eng.comms[q[0][1]].nbytes):
+                _, cid = heapq.heappop(q)
+                self.dispatch(cid)
+                progress = True
+        comms, handed = eng.comms, self.handed
+        for lk, order in self.ordered:
+            head = self.head[lk]
+            while head < len(order):
+                c = comms[order[head]]  # available(): launched, its gradient done, not yet handed
+                if not (c.launched and c.grad_ready and order[head] not in handed):
+                    break
+                self.dispatch(order[head])
+                head += 1
+                progress = True
+            self.head[lk] = head
         return progress
 
     def _start_compute(self) -> bool:
@@ -482,8 +489,10 @@ class _EventLoop:
         if self.compute_busy or self.ci >= len(eng.compute):
             return False
         task = eng.compute[self.ci]
-        if not all(self.finished[d] for d in task.deps):
-            return False
+        finished = self.finished
+        for d in task.deps:
+            if not finished[d]:
+                return False
         task.start = self.now
         if self.shared and task.duration > 0:
             self._settle()
@@ -580,11 +589,13 @@ def _iteration_tasks(eng: _Engine, profile: Profile, t: int, fwd_deps: dict[int,
     tasks.fwd = [eng.add_compute(_Compute("forward", b, t, profile.times[b].forward_s,
                                           deps=list(fwd_deps.get(b, ())))) for b in range(n - 1, -1, -1)]
     tasks.pre_bwd = [eng.add_compute(_Compute("codec", b, t, d)) for b, d in pre_bwd]
+    codecs_after: dict[int, list[float]] = {}
+    for bb, d in after:
+        codecs_after.setdefault(bb, []).append(d)
     for b in range(n):
         tasks.bwd.append(eng.add_compute(_Compute("backward", b, t, profile.times[b].backward_s)))
-        for bb, d in after:
-            if bb == b:
-                tasks.after.setdefault(b, []).append(eng.add_compute(_Compute("codec", b, t, d)))
+        for d in codecs_after.get(b, ()):
+            tasks.after.setdefault(b, []).append(eng.add_compute(_Compute("codec", b, t, d)))
     return tasks
 
 
@@ -751,16 +762,25 @@ class _ScheduleGraph:
         self.bwd_of: dict[int, list[int]] = {}  # iteration -> its backward tasks' ids, by bucket
         self.comm_of: dict[tuple[int, int], int] = {}  # (group's last iteration, bucket) -> comm id
         self.ahead: dict[tuple[int, int], int] = {}    # sends of updates finishing in the forward, by (last, bucket)
+        self.ahead_of: dict[int, dict[int, int]] = {}  # the same by last iteration: bucket -> comm id
+        # each position's update group (looked up per send)
+        self.update_at = tuple(schedule.updates[schedule.group_of(p)] for p in range(schedule.cycle))
+        self.deferred_at = tuple(frozenset(u.deferred) for u in self.update_at)
         self.lag = link_lags(profile)
         self.guarded = {lk.name for lk in profile.links[1:] if lk.guarded}
         self.primary = profile.links[0].name
         self.verdict_s = link_model(profile, self.primary)[0] if self.guarded else 0.0
 
     def _finishing(self, position: int) -> bool:
-        return self.schedule.updates[self.schedule.group_of(position)].finish_in_forward
+        return self.update_at[position % self.schedule.cycle].finish_in_forward
 
-    def _deferred(self, position: int) -> tuple[int, ...]:
-        return self.schedule.updates[self.schedule.group_of(position)].deferred
+    def _deferred(self, position: int) -> frozenset[int]:
+        return self.deferred_at[position % self.schedule.cycle]
+
+    def _send_ahead(self, last: int, bucket: int, cid: int) -> None:
+        """Send ``cid`` of ``bucket``'s update ending at ``last`` is waited for by the next forward."""
+        self.ahead[(last, bucket)] = cid
+        self.ahead_of.setdefault(last, {})[bucket] = cid
 
     def _add(self, task_link: str, bucket: int, last: int, t: int, label: str, after: int | None = None) -> int:
         """A send of ``bucket`` of the group ending at ``last``, launched in iteration ``t``; it waits for
@@ -774,8 +794,10 @@ class _ScheduleGraph:
     def _sent(self, position: int, stage: str) -> list[CommTask]:
         """The stage's sends, less the forward sends of a lag-free update: those are launched right after
         their group's backward instead (:meth:`_launch_next_forward_sends`)."""
-        return [task for task in self.schedule.stage(position, stage).comms
-                if not (stage == "forward" and task.origin == 1 and self._finishing(position - 1))]
+        comms = self.schedule.stage(position, stage).comms
+        if stage == "forward" and self._finishing(position - 1):
+            return [task for task in comms if task.origin != 1]
+        return list(comms)
 
     def _codec(self, tasks: Sequence[CommTask]) -> list[tuple[int, float]]:
         profile = self.profile
@@ -795,7 +817,7 @@ class _ScheduleGraph:
         self.bwd_of[t] = tasks.bwd
         self._wait_for_forward_sends(t, tasks.fwd)
         self._launch_stage_sends(t, p, tasks, fwd_sent, bwd_sent)
-        if self._finishing(p) and self.schedule.updates[self.schedule.group_of(p)].last == p:
+        if self._finishing(p) and self.update_at[p].last == p:
             self._launch_next_forward_sends(t, p)
         self._optimizer_step(t, p)
 
@@ -803,7 +825,7 @@ class _ScheduleGraph:
         """The forward of bucket ``b``'s module (``fwd`` lists buckets ``n-1..0``) waits for the send of a
         lag-free update finishing in this forward: the runtime's wait in the module's pre-hook."""
         n, eng = self.profile.n, self.eng
-        ahead = {b: self.ahead[(t - 1, b)] for b in range(n) if (t - 1, b) in self.ahead}
+        ahead = dict(sorted(self.ahead_of.get(t - 1, {}).items()))  # by bucket
         judged = [cid for cid in ahead.values() if eng.comms[cid].link in self.guarded]
         verdict = eng.add_verdict(self.primary, self.verdict_s, judged, t - 1) if judged else None
         for b, cid in ahead.items():
@@ -829,7 +851,7 @@ class _ScheduleGraph:
                 eng.compute[first].launches.append(cid)
                 self.comm_of[(last, task.bucket)] = cid
                 if stage == "backward" and task.origin == 0 and task.bucket in self._deferred(p):
-                    self.ahead[(last, task.bucket)] = cid  # sent now, waited for by the next forward
+                    self._send_ahead(last, task.bucket, cid)  # sent now, waited for by the next forward
 
     def _launch_next_forward_sends(self, t: int, p: int) -> None:
         """A lag-free update ending at ``p``: its next-forward sends are launched right after this
@@ -842,7 +864,7 @@ class _ScheduleGraph:
                 encode = eng.add_compute(_Compute("codec", task.bucket, t, d)) if d > 0 else None
                 cid = self._add(task.link, task.bucket, t, t + 1, f"{task.bucket}(f)", encode)
                 eng.compute[marker].launches.append(cid)
-                self.ahead[(t, task.bucket)] = cid
+                self._send_ahead(t, task.bucket, cid)
 
     def _optimizer_step(self, t: int, p: int) -> None:
         """The step after position ``p`` waits for every send of the updates due there, except those
