@@ -92,45 +92,62 @@ def warmup_priced(doc: dict[str, Any]) -> str:
     return f"{simulated * 1e3:.0f} / {measured * 1e3:.0f} ({measured / simulated:.2f}x)"
 
 
-def lag_priced(doc: dict[str, Any]) -> str:
-    """The run's first plan priced with the last rank's lag, simulated on the profile the plan was made on
-    against the first window's measurement: "simulated / measured (error)". Where the run's deft priced
-    it (the profile's links carry ``lag_s``, ``DeftConfig.rank_wait``), that price, and the same plan
-    simulated without it ("; without it N"); where it did not, each link's ``lag_s`` set to its sends'
-    mean lag (``meta["rank_lag_s"]``) as deft would. Only where the saved schedule is the first
-    plan (the first record's) and the saved profile is the first plan's, uncorrected or corrected once
-    by that record's factors (undone here); "-" for any other run."""
+def first_plan(doc: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]] | None:
+    """The run's first plan as it was priced: ``(schedule, profile, record)``, the profile the plan was made
+    on cut into the plan's pieces and the first adaptation window's record. Only where the saved schedule
+    is the first plan (the first record's) and the saved profile is the first plan's, uncorrected or
+    corrected once by that record's factors (undone here); None for any other run."""
     from deft.config import DeftConfig
     from deft.errors import DeftError
     from deft.profile import Profile
     from deft.schedule import Schedule
     from deft.solver.partition import profile_for_schedule
-    from deft.solver.simulate import simulate_schedule
 
     sched = doc["summary"].get("schedule") or {}
     saved_config = doc["summary"].get("config")
     records = [r for r in (sched.get("plan_info") or {}).get("adapt") or [] if isinstance(r, dict)]
-    lags = ((sched.get("profile") or {}).get("meta") or {}).get("rank_lag_s")
-    if not records or not lags or not sched.get("schedule"):
-        return "-"
+    if not records or not sched.get("schedule") or not sched.get("profile"):
+        return None
     first = records[0]
     try:
         schedule = Schedule.from_dict(sched["schedule"], "the run's saved schedule")
         profile = Profile.from_dict(sched["profile"], "the run's saved profile")
-        if schedule.digest() != first.get("schedule") or set(lags) != set(schedule.links):
-            return "-"
+        if schedule.digest() != first.get("schedule"):
+            return None
         if isinstance(first.get("compute_factor"), float) and isinstance(first.get("comm_factor"), float):
             if len(records) > 1:
-                return "-"  # corrected again since: the first plan's profile is not recoverable
+                return None  # corrected again since: the first plan's profile is not recoverable
             profile = profile.scaled(1 / first["compute_factor"], 1 / first["comm_factor"])
         config = DeftConfig.load(saved_config) if isinstance(saved_config, str) and Path(saved_config).is_file() \
             else DeftConfig()
-        profile = profile_for_schedule(profile, schedule, config)  # the plan's pieces, where it cut buckets
-        priced = any(lk.lag_s > 0 for lk in profile.links)
+        return schedule, profile_for_schedule(profile, schedule, config), first  # the plan's pieces
+    except DeftError:
+        return None
 
-        def lagging(lag: Any) -> Any:
-            return replace(profile, links=tuple(replace(lk, lag_s=lag(lk)) for lk in profile.links))
 
+def lag_priced(doc: dict[str, Any]) -> str:
+    """The run's first plan (:func:`first_plan`) priced with the last rank's lag, simulated on the profile
+    the plan was made on against the first window's measurement: "simulated / measured (error)". Where the
+    run's deft priced it (the profile's links carry ``lag_s``, ``DeftConfig.rank_wait``), that price, and
+    the same plan simulated without it ("; without it N"); where it did not, each link's ``lag_s`` set to
+    its sends' mean lag (``meta["rank_lag_s"]``) as deft would. "-" for a run whose first plan is not
+    recoverable or that recorded no lag."""
+    from deft.errors import DeftError
+    from deft.solver.simulate import simulate_schedule
+
+    lags = (((doc["summary"].get("schedule") or {}).get("profile") or {}).get("meta") or {}).get("rank_lag_s")
+    found = first_plan(doc) if lags else None
+    if found is None:
+        return "-"
+    schedule, profile, first = found
+    if set(lags) != set(schedule.links):
+        return "-"
+    priced = any(lk.lag_s > 0 for lk in profile.links)
+
+    def lagging(lag: Any) -> Any:
+        return replace(profile, links=tuple(replace(lk, lag_s=lag(lk)) for lk in profile.links))
+
+    try:
         simulated = simulate_schedule(profile if priced else lagging(
             lambda lk: lags[lk.name]["mean"] if lk.name in lags else 0.0), schedule).iteration_s
         without = simulate_schedule(lagging(lambda lk: 0.0), schedule).iteration_s if priced else None
