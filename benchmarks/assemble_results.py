@@ -13,6 +13,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ORDER = [
     "summary.md",
+    "hosts_scorecard.md",
     "peers.md",
     "peers_lm.md",
     "peers_lm_safe.md",
@@ -56,6 +57,8 @@ ORDER = [
     "completions_lm.md",
     "completions_cnn.md",
     "drift_sign_lm.md",
+    "peers_lm_sim.md",
+    "prices_head.md",
     "runtime_ab.md",
     "codec_paths.md",
     "slow_links.md",
