@@ -58,6 +58,7 @@ ORDER = [
     "completions_cnn.md",
     "drift_sign_lm.md",
     "peers_lm_sim.md",
+    "peers_lm_sim2.md",
     "prices_head.md",
     "runtime_ab.md",
     "codec_paths.md",
