@@ -23,7 +23,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +121,29 @@ def update_section(key: str, text: str, path: Path = RESULTS) -> None:
         new = old.rstrip() + "\n\n" + body
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(new, encoding="utf-8")
+
+
+def saved_runs(dirs: Iterable[Path]) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """Every run ``bench_peers.py --save-runs`` recorded under ``dirs`` (recursively): its path and its
+    record; copies under a ``by/`` folder, hosts' own records and unreadable files left out."""
+    for d in dirs:
+        for path in sorted(d.rglob("*.r*.json")):
+            if "by" in path.relative_to(d).parts or ".host" in path.name:
+                continue
+            try:
+                doc = json.loads(path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError:
+                continue
+            if isinstance(doc, dict) and isinstance(doc.get("summary"), dict):
+                yield path, doc
+
+
+def report_section(text: str, key: str, path: Path, write: bool) -> int:
+    """A report script's end: print its section and, where ``write``, put it in ``path`` under ``key``."""
+    print(text)
+    if write:
+        update_section(key, text, path)
+    return 0
 
 
 def command_line() -> str:

@@ -18,20 +18,18 @@ drag-aware plan would measure. Writes its section of ``benchmarks/results/prices
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
-from bench_links import command_line, update_section  # noqa: E402
+from bench_links import command_line, report_section, saved_runs  # noqa: E402
 from bench_prices import first_plan  # noqa: E402
 
 RESULTS = HERE / "results" / "prices_drag.md"
@@ -59,14 +57,8 @@ def first_plans(dirs: Sequence[Path], drags: Sequence[float]) -> list[FirstPlan]
 
     out = []
     for d in dirs:
-        for path in sorted(d.rglob("*.r*.json")):
-            if "by" in path.relative_to(d).parts or ".host" in path.name:
-                continue
-            try:
-                doc: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-                summary = doc["summary"]
-            except (json.JSONDecodeError, KeyError):
-                continue
+        for path, doc in saved_runs([d]):
+            summary = doc["summary"]
             found = first_plan(doc)
             if found is None:
                 continue
@@ -146,11 +138,8 @@ def main() -> int:
         print("report_drag: no run with a recoverable first plan in " + ", ".join(map(str, args.dirs)),
               file=sys.stderr)
         return 1
-    text = report(plans, drags, command_line().replace("sudo ", "", 1))
-    print(text)
-    if not args.no_write:
-        update_section("drag_offline", text, RESULTS)
-    return 0
+    return report_section(report(plans, drags, command_line().replace("sudo ", "", 1)), "drag_offline", RESULTS,
+                          not args.no_write)
 
 
 if __name__ == "__main__":

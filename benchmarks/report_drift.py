@@ -14,7 +14,6 @@ first plans each way are within 15 % of their window. Writes its section of
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_links import command_line, update_section  # noqa: E402
+from benchmarks.bench_links import command_line, report_section, saved_runs  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "prices_drift.md"
 WITHIN = 0.15
@@ -46,13 +45,8 @@ class FirstPlan:
 def first_plans(dirs: list[Path]) -> list[FirstPlan]:
     out = []
     for d in dirs:
-        for path in sorted(d.rglob("*.r*.json")):
-            if "by" in path.relative_to(d).parts or ".host" in path.name:
-                continue
-            try:
-                summary = json.loads(path.read_text(encoding="utf-8"))["summary"]
-            except (json.JSONDecodeError, KeyError):
-                continue
+        for path, doc in saved_runs([d]):
+            summary = doc["summary"]
             sched = summary.get("schedule")
             info = sched.get("plan_info") if isinstance(sched, dict) else None
             drift = (info or {}).get("compute_drift")
@@ -116,11 +110,8 @@ def main() -> int:
         print("report_drift: no run priced on the compute's drift in " + ", ".join(map(str, args.dirs)),
               file=sys.stderr)
         return 1
-    text = report(plans, command_line().replace("sudo ", "", 1))
-    print(text)
-    if not args.no_write:
-        update_section("drift_sign", text, RESULTS)
-    return 0
+    return report_section(report(plans, command_line().replace("sudo ", "", 1)), "drift_sign", RESULTS,
+                          not args.no_write)
 
 
 if __name__ == "__main__":
