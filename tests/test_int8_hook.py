@@ -260,7 +260,6 @@ def test_a_payload_gathered_in_pieces_decodes_as_gathered_whole_and_a_failed_pie
         assert "injected" in r["failed"], r
 
 
-
 def held_link_worker(rank: int, world: int) -> dict[str, Any]:
     """The hook's gather on a serial link (one gloo thread), then the link's next send while the main
     thread runs pure Python, holding the GIL (a switch interval longer than the loop): the next send

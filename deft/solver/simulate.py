@@ -457,9 +457,8 @@ class _EventLoop:
         if self._start_compute():
             self._dispatch_links()
 
-    def _dispatch_links(self) -> bool:
+    def _dispatch_links(self) -> None:
         eng = self.eng
-        progress = False
         for lk in self.credited:
             q = self.ready_q[lk]
             # ByteScheduler's Algorithm 1, line 16: remaining credit > size (strictly); a piece
@@ -468,7 +467,6 @@ class _EventLoop:
                          or eng.credit[lk] - self.in_flight[lk] > eng.comms[q[0][1]].nbytes):
                 _, cid = heapq.heappop(q)
                 self.dispatch(cid)
-                progress = True
         comms, handed = eng.comms, self.handed
         for lk, order in self.ordered:
             head = self.head[lk]
@@ -478,9 +476,7 @@ class _EventLoop:
                     break
                 self.dispatch(order[head])
                 head += 1
-                progress = True
             self.head[lk] = head
-        return progress
 
     def _start_compute(self) -> bool:
         """The compute stream runs its tasks in order, each once the sends it depends on have ended;
@@ -761,8 +757,8 @@ class _ScheduleGraph:
         self.ready = profile.gradient_ready
         self.bwd_of: dict[int, list[int]] = {}  # iteration -> its backward tasks' ids, by bucket
         self.comm_of: dict[tuple[int, int], int] = {}  # (group's last iteration, bucket) -> comm id
-        self.ahead: dict[tuple[int, int], int] = {}    # sends of updates finishing in the forward, by (last, bucket)
-        self.ahead_of: dict[int, dict[int, int]] = {}  # the same by last iteration: bucket -> comm id
+        # sends of updates finishing in the next forward: group's last iteration -> bucket -> comm id
+        self.ahead: dict[int, dict[int, int]] = {}
         # each position's update group (looked up per send)
         self.update_at = tuple(schedule.updates[schedule.group_of(p)] for p in range(schedule.cycle))
         self.deferred_at = tuple(frozenset(u.deferred) for u in self.update_at)
@@ -779,8 +775,7 @@ class _ScheduleGraph:
 
     def _send_ahead(self, last: int, bucket: int, cid: int) -> None:
         """Send ``cid`` of ``bucket``'s update ending at ``last`` is waited for by the next forward."""
-        self.ahead[(last, bucket)] = cid
-        self.ahead_of.setdefault(last, {})[bucket] = cid
+        self.ahead.setdefault(last, {})[bucket] = cid
 
     def _add(self, task_link: str, bucket: int, last: int, t: int, label: str, after: int | None = None) -> int:
         """A send of ``bucket`` of the group ending at ``last``, launched in iteration ``t``; it waits for
@@ -825,7 +820,7 @@ class _ScheduleGraph:
         """The forward of bucket ``b``'s module (``fwd`` lists buckets ``n-1..0``) waits for the send of a
         lag-free update finishing in this forward: the runtime's wait in the module's pre-hook."""
         n, eng = self.profile.n, self.eng
-        ahead = dict(sorted(self.ahead_of.get(t - 1, {}).items()))  # by bucket
+        ahead = dict(sorted(self.ahead.get(t - 1, {}).items()))  # by bucket
         judged = [cid for cid in ahead.values() if eng.comms[cid].link in self.guarded]
         verdict = eng.add_verdict(self.primary, self.verdict_s, judged, t - 1) if judged else None
         for b, cid in ahead.items():
@@ -875,7 +870,8 @@ class _ScheduleGraph:
         for g, back in schedule.updates_due(p):
             last = (t // c - back) * c + schedule.updates[g].last
             if last >= 0:
-                deps.extend(self.comm_of[(last, b)] for b in range(n) if (last, b) not in self.ahead)
+                ahead = self.ahead.get(last, {})
+                deps.extend(self.comm_of[(last, b)] for b in range(n) if b not in ahead)
                 applied = True
         judged = [cid for cid in deps if self.eng.comms[cid].link in self.guarded]
         if judged:
