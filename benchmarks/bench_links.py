@@ -125,17 +125,22 @@ def update_section(key: str, text: str, path: Path = RESULTS) -> None:
 
 def saved_runs(dirs: Iterable[Path]) -> Iterator[tuple[Path, dict[str, Any]]]:
     """Every run ``bench_peers.py --save-runs`` recorded under ``dirs`` (recursively): its path and its
-    record; copies under a ``by/`` folder, hosts' own records and unreadable files left out."""
+    record; copies under a ``by/`` folder and hosts' own records left out, and a file that is not such a
+    record (unreadable, or without its ``summary``) named on standard error and left out."""
     for d in dirs:
         for path in sorted(d.rglob("*.r*.json")):
             if "by" in path.relative_to(d).parts or ".host" in path.name:
                 continue
             try:
                 doc = json.loads(path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError:
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                print(f"{path}: skipped, not a readable JSON record ({e})", file=sys.stderr)
                 continue
-            if isinstance(doc, dict) and isinstance(doc.get("summary"), dict):
-                yield path, doc
+            if not isinstance(doc, dict) or not isinstance(doc.get("summary"), dict):
+                print(f"{path}: skipped, no 'summary' object (not a bench_peers.py --save-runs record)",
+                      file=sys.stderr)
+                continue
+            yield path, doc
 
 
 def report_section(text: str, key: str, path: Path, write: bool) -> int:

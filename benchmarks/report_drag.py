@@ -40,13 +40,14 @@ DRAGS = (0.1, 0.2, 0.3)
 @dataclass(frozen=True)
 class FirstPlan:
     """One run's first plan: its layout, the links' time in its first window over their price, and its
-    error against that window (``simulated / measured - 1``) with no drag and with each drag tried."""
+    error against that window (``simulated / measured - 1``) as priced on its saved profile and with
+    each drag tried."""
 
     run: str
     model: str
     layout: str
     links: float | None
-    errors: tuple[float, ...]  # no drag, then one per drag
+    errors: tuple[float, ...]  # as priced (the saved profile's own drag, 0 unless fitted), then one per drag
     at_window: float | None = None  # the error with each link priced as its first window timed it
 
 
@@ -70,7 +71,8 @@ def first_plans(dirs: Sequence[Path], drags: Sequence[float]) -> list[FirstPlan]
             timed = timed if isinstance(timed, dict) and timed else None
             errors = []
             try:
-                for drag in (0.0, *drags):
+                errors.append(simulate_schedule(profile, schedule).iteration_s / measured - 1)
+                for drag in drags:
                     p = replace(profile, links=tuple(replace(lk, drag=drag) if lk.backend == "gloo" else lk
                                                      for lk in profile.links))
                     errors.append(simulate_schedule(p, schedule).iteration_s / measured - 1)

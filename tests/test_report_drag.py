@@ -61,3 +61,16 @@ def test_no_run_with_a_first_plan_is_an_error(drag: Any, tmp_path: Path, monkeyp
     monkeypatch.setattr("sys.argv", ["report_drag.py", str(tmp_path / "runs"), "--no-write"])
     assert drag.main() == 1
     assert "no run with a recoverable first plan" in capsys.readouterr().err
+
+
+def test_a_file_that_is_not_a_run_record_is_named_and_left_out(drag: Any, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    runs = tmp_path / "runs"
+    _run(runs / "deft.50.s0.r0.json", 5.0, 2, {"a": 1.2})
+    (runs / "deft.50.s1.r0.json").write_text("{not json", encoding="utf-8")
+    (runs / "deft.50.s2.r0.json").write_text('{"iters": []}', encoding="utf-8")
+    plans = drag.first_plans([runs], (1.0,))
+    assert [p.layout for p in plans] == ["2 x 2"]
+    err = capsys.readouterr().err
+    assert "deft.50.s1.r0.json: skipped, not a readable JSON record" in err
+    assert "deft.50.s2.r0.json: skipped, no 'summary' object" in err
