@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from deft.runtime.compute_drift import ComputeClock, drift
+from deft.runtime.compute_drift import ComputeClock, drift, wants_another
 from tests._dist import run_ranks, slow_first_planner, values
 
 
@@ -56,6 +56,19 @@ def test_too_few_lag_iterations_or_no_profile_iteration_read_no_drift() -> None:
     assert drift([2.0], [1.0, 0.0], tolerance=0.1) is None
 
 
+def test_one_lag_iteration_that_reads_a_speed_up_asks_for_a_second_reading() -> None:
+    # one lag iteration 1.0 against a profile of 2.0, 1.9, 2.1: a speed-up the rule would apply
+    assert wants_another([2.0, 1.9, 2.1], [1.0], tolerance=0.1)
+    # ... a slowdown, one within the tolerance, one within the profile's spread: none applied, no hold
+    assert not wants_another([2.0, 1.9, 2.1], [2.5], tolerance=0.1)
+    assert not wants_another([2.0, 1.9, 2.1], [1.95], tolerance=0.1)
+    assert not wants_another([1.0, 2.0, 1.5], [1.2], tolerance=0.1)
+    # two readings are the drift's own (no hold); none timed, or no profile iteration: nothing to hold for
+    assert not wants_another([2.0, 1.9, 2.1], [1.0, 1.0], tolerance=0.1)
+    assert not wants_another([2.0, 1.9, 2.1], [0.0], tolerance=0.1)
+    assert not wants_another([0.0], [1.0], tolerance=0.1)
+
+
 def test_the_clock_times_an_iteration_from_its_forward_to_its_last_autograd_pass() -> None:
     clock = ComputeClock()
     clock.backward_ends(0.5)  # no forward began: nothing timed
@@ -69,6 +82,7 @@ def test_the_clock_times_an_iteration_from_its_forward_to_its_last_autograd_pass
 
 # -- two ranks ------------------------------------------------------------------------------------------
 PROFILED = (1, 2, 3)  # warmup_iters 1, profile_iters 3
+PLAN_AT = 4  # the first lag iteration
 ITERS = 18  # the plan collected at iteration 10 (6 lag iterations), its first window 10-15
 
 
@@ -86,10 +100,14 @@ class Sleepy(nn.Module):
         return out
 
 
-def drift_worker(rank: int, world: int, profiled_s: float, later_s: float) -> dict[str, Any]:
+def drift_worker(rank: int, world: int, profiled_s: float, later_s: float, planner_s: float = 2.0,
+                 pause_s: float = 0.0) -> dict[str, Any]:
+    """``planner_s``: rank 0's planner sleeps first (2 s: the six lag iterations all run before the plan
+    is collected); ``pause_s``: the loop pauses after the last profile iteration's step, where rank 0's
+    plan began (an evaluation), so that a quick plan is done after the first lag iteration."""
     import deft
 
-    slow_first_planner(rank, 2.0)  # the six lag iterations all run before the plan is collected
+    slow_first_planner(rank, planner_s)
     torch.manual_seed(0)
     model = Sleepy()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -103,6 +121,8 @@ def drift_worker(rank: int, world: int, profiled_s: float, later_s: float) -> di
         nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
         opt.zero_grad()
+        if t == PROFILED[-1]:
+            time.sleep(pause_s)
     ddp.flush()
     return {"plan": ddp.plan_info}
 
@@ -128,3 +148,24 @@ def test_compute_as_profiled_keeps_the_first_plans_price() -> None:
     found = plan["compute_drift"]
     assert found["applied"] is False and "predicted_before_s" not in found, found
     assert 0.9 < found["factor"] < 1.1, found
+
+
+@pytest.mark.slow
+def test_a_plan_done_after_one_faster_lag_iteration_waits_for_the_second_reading() -> None:
+    """A pause after the profile iterations gives the planner its time: the plan is done after one lag
+    iteration, which reads a speed-up (0.4 s of sleep profiled, 0.1 s after), so the plan is collected
+    after two and priced on both."""
+    plan = values(run_ranks(drift_worker, 2, (0.4, 0.1, 0.0, 3.0), timeout=180))[0]["plan"]
+    found = plan["compute_drift"]
+    assert plan["t0"] == PLAN_AT + 2, plan["t0"]
+    assert found["lag_samples"] == 2 and found["applied"] is True, found
+    assert 0.15 < found["factor"] < 0.45, found
+
+
+@pytest.mark.slow
+def test_a_plan_done_after_one_slower_lag_iteration_is_installed_at_once() -> None:
+    """As above with the compute slower after the profile (0.1 s, then 0.4 s): a slowdown is not applied,
+    so the plan is not held for a second reading: installed after the one lag iteration, no drift read."""
+    plan = values(run_ranks(drift_worker, 2, (0.1, 0.4, 0.0, 3.0), timeout=180))[0]["plan"]
+    assert plan["t0"] == PLAN_AT + 1, plan["t0"]
+    assert "compute_drift" not in plan, plan["compute_drift"]

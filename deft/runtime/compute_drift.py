@@ -23,6 +23,12 @@ tenth or more from one iteration to the next, and a ratio of two medians of two 
 moves as much by chance (benchmarks/results/prices_drift.md). Fewer than :data:`MIN_LAG_SAMPLES` timed
 lag iterations: no drift is read.
 
+A plan done after a single lag iteration (a pause between iterations, an evaluation, gave the planner
+its time) would go unpriced: where that one iteration already reads a speed-up by the rule above, the
+plan is held one iteration more for the second reading (:func:`wants_another`), so one fast iteration
+alone neither prices the plan nor is lost. Where it reads none, the plan is installed at once: a second
+lag iteration would cost what the plan saves and could not be applied (a slowdown is not).
+
 Note: what else is in ``g``. The lag iterations send with the codec the preserver accepted so far, where
 the profile iterations sent exact (or the profile's codec) and rotated their buckets over the links: on
 a CPU machine whose cores the gloo threads share, part of ``g`` is the sends' lighter load on the
@@ -104,3 +110,15 @@ def drift(profile_rows: Sequence[float], lag_rows: Sequence[float], tolerance: f
     g = q / p
     # a speed-up only (module docstring, Note): the planner beside the lag iterations can only slow them
     return Drift(p, q, g, g < 1.0 - tolerance and q < min(prof), len(lag), (tuple(prof), tuple(lag)))
+
+
+def wants_another(profile_rows: Sequence[float], lag_rows: Sequence[float], tolerance: float,
+                  min_samples: int = MIN_LAG_SAMPLES) -> bool:
+    """Whether a plan ready before ``min_samples`` lag iterations were timed is held for one more
+    (module docstring): at least one was timed, fewer than ``min_samples``, and those read a drift that
+    would be applied. Arguments as :func:`drift`'s."""
+    timed = sum(1 for s in lag_rows if s > 0)
+    if not 0 < timed < min_samples:
+        return False
+    early = drift(profile_rows, lag_rows, tolerance, min_samples=timed)
+    return early is not None and early.applied

@@ -41,7 +41,7 @@ from deft.runtime.codecs.choice import CodecInputs
 from deft.runtime.codecs.first_iteration import TimedBroadcast
 from deft.runtime.codecs.hooks import CommHook
 from deft.runtime.codecs.policy import CodecPolicy
-from deft.runtime.compute_drift import MIN_LAG_SAMPLES, ComputeClock, drift
+from deft.runtime.compute_drift import MIN_LAG_SAMPLES, ComputeClock, drift, wants_another
 from deft.runtime.control import Collective, ControlPlane
 from deft.runtime.eager import ForwardHooks
 from deft.runtime.executor import DueUpdate, Executor, Pending
@@ -281,7 +281,7 @@ class Course:
                     self._executor.observe(self.stats)
             if not self.jobs.holds("plan") and t >= self.calendar.plan_at:
                 return self._plan(t)
-            if self.jobs.holds("plan") and self.jobs.ready(t):
+            if self.jobs.holds("plan") and self.jobs.ready(t) and not self._drift_wants_another(t):
                 return self._finish_plan(t)
         elif self.planning.recheck_on and not self.planning.switch_waiting:
             trigger = self._lr_trigger()
@@ -431,25 +431,43 @@ class Course:
         self._install_plan(t, schedule, info, {"lag_iters": self.config.plan_lag_iters,
                                                **{k: round(v, 4) for k, v in timing.items()}}, started)
 
+    def _drift_rows(self, t: int) -> tuple[list[float], list[float]] | None:
+        """Collective: the slowest rank's compute of each profile and lag iteration before ``t`` (None:
+        no drift is read in this run, or no profile iteration to read it against)."""
+        lag, cal = self._lag_run, self.calendar
+        if lag is None or self.profile is None or not self.planning.measuring or not self.config.compute_drift:
+            return None
+        # every lag iteration counts: a wait for the plan comes after the step, outside the compute timed
+        profiled, lagged = range(cal.warm_end, cal.plan_at), range(lag.first, t)
+        if not profiled:
+            return None
+        row = self._control.max_rows([self._compute.row([*profiled, *lagged])], "compute per iteration")[0]
+        return row[:len(profiled)], row[len(profiled):]
+
+    def _drift_wants_another(self, t: int) -> bool:
+        """Collective: hold a plan done after a single lag iteration that read a speed-up for the second
+        reading (:func:`deft.runtime.compute_drift.wants_another`), never past the plan's due iteration."""
+        lag = self._lag_run
+        if lag is None or not 0 < t - lag.first < MIN_LAG_SAMPLES or t >= self.jobs.due:
+            return False
+        rows = self._drift_rows(t)
+        return rows is not None and wants_another(*rows, self.config.adapt_tolerance)
+
     def _priced_with_drift(self, t: int, schedule: Schedule, info: JsonDict) -> Schedule:
         """Collective: the compute of the iterations that ran while rank 0 planned against the profile's
         (:mod:`deft.runtime.compute_drift`); where it drifted beyond the tolerance and the profile
         iterations' spread, the running profile's compute is scaled by it and the plan priced on that
         (recorded in ``info["compute_drift"]``; a plan whose buckets the profile cannot be cut into keeps
         its price, and the record says why)."""
-        lag, cal = self._lag_run, self.calendar
-        if lag is None or self.profile is None or not self.planning.measuring or not self.config.compute_drift:
+        lag = self._lag_run
+        if lag is None or t - lag.first < MIN_LAG_SAMPLES:
             return schedule
-        # every lag iteration counts: a wait for the plan comes after the step, outside the compute timed
-        profiled, lagged = range(cal.warm_end, cal.plan_at), range(lag.first, t)
-        if not profiled or len(lagged) < MIN_LAG_SAMPLES:
-            return schedule
-        row = self._control.max_rows([self._compute.row([*profiled, *lagged])], "compute per iteration")[0]
-        found = drift(row[:len(profiled)], row[len(profiled):], self.config.adapt_tolerance)
+        rows = self._drift_rows(t)
+        found = None if rows is None else drift(*rows, self.config.adapt_tolerance)
         if found is None:
             return schedule
         doc = info["compute_drift"] = found.to_dict()
-        if not found.applied:
+        if not found.applied or self.profile is None:
             return schedule
         before, self.profile = self.profile, self.profile.scaled(compute=found.factor)
         try:
