@@ -22,7 +22,7 @@ Rules:
   the links stay the bound in 16 bits (:func:`links_bound_in_16_bits`); the first iteration's
   speculation and the profile iterations apply it with the whole compute (:data:`PRE_PLAN_INT8_SHARE`).
   The plan weighs it only where the 16-bit choice leaves room for its gain above the forward and
-  backward (:func:`choose_codec`).
+  backward, and above every bucket in int8 with its casts free (:func:`choose_codec`).
 * **While rank 0 plans** the iterations keep the profile iterations' codec while the preserver still
   accepts it on every statistic so far (:func:`lag_codec`).
 * **On calibration** the choice is made again on the measured exact profile corrected by the same
@@ -136,7 +136,9 @@ def choose_codec(cfg: DeftConfig, profile: Profile, codec: CodecInputs | None) -
     accepts it too, its choice replaces the 16-bit one (coded or left exact) when it predicts at least
     :data:`deft.solver.codecs.INT8_MIN_GAIN` less per iteration (fewer bits only where they clearly pay).
     int8 is not weighed where the 16-bit choice already predicts within that gain of the forward and
-    backward, which no plan's iteration is shorter than: the answer is the same, for half the plans."""
+    backward, which no plan's iteration is shorter than, nor where every bucket coded with int8 at no
+    codec compute (:func:`deft.solver.codecs.free_floor_s`) predicts within it: the answer is the same,
+    for one plan or none instead of ``n + 3``."""
     if codec is None or cfg.epsilon == 0:
         return profile, None
     verdicts = codec_error.pick(codec.scale, cfg.epsilon)
@@ -154,6 +156,12 @@ def choose_codec(cfg: DeftConfig, profile: Profile, codec: CodecInputs | None) -
         # no plan's iteration is shorter than its forward and backward: int8 cannot predict the gain
         record["int8"] = (f"not weighed: {choices[0].codec} predicts {choices[0].chosen_s:.4g} s, within "
                           f"{codecs.INT8_MIN_GAIN:.0%} of the {floor_s:.4g} s of forward and backward")
+    elif eight is not None and choices and choices[0].chosen_s * (1.0 - codecs.INT8_MIN_GAIN) \
+            <= (best_s := codecs.free_floor_s(profile, codec.cost_of(eight.codec), cfg)):
+        # not even every bucket in int8 at no codec cost predicts the gain: no choice of int8's can
+        record["int8"] = (f"not weighed: {choices[0].codec} predicts {choices[0].chosen_s:.4g} s, within "
+                          f"{codecs.INT8_MIN_GAIN:.0%} of the {best_s:.4g} s of every bucket in int8 with no "
+                          f"codec compute")
     elif eight is not None:
         choices.append(codecs.choose(profile, codec.cost_of(eight.codec), cfg))
     choice = choices[0]
