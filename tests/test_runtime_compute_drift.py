@@ -59,10 +59,11 @@ def test_too_few_lag_iterations_or_no_profile_iteration_read_no_drift() -> None:
 def test_one_lag_iteration_that_reads_a_speed_up_asks_for_a_second_reading() -> None:
     # one lag iteration 1.0 against a profile of 2.0, 1.9, 2.1: a speed-up the rule would apply
     assert wants_another([2.0, 1.9, 2.1], [1.0], tolerance=0.1)
-    # ... a slowdown, one within the tolerance, one within the profile's spread: none applied, no hold
+    # 1.2 against 1.0, 2.0, 1.5: within the profile's spread, which the two readings then judge
+    assert wants_another([1.0, 2.0, 1.5], [1.2], tolerance=0.1)
+    # ... a slowdown, or one within the tolerance: nothing two readings could apply, no hold
     assert not wants_another([2.0, 1.9, 2.1], [2.5], tolerance=0.1)
     assert not wants_another([2.0, 1.9, 2.1], [1.95], tolerance=0.1)
-    assert not wants_another([1.0, 2.0, 1.5], [1.2], tolerance=0.1)
     # two readings are the drift's own (no hold); none timed, or no profile iteration: nothing to hold for
     assert not wants_another([2.0, 1.9, 2.1], [1.0, 1.0], tolerance=0.1)
     assert not wants_another([2.0, 1.9, 2.1], [0.0], tolerance=0.1)

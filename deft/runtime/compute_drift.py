@@ -24,10 +24,11 @@ moves as much by chance (benchmarks/results/prices_drift.md). Fewer than :data:`
 lag iterations: no drift is read.
 
 A plan done after a single lag iteration (a pause between iterations, an evaluation, gave the planner
-its time) would go unpriced: where that one iteration already reads a speed-up by the rule above, the
-plan is held one iteration more for the second reading (:func:`wants_another`), so one fast iteration
-alone neither prices the plan nor is lost. Where it reads none, the plan is installed at once: a second
-lag iteration would cost what the plan saves and could not be applied (a slowdown is not).
+its time) would go unpriced: where that one iteration is faster than the profile's median by more than
+the tolerance, the plan is held one iteration more for the second reading (:func:`wants_another`), and
+the two decide by the rule above (the spread included), so one fast iteration alone neither prices the
+plan nor is lost. Where it is not faster, the plan is installed at once: a second lag iteration would
+cost what the plan saves, and a slowdown is not applied.
 
 Note: what else is in ``g``. The lag iterations send with the codec the preserver accepted so far, where
 the profile iterations sent exact (or the profile's codec) and rotated their buckets over the links: on
@@ -115,10 +116,10 @@ def drift(profile_rows: Sequence[float], lag_rows: Sequence[float], tolerance: f
 def wants_another(profile_rows: Sequence[float], lag_rows: Sequence[float], tolerance: float,
                   min_samples: int = MIN_LAG_SAMPLES) -> bool:
     """Whether a plan ready before ``min_samples`` lag iterations were timed is held for one more
-    (module docstring): at least one was timed, fewer than ``min_samples``, and those read a drift that
-    would be applied. Arguments as :func:`drift`'s."""
+    (module docstring): at least one was timed, fewer than ``min_samples``, and their median is faster
+    than the profile's by more than ``tolerance``. Arguments as :func:`drift`'s."""
     timed = sum(1 for s in lag_rows if s > 0)
     if not 0 < timed < min_samples:
         return False
     early = drift(profile_rows, lag_rows, tolerance, min_samples=timed)
-    return early is not None and early.applied
+    return early is not None and early.factor < 1.0 - tolerance

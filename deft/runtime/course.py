@@ -445,8 +445,9 @@ class Course:
         return row[:len(profiled)], row[len(profiled):]
 
     def _drift_wants_another(self, t: int) -> bool:
-        """Collective: hold a plan done after a single lag iteration that read a speed-up for the second
-        reading (:func:`deft.runtime.compute_drift.wants_another`), never past the plan's due iteration."""
+        """Collective: hold a plan done after a single lag iteration that ran faster than the profile's
+        for the second reading (:func:`deft.runtime.compute_drift.wants_another`), never past the plan's
+        due iteration."""
         lag = self._lag_run
         if lag is None or not 0 < t - lag.first < MIN_LAG_SAMPLES or t >= self.jobs.due:
             return False
