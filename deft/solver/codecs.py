@@ -182,9 +182,10 @@ def free_floor_s(profile: Profile, cost: CodecCost, config: DeftConfig,
                  predict: Callable[[Profile, DeftConfig], float] = predicted_s) -> float:
     """``T`` with every bucket coded with ``cost.name`` and its encode and decode free: no set of coded
     buckets :func:`choose` may pick predicts less (a bucket left exact puts more bytes on its link, a
-    codec's compute only adds to the stream the model runs on), so where this is not faster than
-    another codec's choice by the margin asked, weighing the codec bucket by bucket cannot change the
-    answer. A screen, one prediction in place of ``n + 3``."""
+    codec's compute only adds to the stream the model runs on; the links' list scheduling could in
+    principle place a longer send better, which the tests' grid of profiles never shows), so where this
+    is not faster than another codec's choice by the margin asked, weighing the codec bucket by bucket
+    does not change the answer. A screen, one prediction in place of ``n + 3``."""
     free = replace(cost, codec_s=(0.0,) * len(cost.codec_s))
     return predict(encoded_profile(profile, free, range(profile.n)), config)
 
