@@ -63,6 +63,7 @@ ORDER = [
     "peers_lm_sim4.md",
     "prices_head.md",
     "prices_hold.md",
+    "planner_gap.md",
     "runtime_ab.md",
     "codec_paths.md",
     "slow_links.md",

@@ -84,7 +84,11 @@ class DeftConfig:
     # preserver's tries together) spends at most solver.plan.EXACT_BUDGET_LIMITS such budgets before the
     # greedy takes over
     solver_time_limit_s: float = 1.0
-    solver_relative_gap: float = 1e-3
+    # The knapsack search stops once its packing is certified within this share of the optimum: it packs
+    # measured comm seconds, whose spread between profile iterations is several times this, and at 1e-3
+    # CP-SAT spent most of the GPT-2's first decision certifying tries the preserver then rejected, for
+    # the same plans (benchmarks/results/planner_gap.md)
+    solver_relative_gap: float = 2e-2
     # 1 + 3 iterations before planning: the warm-up timer measures the real all-reduces, rotated over the
     # links, so 3 profile iterations see every bucket on every link of two; and every warm-up iteration
     # runs at torch DDP's pace, which time to accuracy pays (measured: benchmarks/results/peers.md).

@@ -240,7 +240,7 @@ def test_plans_sharing_a_budget_spend_it_once_then_solve_as_the_greedy() -> None
     # A budget shared by two plans: the first spends (part of) it and says so; a plan that finds it
     # spent solves every knapsack as the greedy does, the same stages and updates as solver "greedy".
     prof = Profile.load(Path(__file__).resolve().parents[1] / "examples" / "profiles" / "gpt2_stdlib_testbed.json")
-    cfg = DeftConfig(solver_time_limit_s=0.02)
+    cfg = DeftConfig(solver_time_limit_s=0.02, solver_relative_gap=1e-3)  # a tight gap: CP-SAT searches
     budget = ExactBudget.for_config(cfg)
     first = plan(prof, cfg, budget=budget)
     assert budget.spent == first.meta["solver_work"] > 0
