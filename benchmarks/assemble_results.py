@@ -61,6 +61,7 @@ ORDER = [
     "peers_lm_sim2.md",
     "peers_lm_sim3.md",
     "peers_lm_sim4.md",
+    "peers_lm_sim5.md",
     "prices_head.md",
     "prices_hold.md",
     "planner_gap.md",
