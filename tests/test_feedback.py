@@ -729,9 +729,9 @@ def test_the_tries_share_one_cp_sat_budget() -> None:
     it takes; past that the later tries' knapsacks are the greedy's. With a budget per try (the
     planner given as plain ``plan``, the behaviour before) the same decision spends several times that.
     The stdlib char LM's profile (49 buckets) is one whose knapsacks CP-SAT cannot certify quickly;
-    a small per-knapsack budget keeps the test short."""
+    a small per-knapsack budget keeps the test short, a gap of 0.1 % makes CP-SAT search."""
     prof = Profile.load(Path(__file__).resolve().parents[1] / "examples" / "profiles" / "gpt2_stdlib_testbed.json")
-    cfg = DeftConfig(epsilon=0.01, solver_time_limit_s=0.02)
+    cfg = DeftConfig(epsilon=0.01, solver_time_limit_s=0.02, solver_relative_gap=1e-3)
     stats = WalkStats(loss=2.0, mu=1.0, sigma=20.0, lr=0.05, batch=512)
     budget = ExactBudget.for_config(cfg)
     per_knapsack = WORK_PER_SECOND * cfg.solver_time_limit_s
@@ -751,9 +751,10 @@ def test_a_decision_trained_through_spends_no_more_cp_sat_than_half_its_window()
     """The first plan in the background (``lag_iters`` > 0) gets the CP-SAT work of half its plan-lag
     window, priced at the no-delay plan's iteration; planned in the iteration (0) the config's whole
     budget. On the stdlib char LM's profile the window's budget is the smaller one, so the decision
-    made in the background spends less, within its window's units plus the one solve that crosses."""
+    made in the background spends less, within its window's units plus the one solve that crosses (a
+    gap of 0.1 % makes CP-SAT search there)."""
     prof = Profile.load(Path(__file__).resolve().parents[1] / "examples" / "profiles" / "gpt2_stdlib_testbed.json")
-    cfg = DeftConfig(epsilon=0.01, solver_time_limit_s=0.05)
+    cfg = DeftConfig(epsilon=0.01, solver_time_limit_s=0.05, solver_relative_gap=1e-3)
     stats = WalkStats(loss=2.0, mu=1.0, sigma=20.0, lr=0.05, batch=512)
     window_s = 1 * no_delay_plan(prof, cfg).predicted_iteration_s
     units = WORK_PER_SECOND * 0.5 * window_s
@@ -765,3 +766,19 @@ def test_a_decision_trained_through_spends_no_more_cp_sat_than_half_its_window()
     assert background is not None and inline is not None
     assert 0 < _cp_sat_work(background) <= units + per_knapsack
     assert _cp_sat_work(inline) > units + per_knapsack
+
+
+def test_each_try_records_its_predicted_iteration_and_its_cp_sat_work() -> None:
+    # Where a decision's time went: every try's record carries its schedule's predicted iteration, and
+    # each planner try the CP-SAT work its knapsacks spent. VGG-19 at a tight gap makes CP-SAT search.
+    from deft.preserver.stability import OptimizerSpec
+
+    config = DeftConfig(preserver_max_tries=2, solver_relative_gap=1e-3)
+    stats = WalkStats(loss=2.0, mu=0.3, sigma=400.0, lr=0.05, batch=512, curvature=20.0,
+                      optimizer=OptimizerSpec("sgd", 0.05))
+    res = preserve(Profile.load(VGG19), config, stats)
+    docs = json.loads(json.dumps([t.to_dict() for t in res.tries], allow_nan=False))
+    assert docs and all(d["predicted_s"] > 0 for d in docs)
+    planned = [d for d in docs if d["kind"] == "deft"]
+    assert len(planned) == 2 and all(d["solver_work"] >= 0 for d in planned)
+    assert 0 < sum(d["solver_work"] for d in planned) <= ExactBudget.for_config(config).units + WORK_PER_SECOND

@@ -216,11 +216,19 @@ class Try:
     schedule: Schedule | None = dataclasses.field(default=None, repr=False, compare=False)  # for Recheck
 
     def to_dict(self) -> JsonDict:
-        return {"kind": self.kind, "capacity_scale": self.capacity_scale, "k": list(self.k),
-                "applied": list(self.applied),
-                "window": self.window, "ratio": _json_float(self.ratio), "accepted": self.accepted,
-                "rejected_on": self.rejected_on, "progress": _json_float(self.progress),
-                "stability": None if self.stability is None else self.stability.to_dict()}
+        """The try's record; with its schedule, what that schedule was predicted to take per iteration
+        and the CP-SAT work its knapsacks spent (where a decision's time went)."""
+        doc: JsonDict = {"kind": self.kind, "capacity_scale": self.capacity_scale, "k": list(self.k),
+                         "applied": list(self.applied),
+                         "window": self.window, "ratio": _json_float(self.ratio), "accepted": self.accepted,
+                         "rejected_on": self.rejected_on, "progress": _json_float(self.progress),
+                         "stability": None if self.stability is None else self.stability.to_dict()}
+        if self.schedule is not None:
+            doc["predicted_s"] = _json_float(self.schedule.predicted_iteration_s)
+            work = self.schedule.meta.get("solver_work")
+            if isinstance(work, (int, float)):
+                doc["solver_work"] = float(work)
+        return doc
 
 
 @dataclass(frozen=True)
