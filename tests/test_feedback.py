@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -731,7 +732,8 @@ def test_the_tries_share_one_cp_sat_budget() -> None:
     The stdlib char LM's profile (49 buckets) is one whose knapsacks CP-SAT cannot certify quickly;
     a small per-knapsack budget keeps the test short, a gap of 0.1 % makes CP-SAT search."""
     prof = Profile.load(Path(__file__).resolve().parents[1] / "examples" / "profiles" / "gpt2_stdlib_testbed.json")
-    cfg = DeftConfig(epsilon=0.01, solver_time_limit_s=0.02, solver_relative_gap=1e-3)
+    # stale tries judged by the walk alone: none is refused on the greedy's packing before CP-SAT
+    cfg = DeftConfig(epsilon=0.01, solver_time_limit_s=0.02, solver_relative_gap=1e-3, stale_unchecked=True)
     stats = WalkStats(loss=2.0, mu=1.0, sigma=20.0, lr=0.05, batch=512)
     budget = ExactBudget.for_config(cfg)
     per_knapsack = WORK_PER_SECOND * cfg.solver_time_limit_s
@@ -754,7 +756,7 @@ def test_a_decision_trained_through_spends_no_more_cp_sat_than_half_its_window()
     made in the background spends less, within its window's units plus the one solve that crosses (a
     gap of 0.1 % makes CP-SAT search there)."""
     prof = Profile.load(Path(__file__).resolve().parents[1] / "examples" / "profiles" / "gpt2_stdlib_testbed.json")
-    cfg = DeftConfig(epsilon=0.01, solver_time_limit_s=0.05, solver_relative_gap=1e-3)
+    cfg = DeftConfig(epsilon=0.01, solver_time_limit_s=0.05, solver_relative_gap=1e-3, stale_unchecked=True)
     stats = WalkStats(loss=2.0, mu=1.0, sigma=20.0, lr=0.05, batch=512)
     window_s = 1 * no_delay_plan(prof, cfg).predicted_iteration_s
     units = WORK_PER_SECOND * 0.5 * window_s
@@ -770,15 +772,34 @@ def test_a_decision_trained_through_spends_no_more_cp_sat_than_half_its_window()
 
 def test_each_try_records_its_predicted_iteration_and_its_cp_sat_work() -> None:
     # Where a decision's time went: every try's record carries its schedule's predicted iteration, and
-    # each planner try the CP-SAT work its knapsacks spent. VGG-19 at a tight gap makes CP-SAT search.
-    from deft.preserver.stability import OptimizerSpec
-
-    config = DeftConfig(preserver_max_tries=2, solver_relative_gap=1e-3)
-    stats = WalkStats(loss=2.0, mu=0.3, sigma=400.0, lr=0.05, batch=512, curvature=20.0,
-                      optimizer=OptimizerSpec("sgd", 0.05))
+    # each planner try the CP-SAT work its knapsacks spent. VGG-19 at a tight gap makes CP-SAT search
+    # (stale tries judged by the walk alone, so none is refused on the greedy's packing first).
+    config = DeftConfig(preserver_max_tries=2, solver_relative_gap=1e-3, stale_unchecked=True)
+    stats = WalkStats(loss=2.0, mu=0.3, sigma=400.0, lr=0.05, batch=512)
     res = preserve(Profile.load(VGG19), config, stats)
     docs = json.loads(json.dumps([t.to_dict() for t in res.tries], allow_nan=False))
     assert docs and all(d["predicted_s"] > 0 for d in docs)
     planned = [d for d in docs if d["kind"] == "deft"]
-    assert len(planned) == 2 and all(d["solver_work"] >= 0 for d in planned)
+    assert planned and all(d["solver_work"] >= 0 for d in planned)
     assert 0 < sum(d["solver_work"] for d in planned) <= ExactBudget.for_config(config).units + WORK_PER_SECOND
+
+
+def test_a_try_refused_as_unstable_on_the_greedys_packing_spends_no_cp_sat_and_decides_the_same() -> None:
+    # The stdlib char LM, whose knapsacks CP-SAT cannot certify quickly, with a curvature that makes
+    # every stale schedule unstable: the default planner judges each try on the greedy's packing first,
+    # so the stale tries spend no CP-SAT; the same decision with the exact planner on every try (given
+    # explicitly: no screen) spends CP-SAT on them and ends the same, verdict for verdict (a screened
+    # try's schedule is the greedy's, whose K may differ from the exact one's).
+    from deft.preserver.stability import OptimizerSpec
+
+    prof = Profile.load(Path(__file__).resolve().parents[1] / "examples" / "profiles" / "gpt2_stdlib_testbed.json")
+    cfg = DeftConfig(epsilon=0.01, solver_time_limit_s=0.05, solver_relative_gap=1e-3)
+    stats = WalkStats(loss=2.0, mu=1.0, sigma=20.0, lr=0.05, batch=512, curvature=50.0,
+                      optimizer=OptimizerSpec("sgd", 0.05, momentum=0.9))
+    screened = preserve(prof, cfg, stats)
+    exact = preserve(prof, cfg, stats, planner=functools.partial(plan, budget=ExactBudget.for_config(cfg)))
+    unstable = [t for t in screened.tries if t.rejected_on == "unstable"]
+    assert unstable and all(t.to_dict()["solver_work"] == 0.0 for t in unstable)
+    assert sum(t.to_dict()["solver_work"] for t in exact.tries if t.rejected_on == "unstable") > 0
+    assert [(t.kind, t.rejected_on) for t in screened.tries] == [(t.kind, t.rejected_on) for t in exact.tries]
+    assert screened.schedule.digest() == exact.schedule.digest()
