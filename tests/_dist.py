@@ -45,8 +45,33 @@ class RankResult:
         return self.exitcode == 0 and self.error is None and not self.timed_out
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for outgoing connections (Linux's ``ip_local_port_range``)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A loopback port free now, below the kernel's ephemeral range.
+
+    Why below it: a port the kernel picks for ``bind(0)`` comes from the range it also hands to outgoing
+    connections, and between this call and rank 0's store listening on it, another test's gloo pairs
+    (the other xdist worker's ranks) could be given it (``EADDRINUSE``). A random port below the range
+    is never handed out so; a bind checks it is free now."""
+    import random
+
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(10_000, max(10_001, low))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # every try taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
