@@ -551,7 +551,7 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
     :meth:`~deft.solver.plan.ExactBudget.for_config`'s.
     """
     shared = budget if budget is not None else ExactBudget.for_config(config)
-    # the default planner's tries are judged on the greedy's packing first (_feedback_loop, Note)
+    # the default planner's tries are judged on the greedy's packing first (_planned_try, Note)
     screen = None if planner is not None else functools.partial(plan, budget=ExactBudget(units=0.0))
     planner = planner or functools.partial(plan, budget=shared)
     tries: list[Try] = []
@@ -664,11 +664,11 @@ def _planned_try(profile: Profile, config: DeftConfig, stats: WalkStats, planner
     """The try at capacity ``scale``: ``planner``'s schedule, judged; where ``screen`` (the greedy's
     packing) gives a schedule rejected as stale (:data:`STALE_REJECTIONS`), that one, judged.
 
-    Note: why screen. Each exact knapsack packs at least the greedy's value, but at the same capacity
-    the buckets that overflow a stage are the same ones in every decision measured, so a stale
-    schedule's refusal did not turn on the last per cent of packing, while CP-SAT spent a decision's whole
-    budget on such a try (benchmarks/results/planner_gap.md, "Judged on the greedy's packing first":
-    every decision there the same). The try recorded is then the greedy's schedule, whose K may differ
+    Note: why screen. Each exact knapsack packs at least the greedy's value, yet at the same capacity
+    a stale greedy schedule refused on stability had an exact counterpart refused likewise in every
+    decision measured: the refusal does not turn on the last per cent of packing, while CP-SAT spent a
+    decision's whole budget on such a try (benchmarks/results/planner_gap.md, "Judged on the greedy's
+    packing first": every decision there the same). The try recorded is then the greedy's schedule, whose K may differ
     from the exact one's; a re-check that finds it passing later re-plans with the exact planner. Where
     the greedy's schedule passes, or is refused for a reason the packing moves (no faster, the walk),
     the exact plan is made and judged as before."""
