@@ -8,6 +8,7 @@ import json
 import logging
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -803,3 +804,25 @@ def test_a_try_refused_as_unstable_on_the_greedys_packing_spends_no_cp_sat_and_d
     assert sum(t.to_dict()["solver_work"] for t in exact.tries if t.rejected_on == "unstable") > 0
     assert [(t.kind, t.rejected_on) for t in screened.tries] == [(t.kind, t.rejected_on) for t in exact.tries]
     assert screened.schedule.digest() == exact.schedule.digest()
+
+
+def test_with_the_greedy_solver_each_try_is_planned_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # solver "greedy": the greedy's packing is the plan itself, so no try is planned twice (screen, then
+    # planner); with the exact solver a try the screen does not settle is planned both ways.
+    import deft.preserver.feedback as fb
+
+    calls: list[float] = []
+    real = fb.plan
+
+    def counted(*args: Any, **kwargs: Any) -> Schedule:
+        calls.append(kwargs["capacity_scale"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fb, "plan", counted)
+    prof = Profile.load(VGG19)
+    stats = WalkStats(loss=2.0, mu=0.3, sigma=400.0, lr=0.05, batch=512)
+    greedy = preserve(prof, DeftConfig(preserver_max_tries=2, solver="greedy", stale_unchecked=True), stats)
+    assert len(calls) == len([t for t in greedy.tries if t.kind == "deft"]) > 0
+    calls.clear()
+    exact = preserve(prof, DeftConfig(preserver_max_tries=2, stale_unchecked=True), stats)
+    assert len(calls) == 2 * len([t for t in exact.tries if t.kind == "deft"]) > 0

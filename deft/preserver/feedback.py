@@ -551,8 +551,10 @@ def preserve(profile: Profile, config: DeftConfig, stats: WalkStats | None,
     :meth:`~deft.solver.plan.ExactBudget.for_config`'s.
     """
     shared = budget if budget is not None else ExactBudget.for_config(config)
-    # the default planner's tries are judged on the greedy's packing first (_planned_try, Note)
-    screen = None if planner is not None else functools.partial(plan, budget=ExactBudget(units=0.0))
+    # the default planner's exact tries are judged on the greedy's packing first (_planned_try, Note);
+    # with solver "greedy" that packing is the plan itself
+    screen = None if planner is not None or config.solver != "exact" \
+        else functools.partial(plan, budget=ExactBudget(units=0.0))
     planner = planner or functools.partial(plan, budget=shared)
     tries: list[Try] = []
     fallback = _NoDelay(profile, config, stats, no_delay_planner or no_delay_plan, tries)
