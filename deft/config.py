@@ -85,9 +85,9 @@ class DeftConfig:
     # greedy takes over
     solver_time_limit_s: float = 1.0
     # The knapsack search stops once its packing is certified within this share of the optimum: it packs
-    # measured comm seconds, whose spread between profile iterations is several times this, and at 1e-3
-    # CP-SAT spent most of the GPT-2's first decision certifying tries the preserver then rejected, for
-    # the same plans (benchmarks/results/planner_gap.md)
+    # measured comm seconds, whose spread between profile iterations is several times this; a tenth of
+    # it made CP-SAT spend most of the GPT-2's first decision certifying tries the preserver then
+    # rejected, for the same plans (benchmarks/results/planner_gap.md)
     solver_relative_gap: float = 2e-2
     # 1 + 3 iterations before planning: the warm-up timer measures the real all-reduces, rotated over the
     # links, so 3 profile iterations see every bucket on every link of two; and every warm-up iteration
