@@ -102,10 +102,11 @@ class Sleepy(nn.Module):
 
 
 def drift_worker(rank: int, world: int, profiled_s: float, later_s: float, planner_s: float = 2.0,
-                 pause_s: float = 0.0) -> dict[str, Any]:
+                 pause_s: float = 0.0, lag_iters: int = 6) -> dict[str, Any]:
     """``planner_s``: rank 0's planner sleeps first (2 s: the six lag iterations all run before the plan
     is collected); ``pause_s``: the loop pauses after the last profile iteration's step, where rank 0's
-    plan began (an evaluation), so that a quick plan is done after the first lag iteration."""
+    plan began (an evaluation), so that a quick plan is done after the first lag iteration;
+    ``lag_iters``: ``plan_lag_iters``, the plan collected at that many lag iterations at the latest."""
     import deft
 
     slow_first_planner(rank, planner_s)
@@ -113,7 +114,7 @@ def drift_worker(rank: int, world: int, profiled_s: float, later_s: float, plann
     model = Sleepy()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ddp = deft.DistributedDataParallel(model, config={
-        "epsilon": 0.0, "warmup_iters": 1, "profile_iters": 3, "plan_lag_iters": 6, "adapt_window": 6,
+        "epsilon": 0.0, "warmup_iters": 1, "profile_iters": 3, "plan_lag_iters": lag_iters, "adapt_window": 6,
         "timeout_s": 60})
     g = torch.Generator().manual_seed(rank)
     for t in range(ITERS):
@@ -168,5 +169,14 @@ def test_a_plan_done_after_one_slower_lag_iteration_is_installed_at_once() -> No
     """As above with the compute slower after the profile (0.1 s, then 0.4 s): a slowdown is not applied,
     so the plan is not held for a second reading: installed after the one lag iteration, no drift read."""
     plan = values(run_ranks(drift_worker, 2, (0.1, 0.4, 0.0, 3.0), timeout=180))[0]["plan"]
+    assert plan["t0"] == PLAN_AT + 1, plan["t0"]
+    assert "compute_drift" not in plan, plan["compute_drift"]
+
+
+@pytest.mark.slow
+def test_a_plan_due_after_one_lag_iteration_is_not_held_past_it() -> None:
+    """As the faster case, with ``plan_lag_iters = 1``: the one lag iteration is the plan's due one, so the
+    plan is installed there, not held for a second reading past it; no drift is read from one."""
+    plan = values(run_ranks(drift_worker, 2, (0.4, 0.1, 0.0, 3.0, 1), timeout=180))[0]["plan"]
     assert plan["t0"] == PLAN_AT + 1, plan["t0"]
     assert "compute_drift" not in plan, plan["compute_drift"]
