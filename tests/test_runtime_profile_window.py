@@ -112,11 +112,12 @@ def test_a_profile_whose_compute_settles_late_slides_past_its_first_iterations()
 
 @pytest.mark.slow
 def test_a_steady_profile_does_not_slide_nor_does_one_with_slides_turned_off() -> None:
-    """0.1 s of sleep in every forward: settled at the first reading, the plan from iteration 4 and no
-    window in the record; the settling compute above with ``profile_settle_iters = 0``: no slide either,
-    its profile priced on the three first iterations (their median forward, about 0.25 s)."""
+    """0.1 s of sleep in every forward: settled at the first reading (its one reading recorded), the plan
+    from iteration 4; the settling compute above with ``profile_settle_iters = 0``: no window read, no
+    slide, its profile priced on the three first iterations (their median forward, about 0.25 s)."""
     steady = values(run_ranks(window_worker, 2, ((0.1,),), timeout=180))[0]
-    assert steady["plan"]["t0"] == 4 and "profile_window" not in steady["plan"], steady["plan"]
+    assert steady["plan"]["t0"] == 4 and steady["plan"]["profile_window"]["slides"] == 0, steady["plan"]
+    assert len(steady["plan"]["profile_window"]["compute_s"]) == 1
     off = values(run_ranks(window_worker, 2, (SETTLING, 0), timeout=180))[0]
     assert off["plan"]["t0"] == 4 and "profile_window" not in off["plan"], off["plan"]
     assert 0.2 < off["forward_s"] < 0.32, off["forward_s"]

@@ -527,7 +527,7 @@ class Course:
         chosen = info.get("codecs")
         if isinstance(chosen, dict):  # deft chose the codecs: is the choice made again?
             info["codecs"] = {**chosen, "again": on and recoding is not None}
-        if len(self._window) > 1:  # the window slid: each reading of it, the last the profile's
+        if self._window:  # each reading of the profile's window, the last the profile's
             info["profile_window"] = {"slides": len(self._window) - 1, "compute_s": self._window}
         self.record.planned(info, t, self._stats_reason, background)
         lag, self._lag_run = self._lag_run, None
