@@ -172,22 +172,6 @@ def drift_priced(doc: dict[str, Any]) -> str:
     return f"x {found['factor']:.2f} (applied{priced})"
 
 
-def window_read(doc: dict[str, Any]) -> str:
-    """The profile window's slides (``plan_info.profile_window``, :mod:`deft.runtime.profile_window`): how
-    many, and the slowest rank's compute of its first and last window's iterations (ms; one window where it
-    did not slide); "-" where the run's code read no window."""
-    window = (((doc["summary"].get("schedule") or {}).get("plan_info") or {}).get("profile_window")) or {}
-    readings = window.get("compute_s") or []
-    if not readings:
-        return "-"
-
-    def ms(row: list[float]) -> str:
-        return ", ".join(f"{v * 1e3:.0f}" for v in row)
-    if len(readings) == 1:
-        return f"0: {ms(readings[0])}"
-    return f"{window.get('slides')}: {ms(readings[0])} -> {ms(readings[-1])}"
-
-
 def row(label: str, run_dir: Path, doc: dict[str, Any]) -> str:
     s = doc["summary"]
     layout = peers.Layout.of(s)
@@ -204,7 +188,7 @@ def row(label: str, run_dir: Path, doc: dict[str, Any]) -> str:
     return (f"| {label} | {workload(doc)} | {s['rate_mbit']:g} | {layout.words()} | "
             f"{', '.join(f'{r:.2f}' for r in rho) or '-'} | {', '.join(f'{d:.2f}' for d in drag) or '-'} | "
             f"{plans or '-'} | {first} | {first_window(doc)} | "
-            f"{warmup_priced(doc)} | {lag_s} | {lag_priced(doc)} | {drift_priced(doc)} | {window_read(doc)} | {held} | "
+            f"{warmup_priced(doc)} | {lag_s} | {lag_priced(doc)} | {drift_priced(doc)} | {held} | "
             f"{s['iter_s_mean'] * 1e3:.0f} | `{run_dir.name}` |")
 
 
@@ -234,18 +218,14 @@ def report(groups: list[tuple[str, list[Path]]], note: str, command: str, title:
              "iterations' compute over the "
              "profile iterations' (`plan_info.compute_drift`, the slowest rank's, medians; applied beyond "
              "`adapt_tolerance`: the first plan priced on the profile's compute times it, its price before "
-             "given); `-`: none read. Profile window: how many times the profile iterations' window slid "
-             "because their compute had not settled (`plan_info.profile_window`), and the slowest rank's compute "
-             "of the first and the last window's iterations (ms; 0 and one window: it settled at once); `-`: "
-             "no window read (a run before it, or slides turned off). Within "
+             "given); `-`: none read. Within "
              f"{TOLERANCE:.0%}: every plan of the run.", "",
              "| code | model | Mbit/s | layout | contention | drag | plans: predicted / measured (ms) | first plan | "
              f"first window against the profile | warm-up schedule: simulated / measured (ms) | "
              "last rank's lag (ms) | first plan with the lag: simulated / measured (ms) | compute drift | "
-             "profile window: slides: first -> last (ms) | "
              "within "
              f"{TOLERANCE:.0%} | steady iteration (ms) | runs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, dirs in groups:
         for d in dirs:
             lines += [row(label, d, doc) for doc in load(d)]

@@ -94,10 +94,6 @@ class DeftConfig:
     # runs at torch DDP's pace, which time to accuracy pays (measured: benchmarks/results/peers.md).
     warmup_iters: int = 1
     profile_iters: int = 3
-    # The profile's window slides on, one iteration at a time and at most this many times, while its
-    # compute has not settled (deft.runtime.profile_window; 0: never). Where a rank has a core of its own
-    # it settles at once (benchmarks/results/prices_window.md)
-    profile_settle_iters: int = 6
     # The last profile iteration (of two or more) holds its backward's sends to its end: the links'
     # contention for the CPU is measured and priced (deft.profile.Link.contention; none on CUDA). Off by
     # default: on the GPT-2 its plans ran slower (benchmarks/results/prices.md)
@@ -240,8 +236,8 @@ class DeftConfig:
         if self.adapt_max_replans < 0:
             raise bad("adapt_max_replans", f"expected an integer >= 0, got {self.adapt_max_replans}")
         for name in ("warmup_iters", "profile_iters", "preserver_max_tries", "recheck_every", "adapt_window",
-                     "plan_lag_iters", "profile_settle_iters"):
-            low = 0 if name in ("warmup_iters", "plan_lag_iters", "profile_settle_iters") else 1
+                     "plan_lag_iters"):
+            low = 0 if name in ("warmup_iters", "plan_lag_iters") else 1
             if getattr(self, name) < low:
                 raise bad(name, f"expected an integer >= {low}, got {getattr(self, name)}")
         if not 0 <= self.switch_interval_ms <= 5:

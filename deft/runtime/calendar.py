@@ -2,8 +2,7 @@
 the preserver's statistics are gathered.
 
 A frozen value: :func:`place` computes it at construction (and again when a comm hook is registered),
-:meth:`Calendar.restart` when a checkpoint taken before planning is loaded, :meth:`Calendar.slid` when the
-profile iterations' compute has not settled (:mod:`deft.runtime.profile_window`). Nothing else moves it.
+:meth:`Calendar.restart` when a checkpoint taken before planning is loaded. Nothing else moves it.
 
 Iterations ``0 <= t < warm_end`` warm up (torch DDP's schedule; the comm hook's plain iterations
 first), ``warm_end <= t < plan_at`` are the profile iterations when deft measures its own profile,
@@ -37,11 +36,6 @@ class Calendar:
     def stats_before_plan(self, t: int) -> bool:
         """Do iteration ``t``'s gradients feed the statistics the first plan is made from?"""
         return self.stats_window[0] <= t < self.stats_window[1]
-
-    def slid(self) -> Calendar:
-        """The profile window one iteration later: its oldest iteration becomes warm-up, and the plan is
-        made one iteration later (:mod:`deft.runtime.profile_window`)."""
-        return Calendar(self.warm_end + 1, self.plan_at + 1, self.stats_window)
 
     def restart(self, t: int, profile_iters: int, measuring: bool) -> Calendar:
         """A checkpoint taken before planning finished, loaded at iteration ``t``: the timings of a

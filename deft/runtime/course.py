@@ -8,8 +8,7 @@ and it installs what every rank agreed on through the one ``install`` function t
 
 The life of a run (docs/DESIGN.md, "Runtime"): warm-up iterations on torch DDP's schedule; after the
 first, rank 0's gradient-ready order becomes the layout; profile iterations (the timer rotates the
-buckets over the links; their window slides on while their compute has not settled:
-:mod:`deft.runtime.profile_window`); after the step of ``plan_at - 1`` the profile is reduced over the ranks and
+buckets over the links); after the step of ``plan_at - 1`` the profile is reduced over the ranks and
 rank 0 plans (now, or in the background while training goes on); every rank installs the agreed plan;
 then re-checks (preserver), adaptation windows, and switches at cycle boundaries.
 """
@@ -52,7 +51,6 @@ from deft.runtime.layouts import balanced_links, plan_order, ready_order, warmup
 from deft.runtime.links import CommLink
 from deft.runtime.optimizer_hooks import OptimizerBinding
 from deft.runtime.planning import Planning, Switch
-from deft.runtime.profile_window import settled
 from deft.runtime.records import RunRecord, SwitchRecord, as_object
 from deft.runtime.step_clock import StepClock
 from deft.runtime.tracing import profile_iters_from_env
@@ -130,7 +128,6 @@ class Course:
         self._lag_run: LagRun | None = None  # what runs while rank 0 plans in the background, and its clock
         self._compute = ComputeClock()  # each iteration's compute until the plan: the drift it is priced with
         self._steps = StepClock()  # the loop's own time per iteration until the plan: the profile's step_s
-        self._window: list[list[float]] = []  # the profile window's compute at each reading (_profile_slides)
         # The preserver's live inputs.
         self.losses: collections.deque[float] = collections.deque(maxlen=64)
         self.batch: int | None = None
@@ -283,8 +280,6 @@ class Course:
                     self.stats.batch = self.batch
                     self._executor.observe(self.stats)
             if not self.jobs.holds("plan") and t >= self.calendar.plan_at:
-                if self._profile_slides():
-                    return None
                 return self._plan(t)
             if self.jobs.holds("plan") and self.jobs.ready(t) and not self._drift_wants_another(t):
                 return self._finish_plan(t)
@@ -436,24 +431,6 @@ class Course:
         self._install_plan(t, schedule, info, {"lag_iters": self.config.plan_lag_iters,
                                                **{k: round(v, 4) for k, v in timing.items()}}, started)
 
-    def _profile_slides(self) -> bool:
-        """Collective: after the profile window's last iteration, slide it by one where its compute has
-        not settled (:mod:`deft.runtime.profile_window`), at most ``profile_settle_iters`` times; each
-        reading is kept for the plan's record. Not with a held iteration (``contention``, ``drag``),
-        whose place in the window is fixed."""
-        timer, cal = self._timer, self.calendar
-        if timer is None or timer.held is not None or not self.planning.measuring \
-                or not self.config.profile_settle_iters:
-            return False
-        rows = self._control.max_rows([self._compute.row(range(cal.warm_end, cal.plan_at))],
-                                      "compute per profile iteration")[0]
-        self._window.append([round(s, 4) for s in rows])
-        if settled(rows, self.config.adapt_tolerance) or len(self._window) > self.config.profile_settle_iters:
-            return False
-        timer.drop_oldest()
-        self.calendar = cal.slid()
-        return True
-
     def _drift_rows(self, t: int) -> tuple[list[float], list[float]] | None:
         """Collective: the slowest rank's compute of each profile and lag iteration before ``t`` (None:
         no drift is read in this run, or no profile iteration to read it against)."""
@@ -527,8 +504,6 @@ class Course:
         chosen = info.get("codecs")
         if isinstance(chosen, dict):  # deft chose the codecs: is the choice made again?
             info["codecs"] = {**chosen, "again": on and recoding is not None}
-        if self._window:  # each reading of the profile's window, the last the profile's
-            info["profile_window"] = {"slides": len(self._window) - 1, "compute_s": self._window}
         self.record.planned(info, t, self._stats_reason, background)
         lag, self._lag_run = self._lag_run, None
         if lag is not None and (lag.clock.counted() < LAG_SAMPLES or self._uses_lost(lag.schedule)):

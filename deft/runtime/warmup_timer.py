@@ -367,7 +367,6 @@ class WarmupTimer:
         self.cuda = cuda
         self.n = layout.n_buckets
         self.samples: list[Sample] = []
-        self._timed = 0  # profile iterations timed, dropped ones too: the rotation's count
         self._cur: Sample | None = None
         self._launches: list[_Launch] = []
         self._started: dict[int, float] = {}  # bucket -> when its chained hooked send really started
@@ -415,14 +414,7 @@ class WarmupTimer:
         links, the links left after a loss."""
         names = tuple(self.live())
         return synchronous_schedule(self.layout.bucket_numel, self.layout.bucket_nbytes(), names,
-                                    link_rotation(self.n, names, self._timed))
-
-    def drop_oldest(self) -> None:
-        """Leave the oldest profile iteration out of the profile: the window slid past it
-        (:mod:`deft.runtime.profile_window`). The rotation goes on, so the window's last iterations still
-        put every bucket on every link."""
-        if self.samples:
-            self.samples.pop(0)
+                                    link_rotation(self.n, names, len(self.samples)))
 
     def holds_next(self) -> bool:
         """Whether the next profile iteration's backward sends wait for its end (``Executor.install``'s
@@ -536,7 +528,6 @@ class WarmupTimer:
                     cur["launch"][r.link][r.bucket] = start
                     cur["comm"][r.link][r.bucket] = done - start
             self.samples.append(cur)
-            self._timed += 1
         self._cur = None
         self._launches = []
 
