@@ -64,6 +64,7 @@ ORDER = [
     "peers_lm_sim5.md",
     "prices_head.md",
     "prices_hold.md",
+    "prices_lag_sample.md",
     "planner_gap.md",
     "runtime_ab.md",
     "codec_paths.md",
