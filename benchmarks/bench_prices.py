@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -172,6 +173,19 @@ def drift_priced(doc: dict[str, Any]) -> str:
     return f"x {found['factor']:.2f} (applied{priced})"
 
 
+def ranks_forward(doc: dict[str, Any]) -> str:
+    """The fastest and the slowest rank's forward in the profile iterations (``meta.rank_compute_s``), each
+    the median over the iterations (ms); "-" where the profile did not record it."""
+    meta = (((doc["summary"].get("schedule") or {}).get("profile") or {}).get("meta") or {})
+    forward = (meta.get("rank_compute_s") or {}).get("forward") or []
+    if not forward or not forward[0]:
+        return "-"
+    per_iteration = list(zip(*forward, strict=True))
+    fastest = statistics.median(min(it) for it in per_iteration)
+    slowest = statistics.median(max(it) for it in per_iteration)
+    return f"{fastest * 1e3:.0f} / {slowest * 1e3:.0f}"
+
+
 def row(label: str, run_dir: Path, doc: dict[str, Any]) -> str:
     s = doc["summary"]
     layout = peers.Layout.of(s)
@@ -188,7 +202,8 @@ def row(label: str, run_dir: Path, doc: dict[str, Any]) -> str:
     return (f"| {label} | {workload(doc)} | {s['rate_mbit']:g} | {layout.words()} | "
             f"{', '.join(f'{r:.2f}' for r in rho) or '-'} | {', '.join(f'{d:.2f}' for d in drag) or '-'} | "
             f"{plans or '-'} | {first} | {first_window(doc)} | "
-            f"{warmup_priced(doc)} | {lag_s} | {lag_priced(doc)} | {drift_priced(doc)} | {held} | "
+            f"{warmup_priced(doc)} | {lag_s} | {lag_priced(doc)} | {drift_priced(doc)} | "
+            f"{ranks_forward(doc)} | {held} | "
             f"{s['iter_s_mean'] * 1e3:.0f} | `{run_dir.name}` |")
 
 
@@ -218,14 +233,16 @@ def report(groups: list[tuple[str, list[Path]]], note: str, command: str, title:
              "iterations' compute over the "
              "profile iterations' (`plan_info.compute_drift`, the slowest rank's, medians; applied beyond "
              "`adapt_tolerance`: the first plan priced on the profile's compute times it, its price before "
-             "given); `-`: none read. Within "
+             "given); `-`: none read. Ranks' forward: the fastest and the slowest rank's forward in each profile "
+             "iteration, medians over the iterations (`meta.rank_compute_s`, ms; `-`: not recorded). Within "
              f"{TOLERANCE:.0%}: every plan of the run.", "",
              "| code | model | Mbit/s | layout | contention | drag | plans: predicted / measured (ms) | first plan | "
              f"first window against the profile | warm-up schedule: simulated / measured (ms) | "
              "last rank's lag (ms) | first plan with the lag: simulated / measured (ms) | compute drift | "
+             "ranks' forward: fastest / slowest (ms) | "
              "within "
              f"{TOLERANCE:.0%} | steady iteration (ms) | runs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, dirs in groups:
         for d in dirs:
             lines += [row(label, d, doc) for doc in load(d)]

@@ -46,7 +46,7 @@ def test_a_run_is_one_row_with_every_plan_priced(prices: Any, tmp_path: Path) ->
     # absent: 0); where the first window's forward, backward and links stood against the profile
     assert row == ("| after | GPT-2 | 250 | 4 ranks (4 hosts x 1 rank per host) | 0.00, 0.50 | 0.00, 0.25 | "
                    "2000 / 1600 (+25.0%); 1200 / 1500 (-20.0%) | +25.0% | forward x 1.40; backward x 1.10; "
-                   "primary x 0.70, second x 1.25 | - | - | - | - | no | 1500 | `after` |")
+                   "primary x 0.70, second x 1.25 | - | - | - | - | - | no | 1500 | `after` |")
 
 
 def test_a_run_recorded_before_the_window_was_set_against_the_profile_says_so(prices: Any, tmp_path: Path) -> None:
@@ -58,7 +58,7 @@ def test_a_run_recorded_before_the_window_was_set_against_the_profile_says_so(pr
     path.write_text(json.dumps(doc), encoding="utf-8")
     row = next(line for line in prices.report([("old", [tmp_path / "old"])], "", "cmd").splitlines()
                if line.startswith("| old |"))
-    assert "| +25.0% | - | - | - | - | - | no |" in row
+    assert "| +25.0% | - | - | - | - | - | - | no |" in row
 
 
 @pytest.mark.parametrize("found, cell", [
@@ -74,7 +74,20 @@ def test_the_compute_drift_read_is_in_the_row(prices: Any, tmp_path: Path, found
     path.write_text(json.dumps(doc), encoding="utf-8")
     row = next(line for line in prices.report([("d", [tmp_path / "drift"])], "", "cmd").splitlines()
                if line.startswith("| d |"))
-    assert f"| - | {cell} | no |" in row
+    assert f"| - | {cell} | - | no |" in row
+
+
+def test_the_ranks_fastest_and_slowest_forward_are_in_the_row(prices: Any, tmp_path: Path) -> None:
+    _save(tmp_path / "ranks", 0.5)
+    path = tmp_path / "ranks" / "deft.250.s0.r0.json"
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    # four ranks, three iterations: fastest 0.157, 0.12, 0.13 (median 0.13); slowest 0.564, 0.522, 0.548 (0.548)
+    doc["summary"]["schedule"]["profile"]["meta"] = {"rank_compute_s": {"forward": [
+        [0.157, 0.12, 0.143], [0.162, 0.522, 0.512], [0.347, 0.134, 0.13], [0.564, 0.31, 0.548]]}}
+    path.write_text(json.dumps(doc), encoding="utf-8")
+    row = next(line for line in prices.report([("r", [tmp_path / "ranks"])], "", "cmd").splitlines()
+               if line.startswith("| r |"))
+    assert "| - | 130 / 548 | no |" in row
 
 
 def test_bad_runs_are_named(prices: Any, tmp_path: Path) -> None:

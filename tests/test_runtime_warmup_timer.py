@@ -48,6 +48,7 @@ from deft.runtime.warmup_timer import (
     link_rotation,
     paced_step,
     probe_alpha,
+    rank_compute,
     send_lags,
 )
 from tests._dist import run_ranks, values
@@ -118,6 +119,15 @@ def test_a_sends_lag_is_the_last_ranks_launch_after_the_paced_ranks_by_each_rank
     assert send_lags([rank0, rank1], 1) == pytest.approx([0.0, 0.0])
     # a bucket that failed on rank 1 has no lag
     assert send_lags([rank0, {0: (101.0, 105.1)}], 0) == pytest.approx([0.9])
+
+
+def test_each_ranks_forward_and_backward_per_iteration_on_its_own_clock() -> None:
+    # rank 0: forward 0.0-0.15, backward 0.15-0.45; its second iteration's backward not timed. Rank 1's clock
+    # runs 100 s ahead: a forward of 0.5 and a backward of 0.3, whatever the clock.
+    rank0 = [[[0.0, 0.15], [0.15, 0.45]], [[1.0, 1.12]]]
+    rank1 = [[[100.0, 100.5], [100.5, 100.8]], [[101.0, 101.52], [101.52, 101.8]]]
+    assert rank_compute([rank0, rank1]) == {"forward": [[0.15, 0.12], [0.5, 0.52]],
+                                            "backward": [[0.3, 0.0], [0.3, 0.28]]}
 
 
 def test_fit_beta_with_alpha_fixed_by_hand() -> None:

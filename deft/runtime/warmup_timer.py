@@ -262,6 +262,16 @@ def paced_step(rows: Sequence[Sequence[float | None]]) -> float:
     return statistics.median(timed) if timed else 0.0
 
 
+def rank_compute(spans: Sequence[Sequence[Sequence[Sequence[float]]]]) -> dict[str, list[list[float]]]:
+    """Each rank's forward and backward seconds per profile iteration (``forward[r][i]``), from
+    ``spans[r][i]``, rank ``r``'s compute spans of iteration ``i`` (:func:`_compute_spans`: its forward,
+    then its backward where timed; a backward not timed is 0.0)."""
+    def length(span: Sequence[float]) -> float:
+        return round(span[1] - span[0], 4)
+    return {"forward": [[length(it[0]) for it in rank] for rank in spans],
+            "backward": [[length(it[1]) if len(it) > 1 else 0.0 for it in rank] for rank in spans]}
+
+
 def _compute_spans(s: Sample) -> list[list[float]]:
     """One profile iteration's compute spans on this rank: its forward and its backward (start to the
     last bucket ready)."""
@@ -367,6 +377,7 @@ class WarmupTimer:
         self.cuda = cuda
         self.n = layout.n_buckets
         self.samples: list[Sample] = []
+        self._rank_compute: dict[str, list[list[float]]] = {}  # each rank's compute (rank_compute), once gathered
         self._cur: Sample | None = None
         self._launches: list[_Launch] = []
         self._started: dict[int, float] = {}  # bucket -> when its chained hooked send really started
@@ -659,6 +670,7 @@ class WarmupTimer:
         doc: _RankSends = {"iterations": mine, "compute": [_compute_spans(s) for s in self.samples],
                            "pace": [sum(s["fwd"]) + sum(s["bwd"]) for s in self.samples]}
         every = control.all_gather_json(doc, "all-reduce times of the profile iterations")
+        self._rank_compute = rank_compute([d["compute"] for d in every])
         loads: dict[str, list[BusyGroup]] = {k: [] for k in link_names}
         lags: dict[str, list[float]] = {k: [] for k in link_names}
         for i in range(len(self.samples)):
@@ -746,7 +758,11 @@ class WarmupTimer:
             # (the minimum over ranks) leave out: priced as each link's lag_s where DeftConfig.rank_wait is on
             "rank_lag_s": {k: {"mean": statistics.fmean(lags[k]), "median": statistics.median(lags[k]),
                                "max": max(lags[k]), "sends": len(lags[k])}
-                           for k in link_names if lags.get(k)}}
+                           for k in link_names if lags.get(k)},
+            # each rank's own: where ranks outnumber the cores, some run at a core's speed while others wait
+            "rank_compute_s": {**self._rank_compute,
+                               "reduction": "per rank and profile iteration, its forward and its backward (start "
+                                            "to the last bucket ready), each on its own clock"}}
         if codec is not None:
             meta["codec"] = {"wire_nbytes": "the hook's maths" if codec.wire_known else
                              "unknown for this hook: the bucket's size assumed",
