@@ -731,8 +731,9 @@ class WarmupTimer:
         """The profile's ``meta``: how it was reduced, so that a reader can tell measured times from
         modelled ones (the probe, the busy groups per link, which buckets were measured alone, the
         codec's sources, the links that carried nothing and took ``beta`` from all links, the links
-        lost before the profile was made, the drag's fit, and per link its sends' lags behind the paced
-        rank, priced as the links' ``lag_s`` where asked)."""
+        lost before the profile was made, the drag's fit, per link its sends' lags behind the paced
+        rank, priced as the links' ``lag_s`` where asked, and each rank's own compute per iteration,
+        :func:`rank_compute`, which the profile reduces to the slowest rank's)."""
         link_names = list(alphas)
         meta: JsonDict = {
             "profile_iterations": len(self.samples),
