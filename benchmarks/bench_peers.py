@@ -378,16 +378,18 @@ def processes(tb: Testbed, per_host: int, argv: list[str], env: dict[str, str], 
     return procs
 
 
-def run_procs(tb: Testbed, procs: list[Proc], timeout_s: float, label: str, live: bool = False) -> None:
+def run_procs(tb: Testbed, procs: list[Proc], timeout_s: float, label: str, live: bool = False,
+              pin: bool = False) -> None:
     """Start every process, stream rank 0's output (``live``: straight to this terminal, its progress bar
     redrawing in place) and every other line naming an error; raise on a failure or the timeout, with the
-    last lines of every process."""
+    last lines of every process. ``pin``: each host's processes on that host's cores only
+    (:func:`deft.testbed.host_cpus`)."""
     logs: list[list[str]] = [[] for _ in procs]
     started, threads = [], []
     for i, pr in enumerate(procs):
         out: dict[str, Any] = ({} if live and pr.rank == 0 else
                                {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "bufsize": 1})
-        p = tb.popen(pr.host, pr.argv, pr.env, **out)
+        p = tb.popen(pr.host, pr.argv, pr.env, pin=pin, **out)
         started.append(p)
         if p.stdout is None:
             continue
@@ -439,11 +441,12 @@ def run_one(tb: Testbed, name: str, rep: int, seed: int, args: argparse.Namespac
           f"({sch.label})", flush=True)
     t0, load = time.perf_counter(), os.getloadavg()[0]
     procs = processes(tb, args.ranks_per_host, argv, sch.env(tb), config, sch.alone, args.launcher)
-    run_procs(tb, procs, timeout_s=args.timeout, label=f"{name}@{tb.rate_mbit:g}", live=args.live)
+    run_procs(tb, procs, timeout_s=args.timeout, label=f"{name}@{tb.rate_mbit:g}", live=args.live,
+              pin=args.pin_hosts)
     doc = json.loads((out_dir / f"{stem}.host0.json" if sch.alone else out).read_text(encoding="utf-8"))
     doc["summary"].update(wall_s=time.perf_counter() - t0, rate_mbit=tb.rate_mbit, repeat=rep, name=name, load=load,
                           seed=seed, env=sch.env(tb), hosts=layout.hosts, ranks_per_host=layout.per_host,
-                          launcher=args.launcher)
+                          launcher=args.launcher, pinned=args.pin_hosts)
     out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     return doc
 
@@ -976,6 +979,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     ap.add_argument("--ranks-per-host", type=int, default=1,
                     help=f"ranks on each host (at most {MAX_RANKS_PER_HOST}, {MAX_WORLD} in all); traffic between "
                          "ranks of one host stays inside it (loopback), off the shaped NICs")
+    ap.add_argument("--pin-hosts", action="store_true",
+                    help="each host's processes on that host's share of the machine's cores only (taskset), "
+                         "as on real hosts; with more hosts than cores, hosts share a core in turn")
     ap.add_argument("--launcher", choices=LAUNCHERS, default="env",
                     help="env: start every rank with the environment torchrun would set (rank h * M + l on host h); "
                          "torchrun: torchrun --nnodes H --nproc-per-node M --node-rank h in each host")

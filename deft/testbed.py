@@ -108,6 +108,20 @@ def list_namespaces() -> list[str]:
 DEFAULT_GSO_MAX_BYTES = 65536
 
 
+def host_cpus(h: int, hosts: int, cpus: Sequence[int]) -> list[int]:
+    """The cores host ``h`` of ``hosts`` runs on when its processes are pinned (:meth:`Testbed.popen`):
+    ``cpus`` (the machine's, in order) cut into ``hosts`` equal runs, host ``h`` the ``h``-th (any left
+    over unused); with more hosts than cores, core ``h mod len(cpus)``, hosts sharing a core in turn."""
+    if not cpus:
+        raise TestbedError("host_cpus: no core to pin to")
+    if not 0 <= h < hosts:
+        raise TestbedError(f"host_cpus: host {h} is not one of 0..{hosts - 1}")
+    each = len(cpus) // hosts
+    if each == 0:
+        return [cpus[h % len(cpus)]]
+    return list(cpus[h * each:(h + 1) * each])
+
+
 def tbf_params(rate_mbit: float, gso_bytes: int = DEFAULT_GSO_MAX_BYTES) -> tuple[int, int]:
     """``(burst, limit)`` in bytes of the testbed's ``tc tbf`` at ``rate_mbit`` Mbit/s.
 
@@ -433,9 +447,11 @@ class Testbed:
                 "--nproc-per-node", str(nproc_per_node), "--node-rank", str(h),
                 "--master-addr", self.addr(0, 0), "--master-port", str(port)]
 
-    def popen(self, h: int, argv: Sequence[str], env: Mapping[str, str] | None = None,
+    def popen(self, h: int, argv: Sequence[str], env: Mapping[str, str] | None = None, pin: bool = False,
               **kwargs: Any) -> subprocess.Popen[Any]:
-        """Start ``argv`` inside host ``h``'s namespace (``ip netns exec``) with ``env`` added to ours.
+        """Start ``argv`` inside host ``h``'s namespace (``ip netns exec``) with ``env`` added to ours;
+        ``pin``: on host ``h``'s cores only (:func:`host_cpus`, ``taskset``), as a real host's processes run
+        on that host's cores and no other host's.
 
         The process leads its own process group (``start_new_session``) so :meth:`down` can stop it and
         its children by id.
@@ -443,7 +459,9 @@ class Testbed:
         if not self._is_up:
             raise TestbedError("the testbed is not up: call up() or use it as a context manager")
         full_env = {**os.environ, **(env or {})}
-        p = subprocess.Popen(["ip", "netns", "exec", self.host_ns(h), *argv], env=full_env,
+        cpus = host_cpus(h, self.hosts, sorted(os.sched_getaffinity(0))) if pin else []
+        taskset = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
+        p = subprocess.Popen(["ip", "netns", "exec", self.host_ns(h), *taskset, *argv], env=full_env,
                              start_new_session=True, **kwargs)
         self._procs.append(p)
         return p

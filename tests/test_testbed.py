@@ -15,7 +15,7 @@ import pytest
 from deft import testbed as testbed_mod
 from deft.config import DeftConfig
 from deft.errors import DeftError
-from deft.testbed import Testbed, TestbedError, list_namespaces
+from deft.testbed import Testbed, TestbedError, host_cpus, list_namespaces
 from tests._netns import NETNS_REASON, can_netns, skip_netns_when_refused
 
 
@@ -167,6 +167,34 @@ def test_two_hosts_reach_each_link_shaped_and_teardown_is_clean() -> None:
             assert qd["kind"] == "tbf" and qd["options"]["burst"] > 1.1 * gso, (qd, gso)
     assert leftovers(tb) == []
     tb.down()  # idempotent after teardown
+
+
+def test_each_host_gets_its_share_of_the_cores_or_one_in_turn() -> None:
+    assert [host_cpus(h, 2, [0, 1]) for h in range(2)] == [[0], [1]]
+    assert [host_cpus(h, 2, [0, 1, 2, 3, 4]) for h in range(2)] == [[0, 1], [2, 3]]  # core 4 left unused
+    assert [host_cpus(h, 8, [0, 1]) for h in range(8)] == [[0], [1]] * 4
+    with pytest.raises(TestbedError, match=r"host 2 is not one of 0\.\.1"):
+        host_cpus(2, 2, [0, 1])
+    with pytest.raises(TestbedError, match="no core"):
+        host_cpus(0, 2, [])
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
+def test_a_pinned_process_runs_on_its_hosts_cores_only() -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    with Testbed(hosts=2, links=1, rate_mbit=100) as tb:
+        outs = []
+        for h in range(2):
+            p = tb.popen(h, [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"], pin=True,
+                         stdout=subprocess.PIPE, text=True)
+            out, _ = p.communicate(timeout=60)
+            outs.append(json.loads(out))
+        free = tb.popen(0, [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                        stdout=subprocess.PIPE, text=True)
+        unpinned = json.loads(free.communicate(timeout=60)[0])
+    assert outs == [host_cpus(h, 2, cpus) for h in range(2)]
+    assert unpinned == cpus
 
 
 @pytest.mark.netns
