@@ -65,6 +65,7 @@ ORDER = [
     "prices_head.md",
     "prices_hold.md",
     "prices_lag_sample.md",
+    "prices_pinned.md",
     "planner_gap.md",
     "runtime_ab.md",
     "codec_paths.md",
