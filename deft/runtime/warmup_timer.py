@@ -377,7 +377,6 @@ class WarmupTimer:
         self.cuda = cuda
         self.n = layout.n_buckets
         self.samples: list[Sample] = []
-        self._rank_compute: dict[str, list[list[float]]] = {}  # each rank's compute (rank_compute), once gathered
         self._cur: Sample | None = None
         self._launches: list[_Launch] = []
         self._started: dict[int, float] = {}  # bucket -> when its chained hooked send really started
@@ -559,7 +558,7 @@ class WarmupTimer:
         nbytes = list(self.layout.bucket_nbytes())
         wire = list(codec.wire_nbytes) if codec is not None else nbytes
         codec_s = list(codec.codec_s) if codec is not None else [0.0] * n
-        every_link, lags = self._busy_groups(control, codec_s)
+        every_link, lags, ranks = self._busy_groups(control, codec_s)
         alphas = self._probe(control, t)
         link_names = list(alphas)
         loads = {k: every_link[k] for k in link_names}
@@ -578,7 +577,7 @@ class WarmupTimer:
                       for b in range(n))
         return Profile(buckets=buckets, times=times, links=tuple(links), world_size=world, source="timing",
                        versions={"torch": torch.__version__}, model=model,
-                       meta=self._meta(loads, alphas, comm, codec, rank_contention, drag, lags, step_rows),
+                       meta=self._meta(loads, alphas, comm, codec, rank_contention, drag, lags, step_rows, ranks),
                        codec=codec.name if codec is not None else "", step_s=paced_step(step_rows))
 
     def _probe(self, control: ControlPlane, t: int) -> dict[str, float]:
@@ -655,11 +654,12 @@ class WarmupTimer:
         return statistics.median(rhos)
 
     def _busy_groups(self, control: ControlPlane, codec_s: Sequence[float]
-                     ) -> tuple[dict[str, list[BusyGroup]], dict[str, list[float]]]:
+                     ) -> tuple[dict[str, list[BusyGroup]], dict[str, list[float]], dict[str, list[list[float]]]]:
         """Per link, the busy groups of every profile iteration (:func:`common_busy_groups`, each with its
         time beside the compute: the iteration's forward and backward), each less the codec compute of
-        its buckets (never below 0), so that the links are fitted over wire time; and its sends' lags
-        behind each iteration's paced rank, the one with the most compute (:func:`send_lags`).
+        its buckets (never below 0), so that the links are fitted over wire time; its sends' lags
+        behind each iteration's paced rank, the one with the most compute (:func:`send_lags`); and each
+        rank's own compute per iteration (:func:`rank_compute`), gathered with the sends.
 
         Collective on the control group: every rank gathers every rank's send intervals, so every rank
         forms the same groups (and so computes the same profile)."""
@@ -670,7 +670,6 @@ class WarmupTimer:
         doc: _RankSends = {"iterations": mine, "compute": [_compute_spans(s) for s in self.samples],
                            "pace": [sum(s["fwd"]) + sum(s["bwd"]) for s in self.samples]}
         every = control.all_gather_json(doc, "all-reduce times of the profile iterations")
-        self._rank_compute = rank_compute([d["compute"] for d in every])
         loads: dict[str, list[BusyGroup]] = {k: [] for k in link_names}
         lags: dict[str, list[float]] = {k: [] for k in link_names}
         for i in range(len(self.samples)):
@@ -682,7 +681,7 @@ class WarmupTimer:
                     wire_s = max(0.0, g.seconds - sum(codec_s[b] for b in g.buckets))
                     loads[k].append(BusyGroup(g.buckets, wire_s, min(g.beside, wire_s)))
                 lags[k].extend(send_lags(per_rank, paced))
-        return loads, lags
+        return loads, lags, rank_compute([d["compute"] for d in every])
 
     def _drag(self, loads: Mapping[str, list[BusyGroup]], alphas: Mapping[str, float], wire: Sequence[int],
               link_backends: Mapping[str, str]) -> DragFit:
@@ -727,7 +726,8 @@ class WarmupTimer:
 
     def _meta(self, loads: Mapping[str, list[BusyGroup]], alphas: Mapping[str, float],
               comm: Sequence[dict[int, float]], codec: Codec | None, rank_contention: list[JsonDict],
-              drag: DragFit, lags: Mapping[str, list[float]], step_rows: list[list[float | None]]) -> JsonDict:
+              drag: DragFit, lags: Mapping[str, list[float]], step_rows: list[list[float | None]],
+              ranks: Mapping[str, list[list[float]]]) -> JsonDict:
         """The profile's ``meta``: how it was reduced, so that a reader can tell measured times from
         modelled ones (the probe, the busy groups per link, which buckets were measured alone, the
         codec's sources, the links that carried nothing and took ``beta`` from all links, the links
@@ -761,7 +761,7 @@ class WarmupTimer:
                                "max": max(lags[k]), "sends": len(lags[k])}
                            for k in link_names if lags.get(k)},
             # each rank's own: where ranks outnumber the cores, some run at a core's speed while others wait
-            "rank_compute_s": {**self._rank_compute,
+            "rank_compute_s": {**ranks,
                                "reduction": "per rank and profile iteration, its forward and its backward (start "
                                             "to the last bucket ready), each on its own clock"}}
         if codec is not None:
