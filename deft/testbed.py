@@ -456,6 +456,9 @@ class Testbed:
         The process leads its own process group (``start_new_session``) so :meth:`down` can stop it and
         its children by id.
         """
+        if pin and shutil.which("taskset") is None:
+            raise TestbedError("popen(pin=True) runs the host's processes under taskset (util-linux), which is "
+                               "not on PATH: install util-linux, or start them unpinned")
         if not self._is_up:
             raise TestbedError("the testbed is not up: call up() or use it as a context manager")
         full_env = {**os.environ, **(env or {})}

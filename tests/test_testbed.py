@@ -113,6 +113,13 @@ def test_missing_iproute2_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> N
         Testbed().up()
 
 
+def test_pinning_without_taskset_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    tb = Testbed(hosts=2, links=1, rate_mbit=100)  # not up: the check comes before anything is started
+    monkeypatch.setattr(testbed_mod.shutil, "which", lambda tool: None if tool == "taskset" else f"/usr/bin/{tool}")
+    with pytest.raises(TestbedError, match=r"taskset \(util-linux\).*not on PATH"):
+        tb.popen(0, [sys.executable, "-c", "pass"], pin=True)
+
+
 def test_names_addresses_env_and_config_need_no_root() -> None:
     a, b = Testbed(), Testbed()
     assert a.base != b.base and str(os.getpid()) in a.base  # unique per object and per process
