@@ -875,6 +875,17 @@ def default_schemes(workload: str, trainer: str | None) -> list[str]:
     return [n for n, sch in SCHEMES.items() if workload == "lm" or sch.trainer is None]
 
 
+def pinning(docs: list[dict[str, Any]]) -> str:
+    """How the runs' hosts used the cores, for the report's machine line: each host's ranks on its own
+    (``--pin-hosts``), every host on every core, or a mix (a run's ``pinned``; absent: not pinned)."""
+    pinned = {bool(d["summary"].get("pinned")) for d in docs}
+    if pinned == {True}:
+        return "; each host's ranks on its own share of the cores (`--pin-hosts`)"
+    if pinned == {True, False}:
+        return "; some runs with each host's ranks on its own cores (`--pin-hosts`), the others on every core"
+    return "; every host's ranks on every core (not pinned)"
+
+
 def report(args: argparse.Namespace, docs: list[dict[str, Any]], names: list[str], rates: list[float],
            failed: dict[tuple[str, float], str], command: str, plots: dict[tuple[Layout, float], Path]) -> str:
     first, wl = docs[0]["summary"], WORKLOADS[args.workload]
@@ -900,7 +911,7 @@ def report(args: argparse.Namespace, docs: list[dict[str, Any]], names: list[str
     lines = [f"## Peers: {wl.label} and time of every scheme (`benchmarks/bench_peers.py`)", "",
              f"Command: `{command}`  ",
              f"Machine: {machine()}; {args.note}. On this 2-core machine the gloo threads of every link and "
-             "the model's computation share the CPU.  ", model,
+             f"the model's computation share the CPU{pinning(docs)}.  ", model,
              "Load: the machine's 1-minute load average when the run started (2 cores; '-': not recorded).  ",
              f"Iteration: mean over iterations {args.skip_iters + 1}..end. Time to an accuracy: seconds from the "
              "wrapper's construction (set-up, warm-up, deft's profiling and planning included), evaluation "

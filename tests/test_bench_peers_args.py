@@ -193,3 +193,15 @@ def test_a_report_from_saved_runs_describes_them_as_they_ran(peers: Any, capsys:
                                  made.replace("deft-fp16", "no-such-scheme").replace("--iters 120", "--iters 90")])
     capsys.readouterr()
     assert (args.iters, args.eval_every) == (60, 20)  # the lm workload's own
+
+
+def test_pin_hosts_is_off_by_default_and_the_report_says_how_the_hosts_used_the_cores(peers: Any) -> None:
+    assert peers.parse_args(["--hosts", "2"])[0].pin_hosts is False
+    assert peers.parse_args(["--hosts", "2", "--pin-hosts"])[0].pin_hosts is True
+
+    def run(pinned: bool | None) -> dict[str, Any]:
+        return {"summary": {} if pinned is None else {"pinned": pinned}}
+
+    assert "on its own share of the cores" in peers.pinning([run(True), run(True)])
+    assert "every host's ranks on every core" in peers.pinning([run(False), run(None)])  # older runs: unpinned
+    assert "some runs" in peers.pinning([run(True), run(None)])
