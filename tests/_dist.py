@@ -20,6 +20,7 @@ import contextlib
 import faulthandler
 import json
 import os
+import random
 import signal
 import socket
 import sys
@@ -60,8 +61,6 @@ def free_port() -> int:
     connections, and between this call and rank 0's store listening on it, another test's gloo pairs
     (the other xdist worker's ranks) could be given it (``EADDRINUSE``). A random port below the range
     is never handed out so; a bind checks it is free now."""
-    import random
-
     low = _ephemeral_low()
     for _ in range(200):
         port = random.randrange(10_000, max(10_001, low))
