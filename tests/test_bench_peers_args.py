@@ -111,10 +111,10 @@ def test_every_table_names_the_world_size(peers: Any) -> None:
     assert peers.Layout.of({"hosts": 4, "ranks_per_host": 1}).suffix() == "_4x1"
 
 
-def _row(peers: Any, name: str, iter_s: float, to_93: float | None) -> Any:
+def _row(peers: Any, name: str, iter_s: float, to_93: float | None, final: float = 0.95) -> Any:
     return peers.Row(name=name, runs=1, iter_s=iter_s, iter_spread=(iter_s, iter_s),
-                     to_target={0.93: (to_93, 1 if to_93 is not None else 0, None)}, final_acc=0.95,
-                     final_mean=0.95, final_by_seed={0: 0.95}, best_acc=0.95, updates_per_iter=1.0, time_s=10.0,
+                     to_target={0.93: (to_93, 1 if to_93 is not None else 0, None)}, final_acc=final,
+                     final_mean=final, final_by_seed={0: final}, best_acc=0.97, updates_per_iter=1.0, time_s=10.0,
                      plan="", load=None)
 
 
@@ -128,7 +128,8 @@ def test_the_layout_table_says_where_deft_falls_short_of_two_hosts(peers: Any) -
                            (0.93,), one(1.05, 1.0))  # 2.00x per iteration and to 93 %; predicted +5 %
     four = peers.LayoutRows(peers.Layout(4, 1), _row(peers, "torch", 3.0, 60.0), _row(peers, "deft", 2.0, 50.0),
                             (0.93,), one(1.5, 2.0))  # 1.50x, 1.20x; predicted -25 %
-    eight = peers.LayoutRows(peers.Layout(8, 1), _row(peers, "torch", 6.0, 80.0), _row(peers, "deft", 2.0, None),
+    eight = peers.LayoutRows(peers.Layout(8, 1), _row(peers, "torch", 6.0, 80.0),
+                             _row(peers, "deft", 2.0, None, final=0.92),
                              (0.93,), one(2.1, 2.0))  # 3.00x per iteration, never reaches 93 %; predicted +5 %
     text = "\n".join(peers.scale_table(50.0, [two, four, eight], wl))
     assert "| 4 ranks (4 hosts x 1 rank per host) | 3000 | 2000 | 1.50x | 1500 / 2000 | -25.0% |" in text
@@ -138,7 +139,27 @@ def test_the_layout_table_says_where_deft_falls_short_of_two_hosts(peers: Any) -
     assert "- 4 ranks (4 hosts x 1 rank per host): to 93% deft's ratio 1.20x is under its 2.00x" in text
     assert "- 8 ranks (8 hosts x 1 rank per host): deft is not first to 93% (never against torch DDP's 80.0 s)" in text
     assert "8 ranks (8 hosts x 1 rank per host): deft's iteration ratio" not in text  # 3.00x holds
+    assert ("- 8 ranks (8 hosts x 1 rank per host): deft's final test accuracy 0.920 is worse than torch DDP's 0.950 "
+            "(best 0.970 against 0.970)") in text
+    assert "4 ranks (4 hosts x 1 rank per host): deft's final" not in text  # level with torch DDP's
     assert "2 ranks (2 hosts x 1 rank per host): " not in text.split("Where deft falls short")[1]
+
+
+def test_the_layout_table_says_where_deft_ends_on_a_worse_loss(peers: Any) -> None:
+    wl = peers.WORKLOADS["lm"]  # lower is better
+    price = (peers.PlanPrice(1.0, 1.0, "window"),)
+    worse = peers.LayoutRows(peers.Layout(2, 1), _row(peers, "torch", 2.0, 40.0, final=3.10),
+                             _row(peers, "deft", 1.0, 20.0, final=3.20), (0.93,), price)
+    better = peers.LayoutRows(peers.Layout(2, 2), _row(peers, "torch", 2.0, 40.0, final=3.10),
+                              _row(peers, "deft", 1.0, 20.0, final=3.05), (0.93,), price)
+    text = "\n".join(peers.scale_table(250.0, [worse, better], wl))
+    assert ("- 2 ranks (2 hosts x 1 rank per host): deft's final validation loss 3.200 is worse than torch DDP's "
+            "3.100") in text
+    assert "4 ranks (2 hosts x 2 ranks per host): deft's final" not in text
+    # level at the table's three decimals is not worse
+    level = peers.LayoutRows(peers.Layout(2, 1), _row(peers, "torch", 2.0, 40.0, final=3.1002),
+                             _row(peers, "deft", 1.0, 20.0, final=3.1004), (0.93,), price)
+    assert "deft's final" not in "\n".join(peers.scale_table(250.0, [level], wl))
 
 
 def _deft_doc(records: list[dict[str, Any]], steady_s: float, predicted_s: float) -> dict[str, Any]:
@@ -195,9 +216,18 @@ def test_a_report_from_saved_runs_describes_them_as_they_ran(peers: Any, capsys:
     assert (args.iters, args.eval_every) == (60, 20)  # the lm workload's own
 
 
-def test_pin_hosts_is_off_by_default_and_the_report_says_how_the_hosts_used_the_cores(peers: Any) -> None:
-    assert peers.parse_args(["--hosts", "2"])[0].pin_hosts is False
-    assert peers.parse_args(["--hosts", "2", "--pin-hosts"])[0].pin_hosts is True
+def test_hosts_are_pinned_where_each_gets_a_core_and_the_report_says_how_they_used_the_cores(peers: Any) -> None:
+    # auto: pinned where every host has a core of its own, not where hosts would share one
+    assert peers.pin_hosts("auto", 2, 2) is True
+    assert peers.pin_hosts("auto", 4, 2) is False
+    assert peers.pin_hosts("auto", 8, 16) is True
+    assert peers.pin_hosts("on", 8, 2) is True and peers.pin_hosts("off", 2, 16) is False
+    with pytest.raises(ValueError, match="expected 'on', 'off' or 'auto', got 'yes'"):
+        peers.pin_hosts("yes", 2, 2)
+    # the flags win over the machine's cores either way
+    assert peers.parse_args(["--hosts", "8", "--pin-hosts"])[0].pin_hosts is True
+    assert peers.parse_args(["--hosts", "2", "--no-pin-hosts"])[0].pin_hosts is False
+    assert peers.parse_args(["--hosts", "2", "--ranks-per-host", "2", "--no-pin-hosts"])[0].pin_hosts is False
 
     def run(pinned: bool | None) -> dict[str, Any]:
         return {"summary": {} if pinned is None else {"pinned": pinned}}
