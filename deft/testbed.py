@@ -122,6 +122,14 @@ def host_cpus(h: int, hosts: int, cpus: Sequence[int]) -> list[int]:
     return list(cpus[h * each:(h + 1) * each])
 
 
+def pinning_hint(hosts: int, cpus: Sequence[int]) -> str | None:
+    """Each host's ``taskset`` prefix, as :meth:`Testbed.popen` pins (``"host 0: taskset -c 0; host 1:
+    ..."``); None where the hosts outnumber ``cpus``, since then no host can have a core of its own."""
+    if hosts > len(cpus):
+        return None
+    return "; ".join(f"host {h}: taskset -c {','.join(map(str, host_cpus(h, hosts, cpus)))}" for h in range(hosts))
+
+
 def tbf_params(rate_mbit: float, gso_bytes: int = DEFAULT_GSO_MAX_BYTES) -> tuple[int, int]:
     """``(burst, limit)`` in bytes of the testbed's ``tc tbf`` at ``rate_mbit`` Mbit/s.
 
@@ -556,9 +564,16 @@ def run(name: str, args: argparse.Namespace) -> int:
             tb.down()
             raise
         _print_state(state)
-        print(f"run rank r of {tb.hosts} on host r with: ip netns exec {tb.host_ns(0)} env RANK=0 "
+        cpus = sorted(os.sched_getaffinity(0))
+        pins = pinning_hint(tb.hosts, cpus)
+        # a real host's processes never run on another host's cores (benchmarks/results/prices_pinned.md)
+        taskset = f"taskset -c {','.join(map(str, host_cpus(0, tb.hosts, cpus)))} " if pins else ""
+        print(f"run rank r of {tb.hosts} on host r with: ip netns exec {tb.host_ns(0)} {taskset}env RANK=0 "
               f"WORLD_SIZE={tb.hosts} MASTER_ADDR={tb.addr(0, 0)} MASTER_PORT=29500 "
               f"GLOO_SOCKET_IFNAME={tb.ifname(0)} DEFT_CONFIG={state['config']} python train.py ...")
+        print(f"each host's processes on its own cores, as on real hosts: {pins}" if pins else
+              f"{tb.hosts} hosts on {len(cpus)} cores: hosts share cores, so timings measure the CPU as much as "
+              "the links")
         print(f"remove with: deft testbed down --prefix {args.prefix}")
         return 0
     if args.action == "down":

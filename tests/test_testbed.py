@@ -15,7 +15,7 @@ import pytest
 from deft import testbed as testbed_mod
 from deft.config import DeftConfig
 from deft.errors import DeftError
-from deft.testbed import Testbed, TestbedError, host_cpus, list_namespaces
+from deft.testbed import Testbed, TestbedError, host_cpus, list_namespaces, pinning_hint
 from tests._netns import NETNS_REASON, can_netns, skip_netns_when_refused
 
 
@@ -184,6 +184,34 @@ def test_each_host_gets_its_share_of_the_cores_or_one_in_turn() -> None:
         host_cpus(2, 2, [0, 1])
     with pytest.raises(TestbedError, match="no core"):
         host_cpus(0, 2, [])
+
+
+def test_the_pinning_hint_gives_each_host_its_cores_or_none_where_hosts_outnumber_them() -> None:
+    assert pinning_hint(2, [0, 1]) == "host 0: taskset -c 0; host 1: taskset -c 1"
+    assert pinning_hint(2, [0, 1, 2, 3]) == "host 0: taskset -c 0,1; host 1: taskset -c 2,3"
+    assert pinning_hint(4, [0, 1]) is None
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(not can_netns, reason=NETNS_REASON)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core for each of the two hosts")
+def test_cli_up_says_how_to_run_each_host_on_its_own_core(capsys: pytest.CaptureFixture[str]) -> None:
+    prefix = f"p{os.getpid() % 100000}"
+    parser = argparse.ArgumentParser()
+    testbed_mod.add_arguments("testbed", parser)
+
+    def cli(*argv: str) -> int:
+        return testbed_mod.run("testbed", parser.parse_args([*argv, "--prefix", prefix]))
+
+    try:
+        assert cli("up") == 0
+        out = capsys.readouterr().out
+    finally:
+        assert cli("down") == 0
+    cpus = sorted(os.sched_getaffinity(0))
+    assert f"ip netns exec {prefix}-cli-h0 taskset -c {cpus[0]}" in out
+    assert f"each host's processes on its own cores, as on real hosts: host 0: taskset -c {cpus[0]}" in out
+    assert f"host 1: taskset -c {cpus[len(cpus) // 2]}" in out  # host 1's share starts half way through the cores
 
 
 @pytest.mark.netns
