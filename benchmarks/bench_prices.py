@@ -51,8 +51,11 @@ def workload(doc: dict[str, Any]) -> str:
 
 def first_window(doc: dict[str, Any]) -> str:
     """Where the first adaptation window's time went against the profile (``forward_vs_profile``,
-    ``backward_vs_profile``, ``links_vs_profile`` of its record): "forward x F; backward x G; link x L, ...";
-    "-" where the run did not record them."""
+    ``backward_vs_profile``, ``links_vs_profile`` of its record): "forward x F; backward x G; link x L, ...",
+    and where the adaptation calibrated the profile to that window (``compute_factor``, ``comm_factor``),
+    what the simulator needed to reproduce it: "...; simulated as measured at compute x C, links x K" (links
+    timed as priced but needed slower: the window lost time between their sends); "-" where the run did
+    not record them."""
     records = ((doc["summary"].get("schedule") or {}).get("plan_info") or {}).get("adapt") or []
     first = records[0] if records and isinstance(records[0], dict) else {}
     parts = []
@@ -63,6 +66,9 @@ def first_window(doc: dict[str, Any]) -> str:
     links = first.get("links_vs_profile")
     if isinstance(links, dict) and links:
         parts.append(", ".join(f"{k} x {v:.2f}" for k, v in links.items()))
+    if isinstance(first.get("compute_factor"), (int, float)) and isinstance(first.get("comm_factor"), (int, float)):
+        parts.append(f"simulated as measured at compute x {first['compute_factor']:.2f}, "
+                     f"links x {first['comm_factor']:.2f}")
     return "; ".join(parts) or "-"
 
 
@@ -221,7 +227,9 @@ def report(groups: list[tuple[str, list[Path]]], note: str, command: str, title:
              "them, as the profile fitted it (absent: 0). Plans: each plan's prediction / the adaptation "
              "window that measured it (ms; the last one's against the run's steady iteration where no "
              f"window measured it). First window against the profile: its forward, backward and each link's busy time "
-             "over the profile's prices of them (1: as priced; `-`: not recorded). Warm-up schedule: where the "
+             "over the profile's prices of them (1: as priced; `-`: not recorded), and where the adaptation "
+             "calibrated the profile to it, the compute and links factors with which the simulator reproduces "
+             "it (links needed slower than timed: time lost between their sends). Warm-up schedule: where the "
              "run went back to the warm-up's synchronous schedule, that schedule simulated on the run's saved "
              "(uncorrected) profile / as it was measured (`-`: the run did not go back to it). Last rank's lag: per "
              "link, the mean over the profile iterations' sends of how long after the paced rank (the one with "

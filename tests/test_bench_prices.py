@@ -61,6 +61,18 @@ def test_a_run_recorded_before_the_window_was_set_against_the_profile_says_so(pr
     assert "| +25.0% | - | - | - | - | - | - | no |" in row
 
 
+def test_the_first_windows_calibration_is_beside_what_it_timed(prices: Any, tmp_path: Path) -> None:
+    _save(tmp_path / "cal", 0.5)
+    path = tmp_path / "cal" / "deft.250.s0.r0.json"
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    doc["summary"]["schedule"]["plan_info"]["adapt"][0].update(compute_factor=0.98, comm_factor=1.246)
+    path.write_text(json.dumps(doc), encoding="utf-8")
+    row = next(line for line in prices.report([("cal", [tmp_path / "cal"])], "", "cmd").splitlines()
+               if line.startswith("| cal |"))
+    assert ("| forward x 1.40; backward x 1.10; primary x 0.70, second x 1.25; simulated as measured at "
+            "compute x 0.98, links x 1.25 |") in row
+
+
 @pytest.mark.parametrize("found, cell", [
     ({"factor": 0.826, "applied": True, "predicted_before_s": 3.4642},
      "x 0.83 (applied: first plan 3464 ms before it)"),
