@@ -113,7 +113,7 @@ from bench_links import (
     update_section,
 )
 
-from deft.testbed import Testbed, TestbedError, stop_process_group
+from deft.testbed import Testbed, TestbedError, own_cores, stop_process_group
 
 HEADER = "# deft and its peers on the two-link testbed\n"
 
@@ -348,13 +348,13 @@ def pin_hosts(choice: str, hosts: int, cores: int) -> bool:
     """Whether each host's processes run on its own share of the ``cores`` (``--pin-hosts``: ``on``,
     ``--no-pin-hosts``: ``off``, neither: ``auto``).
 
-    ``auto`` pins where every host gets a core of its own, as every real cluster's hosts have: unpinned,
-    the ranks of all hosts take turns at all cores unevenly, which no cluster does and which the
-    profile cannot price (benchmarks/results/prices_pinned.md). With more hosts than cores pinning
-    cannot give each its own, so ``auto`` leaves them unpinned, as the tables before pinning ran."""
+    ``auto`` pins where every host gets a core of its own (:func:`deft.testbed.own_cores`), as every real
+    cluster's hosts have: unpinned, the ranks of all hosts take turns at all cores unevenly, which no
+    cluster does (benchmarks/results/prices_pinned.md). With more hosts than cores pinning cannot give
+    each its own, so ``auto`` leaves them unpinned."""
     if choice not in ("on", "off", "auto"):
         raise ValueError(f"pin_hosts: expected 'on', 'off' or 'auto', got {choice!r}")
-    return choice == "on" or (choice == "auto" and hosts <= cores)
+    return choice == "on" or (choice == "auto" and own_cores(hosts, cores))
 
 
 @dataclass(frozen=True)
@@ -1012,7 +1012,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                          "as on real hosts; with more hosts than cores, hosts share a core in turn. Default: "
                          "pinned where every host gets a core of its own (--hosts at most the cores)")
     ap.add_argument("--no-pin-hosts", dest="pin_hosts", action="store_const", const="off",
-                    help="every host's processes on every core (the tables before pinning ran so)")
+                    help="every host's processes on every core")
     ap.add_argument("--launcher", choices=LAUNCHERS, default="env",
                     help="env: start every rank with the environment torchrun would set (rank h * M + l on host h); "
                          "torchrun: torchrun --nnodes H --nproc-per-node M --node-rank h in each host")

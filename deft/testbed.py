@@ -108,6 +108,11 @@ def list_namespaces() -> list[str]:
 DEFAULT_GSO_MAX_BYTES = 65536
 
 
+def own_cores(hosts: int, cores: int) -> bool:
+    """Whether each of ``hosts`` pinned among ``cores`` gets cores of its own (else hosts share one in turn)."""
+    return hosts <= cores
+
+
 def host_cpus(h: int, hosts: int, cpus: Sequence[int]) -> list[int]:
     """The cores host ``h`` of ``hosts`` runs on when its processes are pinned (:meth:`Testbed.popen`):
     ``cpus`` (the machine's, in order) cut into ``hosts`` equal runs, host ``h`` the ``h``-th (any left
@@ -116,18 +121,23 @@ def host_cpus(h: int, hosts: int, cpus: Sequence[int]) -> list[int]:
         raise TestbedError("host_cpus: no core to pin to")
     if not 0 <= h < hosts:
         raise TestbedError(f"host_cpus: host {h} is not one of 0..{hosts - 1}")
-    each = len(cpus) // hosts
-    if each == 0:
+    if not own_cores(hosts, len(cpus)):
         return [cpus[h % len(cpus)]]
+    each = len(cpus) // hosts
     return list(cpus[h * each:(h + 1) * each])
+
+
+def taskset_argv(h: int, hosts: int, cpus: Sequence[int]) -> list[str]:
+    """The ``taskset`` prefix that runs a process on host ``h``'s cores (:func:`host_cpus`)."""
+    return ["taskset", "-c", ",".join(map(str, host_cpus(h, hosts, cpus)))]
 
 
 def pinning_hint(hosts: int, cpus: Sequence[int]) -> str | None:
     """Each host's ``taskset`` prefix, as :meth:`Testbed.popen` pins (``"host 0: taskset -c 0; host 1:
     ..."``); None where the hosts outnumber ``cpus``, since then no host can have a core of its own."""
-    if hosts > len(cpus):
+    if not own_cores(hosts, len(cpus)):
         return None
-    return "; ".join(f"host {h}: taskset -c {','.join(map(str, host_cpus(h, hosts, cpus)))}" for h in range(hosts))
+    return "; ".join(f"host {h}: {' '.join(taskset_argv(h, hosts, cpus))}" for h in range(hosts))
 
 
 def tbf_params(rate_mbit: float, gso_bytes: int = DEFAULT_GSO_MAX_BYTES) -> tuple[int, int]:
@@ -470,8 +480,7 @@ class Testbed:
         if not self._is_up:
             raise TestbedError("the testbed is not up: call up() or use it as a context manager")
         full_env = {**os.environ, **(env or {})}
-        cpus = host_cpus(h, self.hosts, sorted(os.sched_getaffinity(0))) if pin else []
-        taskset = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
+        taskset = taskset_argv(h, self.hosts, sorted(os.sched_getaffinity(0))) if pin else []
         p = subprocess.Popen(["ip", "netns", "exec", self.host_ns(h), *taskset, *argv], env=full_env,
                              start_new_session=True, **kwargs)
         self._procs.append(p)
@@ -567,7 +576,7 @@ def run(name: str, args: argparse.Namespace) -> int:
         cpus = sorted(os.sched_getaffinity(0))
         pins = pinning_hint(tb.hosts, cpus)
         # a real host's processes never run on another host's cores (benchmarks/results/prices_pinned.md)
-        taskset = f"taskset -c {','.join(map(str, host_cpus(0, tb.hosts, cpus)))} " if pins else ""
+        taskset = " ".join(taskset_argv(0, tb.hosts, cpus)) + " " if pins else ""
         print(f"run rank r of {tb.hosts} on host r with: ip netns exec {tb.host_ns(0)} {taskset}env RANK=0 "
               f"WORLD_SIZE={tb.hosts} MASTER_ADDR={tb.addr(0, 0)} MASTER_PORT=29500 "
               f"GLOO_SOCKET_IFNAME={tb.ifname(0)} DEFT_CONFIG={state['config']} python train.py ...")

@@ -15,7 +15,7 @@ import pytest
 from deft import testbed as testbed_mod
 from deft.config import DeftConfig
 from deft.errors import DeftError
-from deft.testbed import Testbed, TestbedError, host_cpus, list_namespaces, pinning_hint
+from deft.testbed import Testbed, TestbedError, host_cpus, list_namespaces, pinning_hint, taskset_argv
 from tests._netns import NETNS_REASON, can_netns, skip_netns_when_refused
 
 
@@ -190,6 +190,7 @@ def test_the_pinning_hint_gives_each_host_its_cores_or_none_where_hosts_outnumbe
     assert pinning_hint(2, [0, 1]) == "host 0: taskset -c 0; host 1: taskset -c 1"
     assert pinning_hint(2, [0, 1, 2, 3]) == "host 0: taskset -c 0,1; host 1: taskset -c 2,3"
     assert pinning_hint(4, [0, 1]) is None
+    assert taskset_argv(1, 2, [4, 5, 6, 7]) == ["taskset", "-c", "6,7"]  # the machine's cores, not 0..n-1
 
 
 @pytest.mark.netns
