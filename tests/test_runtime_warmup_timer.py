@@ -424,7 +424,7 @@ def late_rank_worker(rank: int, world: int, late: float, slow: float) -> dict[st
     assert prof is not None
     return {"meta": prof.meta["rank_lag_s"], "comm": [prof.comm_time(b, lk) for lk in prof.link_names
                                                       for b in range(prof.n)],
-            "lag": {lk.name: lk.lag_s for lk in prof.links}}
+            "lag": {lk.name: lk.lag_s for lk in prof.links}, "ranks": prof.meta["rank_compute_s"]}
 
 
 @pytest.mark.slow
@@ -448,6 +448,10 @@ def test_a_slower_ranks_compute_is_not_a_lag() -> None:
     assert a == b
     assert max(a["lag"].values()) < 0.1 * SLOW_S, (a["lag"], a["meta"])
     assert max(a["comm"]) < 0.5 * SLOW_S, a["comm"]
+    # each rank's own compute per profile iteration is kept: rank 0's forward the longer by its sleep
+    fwd = a["ranks"]["forward"]
+    assert len(fwd) == 2 and len(fwd[0]) == len(fwd[1]) == 3, a["ranks"]
+    assert all(f0 - f1 >= 0.9 * SLOW_S for f0, f1 in zip(*fwd, strict=True)), a["ranks"]
 
 
 def probe_dead_peer_worker(rank: int, world: int) -> str:
