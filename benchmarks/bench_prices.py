@@ -179,13 +179,17 @@ def drift_priced(doc: dict[str, Any]) -> str:
     return f"x {found['factor']:.2f} (applied{priced})"
 
 
-def ranks_forward(doc: dict[str, Any]) -> str:
+def ranks_forward(doc: dict[str, Any], where: Path) -> str:
     """The fastest and the slowest rank's forward in the profile iterations (``meta.rank_compute_s``), each
-    the median over the iterations (ms); "-" where the profile did not record it."""
+    the median over the iterations (ms); "-" where the profile did not record it. A record whose ranks
+    timed different numbers of iterations is named (``where``), not read."""
     meta = (((doc["summary"].get("schedule") or {}).get("profile") or {}).get("meta") or {})
     forward = (meta.get("rank_compute_s") or {}).get("forward") or []
     if not forward or not forward[0]:
         return "-"
+    if len({len(rank) for rank in forward}) != 1:
+        raise SystemExit(f"bench_prices.py: {where}: profile.meta.rank_compute_s.forward: expected every rank's "
+                         f"forwards over the same profile iterations, got {[len(rank) for rank in forward]} per rank")
     per_iteration = list(zip(*forward, strict=True))
     fastest = statistics.median(min(it) for it in per_iteration)
     slowest = statistics.median(max(it) for it in per_iteration)
@@ -209,7 +213,7 @@ def row(label: str, run_dir: Path, doc: dict[str, Any]) -> str:
             f"{', '.join(f'{r:.2f}' for r in rho) or '-'} | {', '.join(f'{d:.2f}' for d in drag) or '-'} | "
             f"{plans or '-'} | {first} | {first_window(doc)} | "
             f"{warmup_priced(doc)} | {lag_s} | {lag_priced(doc)} | {drift_priced(doc)} | "
-            f"{ranks_forward(doc)} | {held} | "
+            f"{ranks_forward(doc, run_dir)} | {held} | "
             f"{s['iter_s_mean'] * 1e3:.0f} | `{run_dir.name}` |")
 
 

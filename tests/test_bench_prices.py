@@ -100,6 +100,12 @@ def test_the_ranks_fastest_and_slowest_forward_are_in_the_row(prices: Any, tmp_p
     row = next(line for line in prices.report([("r", [tmp_path / "ranks"])], "", "cmd").splitlines()
                if line.startswith("| r |"))
     assert "| - | 130 / 548 | no |" in row
+    # a record whose ranks timed different numbers of iterations is named, not misread
+    doc["summary"]["schedule"]["profile"]["meta"]["rank_compute_s"]["forward"][3].pop()
+    path.write_text(json.dumps(doc), encoding="utf-8")
+    with pytest.raises(SystemExit, match=r"ranks.*rank_compute_s\.forward: expected every rank's forwards over the "
+                                         r"same profile iterations, got \[3, 3, 3, 2\] per rank"):
+        prices.report([("r", [tmp_path / "ranks"])], "", "cmd")
 
 
 def test_bad_runs_are_named(prices: Any, tmp_path: Path) -> None:
