@@ -52,6 +52,8 @@ def workload(doc: dict[str, Any]) -> str:
 def first_window(doc: dict[str, Any]) -> str:
     """Where the first adaptation window's time went against the profile (``forward_vs_profile``,
     ``backward_vs_profile``, ``links_vs_profile`` of its record): "forward x F; backward x G; link x L, ...",
+    each link's on the rank whose sends waited longest for the others beside it where recorded
+    (``links_slowest_vs_profile``: "link x L (slowest rank x M)"),
     and where the adaptation calibrated the profile to that window (``compute_factor``, ``comm_factor``),
     what the simulator needed to reproduce it: "...; simulated as measured at compute x C, links x K" (links
     timed as priced but needed slower: the window lost time between their sends); "-" where the run did
@@ -63,9 +65,11 @@ def first_window(doc: dict[str, Any]) -> str:
         parts.append(f"forward x {first['forward_vs_profile']:.2f}")
     if isinstance(first.get("backward_vs_profile"), (int, float)):
         parts.append(f"backward x {first['backward_vs_profile']:.2f}")
-    links = first.get("links_vs_profile")
+    links, slowest = first.get("links_vs_profile"), first.get("links_slowest_vs_profile")
     if isinstance(links, dict) and links:
-        parts.append(", ".join(f"{k} x {v:.2f}" for k, v in links.items()))
+        worst = slowest if isinstance(slowest, dict) else {}
+        parts.append(", ".join(f"{k} x {v:.2f}" + (f" (slowest rank x {worst[k]:.2f})" if k in worst else "")
+                               for k, v in links.items()))
     if isinstance(first.get("compute_factor"), (int, float)) and isinstance(first.get("comm_factor"), (int, float)):
         parts.append(f"simulated as measured at compute x {first['compute_factor']:.2f}, "
                      f"links x {first['comm_factor']:.2f}")

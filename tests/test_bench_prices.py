@@ -73,6 +73,18 @@ def test_the_first_windows_calibration_is_beside_what_it_timed(prices: Any, tmp_
             "compute x 0.98, links x 1.25 |") in row
 
 
+def test_each_links_time_on_the_slowest_rank_is_beside_the_least(prices: Any, tmp_path: Path) -> None:
+    _save(tmp_path / "skew", 0.5)
+    path = tmp_path / "skew" / "deft.250.s0.r0.json"
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    doc["summary"]["schedule"]["plan_info"]["adapt"][0]["links_slowest_vs_profile"] = {"primary": 1.384}
+    path.write_text(json.dumps(doc), encoding="utf-8")
+    row = next(line for line in prices.report([("skew", [tmp_path / "skew"])], "", "cmd").splitlines()
+               if line.startswith("| skew |"))
+    # the second link's slowest rank not recorded: its cell as before
+    assert "| forward x 1.40; backward x 1.10; primary x 0.70 (slowest rank x 1.38), second x 1.25 |" in row
+
+
 @pytest.mark.parametrize("found, cell", [
     ({"factor": 0.826, "applied": True, "predicted_before_s": 3.4642},
      "x 0.83 (applied: first plan 3464 ms before it)"),

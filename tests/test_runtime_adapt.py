@@ -113,25 +113,27 @@ def test_adapter_settles_when_the_prediction_holds() -> None:
 
 def test_every_decision_records_where_the_window_went_against_the_profile() -> None:
     # A window whose forward took 3x the profiled one (it waited for sends), whose backward took 1.5x and
-    # whose link carried its sends at half the profiled rate: the record says so, whatever the decision; a
-    # schedule on other buckets records nothing.
+    # whose link carried its sends at half the profiled rate (at a third on the rank that waited longest
+    # for the others): the record says so, whatever the decision; a schedule on other buckets records nothing.
     p = three_buckets()
     cfg = DeftConfig()
     sched = no_delay_plan(p, cfg)
     sent = {b: 1 for b in range(p.n)}
     per_byte = 2.0 * sum(p.comm_time(b, "net") for b in sent) / sum(p.buckets[b].nbytes for b in sent)
-    window = LinkWindow({"net": per_byte}, {"net": sent})
+    window = LinkWindow({"net": per_byte}, {"net": sent}, {"net": 1.5 * per_byte})
     _, _, record = Adapter(cfg).decide(sched, p, sched.predicted_iteration_s, 1.5 * p.backward_s,
                                        replan=lambda q: pytest.fail("no re-plan within tolerance"), links=window,
                                        measured_forward_s=3.0 * p.forward_s)
     assert record["forward_vs_profile"] == pytest.approx(3.0, rel=1e-3)
     assert record["backward_vs_profile"] == pytest.approx(1.5, rel=1e-3)
     assert record["links_vs_profile"] == {"net": pytest.approx(2.0, rel=1e-3)}
+    assert record["links_slowest_vs_profile"] == {"net": pytest.approx(3.0, rel=1e-3)}
     other = replace(synchronous_schedule((500, 500, 1000, 1000), (2000, 2000, 4000, 4000), ("net",), ("net",) * 4),
                     predicted_iteration_s=0.1)
     _, _, record = Adapter(cfg).decide(other, p, 0.1, p.backward_s,
                                        replan=lambda q: pytest.fail("no re-plan within tolerance"), links=window)
-    assert not {"forward_vs_profile", "backward_vs_profile", "links_vs_profile"} & set(record)
+    assert not {"forward_vs_profile", "backward_vs_profile", "links_vs_profile",
+                "links_slowest_vs_profile"} & set(record)
 
 
 def test_adapter_replans_then_keeps_the_fastest_and_stops() -> None:
@@ -333,6 +335,39 @@ def test_adaptation_converges_and_keeps_every_gradient_exactly_once() -> None:
     assert len(records) <= 2 + 2  # at most max_replans re-plans, then one settling window (+ a return)
     assert sorted(t for _, its in a["log"] for t in its) == list(range(ITERS))  # each iteration once
     assert all(len(its) == 1 for _, its in a["log"])  # epsilon 0: one update per iteration throughout
+
+
+#: How much later than rank 0 rank 1 starts each iteration in late_rank_worker.
+LATE_S = 0.2
+
+
+def late_rank_worker(rank: int, world: int) -> dict[str, Any]:
+    """:func:`adapt_worker`'s run with rank 1 starting every iteration ``LATE_S`` after rank 0: rank 0's
+    sends wait that long on the link for rank 1 to reach them."""
+    import deft
+
+    model = Linear()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    ddp = comm_heavy_ddp(deft, model, opt, warmup_iters=1, comm=1.0, plan_lag_iters=0)
+    for t in range(ITERS):
+        if rank == 1:
+            time.sleep(LATE_S)
+        ddp(coefficients(rank, t)).backward()
+        opt.step()
+        opt.zero_grad()
+    return checked_result(ddp, model, world)
+
+
+@pytest.mark.slow
+def test_a_late_rank_shows_in_the_slowest_ranks_link_time_not_in_the_calibrations() -> None:
+    # The window's link time for the calibration is the least over the ranks (rank 1's, which waits for
+    # nobody); the record's slowest is rank 0's, whose sends wait LATE_S an iteration for rank 1. The
+    # profile prices the link at 3 x 6 ms an iteration, so the wait is some ten times that.
+    a, b = values(run_ranks(late_rank_worker, 2, timeout=120))
+    assert a["adapt"] == b["adapt"] and a["log"] == b["log"]
+    first = a["adapt"][0]
+    least, slowest = first["links_vs_profile"]["primary"], first["links_slowest_vs_profile"]["primary"]
+    assert slowest - least > 0.5 * LATE_S / (3 * 6e-3), first
 
 
 class HeavyHead(torch.nn.Module):

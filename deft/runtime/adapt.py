@@ -136,10 +136,13 @@ class Calibration:
 @dataclass(frozen=True)
 class LinkWindow:
     """A window's link timing for a calibration: each link's time per byte (reduced over the ranks) and
-    rank 0's sends per link and bucket (:mod:`deft.runtime.link_timing`)."""
+    rank 0's sends per link and bucket (:mod:`deft.runtime.link_timing`); for the record only, each link's
+    time per byte on the rank that timed it slowest (``slowest_per_byte``: the least, the calibration's,
+    plus what that rank's sends waited there for the others to reach them)."""
 
     per_byte: Mapping[str, float]
     sends: Mapping[str, Mapping[int, int]]
+    slowest_per_byte: Mapping[str, float] = field(default_factory=dict)
 
 
 def backward_codec_s(part: Profile, schedule: Schedule) -> float:
@@ -162,7 +165,10 @@ def against_profile(profile: Profile, schedule: Schedule, config: DeftConfig, me
     sends of updates applied in it as much as for its compute), the measured backward over the profiled
     one (``backward_vs_profile``, the ``g`` of :func:`calibrate`) and each timed link's busy time over
     the profile's price of the same sends (``links_vs_profile``:
-    :func:`deft.runtime.link_timing.link_ratios`). 1 is as priced; above 1, slower. Empty where the
+    :func:`deft.runtime.link_timing.link_ratios`; ``links_slowest_vs_profile``: the same on the rank
+    whose sends waited longest for the others, whose excess over ``links_vs_profile`` is the ranks' skew
+    in the window, against the profile's ``lag_s`` priced in the simulation). 1 is as priced; above 1,
+    slower. Empty where the
     schedule's buckets are not a partition of the profile's: a record, never a reason to fail."""
     try:
         part = profile_for_schedule(profile, schedule, config)
@@ -177,6 +183,9 @@ def against_profile(profile: Profile, schedule: Schedule, config: DeftConfig, me
     ratios = {} if links is None else link_ratios(part, links.per_byte, links.sends)
     if ratios:
         out["links_vs_profile"] = {k: round(v, 4) for k, v in ratios.items()}
+    slowest = {} if links is None else link_ratios(part, links.slowest_per_byte, links.sends)
+    if slowest:
+        out["links_slowest_vs_profile"] = {k: round(v, 4) for k, v in slowest.items()}
     return out
 
 
@@ -647,20 +656,23 @@ class Adaptation:
 
     def _measure(self, running: Schedule, profile: Profile | None) -> Callable[[], Decision] | None:
         """Collective: the window's figures reduced over the ranks (the slowest rank's medians, each
-        link's least time per byte); rank 0's decision to make (None elsewhere)."""
+        link's least time per byte and, for the record, its most); rank 0's decision to make (None
+        elsewhere)."""
         loads = self.links.take(running.bucket_nbytes)
         names = self.links.names
         per_byte = [loads[n].per_byte_s if n in loads else None for n in names]
         row = [*window_medians(self._iter_s, self._bwd_s), self.clock.median(), spread(self.clock.seconds),
                spread(self._iter_s), statistics.median(self._fwd_s) if self._fwd_s else 0.0,
-               *(-pb if pb is not None else 0.0 for pb in per_byte)]  # max(-x) = -min(x)
+               *(-pb if pb is not None else 0.0 for pb in per_byte),  # max(-x) = -min(x)
+               *(pb if pb is not None else 0.0 for pb in per_byte)]
         reduced = self._control.max_rows([row], "iteration times")[0]
         measured, self._backward_s, synchronous_s, synchronous_spread_s, spread_s, self._forward_s = reduced[:6]
-        self._figures = WindowFigures(measured, spread_s, {n: -v for n, v in zip(names, reduced[6:], strict=True)
-                                                           if v < 0})
+        least, most = reduced[6:6 + len(names)], reduced[6 + len(names):]
+        self._figures = WindowFigures(measured, spread_s, {n: -v for n, v in zip(names, least, strict=True) if v < 0})
         if self._synchronous is None and synchronous_s > 0 and self._episode == 0:
             self._synchronous = WindowFigures(synchronous_s, synchronous_spread_s)
-        self._links_window = LinkWindow(self._figures.per_byte, {n: ld.sends for n, ld in loads.items()})
+        self._links_window = LinkWindow(self._figures.per_byte, {n: ld.sends for n, ld in loads.items()},
+                                        {n: v for n, v in zip(names, most, strict=True) if v > 0})
         self._measured[plan_digest(running)] = self._figures
         self.reset_window()
         self._from = running.digest()
