@@ -103,6 +103,22 @@ def warmup_priced(doc: dict[str, Any]) -> str:
     return f"{simulated * 1e3:.0f} / {measured * 1e3:.0f} ({measured / simulated:.2f}x)"
 
 
+#: The decisions that calibrate and settle without correcting the running profile, as the records of
+#: runs from before ``profile_corrected`` was recorded word them (``deft.runtime.adapt``).
+UNCORRECTED_SETTLES = ("no calibration reproduces", "faster than profiled: settled",
+                       "while the window timed them at")
+
+
+def corrected_by(record: dict[str, Any]) -> bool:
+    """Whether an adaptation record's calibration became the running profile: its ``profile_corrected``
+    where recorded; in older records, a calibration (``compute_factor``, ``comm_factor``) whose decision
+    is not one of :data:`UNCORRECTED_SETTLES`."""
+    if "profile_corrected" in record:
+        return record["profile_corrected"] is True
+    calibrated = isinstance(record.get("compute_factor"), float) and isinstance(record.get("comm_factor"), float)
+    return calibrated and not any(w in str(record.get("decision", "")) for w in UNCORRECTED_SETTLES)
+
+
 def first_plan(doc: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]] | None:
     """The run's first plan as it was priced: ``(schedule, profile, record)``, the profile the plan was made
     on cut into the plan's pieces and the first adaptation window's record. Only where the saved schedule
@@ -125,7 +141,7 @@ def first_plan(doc: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]] | None:
         profile = Profile.from_dict(sched["profile"], "the run's saved profile")
         if schedule.digest() != first.get("schedule"):
             return None
-        if isinstance(first.get("compute_factor"), float) and isinstance(first.get("comm_factor"), float):
+        if corrected_by(first):
             if len(records) > 1:
                 return None  # corrected again since: the first plan's profile is not recoverable
             profile = profile.scaled(1 / first["compute_factor"], 1 / first["comm_factor"])

@@ -209,6 +209,15 @@ def test_the_first_plan_priced_with_the_last_ranks_lag_by_hand(prices: Any, tmp_
                                           "comm_factor": 0.5}], (2.0, 0.5))
     (doc,) = prices.load(tmp_path / "corrected")
     assert prices.lag_priced(doc) == "7000 / 7700 (-9.1%)"
+    # calibrated but settled with the profile left as it was (the record says so; an older record's
+    # decision does): the saved profile is the plan's own, not undone
+    for name, extra in (("kept", {"profile_corrected": False}),
+                        ("kept_old", {"decision": "measured slower than predicted, calibrated with the links x "
+                                                  "1.53 while the window timed them at x 1.13: settled"})):
+        _lag_run(tmp_path / name, [{"predicted_s": 6.5, "measured_s": 7.7, "compute_factor": 2.0,
+                                    "comm_factor": 0.5, **extra}], None)
+        (doc,) = prices.load(tmp_path / name)
+        assert prices.lag_priced(doc) == "7000 / 7700 (-9.1%)", name
     # corrected again by a later window, or the saved schedule not the first plan: not recoverable
     _lag_run(tmp_path / "twice", [{"predicted_s": 6.5, "measured_s": 7.7, "compute_factor": 2.0,
                                       "comm_factor": 0.5}, {"predicted_s": 7.0, "measured_s": 7.1}], (2.0, 0.5))

@@ -194,6 +194,8 @@ def test_the_adaptation_replans_on_a_slowed_link_within_a_bounded_number_of_iter
     slowed = [r for r in info.get("replans", []) if slowed_at < r["iteration"] <= slowed_at + BOUND]
     assert slowed and slowed[0]["episode"] >= 1 and "'second'" in slowed[0]["reason"], timeline
     assert slowed[0]["link_factors"]["second"] > 2.0, timeline
+    decided = [r for r in info["adapt"] if r["iteration"] == slowed[0]["iteration"]]
+    assert decided and decided[0]["profile_corrected"] is True, timeline  # the re-plan's profile runs
     switched = [s for s in info.get("switches", []) if s.get("source") == "adapt" and s["iteration"] > slowed_at]
     assert switched and switched[0]["iteration"] <= slowed_at + BOUND, timeline
     # the re-plan's profile prices the second link (per byte) at least 2.5x slower against the primary

@@ -713,6 +713,7 @@ class Adaptation:
             out = os.environ.get("DEFT_PROFILE_OUT")
             if out and self._control.rank == 0:  # `deft simulate` on it predicts what this run measures
                 corrected.save(out)
+        record["profile_corrected"] = corrected is not None  # the calibration's is the running profile from here
         offered = (Schedule.from_dict(as_object(doc, "schedule"), "schedule re-planned by rank 0")
                    if "schedule" in doc and not moved else None)
         replan = self._offer(t, offered, record) if offered is not None else None
