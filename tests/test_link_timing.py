@@ -15,11 +15,13 @@ from deft.runtime.link_timing import (
     LINK_DRIFT,
     REOPEN_WINDOWS,
     LinkClock,
+    SendTimes,
     Watch,
     WindowFigures,
     drift,
     link_factors,
     scale_links,
+    timeline_record,
 )
 from deft.schedule import synchronous_schedule
 from deft.solver.partition import profile_for_schedule
@@ -302,3 +304,35 @@ def test_a_chained_hooks_send_is_busy_from_when_it_really_started(monkeypatch: p
         lc.settle()
     loads = lc.take([100, 100])
     assert loads["primary"].busy_s == pytest.approx(2.0) and loads["second"].busy_s == pytest.approx(4.0)
+
+
+def test_each_buckets_sends_are_placed_in_the_iterations_that_launched_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two iterations begun at 0 and 10. Bucket 0's gradient is complete 2 s in, its send launched 0.5 s
+    # later and ended 4 s in (then 3 and 6 s in: medians 2.5 and 5); bucket 1's, complete at the end of the
+    # first iteration (9 s), is sent in the next one's forward, 1 to 2 s in: ready 1 s before its iteration.
+    clock = _Clock()
+    monkeypatch.setattr("time.perf_counter", clock)
+    lc = LinkClock({"primary": "gloo"})
+    lc.on = True
+
+    def send(b: int, at: float, ends: float) -> None:
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        lc.launched(b, "primary", [fut], at)
+        clock.now = ends
+        fut.set_result(torch.zeros(1))
+        lc.settle()
+
+    for begin, end0 in ((0.0, 4.0), (10.0, 16.0)):
+        lc.iteration_started(begin)
+        if begin > 0:
+            send(1, begin + 1.0, begin + 2.0)
+        clock.now = begin + 2.0
+        lc.bucket_ready(0)
+        send(0, begin + 2.5, end0)
+        clock.now = begin + 9.0
+        lc.bucket_ready(1)
+    placed = lc.take([100, 100])["primary"].timeline
+    assert placed[0] == SendTimes(pytest.approx(2.0), pytest.approx(2.5), pytest.approx(5.0))
+    assert placed[1] == SendTimes(pytest.approx(-1.0), pytest.approx(1.0), pytest.approx(2.0))
+    assert timeline_record({"primary": placed}) == {"primary": {"0": [2000.0, 2500.0, 5000.0],
+                                                                "1": [-1000.0, 1000.0, 2000.0]}}

@@ -28,7 +28,7 @@ from deft.runtime.adapt import (
     plan_digest,
 )
 from deft.runtime.codecs.choice import Recoding, planned_profile
-from deft.runtime.link_timing import REOPEN_WINDOWS
+from deft.runtime.link_timing import REOPEN_WINDOWS, SendTimes
 from deft.runtime.planning import make_schedule
 from deft.schedule import Schedule, synchronous_schedule
 from deft.solver.codecs import CodecCost, encoded_profile
@@ -120,7 +120,8 @@ def test_every_decision_records_where_the_window_went_against_the_profile() -> N
     sched = no_delay_plan(p, cfg)
     sent = {b: 1 for b in range(p.n)}
     per_byte = 2.0 * sum(p.comm_time(b, "net") for b in sent) / sum(p.buckets[b].nbytes for b in sent)
-    window = LinkWindow({"net": per_byte}, {"net": sent}, {"net": 1.5 * per_byte})
+    window = LinkWindow({"net": per_byte}, {"net": sent}, {"net": 1.5 * per_byte},
+                        {"net": {0: SendTimes(None, 0.0125, 0.02)}})
     _, _, record = Adapter(cfg).decide(sched, p, sched.predicted_iteration_s, 1.5 * p.backward_s,
                                        replan=lambda q: pytest.fail("no re-plan within tolerance"), links=window,
                                        measured_forward_s=3.0 * p.forward_s)
@@ -128,6 +129,7 @@ def test_every_decision_records_where_the_window_went_against_the_profile() -> N
     assert record["backward_vs_profile"] == pytest.approx(1.5, rel=1e-3)
     assert record["links_vs_profile"] == {"net": pytest.approx(2.0, rel=1e-3)}
     assert record["links_slowest_vs_profile"] == {"net": pytest.approx(3.0, rel=1e-3)}
+    assert record["sends_timed"] == {"net": {"0": [None, 12.5, 20.0]}}  # where rank 0's sends fell, in ms
     other = replace(synchronous_schedule((500, 500, 1000, 1000), (2000, 2000, 4000, 4000), ("net",), ("net",) * 4),
                     predicted_iteration_s=0.1)
     _, _, record = Adapter(cfg).decide(other, p, 0.1, p.backward_s,
@@ -372,6 +374,10 @@ def test_a_late_rank_shows_in_the_slowest_ranks_link_time_not_in_the_calibration
     first = a["adapt"][0]
     least, slowest = first["links_vs_profile"]["primary"], first["links_slowest_vs_profile"]["primary"]
     assert slowest - least > 0.5 * LATE_S / (3 * 6e-3), first
+    # rank 0's sends, in the iterations that launched them: every one ends only once rank 1, LATE_S
+    # behind, has reached it
+    placed = first["sends_timed"]["primary"]
+    assert placed and all(start < end and end > 0.9 * LATE_S * 1e3 for _, start, end in placed.values()), placed
 
 
 class HeavyHead(torch.nn.Module):

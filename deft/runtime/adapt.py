@@ -105,7 +105,17 @@ from deft.runtime.background import Background, JobSlot
 from deft.runtime.buckets import FlatLayout
 from deft.runtime.codecs.choice import Recoding
 from deft.runtime.control import ControlPlane
-from deft.runtime.link_timing import LinkClock, Watch, WindowFigures, link_factors, link_ratios, scale_links, spread
+from deft.runtime.link_timing import (
+    LinkClock,
+    SendTimes,
+    Watch,
+    WindowFigures,
+    link_factors,
+    link_ratios,
+    scale_links,
+    spread,
+    timeline_record,
+)
 from deft.runtime.planning import Planning, Switch, make_schedule
 from deft.runtime.records import as_object
 from deft.runtime.tensors import tensors_in
@@ -138,11 +148,13 @@ class LinkWindow:
     """A window's link timing for a calibration: each link's time per byte (reduced over the ranks) and
     rank 0's sends per link and bucket (:mod:`deft.runtime.link_timing`); for the record only, each link's
     time per byte on the rank that timed it slowest (``slowest_per_byte``: the least, the calibration's,
-    plus what that rank's sends waited there for the others to reach them)."""
+    plus what that rank's sends waited there for the others to reach them) and where rank 0's sends fell
+    in their iterations (``timeline``)."""
 
     per_byte: Mapping[str, float]
     sends: Mapping[str, Mapping[int, int]]
     slowest_per_byte: Mapping[str, float] = field(default_factory=dict)
+    timeline: Mapping[str, Mapping[int, SendTimes]] = field(default_factory=dict)  # rank 0's own
 
 
 def backward_codec_s(part: Profile, schedule: Schedule) -> float:
@@ -264,7 +276,8 @@ class Adapter:
         record: JsonDict = {"schedule": running.digest(), "predicted_s": predicted, "measured_s": measured_s,
                             "error": error, "backward_s": measured_backward_s,
                             **against_profile(profile, running, self.config, measured_backward_s, links,
-                                              measured_forward_s)}
+                                              measured_forward_s),
+                            **({"sends_timed": timeline_record(links.timeline)} if links and links.timeline else {})}
         self.tried.add(running.digest())
         back = self._back(running, measured_s, record)
         if back is not None:
@@ -532,6 +545,7 @@ class Adaptation:
     def forward_begins(self, t: int, now: float, first: int, end: int) -> None:
         if self.config.adapt:
             self.clock.forward(t, now, first, end)
+        self.links.iteration_started(now)
         if self.on:
             if self._fwd_start is not None:
                 self._iter_s.append(now - self._fwd_start)
@@ -672,7 +686,8 @@ class Adaptation:
         if self._synchronous is None and synchronous_s > 0 and self._episode == 0:
             self._synchronous = WindowFigures(synchronous_s, synchronous_spread_s)
         self._links_window = LinkWindow(self._figures.per_byte, {n: ld.sends for n, ld in loads.items()},
-                                        {n: v for n, v in zip(names, most, strict=True) if v > 0})
+                                        {n: v for n, v in zip(names, most, strict=True) if v > 0},
+                                        {n: ld.timeline for n, ld in loads.items()})
         self._measured[plan_digest(running)] = self._figures
         self.reset_window()
         self._from = running.digest()

@@ -11,6 +11,10 @@ Two jobs for :mod:`deft.runtime.adapt`:
   reduce it with a minimum: a send launched on an idle link waits there for the slowest rank, and the
   last rank to launch waits for nobody. NCCL links are not timed (their futures complete at launch):
   there the iteration time alone is watched.
+* **Where the sends fell** (:class:`SendTimes`, for the adaptation's record only): each send's
+  bucket ready, start and end against the forward start of the iteration that launched it, the
+  medians per link and bucket over the window; set beside the simulated plan's timeline, they tell a
+  send handed over late from one carried slowly.
 * **Per-link calibration** (:func:`link_factors`, :func:`scale_links`). A link's factor is its measured
   busy time over the time the running profile models for the same sends, divided by the primary's
   (the first link timed): ``s_l = (measured_l / modelled_l) / (measured_ref / modelled_ref)``. The
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import statistics
 import threading
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -66,6 +71,8 @@ class _Send:
     works: int
     stamps: list[float] = field(default_factory=list)
     started: float | None = None  # a hooked send: when the hook really ran (a chained one waits for its turn)
+    since: float | None = None  # the forward start of the iteration that launched it (None: not seen)
+    ready: float | None = None  # when its bucket's gradient was last complete before the launch
     sources: list[torch._C.Future[object]] = field(default_factory=list)  # the Works' futures
     stamped: list[threading.Event] = field(default_factory=list)  # set once each is stamped
 
@@ -78,12 +85,26 @@ class _Send:
 
 
 @dataclass(frozen=True)
+class SendTimes:
+    """Where a bucket's sends on a link fell in the iterations that launched them, the medians over a
+    window of seconds after the iteration's forward began: its gradient complete (``ready_s``; negative
+    for a send launched in the iteration after its backward's), its send begun (``start_s``: the later of
+    its launch and its hook's start) and ended (``end_s``, its last Work's completion)."""
+
+    ready_s: float | None
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
 class LinkLoad:
-    """One rank's completed sends on one link in a window: busy seconds, bytes, sends per bucket."""
+    """One rank's completed sends on one link in a window: busy seconds, bytes, sends per bucket, and
+    where each bucket's sends fell in their iterations (``timeline``)."""
 
     busy_s: float
     nbytes: int
     sends: Mapping[int, int]
+    timeline: Mapping[int, SendTimes] = field(default_factory=dict)
 
     @property
     def per_byte_s(self) -> float | None:
@@ -104,6 +125,8 @@ class LinkClock:
         self._early: dict[int, float] = {}              # bucket -> its hook ran inside the launch call
         self._awaiting: dict[int, list[_Send]] = {}     # bucket -> its sends launched before their hook ran
         self._stamps = Completions()
+        self._began: float | None = None  # the running iteration's forward start
+        self._ready: dict[int, float] = {}  # bucket -> when its gradient was last complete
 
     # Note: a hooked send's start is stamped per send, not per bucket. A window spans several
     # iterations, each sending every bucket: one start per bucket, overwritten by the next iteration's,
@@ -113,8 +136,14 @@ class LinkClock:
     # the same thread); a chained one runs when the sends before it end, after ``launched``, in launch
     # order.
 
+    def iteration_started(self, now: float) -> None:
+        """The running iteration's forward began at ``now``: its sends' times are read from it."""
+        if self.on:
+            self._began = now
+
     def bucket_ready(self, b: int) -> None:
-        pass
+        if self.on:
+            self._ready[b] = time.perf_counter()
 
     def hook_started(self, b: int, t: float) -> None:
         if not self.on:
@@ -131,7 +160,7 @@ class LinkClock:
             early = self._early.pop(b, None)
             if not self.on or link not in self._timed:
                 return
-            rec = _Send(b, link, t_start, len(works), started=early)
+            rec = _Send(b, link, t_start, len(works), started=early, since=self._began, ready=self._ready.get(b))
             if early is None and any(isinstance(w, FUTURE_TYPES) for w in works):  # a chained hook's: later
                 self._awaiting.setdefault(b, []).append(rec)
             self._sends.append(rec)
@@ -149,6 +178,7 @@ class LinkClock:
     def reset(self) -> None:
         with self._lock:
             self._sends, self._early, self._awaiting = [], {}, {}
+            self._began, self._ready = None, {}
 
     def take(self, nbytes: Sequence[int]) -> dict[str, LinkLoad]:
         """The completed sends since the last call, per link (``nbytes[b]``: bucket ``b``'s bytes); the
@@ -156,6 +186,7 @@ class LinkClock:
         self.settle()
         spans: dict[str, list[tuple[float, float]]] = {}
         sent: dict[str, Counter[int]] = {}
+        placed: dict[str, dict[int, list[tuple[float | None, float, float]]]] = {}
         left = []
         with self._lock:
             for s in self._sends:
@@ -165,12 +196,34 @@ class LinkClock:
                     continue
                 spans.setdefault(s.link, []).append(span)
                 sent.setdefault(s.link, Counter())[s.bucket] += 1
+                if s.since is not None:
+                    ready = None if s.ready is None else s.ready - s.since
+                    placed.setdefault(s.link, {}).setdefault(s.bucket, []).append(
+                        (ready, span[0] - s.since, span[1] - s.since))
             self._sends = left
             # an ended send's hook has run: only sends still in flight may still await theirs
             flying = {id(s) for s in left}
             self._awaiting = {b: [s for s in w if id(s) in flying] for b, w in self._awaiting.items()}
         return {n: LinkLoad(sum(length for _, length in busy_periods(spans[n])),
-                            sum(nbytes[b] * k for b, k in sent[n].items()), dict(sent[n])) for n in spans}
+                            sum(nbytes[b] * k for b, k in sent[n].items()), dict(sent[n]),
+                            {b: send_times(v) for b, v in placed.get(n, {}).items()}) for n in spans}
+
+
+def send_times(placed: Sequence[tuple[float | None, float, float]]) -> SendTimes:
+    """The medians of one bucket's sends' ``(ready, start, end)`` offsets (:class:`SendTimes`); the
+    ready offset over the sends that have one (None: none has)."""
+    ready = [r for r, _, _ in placed if r is not None]
+    return SendTimes(statistics.median(ready) if ready else None, statistics.median(s for _, s, _ in placed),
+                     statistics.median(e for _, _, e in placed))
+
+
+def timeline_record(timeline: Mapping[str, Mapping[int, SendTimes]]) -> dict[str, dict[str, list[float | None]]]:
+    """A window's :class:`SendTimes` per link and bucket for its record, in milliseconds:
+    ``{link: {bucket: [ready, start, end]}}``."""
+    def ms(x: float | None) -> float | None:
+        return None if x is None else round(x * 1e3, 2)
+    return {n: {str(b): [ms(t.ready_s), ms(t.start_s), ms(t.end_s)] for b, t in sorted(per.items())}
+            for n, per in timeline.items() if per}
 
 
 # -- per-link calibration -------------------------------------------------------------------------------
