@@ -17,6 +17,7 @@ import hashlib
 import json
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeAlias, TypeVar
 
@@ -167,19 +168,43 @@ class ControlPlane:
         return t.tolist()
 
 
-def broadcast_state(tensors: list[torch.Tensor], group: dist.ProcessGroup, link: str, rank: int,
-                    timeout_s: float, stream_ordered: bool = False) -> None:
-    """Rank 0's values of ``tensors`` everywhere, one flat broadcast per dtype (like torch DDP's)."""
+@dataclass
+class StateBroadcast:
+    """Rank 0's values of some tensors on their way to every rank (:func:`start_broadcast`): one flat
+    broadcast per dtype, launched; :meth:`finish` waits and copies them in."""
+
+    parts: list[tuple[list[torch.Tensor], torch.Tensor, Collective]]  # (tensors, their flat, its broadcast)
+    src_rank: bool  # this rank is the group's rank 0: its tensors are the source, nothing to copy in
+
+    def finish(self, link: str, what: str, rank: int, timeout_s: float, stream_ordered: bool = False) -> None:
+        """Wait for each broadcast and copy rank 0's values into the tensors (rank 0's own: left as they are)."""
+        for ts, flat, work in self.parts:
+            wait_work(work, link, f"broadcast of rank 0's {what} ({flat.dtype})", rank, timeout_s, stream_ordered)
+            if self.src_rank:
+                continue
+            with torch.no_grad():
+                off = 0
+                for t in ts:
+                    t.copy_(flat[off:off + t.numel()].view_as(t))
+                    off += t.numel()
+
+
+def start_broadcast(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> StateBroadcast:
+    """Launch the broadcast of rank 0's values of ``tensors``, one flat per dtype (like torch DDP's): a
+    snapshot taken now, so what rank 0's tensors hold later does not change what is sent."""
     src = dist.get_global_rank(group, 0)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
+    parts = []
     with torch.no_grad():
         for dtype, ts in by_dtype.items():
             flat = torch.cat([t.detach().reshape(-1) for t in ts]) if ts else torch.empty(0, dtype=dtype)
-            wait_work(dist.broadcast(flat, src=src, group=group, async_op=True), link,
-                      f"broadcast of rank 0's parameters/buffers ({dtype})", rank, timeout_s, stream_ordered)
-            off = 0
-            for t in ts:
-                t.copy_(flat[off:off + t.numel()].view_as(t))
-                off += t.numel()
+            parts.append((ts, flat, dist.broadcast(flat, src=src, group=group, async_op=True)))
+    return StateBroadcast(parts, dist.get_rank(group) == 0)
+
+
+def broadcast_state(tensors: list[torch.Tensor], group: dist.ProcessGroup, link: str, rank: int,
+                    timeout_s: float, stream_ordered: bool = False, what: str = "parameters/buffers") -> None:
+    """Rank 0's values of ``tensors`` everywhere, one flat broadcast per dtype (like torch DDP's)."""
+    start_broadcast(tensors, group).finish(link, what, rank, timeout_s, stream_ordered)

@@ -29,6 +29,7 @@ from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.errors import DeftError
 from deft.profile import Profile
+from deft.runtime.buffer_sync import BufferSync
 from deft.runtime.checkpoint import check_stamp, decode_record, encode_record, record_key, stamp, take_records
 from deft.runtime.codecs.first_iteration import TimedBroadcast
 from deft.runtime.codecs.hooks import CommHook
@@ -131,6 +132,9 @@ class DistributedDataParallel(nn.Module):
         self._links: dict[str, CommLink] = make_links(cfg, self._cuda, self._ranks, self._group_backend)
         self._primary = next(iter(self._links.values()))
         self._buffer_group = make_buffer_group(cfg, self._primary, self._cuda, self._ranks)
+        # CPU buffers on the control group: broadcast beside the forward's first modules (deft.runtime.buffer_sync)
+        self._buffer_sync = BufferSync(self.module, self._control) if self._buffer_group is None and not self._cuda \
+            else None
         self._init_broadcast: TimedBroadcast | None = None
         if init_sync:
             state = list(self.module.parameters()) + list(self.module.buffers())
@@ -147,13 +151,15 @@ class DistributedDataParallel(nn.Module):
         """The training mode (:func:`deft.runtime.mode.start_mode`), its hooks installed."""
         self._sync = SyncSwitch()
         wiring = Wiring(self.config, self.module, self._names, self._params, self.device, self._compiled,
-                        self._control, self._links, self._ranks, self._init_broadcast, self._sync)
+                        self._control, self._links, self._ranks, self._init_broadcast, self._sync, self._buffer_sync)
         self._mode = start_mode(wiring, given_profile, optimizer)
 
     # -- public API ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # the wrapped module's own signature
         self._sync_buffers_now()
-        return self._mode.forward(args, kwargs)
+        out = self._mode.forward(args, kwargs)
+        self._buffers_synced()
+        return out
 
     @outside_graphs
     def _sync_buffers_now(self) -> None:
@@ -164,10 +170,18 @@ class DistributedDataParallel(nn.Module):
         if sync and self._sync_buffers and self.world > 1 and any(True for _ in self.module.buffers()):
             if self._buffer_group is not None:
                 broadcast_state(list(self.module.buffers()), self._buffer_group, f"{self._primary.name} (buffers)",
-                                self.rank, self.config.timeout_s, stream_ordered=True)
+                                self.rank, self.config.timeout_s, stream_ordered=True, what="buffers")
+            elif self._buffer_sync is not None:
+                self._buffer_sync.start()  # waited for before the first module reading a buffer
             else:
                 broadcast_state(list(self.module.buffers()), self._control.group, "control", self.rank,
-                                self.config.timeout_s)
+                                self.config.timeout_s, what="buffers")
+
+    @outside_graphs
+    def _buffers_synced(self) -> None:
+        """The forward ended: the buffers' broadcast is over, whether or not a module read one."""
+        if self._buffer_sync is not None:
+            self._buffer_sync.finish()
 
     def observe_loss(self, loss: torch.Tensor | float) -> None:
         """Report this iteration's loss (optional; feeds the preserver's convergence statistics, and in
@@ -297,6 +311,8 @@ class DistributedDataParallel(nn.Module):
     def close(self) -> None:
         """Remove deft's hooks from the parameters and the optimizer (the wrapper is unusable after)."""
         self._mode.close()
+        if self._buffer_sync is not None:
+            self._buffer_sync.close()
 
     # -- checkpoint (deft.runtime.checkpoint) ----------------------------------------------------
     def get_deft_state(self) -> torch.Tensor:

@@ -14,6 +14,9 @@ the stack of modules whose forward is running; a parameter's first use is attrib
 running module. Parameters the watched forward did not use keep their owning module (a branch taken
 later runs its module's forward first). Forwards later differ only in which branches they take, which
 the owners cover.
+
+The buffers' first reads are recorded the same way (``first_buffers``): the broadcast of rank 0's
+buffers is waited for just before the first of them (:mod:`deft.runtime.buffer_sync`).
 """
 
 from __future__ import annotations
@@ -35,24 +38,33 @@ class _UseMode(TorchFunctionMode):
     def __torch_function__(self, func: object, types: object, args: tuple[object, ...] = (),
                            kwargs: dict[str, object] | None = None) -> object:
         for a in tree_flatten((args, kwargs or {}))[0]:
-            if isinstance(a, nn.Parameter):
+            if isinstance(a, torch.Tensor):
                 self._on_use(a)
         assert callable(func)
         return func(*args, **(kwargs or {}))
 
 
 class FirstUseRecorder:
-    """Records, over one forward, the innermost running module at each parameter's first use."""
+    """Records, over one forward, the innermost running module at each parameter's (and each of
+    ``buffers``') first use."""
 
-    def __init__(self, params: list[torch.Tensor]) -> None:
+    def __init__(self, params: list[torch.Tensor], buffers: list[torch.Tensor] | None = None) -> None:
         self._index = {id(p): i for i, p in enumerate(params)}
+        self._buffer_index = {id(b): i for i, b in enumerate(buffers or [])}
         self.first: dict[int, nn.Module] = {}  # parameter index -> module
+        self.first_buffers: dict[int, nn.Module] = {}  # buffer index -> module
         self._stack: list[nn.Module] = []
 
-    def _use(self, p: torch.Tensor) -> None:
-        i = self._index.get(id(p))
-        if i is not None and i not in self.first and self._stack:
-            self.first[i] = self._stack[-1]
+    def _use(self, t: torch.Tensor) -> None:
+        if not self._stack:
+            return
+        i = self._index.get(id(t))
+        if i is not None:
+            self.first.setdefault(i, self._stack[-1])
+            return
+        j = self._buffer_index.get(id(t))
+        if j is not None:
+            self.first_buffers.setdefault(j, self._stack[-1])
 
     def _enter(self, m: nn.Module, args: object) -> None:
         self._stack.append(m)

@@ -32,6 +32,7 @@ from torch import nn
 from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.profile import Profile
+from deft.runtime.buffer_sync import BufferSync
 from deft.runtime.checkpoint import StateDoc
 from deft.runtime.codecs.first_iteration import TimedBroadcast
 from deft.runtime.codecs.hooks import CommHook
@@ -108,6 +109,7 @@ class Wiring:
     ranks: list[int] | None           # the process group's ranks (None: the default group)
     init_broadcast: TimedBroadcast | None  # the timed broadcast of rank 0's state at construction
     sync: SyncSwitch
+    buffers: BufferSync | None = None  # the buffers' broadcast beside the forward (None: waited for at once)
 
     @property
     def rank(self) -> int:

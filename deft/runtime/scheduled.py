@@ -77,7 +77,11 @@ class ScheduledRun:
                               self._install, self._forward_hooks, from_config(cfg), wiring.init_broadcast)
         self._tracing = Tracing(self.module, self._params, self._executor, dist.get_rank(), self._cuda,
                                 self._course.calendar.warm_end, self._course.profile_iters, self._forward_hooks)
-        self._first_use: FirstUseRecorder | None = FirstUseRecorder(self._params) if cfg.forward_updates else None
+        # the buffers' first reads too, where none was compiled before the hooks (deft.runtime.buffer_sync)
+        self._buffer_sync = wiring.buffers if wiring.compiled is None else None
+        self._first_use: FirstUseRecorder | None = (
+            FirstUseRecorder(self._params, self._buffer_sync.buffers if self._buffer_sync is not None else None)
+            if cfg.forward_updates else None)
         self._watching: FirstUseRecorder | None = None  # the first use being recorded in this forward
         self._training_forward = False  # the forward running now records gradients
         self._t = 0  # index of the current (or next) training iteration
@@ -128,6 +132,8 @@ class ScheduledRun:
             return out
         if self._watching is not None:
             self._updates.record_first_use(self._watching.first)
+            if self._buffer_sync is not None:
+                self._buffer_sync.watch(self._forward_hooks, self.module, self._watching.first_buffers)
             self._watching = None
         self._course.forward_ends(out)
         self._tracing.forward_ends(out)
