@@ -185,6 +185,40 @@ def lag_priced(doc: dict[str, Any]) -> str:
     return out if without is None else f"{out}; without it {without * 1e3:.0f}"
 
 
+def sends_against_plan(doc: dict[str, Any]) -> str:
+    """Where the first window's sends ended against the first plan simulated (:func:`first_plan`): each
+    bucket's median end after its iteration's forward began (``sends_timed`` of the first record, rank
+    0's) less the same send's end in a steady simulated iteration, "median +M (A to B), N sends" in ms
+    (positive: later than simulated); "-" where not recorded, the first plan is not recoverable, or its
+    cycle is longer than one iteration (which iteration of the cycle a send fell in is not recorded)."""
+    import bisect
+
+    from deft.errors import DeftError
+    from deft.solver.simulate import simulate_schedule
+
+    found = first_plan(doc)
+    if found is None:
+        return "-"
+    schedule, profile, first = found
+    timed = first.get("sends_timed")
+    if not isinstance(timed, dict) or not timed or schedule.cycle != 1:
+        return "-"
+    try:
+        result = simulate_schedule(profile, schedule)
+    except DeftError:
+        return "-"
+    starts = result.iteration_starts
+    i = bisect.bisect_left(starts, result.window[0])
+    ends = {(e.row, e.bucket): e.end_s - starts[i] for e in result.events
+            if e.kind == "comm" and e.stage_iteration == i}
+    late = sorted(float(times[2]) - ends[(link, int(b))] * 1e3 for link, per in timed.items()
+                  for b, times in per.items() if (link, int(b)) in ends)
+    if not late:
+        return "-"
+    return (f"{statistics.median(late):+.0f} ({late[0]:+.0f} to {late[-1]:+.0f}), "
+            f"{len(late)} send{'s' if len(late) > 1 else ''}")
+
+
 def drift_priced(doc: dict[str, Any]) -> str:
     """The compute's drift deft read between its profile and lag iterations (``plan_info.compute_drift``):
     the factor, and where it was applied the first plan's price before and after it; "-" where none was
@@ -232,7 +266,7 @@ def row(label: str, run_dir: Path, doc: dict[str, Any]) -> str:
     return (f"| {label} | {workload(doc)} | {s['rate_mbit']:g} | {layout.words()} | "
             f"{', '.join(f'{r:.2f}' for r in rho) or '-'} | {', '.join(f'{d:.2f}' for d in drag) or '-'} | "
             f"{plans or '-'} | {first} | {first_window(doc)} | "
-            f"{warmup_priced(doc)} | {lag_s} | {lag_priced(doc)} | {drift_priced(doc)} | "
+            f"{warmup_priced(doc)} | {lag_s} | {lag_priced(doc)} | {sends_against_plan(doc)} | {drift_priced(doc)} | "
             f"{ranks_forward(doc, run_dir)} | {held} | "
             f"{s['iter_s_mean'] * 1e3:.0f} | `{run_dir.name}` |")
 
@@ -261,7 +295,10 @@ def report(groups: list[tuple[str, list[Path]]], note: str, command: str, title:
              "the lag: the first plan simulated with each link's sends starting no earlier than that lag after "
              "their hand-over (as deft prices it, `deft.profile.Link.lag_s`) / its first window; where the "
              "run's deft priced it (`DeftConfig.rank_wait`), also the same plan without it; `-`: no lag "
-             "recorded, or the first plan's profile not recoverable from the run. Compute drift: the lag "
+             "recorded, or the first plan's profile not recoverable from the run. Sends against the plan: "
+             "where the first window's sends ended (rank 0's, each bucket's median, after its iteration's "
+             "forward began) less where the first plan simulated ends them, median (range) in ms; `-`: not "
+             "recorded, the plan not recoverable or its cycle longer than one iteration. Compute drift: the lag "
              "iterations' compute over the "
              "profile iterations' (`plan_info.compute_drift`, the slowest rank's, medians; applied beyond "
              "`adapt_tolerance`: the first plan priced on the profile's compute times it, its price before "
@@ -270,11 +307,12 @@ def report(groups: list[tuple[str, list[Path]]], note: str, command: str, title:
              f"{TOLERANCE:.0%}: every plan of the run.", "",
              "| code | model | Mbit/s | layout | contention | drag | plans: predicted / measured (ms) | first plan | "
              f"first window against the profile | warm-up schedule: simulated / measured (ms) | "
-             "last rank's lag (ms) | first plan with the lag: simulated / measured (ms) | compute drift | "
+             "last rank's lag (ms) | first plan with the lag: simulated / measured (ms) | "
+             "first window's sends against the plan: ended after it (ms) | compute drift | "
              "ranks' forward: fastest / slowest (ms) | "
              "within "
              f"{TOLERANCE:.0%} | steady iteration (ms) | runs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, dirs in groups:
         for d in dirs:
             lines += [row(label, d, doc) for doc in load(d)]

@@ -46,7 +46,7 @@ def test_a_run_is_one_row_with_every_plan_priced(prices: Any, tmp_path: Path) ->
     # absent: 0); where the first window's forward, backward and links stood against the profile
     assert row == ("| after | GPT-2 | 250 | 4 ranks (4 hosts x 1 rank per host) | 0.00, 0.50 | 0.00, 0.25 | "
                    "2000 / 1600 (+25.0%); 1200 / 1500 (-20.0%) | +25.0% | forward x 1.40; backward x 1.10; "
-                   "primary x 0.70, second x 1.25 | - | - | - | - | - | no | 1500 | `after` |")
+                   "primary x 0.70, second x 1.25 | - | - | - | - | - | - | no | 1500 | `after` |")
 
 
 def test_a_run_recorded_before_the_window_was_set_against_the_profile_says_so(prices: Any, tmp_path: Path) -> None:
@@ -58,7 +58,7 @@ def test_a_run_recorded_before_the_window_was_set_against_the_profile_says_so(pr
     path.write_text(json.dumps(doc), encoding="utf-8")
     row = next(line for line in prices.report([("old", [tmp_path / "old"])], "", "cmd").splitlines()
                if line.startswith("| old |"))
-    assert "| +25.0% | - | - | - | - | - | - | no |" in row
+    assert "| +25.0% | - | - | - | - | - | - | - | no |" in row
 
 
 def test_the_first_windows_calibration_is_beside_what_it_timed(prices: Any, tmp_path: Path) -> None:
@@ -196,6 +196,22 @@ def _lag_run(run_dir: Path, records: list[dict[str, Any]], factors: tuple[float,
                                     "schedule": schedule.to_dict(), "plan_info": {"adapt": records}}}}
     run_dir.mkdir()
     (run_dir / "deft.50.s0.r0.json").write_text(json.dumps(doc), encoding="utf-8")
+
+
+def test_the_first_windows_sends_are_set_against_the_plan_simulated(prices: Any, tmp_path: Path) -> None:
+    # the plan ends its one send 6.5 s after the forward began (forward 2 s, backward 3 s, the send 1.5 s);
+    # the window's ended at 7 s: 500 ms late. No timeline recorded, or a plan not recoverable: "-".
+    _lag_run(tmp_path / "timed", [{"predicted_s": 6.5, "measured_s": 7.7,
+                                   "sends_timed": {"a": {"0": [5000.0, 5000.0, 7000.0]}}}], None)
+    (doc,) = prices.load(tmp_path / "timed")
+    assert prices.sends_against_plan(doc) == "+500 (+500 to +500), 1 send"
+    _lag_run(tmp_path / "untimed", [{"predicted_s": 6.5, "measured_s": 7.7}], None)
+    (doc,) = prices.load(tmp_path / "untimed")
+    assert prices.sends_against_plan(doc) == "-"
+    _lag_run(tmp_path / "other", [{"schedule": "another", "predicted_s": 6.5, "measured_s": 7.7,
+                                   "sends_timed": {"a": {"0": [5000.0, 5000.0, 7000.0]}}}], None)
+    (doc,) = prices.load(tmp_path / "other")
+    assert prices.sends_against_plan(doc) == "-"
 
 
 def test_the_first_plan_priced_with_the_last_ranks_lag_by_hand(prices: Any, tmp_path: Path) -> None:

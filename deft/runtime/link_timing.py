@@ -1,6 +1,6 @@
 """Each link's time in the running schedule, and the rule that re-opens a settled adaptation.
 
-Two jobs for :mod:`deft.runtime.adapt`:
+For :mod:`deft.runtime.adapt`:
 
 * **A link's time per byte** (:class:`LinkClock`, an executor observer). Every send of the running
   schedule on a gloo link is stamped at launch and at completion (by the link's waiting thread,
