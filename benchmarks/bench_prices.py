@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--note", default="", help="which code and how quiet the machine was")
     ap.add_argument("--title", default=TITLE, help="the table's heading (what these runs compare)")
     args = ap.parse_args(argv)
-    command = "benchmarks/bench_prices.py " + " ".join(f"--runs '{r}'" for r in args.runs) + (
+    command = "benchmarks/bench_prices.py " + " ".join(f"--runs {shlex.quote(r)}" for r in args.runs) + (
         f" --title {shlex.quote(args.title)}" if args.title != TITLE else "")
     text = report(parse_groups(args.runs), args.note, command, args.title)
     if args.results:

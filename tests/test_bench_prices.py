@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +149,15 @@ def test_a_titled_table_says_what_it_compares_and_how_it_was_made(prices: Any, t
     text = out.read_text(encoding="utf-8")
     assert text.startswith("## The link clock against the plans' prices (`benchmarks/bench_prices.py`)")
     assert "--title 'The link clock against the plans'\"'\"' prices'" in text  # as a shell reads it back
+
+
+def test_the_command_reads_back_as_given_with_a_quote_in_a_label(prices: Any, tmp_path: Path) -> None:
+    _save(tmp_path / "runs", None)
+    out = tmp_path / "prices.md"
+    spec = f"the links' contention={tmp_path / 'runs'}"
+    assert prices.main(["--runs", spec, "--results", str(out)]) == 0
+    command = next(line for line in out.read_text(encoding="utf-8").splitlines() if line.startswith("Command: `"))
+    assert shlex.split(command[len("Command: `"):command.rindex("`")])[1:] == ["--runs", spec]
 
 
 def test_the_warm_up_schedule_gone_back_to_is_simulated_on_the_saved_profile_against_its_time(
