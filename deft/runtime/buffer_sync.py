@@ -18,7 +18,8 @@ Invariant: every buffer is read and written only after it holds rank 0's values 
 as under torch DDP: the snapshot is what torch DDP sends, and no module that reads a buffer runs before
 the wait. Where the first reads are unknown (the first forward, whose reads are being recorded; no
 record because updates are not applied in the forward; a module compiled before wrapping, whose code
-may predate the hooks) the broadcast is waited for at once, as before.
+may predate the hooks; a buffer added or replaced since the record) the broadcast is waited for at once,
+as before.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class BufferSync:
     reading a buffer finishes it before it runs."""
 
     def __init__(self, module: nn.Module, control: ControlPlane) -> None:
+        self._module = module
         self._buffers = list(module.buffers())
         self._control = control
         self._pending: StateBroadcast | None = None
@@ -53,13 +55,19 @@ class BufferSync:
         """From now on, wait in the pre-hook of the module that reads each buffer first (``first_reads``:
         buffer index -> module, recorded over one forward; a buffer absent from it: its owner)."""
         owners = {id(b): m for m in module.modules() for b in m.buffers(recurse=False)}
-        self._wait_at = {id(hooks.hooked(first_reads.get(i) or owners[id(b)])) for i, b in enumerate(self._buffers)}
+        self._wait_at = {id(hooks.hooked(first_reads[i] if i in first_reads else owners[id(b)]))
+                         for i, b in enumerate(self._buffers)}
         if self._handle is None:
             self._handle = hooks.listen(pre=self._module_begins)
 
     def start(self) -> None:
-        """Launch the broadcast of rank 0's buffers as they are now; waited for at once until :meth:`watch`."""
+        """Launch the broadcast of rank 0's buffers as they are now; waited for at once until :meth:`watch`,
+        and for good once the module's buffers are not the ones watched (one added or replaced: where it
+        is first read was never recorded)."""
         self.finish()  # a forward that raised left one in flight
+        buffers = list(self._module.buffers())
+        if [id(b) for b in buffers] != [id(b) for b in self._buffers]:
+            self._buffers, self._wait_at = buffers, set()
         self._pending = start_broadcast(self._buffers, self._control.group)
         if not self._wait_at:
             self.finish()
