@@ -141,9 +141,11 @@ def first_plan(doc: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]] | None:
         profile = Profile.from_dict(sched["profile"], "the run's saved profile")
         if schedule.digest() != first.get("schedule"):
             return None
+        if any(corrected_by(r) for r in records[1:]):
+            return None  # corrected since: the first plan's profile is not recoverable
         if corrected_by(first):
             if len(records) > 1:
-                return None  # corrected again since: the first plan's profile is not recoverable
+                return None  # a later window may have gone back to another corrected profile
             profile = profile.scaled(1 / first["compute_factor"], 1 / first["comm_factor"])
         config = DeftConfig.load(saved_config) if isinstance(saved_config, str) and Path(saved_config).is_file() \
             else DeftConfig()

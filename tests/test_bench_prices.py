@@ -249,6 +249,12 @@ def test_the_first_plan_priced_with_the_last_ranks_lag_by_hand(prices: Any, tmp_
                                       "comm_factor": 0.5}, {"predicted_s": 7.0, "measured_s": 7.1}], (2.0, 0.5))
     (doc,) = prices.load(tmp_path / "twice")
     assert prices.lag_priced(doc) == "-"
+    # settled as priced, then a re-opened window corrected the profile the run saved: not the plan's
+    _lag_run(tmp_path / "later", [{"predicted_s": 6.5, "measured_s": 6.6, "profile_corrected": False},
+                                  {"predicted_s": 6.5, "measured_s": 7.7, "compute_factor": 2.0, "comm_factor": 0.5,
+                                   "profile_corrected": True}], (2.0, 0.5))
+    (doc,) = prices.load(tmp_path / "later")
+    assert prices.lag_priced(doc) == "-"
     _lag_run(tmp_path / "replanned", [{"schedule": "another", "predicted_s": 6.5, "measured_s": 7.7}], None)
     (doc,) = prices.load(tmp_path / "replanned")
     assert prices.lag_priced(doc) == "-"

@@ -180,8 +180,8 @@ def against_profile(profile: Profile, schedule: Schedule, config: DeftConfig, me
     :func:`deft.runtime.link_timing.link_ratios`; ``links_slowest_vs_profile``: the same on the rank
     whose sends waited longest for the others, whose excess over ``links_vs_profile`` is the ranks' skew
     in the window, against the profile's ``lag_s`` priced in the simulation). 1 is as priced; above 1,
-    slower. Empty where the
-    schedule's buckets are not a partition of the profile's: a record, never a reason to fail."""
+    slower. Empty where the schedule's buckets are not a partition of the profile's: a record, never a
+    reason to fail."""
     try:
         part = profile_for_schedule(profile, schedule, config)
     except DeftError:
