@@ -5,7 +5,7 @@ forward that follows a training forward, and the forward waits for it before the
 keeps the rule (``broadcast_buffers``; :meth:`deft.DistributedDataParallel._sync_buffers_now`). Where a
 plan overlaps the last iteration's sends with the next forward (a lag-free plan's deferred buckets),
 that broadcast, a message of a few kilobytes on the control group, queues on the primary link's NIC
-behind those sends' bytes, and the whole forward waited for it.
+behind those sends' bytes, and the whole forward would wait for it.
 
 So on the CPU control group (:class:`BufferSync`) the broadcast is launched where torch DDP's is, from
 a snapshot of rank 0's buffers taken then, and waited for just before the first module whose forward
