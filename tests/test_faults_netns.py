@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 
 from deft.runtime.link_timing import REOPEN_WINDOWS
+from deft.solver.codecs import INT8_MIN_GAIN
 from deft.testbed import Testbed
 from tests._dist import free_port
 from tests._netns import NETNS_REASON, can_netns, skip_netns_when_refused
@@ -303,5 +304,16 @@ def test_links_slowed_as_the_plan_starts_reopen_the_adaptation_and_bring_int8_in
     # (or the one after it, where the plan tried meanwhile measured slower and the run went back first)
     chosen = [r for r in info["adapt"] if r["iteration"] > first["iteration"] and "codecs" in r]
     assert chosen and chosen[0]["iteration"] <= first["iteration"] + 2 * (WINDOW + 1 + LAG), timeline
-    assert chosen[0]["codecs"]["codec"] == "int8" and "chosen again" in chosen[0]["decision"], timeline
+    assert "chosen again" in chosen[0]["decision"], timeline
+    # weighed on its measured cost against 16 bits, by the rule: int8 where it predicts INT8_MIN_GAIN more
+    # (on this busy 2-core host its cast's measured cost decides which side of the rule a run falls on)
+    # (or not weighed, the record saying why: 16 bits already within INT8_MIN_GAIN of a floor)
+    codecs = chosen[0]["codecs"]
+    weighed = codecs.get("weighed", {})
+    assert "int8" in weighed or codecs.get("int8", "").startswith("not weighed:"), (codecs, timeline)
+    gains = "int8" in weighed and weighed["int8"] < (1.0 - INT8_MIN_GAIN) * min(
+        v for c, v in weighed.items() if c != "int8")
+    assert (codecs["codec"] == "int8") == gains, (codecs, timeline)
     assert any(s["iteration"] >= chosen[0]["iteration"] for s in info["switches"]), timeline  # and runs it
+    # and int8, brought in, runs: at that choice or at a later one of the run
+    assert any(r["codecs"].get("codec") == "int8" for r in chosen), timeline

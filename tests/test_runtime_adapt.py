@@ -927,6 +927,8 @@ def test_int8_the_first_plan_did_not_weigh_is_asked_for_once_the_links_are_the_b
                                 replan=_replan)
     assert rec2["comm_factor"] < comm_below
     assert rec2["codecs"]["codec"] == "int8" and "int8" not in rec2["codecs"]  # chosen, and not asked again
+    weighed = rec2["codecs"]["weighed"]  # both codecs' predicted iterations, int8's the shorter
+    assert len(weighed) == 2 and weighed["int8"] == min(weighed.values()), weighed
     assert "chosen again" in rec2["decision"] and not adapter.wants_int8
 
 

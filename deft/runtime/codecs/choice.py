@@ -280,10 +280,16 @@ class Recoding:
         return replace(self, inputs=replace(self.inputs, int8=cost))
 
     def choose(self, config: DeftConfig) -> tuple[Profile, tuple[str, tuple[int, ...]], JsonDict]:
-        """The codec choice on ``base``: the coded profile, the choice and its record."""
+        """The codec choice on ``base``: the coded profile, the choice and its record (with ``weighed``,
+        each codec's predicted iteration where 16 bits and int8 were both weighed, and ``int8``, why int8
+        was not, where it says)."""
         profile, record = choose_codec(config, self.base, self.inputs)
         record = record or {}
-        return profile, _choice(record), {k: record[k] for k in ("codec", "coded", "chosen_s", "reason") if k in record}
+        out: JsonDict = {k: record[k] for k in ("codec", "coded", "chosen_s", "reason", "int8") if k in record}
+        alternatives = record.get("alternatives")
+        if isinstance(alternatives, list):
+            out["weighed"] = {str(a["codec"]): a["chosen_s"] for a in alternatives if isinstance(a, dict)}
+        return profile, _choice(record), out
 
 
 def _choice(record: Mapping[str, object]) -> tuple[str, tuple[int, ...]]:
