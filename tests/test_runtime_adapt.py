@@ -268,6 +268,15 @@ def checked_result(ddp: Any, model: torch.nn.Module, world: int) -> dict[str, An
             "params": {n: p.double().tolist() for n, p in model.named_parameters()}}
 
 
+def train(ddp: Any, opt: torch.optim.Optimizer, rank: int, late_s: float = 0.0) -> None:
+    """``ITERS`` iterations of the documented loop, each begun ``late_s`` late."""
+    for t in range(ITERS):
+        time.sleep(late_s)
+        ddp(coefficients(rank, t)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def adapt_worker(rank: int, world: int) -> dict[str, Any]:
     import deft
 
@@ -306,10 +315,7 @@ def failed_decision_worker(rank: int, world: int) -> dict[str, Any]:
     model = Linear()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     ddp = comm_heavy_ddp(deft, model, opt, warmup_iters=1, comm=3.0)
-    for t in range(ITERS):
-        ddp(coefficients(rank, t)).backward()
-        opt.step()
-        opt.zero_grad()
+    train(ddp, opt, rank)
     return checked_result(ddp, model, world)
 
 
@@ -355,12 +361,7 @@ def late_rank_worker(rank: int, world: int) -> dict[str, Any]:
     model = Linear()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     ddp = comm_heavy_ddp(deft, model, opt, warmup_iters=1, comm=1.0, plan_lag_iters=0)
-    for t in range(ITERS):
-        if rank == 1:
-            time.sleep(LATE_S)
-        ddp(coefficients(rank, t)).backward()
-        opt.step()
-        opt.zero_grad()
+    train(ddp, opt, rank, late_s=LATE_S if rank == 1 else 0.0)
     return checked_result(ddp, model, world)
 
 
