@@ -1,6 +1,7 @@
 """The buffers' broadcast waited for where the forward first reads a buffer (deft.runtime.buffer_sync):
 every read sees rank 0's values of the forward's start, as under torch DDP, checked against torch DDP
-with a model whose output depends on a buffer each rank updates from its own data."""
+with a model whose output depends on a buffer each rank updates from its own data, and with one whose
+buffer no forward reads (the broadcast then ends with the forward)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,20 @@ class BufferNet(nn.Module):
         return self.head(self.scale(h))
 
 
+class UnreadNet(nn.Module):
+    """One layer, and a frozen module no forward calls whose buffer the loop counts up (each rank by its
+    own step): no module reading a buffer runs, so the broadcast ends with the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(16, 4)
+        self.spare = nn.Linear(2, 2).requires_grad_(False)
+        self.spare.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
 def _train(wrapped: nn.Module, opt: torch.optim.Optimizer, rank: int) -> None:
     for step in range(STEPS):
         g = torch.Generator().manual_seed(100 * step + rank)
@@ -56,9 +71,14 @@ def _train(wrapped: nn.Module, opt: torch.optim.Optimizer, rank: int) -> None:
         nn.functional.cross_entropy(wrapped(x), y).backward()
         opt.step()
         opt.zero_grad()
+        spare = getattr(wrapped.module, "spare", None)
+        if spare is not None:  # the loop's own change between iterations, as torch DDP lets it
+            with torch.no_grad():
+                spare.count += 1 + rank
 
 
-def buffer_worker(rank: int, world: int, root_reads: bool, owner_only: bool) -> dict[str, Any]:
+def buffer_worker(rank: int, world: int, root_reads: bool | None, owner_only: bool) -> dict[str, Any]:
+    """``root_reads`` None: :class:`UnreadNet`; else :class:`BufferNet` with it."""
     import deft
 
     if owner_only:  # the broken variant: no buffer's first read recorded, each waited for at its owner
@@ -71,14 +91,14 @@ def buffer_worker(rank: int, world: int, root_reads: bool, owner_only: bool) -> 
 
         first_use.FirstUseRecorder.__init__ = no_buffers  # type: ignore[method-assign]
     torch.manual_seed(0)
-    ours = BufferNet(root_reads)
+    ours = UnreadNet() if root_reads is None else BufferNet(root_reads)
     opt = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
     ddp = deft.DistributedDataParallel(ours, config={"epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2,
                                                      "bucket_cap_mb": 0.001})
     _train(ddp, opt, rank)
     ddp.flush()
     torch.manual_seed(0)
-    ref = BufferNet(root_reads)
+    ref = UnreadNet() if root_reads is None else BufferNet(root_reads)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     _train(nn.parallel.DistributedDataParallel(ref), ref_opt, rank)
     return {n: ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
@@ -86,8 +106,8 @@ def buffer_worker(rank: int, world: int, root_reads: bool, owner_only: bool) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("root_reads", [False, True])
-def test_every_buffer_read_sees_rank_0s_values_as_under_torch_ddp(root_reads: bool) -> None:
+@pytest.mark.parametrize("root_reads", [False, True, None], ids=["owner-reads", "root-reads", "none-reads"])
+def test_every_buffer_read_sees_rank_0s_values_as_under_torch_ddp(root_reads: bool | None) -> None:
     for diffs in values(run_ranks(buffer_worker, 2, (root_reads, False), timeout=180)):
         assert max(diffs.values()) < 1e-5, diffs
 
