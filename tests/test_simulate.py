@@ -549,6 +549,34 @@ def test_a_verdict_queues_behind_what_the_primary_carries() -> None:
     assert [(e.row, e.start_s, e.end_s) for e in verdicts] == [("a", pytest.approx(7.0), pytest.approx(7.25))]
 
 
+def test_a_verdict_goes_ahead_of_the_sends_queued_on_the_primary() -> None:
+    # bucket 0 on b (4 -> 6.5); buckets 1 and 2 on a, 3 each: 5 -> 8, and bucket 2's, handed at 6, queued
+    # behind it. The verdict on bucket 0's send, handed at 6.5, waits for the send a carries then (bucket
+    # 1) and not for bucket 2's: 8 -> 8.25, and bucket 2's send 8.25 -> 11.25 (behind both: 11 -> 11.25)
+    times = ([1.0] * 3, [1.0] * 3, [{"a": 3.0, "b": 2.5}] * 3)
+    s = synchronous_schedule((250,) * 3, (1000,) * 3, ("a", "b"), ("b", "a", "a"))
+    res = simulate_schedule(_guarded(*times), s)
+    first = sorted((e.start_s, e.end_s, e.kind, e.bucket) for e in res.events if e.row == "a" and e.iteration == 0)
+    assert first == [(5.0, 8.0, "comm", 1), (8.0, 8.25, "verdict", -1),
+                     (pytest.approx(8.25), pytest.approx(11.25), "comm", 2)]
+
+
+def test_verdicts_queued_on_the_primary_go_in_the_order_handed() -> None:
+    # bucket 0's send holds a 4 -> 14; on b, bucket 1's (the step's) ends at 6 and bucket 2's (deferred to
+    # the next forward) at 7: the step's verdict, handed first, runs first (14 -> 14.25) and the step
+    # with it, the forward's after it (14.25 -> 14.5), before the next forward
+    times = ([1.0] * 3, [1.0] * 3, [{"a": 10.0, "b": 1.0}] * 3)
+    lagfree = Schedule(cycle=1, links=("a", "b"), bucket_numel=(250,) * 3, bucket_nbytes=(1000,) * 3,
+                       stages=(StagePlan(0, "forward"), StagePlan(0, "backward", (
+                           CommTask(0, 0, "a"), CommTask(1, 0, "b"), CommTask(2, 0, "b")))),
+                       updates=(Update((0,), 0, finish_in_forward=True, deferred=(2,)),))
+    res = simulate_schedule(_guarded(*times), lagfree)
+    first = [(e.kind, e.start_s, e.end_s) for e in sorted(res.events, key=lambda e: e.start_s)
+             if e.iteration == 0 and e.kind in ("verdict", "update")]
+    assert first == [("verdict", 14.0, 14.25), ("update", 14.25, 14.25), ("verdict", 14.25, 14.5)]
+    assert res.iteration_s == pytest.approx(14.5)
+
+
 def test_a_lag_free_forward_waits_for_the_verdict_on_its_deferred_send() -> None:
     # the lag-free case of the step's test above: the next forward waits for the deferred send (6.5) and,
     # on a guarded link, for the verdict after it on the idle primary: 6.75

@@ -61,8 +61,11 @@ Model
   queued send was handed long before it starts).
 * **The ranks' verdict on a guarded link** (:class:`deft.profile.Link`'s ``guarded``: the runtime's
   link-failover guard): a result sent on such a link is used only once the ranks agree the link stands,
-  a message on the primary link, handed to it once the sends it judges have ended (it queues behind
-  what the primary carries then) and lasting the primary's start-up ``alpha``. The step waits for the
+  a message on the primary link, handed to it once the sends it judges have ended and lasting the
+  primary's start-up ``alpha``. It waits for the send the primary carries then, not for the sends
+  queued behind that one: its flags go over a gloo group of their own, which shares the NIC with what
+  the primary's group has on the wire, not that group's queue of collectives not started; it delays
+  those by its ``alpha``. The step waits for the
   verdict on the guarded sends it needs; a lag-free forward's first layer whose deferred bucket went on a
   guarded link waits for the one on all the sends in flight after the step before it
   (``deft.runtime.verdicts``).
@@ -393,7 +396,9 @@ class _EventLoop:
         return "*" if self.eng.serial else link
 
     def dispatch(self, cid: int) -> None:
-        """Hand a send to its link: it starts when the link (for a serial codec, every link) is free."""
+        """Hand a send to its link: it starts when the link (for a serial codec, every link) is free. A
+        verdict goes ahead of the sends queued there, behind the verdicts handed before it (module
+        docstring, "The ranks' verdict")."""
         c = self.eng.comms[cid]
         self.handed.add(cid)
         c.handed = self.now
@@ -401,8 +406,12 @@ class _EventLoop:
         key = self._key(c.link)
         if (not self.sending if self.eng.serial else c.link not in self.sending) and not self.queue.get(key):
             self._start_comm(cid)
+            return
+        q = self.queue.setdefault(key, deque())
+        if c.after:
+            q.insert(next((i for i, q_cid in enumerate(q) if not self.eng.comms[q_cid].after), len(q)), cid)
         else:
-            self.queue.setdefault(key, deque()).append(cid)
+            q.append(cid)
 
     def _start_comm(self, cid: int) -> None:
         c = self.eng.comms[cid]
