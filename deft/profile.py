@@ -65,6 +65,9 @@ def _validate_link(source: str, i: int, link: Link) -> None:
                               ("lag_s", link.lag_s, " (seconds per send)")):
         if not _nonneg(value):
             raise ContractError(source, f"links[{i}].{name}", f"expected a finite number >= 0{unit}, got {value}")
+    if isinstance(link.sends_at_once, bool) or not isinstance(link.sends_at_once, int) or link.sends_at_once < 0:
+        raise ContractError(source, f"links[{i}].sends_at_once", "expected an integer >= 0 (0: the backend's "
+                            f"default), got {link.sends_at_once!r}")
     if i == 0 and link.guarded:
         raise ContractError(source, "links[0].guarded", "expected false: the first link is the primary, which "
                             "carries the ranks' verdicts on the guarded links")
@@ -114,6 +117,9 @@ class Link:
     ranks in step). The link's measured times are the last rank's, who waits for nobody. ``guarded``:
     its sends' results are used only after the ranks' verdict on them, a message over the primary link
     (the runtime's link-failover guard, :mod:`deft.runtime.verdicts`; False: used as they arrive).
+    ``sends_at_once``: how many of its collectives the link's group runs at once, in launch order (0: its
+    backend's default, :meth:`at_once`): the ones a message on another group over the same NIC (the
+    verdicts on the primary's) finds on the wire.
     """
 
     name: str
@@ -125,9 +131,15 @@ class Link:
     drag: float = 0.0
     lag_s: float = 0.0
     guarded: bool = False
+    sends_at_once: int = 0
 
     def time(self, nbytes: int) -> float:
         return self.alpha_s + self.beta_s_per_byte * nbytes
+
+    def at_once(self) -> int:
+        """``sends_at_once``, or the backend's: gloo two (torch's two worker threads per group), NCCL one
+        (one stream per group)."""
+        return self.sends_at_once or (2 if self.backend == "gloo" else 1)
 
 
 @dataclass(frozen=True)
@@ -425,7 +437,8 @@ class Profile:
                  **({"contention": k.contention} if k.contention else {}),
                  **({"drag": k.drag} if k.drag else {}),
                  **({"lag_s": k.lag_s} if k.lag_s else {}),
-                 **({"guarded": True} if k.guarded else {})}
+                 **({"guarded": True} if k.guarded else {}),
+                 **({"sends_at_once": k.sends_at_once} if k.sends_at_once else {})}
                 for k in self.links
             ],
             "buckets": buckets,
@@ -462,6 +475,7 @@ class Profile:
                 alpha_s=lf.float("alpha_s", 0.0), beta_s_per_byte=lf.float("beta_s_per_byte", 0.0),
                 contention=lf.float("contention", 0.0), drag=lf.float("drag", 0.0),
                 lag_s=lf.float("lag_s", 0.0), guarded=lf.bool("guarded", False),
+                sends_at_once=lf.int("sends_at_once", 0, minimum=0),
             ))
         buckets, times = [], []
         for bf in f.items("buckets"):

@@ -147,3 +147,34 @@ def test_coded_sends_on_serial_links_train_as_on_gloos_own_groups(tmp_path: Path
         assert max(abs(a - b) for a, b in zip(q, p, strict=True)) < 1e-6
 
 
+
+
+def _planned_at_once(rank: int, world: int, queued: bool) -> list[int]:
+    """deft measuring its profile on two links, ``link_queue`` as given: how many of each link's
+    collectives the profile the plan was made on says its group runs at once."""
+    from torch import nn
+
+    import deft
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
+    ddp = deft.DistributedDataParallel(model, config={
+        "epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2, "plan_lag_iters": 0, "timeout_s": 30,
+        "links": [{"name": "primary"}, {"name": "second"}], "bucket_cap_mb": 0.001, "link_queue": queued})
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(5):
+        nn.functional.mse_loss(ddp(torch.randn(8, 32, generator=g)), torch.zeros(8, 4)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert ddp.profile is not None
+    return [lk.at_once() for lk in ddp.profile.links]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("queued", "at_once"), [(True, [1, 1]), (False, [2, 2])])
+def test_the_plan_is_priced_for_the_sends_each_links_group_runs_at_once(queued: bool, at_once: list[int]) -> None:
+    # what a verdict on the primary's NIC finds on the wire (deft.solver.simulate): one send with
+    # link_queue, gloo's two without
+    for r in values(run_ranks(_planned_at_once, world=2, args=(queued,), timeout=120)):
+        assert r == at_once

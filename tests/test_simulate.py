@@ -549,16 +549,26 @@ def test_a_verdict_queues_behind_what_the_primary_carries() -> None:
     assert [(e.row, e.start_s, e.end_s) for e in verdicts] == [("a", pytest.approx(7.0), pytest.approx(7.25))]
 
 
-def test_a_verdict_goes_ahead_of_the_sends_queued_on_the_primary() -> None:
+@pytest.mark.parametrize(("backend", "at_once", "verdict", "second"), [
+    ("gloo", 1, (8.0, 8.25), (8.25, 11.25)),  # one at a time (link_queue): ahead of bucket 2's send
+    ("gloo", 0, (11.0, 11.25), (8.0, 11.0)),  # gloo's two at once: bucket 2's runs beside bucket 1's
+    ("gloo", 2, (11.0, 11.25), (8.0, 11.0)),
+    ("nccl", 0, (8.0, 8.25), (8.25, 11.25)),  # one stream per group
+])
+def test_a_verdict_waits_for_the_sends_the_primarys_group_runs_at_once(
+        backend: str, at_once: int, verdict: tuple[float, float], second: tuple[float, float]) -> None:
     # bucket 0 on b (4 -> 6.5); buckets 1 and 2 on a, 3 each: 5 -> 8, and bucket 2's, handed at 6, queued
-    # behind it. The verdict on bucket 0's send, handed at 6.5, waits for the send a carries then (bucket
-    # 1) and not for bucket 2's: 8 -> 8.25, and bucket 2's send 8.25 -> 11.25 (behind both: 11 -> 11.25)
+    # behind it. The verdict on bucket 0's send, handed at 6.5, waits for what a's group has on the wire:
+    # bucket 1's send, and bucket 2's where the group runs two at once; it goes ahead of any other
     times = ([1.0] * 3, [1.0] * 3, [{"a": 3.0, "b": 2.5}] * 3)
     s = synchronous_schedule((250,) * 3, (1000,) * 3, ("a", "b"), ("b", "a", "a"))
-    res = simulate_schedule(_guarded(*times), s)
-    first = sorted((e.start_s, e.end_s, e.kind, e.bucket) for e in res.events if e.row == "a" and e.iteration == 0)
-    assert first == [(5.0, 8.0, "comm", 1), (8.0, 8.25, "verdict", -1),
-                     (pytest.approx(8.25), pytest.approx(11.25), "comm", 2)]
+    p = _guarded(*times)
+    p = dataclasses.replace(p, links=(dataclasses.replace(p.links[0], backend=backend, sends_at_once=at_once),
+                                      p.links[1]))
+    res = simulate_schedule(p, s)
+    on_a = sorted((e.kind, e.bucket, e.start_s, e.end_s) for e in res.events if e.row == "a" and e.iteration == 0)
+    assert on_a == sorted([("comm", 1, 5.0, 8.0), ("verdict", -1, *verdict),
+                           ("comm", 2, pytest.approx(second[0]), pytest.approx(second[1]))])
 
 
 def test_verdicts_queued_on_the_primary_go_in_the_order_handed() -> None:
@@ -586,6 +596,21 @@ def test_a_lag_free_forward_waits_for_the_verdict_on_its_deferred_send() -> None
                        updates=(Update((0,), 0, finish_in_forward=True, deferred=(0,)),))
     assert simulate_schedule(_guarded(*times, on=False, step_s=0.5), lagfree).iteration_s == pytest.approx(6.5)
     assert simulate_schedule(_guarded(*times, step_s=0.5), lagfree).iteration_s == pytest.approx(6.75)
+
+
+def test_sends_at_once_round_trips_defaults_to_the_backends_and_is_checked() -> None:
+    p = _guarded([2.0], [3.0], [{"a": 1.5, "b": 1.5}])
+    assert [lk.at_once() for lk in p.links] == [2, 2]  # gloo's two worker threads per group
+    assert Link("n", "nccl").at_once() == 1
+    one = dataclasses.replace(p, links=(dataclasses.replace(p.links[0], sends_at_once=1), p.links[1]))
+    assert [lk.at_once() for lk in Profile.from_dict(one.to_dict()).links] == [1, 2]
+    assert "sends_at_once" not in p.to_dict()["links"][0]  # absent when 0: older profiles' digests stand
+    with pytest.raises(ContractError, match=r"links\[0\]\.sends_at_once"):
+        dataclasses.replace(p, links=(dataclasses.replace(p.links[0], sends_at_once=-1), p.links[1]))
+    doc = one.to_dict()
+    doc["links"][0]["sends_at_once"] = -2
+    with pytest.raises(ContractError, match=r"sends_at_once"):
+        Profile.from_dict(doc, "p.json")
 
 
 def test_guarded_round_trips_and_never_marks_the_primary() -> None:

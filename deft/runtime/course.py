@@ -48,7 +48,7 @@ from deft.runtime.executor import DueUpdate, Executor, Pending
 from deft.runtime.failover import LinkFailover, guarded_links, loss_phase, without_links
 from deft.runtime.grad_stats import GradStats, walk_stats
 from deft.runtime.layouts import balanced_links, plan_order, ready_order, warmup_layout
-from deft.runtime.links import CommLink
+from deft.runtime.links import CommLink, sends_at_once
 from deft.runtime.optimizer_hooks import OptimizerBinding
 from deft.runtime.planning import Planning, Switch
 from deft.runtime.records import RunRecord, SwitchRecord, as_object
@@ -368,7 +368,7 @@ class Course:
         if self.profile is not None and self.failover.dead:
             self.profile = without_links(self.profile, self.failover.dead)
         if self.profile is not None:  # the plan is priced for the verdicts this run waits for
-            self.profile = guarded_links(self.profile, self.failover.guards)
+            self.profile = sends_at_once(guarded_links(self.profile, self.failover.guards), self._links)
         stats, self._stats_reason = self._walk_stats()
         opt = self._optim.optimizer
         self._judged_lr = None if opt is None else planning_lr(opt.param_groups)

@@ -34,10 +34,11 @@ failover probes use directly.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,7 @@ import torch.distributed as dist
 
 from deft.config import DeftConfig, LinkConfig
 from deft.netif import new_group_on_nic
+from deft.profile import Profile
 from deft.runtime.hierarchy import HierarchicalAllReduce, HostLayout, gather_layout, make_hierarchy_groups
 from deft.runtime.link_queue import serial_gloo_group
 
@@ -60,7 +62,8 @@ class LinkStats:
 @dataclass
 class CommLink:
     """A named process group and its traffic counters; ``hierarchy``: the link's hierarchical all-reduce
-    where ranks share hosts (None: flat, on ``group``)."""
+    where ranks share hosts (None: flat, on ``group``); ``serial``: its group runs one collective at a time
+    (``link_queue``)."""
 
     name: str
     backend: str
@@ -68,6 +71,7 @@ class CommLink:
     group: dist.ProcessGroup
     stats: LinkStats = field(default_factory=LinkStats)
     hierarchy: HierarchicalAllReduce | None = None
+    serial: bool = False
 
     def all_reduce(self, tensor: torch.Tensor) -> dist.Work:
         """Launch an asynchronous sum all-reduce of ``tensor`` in place, counted; returns the Work."""
@@ -147,7 +151,7 @@ def make_links(config: DeftConfig, cuda: bool, ranks: Sequence[int] | None,
                         "CUDA" if cuda else "CPU")
         group = (serial_gloo_group(lk.ifname, config.timeout_s, ranks) if serial
                  else _new_group(backend, lk.ifname, config.timeout_s, ranks))
-        links[lk.name] = CommLink(lk.name, backend, lk.ifname, group)
+        links[lk.name] = CommLink(lk.name, backend, lk.ifname, group, serial=serial)
     layout = host_layout(config, cuda, ranks, next(iter(links.values())))
     if layout is not None:
         for link in links.values():
@@ -155,6 +159,15 @@ def make_links(config: DeftConfig, cuda: bool, ranks: Sequence[int] | None,
                 groups = make_hierarchy_groups(layout, "gloo", link.ifname, config.timeout_s, serial=config.link_queue)
                 link.hierarchy = HierarchicalAllReduce(groups)
     return links
+
+
+def sends_at_once(profile: Profile, links: Mapping[str, CommLink]) -> Profile:
+    """``profile`` with each link's ``sends_at_once`` as this run's group runs its collectives: one where
+    ``link_queue`` made it serial, else its backend's own (0), whoever measured it: the plan is priced for
+    what a verdict on the primary's NIC finds on the wire (:mod:`deft.solver.simulate`)."""
+    new = tuple(dataclasses.replace(lk, sends_at_once=1 if lk.name in links and links[lk.name].serial else 0)
+                for lk in profile.links)
+    return profile if new == profile.links else dataclasses.replace(profile, links=new)
 
 
 def queues(backend: str, cuda: bool) -> bool:

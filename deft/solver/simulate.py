@@ -62,10 +62,11 @@ Model
 * **The ranks' verdict on a guarded link** (:class:`deft.profile.Link`'s ``guarded``: the runtime's
   link-failover guard): a result sent on such a link is used only once the ranks agree the link stands,
   a message on the primary link, handed to it once the sends it judges have ended and lasting the
-  primary's start-up ``alpha``. It waits for the send the primary carries then, not for the sends
-  queued behind that one: its flags go over a gloo group of their own, which shares the NIC with what
-  the primary's group has on the wire, not that group's queue of collectives not started; it delays
-  those by its ``alpha``. The step waits for the
+  primary's start-up ``alpha``. Its flags go over a gloo group of its own, which shares the NIC with
+  what the primary's group has on the wire, not with that group's queue: it waits for the send the
+  primary carries then and for the queued sends its group runs beside that one (``Link.at_once``: gloo
+  runs two of a group's collectives at once, one with deft's ``link_queue``), and goes ahead of the
+  rest, which it delays by its ``alpha``. The step waits for the
   verdict on the guarded sends it needs; a lag-free forward's first layer whose deferred bucket went on a
   guarded link waits for the one on all the sends in flight after the step before it
   (``deft.runtime.verdicts``).
@@ -280,6 +281,7 @@ class _Comm:
     grad_ready: bool = True
     lag: float = 0.0  # the last rank reaches it this long after it is handed to its link (link_lags)
     after: tuple[int, ...] = ()  # a verdict: the sends it judges, handed once they have all ended
+    behind: int = 0  # a verdict: the queued sends it waits for, run beside the one in flight (Link.at_once)
     handed: float = math.nan
     start: float = math.nan
     end: float = math.nan
@@ -314,12 +316,12 @@ class _Engine:
         self.order[comm.link].append(cid)
         return cid
 
-    def add_verdict(self, link: str, duration: float, after: Sequence[int], iteration: int) -> int:
+    def add_verdict(self, link: str, duration: float, after: Sequence[int], iteration: int, behind: int = 0) -> int:
         """A verdict on the sends ``after`` (module docstring): handed to ``link`` once they have ended,
-        outside the link's launch order."""
+        outside the link's launch order, ahead of its queued sends but the first ``behind``."""
         cid = len(self.comms)
         self.comms.append(_Comm(link=link, duration=duration, bucket=-1, iteration=iteration, stage_iteration=iteration,
-                                label="verdict", launched=True, after=tuple(after)))
+                                label="verdict", launched=True, after=tuple(after), behind=behind))
         for d in set(after):
             self.verdicts_of.setdefault(d, []).append(cid)
         return cid
@@ -397,8 +399,8 @@ class _EventLoop:
 
     def dispatch(self, cid: int) -> None:
         """Hand a send to its link: it starts when the link (for a serial codec, every link) is free. A
-        verdict goes ahead of the sends queued there, behind the verdicts handed before it (module
-        docstring, "The ranks' verdict")."""
+        verdict goes behind the verdicts handed before it and its ``behind`` first queued sends, ahead of
+        the others (module docstring, "The ranks' verdict")."""
         c = self.eng.comms[cid]
         self.handed.add(cid)
         c.handed = self.now
@@ -408,10 +410,14 @@ class _EventLoop:
             self._start_comm(cid)
             return
         q = self.queue.setdefault(key, deque())
-        if c.after:
-            q.insert(next((i for i, q_cid in enumerate(q) if not self.eng.comms[q_cid].after), len(q)), cid)
-        else:
+        if not c.after:
             q.append(cid)
+            return
+        at, sends = 0, 0
+        while at < len(q) and (self.eng.comms[q[at]].after or sends < c.behind):
+            sends += not self.eng.comms[q[at]].after
+            at += 1
+        q.insert(at, cid)
 
     def _start_comm(self, cid: int) -> None:
         c = self.eng.comms[cid]
@@ -775,6 +781,7 @@ class _ScheduleGraph:
         self.guarded = {lk.name for lk in profile.links[1:] if lk.guarded}
         self.primary = profile.links[0].name
         self.verdict_s = link_model(profile, self.primary)[0] if self.guarded else 0.0
+        self.verdict_behind = profile.links[0].at_once() - 1
 
     def _finishing(self, position: int) -> bool:
         return self.update_at[position % self.schedule.cycle].finish_in_forward
@@ -831,7 +838,7 @@ class _ScheduleGraph:
         n, eng = self.profile.n, self.eng
         ahead = dict(sorted(self.ahead.get(t - 1, {}).items()))  # by bucket
         judged = [cid for cid in ahead.values() if eng.comms[cid].link in self.guarded]
-        verdict = eng.add_verdict(self.primary, self.verdict_s, judged, t - 1) if judged else None
+        verdict = eng.add_verdict(self.primary, self.verdict_s, judged, t - 1, self.verdict_behind) if judged else None
         for b, cid in ahead.items():
             wait = verdict if verdict is not None and eng.comms[cid].link in self.guarded else cid
             eng.compute[fwd[n - 1 - self.gate[b]]].deps.append(wait)
@@ -884,7 +891,7 @@ class _ScheduleGraph:
                 applied = True
         judged = [cid for cid in deps if self.eng.comms[cid].link in self.guarded]
         if judged:
-            deps.append(self.eng.add_verdict(self.primary, self.verdict_s, judged, t))
+            deps.append(self.eng.add_verdict(self.primary, self.verdict_s, judged, t, self.verdict_behind))
         # "step": an optimizer step with no update due changes nothing and waits for nothing.
         self.eng.add_compute(_Compute("update" if applied else "step", -1, t, self.profile.step_s, deps=deps))
 
