@@ -71,6 +71,7 @@ ORDER = [
     "prices_pinned.md",
     "prices_pinned_layouts.md",
     "prices_buffers.md",
+    "prices_verdict.md",
     "planner_gap.md",
     "runtime_ab.md",
     "codec_paths.md",
