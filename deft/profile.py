@@ -229,10 +229,7 @@ class Profile:
     ``step_s``: the seconds per iteration the rank computes outside the forward and the backward, the
     optimizer's step and the training loop's own work after the backward (clipping, the learning-rate
     schedule, the next batch): charged to the compute stream at each iteration's step (0: not measured,
-    as from a trace). ``broadcast_buffers``: every forward waits, before its first bucket's, for a
-    broadcast of rank 0's buffers on a group of its own over the primary link's NIC (torch DDP's
-    ``broadcast_buffers`` as deft runs it on the CPU control group: :mod:`deft.runtime.buffer_sync`);
-    its own time on idle links is in the profiled forward (False: none, or not priced)."""
+    as from a trace)."""
 
     buckets: tuple[Bucket, ...]
     times: tuple[BucketTimes, ...]
@@ -244,7 +241,6 @@ class Profile:
     meta: JsonDict = field(default_factory=dict)
     codec: str = ""  # the comm hook compressing every send ("": none)
     step_s: float = 0.0
-    broadcast_buffers: bool = False
 
     def __post_init__(self) -> None:
         self.validate("<profile>")
@@ -433,7 +429,6 @@ class Profile:
             "source": self.source,
             "world_size": self.world_size,
             **({"step_s": self.step_s} if self.step_s else {}),  # absent when 0: older profiles' digests unchanged
-            **({"broadcast_buffers": True} if self.broadcast_buffers else {}),  # likewise when false
             "versions": dict(self.versions),
             "links": [
                 {"name": k.name, "backend": k.backend, "ifname": k.ifname,
@@ -512,7 +507,6 @@ class Profile:
         object.__setattr__(prof, "meta", f.dict("meta", {}))
         object.__setattr__(prof, "codec", codec)
         object.__setattr__(prof, "step_s", f.float("step_s", 0.0))
-        object.__setattr__(prof, "broadcast_buffers", f.bool("broadcast_buffers", False))
         prof.validate(source)
         return prof
 

@@ -118,33 +118,3 @@ def test_waiting_at_the_buffers_owner_misses_a_read_before_it() -> None:
     # first, and rank 1 computes with its own values.
     worst = [max(d.values()) for d in values(run_ranks(buffer_worker, 2, (True, True), timeout=180))]
     assert max(worst) > 1e-3, worst
-
-
-def _planned_broadcast(rank: int, world: int, with_buffers: bool, broadcast_buffers: bool) -> bool:
-    """deft measuring its profile: whether the profile its plan was made on prices the buffers' broadcast."""
-    import deft
-
-    torch.manual_seed(0)
-    layers: list[nn.Module] = [nn.Linear(16, 32), nn.BatchNorm1d(32) if with_buffers else nn.Tanh(), nn.Linear(32, 4)]
-    model = nn.Sequential(*layers)
-    ddp = deft.DistributedDataParallel(model, broadcast_buffers=broadcast_buffers, config={
-        "epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2, "plan_lag_iters": 0, "timeout_s": 30,
-        "links": [{"name": "primary"}], "bucket_cap_mb": 0.001})
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(5):
-        nn.functional.mse_loss(ddp(torch.randn(8, 16, generator=g)), torch.zeros(8, 4)).backward()
-        opt.step()
-        opt.zero_grad()
-    assert ddp.profile is not None
-    return ddp.profile.broadcast_buffers
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("with_buffers", "broadcast_buffers", "priced"),
-                         [(True, True, True), (True, False, False), (False, True, False)])
-def test_the_plan_prices_the_buffers_broadcast_where_the_run_makes_it(
-        with_buffers: bool, broadcast_buffers: bool, priced: bool) -> None:
-    # deft.solver.simulate, "The buffers' broadcast": only a module with buffers, broadcasting them
-    assert values(run_ranks(_planned_broadcast, 2, args=(with_buffers, broadcast_buffers), timeout=120)) \
-        == [priced, priced]

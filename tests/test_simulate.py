@@ -613,30 +613,6 @@ def test_sends_at_once_round_trips_defaults_to_the_backends_and_is_checked() -> 
         Profile.from_dict(doc, "p.json")
 
 
-def test_the_buffers_broadcast_waits_behind_the_primarys_send_in_flight() -> None:
-    # bucket 1's send (0.5) then bucket 0's (3, deferred to the next forward, before bucket 0's module) on
-    # a: the next forward's first bucket (1) runs beside bucket 0's send, 11 -> 12 while it runs 11 -> 14,
-    # and bucket 0's forward waits for it (6.5 an iteration). Broadcasting the buffers, the first bucket
-    # waits for the broadcast, behind that send: 14 -> 15, then bucket 0's (7.5)
-    p = make_profile([1.0, 1.0], [1.0, 1.0], [{"a": 3.0}, {"a": 0.5}], links=(Link("a", "gloo"),), world_size=2)
-    lagfree = Schedule(cycle=1, links=("a",), bucket_numel=(250, 250), bucket_nbytes=(1000, 1000),
-                       stages=(StagePlan(0, "forward"),
-                               StagePlan(0, "backward", (CommTask(1, 0, "a"), CommTask(0, 0, "a")))),
-                       updates=(Update((0,), 0, finish_in_forward=True, deferred=(0,)),))
-    assert simulate_schedule(p, lagfree).iteration_s == pytest.approx(6.5)
-    res = simulate_schedule(dataclasses.replace(p, broadcast_buffers=True), lagfree)
-    assert res.iteration_s == pytest.approx(7.5)
-    second = sorted((e.start_s, e.row, e.kind, e.bucket) for e in res.events
-                    if e.iteration == 2 and e.kind in ("buffers", "forward"))
-    assert second == [(15.0, "a", "buffers", -1), (15.0, "compute", "forward", 1), (16.0, "compute", "forward", 0)]
-    # one rank broadcasts nothing; the field round-trips, absent when false (older digests stand)
-    alone = dataclasses.replace(p, broadcast_buffers=True, world_size=1)
-    assert simulate_schedule(alone, lagfree).iteration_s == pytest.approx(6.5)
-    doc = dataclasses.replace(p, broadcast_buffers=True).to_dict()
-    assert doc["broadcast_buffers"] is True and Profile.from_dict(doc).broadcast_buffers
-    assert "broadcast_buffers" not in p.to_dict()
-
-
 def test_guarded_round_trips_and_never_marks_the_primary() -> None:
     p = _guarded([2.0], [3.0], [{"a": 1.5, "b": 1.5}])
     assert [lk.guarded for lk in Profile.from_dict(p.to_dict()).links] == [False, True]

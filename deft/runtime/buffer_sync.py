@@ -12,9 +12,7 @@ a snapshot of rank 0's buffers taken then, and waited for just before the first 
 reads a buffer begins: its forward pre-hook (:class:`deft.runtime.eager.ForwardHooks`), the module the
 first training forward recorded reading each buffer first (:mod:`deft.runtime.first_use`; a buffer that
 forward did not read: its owner). The modules before it (a network's first convolution) compute while
-the broadcast travels. The forward's end waits for whatever is still in flight. The plan prices the
-wait behind the primary's sends (``Profile.broadcast_buffers``, set where the run plans:
-:mod:`deft.solver.simulate`).
+the broadcast travels. The forward's end waits for whatever is still in flight.
 
 Invariant: every buffer is read and written only after it holds rank 0's values of the forward's start,
 as under torch DDP: the snapshot is what torch DDP sends, and no module that reads a buffer runs before

@@ -100,9 +100,8 @@ class Course:
                  params: list[torch.Tensor], links: dict[str, CommLink], executor: Executor,
                  optim: OptimizerBinding, update_log: list[LogEntry], given_profile: Profile | None,
                  ranks: list[int] | None, install: Install, hooks: ForwardHooks, comm_hook: CommHook | None = None,
-                 init_broadcast: TimedBroadcast | None = None, buffers_on_control: bool = False) -> None:
+                 init_broadcast: TimedBroadcast | None = None) -> None:
         self.config, self._control, self._module = config, control, module
-        self._buffers_on_control = buffers_on_control  # the plan prices the buffers' broadcast
         self._hooks = hooks  # the wrapper's forward hooks, which the warm-up timer listens to
         self._names, self._params, self._links, self._executor = names, params, links, executor
         self._optim, self._log, self._install = optim, update_log, install
@@ -368,10 +367,8 @@ class Course:
         self._links_lost(t)  # one lost in the probe: the plan is made without it
         if self.profile is not None and self.failover.dead:
             self.profile = without_links(self.profile, self.failover.dead)
-        if self.profile is not None:  # priced for this run's verdicts and buffers' broadcast, whoever measured it
-            self.profile = replace(
-                sends_at_once(guarded_links(self.profile, self.failover.guards), self._links),
-                broadcast_buffers=self._buffers_on_control)
+        if self.profile is not None:  # the plan is priced for the verdicts this run waits for
+            self.profile = sends_at_once(guarded_links(self.profile, self.failover.guards), self._links)
         stats, self._stats_reason = self._walk_stats()
         opt = self._optim.optimizer
         self._judged_lr = None if opt is None else planning_lr(opt.param_groups)

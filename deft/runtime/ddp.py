@@ -151,9 +151,7 @@ class DistributedDataParallel(nn.Module):
         """The training mode (:func:`deft.runtime.mode.start_mode`), its hooks installed."""
         self._sync = SyncSwitch()
         wiring = Wiring(self.config, self.module, self._names, self._params, self.device, self._compiled,
-                        self._control, self._links, self._ranks, self._init_broadcast, self._sync, self._buffer_sync,
-                        buffers_on_control=self._sync_buffers and self._buffer_group is None and self.world > 1
-                        and any(True for _ in self.module.buffers()))
+                        self._control, self._links, self._ranks, self._init_broadcast, self._sync, self._buffer_sync)
         self._mode = start_mode(wiring, given_profile, optimizer)
 
     # -- public API ----------------------------------------------------------------------------

@@ -110,8 +110,6 @@ class Wiring:
     init_broadcast: TimedBroadcast | None  # the timed broadcast of rank 0's state at construction
     sync: SyncSwitch
     buffers: BufferSync | None = None  # the buffers' broadcast beside the forward (None: waited for at once)
-    # rank 0's buffers go out on the control group before each training forward (Profile.broadcast_buffers)
-    buffers_on_control: bool = False
 
     @property
     def rank(self) -> int:

@@ -74,8 +74,7 @@ class ScheduledRun:
                                       self._forward_hooks, wiring.compiled)
         self._course = Course(cfg, self._control, self.module, self._names, self._params, self._links,
                               self._executor, self._optim, self._updates.log, given_profile, wiring.ranks,
-                              self._install, self._forward_hooks, from_config(cfg), wiring.init_broadcast,
-                              wiring.buffers_on_control)
+                              self._install, self._forward_hooks, from_config(cfg), wiring.init_broadcast)
         self._tracing = Tracing(self.module, self._params, self._executor, dist.get_rank(), self._cuda,
                                 self._course.calendar.warm_end, self._course.profile_iters, self._forward_hooks)
         # the buffers' first reads too, where none was compiled before the hooks (deft.runtime.buffer_sync)

@@ -70,13 +70,6 @@ Model
   verdict on the guarded sends it needs; a lag-free forward's first layer whose deferred bucket went on a
   guarded link waits for the one on all the sends in flight after the step before it
   (``deft.runtime.verdicts``).
-* **The buffers' broadcast** (:class:`deft.profile.Profile`'s ``broadcast_buffers``): at each forward's
-  start rank 0's buffers go to every rank on deft's control group, a group of its own over the primary
-  link's NIC, and the forward's first bucket waits for them (taken to hold the first module reading a
-  buffer: a network's first normalisation follows its first layer; where it comes later this prices a
-  wait the modules before it would hide). Like a verdict it waits for what the primary's group has on
-  the wire (a lag-free plan's deferred sends crossing into the forward) and goes ahead of the rest; its
-  own time on idle links is in the profiled forward, so it adds none.
 * **Steady state**: iteration time is averaged over whole cycles after a warm-up, between forward
   starts; bubble ratio = compute idle time / window; link utilisation = busy time / window.
 
@@ -135,7 +128,6 @@ class SimEvent:
 
     row: str
     # forward | backward | update (an optimizer step applying an update) | step (no update) | comm | verdict
-    # | buffers (the broadcast of rank 0's buffers)
     kind: str
     bucket: int
     iteration: int
@@ -289,10 +281,7 @@ class _Comm:
     grad_ready: bool = True
     lag: float = 0.0  # the last rank reaches it this long after it is handed to its link (link_lags)
     after: tuple[int, ...] = ()  # a verdict: the sends it judges, handed once they have all ended
-    # comm | verdict | buffers; the last two go over groups of their own: ahead of the link's queued sends
-    # but the first ``behind``, which its group runs beside the one in flight (Link.at_once)
-    kind: str = "comm"
-    behind: int = 0
+    behind: int = 0  # a verdict: the queued sends it waits for, run beside the one in flight (Link.at_once)
     handed: float = math.nan
     start: float = math.nan
     end: float = math.nan
@@ -332,7 +321,7 @@ class _Engine:
         outside the link's launch order, ahead of its queued sends but the first ``behind``."""
         cid = len(self.comms)
         self.comms.append(_Comm(link=link, duration=duration, bucket=-1, iteration=iteration, stage_iteration=iteration,
-                                label="verdict", launched=True, after=tuple(after), kind="verdict", behind=behind))
+                                label="verdict", launched=True, after=tuple(after), behind=behind))
         for d in set(after):
             self.verdicts_of.setdefault(d, []).append(cid)
         return cid
@@ -410,9 +399,8 @@ class _EventLoop:
 
     def dispatch(self, cid: int) -> None:
         """Hand a send to its link: it starts when the link (for a serial codec, every link) is free. A
-        message on a group of its own (a verdict, the buffers' broadcast) goes behind those handed before
-        it and its ``behind`` first queued sends, ahead of the others (module docstring, "The ranks'
-        verdict")."""
+        verdict goes behind the verdicts handed before it and its ``behind`` first queued sends, ahead of
+        the others (module docstring, "The ranks' verdict")."""
         c = self.eng.comms[cid]
         self.handed.add(cid)
         c.handed = self.now
@@ -422,12 +410,12 @@ class _EventLoop:
             self._start_comm(cid)
             return
         q = self.queue.setdefault(key, deque())
-        if c.kind == "comm":
+        if not c.after:
             q.append(cid)
             return
-        comms, at, sends = self.eng.comms, 0, 0
-        while at < len(q) and (comms[q[at]].kind != "comm" or sends < c.behind):
-            sends += comms[q[at]].kind == "comm"
+        at, sends = 0, 0
+        while at < len(q) and (self.eng.comms[q[at]].after or sends < c.behind):
+            sends += not self.eng.comms[q[at]].after
             at += 1
         q.insert(at, cid)
 
@@ -793,9 +781,7 @@ class _ScheduleGraph:
         self.guarded = {lk.name for lk in profile.links[1:] if lk.guarded}
         self.primary = profile.links[0].name
         self.verdict_s = link_model(profile, self.primary)[0] if self.guarded else 0.0
-        # what a message on a group of its own over the primary's NIC waits behind (Link.at_once)
-        self.behind = profile.links[0].at_once() - 1
-        self.broadcast = profile.broadcast_buffers and profile.world_size > 1
+        self.verdict_behind = profile.links[0].at_once() - 1
 
     def _finishing(self, position: int) -> bool:
         return self.update_at[position % self.schedule.cycle].finish_in_forward
@@ -836,28 +822,15 @@ class _ScheduleGraph:
         bwd_sent = [task for task in self._sent(p, "backward") if t - task.origin >= 0]
         # a send of this iteration's gradient is encoded once its bucket's gradient is complete
         now_sent = [task for task in bwd_sent if task.origin == 0]
-        buffers = self._broadcast_buffers(t) if self.broadcast else None
         tasks = _iteration_tasks(self.eng, self.profile, t, {}, pre_fwd=self._codec(fwd_sent),
                                  pre_bwd=self._codec([task for task in bwd_sent if task.origin >= 1]),
                                  after=[(self.ready[b], d) for b, d in self._codec(now_sent)])
         self.bwd_of[t] = tasks.bwd
-        if buffers is not None:
-            self.eng.compute[tasks.fwd[0]].deps.append(buffers)
         self._wait_for_forward_sends(t, tasks.fwd)
         self._launch_stage_sends(t, p, tasks, fwd_sent, bwd_sent)
         if self._finishing(p) and self.update_at[p].last == p:
             self._launch_next_forward_sends(t, p)
         self._optimizer_step(t, p)
-
-    def _broadcast_buffers(self, t: int) -> int:
-        """The broadcast of rank 0's buffers at iteration ``t``'s forward start (module docstring, "The
-        buffers' broadcast"), launched by a zero-time marker: no time of its own (that is in the profiled
-        forward), only the wait behind what the primary's group has on the wire."""
-        marker = self.eng.add_compute(_Compute("launch", -1, t, 0.0))
-        cid = self.eng.add_comm(_Comm(link=self.primary, duration=0.0, bucket=-1, iteration=t, stage_iteration=t,
-                                      label="buffers", kind="buffers", behind=self.behind), None)
-        self.eng.compute[marker].launches.append(cid)
-        return cid
 
     def _wait_for_forward_sends(self, t: int, fwd: list[int]) -> None:
         """The forward of bucket ``b``'s module (``fwd`` lists buckets ``n-1..0``) waits for the send of a
@@ -865,7 +838,7 @@ class _ScheduleGraph:
         n, eng = self.profile.n, self.eng
         ahead = dict(sorted(self.ahead.get(t - 1, {}).items()))  # by bucket
         judged = [cid for cid in ahead.values() if eng.comms[cid].link in self.guarded]
-        verdict = eng.add_verdict(self.primary, self.verdict_s, judged, t - 1, self.behind) if judged else None
+        verdict = eng.add_verdict(self.primary, self.verdict_s, judged, t - 1, self.verdict_behind) if judged else None
         for b, cid in ahead.items():
             wait = verdict if verdict is not None and eng.comms[cid].link in self.guarded else cid
             eng.compute[fwd[n - 1 - self.gate[b]]].deps.append(wait)
@@ -918,7 +891,7 @@ class _ScheduleGraph:
                 applied = True
         judged = [cid for cid in deps if self.eng.comms[cid].link in self.guarded]
         if judged:
-            deps.append(self.eng.add_verdict(self.primary, self.verdict_s, judged, t, self.behind))
+            deps.append(self.eng.add_verdict(self.primary, self.verdict_s, judged, t, self.verdict_behind))
         # "step": an optimizer step with no update due changes nothing and waits for nothing.
         self.eng.add_compute(_Compute("update" if applied else "step", -1, t, self.profile.step_s, deps=deps))
 
@@ -970,7 +943,8 @@ class _Events(Sequence[SimEvent]):
         bars = [SimEvent("compute", x.kind, x.bucket, x.iteration, x.start, x.end,
                          "" if x.kind in ("update", "step", "launch") else str(x.bucket), x.iteration)
                 for x in self._compute]
-        bars += [SimEvent(x.link, x.kind, x.bucket, x.iteration, x.start, x.end, x.label, x.stage_iteration)
+        bars += [SimEvent(x.link, "verdict" if x.after else "comm", x.bucket, x.iteration, x.start, x.end, x.label,
+                          x.stage_iteration)
                  for x in self._comms if not math.isnan(x.start)]
         return tuple(bars)
 
