@@ -72,6 +72,7 @@ ORDER = [
     "prices_pinned_layouts.md",
     "prices_buffers.md",
     "prices_verdict.md",
+    "prices_broadcast.md",
     "planner_gap.md",
     "runtime_ab.md",
     "codec_paths.md",
