@@ -116,14 +116,19 @@ def _trained(rank: int, world: int, schedule_path: str, codec: str, queued: bool
         "epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2, "timeout_s": 30, "schedule_path": schedule_path,
         "links": [{"name": "primary"}, {"name": "second"}], "bucket_cap_mb": 0.01, "link_queue": queued,
         "compression": codec})
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(8):
-        nn.functional.mse_loss(ddp(torch.randn(8, 32, generator=g)), torch.zeros(8, 4)).backward()
-        opt.step()
-        opt.zero_grad()
+    _train(ddp, model, rank, 8)
     ddp.flush()
     return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def _train(ddp: Any, model: torch.nn.Module, rank: int, iters: int) -> None:
+    """The documented loop: SGD on a regression to zeros, each rank's own batches of 8 x 32."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(iters):
+        torch.nn.functional.mse_loss(ddp(torch.randn(8, 32, generator=g)), torch.zeros(8, 4)).backward()
+        opt.step()
+        opt.zero_grad()
 
 
 def _coded_schedule(tmp_path: Path, codec: str) -> str:
@@ -161,12 +166,7 @@ def _planned_at_once(rank: int, world: int, queued: bool) -> list[int]:
     ddp = deft.DistributedDataParallel(model, config={
         "epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2, "plan_lag_iters": 0, "timeout_s": 30,
         "links": [{"name": "primary"}, {"name": "second"}], "bucket_cap_mb": 0.001, "link_queue": queued})
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(5):
-        nn.functional.mse_loss(ddp(torch.randn(8, 32, generator=g)), torch.zeros(8, 4)).backward()
-        opt.step()
-        opt.zero_grad()
+    _train(ddp, model, rank, 5)
     assert ddp.profile is not None
     return [lk.at_once() for lk in ddp.profile.links]
 
