@@ -539,8 +539,8 @@ def test_synchronous_clock_skips_a_gap_in_the_iterations() -> None:
 
 
 # What the test's "machine" adds to every iteration of a schedule other than the warm-up's: several
-# times an iteration run beside rank 0's background plan on two loaded cores (up to 60 ms), so the
-# schedule that ran meanwhile cannot measure as slow as the plan and leave the run on it.
+# times an iteration run beside rank 0's background plan on two loaded cores (56 ms at most, measured),
+# so the schedule that ran meanwhile cannot measure as slow as the plan and leave the run on it.
 SLOW_S = 0.15
 SYNC_ITERS = 40
 
