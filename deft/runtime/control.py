@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeAlias, TypeVar
@@ -176,17 +176,22 @@ class StateBroadcast:
     parts: list[tuple[list[torch.Tensor], torch.Tensor, Collective]]  # (tensors, their flat, its broadcast)
     src_rank: bool  # this rank is the group's rank 0: its tensors are the source, nothing to copy in
 
-    def finish(self, link: str, what: str, rank: int, timeout_s: float, stream_ordered: bool = False) -> None:
-        """Wait for each broadcast and copy rank 0's values into the tensors (rank 0's own: left as they are)."""
+    def received(self, link: str, what: str, rank: int, timeout_s: float,
+                 stream_ordered: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Wait for each broadcast; each tensor with rank 0's value of it (a view of what was received)."""
         for ts, flat, work in self.parts:
             wait_work(work, link, f"broadcast of rank 0's {what} ({flat.dtype})", rank, timeout_s, stream_ordered)
-            if self.src_rank:
-                continue
-            with torch.no_grad():
-                off = 0
-                for t in ts:
-                    t.copy_(flat[off:off + t.numel()].view_as(t))
-                    off += t.numel()
+            off = 0
+            for t in ts:
+                yield t, flat[off:off + t.numel()].view_as(t)
+                off += t.numel()
+
+    def finish(self, link: str, what: str, rank: int, timeout_s: float, stream_ordered: bool = False) -> None:
+        """Wait for each broadcast and copy rank 0's values into the tensors (rank 0's own: left as they are)."""
+        for t, value in self.received(link, what, rank, timeout_s, stream_ordered):
+            if not self.src_rank:
+                with torch.no_grad():
+                    t.copy_(value)
 
 
 def start_broadcast(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> StateBroadcast:

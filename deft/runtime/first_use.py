@@ -15,8 +15,10 @@ running module. Parameters the watched forward did not use keep their owning mod
 later runs its module's forward first). Forwards later differ only in which branches they take, which
 the owners cover.
 
-The buffers' first reads are recorded the same way (``first_buffers``): the broadcast of rank 0's
-buffers is waited for just before the first of them (:mod:`deft.runtime.buffer_sync`).
+The buffers' reads are recorded the same way (``buffer_readers``: every module reading each, first
+reader first): the broadcast of rank 0's buffers is waited for just before the first of them, or the
+reads caught up after the forward where only a batch norm's own update reads them
+(:mod:`deft.runtime.buffer_sync`).
 """
 
 from __future__ import annotations
@@ -45,14 +47,14 @@ class _UseMode(TorchFunctionMode):
 
 
 class FirstUseRecorder:
-    """Records, over one forward, the innermost running module at each parameter's (and each of
-    ``buffers``') first use."""
+    """Records, over one forward, the innermost running module at each parameter's first use, and
+    every module reading each of ``buffers``, in the order of their first reads."""
 
     def __init__(self, params: list[torch.Tensor], buffers: list[torch.Tensor] | None = None) -> None:
         self._index = {id(p): i for i, p in enumerate(params)}
         self._buffer_index = {id(b): i for i, b in enumerate(buffers or [])}
         self.first: dict[int, nn.Module] = {}  # parameter index -> module
-        self.first_buffers: dict[int, nn.Module] = {}  # buffer index -> module
+        self.buffer_readers: dict[int, list[nn.Module]] = {}  # buffer index -> modules, first reader first
         self._stack: list[nn.Module] = []
 
     def _use(self, t: torch.Tensor) -> None:
@@ -64,7 +66,9 @@ class FirstUseRecorder:
             return
         j = self._buffer_index.get(id(t))
         if j is not None:
-            self.first_buffers.setdefault(j, self._stack[-1])
+            readers = self.buffer_readers.setdefault(j, [])
+            if not any(m is self._stack[-1] for m in readers):
+                readers.append(self._stack[-1])
 
     def _enter(self, m: nn.Module, args: object) -> None:
         self._stack.append(m)

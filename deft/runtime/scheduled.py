@@ -133,7 +133,7 @@ class ScheduledRun:
         if self._watching is not None:
             self._updates.record_first_use(self._watching.first)
             if self._buffer_sync is not None:
-                self._buffer_sync.watch(self._forward_hooks, self.module, self._watching.first_buffers)
+                self._buffer_sync.watch(self._forward_hooks, self.module, self._watching.buffer_readers)
             self._watching = None
         self._course.forward_ends(out)
         self._tracing.forward_ends(out)
