@@ -148,10 +148,17 @@ def _diffs(ours: nn.Module, ref: nn.Module) -> dict[str, float]:
             for (n, a), b in zip(ours.state_dict().items(), ref.state_dict().values(), strict=True)}
 
 
-def norm_worker(rank: int, world: int, norm: str, poison: bool, no_catch_up: bool) -> dict[str, float]:
+def _compiled(wrapped: nn.Module) -> nn.Module:
+    """``torch.compile`` of ``wrapped`` (its ``.module`` reads through to the wrapper's)."""
+    return torch.compile(wrapped, backend="aot_eager")  # type: ignore[return-value]
+
+
+def norm_worker(rank: int, world: int, norm: str, poison: bool, no_catch_up: bool,
+                compiled: bool = False) -> dict[str, float]:
     """:class:`NormNet` (``NORMS[norm]``) under deft at epsilon 0 and under torch DDP: each state entry's
     difference, and the evaluation forwards' (``eval``). ``no_catch_up``: the broken variant, rank 0's
-    values copied over this forward's updates instead of carried through them."""
+    values copied over this forward's updates instead of carried through them; ``compiled``: both
+    wrappers compiled after wrapping (torch's advice for DDP)."""
     import deft
     from deft.runtime import buffer_sync
 
@@ -165,12 +172,13 @@ def norm_worker(rank: int, world: int, norm: str, poison: bool, no_catch_up: boo
     opt = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
     ddp = deft.DistributedDataParallel(ours, config={"epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2,
                                                      "bucket_cap_mb": 0.001})
-    seen = _train(ddp, opt, rank, poison)
+    seen = _train(_compiled(ddp) if compiled else ddp, opt, rank, poison)
     ddp.flush()
     torch.manual_seed(0)
     ref = NormNet(**NORMS[norm])  # type: ignore[arg-type]
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    ref_seen = torch.tensor(_train(nn.parallel.DistributedDataParallel(ref), ref_opt, rank, poison))
+    torch_ddp = nn.parallel.DistributedDataParallel(ref)
+    ref_seen = torch.tensor(_train(_compiled(torch_ddp) if compiled else torch_ddp, ref_opt, rank, poison))
     out = _diffs(ours, ref)
     out["eval"] = ((torch.tensor(seen) - ref_seen).abs().max() / ref_seen.abs().max()).item()
     return out
@@ -195,6 +203,12 @@ def test_waiting_at_the_buffers_owner_misses_a_read_before_it() -> None:
 @pytest.mark.parametrize("norm", sorted(NORMS))
 def test_batch_norm_statistics_caught_up_after_the_forward_end_as_under_torch_ddp(norm: str) -> None:
     for diffs in values(run_ranks(norm_worker, 2, (norm, False, False), timeout=180)):
+        assert all(d < 1e-5 for d in diffs.values()), diffs  # a NaN fails
+
+
+@pytest.mark.slow
+def test_batch_norm_statistics_caught_up_under_torch_compile_as_under_torch_ddp() -> None:
+    for diffs in values(run_ranks(norm_worker, 2, ("twice", False, False, True), timeout=300)):
         assert all(d < 1e-5 for d in diffs.values()), diffs  # a NaN fails
 
 
