@@ -27,12 +27,12 @@ waits for it.
 
 Invariant: every buffer is read and written only after it holds rank 0's values of the forward's start,
 as under torch DDP, except a batch norm's running statistics updated in training mode (a forward with
-``momentum`` set, this rank's values finite), whose result is corrected to torch DDP's before anything
-else reads it: the snapshot is what torch DDP sends, and no other module reading a buffer runs before
-the wait. Where the reads are unknown (the first forward, whose reads are being recorded; no record
-because updates are not applied in the forward; a module compiled before wrapping, whose code may
-predate the hooks; a buffer added or replaced since the record) the broadcast is waited for at once,
-as before.
+``momentum`` set, this rank's values finite), whose result is corrected to torch DDP's before any other
+module the recorded forward saw reading a buffer runs: the snapshot is what torch DDP sends, and no
+other module reading a buffer runs before the wait. Where the reads are unknown (the first forward,
+whose reads are being recorded; no record because updates are not applied in the forward; a module
+compiled before wrapping, whose code may predate the hooks; a buffer added or replaced since the
+record) the broadcast is waited for at once, as before.
 """
 
 from __future__ import annotations
@@ -94,8 +94,7 @@ class _CatchUp:
 
 def _catches_up(m: nn.Module) -> bool:
     """``m`` is a batch norm whose forward is torch's own (its reads of its buffers: the update alone)."""
-    return isinstance(m, _BatchNorm) \
-        and type(m).forward is _BatchNorm.forward
+    return isinstance(m, _BatchNorm) and type(m).forward is _BatchNorm.forward
 
 
 class BufferSync:
