@@ -1,6 +1,6 @@
-"""Drop-in with models and launches users have: a HuggingFace GPT-2, ``torch.compile`` before
-or after wrapping, world sizes 3 and 4, a meta-device model, and the default epsilon on a schedule that
-merges updates.
+"""Drop-in with models and launches users have: a HuggingFace GPT-2, a HuggingFace ResNet (batch norms,
+evaluated between iterations, resumed from a checkpoint), ``torch.compile`` before or after wrapping,
+world sizes 3 and 4, a meta-device model, and the default epsilon on a schedule that merges updates.
 
 Exact cases compare with torch DDP to 1e-5 as in :mod:`tests.compat.test_loops`; the default-epsilon
 case checks what the preserver promises a user (no crash, finite parameters, the loss of torch DDP's
@@ -70,6 +70,59 @@ def gpt2_worker(rank: int, world: int, mode: str, workdir: str) -> dict[str, Any
 @pytest.mark.parametrize("mode", ["forced", "measured"])
 def test_huggingface_gpt2_matches_torch_ddp(mode: str, tmp_path: Any) -> None:
     check_exact(values(run_ranks(gpt2_worker, 2, (mode, str(tmp_path)), timeout=240)))
+
+
+# -- HuggingFace ResNet -----------------------------------------------------------------------------------
+def _resnet() -> nn.Module:
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(0)
+    cfg = ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic",
+                       num_labels=4)
+    return ResNetForImageClassification(cfg)
+
+
+def _resnet_batch(rank: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each rank's images on its own scale: the ranks' batch statistics differ."""
+    g = torch.Generator().manual_seed(11 * t + rank)
+    return torch.randn(4, 3, 32, 32, generator=g) * (1 + rank), torch.randint(0, 4, (4,), generator=g)
+
+
+EVALUATED = (4, 9, 14)
+RESNET_STEPS = 16
+
+
+def _resnet_step(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Labels in, ``.loss`` out; at ``EVALUATED`` iterations an evaluation forward first, whose output
+    reads the batch norms' running statistics (rank 0's, broadcast before it as before any forward); after
+    the last iteration (its forward broadcast as it follows a training forward), this rank's statistics:
+    rank 0's carried through this rank's own update."""
+    if t in EVALUATED:
+        loop.wrapped.eval()
+        with torch.no_grad():
+            loop.log.values.append(float(loop.wrapped(pixel_values=x).logits.square().sum()))
+        loop.wrapped.train()
+    out = loop.wrapped(pixel_values=x, labels=y)
+    out.loss.backward()
+    loop.opt.step()
+    loop.opt.zero_grad()
+    loop.log.losses.append(out.loss.item())
+    if t == RESNET_STEPS - 1:
+        loop.log.values += [float(b.double().sum()) for b in loop.model.buffers()]
+
+
+RESNET = {"straight": Recipe(_resnet, _resnet_step, steps=RESNET_STEPS, batch=_resnet_batch),
+          "resumed": Recipe(_resnet, _resnet_step, steps=RESNET_STEPS, batch=_resnet_batch, restart_at=7)}
+
+
+def resnet_worker(rank: int, world: int, recipe: str, workdir: str) -> dict[str, Any]:
+    return run(RESNET[recipe], rank, "forced", 0.0, workdir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", sorted(RESNET))
+def test_huggingface_resnet_with_batch_norms_matches_torch_ddp(recipe: str, tmp_path: Any) -> None:
+    check_exact(values(run_ranks(resnet_worker, 2, (recipe, str(tmp_path)), timeout=240)))
 
 
 # -- world sizes -------------------------------------------------------------------------------------------
