@@ -74,6 +74,7 @@ ORDER = [
     "prices_verdict.md",
     "prices_broadcast.md",
     "buffers_catch_up.md",
+    "peers_catch_up.md",
     "planner_gap.md",
     "runtime_ab.md",
     "codec_paths.md",
