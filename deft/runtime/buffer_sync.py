@@ -18,7 +18,8 @@ before a module: its buffers are the values sent.
 A batch norm in training mode reads its running statistics only to update them, and the update is
 affine in the old value: ``r' = (1 - m) r + m s`` (``s`` the batch's statistic, ``m`` its momentum),
 ``n' = n + 1`` for its count. So where the recorded forward saw no module but the batch norm itself
-read them, the other ranks do not wait: the batch norm updates this rank's values ``r_local``, the
+read them and no hook but deft's is on it (a user's pre-hook would read them first), the other ranks do
+not wait: the batch norm updates this rank's values ``r_local``, the
 forward's end adds ``(1 - m)^k (r_0 - r_local)`` (``k`` its updates in this forward; ``r_0`` rank 0's
 value) and ``n_0 - n_local`` to the count, which is torch DDP's result ``(1 - m)^k r_0 + ...`` up to
 rounding (:class:`_CatchUp`). On a slow link the broadcast waits behind the bytes the NIC holds of the
@@ -111,6 +112,7 @@ class BufferSync:
         self._wait_at: set[int] = set()  # id() of the hooked modules whose pre-hook waits
         self._bn: set[int] = set()  # id() of the batch norms caught up (each its own hooked module)
         self._caught = _CatchUp()
+        self._hooks: ForwardHooks | None = None
         self._handle: RemovableHandle | None = None
 
     @property
@@ -130,7 +132,7 @@ class BufferSync:
                 self._bn.add(id(owner))
             else:
                 self._wait_at.add(id(hooks.hooked(read[0])))
-        self._watched = True
+        self._watched, self._hooks = True, hooks
         if self._handle is None:
             self._handle = hooks.listen(pre=self._module_begins)
 
@@ -160,8 +162,13 @@ class BufferSync:
     def _module_begins(self, m: nn.Module) -> None:
         if self._pending is None or self._pending.src_rank:
             return
-        if id(m) in self._wait_at or (id(m) in self._bn and not self._caught.hold(cast(_BatchNorm, m))):
+        if id(m) in self._wait_at or (id(m) in self._bn and not self._catches_up(cast(_BatchNorm, m))):
             self.finish()
+
+    def _catches_up(self, bn: _BatchNorm) -> bool:
+        """``bn``'s update may run on this rank's statistics: no hook of another's sees them before the
+        forward's end corrects them, and :meth:`_CatchUp.hold` takes them."""
+        return self._hooks is not None and self._hooks.only_ours(bn) and self._caught.hold(bn)
 
     def close(self) -> None:
         if self._handle is not None:

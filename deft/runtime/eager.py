@@ -20,7 +20,10 @@ before a schedule's pre-hooks existed (under Accelerate's ``dynamo_backend`` wit
 first iteration's second micro-batch) would never apply a deferred update before its module; it would
 be applied at the forward's end, after its parameter's use was saved for the backward, and the backward
 would fail in place. So one pre-hook and one post-hook per module are installed with the wrapper and
-kept until it closes, and deft's collaborators listen to them for as long as they need.
+kept until it closes, and deft's collaborators listen to them for as long as they need. The pre-hook
+goes ahead of the hooks the module already had: one of those (``weight_norm``'s, computing the weight
+from its parameters) would otherwise read a parameter before its deferred update, and the update would
+then change a tensor autograd saved.
 
 For the same reason, code Dynamo compiled for the model's classes *before* the wrapper was built
 (another instance compiled, torch DDP's run before deft's in one process) would be reused for the
@@ -74,8 +77,11 @@ class ForwardHooks:
         self._hooked = {id(m) for m in root.modules() if next(m.parameters(), None) is not None}
         self._parent = {id(child): m for m in root.modules() for child in m.children()}
         pre, post = _pre_hook(weakref.ref(self)), _post_hook(weakref.ref(self))
+        # the pre-hook ahead of any the module had: a hook of the user's sees its deferred update applied
+        # and rank 0's buffers, as under torch DDP, where both are in place before the module is called
         self._handles = [h for m in root.modules() if id(m) in self._hooked
-                         for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+                         for h in (m.register_forward_pre_hook(pre, prepend=True), m.register_forward_hook(post))]
+        self._ids = {h.id for h in self._handles}
 
     def listen(self, pre: Listener | None = None, post: Listener | None = None) -> RemovableHandle:
         """Call ``pre`` (``post``) as each hooked module's forward begins (ends), until the handle's
@@ -92,6 +98,13 @@ class ForwardHooks:
         while id(m) not in self._hooked and id(m) in self._parent:
             m = self._parent[id(m)]
         return m
+
+    def only_ours(self, m: nn.Module) -> bool:
+        """No forward hook on ``m`` but this set's, and no global one: nothing but ``m``'s forward sees its
+        state between that forward's start and end."""
+        mod = nn.modules.module
+        return (all(k in self._ids for k in m._forward_pre_hooks) and all(k in self._ids for k in m._forward_hooks)
+                and not mod._global_forward_pre_hooks and not mod._global_forward_hooks)
 
     def close(self) -> None:
         for h in self._handles:

@@ -125,6 +125,31 @@ def test_huggingface_resnet_with_batch_norms_matches_torch_ddp(recipe: str, tmp_
     check_exact(values(run_ranks(resnet_worker, 2, (recipe, str(tmp_path)), timeout=240)))
 
 
+# -- a forward pre-hook of the model's own -----------------------------------------------------------------
+def _weight_normed() -> nn.Module:
+    """The MLP with ``torch.nn.utils.weight_norm`` on two layers: a forward pre-hook, registered before
+    wrapping, computes each layer's weight from its parameters ``weight_g`` and ``weight_v``."""
+    import warnings
+
+    model = mlp()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated for parametrizations, still documented
+        torch.nn.utils.weight_norm(model.mid)  # type: ignore[attr-defined]
+        torch.nn.utils.weight_norm(model.head)  # type: ignore[attr-defined]
+    return model
+
+
+def weight_norm_worker(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    return run(Recipe(_weight_normed, _plain), rank, "forced", 0.0, workdir)
+
+
+@pytest.mark.slow
+def test_a_pre_hook_registered_before_wrapping_sees_the_deferred_updates_as_under_torch_ddp(tmp_path: Any) -> None:
+    # deft applies a lag-free plan's deferred update in a pre-hook of its own, ahead of the module's
+    # earlier ones (weight_norm's reads weight_g and weight_v), as torch DDP has it applied at the step.
+    check_exact(values(run_ranks(weight_norm_worker, 2, (str(tmp_path),), timeout=180)))
+
+
 # -- world sizes -------------------------------------------------------------------------------------------
 def world_worker(rank: int, world: int, recipe: str, workdir: str) -> dict[str, Any]:
     return run(RECIPES[recipe], rank, "forced", 0.0, workdir)
