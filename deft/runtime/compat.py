@@ -82,6 +82,11 @@ def check_device_ids(device_ids: object, output_device: object, device: torch.de
 def trainable(module: torch.nn.Module) -> tuple[list[str], list[torch.Tensor], torch.device]:
     """The module's trainable parameters (names, tensors) and the one device they are on."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    lazy = [n for n, p in named if isinstance(p, torch.nn.parameter.UninitializedParameter)]
+    if lazy:  # torch DDP refuses it too: no shape to bucket or broadcast until a forward infers one
+        raise DeftError(f"the module has uninitialized (lazy) parameters ({', '.join(lazy[:3])}"
+                        f"{', ...' if len(lazy) > 3 else ''}): run one forward on a sample batch to "
+                        "initialize them, then wrap the module, as torch DDP requires")
     if not named:
         raise DeftError("the module has no parameter that requires a gradient")
     devices = {p.device for _, p in named}

@@ -1,6 +1,7 @@
 """Drop-in with models and launches users have: a HuggingFace GPT-2, a HuggingFace ResNet (batch norms,
 evaluated between iterations, resumed from a checkpoint), ``torch.compile`` before or after wrapping,
-world sizes 3 and 4, a meta-device model, and the default epsilon on a schedule that merges updates.
+world sizes 3 and 4, a meta-device model, a model with lazy parameters, and the default epsilon on a
+schedule that merges updates.
 
 Exact cases compare with torch DDP to 1e-5 as in :mod:`tests.compat.test_loops`; the default-epsilon
 case checks what the preserver promises a user (no crash, finite parameters, the loss of torch DDP's
@@ -253,6 +254,24 @@ def meta_worker(rank: int, world: int) -> str:
 def test_a_meta_device_model_is_refused_at_construction() -> None:
     for said in values(run_ranks(meta_worker, 2, timeout=60)):
         assert "meta" in said and "to_empty" in said, said
+
+
+def lazy_worker(rank: int, world: int) -> str:
+    import deft
+
+    model = nn.Sequential(nn.LazyLinear(8), nn.Tanh(), nn.Linear(8, 4))
+    try:
+        deft.DistributedDataParallel(model)
+    except deft.DeftError as e:
+        return str(e)
+    return "accepted"
+
+
+@pytest.mark.slow
+def test_a_model_with_lazy_parameters_is_refused_at_construction() -> None:
+    # torch DDP refuses it too; deft says which parameter and what to do, not torch's shape error
+    for said in values(run_ranks(lazy_worker, 2, timeout=60)):
+        assert "uninitialized" in said and "0.weight" in said and "run one forward" in said, said
 
 
 # -- the default epsilon on a merging schedule -------------------------------------------------------------
