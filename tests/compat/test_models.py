@@ -140,15 +140,30 @@ def _weight_normed() -> nn.Module:
     return model
 
 
-def weight_norm_worker(rank: int, world: int, workdir: str) -> dict[str, Any]:
-    return run(Recipe(_weight_normed, _plain), rank, "forced", 0.0, workdir)
+def _spectral_normed() -> nn.Module:
+    """The MLP with ``torch.nn.utils.spectral_norm`` on two layers: a forward pre-hook reads the layer's
+    ``weight_orig`` and, in training, updates its buffers ``weight_u``, ``weight_v`` (rank 0's before it,
+    broadcast as torch DDP does) by a power iteration."""
+    model = mlp()
+    torch.nn.utils.spectral_norm(model.mid)
+    torch.nn.utils.spectral_norm(model.head)
+    return model
+
+
+PRE_HOOKED = {"weight_norm": _weight_normed, "spectral_norm": _spectral_normed}
+
+
+def pre_hooked_worker(rank: int, world: int, model: str, workdir: str) -> dict[str, Any]:
+    return run(Recipe(PRE_HOOKED[model], _plain), rank, "forced", 0.0, workdir)
 
 
 @pytest.mark.slow
-def test_a_pre_hook_registered_before_wrapping_sees_the_deferred_updates_as_under_torch_ddp(tmp_path: Any) -> None:
-    # deft applies a lag-free plan's deferred update in a pre-hook of its own, ahead of the module's
-    # earlier ones (weight_norm's reads weight_g and weight_v), as torch DDP has it applied at the step.
-    check_exact(values(run_ranks(weight_norm_worker, 2, (str(tmp_path),), timeout=180)))
+@pytest.mark.parametrize("model", sorted(PRE_HOOKED))
+def test_a_pre_hook_registered_before_wrapping_sees_the_deferred_updates_as_under_torch_ddp(
+        model: str, tmp_path: Any) -> None:
+    # deft applies a lag-free plan's deferred update (and waits for rank 0's buffers) in a pre-hook of its
+    # own, ahead of the module's earlier ones, as torch DDP has both in place before the module is called.
+    check_exact(values(run_ranks(pre_hooked_worker, 2, (model, str(tmp_path)), timeout=180)))
 
 
 # -- world sizes -------------------------------------------------------------------------------------------
