@@ -253,40 +253,34 @@ def test_the_wrapper_compiled_after_wrapping_does_not_recompile_every_iteration(
 
 
 # -- refused at construction ---------------------------------------------------------------------------------
-def meta_worker(rank: int, world: int) -> str:
-    import deft
-
+def _on_meta() -> nn.Module:
     with torch.device("meta"):
-        model = nn.Linear(4, 4)
-    try:
-        deft.DistributedDataParallel(model)
-    except deft.DeftError as e:
-        return str(e)
-    return "accepted"
+        return nn.Linear(4, 4)
 
 
-@pytest.mark.slow
-def test_a_meta_device_model_is_refused_at_construction() -> None:
-    for said in values(run_ranks(meta_worker, 2, timeout=60)):
-        assert "meta" in said and "to_empty" in said, said
+def _lazy() -> nn.Module:
+    return nn.Sequential(nn.LazyLinear(8), nn.Tanh(), nn.Linear(8, 4))
 
 
-def lazy_worker(rank: int, world: int) -> str:
+#: A model torch DDP refuses too, and what deft's refusal must say (which parameters, what to do).
+REFUSED = {"meta": (_on_meta, ("meta", "to_empty")), "lazy": (_lazy, ("uninitialized", "0.weight", "run one forward"))}
+
+
+def refused_worker(rank: int, world: int, kind: str) -> str:
     import deft
 
-    model = nn.Sequential(nn.LazyLinear(8), nn.Tanh(), nn.Linear(8, 4))
     try:
-        deft.DistributedDataParallel(model)
+        deft.DistributedDataParallel(REFUSED[kind][0]())
     except deft.DeftError as e:
         return str(e)
     return "accepted"
 
 
 @pytest.mark.slow
-def test_a_model_with_lazy_parameters_is_refused_at_construction() -> None:
-    # torch DDP refuses it too; deft says which parameter and what to do, not torch's shape error
-    for said in values(run_ranks(lazy_worker, 2, timeout=60)):
-        assert "uninitialized" in said and "0.weight" in said and "run one forward" in said, said
+@pytest.mark.parametrize("kind", sorted(REFUSED))
+def test_a_model_torch_ddp_refuses_is_refused_at_construction_with_what_to_do(kind: str) -> None:
+    for said in values(run_ranks(refused_worker, 2, (kind,), timeout=60)):
+        assert all(words in said for words in REFUSED[kind][1]), said
 
 
 # -- the default epsilon on a merging schedule -------------------------------------------------------------
