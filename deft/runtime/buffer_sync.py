@@ -57,7 +57,7 @@ class _CatchUp:
 
     def __init__(self) -> None:
         self.before: dict[int, torch.Tensor] = {}  # id(buffer) -> this rank's value before the forward's update
-        self.factor: dict[int, float] = {}  # id(buffer) -> (1 - momentum)^updates; 1 for a count
+        self.factor: dict[int, float] = {}  # id(statistic) -> (1 - momentum)^updates (a count keeps all)
 
     def hold(self, bn: _BatchNorm) -> bool:
         """``bn`` updates its running statistics now: note it; False where they cannot be caught up (not
@@ -72,7 +72,8 @@ class _CatchUp:
                 return False
             for t in (*stats, bn.num_batches_tracked):
                 if t is not None:
-                    self.before[id(t)], self.factor[id(t)] = t.detach().clone(), 1.0
+                    self.before[id(t)] = t.detach().clone()
+            self.factor.update((id(t), 1.0) for t in stats)
         for t in stats:
             self.factor[id(t)] *= keep
         return True
