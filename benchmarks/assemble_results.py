@@ -21,6 +21,7 @@ ORDER = [
     "peers_trainer.md",
     "peers_hosts.md",
     "peers_hosts_ranks.md",
+    "peers_hosts_ranks_seeds.md",
     "peers_lm_hosts.md",
     "peers_lm_hosts_50.md",
     "peers_hosts_pinned.md",
