@@ -58,6 +58,7 @@ ORDER = [
     "switch_interval_lm.md",
     "switch_interval_lm2.md",
     "switch_interval_lm3.md",
+    "switch_interval_pinned.md",
     "completions_lm.md",
     "completions_cnn.md",
     "drift_sign_lm.md",
