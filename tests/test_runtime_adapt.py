@@ -592,9 +592,10 @@ def check_back_on_the_warm_up(a: dict[str, Any], b: dict[str, Any]) -> list[dict
     assert last["measured_s"] >= SLOW_S  # the planned schedule's iterations carried the sleep
     switch = a["switches"][0]
     assert switch["source"] == "adapt" and switch["layout"] == "warm-up", a["switches"]
-    # back on the warm-up's schedule, on its layout, for two windows at least (a re-opening needs them)
+    # back on the warm-up's schedule, on its layout, for two windows at least (a re-opening needs them:
+    # REOPEN_WINDOWS windows of comm_heavy_ddp's adapt_window 3)
     back = a["digests"][switch["iteration"]:]
-    assert len(back) >= 2 * 3 and back[:2 * 3] == [a["warm"]] * (2 * 3)
+    assert len(back) >= REOPEN_WINDOWS * 3 and back[:REOPEN_WINDOWS * 3] == [a["warm"]] * (REOPEN_WINDOWS * 3)
     assert sorted(t for _, its in a["log"] for t in its) == list(range(len(a["digests"])))  # each once
     assert all(len(its) == 1 for _, its in a["log"])  # epsilon 0: torch DDP's updates throughout
     return first
