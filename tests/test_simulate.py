@@ -587,24 +587,6 @@ def test_verdicts_queued_on_the_primary_go_in_the_order_handed() -> None:
     assert res.iteration_s == pytest.approx(14.5)
 
 
-def test_the_steps_verdict_is_handed_when_the_step_opens_it_behind_the_sends_launched_before() -> None:
-    # bucket 0 on the guarded b ends at 4, long before the step; the runtime opens the step's verdict at
-    # the step (deft.runtime.executor), after the backward launched bucket 1's deferred send on a (6 -> 8),
-    # so the verdict waits behind that send: 8 -> 8.25, the step 8.25 -> 8.75 and the next forward after
-    # it. Handed at 4 instead, to the idle primary, it would leave the step at 6 and the forward waiting
-    # only for bucket 1's send (8)
-    times = ([1.0, 1.0], [1.0, 3.0], [{"a": 2.0, "b": 1.0}, {"a": 2.0, "b": 1.0}])
-    lagfree = Schedule(cycle=1, links=("a", "b"), bucket_numel=(250, 250), bucket_nbytes=(1000, 1000),
-                       stages=(StagePlan(0, "forward"), StagePlan(0, "backward", (CommTask(0, 0, "b"),
-                                                                                   CommTask(1, 0, "a")))),
-                       updates=(Update((0,), 0, finish_in_forward=True, deferred=(1,)),))
-    assert simulate_schedule(_guarded(*times, on=False, step_s=0.5), lagfree).iteration_s == pytest.approx(8.0)
-    res = simulate_schedule(_guarded(*times, step_s=0.5), lagfree)
-    verdicts = [(e.start_s, e.end_s) for e in res.events if e.kind == "verdict" and e.iteration == 0]
-    assert verdicts == [(pytest.approx(8.0), pytest.approx(8.25))]
-    assert res.iteration_s == pytest.approx(8.75)
-
-
 def test_a_lag_free_forward_waits_for_the_verdict_on_its_deferred_send() -> None:
     # the lag-free case of the step's test above: the next forward waits for the deferred send (6.5) and,
     # on a guarded link, for the verdict after it on the idle primary: 6.75

@@ -61,15 +61,12 @@ Model
   queued send was handed long before it starts).
 * **The ranks' verdict on a guarded link** (:class:`deft.profile.Link`'s ``guarded``: the runtime's
   link-failover guard): a result sent on such a link is used only once the ranks agree the link stands,
-  a message on the primary link, handed to it once the sends it judges have ended and the runtime has
-  opened it (the step's at the step, after the backward and the sends it launched; the next forward's
-  after that step: ``deft.runtime.executor``), and lasting the primary's start-up ``alpha``. Its flags
-  go over a gloo group of its own, which shares the NIC with what the primary's group has on the wire,
-  not with that group's queue: it waits for the send the primary carries then and for the queued sends
-  its group runs beside that one (``Link.at_once``: gloo runs two of a group's collectives at once, one
-  with deft's ``link_queue``), and goes ahead of the rest, which it delays by its ``alpha``. So a send
-  the backward launched on the primary before the step goes ahead of the step's verdict, even where
-  the sends that verdict judges ended long before. The step waits for the
+  a message on the primary link, handed to it once the sends it judges have ended and lasting the
+  primary's start-up ``alpha``. Its flags go over a gloo group of its own, which shares the NIC with
+  what the primary's group has on the wire, not with that group's queue: it waits for the send the
+  primary carries then and for the queued sends its group runs beside that one (``Link.at_once``: gloo
+  runs two of a group's collectives at once, one with deft's ``link_queue``), and goes ahead of the
+  rest, which it delays by its ``alpha``. The step waits for the
   verdict on the guarded sends it needs; a lag-free forward's first layer whose deferred bucket went on a
   guarded link waits for the one on all the sends in flight after the step before it
   (``deft.runtime.verdicts``).
@@ -319,18 +316,12 @@ class _Engine:
         self.order[comm.link].append(cid)
         return cid
 
-    def add_verdict(self, link: str, duration: float, after: Sequence[int], iteration: int, behind: int = 0,
-                    opened_after: int | None = None) -> int:
-        """A verdict on the sends ``after`` (module docstring): handed to ``link`` once they have ended and
-        the compute task ``opened_after`` (the runtime opens it there) has, outside the link's launch order,
-        ahead of its queued sends but the first ``behind``."""
+    def add_verdict(self, link: str, duration: float, after: Sequence[int], iteration: int, behind: int = 0) -> int:
+        """A verdict on the sends ``after`` (module docstring): handed to ``link`` once they have ended,
+        outside the link's launch order, ahead of its queued sends but the first ``behind``."""
         cid = len(self.comms)
-        comm = _Comm(link=link, duration=duration, bucket=-1, iteration=iteration, stage_iteration=iteration,
-                     label="verdict", launched=True, after=tuple(after), behind=behind)
-        if opened_after is not None and math.isnan(self.compute[opened_after].end):
-            comm.grad_ready = False  # not opened yet
-            self.waiting_on_grad.setdefault(opened_after, []).append(cid)
-        self.comms.append(comm)
+        self.comms.append(_Comm(link=link, duration=duration, bucket=-1, iteration=iteration, stage_iteration=iteration,
+                                label="verdict", launched=True, after=tuple(after), behind=behind))
         for d in set(after):
             self.verdicts_of.setdefault(d, []).append(cid)
         return cid
@@ -468,12 +459,6 @@ class _EventLoop:
                 task.end = end
                 self.push(end, kind, idx)
 
-    def _hand_verdict(self, vid: int) -> None:
-        """A verdict goes to its link once it is opened and every send it judges has ended."""
-        v = self.eng.comms[vid]
-        if v.grad_ready and vid not in self.handed and all(self.finished[d] for d in v.after):
-            self.dispatch(vid)
-
     def became_available(self, cid: int) -> None:
         c = self.eng.comms[cid]
         if c.link in self.eng.credit and self.available(cid):
@@ -554,10 +539,7 @@ class _EventLoop:
                 self.compute_busy = False
                 for cid in self.eng.waiting_on_grad.get(idx, ()):
                     self.eng.comms[cid].grad_ready = True
-                    if self.eng.comms[cid].after:  # a verdict opened now
-                        self._hand_verdict(cid)
-                    else:
-                        self.became_available(cid)
+                    self.became_available(cid)
             else:
                 c = self.eng.comms[idx]
                 if self.finished[idx] or t != c.end:
@@ -573,7 +555,8 @@ class _EventLoop:
                 if q:
                     self._start_comm(q.popleft())
                 for vid in self.eng.verdicts_of.get(idx, ()):
-                    self._hand_verdict(vid)
+                    if all(self.finished[d] for d in self.eng.comms[vid].after) and vid not in self.handed:
+                        self.dispatch(vid)
         if changed:
             self._project()
 
@@ -799,7 +782,6 @@ class _ScheduleGraph:
         self.primary = profile.links[0].name
         self.verdict_s = link_model(profile, self.primary)[0] if self.guarded else 0.0
         self.verdict_behind = profile.links[0].at_once() - 1
-        self.step_of: dict[int, int] = {}  # iteration -> its optimizer step's compute id
 
     def _finishing(self, position: int) -> bool:
         return self.update_at[position % self.schedule.cycle].finish_in_forward
@@ -856,9 +838,7 @@ class _ScheduleGraph:
         n, eng = self.profile.n, self.eng
         ahead = dict(sorted(self.ahead.get(t - 1, {}).items()))  # by bucket
         judged = [cid for cid in ahead.values() if eng.comms[cid].link in self.guarded]
-        # opened between the iterations, after the step (deft.runtime.executor, open_pending)
-        verdict = (eng.add_verdict(self.primary, self.verdict_s, judged, t - 1, self.verdict_behind,
-                                   opened_after=self.step_of.get(t - 1)) if judged else None)
+        verdict = eng.add_verdict(self.primary, self.verdict_s, judged, t - 1, self.verdict_behind) if judged else None
         for b, cid in ahead.items():
             wait = verdict if verdict is not None and eng.comms[cid].link in self.guarded else cid
             eng.compute[fwd[n - 1 - self.gate[b]]].deps.append(wait)
@@ -910,12 +890,10 @@ class _ScheduleGraph:
                 deps.extend(self.comm_of[(last, b)] for b in range(n) if b not in ahead)
                 applied = True
         judged = [cid for cid in deps if self.eng.comms[cid].link in self.guarded]
-        if judged:  # opened at the step, after the backward and the launches that follow it
-            deps.append(self.eng.add_verdict(self.primary, self.verdict_s, judged, t, self.verdict_behind,
-                                             opened_after=len(self.eng.compute) - 1))
+        if judged:
+            deps.append(self.eng.add_verdict(self.primary, self.verdict_s, judged, t, self.verdict_behind))
         # "step": an optimizer step with no update due changes nothing and waits for nothing.
-        self.step_of[t] = self.eng.add_compute(_Compute("update" if applied else "step", -1, t, self.profile.step_s,
-                                                        deps=deps))
+        self.eng.add_compute(_Compute("update" if applied else "step", -1, t, self.profile.step_s, deps=deps))
 
 
 # --------------------------------------------------------------------------------------------------
