@@ -74,6 +74,7 @@ ORDER = [
     "prices_pinned_layouts.md",
     "prices_buffers.md",
     "prices_verdict.md",
+    "prices_verdict_opened.md",
     "prices_broadcast.md",
     "buffers_catch_up.md",
     "peers_catch_up.md",
