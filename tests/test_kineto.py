@@ -370,13 +370,18 @@ def test_cpu_deft_ranges_trace(cpu_traces: Path) -> None:
     rows = kineto.bucket_steps(kineto.read_trace(cpu_traces / "deft" / "rank0.json"))
     assert sorted({r.step for r in rows}) == [0, 1, 2, 3]
     assert all(r.comm_source == "gloo_thread" for r in rows)
-    # agreement with the worker's own perf_counter timing of the same regions: the range is opened
-    # and closed a few microseconds inside the timed region, so the trace can only be shorter, and
-    # by little (profiler bookkeeping on a loaded 2-core machine: allow 25% + 0.3 ms)
+    # agreement with the worker's own perf_counter timing of the same regions, step by step: the range
+    # is opened and closed a few microseconds inside the timed region, so each step's range can only be
+    # shorter; and in some step by little (profiler bookkeeping: allow 25% + 0.3 ms). Not in every step:
+    # on a loaded 2-core machine the rank may be preempted between the timer and the range's opening,
+    # which lengthens the timed region of that step alone.
     wall = json.loads((cpu_traces / "deft" / "wall0.json").read_text())
     for b, t in enumerate(prof.times):
-        for key, got in ((f"fwd{b}", t.forward_s), (f"bwd{b}", t.backward_s)):
-            ref = statistics.median(wall[key])
-            assert got <= ref * 1.05 + 1e-5, (key, got, ref)
-            assert got >= ref * 0.75 - 3e-4, (key, got, ref)
+        for kind, got in (("fwd", t.forward_s), ("bwd", t.backward_s)):
+            key = f"{kind}{b}"
+            steps = {r.step: r.forward_s if kind == "fwd" else r.backward_s for r in rows if r.bucket == b}
+            pairs = [(steps[s], wall[key][s]) for s in sorted(steps)]
+            assert len(pairs) == 4 and all(ranged <= timed * 1.05 + 1e-5 for ranged, timed in pairs), (key, pairs)
+            assert any(ranged >= timed * 0.75 - 3e-4 for ranged, timed in pairs), (key, pairs)
+            assert got <= statistics.median(wall[key]) * 1.05 + 1e-5, (key, got)  # the profile: their median
         assert math.isfinite(t.comm_s["primary"]) and t.comm_s["primary"] > 0
