@@ -383,5 +383,9 @@ def test_cpu_deft_ranges_trace(cpu_traces: Path) -> None:
             pairs = [(steps[s], wall[key][s]) for s in sorted(steps)]
             assert len(pairs) == 4 and all(ranged <= timed * 1.05 + 1e-5 for ranged, timed in pairs), (key, pairs)
             assert any(ranged >= timed * 0.75 - 3e-4 for ranged, timed in pairs), (key, pairs)
-            assert got <= statistics.median(wall[key]) * 1.05 + 1e-5, (key, got)  # the profile: their median
+            # the profile: the median of the same ranges (paced over the buckets, so near it, not equal), no
+            # longer than the timed regions' median
+            ranged_median = statistics.median(steps.values())
+            assert abs(got - ranged_median) <= 0.25 * ranged_median + 3e-4, (key, got, ranged_median)
+            assert got <= statistics.median(wall[key]) * 1.05 + 1e-5, (key, got)
         assert math.isfinite(t.comm_s["primary"]) and t.comm_s["primary"] > 0
