@@ -185,3 +185,58 @@ def held_link_worker(rank: int, world: int) -> dict[str, object]:
 def test_a_verdict_does_not_hold_its_link_while_python_runs() -> None:
     for r in values(run_ranks(held_link_worker, 2, timeout=60)):
         assert r == {"during": True, "lost": []}
+
+
+def step_verdict_worker(rank: int, world: int) -> dict[str, object]:
+    """An executor on two real links, the second guarded, running one iteration of a lag-free plan: in
+    the backward, bucket 2 goes on the primary, bucket 1 on the second link, then bucket 0 on the primary,
+    deferred to the next forward. The step needs buckets 1 and 2, so the verdict on bucket 1's send is due
+    once it is launched: its flags (counted by the test's sum) go out before the deferred send is launched,
+    not at the step behind it on the primary's NIC."""
+    from deft.config import DeftConfig, LinkConfig
+    from deft.runtime.buckets import FlatLayout
+    from deft.runtime.control import ControlPlane
+    from deft.runtime.executor import Executor
+    from deft.runtime.failover import LinkFailover
+    from deft.runtime.links import make_control_group, make_links
+    from deft.schedule import CommTask, Schedule, StagePlan, Update
+
+    config = DeftConfig(links=(LinkConfig("primary"), LinkConfig("second")), link_failover=True)
+    links = make_links(config, cuda=False, ranks=None)
+    failover = LinkFailover(config, ControlPlane(make_control_group(config, None), config.timeout_s), links)
+    flags_out = threading.Event()
+    sum_flags = flat_sum(make_control_group(config, None))
+
+    def counted(flags: torch.Tensor) -> dist.Work:
+        flags_out.set()
+        return sum_flags(flags)
+
+    failover.verdicts = VerdictChain(counted, make_control_group(config, None), list(links), rank, config.timeout_s)
+    params = [torch.zeros(4) for _ in range(3)]
+    backward = (CommTask(2, 0, "primary"), CommTask(1, 0, "second"), CommTask(0, 0, "primary"))
+    schedule = Schedule(cycle=1, links=("primary", "second"), bucket_numel=(4, 4, 4), bucket_nbytes=(16, 16, 16),
+                        stages=(StagePlan(0, "forward"), StagePlan(0, "backward", backward)),
+                        updates=(Update((0,), 0, finish_in_forward=True, deferred=(0,)),))
+    ex = Executor(params, links, rank, world, config.timeout_s, torch.device("cpu"))
+    ex.install(schedule, FlatLayout(range(3), ["p0", "p1", "p2"], params, (4, 4, 4)), 0)
+    ex.guard_links(failover)
+    ex.begin_iteration(0)
+    grads = [torch.full((4,), float(10 * i + rank + 1)) for i in range(3)]
+    ex.add_grad(2, grads[2])
+    ex.add_grad(1, grads[1])
+    before_deferred = flags_out.wait(20.0)  # bounded only where the verdict waits for the step
+    ex.add_grad(0, grads[0])
+    ex.end_backward()
+    at_step = ex.take_update(0).grads
+    in_forward = ex.finish()
+    return {"before_deferred": before_deferred,
+            "at_step": [None if g is None else g.tolist() for g in at_step],
+            "in_forward": [None if g is None else g.tolist() for g in in_forward]}
+
+
+@pytest.mark.slow
+def test_the_steps_verdict_goes_out_before_the_deferred_sends_are_launched() -> None:
+    for r in values(run_ranks(step_verdict_worker, 2, timeout=90)):
+        assert r == {"before_deferred": True,
+                     "at_step": [None, [11.5] * 4, [21.5] * 4],  # averages of (10 i + 1) and (10 i + 2)
+                     "in_forward": [[1.5] * 4, None, None]}, r

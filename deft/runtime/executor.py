@@ -40,7 +40,8 @@ Sends on a non-primary link are *guarded* (:mod:`deft.runtime.failover`, :meth:`
 they run on a copy of the bucket, and a result is copied into the buffers only once the ranks' verdict
 on its send is reached (:mod:`deft.runtime.verdicts`): a lost link's buckets are summed again from the
 buffers' local gradients, and its later sends go on the primary. Every rank opens verdicts on the same
-sends at the same points (the step, and right after it :meth:`Executor.open_pending`), so they match.
+sends at the same points (in a backward, once the last send its step settles is launched; the step; right
+after it :meth:`Executor.open_pending`), so they match.
 """
 
 from __future__ import annotations
@@ -199,6 +200,8 @@ class Executor:
         self._hook_tail: torch.futures.Future[Any] | None = None
         self.failover: LinkFailover | None = None  # guards the sends on non-primary links (guard_links)
         self._hold = False  # install(hold=True): this iteration's backward sends wait for its end
+        # In a backward: the buckets its step will settle, per due group (last), until their verdict opens
+        self._step_needs: dict[int, set[int]] | None = None
 
     # -- schedule ------------------------------------------------------------------------------
     def install(self, schedule: Schedule, layout: FlatLayout, t0: int, hooks: Sequence[CommHook | None] = (),
@@ -338,6 +341,7 @@ class Executor:
         self.in_backward = True
         if self._judge is not None and not self._judge.at_first_gradient(self):
             self._judge = None
+        self._arm_step_verdict()
         self._start_stage("backward")
         for b, missing in enumerate(self._bucket_missing):
             if missing == 0:  # an empty bucket is ready at once
@@ -383,6 +387,7 @@ class Executor:
         left = {n: list(q) for n, q in self._queues.items() if q}
         if left:
             raise DeftError(f"internal: tasks {left} of iteration {self.t} could not be launched")
+        self._step_needs = None  # what is left of the step's sends is judged at the step
         if self._judge is not None:
             judge, self._judge = self._judge, None
             judge.at_backward_end(self)
@@ -469,6 +474,8 @@ class Executor:
         nvtx.pop_range(tok)
         for o in self.observers:
             o.launched(task.bucket, link_name, works, t_start)
+        if self._step_needs is not None:
+            self._open_step_verdict()
 
     def _send(self, g: GroupInstance, b: int, link_name: str, what: str) -> list[Collective]:
         """Launch bucket ``b`` of ``g`` on ``link_name``: one all-reduce per dtype segment, or the comm hook.
@@ -642,6 +649,41 @@ class Executor:
         self._open_verdict([p for last in sorted(self.groups) for b in sorted(self.groups[last].pending)
                             for p in self.groups[last].pending[b] if p.resend is not None and p.verdict is None])
 
+    def _arm_step_verdict(self) -> None:
+        """At the first gradient of a backward: the buckets its step will settle (:meth:`take_update`), so
+        that the verdict on their guarded sends opens as soon as the last of them is launched
+        (:meth:`_open_step_verdict`). Not where a judge may send the iteration again (its first)."""
+        self._step_needs = None
+        fo, lay = self.failover, self.layout
+        if fo is None or fo.verdicts is None or self._judge is not None or lay is None:
+            return
+        needs: dict[int, set[int]] = {}
+        for last in self.due(self.t):
+            g = self.groups.get(last)
+            if g is not None:
+                needs[last] = set(self._at_step(g)[1] if g.finish_in_forward else range(lay.n_buckets))
+        self._step_needs = needs
+        self._open_step_verdict()  # the forward stage may have launched all of them
+
+    def _open_step_verdict(self) -> None:
+        """Collective, at the same launch on every rank: once every bucket the step will settle is
+        launched, open the ranks' verdict on their guarded sends.
+
+        Note:
+            Opened at the step, the verdict's flags would go out on the primary link's NIC behind the
+            sends the backward launched there after the last guarded one (an update's deferred buckets),
+            and the step would wait for those too. Opened here, the flags go out as soon as the judged
+            sends end, which is what the simulator prices (:mod:`deft.solver.simulate`, "The ranks'
+            verdict"). Every rank launches each link's sends in the same order and opens no other verdict
+            between its last step and this one's, so the sets and their order match everywhere."""
+        needs = self._step_needs
+        assert needs is not None
+        if any(not bs <= self.groups[last].launched for last, bs in needs.items()):
+            return
+        self._step_needs = None
+        sends = [p for last in sorted(needs) for b in sorted(needs[last]) for p in self.groups[last].pending.get(b, ())]
+        self._open_verdict([p for p in sends if p.resend is not None and p.verdict is None])
+
     def _open_verdict(self, sends: list[Pending]) -> None:
         """The ranks' verdict on ``sends``: reached in the background; a send not done within its link's
         deadline for every guarded byte in flight on that link counts as failed."""
@@ -719,9 +761,7 @@ class Executor:
             grads = self._grads(g, range(len(self.params)))
             self._release(g.buffers)
             return DueUpdate(tuple(g.iterations), grads)
-        ahead = self._ahead_buckets(g)
-        now = [i for i in range(len(self.params)) if not any(b in ahead for b in self.layout.param_buckets[i])]
-        now_buckets = sorted({b for i in now for b in self.layout.param_buckets[i]})
+        now, now_buckets = self._at_step(g)
         if g.all_used_locally:
             # Every parameter got a gradient here, so some rank used it: the all-reduced used map says
             # nothing new and is not waited for now. It is queued on the primary link behind that link's
@@ -737,6 +777,14 @@ class Executor:
         if not g.deferred:
             self._close(g, collective=True)
         return DueUpdate(tuple(g.iterations), grads)
+
+    def _at_step(self, g: GroupInstance) -> tuple[list[int], list[int]]:
+        """The parameters of ``g``, an update finishing in the forward, applied at its step (none of their
+        buckets is applied in the next forward), and their buckets, in order."""
+        assert self.layout is not None
+        ahead = self._ahead_buckets(g)
+        now = [i for i in range(len(self.params)) if not any(b in ahead for b in self.layout.param_buckets[i])]
+        return now, sorted({b for i in now for b in self.layout.param_buckets[i]})
 
     def _ahead_buckets(self, g: GroupInstance) -> set[int]:
         """Buckets of ``g`` applied in the next forward: its next forward stage's sends and the buckets
