@@ -75,6 +75,7 @@ ORDER = [
     "prices_buffers.md",
     "prices_verdict.md",
     "prices_verdict_opened.md",
+    "step_verdict_early.md",
     "prices_broadcast.md",
     "buffers_catch_up.md",
     "peers_catch_up.md",
