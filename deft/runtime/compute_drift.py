@@ -23,15 +23,6 @@ tenth or more from one iteration to the next, and a ratio of two medians of two 
 moves as much by chance (benchmarks/results/prices_drift.md). Fewer than :data:`MIN_LAG_SAMPLES` timed
 lag iterations: no drift is read.
 
-Where a host's ranks outnumber the processors they may run on (:func:`shares_processors`: torchrun's
-``LOCAL_WORLD_SIZE`` against this rank's CPU affinity) no drift is applied: each rank's clock then counts
-the turns its host's other ranks take on the shared processor, and how many fall inside its compute
-depends on how the ranks' iterations line up, which the schedule changes (the profile iterations hold
-their sends to the backward's end and the ranks compute side by side; the lag iterations overlap them and
-the ranks' computes drift apart; the plan defers some into the forward). ``g`` there reads the alignment,
-not the processor's speed (benchmarks/results/drift_shared_cores.md); it is recorded with
-``shared_processors``.
-
 A plan done after a single lag iteration (a pause between iterations, an evaluation, gave the planner
 its time) would go unpriced: where that one iteration is faster than the profile's median by more than
 the tolerance, the plan is held one iteration more for the second reading (:func:`wants_another`), and
@@ -53,13 +44,11 @@ benchmarks/results/prices_drift.md, "A slowdown is the planner's").
 
 from __future__ import annotations
 
-import os
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from deft._json import JsonDict
-from deft.runtime.hierarchy import env_row
 
 #: The fewest timed lag iterations a drift is read from: a plan is often collected after two
 #: (benchmarks/results/prices_drift.md, the lag samples of each run's record); the median of two is
@@ -101,37 +90,19 @@ class Drift:
     applied: bool
     samples: int
     rows: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())  # the slowest rank's, per iteration
-    shared: bool = False  # some host's ranks share processors: never applied
 
     def to_dict(self) -> JsonDict:
-        doc: JsonDict = {"profile_s": round(self.profile_s, 4), "lag_s": round(self.lag_s, 4),
-                         "factor": round(self.factor, 4), "applied": self.applied, "lag_samples": self.samples,
-                         "profile_iterations_s": [round(s, 4) for s in self.rows[0]],
-                         "lag_iterations_s": [round(s, 4) for s in self.rows[1]]}
-        if self.shared:
-            doc["shared_processors"] = True
-        return doc
-
-
-def shares_processors(per_host: int, cpus: int) -> bool:
-    """Whether a host's ``per_host`` ranks outnumber the ``cpus`` processors a rank may run on (module
-    docstring); ``per_host`` below 1: not known (no torchrun layout), so not shared."""
-    return per_host > max(cpus, 1)
-
-
-def rank_shares_processors(env: Mapping[str, str]) -> bool:
-    """:func:`shares_processors` as this rank sees it: torchrun's ``LOCAL_WORLD_SIZE`` in ``env`` against
-    the processors this process may run on."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return shares_processors(env_row(env)[0], cpus)
+        return {"profile_s": round(self.profile_s, 4), "lag_s": round(self.lag_s, 4),
+                "factor": round(self.factor, 4), "applied": self.applied, "lag_samples": self.samples,
+                "profile_iterations_s": [round(s, 4) for s in self.rows[0]],
+                "lag_iterations_s": [round(s, 4) for s in self.rows[1]]}
 
 
 def drift(profile_rows: Sequence[float], lag_rows: Sequence[float], tolerance: float,
-          min_samples: int = MIN_LAG_SAMPLES, shared: bool = False) -> Drift | None:
+          min_samples: int = MIN_LAG_SAMPLES) -> Drift | None:
     """``g`` of the module docstring from the slowest rank's compute of each profile and lag iteration
     (``max_r c_r(t)``; iterations timed on no rank, 0.0, left out). None: fewer than ``min_samples``
-    lag iterations, or no profile iteration, were timed. ``shared``: some host's ranks share processors
-    (:func:`shares_processors` on any rank): recorded, never applied."""
+    lag iterations, or no profile iteration, were timed."""
     prof = [s for s in profile_rows if s > 0]
     lag = [s for s in lag_rows if s > 0]
     if not prof or len(lag) < min_samples:
@@ -139,18 +110,16 @@ def drift(profile_rows: Sequence[float], lag_rows: Sequence[float], tolerance: f
     p, q = statistics.median(prof), statistics.median(lag)
     g = q / p
     # a speed-up only (module docstring, Note): the planner beside the lag iterations can only slow them
-    applied = g < 1.0 - tolerance and q < min(prof) and not shared
-    return Drift(p, q, g, applied, len(lag), (tuple(prof), tuple(lag)), shared)
+    return Drift(p, q, g, g < 1.0 - tolerance and q < min(prof), len(lag), (tuple(prof), tuple(lag)))
 
 
 def wants_another(profile_rows: Sequence[float], lag_rows: Sequence[float], tolerance: float,
-                  min_samples: int = MIN_LAG_SAMPLES, shared: bool = False) -> bool:
+                  min_samples: int = MIN_LAG_SAMPLES) -> bool:
     """Whether a plan ready before ``min_samples`` lag iterations were timed is held for one more
     (module docstring): at least one was timed, fewer than ``min_samples``, and their median is faster
-    than the profile's by more than ``tolerance``, where a drift may be applied (not ``shared``).
-    Arguments as :func:`drift`'s."""
+    than the profile's by more than ``tolerance``. Arguments as :func:`drift`'s."""
     timed = sum(1 for s in lag_rows if s > 0)
-    if shared or not 0 < timed < min_samples:
+    if not 0 < timed < min_samples:
         return False
     early = drift(profile_rows, lag_rows, tolerance, min_samples=timed)
     return early is not None and early.factor < 1.0 - tolerance

@@ -41,7 +41,7 @@ from deft.runtime.codecs.choice import CodecInputs
 from deft.runtime.codecs.first_iteration import TimedBroadcast
 from deft.runtime.codecs.hooks import CommHook
 from deft.runtime.codecs.policy import CodecPolicy
-from deft.runtime.compute_drift import MIN_LAG_SAMPLES, ComputeClock, drift, rank_shares_processors, wants_another
+from deft.runtime.compute_drift import MIN_LAG_SAMPLES, ComputeClock, drift, wants_another
 from deft.runtime.control import Collective, ControlPlane
 from deft.runtime.eager import ForwardHooks
 from deft.runtime.executor import DueUpdate, Executor, Pending
@@ -431,10 +431,9 @@ class Course:
         self._install_plan(t, schedule, info, {"lag_iters": self.config.plan_lag_iters,
                                                **{k: round(v, 4) for k, v in timing.items()}}, started)
 
-    def _drift_rows(self, t: int) -> tuple[list[float], list[float], bool] | None:
-        """Collective: the slowest rank's compute of each profile and lag iteration before ``t``, and
-        whether some host's ranks share processors (None: no drift is read in this run, or no profile
-        iteration to read it against)."""
+    def _drift_rows(self, t: int) -> tuple[list[float], list[float]] | None:
+        """Collective: the slowest rank's compute of each profile and lag iteration before ``t`` (None:
+        no drift is read in this run, or no profile iteration to read it against)."""
         lag, cal = self._lag_run, self.calendar
         if lag is None or self.profile is None or not self.planning.measuring or not self.config.compute_drift:
             return None
@@ -442,10 +441,8 @@ class Course:
         profiled, lagged = range(cal.warm_end, cal.plan_at), range(lag.first, t)
         if not profiled:
             return None
-        shared = rank_shares_processors(os.environ)
-        row = self._control.max_rows([[*self._compute.row([*profiled, *lagged]), float(shared)]],
-                                     "compute per iteration")[0]
-        return row[:len(profiled)], row[len(profiled):-1], row[-1] > 0
+        row = self._control.max_rows([self._compute.row([*profiled, *lagged])], "compute per iteration")[0]
+        return row[:len(profiled)], row[len(profiled):]
 
     def _drift_wants_another(self, t: int) -> bool:
         """Collective: hold a plan done after a single lag iteration that ran faster than the profile's
@@ -455,7 +452,7 @@ class Course:
         if lag is None or not 0 < t - lag.first < MIN_LAG_SAMPLES or t >= self.jobs.due:
             return False
         rows = self._drift_rows(t)
-        return rows is not None and wants_another(rows[0], rows[1], self.config.adapt_tolerance, shared=rows[2])
+        return rows is not None and wants_another(*rows, self.config.adapt_tolerance)
 
     def _priced_with_drift(self, t: int, schedule: Schedule, info: JsonDict) -> Schedule:
         """Collective: the compute of the iterations that ran while rank 0 planned against the profile's
@@ -467,7 +464,7 @@ class Course:
         if lag is None or t - lag.first < MIN_LAG_SAMPLES:
             return schedule
         rows = self._drift_rows(t)
-        found = None if rows is None else drift(rows[0], rows[1], self.config.adapt_tolerance, shared=rows[2])
+        found = None if rows is None else drift(*rows, self.config.adapt_tolerance)
         if found is None:
             return schedule
         doc = info["compute_drift"] = found.to_dict()
