@@ -76,6 +76,7 @@ ORDER = [
     "prices_verdict.md",
     "prices_verdict_opened.md",
     "step_verdict_early.md",
+    "drift_shared_cores.md",
     "prices_broadcast.md",
     "buffers_catch_up.md",
     "peers_catch_up.md",
