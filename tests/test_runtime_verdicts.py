@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -187,24 +188,19 @@ def test_a_verdict_does_not_hold_its_link_while_python_runs() -> None:
         assert r == {"during": True, "lost": []}
 
 
-def step_verdict_worker(rank: int, world: int) -> dict[str, object]:
-    """An executor on two real links, the second guarded, running one iteration of a lag-free plan: in
-    the backward, bucket 2 goes on the primary, bucket 1 on the second link, then bucket 0 on the primary,
-    deferred to the next forward. The step needs buckets 1 and 2, so the verdict on bucket 1's send is due
-    once it is launched: its flags (counted by the test's sum) go out before the deferred send is launched,
-    not at the step behind it on the primary's NIC."""
+def _executor_on_two_links(rank: int, world: int, schedule: Any, flags_out: threading.Event) -> Any:
+    """A real executor on two real gloo links, the second guarded, running ``schedule`` on three
+    four-element parameters; ``flags_out`` is set when a verdict's flags go out (the test's own sum)."""
     from deft.config import DeftConfig, LinkConfig
     from deft.runtime.buckets import FlatLayout
     from deft.runtime.control import ControlPlane
     from deft.runtime.executor import Executor
     from deft.runtime.failover import LinkFailover
     from deft.runtime.links import make_control_group, make_links
-    from deft.schedule import CommTask, Schedule, StagePlan, Update
 
     config = DeftConfig(links=(LinkConfig("primary"), LinkConfig("second")), link_failover=True)
     links = make_links(config, cuda=False, ranks=None)
     failover = LinkFailover(config, ControlPlane(make_control_group(config, None), config.timeout_s), links)
-    flags_out = threading.Event()
     sum_flags = flat_sum(make_control_group(config, None))
 
     def counted(flags: torch.Tensor) -> dist.Work:
@@ -213,25 +209,71 @@ def step_verdict_worker(rank: int, world: int) -> dict[str, object]:
 
     failover.verdicts = VerdictChain(counted, make_control_group(config, None), list(links), rank, config.timeout_s)
     params = [torch.zeros(4) for _ in range(3)]
+    ex = Executor(params, links, rank, world, config.timeout_s, torch.device("cpu"))
+    ex.install(schedule, FlatLayout(range(3), ["p0", "p1", "p2"], params, (4, 4, 4)), 0)
+    ex.guard_links(failover)
+    return ex
+
+
+def _grads(rank: int, iteration: int) -> list[torch.Tensor]:
+    return [torch.full((4,), float(100 * iteration + 10 * i + rank + 1)) for i in range(3)]
+
+
+def _lists(grads: list[torch.Tensor | None]) -> list[list[float] | None]:
+    return [None if g is None else g.tolist() for g in grads]
+
+
+def step_verdict_worker(rank: int, world: int) -> dict[str, object]:
+    """One iteration of a lag-free plan: in the backward, bucket 2 goes on the primary, bucket 1 on the
+    second link, then bucket 0 on the primary, deferred to the next forward. The step needs buckets 1 and
+    2, so the verdict on bucket 1's send is due once it is launched: its flags go out before the deferred
+    send is launched, not at the step behind it on the primary's NIC."""
+    from deft.schedule import CommTask, Schedule, StagePlan, Update
+
     backward = (CommTask(2, 0, "primary"), CommTask(1, 0, "second"), CommTask(0, 0, "primary"))
     schedule = Schedule(cycle=1, links=("primary", "second"), bucket_numel=(4, 4, 4), bucket_nbytes=(16, 16, 16),
                         stages=(StagePlan(0, "forward"), StagePlan(0, "backward", backward)),
                         updates=(Update((0,), 0, finish_in_forward=True, deferred=(0,)),))
-    ex = Executor(params, links, rank, world, config.timeout_s, torch.device("cpu"))
-    ex.install(schedule, FlatLayout(range(3), ["p0", "p1", "p2"], params, (4, 4, 4)), 0)
-    ex.guard_links(failover)
+    flags_out = threading.Event()
+    ex = _executor_on_two_links(rank, world, schedule, flags_out)
     ex.begin_iteration(0)
-    grads = [torch.full((4,), float(10 * i + rank + 1)) for i in range(3)]
+    grads = _grads(rank, 0)
     ex.add_grad(2, grads[2])
     ex.add_grad(1, grads[1])
     before_deferred = flags_out.wait(20.0)  # bounded only where the verdict waits for the step
     ex.add_grad(0, grads[0])
     ex.end_backward()
-    at_step = ex.take_update(0).grads
-    in_forward = ex.finish()
-    return {"before_deferred": before_deferred,
-            "at_step": [None if g is None else g.tolist() for g in at_step],
-            "in_forward": [None if g is None else g.tolist() for g in in_forward]}
+    return {"before_deferred": before_deferred, "at_step": _lists(ex.take_update(0).grads),
+            "in_forward": _lists(ex.finish())}
+
+
+def delayed_verdict_worker(rank: int, world: int) -> dict[str, object]:
+    """A delayed plan (each iteration's update applied at the next one's step): iteration 0's buckets go
+    in iteration 1's forward (bucket 0 on the second link, 1 and 2 on the primary) and are applied at its
+    step. Every send that step needs is launched before its backward, so the verdict opens at the
+    backward's first gradient: its flags go out while the rest of that backward is still to come."""
+    from deft.schedule import CommTask, Schedule, StagePlan, Update
+
+    forward = (CommTask(0, 1, "second"), CommTask(1, 1, "primary"), CommTask(2, 1, "primary"))
+    schedule = Schedule(cycle=2, links=("primary", "second"), bucket_numel=(4, 4, 4), bucket_nbytes=(16, 16, 16),
+                        stages=(StagePlan(0, "forward", forward), StagePlan(0, "backward"),
+                                StagePlan(1, "forward", forward), StagePlan(1, "backward")),
+                        updates=(Update((0,), 1), Update((1,), 2)))
+    flags_out = threading.Event()
+    ex = _executor_on_two_links(rank, world, schedule, flags_out)
+    ex.begin_iteration(0)
+    for i, g in enumerate(_grads(rank, 0)):
+        ex.add_grad(i, g)
+    ex.end_backward()
+    assert ex.due(0) == []
+    ex.begin_iteration(1)
+    later = _grads(rank, 1)
+    ex.add_grad(0, later[0])
+    in_backward = flags_out.wait(20.0)  # bounded only where the verdict waits for the step
+    ex.add_grad(1, later[1])
+    ex.add_grad(2, later[2])
+    ex.end_backward()
+    return {"in_backward": in_backward, "at_step": _lists(ex.take_update(0).grads)}
 
 
 @pytest.mark.slow
@@ -240,3 +282,10 @@ def test_the_steps_verdict_goes_out_before_the_deferred_sends_are_launched() -> 
         assert r == {"before_deferred": True,
                      "at_step": [None, [11.5] * 4, [21.5] * 4],  # averages of (10 i + 1) and (10 i + 2)
                      "in_forward": [[1.5] * 4, None, None]}, r
+
+
+@pytest.mark.slow
+def test_a_delayed_updates_verdict_opens_at_the_first_gradient_of_its_steps_backward() -> None:
+    for r in values(run_ranks(delayed_verdict_worker, 2, timeout=90)):
+        # iteration 0's averages of (10 i + 1) and (10 i + 2), applied at iteration 1's step
+        assert r == {"in_backward": True, "at_step": [[1.5] * 4, [11.5] * 4, [21.5] * 4]}, r
