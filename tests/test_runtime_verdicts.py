@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -19,6 +19,10 @@ import torch.distributed as dist
 from deft.runtime.link_queue import serial_gloo_group
 from deft.runtime.verdicts import VerdictChain, flat_sum
 from tests._dist import next_send_ends_while_python_holds_the_gil, run_ranks, values
+
+if TYPE_CHECKING:
+    from deft.runtime.executor import Executor
+    from deft.schedule import Schedule
 
 LINKS = ["primary", "second", "third"]
 
@@ -188,7 +192,7 @@ def test_a_verdict_does_not_hold_its_link_while_python_runs() -> None:
         assert r == {"during": True, "lost": []}
 
 
-def _executor_on_two_links(rank: int, world: int, schedule: Any, flags_out: threading.Event) -> Any:
+def _executor_on_two_links(rank: int, world: int, schedule: Schedule, flags_out: threading.Event) -> Executor:
     """A real executor on two real gloo links, the second guarded, running ``schedule`` on three
     four-element parameters; ``flags_out`` is set when a verdict's flags go out (the test's own sum)."""
     from deft.config import DeftConfig, LinkConfig

@@ -10,8 +10,8 @@ A guarded result is used only once the ranks' *verdict* on its send is reached
 (:mod:`deft.runtime.verdicts`, on :attr:`LinkFailover.verdicts`): one sum over the ranks of a flag per link,
 the links some rank saw fail or miss the deadline, summed off the training thread as soon as the
 verdict's sends end. The executor opens a verdict on the sends the step needs once the last of them is
-launched in the backward (at the step where the iteration may be sent again), and on every other guarded
-send in flight right after the step
+launched in the backward (at the step in an iteration whose sends a judge may send again: the first), and
+on every other guarded send in flight right after the step
 (:meth:`deft.runtime.executor.Executor.open_pending`), where every rank is, and waits for one only where
 a result is used: what one rank does alone between iterations (its ``state_dict()``) needs no rank but
 itself. The verdict group runs on the primary link's NIC (:func:`deft.runtime.links.make_control_group`),
