@@ -135,7 +135,7 @@ class Workload:
 
     def argv(self, args: argparse.Namespace, seed: int) -> list[str]:
         length = (["--epochs", str(args.epochs), "--lr-schedule", args.lr_schedule] if self.name == "cnn"
-                  else ["--iters", str(args.iters)])
+                  else ["--iters", str(args.iters), *(["--arch", args.lm_arch] if args.lm_arch != "gpt2" else [])])
         return [*length, "--eval-every", str(args.eval_every), "--skip-iters", str(args.skip_iters),
                 "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(seed)]
 
@@ -919,7 +919,8 @@ def report(args: argparse.Namespace, docs: list[dict[str, Any]], names: list[str
                  f"{args.lr} momentum 0.9{LR_SCHEDULES[run_lr_schedule(docs)]}, {args.epochs} epochs; "
                  f"test accuracy every {args.eval_every} iterations; {runs}.  ")
     else:
-        model = (f"Model: examples/train_lm.py, a HuggingFace GPT2LMHeadModel ({first['params']:,} parameters, "
+        arch = "LlamaForCausalLM" if first.get("arch") == "llama" else "GPT2LMHeadModel"
+        model = (f"Model: examples/train_lm.py, a HuggingFace {arch} ({first['params']:,} parameters, "
                  "byte level, tied embeddings) on the Python standard library's source (2 MB, 90/10 split), "
                  f"batch {args.batch_size} x 64 bytes per rank, {ranks}, AdamW lr {args.lr} "
                  f"with warm-up then cosine decay, clip 1.0, {args.iters} iterations; "
@@ -1020,6 +1021,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                     help="cnn: examples/train_cnn.py (accuracy); lm: examples/train_lm.py (validation loss)")
     ap.add_argument("--epochs", type=int, default=4, help="cnn: epochs")
     ap.add_argument("--iters", type=int, default=200, help="lm: iterations")
+    ap.add_argument("--lm-arch", choices=("gpt2", "llama"), default="gpt2",
+                    help="lm: the model (train_lm.py --arch): GPT-2, or a Llama of the same sizes")
     ap.add_argument("--schemes", default=None,
                     help=f"comma-separated subset of {','.join(SCHEMES)} (localsgd: localsgd4, its older name; "
                          "default: every scheme the workload runs, or with --trainer the four of the trainer table)")
@@ -1101,7 +1104,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 
 
 #: The flags that shape the runs themselves, which a report from saved runs describes as they ran.
-RUN_SHAPE = ("epochs", "iters", "eval_every", "skip_iters", "batch_size", "lr", "lr_schedule")
+RUN_SHAPE = ("epochs", "iters", "lm_arch", "eval_every", "skip_iters", "batch_size", "lr", "lr_schedule")
 
 
 def adopt_run_shape(args: argparse.Namespace, recorded: list[str]) -> None:

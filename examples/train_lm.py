@@ -1,4 +1,4 @@
-"""Train a GPT-2 language model (HuggingFace transformers) on the Python standard library's source text,
+"""Train a GPT-2 or a Llama (HuggingFace transformers) on the Python standard library's source text,
 data-parallel on CPU, with the scheme of your choice.
 
     torchrun --nproc-per-node 2 examples/train_lm.py --ddp torch
@@ -12,7 +12,10 @@ model, the data and the optimizer differ:
 
 * **Model**: ``transformers.GPT2LMHeadModel`` from a ``GPT2Config`` (random initialisation, nothing
   downloaded): byte-level (vocabulary 256), ``--n-embd`` 320, ``--n-layer`` 8, ``--n-head`` 8,
-  context ``--seq`` 64; about 10M parameters, the input embedding tied to the output layer.
+  context ``--seq`` 64; about 10M parameters, the input embedding tied to the output layer. ``--arch
+  llama``: ``transformers.LlamaForCausalLM`` of the same sizes (MLP width 4 x ``--n-embd``, 13M
+  parameters, tied), whose rotary embedding keeps its frequencies in buffers that every forward reads
+  first (torch DDP broadcasts them before each forward; deft waits for them there).
 * **Data**: the ``.py`` files at the top of this Python's standard library (``sysconfig``'s
   ``stdlib`` path), sorted by name and concatenated up to ``--data-bytes`` (2 MB), as bytes. The
   first 90 % train, the last 10 % validate (a fixed split). Each rank draws ``--batch-size`` windows
@@ -133,6 +136,14 @@ def loop_generator(seed: int, rank: int, it: int) -> torch.Generator:
 
 
 def make_model(args: argparse.Namespace) -> nn.Module:
+    if args.arch == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        # The rotary embedding's inverse frequencies are buffers, read at the forward's start.
+        return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=args.n_embd, num_hidden_layers=args.n_layer,
+                                            num_attention_heads=args.n_head, intermediate_size=4 * args.n_embd,
+                                            max_position_embeddings=args.seq, tie_word_embeddings=True,
+                                            bos_token_id=0, eos_token_id=0))
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=args.seq, n_embd=args.n_embd, n_layer=args.n_layer,
@@ -170,6 +181,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=200, help="training iterations")
     ap.add_argument("--batch-size", type=int, default=4, help="windows per rank per iteration")
     ap.add_argument("--seq", type=int, default=64, help="context length (bytes)")
+    ap.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2",
+                    help="gpt2: GPT2LMHeadModel; llama: LlamaForCausalLM (rotary position buffers) of the same sizes")
     ap.add_argument("--n-embd", type=int, default=320)
     ap.add_argument("--n-layer", type=int, default=8)
     ap.add_argument("--n-head", type=int, default=8)
@@ -364,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             run_eval(it + 1)
 
     w.info.update(w.report())
-    summary = {"ddp": args.ddp, "trainer": args.trainer, "world_size": world, "params": n_params,
+    summary = {"ddp": args.ddp, "trainer": args.trainer, "arch": args.arch, "world_size": world, "params": n_params,
                "iters": args.iters, "updates": w.updates(steps), "updates_per_iter": w.updates(steps) / args.iters,
                "iter_s_mean": steady_mean(iters, args.skip_iters),
                "iter_s_median": statistics.median(r["iter_s"] for r in iters[args.skip_iters:] or iters),

@@ -78,6 +78,14 @@ def test_default_and_chosen_layouts(peers: Any) -> None:
     assert peers.Layout(args.hosts, args.ranks_per_host).words() == "8 ranks (8 hosts x 1 rank per host)"
 
 
+def test_the_lm_model_reaches_each_runs_command(peers: Any) -> None:
+    gpt2, _, _ = peers.parse_args(["--workload", "lm", "--rates", "50"])
+    llama, _, _ = peers.parse_args(["--workload", "lm", "--rates", "50", "--lm-arch", "llama"])
+    assert "--arch" not in peers.WORKLOADS["lm"].argv(gpt2, 0)  # GPT-2: the command an older tree also takes
+    argv = peers.WORKLOADS["lm"].argv(llama, 0)
+    assert argv[argv.index("--arch") + 1] == "llama"
+
+
 def test_ranks_sit_host_by_host_with_torchruns_environment(peers: Any, tmp_path: Path) -> None:
     tb, config = Testbed(hosts=2, links=2, tag="argtest"), tmp_path / "deft.toml"
     argv = ["python", "train.py", "--json", "out.host{host}.json"]

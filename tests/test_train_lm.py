@@ -1,9 +1,10 @@
-"""examples/train_lm.py: a HuggingFace GPT-2 on the standard library's source text.
+"""examples/train_lm.py: a HuggingFace GPT-2 (or Llama) on the standard library's source text.
 
 Run in 2 gloo ranks as torchrun starts them (tests/_scripts.py, a tiny config), once with torch DDP and
-once with deft at epsilon 0: the trained parameters (``--save-model``), every iteration's training loss and every
-validation loss must agree to 1e-5 (deft at epsilon 0 is torch DDP's maths, tied embeddings, AdamW, the
-warm-up/cosine schedule and the clip included); a bad flag fails at once naming it.
+once with deft at epsilon 0, for each ``--arch``: the trained parameters (``--save-model``), every
+iteration's training loss and every validation loss must agree to 1e-5 (deft at epsilon 0 is torch DDP's
+maths, tied embeddings, AdamW, the warm-up/cosine schedule, the clip and the Llama's rotary buffers
+included); a bad flag fails at once naming it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._scripts import run_script
+from tests._scripts import load_script, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_lm.py"
@@ -24,17 +25,20 @@ TINY = ["--n-embd", "32", "--n-layer", "2", "--n-head", "2", "--seq", "32", "--i
         "--data-bytes", "200000"]
 
 
-def _run(tmp: Path, ddp: list[str]) -> dict[str, object]:
+def _run(tmp: Path, ddp: list[str], arch: str = "gpt2") -> dict[str, object]:
     out = tmp / f"{ddp[1]}.json"
-    run_script(SCRIPT, [*ddp, *TINY, "--json", str(out), "--save-model", str(tmp / f"{ddp[1]}.pt")], timeout=120)
+    run_script(SCRIPT, [*ddp, *TINY, "--arch", arch, "--json", str(out), "--save-model", str(tmp / f"{ddp[1]}.pt")],
+               timeout=120)
     doc: dict[str, object] = json.loads(out.read_text())
     return doc
 
 
 @pytest.mark.slow
-def test_deft_at_epsilon_zero_trains_the_lm_as_torch_ddp_does(tmp_path: Path) -> None:
-    ref = _run(tmp_path, ["--ddp", "torch"])
-    ours = _run(tmp_path, ["--ddp", "deft", "--epsilon", "0"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_deft_at_epsilon_zero_trains_the_lm_as_torch_ddp_does(tmp_path: Path, arch: str) -> None:
+    ref = _run(tmp_path, ["--ddp", "torch"], arch)
+    ours = _run(tmp_path, ["--ddp", "deft", "--epsilon", "0"], arch)
+    assert ours["summary"]["arch"] == arch  # type: ignore[index]
     ref_losses = [r["loss"] for r in ref["iters"]]  # type: ignore[attr-defined, index]
     our_losses = [r["loss"] for r in ours["iters"]]  # type: ignore[attr-defined, index]
     assert len(our_losses) == 8
@@ -56,3 +60,14 @@ def test_a_bad_flag_is_refused_naming_it() -> None:
     p = subprocess.run([sys.executable, str(SCRIPT), "--n-embd", "30", "--n-head", "4"], capture_output=True,
                        text=True, timeout=60, cwd=ROOT)
     assert p.returncode == 2 and "--n-embd 30 must be a multiple of --n-head 4" in p.stderr, p.stderr
+
+
+@pytest.mark.slow
+def test_the_llama_reads_buffers_at_its_forwards_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``--arch llama`` adds to the parity test above: buffers (the rotary frequencies, left out of the
+    state dict) that torch DDP broadcasts before every forward and the forward reads before any layer."""
+    lm = load_script(SCRIPT, monkeypatch)
+    model = lm.make_model(lm.parse_args(["--arch", "llama", *TINY]))
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert [n for n, _ in model.named_buffers()] == ["model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"]
+    assert model.lm_head.weight is model.model.embed_tokens.weight
