@@ -26,6 +26,7 @@ ORDER = [
     "peers_lm_hosts_50.md",
     "peers_hosts_pinned.md",
     "peers_lm_hosts_pinned.md",
+    "peers_llama.md",
     "peers_buffers.md",
     "peers_lm_fp16.md",
     "peers_lm_machine.md",
