@@ -3,7 +3,8 @@
 One gloo rank in a fresh process: torch DDP's positional order (``module, device_ids, output_device,
 dim, broadcast_buffers, ...``) and keyword arguments are accepted; deft's own arguments are
 keyword-only, and passing the optimizer where torch puts ``device_ids`` is a clear error; arguments
-deft cannot honour raise naming them. With one rank and ``epsilon = 0`` a step applies the plain
+deft cannot honour raise naming them; the wrapper carries torch DDP's attributes of its arguments with
+torch DDP's values. With one rank and ``epsilon = 0`` a step applies the plain
 gradient, so the parameters equal those of the same model trained without any wrapper (after
 ``ddp.flush()``: a lag-free plan applies an update of the last iteration just before the next forward).
 """
@@ -38,6 +39,8 @@ def _train(model: nn.Module, forward: Any, finish: Any, steps: int = 3) -> list[
 
 
 def constructor_worker(rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
     import deft
     from deft.errors import DeftError
 
@@ -55,6 +58,21 @@ def constructor_worker(rank: int, world: int) -> dict[str, Any]:
                                        static_graph=False, config=cfg)
     out["keywords"] = _train(m, ddp, ddp.flush)
     ddp.close()
+    # torch DDP's attributes of its arguments, read by user code and trainers, against torch DDP's own
+    group = dist.new_group([0])
+    kwargs = dict(dim=0, process_group=group, bucket_cap_mb=2, find_unused_parameters=True, static_graph=False)
+    ours, ref = deft.DistributedDataParallel(_model(), config=cfg, **kwargs), nn.parallel.DistributedDataParallel(
+        _model(), **kwargs)
+    ref._set_static_graph()
+    ours._set_static_graph()
+    names = ("device_ids", "output_device", "dim", "find_unused_parameters", "gradient_as_bucket_view",
+             "static_graph", "bucket_bytes_cap", "broadcast_buffers", "require_backward_grad_sync")
+    out["attributes"] = {n: (getattr(ours, n), getattr(ref, n)) for n in names}
+    out["same_group"] = ours.process_group is group and ref.process_group is group
+    with ours.no_sync():
+        out["flag_in_no_sync"] = ours.require_backward_grad_sync
+    out["flag_after"] = ours.require_backward_grad_sync
+    ours.close()
     m = _model()
     out["plain"] = _train(m, m, lambda: None)
 
@@ -77,6 +95,9 @@ def test_torch_ddp_constructor_lines_carry_over() -> None:
     for key in ("positional", "keywords"):
         for ours, ref in zip(out[key], out["plain"], strict=True):
             torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref), rtol=1e-6, atol=1e-6)
+    for name, (ours, ref) in out["attributes"].items():
+        assert ours == ref, (name, ours, ref)
+    assert out["same_group"] and out["flag_in_no_sync"] is False and out["flag_after"] is True
     errors = out["errors"]
     assert "device_ids" in errors["optimizer_positional"] and "optimizer=" in errors["optimizer_positional"]
     assert "mixed_precision" in errors["mixed_precision"]

@@ -3,7 +3,8 @@
 torch DDP prepares its reducer in the forward: a forward outside ``no_sync()`` makes a backward that
 communicates wherever that backward runs, a forward inside makes one that only accumulates. Accelerate's
 ``trigger_sync_in_backward`` (its documented way to run two forwards under ``no_sync`` and synchronise
-the second backward) forces the communication for the backwards inside it. deft follows both, and
+the second backward) forces the communication for the backwards inside it; torch's own flag behind
+``no_sync()``, ``require_backward_grad_sync``, set by hand, does what the context does. deft follows all, and
 refuses a step that follows only no_sync() micro-batches (torch DDP would step every rank on its own
 gradient: the ranks drift apart) before it applies anything.
 """
@@ -33,7 +34,7 @@ def _batches(rank: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
 
 
-def reverse_loop(wrapped: Any, opt: torch.optim.Optimizer, rank: int, trigger: Callable[[], Any]) -> None:
+def reverse_loop(wrapped: Any, opt: torch.optim.Optimizer, rank: int, trigger: Callable[[], Any]) -> list[float]:
     """The forward outside no_sync(), its backward inside: it communicates (the forward decided)."""
     for t in range(STEPS):
         x, _ = _batches(rank, t)
@@ -42,10 +43,11 @@ def reverse_loop(wrapped: Any, opt: torch.optim.Optimizer, rank: int, trigger: C
             loss.backward()
         opt.step()
         opt.zero_grad()
+    return []
 
 
 def trigger_loop(wrapped: Any, opt: torch.optim.Optimizer, rank: int,
-                 trigger: Callable[[], AbstractContextManager[None]]) -> None:
+                 trigger: Callable[[], AbstractContextManager[None]]) -> list[float]:
     """Accelerate's documented pattern: two forwards under no_sync(), the first backward accumulates,
     the second runs under trigger_sync_in_backward and communicates both."""
     for t in range(STEPS):
@@ -58,9 +60,42 @@ def trigger_loop(wrapped: Any, opt: torch.optim.Optimizer, rank: int,
             loss_b.backward()
         opt.step()
         opt.zero_grad()
+    return []
 
 
-def worker(rank: int, world: int) -> dict[str, Any]:
+def flag_loop(wrapped: Any, opt: torch.optim.Optimizer, rank: int, trigger: Callable[[], Any]) -> list[float]:
+    """torch DDP's flag behind no_sync() set by hand: the first micro-batch's forward with
+    ``require_backward_grad_sync`` False only accumulates, the second's with it True communicates both."""
+    for t in range(STEPS):
+        a, b = _batches(rank, t)
+        wrapped.require_backward_grad_sync = False
+        wrapped(a).pow(2).mean().backward()
+        wrapped.require_backward_grad_sync = True
+        wrapped(b).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return []
+
+
+def micro_batch_loop(wrapped: Any, opt: torch.optim.Optimizer, rank: int, trigger: Callable[[], Any]) -> list[float]:
+    """A micro-batch under no_sync(), then each parameter's gradient norm logged: this rank's own
+    accumulated gradient under torch DDP."""
+    norms = []
+    for t in range(STEPS):
+        a, b = _batches(rank, t)
+        with wrapped.no_sync():
+            wrapped(a).pow(2).mean().backward()
+        norms += [float("nan") if p.grad is None else float(p.grad.norm()) for p in opt.param_groups[0]["params"]]
+        wrapped(b).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+LOOPS = {"reverse": reverse_loop, "trigger": trigger_loop, "flag": flag_loop}
+
+
+def worker(rank: int, world: int, loops: tuple[str, ...] = tuple(LOOPS)) -> dict[str, Any]:
     import accelerate
 
     import deft
@@ -70,8 +105,9 @@ def worker(rank: int, world: int) -> dict[str, Any]:
     deft_acc = Accelerator(cpu=True)
     cfg = {"epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2}
     out: dict[str, Any] = {}
-    for name, loop in (("reverse", reverse_loop), ("trigger", trigger_loop)):
-        runs = {}
+    for name in loops:
+        loop = {**LOOPS, "micro_batch": micro_batch_loop}[name]
+        runs, logged = {}, {}
         for kind in ("torch", "deft", "deft_accelerate"):
             model = make_model()
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -82,12 +118,17 @@ def worker(rank: int, world: int) -> dict[str, Any]:
                 ddp = deft.DistributedDataParallel(model, config=cfg)
                 trigger = (ddp.trigger_sync_in_backward if kind == "deft"
                            else lambda d=ddp: deft_acc.trigger_sync_in_backward(d))
-            loop(ddp, opt, rank, trigger)
+            logged[kind] = loop(ddp, opt, rank, trigger)
             if kind != "torch":
+                out.setdefault(f"{name}_iterations", {})[kind] = len(ddp.update_log)  # one per communicating backward
                 ddp.flush()
                 ddp.close()
             runs[kind] = torch.cat([p.detach().flatten() for p in model.parameters()])
         out[name] = {k: (v - runs["torch"]).abs().max().item() for k, v in runs.items() if k != "torch"}
+        out[f"{name}_logged"] = {k: max((abs(a - b) for a, b in zip(v, logged["torch"], strict=True)), default=0.0)
+                                 for k, v in logged.items() if k != "torch"}  # nan where deft's p.grad was None
+    if "micro_batch" in loops:
+        return out
     # forward and backward under no_sync(), then the step: refused before anything is applied
     model = make_model()
     before = torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -110,6 +151,23 @@ def test_the_forward_decides_and_a_step_after_only_micro_batches_is_refused() ->
     for v in values(run_ranks(worker, 2, timeout=180)):
         assert v["reverse"] == {"deft": pytest.approx(0.0, abs=1e-6), "deft_accelerate": pytest.approx(0.0, abs=1e-6)}
         assert v["trigger"] == {"deft": pytest.approx(0.0, abs=1e-6), "deft_accelerate": pytest.approx(0.0, abs=1e-6)}
+        assert v["flag"] == {"deft": pytest.approx(0.0, abs=1e-6), "deft_accelerate": pytest.approx(0.0, abs=1e-6)}
+        # the flag obeyed, not ignored: averaging each micro-batch would give the same sum (linear), but one
+        # iteration of deft's per micro-batch
+        assert v["flag_iterations"] == {"deft": STEPS, "deft_accelerate": STEPS}
+
         assert v["refused"] is not None and "under no_sync()" in v["refused"], v["refused"]
         assert "trigger_sync_in_backward" in v["refused"]
         assert v["untouched"]
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="a gap: after a backward under no_sync() deft keeps the micro-batch's "
+                   "gradient in its own buffers and p.grad is None, where torch DDP's holds this rank's "
+                   "accumulated gradient (code logging or clipping per micro-batch reads None)")
+def test_a_micro_batchs_gradient_is_in_p_grad_as_under_torch_ddp() -> None:
+    for v in values(run_ranks(worker, 2, args=(("micro_batch",),), timeout=180)):
+        assert v["micro_batch"] == {"deft": pytest.approx(0.0, abs=1e-6),
+                                    "deft_accelerate": pytest.approx(0.0, abs=1e-6)}
+        assert v["micro_batch_logged"] == {"deft": pytest.approx(0.0, abs=1e-6),
+                                           "deft_accelerate": pytest.approx(0.0, abs=1e-6)}

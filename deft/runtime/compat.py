@@ -8,11 +8,12 @@ torch DDP line carries over; deft's own (``optimizer``, ``config``, ``profile``)
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+from torch._utils import _get_device_index
 
 from deft._json import JsonDict
 from deft.config import DeftConfig
@@ -77,6 +78,16 @@ def check_device_ids(device_ids: object, output_device: object, device: torch.de
         if d.type != device.type or (d.index is not None and device.index is not None and d.index != device.index):
             raise DeftError(f"device_ids/output_device name {d} but the module's parameters are on {device}; "
                             "move the module to that device first, as with torch DDP")
+
+
+def torch_device_ids(device_ids: Sequence[object] | None, output_device: object,
+                     device: torch.device) -> tuple[list[int] | None, int | None]:
+    """torch DDP's ``device_ids`` and ``output_device`` attributes: ``None`` for a CPU module or none
+    given, else the devices' indices (``output_device`` defaulting to the first)."""
+    if not device_ids or device.type == "cpu":
+        return None, None
+    ids = [_get_device_index(d, True) for d in device_ids]
+    return ids, _get_device_index(output_device if output_device is not None else device_ids[0], True)
 
 
 def trainable(module: torch.nn.Module) -> tuple[list[str], list[torch.Tensor], torch.device]:

@@ -40,6 +40,7 @@ from deft.runtime.compat import (
     for_compiled,
     refuse_join,
     shared_config,
+    torch_device_ids,
     trainable,
     warn_shared_rendezvous_store,
 )
@@ -66,7 +67,9 @@ class DistributedDataParallel(nn.Module):
     unused parameters like torch DDP with it set); ``dim``, ``check_reduction``,
     ``gradient_as_bucket_view``, ``static_graph``, ``skip_all_reduce_unused_params``,
     ``batched_grad_copy`` are performance hints deft does not need; the others raise
-    (:mod:`deft.runtime.compat`).
+    (:mod:`deft.runtime.compat`). The wrapper keeps torch DDP's attributes of them (``process_group``,
+    ``device_ids``, ``output_device``, ``dim``, ``bucket_bytes_cap``, ...) and its
+    ``require_backward_grad_sync`` flag, which :meth:`no_sync` sets.
     """
 
     def __init__(self, module: nn.Module, device_ids: Sequence[Device] | None = None,
@@ -83,8 +86,7 @@ class DistributedDataParallel(nn.Module):
                  config: DeftConfig | str | os.PathLike[str] | JsonDict | None = None,
                  profile: Profile | str | os.PathLike[str] | None = None) -> None:
         super().__init__()
-        del dim, check_reduction, gradient_as_bucket_view, static_graph, skip_all_reduce_unused_params
-        del batched_grad_copy, find_unused_parameters
+        del check_reduction, skip_all_reduce_unused_params, batched_grad_copy
         check_torch_args(dict(delay_all_reduce_named_params=delay_all_reduce_named_params,
                               param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
                               device_mesh=device_mesh, bucket_cap_mb_list=bucket_cap_mb_list), device_ids)
@@ -108,6 +110,12 @@ class DistributedDataParallel(nn.Module):
         # torch DDP all-reduces on process_group (default: the default group): deft's primary link follows its backend
         self._group_backend = str(dist.get_backend(process_group))
         self._connect(init_sync)
+        # torch DDP's attributes of its arguments, as torch sets them (read by user code and trainers)
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.device_ids, self.output_device = torch_device_ids(device_ids, output_device, self.device)
+        self.dim, self.find_unused_parameters = dim, find_unused_parameters
+        self.gradient_as_bucket_view, self.static_graph = gradient_as_bucket_view, static_graph
+        self.bucket_bytes_cap = int(self.config.bucket_cap_mb * 1024 * 1024)
         self.broadcast_buffers = True if broadcast_buffers is None else bool(broadcast_buffers)
         self._sync_buffers = self.broadcast_buffers if forward_sync_buffers is None else bool(forward_sync_buffers)
         self._buffers_due = True  # the next forward broadcasts the buffers (torch DDP's first forward does)
@@ -287,6 +295,21 @@ class DistributedDataParallel(nn.Module):
         if max_norm is not None and not max_norm > 0:
             raise ValueError(f"max_norm must be > 0 or None, got {max_norm}")
         self._mode.clip_on_update(None if max_norm is None else (float(max_norm), float(norm_type)))
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's flag behind ``no_sync()``: False makes the backward of the next training forward only
+        accumulate (the forward decides, as in torch), True restores communication."""
+        return not self._sync.off
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._sync.off = not value
+
+    def _set_static_graph(self) -> None:
+        """torch DDP's static-graph hint: deft records the graph's use of each parameter in its first
+        training forward whatever the hint says, so there is nothing to set."""
+        self.static_graph = True
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Like torch DDP's: the backward of a forward run inside only accumulates (micro-batches of one
