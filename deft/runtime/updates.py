@@ -340,17 +340,20 @@ class UpdateApplier:
             return
         opt = self.optim.optimizer
         assert opt is not None
-        now = [{k: g[k] for k in snap} for g, snap in zip(opt.param_groups, self._finish_hparams, strict=True)]
+        # Groups added since that step (add_param_group) took no part in it: their parameters stay as they are.
+        began = opt.param_groups[:len(self._finish_hparams)]
+        added = {id(p) for g in opt.param_groups[len(began):] for p in g["params"]}
+        now = [{k: g[k] for k in snap} for g, snap in zip(began, self._finish_hparams, strict=True)]
         with self._after_step_kept() as resolve:
             resolve(grads)
             try:
-                for g, snap in zip(opt.param_groups, self._finish_hparams, strict=True):
+                for g, snap in zip(began, self._finish_hparams, strict=True):
                     g.update(snap)
                 for p, gr in zip(self._params, grads, strict=True):
-                    p.grad = gr
+                    p.grad = None if id(p) in added else gr
                 self.optim.step_internally()
             finally:
-                for g, values in zip(opt.param_groups, now, strict=True):
+                for g, values in zip(began, now, strict=True):
                     g.update(values)
                 self.clear_grads()
 

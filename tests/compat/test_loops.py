@@ -155,6 +155,23 @@ def _functional_model() -> nn.Module:
     return MLP(functional=True)
 
 
+def _head_only(m: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(m.head.parameters(), lr=0.05, momentum=0.9)  # type: ignore[union-attr]
+
+
+def _unfreeze_into_the_optimizer(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Fine-tuning: the head trains alone, then the rest joins the optimizer as a new param group (with
+    the model's zero_grad, so the parameters outside the optimizer hold no old gradients when they join)."""
+    if t == 15:
+        head = {id(p) for p in loop.opt.param_groups[0]["params"]}
+        loop.opt.add_param_group({"params": [p for p in loop.model.parameters() if id(p) not in head], "lr": 0.02})
+    loss = loss_fn(loop.wrapped(x), y)
+    loss.backward()
+    loop.opt.step()
+    loop.model.zero_grad()
+    loop.log.losses.append(loss.item())
+
+
 def _adam(m: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.01)
 
@@ -176,6 +193,7 @@ RECIPES: dict[str, Recipe] = {
     "checkpoint_of_the_module": Recipe(mlp, _plain, optimizer=_adam, restart_at=13, restart_from="module"),
     "checkpoint_through_dcp": Recipe(mlp, _plain, optimizer=_adam, restart_at=13, restart_from="dcp"),
     "functional_parameter_use": Recipe(_functional_model, _plain, optimizer=_adam),
+    "add_param_group_mid_training": Recipe(mlp, _unfreeze_into_the_optimizer, optimizer=_head_only),
 }
 
 
