@@ -304,7 +304,7 @@ class DistributedDataParallel(nn.Module):
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
-        self._sync.off = not value
+        self._sync.require_sync(value)
 
     def _set_static_graph(self) -> None:
         """torch DDP's static-graph hint: deft records the graph's use of each parameter in its first

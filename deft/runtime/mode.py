@@ -72,6 +72,10 @@ class SyncSwitch:
         finally:
             self.off = previous
 
+    def require_sync(self, sync: bool) -> None:
+        """torch DDP's ``require_backward_grad_sync`` set by hand: what :meth:`suspended` sets, kept."""
+        self.off = not sync
+
     @contextlib.contextmanager
     def triggered(self) -> Iterator[None]:
         previous, self._triggered = self._triggered, True
