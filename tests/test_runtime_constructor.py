@@ -102,3 +102,16 @@ def test_torch_ddp_constructor_lines_carry_over() -> None:
     assert "device_ids" in errors["optimizer_positional"] and "optimizer=" in errors["optimizer_positional"]
     assert "mixed_precision" in errors["mixed_precision"]
     assert "device_ids must be None" in errors["cpu_device_ids"]
+
+
+def test_device_ids_read_as_torch_ddp_sets_them() -> None:
+    """torch DDP's attributes: the indices given (``output_device`` the first of them unless given) for a
+    module on an accelerator, ``None`` for a CPU module or no ``device_ids`` (the CUDA branch, without one)."""
+    from deft.runtime.compat import torch_device_ids
+
+    cuda = torch.device("cuda", 1)
+    assert torch_device_ids([torch.device("cuda", 1)], None, cuda) == ([1], 1)
+    assert torch_device_ids(["cuda:1"], "cuda:0", cuda) == ([1], 0)
+    assert torch_device_ids(None, None, cuda) == (None, None)
+    assert torch_device_ids([], None, cuda) == (None, None)
+    assert torch_device_ids(None, None, torch.device("cpu")) == (None, None)

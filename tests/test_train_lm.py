@@ -67,7 +67,15 @@ def test_the_llama_reads_buffers_at_its_forwards_start(monkeypatch: pytest.Monke
     """What ``--arch llama`` adds to the parity test above: buffers (the rotary frequencies, left out of the
     state dict) that torch DDP broadcasts before every forward and the forward reads before any layer."""
     lm = load_script(SCRIPT, monkeypatch)
-    model = lm.make_model(lm.parse_args(["--arch", "llama", *TINY]))
+    args = lm.parse_args(["--arch", "llama", *TINY])
+    model = lm.make_model(args)
     assert type(model).__name__ == "LlamaForCausalLM"
-    assert [n for n, _ in model.named_buffers()] == ["model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"]
+    assert "model.rotary_emb.inv_freq" in dict(model.named_buffers())
+    assert "model.rotary_emb.inv_freq" not in model.state_dict()  # hence this test beside the parity one
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    order: list[str] = []
+    model.model.rotary_emb.register_forward_pre_hook(lambda m, a: order.append("rotary"))
+    model.model.layers[0].register_forward_pre_hook(lambda m, a: order.append("layer 0"))
+    x = torch.zeros(1, args.seq, dtype=torch.long)
+    lm.lm_loss(model, x, x, False)
+    assert order == ["rotary", "layer 0"]
