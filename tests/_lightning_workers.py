@@ -185,9 +185,16 @@ def keeper() -> Any:
 
 def _deft_fit(world: int, config: dict[str, Any], steps: int, **kw: Any) -> tuple[Any, list[int]]:
     """``fit`` under ``DeftStrategy``; the module and the iterations its wrapper applied, in order."""
+    module, its, _ = _deft_fit_recorded(world, config, steps, **kw)
+    return module, its
+
+
+def _deft_fit_recorded(world: int, config: dict[str, Any], steps: int, **kw: Any) -> tuple[Any, list[int], Any]:
+    """:func:`_deft_fit`, and the wrapper's ``plan_info["used_before_forward"]``."""
     keep = keeper()
     module = fit(world, strategy(config), steps, callbacks=[keep], **kw)
-    return module, sorted(t for _, its in keep.ddp.update_log for t in its)
+    used = keep.ddp.plan_info.get("used_before_forward")
+    return module, sorted(t for _, its in keep.ddp.update_log for t in its), used
 
 
 def parity_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
@@ -210,9 +217,9 @@ def parity_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     # updates finishing in the next forward, checkpoints saved by ModelCheckpoint at every validation
     forced = deferring(ckpt_dir, rank)
     ref = fit(world, "ddp", steps, clip=False)
-    ours, its = _deft_fit(world, forced, steps, ckpt_dir=ckpt_dir, clip=False)
+    ours, its, used = _deft_fit_recorded(world, forced, steps, ckpt_dir=ckpt_dir, clip=False)
     out["deferring"] = {"worst": worst(params(ours), params(ref)), "applied": its,
-                        "val": ours.val_losses, "ref_val": ref.val_losses}
+                        "val": ours.val_losses, "ref_val": ref.val_losses, "used_before_forward": used}
     saved = sorted(os.path.basename(f) for f in glob.glob(os.path.join(ckpt_dir, "*.ckpt")))
     end_of_second = os.path.join(ckpt_dir, f"epoch=1-step={BATCHES_PER_EPOCH}.ckpt")
     resumed, its = _deft_fit(world, forced, steps, ckpt_path=end_of_second, clip=False)

@@ -50,7 +50,8 @@ StepArgs = tuple[tuple[object, ...], dict[str, object]]
 class OptimizerBinding:
     """Finds the module's one optimizer and calls ``before()``/``after()`` (the runtime's bound methods,
     held weakly) right before and right after each of its steps, and ``fresh()`` before its
-    ``state_dict()`` is taken, so that a checkpoint of the optimizer alone holds every update applied."""
+    ``state_dict()`` is taken, so that a checkpoint of the optimizer alone holds every update applied,
+    and before its ``load_state_dict()``, so that no update in flight writes into the state loaded."""
 
     def __init__(self, params: list[torch.Tensor], before: Callable[[], None], after: Callable[[], None],
                  optimizer: torch.optim.Optimizer | None, fresh: Callable[[], None] | None = None) -> None:
@@ -83,7 +84,13 @@ class OptimizerBinding:
             if fn is not None:
                 fn()
 
-        self._handles.append(opt.register_state_dict_pre_hook(before_state_dict))
+        def before_load(_: torch.optim.Optimizer, state: dict[str, object]) -> None:
+            fn = fresh()  # the state loaded replaces what an update in flight would write to
+            if fn is not None:
+                fn()
+
+        self._handles += [opt.register_state_dict_pre_hook(before_state_dict),
+                          opt.register_load_state_dict_pre_hook(before_load)]
 
     def _steps_mine(self, opt: torch.optim.Optimizer) -> bool:
         return any(id(p) in self._mine for g in opt.param_groups for p in g["params"])

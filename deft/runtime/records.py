@@ -15,8 +15,8 @@ lost: when, what was sent again, what it cost, the re-plan; :mod:`deft.runtime.f
 (the codec of the profile iterations and why,
 :class:`deft.runtime.codecs.first_iteration.CodecDecision`), ``nonfinite_steps`` (iterations whose gradient
 statistics were skipped: a gradient was inf/NaN, as GradScaler's overflow steps have). Before the first plan only
-``skipped_steps``, ``nonfinite_steps``, ``calibrations``, ``link_failures`` and ``profile_codec`` can be
-present.
+``skipped_steps``, ``nonfinite_steps``, ``calibrations``, ``link_failures``, ``profile_codec`` and
+``used_before_forward`` can be present.
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ class RunRecord:
     replans: list[Doc] = field(default_factory=list)  # the adaptation's re-planned schedules offered
     link_failures: list[Doc] = field(default_factory=list)  # links lost and the re-plans without them
     profile_codec: Doc | None = None  # the profile iterations' codec and why (deft.runtime.codecs.first_iteration)
+    used_before_forward: Doc | None = None  # deferred parameters used after the step (deft.runtime.param_watch)
 
     def planned(self, info: Mapping[str, JsonValue], t0: int, stats_reason: str, background: Doc | None) -> None:
         """The first plan is installed: its record starts the run's; what happened before it (skipped
@@ -96,6 +97,12 @@ class RunRecord:
         self.plan = {**info, "t0": t0, "stats_reason": stats_reason,
                      **({} if background is None else {"background": background})}
         self.rechecks, self.switches, self.adapt, self.replans = [], [], [], []
+
+    def used(self, t: int, what: str) -> None:
+        """After the step of iteration ``t`` the loop used ``what``, a parameter with a deferred update."""
+        if self.used_before_forward is None:
+            self.used_before_forward = {"iterations": 0, "first_iteration": t, "first": what}
+        self.used_before_forward["iterations"] = int(str(self.used_before_forward["iterations"])) + 1
 
     def switched(self, record: SwitchRecord) -> None:
         self.switches.append(record.to_dict())
@@ -107,6 +114,8 @@ class RunRecord:
             out["finish_in_forward"] = self.finish_in_forward
         if self.profile_codec is not None:
             out["profile_codec"] = copy.deepcopy(self.profile_codec)
+        if self.used_before_forward is not None:
+            out["used_before_forward"] = dict(self.used_before_forward)
         lists: dict[str, list[int] | list[Doc]] = {
             "skipped_steps": self.skipped_steps, "nonfinite_steps": self.nonfinite_steps,
             "calibrations": self.calibrations, "rechecks": self.rechecks, "switches": self.switches,
@@ -118,11 +127,10 @@ class RunRecord:
     def from_view(cls, doc: Mapping[str, JsonValue]) -> RunRecord:
         """The inverse of :meth:`view` (a checkpoint's ``plan_info``)."""
         rest = {k: v for k, v in doc.items() if k not in _RECORD_KEYS}
-        finish, pc = doc.get("finish_in_forward"), doc.get("profile_codec")
-        if pc is not None and not isinstance(pc, Mapping):
-            raise DeftError(f"deft checkpoint: plan_info.profile_codec: expected an object, got {pc!r}")
+        finish = doc.get("finish_in_forward")
         return cls(plan=rest, finish_in_forward=None if finish is None else str(finish),
-                   profile_codec=None if pc is None else dict(pc),
+                   profile_codec=_object_or_none(doc, "profile_codec"),
+                   used_before_forward=_object_or_none(doc, "used_before_forward"),
                    skipped_steps=_ints(doc, "skipped_steps"), nonfinite_steps=_ints(doc, "nonfinite_steps"),
                    calibrations=_objects(doc, "calibrations"), rechecks=_objects(doc, "rechecks"),
                    switches=_objects(doc, "switches"), adapt=_objects(doc, "adapt"),
@@ -130,8 +138,15 @@ class RunRecord:
 
 
 #: The keys of a view that are the record's own fields, not the plan's.
-_RECORD_KEYS = ("finish_in_forward", "profile_codec", "skipped_steps", "nonfinite_steps", "calibrations", "rechecks",
-                "switches", "adapt", "replans", "link_failures")
+_RECORD_KEYS = ("finish_in_forward", "profile_codec", "used_before_forward", "skipped_steps", "nonfinite_steps",
+                "calibrations", "rechecks", "switches", "adapt", "replans", "link_failures")
+
+
+def _object_or_none(doc: Mapping[str, JsonValue], key: str) -> Doc | None:
+    value = doc.get(key)
+    if value is not None and not isinstance(value, Mapping):
+        raise DeftError(f"deft checkpoint: plan_info.{key}: expected an object, got {value!r}")
+    return None if value is None else dict(value)
 
 
 def _items(doc: Mapping[str, JsonValue], key: str) -> list[JsonValue]:

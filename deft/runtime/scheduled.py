@@ -70,8 +70,8 @@ class ScheduledRun:
         if dropped:
             log.info("deft: code torch.compile made for %s before deft's hooks existed is dropped: it compiles "
                      "again with them", ", ".join(dropped))
-        self._updates = UpdateApplier(self.module, self._params, self._executor, self._optim, cfg,
-                                      self._forward_hooks, wiring.compiled)
+        self._updates = UpdateApplier(self.module, self._names, self._params, self._executor, self._optim, cfg,
+                                      self._forward_hooks, wiring.compiled, self._used_before_forward)
         self._course = Course(cfg, self._control, self.module, self._names, self._params, self._links,
                               self._executor, self._optim, self._updates.log, given_profile, wiring.ranks,
                               self._install, self._forward_hooks, from_config(cfg), wiring.init_broadcast)
@@ -105,6 +105,7 @@ class ScheduledRun:
     @outside_graphs
     def _forward_begins(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any]:
         """The iteration's state before the module runs; what runs it (the module, or once, a watched call)."""
+        self._updates.stop_watching()  # from here, the forward's pre-hooks apply the deferred updates
         self._training_forward = torch.is_grad_enabled()
         if not self._training_forward:
             return self.module  # evaluation: no gradient communication, nothing counted
@@ -267,6 +268,16 @@ class ScheduledRun:
         applied now, as before the module's (no collective: every rank launched them)."""
         self._updates.finish_deferred()
 
+    def _used_before_forward(self, t: int, what: str) -> None:
+        """The loop used a parameter with a deferred update after the step of iteration ``t``: the
+        updates are applied first (:mod:`deft.runtime.param_watch`), which costs their overlap."""
+        if self._course.record.used_before_forward is None:
+            log.warning("deft: the loop used %s between optimizer.step() and the next forward (after iteration "
+                        "%d); deft applies the updates it leaves finishing in the forward before such a use, as "
+                        "torch DDP's step would have applied them, and they do not overlap that forward. Using "
+                        "parameters there every few iterations keeps most of the overlap", what, t)
+        self._course.record.used(t, what)
+
     def _require_idle(self, what: str) -> None:
         if self._phase is Phase.BACKWARD_DONE and self._updates.exposed:
             self._skip_step()  # the last step was skipped (GradScaler found inf/NaN): the iteration is over
@@ -281,6 +292,7 @@ class ScheduledRun:
 
     def _begin_iteration(self) -> None:
         """A forward begins (or a first gradient arrives through the bare module)."""
+        self._updates.stop_watching()
         self._updates.drop_after_step()
         self._phase = Phase.FORWARD
         self._micro_batches = False
@@ -393,6 +405,7 @@ class ScheduledRun:
         t = self._t
         self._course.loop_pauses()
         self._after_step(stepped=True)
+        self._updates.watch_until_forward(t)
         self._course.loop_resumes(t)  # zero_grad, the schedule, the next batch: the loop's, until its forward
 
     def _after_step(self, stepped: bool = False) -> None:

@@ -23,6 +23,11 @@ Invariants (docs/DESIGN.md, "Runtime"):
   each parameter from its own gradient and state and deft itself does nothing global to the
   gradients (:meth:`UpdateApplier.couples`). What the loop does to them needs no such rule: it touches
   the futures, which makes them whole.
+* **Stepped values wherever the loop looks.** Between the user's step and the next forward, the loop's
+  first torch function on a parameter with a deferred update, or on its optimizer state, applies the
+  deferred updates first (:class:`deft.runtime.param_watch.ParamWatch`), as does the optimizer's
+  ``state_dict()`` or ``load_state_dict()`` and the module's ``state_dict()``: what the loop reads or
+  writes there is what torch DDP's step left.
 * **Merged steps.** The one step applying an update that merges ``k`` iterations runs with every
   param group's ``lr`` times ``merge_lr_factor(k, config.merge_lr_scaling)``, restored right after.
 """
@@ -30,6 +35,7 @@ Invariants (docs/DESIGN.md, "Runtime"):
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -43,6 +49,7 @@ from deft.runtime.eager import ForwardHooks
 from deft.runtime.executor import DueUpdate, Executor
 from deft.runtime.first_use import first_use_modules
 from deft.runtime.optimizer_hooks import LearningRate, OptimizerBinding, merged_lr, restore_lr, scale_lr
+from deft.runtime.param_watch import ParamWatch
 from deft.runtime.pending_grads import PendingGrad, settle_for_step
 
 #: torch optimizers whose update of a parameter reads only that parameter, its gradient and its own state:
@@ -58,9 +65,10 @@ LogEntry = tuple[int, tuple[int, ...]]
 class UpdateApplier:
     """Puts due updates into ``p.grad`` and through the optimizer (module docstring)."""
 
-    def __init__(self, module: nn.Module, params: list[torch.Tensor], executor: Executor,
-                 optim: OptimizerBinding, config: DeftConfig, hooks: ForwardHooks, compiled: str | None = None) -> None:
-        self._module, self._params, self._executor, self.optim = module, params, executor, optim
+    def __init__(self, module: nn.Module, names: list[str], params: list[torch.Tensor], executor: Executor,
+                 optim: OptimizerBinding, config: DeftConfig, hooks: ForwardHooks, compiled: str | None = None,
+                 on_used: Callable[[int, str], None] | None = None) -> None:
+        self._module, self._names, self._params, self._executor, self.optim = module, names, params, executor, optim
         self._hooks = hooks  # the wrapper's forward hooks (deft.runtime.eager)
         self._scaling = config.merge_lr_scaling
         self._compiled = compiled  # why the module runs compiled (then updates are applied whole), or None
@@ -81,6 +89,11 @@ class UpdateApplier:
         self._finish_hparams: list[dict[str, object]] = []
         self._taken: dict[int, PendingGrad] = {}  # the futures the step's settle took out of p.grad
         self._left: list[torch.Tensor | None] = []  # what the last step left in p.grad (keep_after_step)
+        # the loop's use of a deferred parameter before the forward; weakly, as the watch outlives no wrapper
+        self._watch = ParamWatch(_weakly(self._used))
+        weakref.finalize(self, self._watch.disarm)
+        self._on_used = on_used  # told (iteration, what) of each such use
+        self._t = 0  # the iteration the watch was armed after
 
     def set_clip(self, clip: tuple[float, float] | None) -> None:
         """``clip_grad_norm_on_update``: clip each update to ``(max_norm, norm_type)`` (None: off)."""
@@ -308,6 +321,34 @@ class UpdateApplier:
                 if was is not None and was is left:
                     p.grad = was
 
+    # -- the loop between the step and the next forward (deft.runtime.param_watch) ----------------------
+    def watch_until_forward(self, t: int) -> None:
+        """After the user's step of iteration ``t``: while updates are left finishing in the forward, the
+        loop's first use of one of their parameters, or of its optimizer state, applies them first."""
+        deferred = sorted(self._executor.deferred)
+        opt = self.optim.optimizer
+        if not deferred or opt is None:
+            return
+        watched: list[tuple[str, torch.Tensor]] = []
+        for i in deferred:
+            p = self._params[i]
+            watched.append((self._names[i], p))
+            state = opt.state.get(p, {})
+            watched += [(f"the optimizer's {key!r} of {self._names[i]}", v) for key, v in state.items()
+                        if isinstance(v, torch.Tensor)]
+        self._t = t
+        self._watch.arm(watched)
+
+    def stop_watching(self) -> None:
+        """A forward begins (or the deferred updates were applied): the watch ends."""
+        self._watch.disarm()
+
+    def _used(self, what: str) -> None:
+        """The loop used ``what`` before the forward: the deferred updates are applied now."""
+        if self._on_used is not None:
+            self._on_used(self._t, what)
+        self.finish_deferred()
+
     # -- updates finishing in the forward (Update.finish_in_forward) -----------------------------------
     def set_forward_hooks(self, on: bool) -> None:
         """While the schedule has updates finishing in the forward: as a module where a parameter is
@@ -330,12 +371,14 @@ class UpdateApplier:
     def finish_deferred(self) -> None:
         """Every deferred parameter gets its update now (the forward did not run its module, a
         checkpoint or evaluation needs torch DDP's parameters)."""
+        self._watch.disarm()
         if self._executor.deferred:
             self._apply_deferred(self._executor.finish())
 
     def _apply_deferred(self, grads: list[torch.Tensor | None]) -> None:
         """One internal optimizer step over the parameters in ``grads`` (others ``None``: untouched), with
         the hyperparameters of the step at which their update began."""
+        self._watch.disarm()  # a forward runs the module: its pre-hooks apply the rest, the step below is deft's
         if all(g is None for g in grads):
             return
         opt = self.optim.optimizer
@@ -358,4 +401,16 @@ class UpdateApplier:
                 self.clear_grads()
 
     def close(self) -> None:
+        self._watch.disarm()
         self.set_forward_hooks(False)
+
+
+def _weakly(method: Callable[[str], None]) -> Callable[[str], None]:
+    """``method`` called through a weak reference to its object (nothing once the object is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(what: str) -> None:
+        fn = ref()
+        if fn is not None:
+            fn(what)
+    return call

@@ -68,6 +68,7 @@ class Loop:
     log: Logged
     scaler: torch.amp.GradScaler | None = None
     is_deft: bool = False
+    kept: dict[str, Any] = field(default_factory=dict)  # what a loop keeps between iterations (an EMA, a snapshot)
 
 
 class MLP(nn.Module):
@@ -206,6 +207,7 @@ def run(recipe: Recipe, rank: int, mode: str, epsilon: float | None, workdir: st
             out["stats_reason"] = str(loop.wrapped.plan_info.get("stats_reason"))  # type: ignore[union-attr]
             out["deferred"] = sum(loop.log.deferred)
             out["nonfinite_steps"] = loop.wrapped.plan_info.get("nonfinite_steps", [])  # type: ignore[union-attr]
+            out["used_before_forward"] = loop.wrapped.plan_info.get("used_before_forward")  # type: ignore[union-attr]
         out[kind] = {"losses": loop.log.losses, "values": loop.log.values,
                      "params": [p.detach().flatten().tolist() for p in loop.model.parameters()],
                      "scale": None if loop.scaler is None else float(loop.scaler.get_scale())}

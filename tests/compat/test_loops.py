@@ -11,6 +11,7 @@ Mixed Precision" page (``scaler.scale(loss).backward(); scaler.step(opt); scaler
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -197,13 +198,72 @@ RECIPES: dict[str, Recipe] = {
 }
 
 
+def _ema_after_step(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """An EMA of the weights, torch's ``AveragedModel`` made from the wrapped model, updated after every step."""
+    if "ema" not in loop.kept:
+        ema_fn = torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
+        loop.kept["ema"] = torch.optim.swa_utils.AveragedModel(loop.model, multi_avg_fn=ema_fn)
+    _plain(loop, t, x, y)
+    loop.kept["ema"].update_parameters(loop.model)
+    if t % 6 == 5:
+        loop.log.values.extend(loop.kept["ema"].module.head.weight.flatten().tolist())
+
+
+def _weight_clipping(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """WGAN's critic: every weight clamped into [-0.2, 0.2] right after the step, through ``p.data``."""
+    _plain(loop, t, x, y)
+    for p in loop.model.parameters():
+        p.data.clamp_(-0.2, 0.2)
+
+
+def _penalty_before_forward(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """An L2 penalty computed from the parameters before the forward and added to its loss."""
+    penalty = 1e-2 * sum((p ** 2).sum() for p in loop.model.parameters())
+    loss = loss_fn(loop.wrapped(x), y) + penalty
+    loss.backward()
+    loop.opt.step()
+    loop.opt.zero_grad()
+    loop.log.losses.append(loss.item())
+
+
+def _optimizer_state_logged(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Adam's second moments summed after the step, for a dashboard."""
+    _plain(loop, t, x, y)
+    loop.log.values.append(float(sum(float(s["exp_avg_sq"].sum()) for s in loop.opt.state.values())))
+
+
+def _rollback(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """A rollback to a snapshot in memory (after a loss spike): the module's and the optimizer's state
+    copied after the step of iteration 7, loaded after that of iteration 15, the optimizer first."""
+    _plain(loop, t, x, y)
+    if t == 7:
+        loop.kept["snapshot"] = copy.deepcopy((loop.model.state_dict(), loop.opt.state_dict()))
+    if t == 15:
+        model_state, opt_state = loop.kept["snapshot"]
+        loop.opt.load_state_dict(opt_state)
+        loop.model.load_state_dict(model_state)
+
+
+#: Loops that use the parameters (or their optimizer state) between the step and the next forward.
+USE_AFTER_STEP: dict[str, Recipe] = {
+    "ema_after_step": Recipe(mlp, _ema_after_step),
+    "weight_clipping_after_step": Recipe(mlp, _weight_clipping),
+    "penalty_before_forward": Recipe(mlp, _penalty_before_forward),
+    "optimizer_state_logged_after_step": Recipe(mlp, _optimizer_state_logged, optimizer=_adam),
+    "rollback_to_a_snapshot": Recipe(mlp, _rollback),
+}
+#: ... of which those where a hook applies the deferred updates before the use (the optimizer's
+#: ``load_state_dict``), not the watch.
+APPLIED_BY_HOOKS = {"rollback_to_a_snapshot"}
+
+
 #: Recipes whose loop touches every gradient between backward() and step().
 READS_EVERY_GRADIENT = {"amp_bf16_documented", "amp_fp16_inf_before_plan", "amp_fp16_inf_after_plan",
                         "clip_from_start", "grad_norm_logging"}
 
 
 def compat_worker(rank: int, world: int, recipe: str, mode: str, workdir: str) -> dict[str, Any]:
-    return run(RECIPES[recipe], rank, mode, 0.0, workdir)
+    return run({**RECIPES, **USE_AFTER_STEP}[recipe], rank, mode, 0.0, workdir)
 
 
 def check_exact(out: list[dict[str, Any]]) -> None:
@@ -234,6 +294,28 @@ def test_recipe_matches_torch_ddp_at_epsilon_zero(recipe: str, mode: str, tmp_pa
         first = r.restart_at if r.restart_from == "module" and r.restart_at is not None else 0
         assert out[0]["updates"] == [[t - first] for t in range(first, r.steps)
                                      if t not in _skipped(out[0])], out[0]["updates"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", sorted(USE_AFTER_STEP))
+def test_a_loop_using_parameters_after_the_step_matches_torch_ddp(recipe: str, tmp_path: Any) -> None:
+    """Under a schedule that leaves updates finishing in the next forward, a loop using the parameters
+    before that forward sees what torch DDP's step left, and deft says it gave up the overlap there."""
+    out = values(run_ranks(compat_worker, 2, (recipe, "forced", str(tmp_path)), timeout=180))
+    check_exact(out)
+    used = out[0]["used_before_forward"]
+    assert (used is None) == (recipe in APPLIED_BY_HOOKS), out[0]
+    assert out[0]["updates"] == [[t] for t in range(USE_AFTER_STEP[recipe].steps)], out[0]["updates"]
+
+
+@pytest.mark.slow
+def test_a_loop_that_uses_no_parameter_after_the_step_keeps_the_overlap(tmp_path: Any) -> None:
+    """The plain loop (zero_grad, the next batch) uses no parameter there: nothing is recorded, every
+    update after the first is left finishing in the forward (the first step shows deft the optimizer,
+    whose hyperparameters a deferred update needs: that update is whole)."""
+    out = values(run_ranks(compat_worker, 2, ("plain", "forced", str(tmp_path)), timeout=180))
+    assert out[0]["used_before_forward"] is None
+    assert out[0]["deferred"] == RECIPES["plain"].steps - 1
 
 
 def _skipped(v: dict[str, Any]) -> set[int]:
