@@ -5,8 +5,8 @@ stepped the deferred parameters when the user's ``step()`` returns. A checkpoint
 (``torch.save(opt.state_dict())``, what many loops and trainers do) must still hold torch DDP's momentum:
 deft finishes those updates before the optimizer's state is read. Two gloo ranks on CPU, a forced
 deferring schedule at epsilon 0, SGD with momentum; the momentum buffers are compared with torch DDP's
-after every step, and (so the check is shown to discriminate) so are the optimizer's buffers read
-without ``state_dict()``, which lag one update behind on the deferred parameters.
+after every step, through ``state_dict()`` and read directly from ``optimizer.state`` (the first torch
+function on them applies the deferred updates: deft.runtime.param_watch).
 """
 
 from __future__ import annotations
@@ -66,6 +66,6 @@ def test_optimizer_state_dict_alone_holds_torch_ddps_momentum(tmp_path: Any) -> 
 
 
 @pytest.mark.slow
-def test_the_optimizer_read_directly_lags_so_the_check_discriminates(tmp_path: Any) -> None:
+def test_the_optimizer_read_directly_holds_torch_ddps_momentum_too(tmp_path: Any) -> None:
     for v in values(run_ranks(state_worker, 2, (str(tmp_path / "s.json"), False), timeout=120)):
-        assert v["worst"] > 1e-3, v
+        assert v["worst"] < 1e-5, v

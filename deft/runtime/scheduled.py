@@ -250,7 +250,7 @@ class ScheduledRun:
         st = RuntimeState.from_dict(state)
         self._require_idle("deft's state can only be loaded; loading")
         st.check_owner(self.rank, self.world)
-        self._updates.drop_after_step()  # they read groups the loaded ones replace
+        self._updates.drop_after_step(keep=False)  # they read groups the loaded ones replace
         # first, so that a damaged codec state is refused before anything of this wrapper changes
         self._course.codecs.load_hook_states(st.codec_hooks, "deft checkpoint")
         layout = FlatLayout(st.order, self._names, self._params, st.schedule.bucket_numel, "deft checkpoint: schedule")

@@ -245,22 +245,33 @@ class UpdateApplier:
     def keep_after_step(self) -> None:
         """After the user's step, ``p.grad`` holds the averaged gradient as under torch DDP: what the step
         applied stays; a deferred one the step did not touch comes back as an after-step future (read:
-        waited for, still applied in the next forward); a placeholder comes back as zeros. Dropped at the
-        next training forward (:meth:`drop_after_step`), before the buffers are used again."""
+        waited for, still applied in the next forward); a placeholder comes back as zeros. Taken out of
+        deft's buffers at the next training forward (:meth:`drop_after_step`)."""
         for i, g in self._taken.items():
             p = self._params[i]
             if p.grad is None:
                 p.grad = PendingGrad.zeros(p) if g.placeholder else PendingGrad.after_step(p, self._reader(i))
         self._left = [p.grad for p in self._params]
 
-    def drop_after_step(self) -> None:
-        """A training forward begins: what :meth:`keep_after_step` left and the loop did not replace
-        leaves ``p.grad`` (the loop's ``zero_grad()`` would have; a loop that never zeroes accumulates
-        from here, as deft's iterations always start)."""
-        for p, g in zip(self._params, self._left, strict=False):
-            if g is not None and p.grad is g:
-                p.grad = None
+    def drop_after_step(self, keep: bool = True) -> None:
+        """A training forward begins: what :meth:`keep_after_step` left in ``p.grad`` leaves deft's buffers
+        before they are used again. Cleared by the loop (``zero_grad()``: None, or zeros) or a placeholder,
+        nothing follows. Left there (a parameter outside the optimizer, whose ``zero_grad()`` does not
+        reach it; a loop that never zeroes), the next backward adds to it, as torch DDP's does: it stays in
+        ``p.grad`` as a copy of its own (an after-step future waited for). ``keep`` False: dropped all the
+        same (a checkpoint loaded replaces the state)."""
+        left = [(p, g) for p, g in zip(self._params, self._left, strict=False) if g is not None and p.grad is g]
         self._left = []
+        for p, _ in left:
+            p.grad = None
+        left = [(p, g) for p, g in left if keep and not (isinstance(g, PendingGrad) and g.placeholder)]
+        if not left:
+            return
+        values = [g.value() if isinstance(g, PendingGrad) else g for _, g in left]
+        nonzero = torch.stack([v.ne(0).any() for v in values]).tolist()  # one wait for the device, not one each
+        for (p, _), v, kept in zip(left, values, nonzero, strict=True):
+            if kept:
+                p.grad = v.detach().clone()
 
     def _reader(self, i: int) -> Callable[[], torch.Tensor]:
         """Parameter ``i``'s averaged gradient after the step: waited for, left deferred."""
@@ -304,10 +315,11 @@ class UpdateApplier:
 
     @contextlib.contextmanager
     def _after_step_kept(self) -> Iterator[Callable[[list[torch.Tensor | None]], None]]:
-        """Around deft's own steps between the user's step and the next forward (a checkpoint, an
-        evaluation, ``flush()``): an after-step future about to be applied takes its value first (the
-        yielded function, given the gradients about to be applied), and ``p.grad`` is given back what
-        :meth:`keep_after_step` left there, after the steps cleared it."""
+        """Around deft's own steps between the user's step and the next backward (a checkpoint, an
+        evaluation, ``flush()``, a deferred update in the forward): an after-step future about to be
+        applied takes its value first (the yielded function, given the gradients about to be applied),
+        and ``p.grad`` is given back what it held (what :meth:`keep_after_step` left, the loop's own, or
+        what the next backward adds to), after the steps cleared it."""
         before = [p.grad for p in self._params]
 
         def resolve(grads: list[torch.Tensor | None]) -> None:
@@ -317,9 +329,8 @@ class UpdateApplier:
         try:
             yield resolve
         finally:
-            for p, was, left in zip(self._params, before, self._left, strict=False):
-                if was is not None and was is left:
-                    p.grad = was
+            for p, was in zip(self._params, before, strict=True):
+                p.grad = was
 
     # -- the loop between the step and the next forward (deft.runtime.param_watch) ----------------------
     def watch_until_forward(self, t: int) -> None:

@@ -173,6 +173,38 @@ def _unfreeze_into_the_optimizer(loop: Loop, t: int, x: torch.Tensor, y: torch.T
     loop.log.losses.append(loss.item())
 
 
+def _unfreeze_after_optimizer_zero_grad(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """As above with the optimizer's ``zero_grad()``: until they join, the parameters outside the
+    optimizer keep summing their gradients, and the new group's first step applies that sum."""
+    if t == 15:
+        head = {id(p) for p in loop.opt.param_groups[0]["params"]}
+        loop.opt.add_param_group({"params": [p for p in loop.model.parameters() if id(p) not in head], "lr": 0.002})
+    _plain(loop, t, x, y)
+
+
+def _head_trained_model_clipped(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """The optimizer holds the head only; the clip and the logged norm take every parameter of the model,
+    whose body keeps summing its gradients (the optimizer's ``zero_grad()`` leaves them)."""
+    loss = loss_fn(loop.wrapped(x), y)
+    loss.backward()
+    loop.log.values.append(float(torch.nn.utils.clip_grad_norm_(loop.model.parameters(), 5.0)))
+    loop.opt.step()
+    loop.opt.zero_grad()
+    loop.log.losses.append(loss.item())
+
+
+def _never_zeroed(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """No ``zero_grad()`` at all: every step applies the sum of all gradients so far."""
+    loss = loss_fn(loop.wrapped(x), y)
+    loss.backward()
+    loop.opt.step()
+    loop.log.losses.append(loss.item())
+
+
+def _small_sgd(m: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(m.parameters(), lr=0.002)
+
+
 def _adam(m: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.01)
 
@@ -195,6 +227,10 @@ RECIPES: dict[str, Recipe] = {
     "checkpoint_through_dcp": Recipe(mlp, _plain, optimizer=_adam, restart_at=13, restart_from="dcp"),
     "functional_parameter_use": Recipe(_functional_model, _plain, optimizer=_adam),
     "add_param_group_mid_training": Recipe(mlp, _unfreeze_into_the_optimizer, optimizer=_head_only),
+    "add_param_group_after_optimizer_zero_grad": Recipe(mlp, _unfreeze_after_optimizer_zero_grad,
+                                                        optimizer=_head_only),
+    "optimizer_over_the_head_model_clipped": Recipe(mlp, _head_trained_model_clipped, optimizer=_head_only),
+    "gradients_never_zeroed": Recipe(mlp, _never_zeroed, optimizer=_small_sgd),
 }
 
 
@@ -259,7 +295,7 @@ APPLIED_BY_HOOKS = {"rollback_to_a_snapshot"}
 
 #: Recipes whose loop touches every gradient between backward() and step().
 READS_EVERY_GRADIENT = {"amp_bf16_documented", "amp_fp16_inf_before_plan", "amp_fp16_inf_after_plan",
-                        "clip_from_start", "grad_norm_logging"}
+                        "clip_from_start", "grad_norm_logging", "optimizer_over_the_head_model_clipped"}
 
 
 def compat_worker(rank: int, world: int, recipe: str, mode: str, workdir: str) -> dict[str, Any]:
