@@ -206,6 +206,40 @@ def test_a_torch_distributed_checkpoint_mid_cycle_resumes_exactly(tmp_path: Path
         assert resumed[r]["params"] == first[r]["full"]["params"]  # bit for bit
 
 
+def dcp_into_plain_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, object]:
+    """A DCP checkpoint of the wrapper (``get_model_state_dict``), loaded into the bare model as an
+    evaluation script does; the checkpoint's keys beside torch DDP's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    import deft
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cfg = {"epsilon": 0.0, "warmup_iters": 1, "profile_iters": 2, "timeout_s": 30}
+    ddp = deft.DistributedDataParallel(model, optimizer=opt, config=cfg)
+    train(ddp, opt, rank, 0, 6)
+    saved = get_model_state_dict(ddp)
+    dcp.save({"model": saved}, checkpoint_id=str(Path(ckpt_dir) / "dcp-plain"))
+    torch_keys = sorted(get_model_state_dict(nn.parallel.DistributedDataParallel(make_model())))
+    plain = make_model()
+    state = {"model": get_model_state_dict(plain)}
+    dcp.load(state, checkpoint_id=str(Path(ckpt_dir) / "dcp-plain"))
+    set_model_state_dict(plain, state["model"])
+    worst = max((a - b).abs().max().item() for a, b in zip(plain.parameters(), model.parameters(), strict=True))
+    return {"keys": sorted(saved), "torch_keys": torch_keys, "worst": worst, "rank": rank}
+
+
+@pytest.mark.slow
+def test_a_torch_distributed_checkpoint_of_the_wrapper_loads_into_the_bare_model(tmp_path: Path) -> None:
+    """As for torch DDP, the state dict DCP takes of the wrapper names the model's own parameters (no
+    ``module.`` prefix); deft's record is one key more (each rank's own), which a bare model does not
+    ask for."""
+    for v in values(run_ranks(dcp_into_plain_worker, 2, (str(tmp_path),), timeout=120)):
+        assert v["keys"] == sorted([*v["torch_keys"], f"deft_state_rank{v['rank']}"]), v
+        assert v["worst"] == 0.0, v
+
+
 # -- a checkpoint while rank 0 plans in the background -----------------------------------------------
 LAG_TOTAL, LAG_STOP = 14, 4
 

@@ -38,6 +38,24 @@ def _train(model: nn.Module, forward: Any, finish: Any, steps: int = 3) -> list[
     return [p.detach().reshape(-1).tolist() for p in model.parameters()]
 
 
+def _forward_flags(ddp: nn.Module) -> list[bool]:
+    """``require_forward_param_sync`` as built, after an evaluation forward, after a training iteration,
+    after one under ``no_sync()`` and after the next."""
+    x = torch.ones(3, 4)
+    flags = [ddp.require_forward_param_sync]
+    with torch.no_grad():
+        ddp(x)
+    flags.append(ddp.require_forward_param_sync)
+    ddp(x).sum().backward()
+    flags.append(ddp.require_forward_param_sync)
+    with ddp.no_sync():  # type: ignore[operator]
+        ddp(x).sum().backward()
+    flags.append(ddp.require_forward_param_sync)
+    ddp(x).sum().backward()
+    flags.append(ddp.require_forward_param_sync)
+    return flags
+
+
 def constructor_worker(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -72,6 +90,10 @@ def constructor_worker(rank: int, world: int) -> dict[str, Any]:
     with ours.no_sync():
         out["flag_in_no_sync"] = ours.require_backward_grad_sync
     out["flag_after"] = ours.require_backward_grad_sync
+    out["forward_flags"] = (_forward_flags(ours), _forward_flags(ref))
+    out["isinstance"] = isinstance(ours, nn.parallel.DistributedDataParallel)
+    to_save = ours.module if isinstance(ours, nn.parallel.DistributedDataParallel) else ours  # the saving idiom
+    out["saved_keys"] = (sorted(to_save.state_dict()), sorted(_model().state_dict()))
     ours.close()
     m = _model()
     out["plain"] = _train(m, m, lambda: None)
@@ -85,6 +107,14 @@ def constructor_worker(rank: int, world: int) -> dict[str, Any]:
             errors[name] = None
         except DeftError as e:
             errors[name] = str(e)
+    sync_bn = nn.Sequential(nn.Linear(4, 8), nn.SyncBatchNorm(8))
+    for kind, wrap in (("deft", lambda: deft.DistributedDataParallel(sync_bn, config=cfg)),
+                       ("torch", lambda: nn.parallel.DistributedDataParallel(sync_bn))):
+        try:
+            wrap()
+            errors[f"sync_batch_norm_{kind}"] = None
+        except (DeftError, ValueError) as e:
+            errors[f"sync_batch_norm_{kind}"] = str(e)
     out["errors"] = errors
     return out
 
@@ -98,10 +128,19 @@ def test_torch_ddp_constructor_lines_carry_over() -> None:
     for name, (ours, ref) in out["attributes"].items():
         assert ours == ref, (name, ours, ref)
     assert out["same_group"] and out["flag_in_no_sync"] is False and out["flag_after"] is True
+    ours_flags, torch_flags = out["forward_flags"]
+    assert ours_flags == torch_flags == [True, False, True, False, True]
+    assert out["isinstance"]
+    keys, plain_keys = out["saved_keys"]
+    assert keys == plain_keys
     errors = out["errors"]
     assert "device_ids" in errors["optimizer_positional"] and "optimizer=" in errors["optimizer_positional"]
     assert "mixed_precision" in errors["mixed_precision"]
     assert "device_ids must be None" in errors["cpu_device_ids"]
+    # refused at construction on the CPU, as torch DDP refuses it
+    assert "SyncBatchNorm layers only work with GPU modules" in errors["sync_batch_norm_torch"]
+    deft_error = errors["sync_batch_norm_deft"]
+    assert deft_error is not None and "module '1' is a SyncBatchNorm" in deft_error
 
 
 def test_device_ids_read_as_torch_ddp_sets_them() -> None:

@@ -80,6 +80,19 @@ def check_device_ids(device_ids: object, output_device: object, device: torch.de
                             "move the module to that device first, as with torch DDP")
 
 
+def check_sync_batch_norm(module: torch.nn.Module, device: torch.device) -> None:
+    """torch DDP's rule at construction: ``SyncBatchNorm`` layers only work with GPU modules (their
+    forward would fail in the first iteration on the CPU)."""
+    if device.type != "cpu":
+        return
+    for name, layer in module.named_modules():
+        if isinstance(layer, torch.nn.SyncBatchNorm):
+            which = f"module {name!r}" if name else "the module"
+            raise DeftError(f"{which} is a SyncBatchNorm, which works only with GPU modules (torch DDP refuses it "
+                            "on the CPU too); use torch.nn.BatchNorm (broadcast_buffers keeps its statistics "
+                            "rank 0's) or move the module to a GPU")
+
+
 def torch_device_ids(device_ids: Sequence[object] | None, output_device: object,
                      device: torch.device) -> tuple[list[int] | None, int | None]:
     """torch DDP's ``device_ids`` and ``output_device`` attributes: ``None`` for a CPU module or none

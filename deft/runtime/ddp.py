@@ -10,6 +10,15 @@ This module is the facade: torch-compatible construction (the control plane, the
 state on every rank), the buffers' broadcast and the public API, forwarded to one training mode chosen
 at construction (:mod:`deft.runtime.mode`: DeFT's schedule, or local steps). One module per job
 (docs/DESIGN.md, "Runtime", has the table).
+
+Note: the wrapper is registered as a virtual subclass of torch's (``isinstance(ddp,
+torch.nn.parallel.DistributedDataParallel)`` is True; torch's class is an ``abc.ABC`` through
+``Joinable``). Code written for torch DDP decides on that check: the saving idiom ``model.module if
+isinstance(model, DistributedDataParallel) else model``, Accelerate's ``unwrap_model``, Lightning
+Fabric's module state dict, and ``torch.distributed.checkpoint``'s state dicts, whose keys drop the
+wrapper's ``module.`` prefix only for a DDP. It inherits nothing from torch's class: what torch DDP's
+callers read after the check (``no_sync``, ``module``, ``require_backward_grad_sync``,
+``require_forward_param_sync``, ``static_graph``, ``_get_ddp_logging_data``, ...) is deft's own.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from deft.runtime.codecs.hooks import CommHook
 from deft.runtime.compat import (
     Device,
     check_device_ids,
+    check_sync_batch_norm,
     check_torch_args,
     for_compiled,
     refuse_join,
@@ -104,6 +114,7 @@ class DistributedDataParallel(nn.Module):
         self._names, self._params, self.device = trainable(module)
         self.config, self._compiled = for_compiled(module, self.config)
         check_device_ids(device_ids, output_device, self.device)
+        check_sync_batch_norm(module, self.device)
         warn_shared_rendezvous_store(os.environ)
         self._cuda = self.device.type == "cuda"
         self._ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
@@ -306,6 +317,24 @@ class DistributedDataParallel(nn.Module):
     def require_backward_grad_sync(self, value: bool) -> None:
         self._sync.require_sync(value)
 
+    @property
+    def require_forward_param_sync(self) -> bool:
+        """torch DDP's flag: does the next forward broadcast rank 0's buffers (``broadcast_buffers``)?
+        Set by each forward as torch sets it (False after one under ``no_sync()`` or without gradients)."""
+        return self._buffers_due
+
+    @require_forward_param_sync.setter
+    def require_forward_param_sync(self, value: bool) -> None:
+        self._buffers_due = bool(value)
+
+    def will_sync_module_buffers(self) -> bool:
+        """torch DDP's: will the next forward broadcast the module's buffers?"""
+        return self._buffers_due and self._sync_buffers and self.world > 1 and any(True for _ in self.module.buffers())
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """torch DDP's logging record (Lightning's teardown reads it): none here; deft's is :attr:`plan_info`."""
+        return {}
+
     def _set_static_graph(self) -> None:
         """torch DDP's static-graph hint: deft records the graph's use of each parameter in its first
         training forward whatever the hint says, so there is nothing to set."""
@@ -372,3 +401,7 @@ def _load_record(ddp: DistributedDataParallel, incompatible_keys: Any) -> None:
         return  # torch DDP's state_dict, or the module's: deft starts as after a module checkpoint
     own = ddp.rank if ddp.rank in found else None if None in found else min(r for r in found if r is not None)
     ddp.set_deft_state(found[own])
+
+
+# isinstance(ddp, torch DDP) holds for deft's wrapper (module docstring, its Note)
+torch.nn.parallel.DistributedDataParallel.register(DistributedDataParallel)
