@@ -323,9 +323,21 @@ class ScheduledRun:
         p.grad = None
         self._tracing.after_gradient()
 
+    def _take_left_grads(self) -> None:
+        """The backward ends: a gradient still in ``p.grad`` is one the backward did not reach (carried or
+        left by the loop, :meth:`deft.runtime.updates.UpdateApplier.drop_after_step`); it is that
+        parameter's gradient of this iteration, as torch DDP's reducer takes what ``p.grad`` holds."""
+        if self._sync.backward_accumulates():
+            return  # under no_sync() it stays in p.grad, for the backward that communicates
+        for i, p in enumerate(self._params):
+            if p.grad is not None:
+                self._executor.add_grad(i, p.grad)
+                p.grad = None
+
     def _on_backward_end(self) -> None:
         if self._phase is Phase.BACKWARD:
             self._course.backward_ends(time.perf_counter())
+            self._take_left_grads()
             self._executor.end_backward()
             self._phase = Phase.BACKWARD_DONE
             self._expose()
@@ -375,6 +387,7 @@ class ScheduledRun:
                             "no_sync(), or run the last backward under ddp.trigger_sync_in_backward()")
         self._step_open = True
         if self._phase in (Phase.FORWARD, Phase.BACKWARD):
+            self._take_left_grads()
             self._executor.end_backward()  # no backward, or one without gradients for deft: unused = zero
             self._phase = Phase.BACKWARD_DONE
             self._tracing.backward_ends()

@@ -15,9 +15,11 @@ Invariants (docs/DESIGN.md, "Runtime"):
   inf/NaN) drops the exposed update as torch DDP does, deferred part included.
 * **Accumulated when the loop keeps it.** A training forward after ``backward()`` without a step, with
   the exposed gradients still in ``p.grad``, accumulates (micro-batches without ``no_sync()``): what
-  ``p.grad`` holds is carried (:meth:`UpdateApplier.carry`) and added to the next exposed update, whose
-  step applies the sum, as torch DDP's ``p.grad`` would hold it. Gone from ``p.grad`` (``zero_grad()``
-  after a skipped step), it is a skipped step.
+  ``p.grad`` holds is carried (:meth:`UpdateApplier.carry`) into the next backward, which adds to it
+  before deft reduces it, as torch DDP's autograd and reducer do; the next step applies the sum. Gone
+  from ``p.grad`` (``zero_grad()`` after a skipped step), it is a skipped step. Likewise what the loop
+  leaves in ``p.grad`` after a step (:meth:`UpdateApplier.drop_after_step`), and a gradient left in
+  ``p.grad`` whose parameter the backward did not reach is reduced as that parameter's gradient.
 * **Applied whole when it must be.** A deferred part gets the step's hyperparameters as they were at
   the step (an LR scheduler may have stepped since), and is possible only when the optimizer updates
   each parameter from its own gradient and state and deft itself does nothing global to the
@@ -51,6 +53,7 @@ from deft.runtime.first_use import first_use_modules
 from deft.runtime.optimizer_hooks import LearningRate, OptimizerBinding, merged_lr, restore_lr, scale_lr
 from deft.runtime.param_watch import ParamWatch
 from deft.runtime.pending_grads import PendingGrad, settle_for_step
+from deft.schedule import Schedule
 
 #: torch optimizers whose update of a parameter reads only that parameter, its gradient and its own state:
 #: an update finishing in the forward may apply them one module at a time (exact type, not subclasses).
@@ -81,6 +84,7 @@ class UpdateApplier:
         self._lr_saved: list[LearningRate] | None = None  # the groups' lr while a merged step runs scaled
         # Accumulation without no_sync(): what p.grad held at the next forward, and the iterations it sums.
         self._carried: list[torch.Tensor | None] | None = None
+        self._carry_into_backward = False  # the carried gradients go into p.grad, not past the reduction
         self._carried_iterations: list[tuple[int, ...]] = []
         # Updates finishing in the forward: module pre-hooks, and the step's hyperparameters.
         self._owned: dict[int, list[int]] = {}  # id(module) -> parameters updated before its forward
@@ -143,7 +147,7 @@ class UpdateApplier:
             self.set_grads(upd.grads)
             self.step_merged(len(upd.iterations))
             self.log.append((t, upd.iterations))
-        if self._carried is not None:
+        if self._carried is not None:  # carried past the reduction (a schedule that merges or delays)
             self._expose_with_carried(updates[-1] if updates else None)
         elif updates:
             self.set_grads(updates[-1].grads)
@@ -158,8 +162,9 @@ class UpdateApplier:
         self._exposed = any(p.grad is not None for p in self._params)
 
     def _expose_with_carried(self, last: DueUpdate | None) -> None:
-        """Accumulation: ``p.grad`` is the carried gradient plus the last due update's (whole: its
-        deferred part is waited for, as a loop touching it would), so the user's step applies the sum."""
+        """Accumulation under a schedule that merges or delays: ``p.grad`` is the carried gradient plus
+        the last due update's (whole: its deferred part is waited for, as a loop touching it would), so
+        the user's step applies the sum."""
         carried, self._carried = self._carried, None
         assert carried is not None
         grads: list[torch.Tensor | None] = list(last.grads) if last is not None else [None] * len(self._params)
@@ -172,24 +177,33 @@ class UpdateApplier:
 
     def carry(self) -> bool:
         """A training forward after ``backward()`` with no step between: if the loop left gradients in
-        ``p.grad`` (it accumulates micro-batches without ``no_sync()``), carry them into the next exposed
-        update (a placeholder carries nothing) and return True; if it cleared them (a skipped step:
-        ``p.grad`` None, or all zeros after ``zero_grad(set_to_none=False)``), return False.
+        ``p.grad`` (it accumulates micro-batches without ``no_sync()``), they stay there, copies of their
+        own, for the next backward to add to, as torch DDP's autograd does, and that backward's update
+        applies the sum (a placeholder carries nothing); return True. If the loop cleared them (a skipped
+        step: ``p.grad`` None, or all zeros after ``zero_grad(set_to_none=False)``), return False.
 
         Note: every rank takes the same decision. Whether ``p.grad`` is kept is the loop's control flow
         (``zero_grad()`` or not), and every rank runs the same loop; GradScaler's skip decision reads the
         all-reduced gradient, the same on every rank. Either way no collective follows from it: both
-        paths only wait for buckets every rank launched."""
+        paths only wait for buckets every rank launched. What is carried is the same on every rank too,
+        so all-reducing it with the next gradient (torch DDP's order of operations) changes nothing but
+        the rounding, which is then torch DDP's. That holds where every iteration's update is due at its
+        own step; under a schedule that merges or delays, the next backward's update may not be, and
+        the carried gradient is added to what the next step applies instead (:meth:`_expose_with_carried`)."""
         kept = [p.grad for p in self._params]
-        # zero_grad(set_to_none=False) leaves zeros: cleared all the same, a skipped step to record
-        if all(g is None or (not isinstance(g, PendingGrad) and not bool(g.any())) for g in kept):
+        # zero_grad(set_to_none=False) leaves zeros (an update's future it zeroed holds them): cleared all
+        # the same, a skipped step to record; a future nothing touched, and a placeholder, are kept
+        if all(g is None or (not (isinstance(g, PendingGrad) and (g.placeholder or not g.resolved))
+                             and not bool(_plain(g).any())) for g in kept):
             return False
         # a deferred gradient the loop kept is waited for; the rest of the deferred (dropped by the loop) too
         carried = [None if g is None or (isinstance(g, PendingGrad) and g.placeholder)
-                   else g.value() if isinstance(g, PendingGrad) else g for g in kept]
+                   else (g.value() if isinstance(g, PendingGrad) else g).detach().clone() for g in kept]
         self._executor.finish()
         self.clear_grads()
         self._carried = carried
+        # into p.grad when the next iteration begins (drop_after_step), or added at the step (expose)
+        self._carry_into_backward = _each_iteration_at_its_step(self._executor.schedule)
         if self._exposed_iterations is not None:
             self._carried_iterations.append(self._exposed_iterations)
             self._exposed_iterations = None
@@ -258,8 +272,15 @@ class UpdateApplier:
         before they are used again. Cleared by the loop (``zero_grad()``: None, or zeros) or a placeholder,
         nothing follows. Left there (a parameter outside the optimizer, whose ``zero_grad()`` does not
         reach it; a loop that never zeroes), the next backward adds to it, as torch DDP's does: it stays in
-        ``p.grad`` as a copy of its own (an after-step future waited for). ``keep`` False: dropped all the
-        same (a checkpoint loaded replaces the state)."""
+        ``p.grad`` as a copy of its own (an after-step future waited for). So do the gradients
+        :meth:`carry` took when every iteration's update is due at its own step. ``keep`` False: dropped
+        all the same (a checkpoint loaded replaces the state)."""
+        if self._carried is not None and self._carry_into_backward:  # for the next backward to add to (carry)
+            carried, self._carried = self._carried, None
+            self._left = []
+            for p, c in zip(self._params, carried, strict=True):
+                p.grad = c if keep else None
+            return
         left = [(p, g) for p, g in zip(self._params, self._left, strict=False) if g is not None and p.grad is g]
         self._left = []
         for p, _ in left:
@@ -414,6 +435,16 @@ class UpdateApplier:
     def close(self) -> None:
         self._watch.disarm()
         self.set_forward_hooks(False)
+
+
+def _each_iteration_at_its_step(schedule: Schedule | None) -> bool:
+    """Is every iteration's update applied by its own step (no merge, no delay), as torch DDP's are?"""
+    return schedule is not None and all(u.positions == (u.apply_after,) for u in schedule.updates)
+
+
+def _plain(g: torch.Tensor) -> torch.Tensor:
+    """A gradient's value: a resolved future's own, else the tensor."""
+    return g.value() if isinstance(g, PendingGrad) else g
 
 
 def _weakly(method: Callable[[str], None]) -> Callable[[str], None]:
