@@ -161,10 +161,9 @@ def test_the_forward_decides_and_a_step_after_only_micro_batches_is_refused() ->
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="a gap: after a backward under no_sync() deft keeps the micro-batch's "
-                   "gradient in its own buffers and p.grad is None, where torch DDP's holds this rank's "
-                   "accumulated gradient (code logging or clipping per micro-batch reads None)")
 def test_a_micro_batchs_gradient_is_in_p_grad_as_under_torch_ddp() -> None:
+    """After a backward under no_sync() ``p.grad`` holds this rank's gradient summed so far, as torch
+    DDP's does (code logging or clipping per micro-batch reads it)."""
     for v in values(run_ranks(worker, 2, args=(("micro_batch",),), timeout=180)):
         assert v["micro_batch"] == {"deft": pytest.approx(0.0, abs=1e-6),
                                     "deft_accelerate": pytest.approx(0.0, abs=1e-6)}

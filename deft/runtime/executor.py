@@ -348,18 +348,14 @@ class Executor:
                 self._bucket_ready(b)
         self._pump()
 
-    def add_grad(self, index: int, grad: torch.Tensor, final: bool = True) -> None:
-        """Accumulate parameter ``index``'s gradient of this iteration into its group's buffer.
-
-        ``final=False`` (a micro-batch under ``no_sync()``): only accumulate; the parameter's gradient
-        of this iteration is complete at the first backward outside ``no_sync()``.
-        """
+    def add_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Parameter ``index``'s gradient of this iteration, complete (micro-batches under ``no_sync()``
+        included: they sum in ``p.grad``), into its group's buffer; its buckets launch when complete."""
         if self.backward_done:
             raise DeftError("deft runs one backward per iteration: a gradient arrived after the backward of "
                             f"iteration {self.t} had ended (use ddp.no_sync() for micro-batches, and call "
                             "optimizer.step() between iterations)")
-        if final:
-            self.begin_backward()
+        self.begin_backward()
         lay = self.layout
         assert lay is not None
         g = self.groups[self.group_last(self.t)]
@@ -369,7 +365,7 @@ class Executor:
         if not self._touched[index]:
             self._touched[index] = True
             g.local_used[index] += 1  # counted on the host: a device tensor would cost a kernel per parameter
-        if final and not self._captured[index]:
+        if not self._captured[index]:
             self._captured[index] = True
             self._param_complete(index)
             self._pump()

@@ -310,9 +310,9 @@ class ScheduledRun:
             self._begin_iteration()
         self._course.gradient_seen(index)
         if self._sync.backward_accumulates() and self._phase is Phase.FORWARD:
+            # a micro-batch: its gradient stays in p.grad, this rank's sum so far as under torch DDP; the
+            # backward that communicates adds to it (or _take_left_grads takes it, its parameter unused there)
             self._micro_batches = True
-            self._executor.add_grad(index, p.grad, final=False)  # a micro-batch: accumulate only
-            p.grad = None
             return
         if self._phase is Phase.FORWARD:
             self._phase = Phase.BACKWARD
