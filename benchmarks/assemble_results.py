@@ -83,6 +83,7 @@ ORDER = [
     "peers_catch_up.md",
     "planner_gap.md",
     "runtime_ab.md",
+    "param_watch.md",
     "codec_paths.md",
     "slow_links.md",
     "house.md",

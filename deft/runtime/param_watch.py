@@ -90,11 +90,9 @@ class ParamWatch(TorchFunctionMode):
 
     def __torch_function__(self, func: object, types: object, args: tuple[object, ...] = (),
                            kwargs: dict[str, object] | None = None) -> object:
-        assert callable(func)
-        if kwargs is None:
-            kwargs = {}
-        if self._watched:  # the arguments first: most calls in the window (the next batch) take no parameter
-            hit = self._first_watched(args, kwargs)
+        watched = self._watched
+        if watched:  # the arguments first: most calls in the window (the next batch) take no parameter
+            hit = _first_watched(watched, args, kwargs)
             if hit is not None and reads_values(func):
                 self._watched = {}  # inert from here: on_touch's own optimizer step runs through this mode
                 self._inside = True
@@ -102,20 +100,22 @@ class ParamWatch(TorchFunctionMode):
                     self._on_touch(f"{_name(func)} on {hit}")
                 finally:
                     self._inside = False
-        return func(*args, **kwargs)
+        assert callable(func)
+        return func(*args, **kwargs) if kwargs else func(*args)
 
-    def _first_watched(self, args: tuple[object, ...], kwargs: dict[str, object]) -> str | None:
-        """The name of the first watched tensor among the arguments (one level into lists and tuples:
-        the ``torch._foreach_*`` functions take lists of parameters)."""
-        watched = self._watched
-        for a in (*args, *kwargs.values()) if kwargs else args:
-            if isinstance(a, list | tuple):
-                for x in a:
-                    if id(x) in watched:
-                        return watched[id(x)]
-            elif id(a) in watched:
-                return watched[id(a)]
-        return None
+
+def _first_watched(watched: dict[int, str], args: tuple[object, ...],
+                   kwargs: dict[str, object] | None) -> str | None:
+    """The name of the first watched tensor among the arguments (one level into lists and tuples:
+    the ``torch._foreach_*`` functions take lists of parameters)."""
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, list | tuple):
+            for x in a:
+                if id(x) in watched:
+                    return watched[id(x)]
+        elif id(a) in watched:
+            return watched[id(a)]
+    return None
 
 
 def _name(func: object) -> str:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 LINKS = [{"name": "primary"}, {"name": "second"}]
@@ -73,10 +74,13 @@ class Loop:
 
 class MLP(nn.Module):
     """A small MLP (several buckets); ``functional``: the head's parameters are used by the parent's
-    forward through ``F.linear`` without calling the head module."""
+    forward through ``F.linear`` without calling the head module; ``checkpointed``: the body's
+    activations are recomputed in the backward (``torch.utils.checkpoint``, non-reentrant, torch's
+    recommended form; the body's modules run their forward, and deft's hooks, a second time)."""
 
-    def __init__(self, functional: bool = False, norm: bool = False) -> None:
+    def __init__(self, functional: bool = False, norm: bool = False, checkpointed: bool = False) -> None:
         super().__init__()
+        self.checkpointed = checkpointed  # the body recomputed in the backward (activation checkpointing)
         self.body = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
         self.norm = nn.BatchNorm1d(64) if norm else None
         self.mid = nn.Linear(64, 32)
@@ -84,7 +88,10 @@ class MLP(nn.Module):
         self.functional = functional
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.body(x)
+        if self.checkpointed and torch.is_grad_enabled():
+            h = torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=False)
+        else:
+            h = self.body(x)
         if self.norm is not None:
             h = self.norm(h)
         h = torch.tanh(self.mid(h))

@@ -156,6 +156,11 @@ def _functional_model() -> nn.Module:
     return MLP(functional=True)
 
 
+def _checkpointed_model() -> nn.Module:
+    torch.manual_seed(0)
+    return MLP(checkpointed=True)
+
+
 def _head_only(m: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(m.head.parameters(), lr=0.05, momentum=0.9)  # type: ignore[union-attr]
 
@@ -226,6 +231,7 @@ RECIPES: dict[str, Recipe] = {
     "checkpoint_of_the_module": Recipe(mlp, _plain, optimizer=_adam, restart_at=13, restart_from="module"),
     "checkpoint_through_dcp": Recipe(mlp, _plain, optimizer=_adam, restart_at=13, restart_from="dcp"),
     "functional_parameter_use": Recipe(_functional_model, _plain, optimizer=_adam),
+    "activation_checkpointing": Recipe(_checkpointed_model, _plain, optimizer=_adam),
     "add_param_group_mid_training": Recipe(mlp, _unfreeze_into_the_optimizer, optimizer=_head_only),
     "add_param_group_after_optimizer_zero_grad": Recipe(mlp, _unfreeze_after_optimizer_zero_grad,
                                                         optimizer=_head_only),
