@@ -156,6 +156,106 @@ def _functional_model() -> nn.Module:
     return MLP(functional=True)
 
 
+def _two_forwards(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Two forwards of the wrapper, one backward of their summed loss (a siamese or contrastive pair)."""
+    loss = loss_fn(loop.wrapped(x), y) + loss_fn(loop.wrapped(x.flip(0)), y.flip(0))
+    loss.backward()
+    loop.opt.step()
+    loop.opt.zero_grad()
+    loop.log.losses.append(loss.item())
+
+
+def _pseudo_labels(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Pseudo-labels from a forward without gradients in training mode, then the training forward on
+    a perturbed batch (FixMatch's shape)."""
+    with torch.no_grad():
+        pseudo = loop.wrapped(x).argmax(1)
+    loss = loss_fn(loop.wrapped(x + 0.1 * torch.sin(x)), torch.where(pseudo == y, pseudo, y))
+    loss.backward()
+    loop.opt.step()
+    loop.opt.zero_grad()
+    loop.log.losses.append(loss.item())
+
+
+def _input_gradient_penalty(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """WGAN-GP's penalty: the gradient of the output with respect to the input, through
+    ``torch.autograd.grad(create_graph=True)``, its norm's distance from 1 added to the loss."""
+    x = x.clone().requires_grad_(True)
+    out = loop.wrapped(x)
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    loss = loss_fn(out, y) + 0.1 * ((g.norm(2, dim=1) - 1) ** 2).mean()
+    loss.backward()
+    loop.opt.step()
+    loop.opt.zero_grad()
+    loop.log.losses.append(loss.item())
+
+
+def _parameter_gradient_penalty(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """A penalty on the gradient's norm (gradient regularisation): ``torch.autograd.grad`` of the loss
+    with respect to the parameters with ``create_graph=True``, its squared norm added to the loss."""
+    loss = loss_fn(loop.wrapped(x), y)
+    grads = torch.autograd.grad(loss, list(loop.model.parameters()), create_graph=True)
+    total = loss + 0.01 * sum((g ** 2).sum() for g in grads)
+    total.backward()
+    loop.opt.step()
+    loop.opt.zero_grad()
+    loop.log.losses.append(total.item())
+
+
+def _one_cycle(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """A learning-rate schedule stepped after every optimizer step (``OneCycleLR``), the rate logged."""
+    if "sched" not in loop.kept:
+        loop.kept["sched"] = torch.optim.lr_scheduler.OneCycleLR(loop.opt, max_lr=0.1, total_steps=30)
+    _plain(loop, t, x, y)
+    loop.kept["sched"].step()
+    loop.log.values.append(loop.opt.param_groups[0]["lr"])
+
+
+def _lr_set_by_hand(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """The rate and the momentum written into the param groups by hand after the step (a warm-up)."""
+    _plain(loop, t, x, y)
+    for group in loop.opt.param_groups:
+        group["lr"] = 0.05 * min(1.0, (t + 2) / 10)
+        group["momentum"] = 0.9 if t % 2 else 0.5
+
+
+def _clip_by_value(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """``clip_grad_value_`` between backward and step."""
+    loss = loss_fn(loop.wrapped(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_value_(loop.model.parameters(), 0.05)
+    loop.opt.step()
+    loop.opt.zero_grad()
+    loop.log.losses.append(loss.item())
+
+
+def _nesterov(m: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+
+
+def _rmsprop(m: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.RMSprop(m.parameters(), lr=1e-3, momentum=0.5, centered=True)
+
+
+def _adagrad(m: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adagrad(m.parameters(), lr=0.05)
+
+
+def _adam_no_foreach(m: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(m.parameters(), lr=3e-3, foreach=False, amsgrad=True)
+
+
+def _adam_fused(m: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(m.parameters(), lr=3e-3, fused=True)
+
+
+def _param_groups(m: nn.Module) -> torch.optim.Optimizer:
+    body = [p for n, p in m.named_parameters() if n.startswith("body")]
+    rest = [p for n, p in m.named_parameters() if not n.startswith("body")]
+    return torch.optim.SGD([{"params": body, "lr": 0.01}, {"params": rest, "weight_decay": 1e-2}],
+                           lr=0.05, momentum=0.9)
+
+
 def _checkpointed_model() -> nn.Module:
     torch.manual_seed(0)
     return MLP(checkpointed=True)
@@ -232,6 +332,19 @@ RECIPES: dict[str, Recipe] = {
     "checkpoint_through_dcp": Recipe(mlp, _plain, optimizer=_adam, restart_at=13, restart_from="dcp"),
     "functional_parameter_use": Recipe(_functional_model, _plain, optimizer=_adam),
     "activation_checkpointing": Recipe(_checkpointed_model, _plain, optimizer=_adam),
+    "two_forwards_one_backward": Recipe(mlp, _two_forwards),
+    "pseudo_labels_from_a_no_grad_forward": Recipe(mlp, _pseudo_labels),
+    "input_gradient_penalty": Recipe(mlp, _input_gradient_penalty),
+    "parameter_gradient_penalty": Recipe(mlp, _parameter_gradient_penalty),
+    "one_cycle_lr_schedule": Recipe(mlp, _one_cycle),
+    "lr_and_momentum_set_by_hand": Recipe(mlp, _lr_set_by_hand),
+    "clip_grad_value": Recipe(mlp, _clip_by_value),
+    "sgd_nesterov": Recipe(mlp, _plain, optimizer=_nesterov),
+    "rmsprop_centered": Recipe(mlp, _plain, optimizer=_rmsprop),
+    "adagrad": Recipe(mlp, _plain, optimizer=_adagrad),
+    "adam_amsgrad_for_loop": Recipe(mlp, _plain, optimizer=_adam_no_foreach),
+    "adam_fused": Recipe(mlp, _plain, optimizer=_adam_fused),
+    "param_groups": Recipe(mlp, _plain, optimizer=_param_groups),
     "add_param_group_mid_training": Recipe(mlp, _unfreeze_into_the_optimizer, optimizer=_head_only),
     "add_param_group_after_optimizer_zero_grad": Recipe(mlp, _unfreeze_after_optimizer_zero_grad,
                                                         optimizer=_head_only),
@@ -301,7 +414,8 @@ APPLIED_BY_HOOKS = {"rollback_to_a_snapshot"}
 
 #: Recipes whose loop touches every gradient between backward() and step().
 READS_EVERY_GRADIENT = {"amp_bf16_documented", "amp_fp16_inf_before_plan", "amp_fp16_inf_after_plan",
-                        "clip_from_start", "grad_norm_logging", "optimizer_over_the_head_model_clipped"}
+                        "clip_from_start", "grad_norm_logging", "optimizer_over_the_head_model_clipped",
+                        "clip_grad_value"}
 
 
 def compat_worker(rank: int, world: int, recipe: str, mode: str, workdir: str) -> dict[str, Any]:
