@@ -196,8 +196,8 @@ class Course:
     def forward_begins(self) -> None:
         """The executor's forward stage is launched; the model's forward begins."""
         if self.stats is not None:
-            self.stats.begin_iteration(self._executor, self._params, self._optim.optimizer, self.stats_wanted())
-        self.codecs.forward_begins(self._optim.optimizer)
+            self.stats.begin_iteration(self._executor, self._params, self._optim.single, self.stats_wanted())
+        self.codecs.forward_begins(self._optim.single)
         if self._timer is not None:  # after deft's own set-up: the forward is the model's alone
             self._timer.begin_iteration()
 
@@ -307,7 +307,7 @@ class Course:
         plan was judged at (:func:`deft.preserver.feedback.lr_outgrown`); empty otherwise. Each rank
         reads its own optimizer: the rates are the same on every rank (their parameters stay equal only
         so), hence so is the decision to run this collective."""
-        opt = self._optim.optimizer
+        opt = self._optim.single
         if opt is None:
             return ""
         now = planning_lr(opt.param_groups)
@@ -356,7 +356,7 @@ class Course:
 
     # -- the first plan ------------------------------------------------------------------------------------
     def _walk_stats(self) -> tuple[WalkStats | None, str]:
-        return walk_stats(self.config, self._control, self.losses, self.stats, self._optim.optimizer,
+        return walk_stats(self.config, self._control, self.losses, self.stats, self._optim.single,
                           self.batch, self.calibrated)
 
     def _plan(self, t: int) -> None:
@@ -370,7 +370,7 @@ class Course:
         if self.profile is not None:  # the plan is priced for the verdicts this run waits for
             self.profile = sends_at_once(guarded_links(self.profile, self.failover.guards), self._links)
         stats, self._stats_reason = self._walk_stats()
-        opt = self._optim.optimizer
+        opt = self._optim.single
         self._judged_lr = None if opt is None else planning_lr(opt.param_groups)
         codec = self.codecs.plan_inputs(self.stats, self.batch, self.profile)
         self._plan_inputs = (stats, self._control.world, codec)

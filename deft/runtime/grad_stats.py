@@ -374,7 +374,8 @@ def walk_stats(config: DeftConfig, control: ControlPlane, losses: collections.de
     if estimate is None or estimate.sigma is None:
         return None, f"gradient noise not estimated yet ({estimate})"
     if optimizer is None or batch is None:
-        return None, "optimizer or batch size unknown"
+        return None, ("batch size unknown" if optimizer is not None else
+                      "optimizer unknown (none has stepped yet, or several step: the walk models one)")
     # Heavy-ball SGD moves lr / (1 - momentum) per unit gradient in steady state: that is the step the
     # walk must see, or a stale or merged update looks 1/(1 - momentum) times cheaper; Adam's walk runs
     # in its preconditioned metric with its lr (deft.preserver.noise.walk_geometry).

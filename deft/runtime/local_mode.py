@@ -18,6 +18,7 @@ from deft.errors import DeftError
 from deft.profile import Profile
 from deft.runtime.checkpoint import LocalStepsState, StateDoc, check_mode
 from deft.runtime.codecs.hooks import CommHook
+from deft.runtime.eager import outside_graphs
 from deft.runtime.executor import PendingUpdate
 from deft.runtime.grad_stats import check_probe_args
 from deft.runtime.local_steps import LocalSteps
@@ -50,7 +51,12 @@ class LocalStepsMode:
 
     # -- the facade's events ---------------------------------------------------------------------------
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self._step_ends()
         return self.module(*args, **kwargs)  # gradients stay local; the step's hooks do the rest
+
+    @outside_graphs
+    def _step_ends(self) -> None:
+        self._optim.close_open_step()  # several optimizers, one of which did not step: the step ends here
 
     def observe_loss(self, loss: float) -> None:
         self.engine.observe_loss(loss)

@@ -38,6 +38,7 @@ from deft.runtime.first_use import FirstUseRecorder
 from deft.runtime.grad_stats import check_probe_args, probe_curvature
 from deft.runtime.links import CommLink
 from deft.runtime.optimizer_hooks import OptimizerBinding
+from deft.runtime.pending_grads import settle_for_step
 from deft.runtime.phase import Phase
 from deft.runtime.records import PlanInfoView
 from deft.runtime.switch_interval import SWITCH
@@ -63,7 +64,8 @@ class ScheduledRun:
         self._control, self._links, self._sync = wiring.control, wiring.links, wiring.sync
         self._executor = Executor(self._params, self._links, self.rank, self.world, cfg.timeout_s, self.device)
         self._optim = OptimizerBinding(self._params, self._before_step, self._after_user_step, optimizer,
-                                       fresh=self._finish_deferred)
+                                       fresh=self._finish_deferred, settle=self._settle_member,
+                                       stepped=self._member_stepped)
         # installed once, before any compile sees the module (deft.runtime.eager); the others listen
         self._forward_hooks = ForwardHooks(self.module)
         dropped = forget_compiled(self.module)
@@ -105,6 +107,7 @@ class ScheduledRun:
     @outside_graphs
     def _forward_begins(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any]:
         """The iteration's state before the module runs; what runs it (the module, or once, a watched call)."""
+        self._optim.close_open_step()  # several optimizers, one of which did not step: the step ends here
         self._updates.stop_watching()  # from here, the forward's pre-hooks apply the deferred updates
         self._training_forward = torch.is_grad_enabled()
         if not self._training_forward:
@@ -154,7 +157,7 @@ class ScheduledRun:
         # only) cannot trigger it on one rank. The forward changes batch-norm running statistics on
         # rank 0; the next iteration's buffer broadcast (broadcast_buffers) gives them to every rank.
         self._updates.finish_deferred()
-        doc = probe_curvature(closure, self._optim.optimizer, self._params, tol, ncv, maxiter) if self.rank == 0 else {}
+        doc = probe_curvature(closure, self._optim.single, self._params, tol, ncv, maxiter) if self.rank == 0 else {}
         doc = self._control.broadcast_json(doc, "curvature probe")
         self._course.record.calibrations.append({"iteration": self._t, **doc})
         if "error" in doc:
@@ -171,6 +174,7 @@ class ScheduledRun:
         self._course.register_hook(self._t, CommHook(state, hook, getattr(hook, "__name__", type(hook).__name__)))
 
     def flush(self) -> None:
+        self._optim.close_open_step()
         self._require_idle("flush()")
         self._updates.finish_deferred()
         if self._executor.idle:
@@ -393,6 +397,19 @@ class ScheduledRun:
             self._tracing.backward_ends()
         self._expose()
         self._updates.before_step()
+
+    def _settle_member(self, params: list[torch.Tensor]) -> None:
+        """Before another optimizer of the same step (several optimizers) reads its parameters' gradients;
+        after the step (an optimizer joining), what the step left there becomes plain values."""
+        if self._step_open:
+            self._updates.settle(params)
+        else:
+            settle_for_step(params)
+
+    def _member_stepped(self) -> None:
+        """Right after each optimizer's step in the iteration's step."""
+        if self._step_open:
+            self._updates.give_back()
 
     def _next_micro_batch(self) -> None:
         """A training forward began after backward() without optimizer.step(). ``p.grad`` kept: the loop

@@ -24,9 +24,9 @@ Note:
     wire there is none of, and a given schedule or profile plans communication there is none of;
     they are ignored, the reason logged once and kept in ``plan_info``.
 
-    The optimizer is found and bound as in the other modes (:class:`deft.runtime.optimizer_hooks.
-    OptimizerBinding`): one optimizer per module, ``torch.optim.LBFGS`` refused, so a script that runs
-    on one rank runs the same on eight. Those hooks cost a call per step, not per gradient.
+    The optimizers are found and bound as in the other modes (:class:`deft.runtime.optimizer_hooks.
+    OptimizerBinding`): the module's optimizers as they step, ``torch.optim.LBFGS`` refused, so a script
+    that runs on one rank runs the same on eight. Those hooks cost a call per step, not per gradient.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from deft.errors import ContractError, DeftError
 from deft.profile import Profile
 from deft.runtime.checkpoint import LOCAL_MODE, SOURCE, StateDoc
 from deft.runtime.codecs.hooks import CommHook
+from deft.runtime.eager import outside_graphs
 from deft.runtime.executor import PendingUpdate
 from deft.runtime.grad_stats import check_probe_args
 from deft.runtime.optimizer_hooks import OptimizerBinding
@@ -154,7 +155,12 @@ class SoloMode:
 
     # -- the facade's events ---------------------------------------------------------------------------
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self._step_ends()
         return self.module(*args, **kwargs)  # p.grad after backward is already torch DDP's
+
+    @outside_graphs
+    def _step_ends(self) -> None:
+        self._optim.close_open_step()  # several optimizers, one of which did not step: the step ends here
 
     def observe_loss(self, loss: float) -> None:
         """Nothing reads it: no schedule for the preserver to judge."""

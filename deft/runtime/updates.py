@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,7 +60,7 @@ from deft.schedule import Schedule
 #: an update finishing in the forward may apply them one module at a time (exact type, not subclasses).
 PER_PARAMETER_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
                             torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
-                            torch.optim.Rprop, torch.optim.ASGD, torch.optim.Adadelta)
+                            torch.optim.Rprop, torch.optim.ASGD, torch.optim.Adadelta, torch.optim.Muon)
 
 #: One entry of the update log: (the iteration whose step applied it, the iterations it merges).
 LogEntry = tuple[int, tuple[int, ...]]
@@ -90,8 +91,12 @@ class UpdateApplier:
         self._owned: dict[int, list[int]] = {}  # id(module) -> parameters updated before its forward
         self.first_use: dict[int, nn.Module] = {}  # parameter -> module of its first use (recorded once)
         self._listening: RemovableHandle | None = None  # before_module, listening to the forward's hooks
-        self._finish_hparams: list[dict[str, object]] = []
+        # id(group) -> (the group, its values at the step), for the deferred part; the step's merge factor
+        self._finish_hparams: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+        self._finish_factor = 1.0
         self._taken: dict[int, PendingGrad] = {}  # the futures the step's settle took out of p.grad
+        self._settled: set[int] = set()  # parameters an optimizer of this step was about to read
+        self._given_back: set[int] = set()  # taken futures back in p.grad after their optimizer's step
         self._left: list[torch.Tensor | None] = []  # what the last step left in p.grad (keep_after_step)
         # the loop's use of a deferred parameter before the forward; weakly, as the watch outlives no wrapper
         self._watch = ParamWatch(_weakly(self._used))
@@ -124,10 +129,10 @@ class UpdateApplier:
             return f"{self._compiled}: its graph runs without deft's hooks between layers"
         if self.clip is not None:
             return "clip_grad_norm_on_update couples all parameters (the norm is global)"
-        opt = self.optim.optimizer
-        if opt is not None and type(opt) not in PER_PARAMETER_OPTIMIZERS:
-            return (f"{type(opt).__name__} is not one of torch's per-parameter optimizers "
-                    f"({', '.join(o.__name__ for o in PER_PARAMETER_OPTIMIZERS)})")
+        for opt in self.optim.members:
+            if type(opt) not in PER_PARAMETER_OPTIMIZERS:
+                return (f"{type(opt).__name__} is not one of torch's per-parameter optimizers "
+                        f"({', '.join(o.__name__ for o in PER_PARAMETER_OPTIMIZERS)})")
         return None
 
     # -- the step ---------------------------------------------------------------------------------------
@@ -138,11 +143,9 @@ class UpdateApplier:
         :class:`PendingGrad` futures. ``placeholders``: when nothing is due, zeros stand in ``p.grad``
         (a GradScaler must find gradients to check) and the step changes nothing."""
         if partial:
-            opt = self.optim.optimizer
-            assert opt is not None
-            factor = merge_lr_factor(len(updates[-1].iterations), self._scaling)
-            self._finish_hparams = [{k: (v * factor if k == "lr" else v) for k, v in g.items() if k != "params"}
-                                    for g in opt.param_groups]
+            self._finish_factor = merge_lr_factor(len(updates[-1].iterations), self._scaling)
+            self._finish_hparams = {}
+            self._snapshot_hparams(self.optim.param_groups())
         for upd in updates[:-1]:
             self.set_grads(upd.grads)
             self.step_merged(len(upd.iterations))
@@ -219,14 +222,32 @@ class UpdateApplier:
 
     def before_step(self) -> None:
         """Right before the user's ``optimizer.step()`` applies the exposed update: gradients the loop
-        touched are applied by it, untouched deferred ones in the next forward (:mod:`pending_grads`)."""
-        self._taken = {i: g for i, p in enumerate(self._params)
-                       if isinstance(g := p.grad, PendingGrad) and (g.placeholder or not g.resolved)}
-        settle_for_step(self._params)
+        touched are applied by it, untouched deferred ones in the next forward (:mod:`pending_grads`).
+        With several optimizers, the first to step settles its own parameters (and those of none), each
+        other its own as it steps (:meth:`settle`)."""
+        self.settle(self.optim.first_params())
         # A merge of k iterations steps with the lr scaled, restored in after_step before any LR scheduler.
-        if self._exposed_iterations and self.optim.optimizer is not None:
-            self._lr_saved = scale_lr(self.optim.optimizer, merge_lr_factor(len(self._exposed_iterations),
-                                                                            self._scaling))
+        if self._exposed_iterations and self.optim.members:
+            self._lr_saved = scale_lr(self.optim.param_groups(), merge_lr_factor(len(self._exposed_iterations),
+                                                                                 self._scaling))
+
+    def settle(self, params: list[torch.Tensor]) -> None:
+        """Right before an optimizer reads the gradients of ``params`` (:func:`settle_for_step`)."""
+        index = {id(p): i for i, p in enumerate(self._params)}
+        self._taken |= {index[id(p)]: g for p in params
+                        if isinstance(g := p.grad, PendingGrad) and (g.placeholder or not g.resolved)}
+        self._settled |= {index[id(p)] for p in params}
+        if self._executor.deferred:  # the hyperparameters their optimizer steps with, now
+            ids = {id(p) for p in params}
+            self._snapshot_hparams([g for g in self.optim.param_groups() if any(id(p) in ids for p in g["params"])])
+        settle_for_step(params)
+
+    def _snapshot_hparams(self, groups: list[dict[str, Any]]) -> None:
+        """The deferred part's hyperparameters: ``groups``' values now (an optimizer about to step; an LR
+        scheduler may step before the deferred part is applied)."""
+        f = self._finish_factor
+        for g in groups:
+            self._finish_hparams[id(g)] = (g, {k: (v * f if k == "lr" else v) for k, v in g.items() if k != "params"})
 
     def skip(self) -> None:
         """The step was skipped: the exposed update is dropped, its deferred part too."""
@@ -237,8 +258,8 @@ class UpdateApplier:
 
     def restore_lr(self) -> None:
         """Right after the user's step: the learning rates a merged step scaled are restored."""
-        if self._lr_saved is not None and self.optim.optimizer is not None:
-            restore_lr(self.optim.optimizer, self._lr_saved)
+        if self._lr_saved is not None and self.optim.members:
+            restore_lr(self.optim.param_groups(), self._lr_saved)
             self._lr_saved = None
 
     def end_step(self, t: int, stepped: bool = False) -> None:
@@ -254,18 +275,36 @@ class UpdateApplier:
             self.keep_after_step()
         else:
             self.clear_grads()
-        self._taken = {}
+        self._taken, self._settled, self._given_back = {}, set(), set()
 
     def keep_after_step(self) -> None:
         """After the user's step, ``p.grad`` holds the averaged gradient as under torch DDP: what the step
         applied stays; a deferred one the step did not touch comes back as an after-step future (read:
         waited for, still applied in the next forward); a placeholder comes back as zeros. Taken out of
-        deft's buffers at the next training forward (:meth:`drop_after_step`)."""
+        deft's buffers at the next training forward (:meth:`drop_after_step`). A future no optimizer
+        settled (several optimizers, one of which did not step: GradScaler skipped it) becomes its value,
+        applied by no step, as torch DDP leaves it."""
+        for p in self._params:
+            g = p.grad
+            if isinstance(g, PendingGrad) and not (g.after or g.placeholder):
+                p.grad = g.value()
+        unsettled = self._executor.deferred - self._settled
+        if unsettled:  # ... and one the loop cleared from p.grad is dropped (GradScaler: a skipped optimizer)
+            self._executor.finish(unsettled)
+        self.give_back()
+        self._left = [p.grad for p in self._params]
+
+    def give_back(self) -> None:
+        """Right after an optimizer's step: the futures its settle took out of ``p.grad`` come back as
+        after-step futures (or zeros: a placeholder), before the loop's next line, as torch DDP's
+        ``p.grad`` would hold them (with several optimizers, after each one's step)."""
         for i, g in self._taken.items():
+            if i in self._given_back:
+                continue
+            self._given_back.add(i)
             p = self._params[i]
             if p.grad is None:
                 p.grad = PendingGrad.zeros(p) if g.placeholder else PendingGrad.after_step(p, self._reader(i))
-        self._left = [p.grad for p in self._params]
 
     def drop_after_step(self, keep: bool = True) -> None:
         """A training forward begins: what :meth:`keep_after_step` left in ``p.grad`` leaves deft's buffers
@@ -306,11 +345,10 @@ class UpdateApplier:
 
     def step_merged(self, k: int) -> None:
         """deft's own optimizer step for an update merging ``k`` iterations (lr scaled by the config)."""
-        opt = self.optim.optimizer
-        if opt is None:
+        if not self.optim.members:
             self.optim.step_internally()  # raises the error that names the missing optimizer
             return
-        with merged_lr(opt, k, self._scaling):
+        with merged_lr(self.optim.param_groups(), k, self._scaling):
             self.optim.step_internally()
 
     def set_grads(self, grads: list[torch.Tensor | None]) -> None:
@@ -358,14 +396,13 @@ class UpdateApplier:
         """After the user's step of iteration ``t``: while updates are left finishing in the forward, the
         loop's first use of one of their parameters, or of its optimizer state, applies them first."""
         deferred = sorted(self._executor.deferred)
-        opt = self.optim.optimizer
-        if not deferred or opt is None:
+        if not deferred or not self.optim.members:
             return
         watched: list[tuple[str, torch.Tensor]] = []
         for i in deferred:
             p = self._params[i]
             watched.append((self._names[i], p))
-            state = opt.state.get(p, {})
+            state = self.optim.state_of(p)
             watched += [(f"the optimizer's {key!r} of {self._names[i]}", v) for key, v in state.items()
                         if isinstance(v, torch.Tensor)]
         self._t = t
@@ -402,8 +439,15 @@ class UpdateApplier:
 
     def finish_deferred(self) -> None:
         """Every deferred parameter gets its update now (the forward did not run its module, a
-        checkpoint or evaluation needs torch DDP's parameters)."""
+        checkpoint or evaluation needs torch DDP's parameters). Between the end of backward and the
+        step (a backward inside the wrapper's forward, as Lightning's manual optimization runs it, with
+        no step yet), the futures in ``p.grad`` are waited for instead: the step applies them."""
         self._watch.disarm()
+        if self._exposed is not None:
+            for p in self._params:
+                g = p.grad
+                if isinstance(g, PendingGrad) and not (g.after or g.placeholder or g.resolved):
+                    g.value()
         if self._executor.deferred:
             self._apply_deferred(self._executor.finish())
 
@@ -413,22 +457,22 @@ class UpdateApplier:
         self._watch.disarm()  # a forward runs the module: its pre-hooks apply the rest, the step below is deft's
         if all(g is None for g in grads):
             return
-        opt = self.optim.optimizer
-        assert opt is not None
-        # Groups added since that step (add_param_group) took no part in it: their parameters stay as they are.
-        began = opt.param_groups[:len(self._finish_hparams)]
-        added = {id(p) for g in opt.param_groups[len(began):] for p in g["params"]}
-        now = [{k: g[k] for k in snap} for g, snap in zip(began, self._finish_hparams, strict=True)]
+        assert self.optim.members
+        # Groups added since that step (add_param_group, an optimizer joined) took no part in it: their
+        # parameters stay as they are.
+        snapshots = list(self._finish_hparams.values())
+        added = {id(p) for g in self.optim.param_groups() if id(g) not in self._finish_hparams for p in g["params"]}
+        now = [(g, {k: g[k] for k in snap}) for g, snap in snapshots]
         with self._after_step_kept() as resolve:
             resolve(grads)
             try:
-                for g, snap in zip(began, self._finish_hparams, strict=True):
+                for g, snap in snapshots:
                     g.update(snap)
                 for p, gr in zip(self._params, grads, strict=True):
                     p.grad = None if id(p) in added else gr
                 self.optim.step_internally()
             finally:
-                for g, values in zip(began, now, strict=True):
+                for g, values in now:
                     g.update(values)
                 self.clear_grads()
 

@@ -256,6 +256,104 @@ def _param_groups(m: nn.Module) -> torch.optim.Optimizer:
                            lr=0.05, momentum=0.9)
 
 
+class Optimizers(torch.optim.Optimizer):
+    """Several optimizers stepped one after another, as a loop steps them (``for opt in optimizers:
+    opt.step()``); the harness's one ``opt`` (its state_dict holds each one's)."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> dict[Any, Any]:  # type: ignore[override]
+        return {p: s for o in self.optimizers for p, s in o.state.items()}
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        return {str(i): o.state_dict() for i, o in enumerate(self.optimizers)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        for i, o in enumerate(self.optimizers):
+            o.load_state_dict(state_dict[str(i)])
+
+
+def _muon_and_adamw(m: nn.Module) -> torch.optim.Optimizer:
+    """torch's Muon for the matrices, AdamW for the rest (Muon takes 2-D parameters only)."""
+    matrices = [p for p in m.parameters() if p.ndim == 2]
+    rest = [p for p in m.parameters() if p.ndim != 2]
+    return Optimizers(torch.optim.Muon(matrices, lr=0.02, momentum=0.95),
+                      torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.01))
+
+
+def _sgd_and_adam(m: nn.Module) -> torch.optim.Optimizer:
+    """The body's parameters under SGD, the rest under Adam."""
+    body = [p for n, p in m.named_parameters() if n.startswith("body")]
+    rest = [p for n, p in m.named_parameters() if not n.startswith("body")]
+    return Optimizers(torch.optim.SGD(body, lr=0.05, momentum=0.9), torch.optim.Adam(rest, lr=3e-3))
+
+
+def _amp_two_optimizers(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """torch's AMP recipe with two optimizers: ``scaler.step`` for each (each unscaled and checked for
+    inf at its own step), one ``scaler.update()``; rank 0's loss infinite at iteration 14."""
+    assert loop.scaler is not None and isinstance(loop.opt, Optimizers)
+    with torch.autocast(device_type="cpu", dtype=torch.float16):
+        loss = loss_fn(loop.wrapped(x), y)
+    loop.scaler.scale(loss * float("inf") if t == 14 and loop.rank == 0 else loss).backward()
+    for o in loop.opt.optimizers:
+        loop.scaler.step(o)
+    loop.scaler.update()
+    loop.opt.zero_grad()
+    loop.log.losses.append(loss.item())
+    loop.log.values.append(loop.scaler.get_scale())
+
+
+def _second_optimizer_every_other_step(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """The first optimizer steps every iteration, the second every other one (its gradients zeroed
+    either way): a step that ends at the next forward."""
+    assert isinstance(loop.opt, Optimizers)
+    loss = loss_fn(loop.wrapped(x), y)
+    loss.backward()
+    first, second = loop.opt.optimizers
+    first.step()
+    if t % 2:
+        second.step()
+    loop.opt.zero_grad()
+    loop.log.losses.append(loss.item())
+
+
+def _optimizers_in_turns(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Block-coordinate training: one optimizer steps in even iterations, the other in odd ones; both
+    zero their gradients every iteration."""
+    assert isinstance(loop.opt, Optimizers)
+    loss = loss_fn(loop.wrapped(x), y)
+    loss.backward()
+    loop.opt.optimizers[t % 2].step()
+    loop.opt.zero_grad()
+    loop.log.losses.append(loss.item())
+
+
+def _lr_set_before_step(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """The rate written into the param groups between ``backward()`` and ``step()`` (a warm-up computed
+    from the iteration, as some loops do right before stepping)."""
+    loss = loss_fn(loop.wrapped(x), y)
+    loss.backward()
+    for group in loop.opt.param_groups:
+        group["lr"] = 0.05 * min(1.0, (t + 1) / 8)
+    loop.opt.step()
+    loop.opt.zero_grad()
+    loop.log.losses.append(loss.item())
+
+
 def _checkpointed_model() -> nn.Module:
     torch.manual_seed(0)
     return MLP(checkpointed=True)
@@ -338,6 +436,7 @@ RECIPES: dict[str, Recipe] = {
     "parameter_gradient_penalty": Recipe(mlp, _parameter_gradient_penalty),
     "one_cycle_lr_schedule": Recipe(mlp, _one_cycle),
     "lr_and_momentum_set_by_hand": Recipe(mlp, _lr_set_by_hand),
+    "lr_set_between_backward_and_step": Recipe(mlp, _lr_set_before_step),
     "clip_grad_value": Recipe(mlp, _clip_by_value),
     "sgd_nesterov": Recipe(mlp, _plain, optimizer=_nesterov),
     "rmsprop_centered": Recipe(mlp, _plain, optimizer=_rmsprop),
@@ -345,6 +444,11 @@ RECIPES: dict[str, Recipe] = {
     "adam_amsgrad_for_loop": Recipe(mlp, _plain, optimizer=_adam_no_foreach),
     "adam_fused": Recipe(mlp, _plain, optimizer=_adam_fused),
     "param_groups": Recipe(mlp, _plain, optimizer=_param_groups),
+    "muon_and_adamw": Recipe(mlp, _plain, optimizer=_muon_and_adamw),
+    "sgd_and_adam_checkpointed": Recipe(mlp, _plain, optimizer=_sgd_and_adam, restart_at=13),
+    "amp_fp16_two_optimizers": Recipe(mlp, _amp_two_optimizers, optimizer=_sgd_and_adam, scaler=True),
+    "second_optimizer_every_other_step": Recipe(mlp, _second_optimizer_every_other_step, optimizer=_sgd_and_adam),
+    "optimizers_in_turns": Recipe(mlp, _optimizers_in_turns, optimizer=_sgd_and_adam),
     "add_param_group_mid_training": Recipe(mlp, _unfreeze_into_the_optimizer, optimizer=_head_only),
     "add_param_group_after_optimizer_zero_grad": Recipe(mlp, _unfreeze_after_optimizer_zero_grad,
                                                         optimizer=_head_only),
@@ -415,7 +519,7 @@ APPLIED_BY_HOOKS = {"rollback_to_a_snapshot"}
 #: Recipes whose loop touches every gradient between backward() and step().
 READS_EVERY_GRADIENT = {"amp_bf16_documented", "amp_fp16_inf_before_plan", "amp_fp16_inf_after_plan",
                         "clip_from_start", "grad_norm_logging", "optimizer_over_the_head_model_clipped",
-                        "clip_grad_value"}
+                        "clip_grad_value", "amp_fp16_two_optimizers"}
 
 
 def compat_worker(rank: int, world: int, recipe: str, mode: str, workdir: str) -> dict[str, Any]:

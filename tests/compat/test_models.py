@@ -370,3 +370,19 @@ def test_default_epsilon_with_the_preserver_deciding(recipe: str, tmp_path: Any)
         assert all(math.isfinite(x) for p in ours["params"] for x in p)
         assert sum(ours["losses"][-5:]) < sum(ours["losses"][:5]), ours["losses"]
     assert out[0]["deft"]["params"] == out[1]["deft"]["params"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_several_optimizers_at_the_default_epsilon(tmp_path: Any) -> None:
+    """Muon and AdamW at the default epsilon, deft planning on its own: the preserver says why it does not
+    judge delayed updates (its walk models one optimizer), every iteration's gradient is applied exactly
+    once, the parameters agree across ranks and training makes progress."""
+    out = values(run_ranks(preserver_worker, 2, ("muon_and_adamw", str(tmp_path)), timeout=480))
+    for v in out:
+        ours = v["deft"]
+        assert "several" in v["stats_reason"], v["stats_reason"]
+        assert sorted(t for its in v["updates"] for t in its) == list(range(40)), v["updates"]
+        assert all(math.isfinite(x) for p in ours["params"] for x in p)
+        assert sum(ours["losses"][-5:]) < sum(ours["losses"][:5]), ours["losses"]
+    assert out[0]["deft"]["params"] == out[1]["deft"]["params"]
