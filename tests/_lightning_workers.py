@@ -70,9 +70,15 @@ def module_class() -> type:
     import lightning.pytorch as pl
 
     class Classifier(pl.LightningModule):
-        def __init__(self, manual: bool = False, norms: bool = True) -> None:
+        """``manual``: False (automatic optimization), "plain" (backward and step in every training_step),
+        "accumulate" (half the loss backward in every training_step, a step every second one, with
+        ``clip_gradients`` and an LR scheduler stepped by hand) or "twice" (two ``manual_backward``
+        calls in one training_step)."""
+
+        def __init__(self, manual: bool | str = False, norms: bool = True) -> None:
             super().__init__()
             torch.manual_seed(0)
+            self.manual = manual
             self.net = nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
                                      nn.Linear(64, CLASSES))
             self.automatic_optimization = not manual
@@ -88,11 +94,25 @@ def module_class() -> type:
             x, y = batch
             loss = nn.functional.cross_entropy(self(x), y)
             self.losses.append(float(loss))
-            if not self.automatic_optimization:
+            if self.manual in (True, "plain"):
                 opt = self.optimizers()
                 opt.zero_grad()
                 self.manual_backward(loss)
                 opt.step()
+            elif self.manual == "accumulate":
+                opt = self.optimizers()
+                self.manual_backward(loss / 2)
+                if idx % 2 == 1:
+                    self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
+                    opt.step()
+                    opt.zero_grad()
+                    self.lr_schedulers().step()
+            elif self.manual == "twice":
+                opt = self.optimizers()
+                self.manual_backward(loss / 2)
+                self.manual_backward(loss / 2)
+                opt.step()
+                opt.zero_grad()
             return loss
 
         def validation_step(self, batch: list[torch.Tensor], idx: int) -> None:
@@ -106,22 +126,66 @@ def module_class() -> type:
             self.norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
                                                                           for g in grads]))))
 
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+            if self.manual == "accumulate":
+                return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)}
+            return opt
 
     return Classifier
 
 
+def gan_class() -> type:
+    """Lightning's manual-optimization GAN: a generator and a discriminator, an optimizer each, a
+    backward and a step per network in every training_step (``toggle_optimizer`` around each)."""
+    import lightning.pytorch as pl
+
+    class GAN(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.generator = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, FEATURES))
+            self.discriminator = nn.Sequential(nn.Linear(FEATURES, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+            self.automatic_optimization = False
+
+        def forward(self, z: torch.Tensor) -> torch.Tensor:
+            return self.generator(z)
+
+        def training_step(self, batch: list[torch.Tensor], idx: int) -> None:
+            real, _ = batch
+            opt_g, opt_d = self.optimizers()
+            z = torch.randn(real.shape[0], 8)
+            ones, zeros = torch.ones(real.shape[0], 1), torch.zeros(real.shape[0], 1)
+            bce = nn.functional.binary_cross_entropy_with_logits
+            self.toggle_optimizer(opt_g)
+            self.manual_backward(bce(self.discriminator(self(z)), ones))
+            opt_g.step()
+            opt_g.zero_grad()
+            self.untoggle_optimizer(opt_g)
+            self.toggle_optimizer(opt_d)
+            fake = self(z).detach()
+            self.manual_backward((bce(self.discriminator(real), ones) + bce(self.discriminator(fake), zeros)) / 2)
+            opt_d.step()
+            opt_d.zero_grad()
+            self.untoggle_optimizer(opt_d)
+
+        def configure_optimizers(self) -> Any:
+            return (torch.optim.Adam(self.generator.parameters(), lr=2e-3),
+                    torch.optim.Adam(self.discriminator.parameters(), lr=2e-3))
+
+    return GAN
+
+
 def fit(world: int, strategy: Any, steps: int, precision: str = "32-true", ckpt_dir: str | None = None,
         ckpt_path: str | None = None, module: Any = None, callbacks: list[Any] | None = None,
-        manual: bool = False, clip: bool = True, compiled: bool = False) -> Any:
+        manual: bool | str = False, clip: bool = True, compiled: bool = False, gan: bool = False) -> Any:
     """A fresh module trained by a fresh Trainer for ``steps`` optimizer steps; the module.
     ``compiled``: ``fit`` gets ``torch.compile(module)`` (Lightning compiles its forward and steps),
     compiled afresh as in a process of its own (Dynamo would reuse an earlier run's code for the class)."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    module = module_class()(manual, norms=clip)
+    module = gan_class()() if gan else module_class()(manual, norms=clip)
     given: Any = module
     if compiled:
         torch._dynamo.reset()
@@ -133,8 +197,8 @@ def fit(world: int, strategy: Any, steps: int, precision: str = "32-true", ckpt_
     if ckpt_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}-{step}", save_top_k=-1))
     trainer = pl.Trainer(accelerator="cpu", devices=world, num_nodes=1, strategy=strategy, precision=precision,
-                         max_steps=steps, accumulate_grad_batches=1 if manual else 2,
-                         gradient_clip_val=CLIP if clip and not manual else None,
+                         max_steps=steps, accumulate_grad_batches=1 if manual or gan else 2,
+                         gradient_clip_val=CLIP if clip and not (manual or gan) else None,
                          val_check_interval=BATCHES_PER_EPOCH // 2, limit_val_batches=2, num_sanity_val_steps=0,
                          logger=False, enable_checkpointing=ckpt_dir is not None, callbacks=callbacks,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=ckpt_dir)
@@ -236,10 +300,22 @@ def parity_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     default, its = _deft_fit(world, DEFAULT_EPSILON, 3 * steps)
     out["default"] = {"applied": its, "losses": default.losses, "steps": 3 * steps,
                       "finite": all(bool(p.isfinite().all()) for p in default.parameters())}
-    # manual optimization: refused at setup
-    try:
-        fit(world, strategy(EXACT), steps, manual=True)
-        out["manual"] = ""
-    except DeftError as e:
-        out["manual"] = str(e)
+    # manual optimization: backward and step in every training_step, exact and with the forced schedule;
+    # accumulated over two training_steps with clip_gradients and a scheduler stepped by hand
+    ref = fit(world, "ddp", steps, manual="plain")
+    for name, cfg in (("manual", EXACT), ("manual_deferring", forced)):
+        ours, its = _deft_fit(world, cfg, steps, manual="plain")
+        out[name] = {"worst": worst(params(ours), params(ref)), "applied": its, "losses": ours.losses,
+                     "ref_losses": ref.losses}
+    ref = fit(world, "ddp", steps, manual="accumulate")
+    ours, its = _deft_fit(world, EXACT, steps, manual="accumulate")
+    out["manual_accumulate"] = {"worst": worst(params(ours), params(ref)), "applied": its,
+                                "batches": len(ours.losses)}
+    # refused: a GAN's two optimizers at setup; a second manual_backward in one training_step, before it runs
+    for name, kw in (("gan", {"gan": True}), ("twice", {"manual": "twice"})):
+        try:
+            fit(world, strategy(EXACT), steps, **kw)
+            out[name] = ""
+        except DeftError as e:
+            out[name] = str(e)
     return out

@@ -9,8 +9,10 @@ every validation and a run resumed from the end of the second epoch equal to the
 and with ``torch.compile(module)`` given to ``fit``.
 The obvious integration (a ``DDPStrategy`` that only builds deft's wrapper) ends ``fit`` with the
 last update still finishing; reading the parameters applies it, so they too are torch DDP's. At the
-default epsilon every gradient is applied once and the loss falls; manual optimization is refused at
-setup.
+default epsilon every gradient is applied once and the loss falls. Manual optimization (one optimizer,
+a backward per training_step, stepped every call or every second with clipping and a scheduler) equals
+``strategy="ddp"``; a GAN's two optimizers are refused at setup, a second ``manual_backward`` in one
+training_step before it runs.
 """
 
 from __future__ import annotations
@@ -100,9 +102,43 @@ def test_default_epsilon_applies_each_gradient_once_and_the_loss_falls(ranks: li
 
 
 @pytest.mark.slow
-def test_manual_optimization_is_refused_at_setup(ranks: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("case", ["manual", "manual_deferring"])
+def test_manual_optimization_matches_ddp(ranks: list[dict[str, Any]], case: str) -> None:
+    """``automatic_optimization = False``: Lightning runs forward, ``manual_backward`` and ``step`` inside
+    the wrapper's forward and calls torch DDP's reducer around the backward; under deft, on torch DDP's
+    schedule and on one whose updates finish in the next forward, the run is ``strategy="ddp"``'s."""
     for v in ranks:
-        assert "automatic optimization only" in v["manual"], v["manual"]
+        c = v[case]
+        assert c["worst"] < 1e-5, c["worst"]
+        assert c["losses"] == pytest.approx(c["ref_losses"], abs=1e-5)
+        assert c["applied"] == list(range(STEPS))
+
+
+@pytest.mark.slow
+def test_manual_accumulation_with_clipping_and_a_scheduler_matches_ddp(ranks: list[dict[str, Any]]) -> None:
+    from tests._lightning_workers import BATCHES_PER_EPOCH
+
+    for v in ranks:
+        c = v["manual_accumulate"]
+        assert c["worst"] < 1e-5, c["worst"]
+        assert c["batches"] == 2 * STEPS
+        # every micro-batch is one of deft's iterations; Lightning zeroes the gradients before each validation
+        # (on_validation_model_zero_grad), after the third batch of each epoch: that micro-batch is dropped,
+        # under torch DDP as here
+        dropped = {b for b in range(c["batches"]) if b % BATCHES_PER_EPOCH == BATCHES_PER_EPOCH // 2 - 1}
+        assert c["applied"] == [b for b in range(c["batches"]) if b not in dropped], c["applied"]
+
+
+@pytest.mark.slow
+def test_a_gan_with_two_optimizers_is_refused_at_setup(ranks: list[dict[str, Any]]) -> None:
+    for v in ranks:
+        assert "takes one optimizer" in v["gan"] and "strategy='ddp'" in v["gan"], v["gan"]
+
+
+@pytest.mark.slow
+def test_a_second_manual_backward_in_one_training_step_is_refused(ranks: list[dict[str, Any]]) -> None:
+    for v in ranks:
+        assert "one manual_backward() per training_step" in v["twice"], v["twice"]
 
 
 @pytest.mark.slow  # imports Lightning: seconds

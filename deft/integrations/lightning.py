@@ -30,9 +30,15 @@ What differs from the plain ``DDPStrategy``, and why:
   be flushed: see :func:`check_nothing_held`.
 * ``teardown`` flushes (after a clean run only: a failed rank would leave its peers waiting), removes
   deft's hooks, and hands back the bare LightningModule.
-* Manual optimization (``automatic_optimization = False``) is refused at setup: Lightning runs the
-  whole ``training_step`` (forward, ``manual_backward``, ``step``) inside the wrapper's forward, which
-  deft reads as one forward (torch DDP needs ``prepare_for_backward`` there, deft has no counterpart).
+* Manual optimization (``automatic_optimization = False``): Lightning runs the whole ``training_step``
+  (forward, ``manual_backward``, ``step``) inside the wrapper's forward, and calls torch DDP's reducer
+  before and after each ``manual_backward`` (``prepare_for_backward``, a static graph's first flush),
+  which deft needs none of: its hooks see the backward and the step wherever they run. Supported with
+  one optimizer and one ``manual_backward`` per ``training_step`` (stepping every call, or every few
+  to accumulate; ``clip_gradients``, the LR schedulers). Refused with a ``DeftError``: several
+  optimizers, at setup (Lightning's manual optimization with several is a GAN's backward-and-step per
+  network inside one forward, while deft's iteration is one backward per forward); a second
+  ``manual_backward`` in one ``training_step``, before it runs.
 
 * After each optimizer step the step's loss (the mean of its micro-batches' ``training_step`` losses)
   goes to ``observe_loss``, which the preserver needs to consider delayed or merged updates (one
@@ -93,6 +99,8 @@ class DeftMethods(_Base):
         self._deft_record: Any = None  # a checkpoint's record, loaded into the wrapper when it is built
         self._deft_failed = False
         self._deft_losses: list[torch.Tensor] = []  # this step's micro-batch losses, for observe_loss
+        self._deft_backwards = 0  # manual optimization: manual_backward calls in this training_step
+        self._deft_steps = 0  # optimizer steps so far
 
     @property
     def deft_ddp(self) -> DistributedDataParallel | None:
@@ -105,13 +113,34 @@ class DeftMethods(_Base):
                                    override=True)
 
     def setup(self, trainer: Any) -> None:
-        module = self.lightning_module
-        if trainer.state.fn == "fit" and module is not None and not module.automatic_optimization:
-            raise DeftError("strategy='deft' supports automatic optimization only: with automatic_optimization "
-                            "= False Lightning runs the whole training_step (forward, manual_backward, step) "
-                            "inside the wrapper's forward, which deft cannot tell apart; use strategy='ddp' "
-                            "for this module, or automatic optimization")
         super().setup(trainer)
+        module = self.lightning_module
+        if trainer.state.fn == "fit" and module is not None and not module.automatic_optimization \
+                and len(self.optimizers) > 1:
+            self._deft_failed = True  # nothing to flush at teardown: no rank has trained
+            raise DeftError(f"strategy='deft' with manual optimization takes one optimizer; configure_optimizers "
+                            f"returned {len(self.optimizers)}. Lightning runs the whole training_step inside the "
+                            "wrapper's forward, and deft's iteration is one backward per forward: a "
+                            "backward-and-step per optimizer (a GAN's generator and discriminator) needs "
+                            "strategy='ddp' (or 'ddp_find_unused_parameters_true'); one optimizer with a param "
+                            "group per part of the model works")
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        if self.deft_ddp is None:
+            super().pre_backward(closure_loss)
+            return
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization:
+            if self._deft_backwards:
+                raise DeftError("strategy='deft' with manual optimization runs one manual_backward() per "
+                                "training_step: deft's iteration is the wrapper's forward (Lightning's whole "
+                                "training_step) and its one backward. Accumulate over training_steps instead "
+                                "(manual_backward every step, optimizer step every few), or use strategy='ddp'")
+            self._deft_backwards += 1
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        if self.deft_ddp is None:  # torch DDP's reducer, which deft's wrapper has none of, is all it does
+            super().post_backward(closure_loss)
 
     def _setup_model(self, model: Any) -> Any:
         ddp = DistributedDataParallel(model, device_ids=self.determine_ddp_device_ids(), config=self.deft_config,
@@ -122,19 +151,32 @@ class DeftMethods(_Base):
         return ddp
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._deft_backwards = 0  # manual_backward calls in this training_step
+        ddp = self.deft_ddp
+        steps = self._deft_steps
         out = super().training_step(*args, **kwargs)
         loss = out.get("loss") if isinstance(out, Mapping) else out
-        if self.deft_ddp is not None and isinstance(loss, torch.Tensor):
+        if ddp is not None and isinstance(loss, torch.Tensor):
             self._deft_losses.append(loss.detach())
+        module = self.lightning_module
+        if ddp is not None and module is not None and not module.automatic_optimization and self._deft_steps > steps:
+            self._observe(ddp)  # manual optimization: the step ran inside, before the loss came back
         return out
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._deft_steps += 1
         ddp = self.deft_ddp
-        if ddp is not None and self._deft_losses:  # the step's loss: the mean over its micro-batches
+        module = self.lightning_module
+        if ddp is not None and module is not None and module.automatic_optimization:
+            self._observe(ddp)
+        return out
+
+    def _observe(self, ddp: DistributedDataParallel) -> None:
+        """The step's loss, the mean over its micro-batches, to ``observe_loss``."""
+        if self._deft_losses:
             ddp.observe_loss(torch.stack(self._deft_losses).float().mean())
         self._deft_losses.clear()
-        return out
 
     def _register_ddp_hooks(self) -> None:
         hook = self._ddp_comm_hook
