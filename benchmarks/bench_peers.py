@@ -135,7 +135,8 @@ class Workload:
 
     def argv(self, args: argparse.Namespace, seed: int) -> list[str]:
         length = (["--epochs", str(args.epochs), "--lr-schedule", args.lr_schedule] if self.name == "cnn"
-                  else ["--iters", str(args.iters), *(["--arch", args.lm_arch] if args.lm_arch != "gpt2" else [])])
+                  else ["--iters", str(args.iters), *(["--arch", args.lm_arch] if args.lm_arch != "gpt2" else []),
+                        *(["--optimizer", args.lm_optimizer] if args.lm_optimizer != "adamw" else [])])
         return [*length, "--eval-every", str(args.eval_every), "--skip-iters", str(args.skip_iters),
                 "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(seed)]
 
@@ -920,9 +921,11 @@ def report(args: argparse.Namespace, docs: list[dict[str, Any]], names: list[str
                  f"test accuracy every {args.eval_every} iterations; {runs}.  ")
     else:
         arch = "LlamaForCausalLM" if first.get("arch") == "llama" else "GPT2LMHeadModel"
+        optimizer = ("torch's Muon (the blocks' matrices, rate matched to AdamW's RMS) and AdamW (the rest), "
+                     "two optimizers," if first.get("optimizer") == "muon" else "AdamW")
         model = (f"Model: examples/train_lm.py, a HuggingFace {arch} ({first['params']:,} parameters, "
                  "byte level, tied embeddings) on the Python standard library's source (2 MB, 90/10 split), "
-                 f"batch {args.batch_size} x 64 bytes per rank, {ranks}, AdamW lr {args.lr} "
+                 f"batch {args.batch_size} x 64 bytes per rank, {ranks}, {optimizer} lr {args.lr} "
                  f"with warm-up then cosine decay, clip 1.0, {args.iters} iterations; "
                  f"validation loss every {args.eval_every} iterations; target: the validation loss {target}; "
                  f"{runs}.  ")
@@ -1023,6 +1026,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     ap.add_argument("--iters", type=int, default=200, help="lm: iterations")
     ap.add_argument("--lm-arch", choices=("gpt2", "llama"), default="gpt2",
                     help="lm: the model (train_lm.py --arch): GPT-2, or a Llama of the same sizes")
+    ap.add_argument("--lm-optimizer", choices=("adamw", "muon"), default="adamw",
+                    help="lm: the optimizer (train_lm.py --optimizer): AdamW, or torch's Muon on the blocks' "
+                         "matrices with AdamW on the rest")
     ap.add_argument("--schemes", default=None,
                     help=f"comma-separated subset of {','.join(SCHEMES)} (localsgd: localsgd4, its older name; "
                          "default: every scheme the workload runs, or with --trainer the four of the trainer table)")
@@ -1104,7 +1110,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 
 
 #: The flags that shape the runs themselves, which a report from saved runs describes as they ran.
-RUN_SHAPE = ("epochs", "iters", "lm_arch", "eval_every", "skip_iters", "batch_size", "lr", "lr_schedule")
+RUN_SHAPE = ("epochs", "iters", "lm_arch", "lm_optimizer", "eval_every", "skip_iters", "batch_size", "lr",
+             "lr_schedule")
 
 
 def adopt_run_shape(args: argparse.Namespace, recorded: list[str]) -> None:

@@ -325,12 +325,13 @@ def deft_config(args: argparse.Namespace, total_iters: int) -> Any:
     return cfg
 
 
-def wrap(model: nn.Module, args: argparse.Namespace, total_iters: int,
-         optimizer: torch.optim.Optimizer | None = None) -> Wrapped:
+def wrap(model: nn.Module, args: argparse.Namespace, total_iters: int, optimizer: Any = None) -> Wrapped:
     """The lines that differ between the schemes: the wrapper, its hook, its optimizer (``optimizer``, by
-    default SGD with ``--lr`` and ``--momentum``; post-local SGD wraps it)."""
+    default SGD with ``--lr`` and ``--momentum``; post-local SGD wraps it; an object stepping several
+    torch optimizers is not given to deft, which finds them as they step)."""
     sgd = optimizer if optimizer is not None else torch.optim.SGD(model.parameters(), lr=args.lr,
                                                                    momentum=args.momentum)
+    bound = sgd if isinstance(sgd, torch.optim.Optimizer) else None
     if args.ddp == "compute":
         return Wrapped(model, sgd, {"shards": args.shards})
     if args.ddp == "deft":
@@ -338,7 +339,7 @@ def wrap(model: nn.Module, args: argparse.Namespace, total_iters: int,
 
         cfg = deft_config(args, total_iters)
         if args.local_steps is not None:
-            ddp = deft.DistributedDataParallel(model, optimizer=sgd, config=cfg)
+            ddp = deft.DistributedDataParallel(model, optimizer=bound, config=cfg)
             info = {"epsilon": cfg.epsilon, "links": [dataclasses.asdict(lk) for lk in cfg.links],
                     "local_steps": cfg.local_steps, "local_outer": cfg.local_outer,
                     "local_warmup_iters": cfg.local_warmup_iters,
@@ -349,7 +350,7 @@ def wrap(model: nn.Module, args: argparse.Namespace, total_iters: int,
             return Wrapped(ddp, sgd, info)  # a local step every iteration
         # PowerSGD: the torch powersgd scheme's one bucket (see below), through the same torch DDP argument
         cap = one_bucket_mb(model) if cfg.compression == "powersgd" else None
-        ddp = deft.DistributedDataParallel(model, optimizer=sgd, config=cfg, bucket_cap_mb=cap)
+        ddp = deft.DistributedDataParallel(model, optimizer=bound, config=cfg, bucket_cap_mb=cap)
         info = {"epsilon": cfg.epsilon, "preserver": cfg.preserver,
                 "links": [dataclasses.asdict(lk) for lk in cfg.links], "compression": cfg.compression}
         if cfg.compression == "powersgd":

@@ -151,12 +151,44 @@ def make_model(args: argparse.Namespace) -> nn.Module:
     return GPT2LMHeadModel(cfg)
 
 
-def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (biases, LayerNorms and nothing else decay-free)."""
+def make_optimizer(model: nn.Module, lr: float, kind: str = "adamw") -> Any:
+    """``adamw``: AdamW with weight decay on matrices only (biases, LayerNorms and nothing else decay-free).
+    ``muon``: :class:`MuonAdamW`."""
+    if kind == "muon":
+        return MuonAdamW(model, lr)
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                              lr=lr, betas=(0.9, 0.95))
+
+
+class MuonAdamW:
+    """torch's Muon on the blocks' matrices and AdamW on the rest (the embeddings, tied to the output
+    layer, the biases and the LayerNorms): two optimizers stepped one after the other, the way Muon is
+    run (it takes 2-D parameters only). Muon's rate is matched to AdamW's RMS (``match_rms_adamw``), so
+    both take ``lr``; decay 0.1 on the matrices, as with ``adamw``."""
+
+    def __init__(self, model: nn.Module, lr: float) -> None:
+        embedded = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+        trained = [p for p in model.parameters() if p.requires_grad]
+        matrices = [p for p in trained if p.dim() == 2 and id(p) not in embedded]
+        rest = [p for p in trained if p.dim() != 2 or id(p) in embedded]
+        self.optimizers: tuple[torch.optim.Optimizer, ...] = (
+            torch.optim.Muon(matrices, lr=lr, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW(rest, lr=lr, betas=(0.9, 0.95), weight_decay=0.0))
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none)
+
+
+def members(opt: Any) -> tuple[torch.optim.Optimizer, ...]:
+    """The torch optimizers behind ``opt`` (itself, or a :class:`MuonAdamW`'s two)."""
+    return opt.optimizers if isinstance(opt, MuonAdamW) else (opt,)
 
 
 def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, bf16: bool) -> torch.Tensor:
@@ -187,6 +219,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--n-layer", type=int, default=8)
     ap.add_argument("--n-head", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                    help="adamw, or torch's Muon on the blocks' matrices with AdamW on the rest (two optimizers)")
     ap.add_argument("--bf16", action="store_true", help="forward under torch.autocast('cpu', torch.bfloat16)")
     ap.add_argument("--data-bytes", type=int, default=2_000_000)
     ap.add_argument("--val-windows", type=int, default=32)
@@ -211,6 +245,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
     if not args.lr > 0:
         ap.error(f"--lr: expected > 0, got {args.lr}")
+    if args.optimizer != "adamw" and args.trainer != "none":
+        ap.error(f"--optimizer {args.optimizer}: this script's own loop only (--trainer none)")
     args.momentum = 0.0  # read by train_cnn.wrap only when it builds its own SGD (never here)
     check_scheme_args(ap, args)
     if args.trainer == "accelerate" and args.ddp not in ("torch", "deft"):
@@ -238,7 +274,7 @@ def own_loop(model: nn.Module, opt: torch.optim.Optimizer, train: torch.Tensor, 
     from transformers import get_cosine_schedule_with_warmup
 
     w = wrap(model, args, args.iters, optimizer=opt)
-    sched = get_cosine_schedule_with_warmup(opt, max(1, args.iters // 10), args.iters)
+    scheds = [get_cosine_schedule_with_warmup(o, max(1, args.iters // 10), args.iters) for o in members(opt)]
 
     def step(it: int, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, bool]:
         sync = (it + 1) % w.accumulate == 0 or it + 1 == args.iters
@@ -251,7 +287,8 @@ def own_loop(model: nn.Module, opt: torch.optim.Optimizer, train: torch.Tensor, 
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             w.optimizer.step()
             w.optimizer.zero_grad()
-        sched.step()
+        for sched in scheds:
+            sched.step()
         return loss, sync
 
     batches = (windows(train, args.batch_size, args.seq, loop_generator(args.seed, rank, it))
@@ -329,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     train, val = split(load_text(args.data_bytes))
     torch.manual_seed(args.seed)
     model = make_model(args)
-    opt = make_optimizer(model, args.lr)
+    opt = make_optimizer(model, args.lr, args.optimizer)
     start = time.perf_counter()
     try:
         loop = (own_loop(model, opt, train, args, rank) if accelerator is None
@@ -377,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
             run_eval(it + 1)
 
     w.info.update(w.report())
-    summary = {"ddp": args.ddp, "trainer": args.trainer, "arch": args.arch, "world_size": world, "params": n_params,
+    summary = {"ddp": args.ddp, "trainer": args.trainer, "arch": args.arch, "optimizer": args.optimizer,
+               "world_size": world, "params": n_params,
                "iters": args.iters, "updates": w.updates(steps), "updates_per_iter": w.updates(steps) / args.iters,
                "iter_s_mean": steady_mean(iters, args.skip_iters),
                "iter_s_median": statistics.median(r["iter_s"] for r in iters[args.skip_iters:] or iters),

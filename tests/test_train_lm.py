@@ -1,7 +1,8 @@
 """examples/train_lm.py: a HuggingFace GPT-2 (or Llama) on the standard library's source text.
 
 Run in 2 gloo ranks as torchrun starts them (tests/_scripts.py, a tiny config), once with torch DDP and
-once with deft at epsilon 0, for each ``--arch``: the trained parameters (``--save-model``), every
+once with deft at epsilon 0, for each ``--arch`` and with ``--optimizer muon`` (torch's Muon and AdamW,
+two optimizers): the trained parameters (``--save-model``), every
 iteration's training loss and every validation loss must agree to 1e-5 (deft at epsilon 0 is torch DDP's
 maths, tied embeddings, AdamW, the warm-up/cosine schedule, the clip and the Llama's rotary buffers
 included); a bad flag fails at once naming it.
@@ -25,20 +26,21 @@ TINY = ["--n-embd", "32", "--n-layer", "2", "--n-head", "2", "--seq", "32", "--i
         "--data-bytes", "200000"]
 
 
-def _run(tmp: Path, ddp: list[str], arch: str = "gpt2") -> dict[str, object]:
+def _run(tmp: Path, ddp: list[str], arch: str = "gpt2", optimizer: str = "adamw") -> dict[str, object]:
     out = tmp / f"{ddp[1]}.json"
-    run_script(SCRIPT, [*ddp, *TINY, "--arch", arch, "--json", str(out), "--save-model", str(tmp / f"{ddp[1]}.pt")],
-               timeout=120)
+    run_script(SCRIPT, [*ddp, *TINY, "--arch", arch, "--optimizer", optimizer, "--json", str(out),
+                        "--save-model", str(tmp / f"{ddp[1]}.pt")], timeout=120)
     doc: dict[str, object] = json.loads(out.read_text())
     return doc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_deft_at_epsilon_zero_trains_the_lm_as_torch_ddp_does(tmp_path: Path, arch: str) -> None:
-    ref = _run(tmp_path, ["--ddp", "torch"], arch)
-    ours = _run(tmp_path, ["--ddp", "deft", "--epsilon", "0"], arch)
+@pytest.mark.parametrize(("arch", "optimizer"), [("gpt2", "adamw"), ("llama", "adamw"), ("gpt2", "muon")])
+def test_deft_at_epsilon_zero_trains_the_lm_as_torch_ddp_does(tmp_path: Path, arch: str, optimizer: str) -> None:
+    ref = _run(tmp_path, ["--ddp", "torch"], arch, optimizer)
+    ours = _run(tmp_path, ["--ddp", "deft", "--epsilon", "0"], arch, optimizer)
     assert ours["summary"]["arch"] == arch  # type: ignore[index]
+    assert ours["summary"]["optimizer"] == optimizer  # type: ignore[index]
     ref_losses = [r["loss"] for r in ref["iters"]]  # type: ignore[attr-defined, index]
     our_losses = [r["loss"] for r in ours["iters"]]  # type: ignore[attr-defined, index]
     assert len(our_losses) == 8
