@@ -27,6 +27,7 @@ ORDER = [
     "peers_hosts_pinned.md",
     "peers_lm_hosts_pinned.md",
     "peers_llama.md",
+    "peers_muon.md",
     "peers_buffers.md",
     "peers_lm_fp16.md",
     "peers_lm_machine.md",

@@ -69,7 +69,7 @@ def _schedule(path: str, model: torch.nn.Module) -> str:
 def lm_run(rank: int, world: int, *, deft: dict[str, Any] | None, mixed_precision: str = "no",
            scaler: bool = False, inf_at: int | None = None, save_at: int | None = None,
            resume: str | None = None, tmp: str = "", clip: bool = True,
-           join: bool = False, dynamo: str = "no") -> dict[str, Any]:
+           join: bool = False, dynamo: str = "no", muon: bool = False) -> dict[str, Any]:
     """One training run; ``deft``: deft's config (None: plain Accelerate, torch DDP).
 
     ``scaler``: Accelerate's fp16 path with a GradScaler (fp16 autocast, scaled backward, unscale in
@@ -78,7 +78,9 @@ def lm_run(rank: int, world: int, *, deft: dict[str, Any] | None, mixed_precisio
     many optimizer steps with ``save_state`` into ``tmp``; ``resume``: ``load_state`` from there and
     run the rest. ``clip``: clip at :data:`MAX_NORM`; ``join``: enter ``join_uneven_inputs`` first,
     with even and uneven batches (the error text of the latter is returned); ``dynamo``: Accelerate's
-    ``dynamo_backend`` (it compiles the prepared wrapper, torch DDP's or deft's). Returns the parameters,
+    ``dynamo_backend`` (it compiles the prepared wrapper, torch DDP's or deft's); ``muon``: torch's Muon
+    on the blocks' matrices and AdamW on the rest, both prepared with a scheduler each and stepped one
+    after the other (two optimizers). Returns the parameters,
     the losses, the clipped norms, deft's update log and whether an update was left finishing in the
     next forward after each step.
     """
@@ -100,9 +102,17 @@ def lm_run(rank: int, world: int, *, deft: dict[str, Any] | None, mixed_precisio
     if scaler:
         acc.native_amp, acc.scaler = True, torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
     model = _gpt2()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=STEPS)
-    model, opt, loader, sched = acc.prepare(model, opt, _loader(world), sched)
+    if muon:
+        embedded = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+        matrices = [p for p in model.parameters() if p.dim() == 2 and id(p) not in embedded]
+        rest = [p for p in model.parameters() if p.dim() != 2 or id(p) in embedded]
+        opts = [torch.optim.Muon(matrices, lr=3e-3, adjust_lr_fn="match_rms_adamw"),
+                torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.01)]
+    else:
+        opts = [torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)]
+    scheds = [get_linear_schedule_with_warmup(o, num_warmup_steps=2, num_training_steps=STEPS) for o in opts]
+    model, *prepared = acc.prepare(model, *opts, _loader(world), *scheds)
+    opts, loader, scheds = prepared[:len(opts)], prepared[len(opts)], prepared[len(opts) + 1:]
     first, refused = 0, None
     if join:
         with acc.join_uneven_inputs([model]):  # even batches: nothing to join
@@ -126,9 +136,11 @@ def lm_run(rank: int, world: int, *, deft: dict[str, Any] | None, mixed_precisio
             acc.backward(loss)
             if acc.sync_gradients and clip:
                 norms.append(float(acc.clip_grad_norm_(model.parameters(), MAX_NORM)))
-            opt.step()
-            sched.step()
-            opt.zero_grad()
+            for opt, sched in zip(opts, scheds, strict=True):
+                opt.step()
+                sched.step()
+            for opt in opts:
+                opt.zero_grad()
             if acc.sync_gradients:
                 skipped += int(acc.optimizer_step_was_skipped)
                 if deft is not None:
@@ -181,5 +193,10 @@ def cases(rank: int, world: int, tmp: str) -> dict[str, Any]:
     # dynamo_backend: Accelerate compiles the prepared wrapper (deft's hooks run between its graphs)
     res["compiled_torch"] = lm_run(rank, world, deft=None, clip=False, dynamo="aot_eager")
     res["compiled_deferring_deft"] = lm_run(rank, world, deft=deferring, clip=False, dynamo="aot_eager")
+    # two optimizers (torch's Muon and AdamW), on deft's default plan and on the deferring schedule
+    res["muon_torch"] = lm_run(rank, world, deft=None, muon=True)
+    res["muon_deft"] = lm_run(rank, world, deft=BASE, muon=True)
+    res["muon_noclip_torch"] = lm_run(rank, world, deft=None, clip=False, muon=True)
+    res["muon_deferring_deft"] = lm_run(rank, world, deft=deferring, clip=False, muon=True)
     res["default_deft"] = lm_run(rank, world, deft={"warmup_iters": 1, "profile_iters": 2, "bucket_cap_mb": 0.001})
     return res

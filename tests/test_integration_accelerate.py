@@ -5,7 +5,8 @@ a tiny GPT-2, AdamW, a prepared scheduler, gradient accumulation 2, an engaging 
 ``accelerate.Accelerator`` and then under deft's, from the same weights and data: at epsilon 0 the
 parameters, clipped norms and losses are torch DDP's in fp32, bf16 autocast, fp16 with a GradScaler that
 skips an injected inf, a forced deferring schedule (also with Accelerate's ``dynamo_backend``, which
-compiles the wrapper), and across ``save_state``/``load_state``.
+compiles the wrapper), across ``save_state``/``load_state``, and with two optimizers (torch's Muon and
+AdamW, each prepared with its scheduler).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def applied(run: dict[str, Any]) -> list[int]:
 
 PAIRS = [("fp32_torch", "fp32_deft"), ("bf16_torch", "bf16_deft"), ("fp16_torch", "fp16_deft"),
          ("noclip_torch", "deferring_deft"), ("fp32_torch", "deferring_clipped_deft"),
-         ("compiled_torch", "compiled_deferring_deft")]
+         ("compiled_torch", "compiled_deferring_deft"), ("muon_torch", "muon_deft"),
+         ("muon_noclip_torch", "muon_deferring_deft")]
 
 
 @pytest.mark.slow
@@ -56,7 +58,7 @@ def test_deft_accelerator_gives_torch_ddps_parameters(runs: list[dict[str, Any]]
 def test_every_gradient_is_applied_once(runs: list[dict[str, Any]]) -> None:
     for rank in runs:
         for name in ("fp32_deft", "bf16_deft", "deferring_deft", "deferring_clipped_deft", "fp32_deft_resumed",
-                     "compiled_deferring_deft"):
+                     "compiled_deferring_deft", "muon_deft", "muon_deferring_deft"):
             assert rank[name]["iterations"] == lm.STEPS
             assert applied(rank[name]) == list(range(lm.STEPS)), name
         # GradScaler skipped the step whose gradient was inf (micro-batch 5: the third optimizer step)
@@ -75,6 +77,7 @@ def test_clipping_engages(runs: list[dict[str, Any]]) -> None:
 def test_the_forced_schedule_leaves_updates_finishing_in_the_next_forward(runs: list[dict[str, Any]]) -> None:
     for rank in runs:
         assert any(rank["deferring_deft"]["finishing"]) and any(rank["compiled_deferring_deft"]["finishing"])
+        assert any(rank["muon_deferring_deft"]["finishing"])  # two optimizers keep the overlap
         assert rank["deferring_deft"]["plan"].endswith(".json")  # the schedule file's plan ran
 
 
