@@ -83,9 +83,11 @@ def constructor_worker(rank: int, world: int) -> dict[str, Any]:
         _model(), **kwargs)
     ref._set_static_graph()
     ours._set_static_graph()
-    names = ("device_ids", "output_device", "dim", "find_unused_parameters", "gradient_as_bucket_view",
-             "static_graph", "bucket_bytes_cap", "broadcast_buffers", "require_backward_grad_sync")
-    out["attributes"] = {n: (getattr(ours, n), getattr(ref, n)) for n in names}
+    names = ("device_ids", "output_device", "device_type", "dim", "find_unused_parameters", "gradient_as_bucket_view",
+             "static_graph", "bucket_bytes_cap", "broadcast_buffers", "require_backward_grad_sync",
+             "parameters_to_ignore")
+    out["attributes"] = {n: tuple(sorted(v) if isinstance(v, set) else v for v in (getattr(ours, n), getattr(ref, n)))
+                         for n in names}
     out["same_group"] = ours.process_group is group and ref.process_group is group
     with ours.no_sync():
         out["flag_in_no_sync"] = ours.require_backward_grad_sync

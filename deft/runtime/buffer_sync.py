@@ -38,7 +38,7 @@ record) the broadcast is waited for at once, as before.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import cast
 
 import torch
@@ -104,9 +104,11 @@ class BufferSync:
     torch DDP broadcasts, :meth:`finish` it (the forward's end); after :meth:`watch`, the first module
     reading a buffer finishes it before it runs, a batch norm reading only its own is caught up."""
 
-    def __init__(self, module: nn.Module, control: ControlPlane) -> None:
+    def __init__(self, module: nn.Module, control: ControlPlane,
+                 synced: Callable[[], list[torch.Tensor]] | None = None) -> None:
         self._module = module
-        self._buffers = list(module.buffers())
+        self._synced = synced if synced is not None else lambda: list(module.buffers())  # those that follow rank 0
+        self._buffers = self._synced()
         self._control = control
         self._pending: StateBroadcast | None = None
         self._watched = False
@@ -142,7 +144,7 @@ class BufferSync:
         and for good once the module's buffers are not the ones watched (one added or replaced: where it
         is read was never recorded)."""
         self.finish()  # a forward that raised left one in flight
-        buffers = list(self._module.buffers())
+        buffers = self._synced()
         if [id(b) for b in buffers] != [id(b) for b in self._buffers]:
             self._buffers, self._wait_at, self._bn, self._watched = buffers, set(), set(), False
         self._pending = start_broadcast(self._buffers, self._control.group)

@@ -8,7 +8,7 @@ torch DDP line carries over; deft's own (``optimizer``, ``config``, ``profile``)
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -103,9 +103,11 @@ def torch_device_ids(device_ids: Sequence[object] | None, output_device: object,
     return ids, _get_device_index(output_device if output_device is not None else device_ids[0], True)
 
 
-def trainable(module: torch.nn.Module) -> tuple[list[str], list[torch.Tensor], torch.device]:
-    """The module's trainable parameters (names, tensors) and the one device they are on."""
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+def trainable(module: torch.nn.Module, ignored: Collection[str] = ()
+              ) -> tuple[list[str], list[torch.Tensor], torch.device]:
+    """The module's trainable parameters (names, tensors) but those ``ignored`` names (torch DDP's
+    ``_ddp_params_and_buffers_to_ignore``), and the one device they are on."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored]
     lazy = [n for n, p in named if isinstance(p, torch.nn.parameter.UninitializedParameter)]
     if lazy:  # torch DDP refuses it too: no shape to bucket or broadcast until a forward infers one
         raise DeftError(f"the module has uninitialized (lazy) parameters ({', '.join(lazy[:3])}"

@@ -108,10 +108,12 @@ class DistributedDataParallel(nn.Module):
         # Bad files fail here, before any collective. Only rank 0 reads a schedule file when planning,
         # so another rank without the file (multi-node) skips the check.
         given_profile = resolve_profile(profile, self.config)
+        # what torch DDP leaves alone (set by _set_params_and_buffers_to_ignore_for_model)
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self._names, self._params, self.device = trainable(module, self.parameters_to_ignore)
         path = self.config.schedule_path
         if path is not None and (dist.get_rank() == 0 or os.path.exists(path)):
-            check_schedule_file(self.config, module)
-        self._names, self._params, self.device = trainable(module)
+            check_schedule_file(self.config, self._params)
         self.config, self._compiled = for_compiled(module, self.config)
         check_device_ids(device_ids, output_device, self.device)
         check_sync_batch_norm(module, self.device)
@@ -124,6 +126,7 @@ class DistributedDataParallel(nn.Module):
         # torch DDP's attributes of its arguments, as torch sets them (read by user code and trainers)
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.device_ids, self.output_device = torch_device_ids(device_ids, output_device, self.device)
+        self.device_type = self.device.type
         self.dim, self.find_unused_parameters = dim, find_unused_parameters
         self.gradient_as_bucket_view, self.static_graph = gradient_as_bucket_view, static_graph
         self.bucket_bytes_cap = int(self.config.bucket_cap_mb * 1024 * 1024)
@@ -152,11 +155,12 @@ class DistributedDataParallel(nn.Module):
         self._primary = next(iter(self._links.values()))
         self._buffer_group = make_buffer_group(cfg, self._primary, self._cuda, self._ranks)
         # CPU buffers on the control group: broadcast beside the forward's first modules (deft.runtime.buffer_sync)
-        self._buffer_sync = BufferSync(self.module, self._control) if self._buffer_group is None and not self._cuda \
-            else None
+        self._buffer_sync = BufferSync(self.module, self._control, self._synced_buffers) \
+            if self._buffer_group is None and not self._cuda else None
         self._init_broadcast: TimedBroadcast | None = None
         if init_sync:
-            state = list(self.module.parameters()) + list(self.module.buffers())
+            state = [p for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore] + \
+                self._synced_buffers()
             # set the group up first (NCCL creates its communicator at the first collective), so the
             # broadcast's time measures the link (codecs.first_iteration: the first iteration's judgement)
             wait_work(dist.all_reduce(torch.zeros(1, device=self.device), group=self._primary.group, async_op=True),
@@ -186,15 +190,19 @@ class DistributedDataParallel(nn.Module):
         training forward outside ``no_sync()``, evaluation forwards included: torch DDP's rule."""
         sync, self._buffers_due = self._buffers_due, torch.is_grad_enabled() and not self._sync.off
         # one rank's buffers are rank 0's already: nothing to send (torch DDP sends them anyway)
-        if sync and self._sync_buffers and self.world > 1 and any(True for _ in self.module.buffers()):
+        if sync and self._sync_buffers and self.world > 1 and self._synced_buffers():
             if self._buffer_group is not None:
-                broadcast_state(list(self.module.buffers()), self._buffer_group, f"{self._primary.name} (buffers)",
+                broadcast_state(self._synced_buffers(), self._buffer_group, f"{self._primary.name} (buffers)",
                                 self.rank, self.config.timeout_s, stream_ordered=True, what="buffers")
             elif self._buffer_sync is not None:
                 self._buffer_sync.start()  # waited for before the first module reading a buffer
             else:
-                broadcast_state(list(self.module.buffers()), self._control.group, "control", self.rank,
+                broadcast_state(self._synced_buffers(), self._control.group, "control", self.rank,
                                 self.config.timeout_s, what="buffers")
+
+    def _synced_buffers(self) -> list[torch.Tensor]:
+        """The module's buffers that follow rank 0 (all but those torch DDP's ignore list names)."""
+        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
 
     @outside_graphs
     def _buffers_synced(self) -> None:
@@ -329,11 +337,18 @@ class DistributedDataParallel(nn.Module):
 
     def will_sync_module_buffers(self) -> bool:
         """torch DDP's: will the next forward broadcast the module's buffers?"""
-        return self._buffers_due and self._sync_buffers and self.world > 1 and any(True for _ in self.module.buffers())
+        return self._buffers_due and self._sync_buffers and self.world > 1 and bool(self._synced_buffers())
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """torch DDP's logging record (Lightning's teardown reads it): none here; deft's is :attr:`plan_info`."""
         return {}
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
+        """torch DDP's: the named parameters and buffers of ``module`` that a wrapper built after this
+        leaves alone: no gradient reduced (each rank keeps its own), nothing broadcast."""
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            module, params_and_buffers_to_ignore)
 
     def _set_static_graph(self) -> None:
         """torch DDP's static-graph hint: deft records the graph's use of each parameter in its first

@@ -39,7 +39,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from torch import nn
+import torch
 
 from deft._json import JsonDict
 from deft.config import DeftConfig
@@ -79,12 +79,13 @@ def resolve_profile(profile: Profile | str | os.PathLike[str] | None, cfg: DeftC
     return given
 
 
-def check_schedule_file(cfg: DeftConfig, module: nn.Module) -> None:
-    """``config.schedule_path`` must be a valid schedule over this model's trainable elements and the
-    config's links (rank 0 loads it again when planning; every rank that has the file checks here)."""
+def check_schedule_file(cfg: DeftConfig, params: list[torch.Tensor]) -> None:
+    """``config.schedule_path`` must be a valid schedule over this model's trainable elements (``params``:
+    those deft reduces) and the config's links (rank 0 loads it again when planning; every rank that has
+    the file checks here)."""
     path = str(cfg.schedule_path)
     sched = Schedule.load(path)
-    total = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in params)
     if sum(sched.bucket_numel) != total:
         raise ContractError(path, "bucket_numel",
                             f"the schedule's buckets hold {sum(sched.bucket_numel)} elements but the model has "
