@@ -202,153 +202,11 @@ def _parameter_gradient_penalty(loop: Loop, t: int, x: torch.Tensor, y: torch.Te
     loop.log.losses.append(total.item())
 
 
-def _one_cycle(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
-    """A learning-rate schedule stepped after every optimizer step (``OneCycleLR``), the rate logged."""
-    if "sched" not in loop.kept:
-        loop.kept["sched"] = torch.optim.lr_scheduler.OneCycleLR(loop.opt, max_lr=0.1, total_steps=30)
-    _plain(loop, t, x, y)
-    loop.kept["sched"].step()
-    loop.log.values.append(loop.opt.param_groups[0]["lr"])
-
-
-def _lr_set_by_hand(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
-    """The rate and the momentum written into the param groups by hand after the step (a warm-up)."""
-    _plain(loop, t, x, y)
-    for group in loop.opt.param_groups:
-        group["lr"] = 0.05 * min(1.0, (t + 2) / 10)
-        group["momentum"] = 0.9 if t % 2 else 0.5
-
-
 def _clip_by_value(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
     """``clip_grad_value_`` between backward and step."""
     loss = loss_fn(loop.wrapped(x), y)
     loss.backward()
     torch.nn.utils.clip_grad_value_(loop.model.parameters(), 0.05)
-    loop.opt.step()
-    loop.opt.zero_grad()
-    loop.log.losses.append(loss.item())
-
-
-def _nesterov(m: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
-
-
-def _rmsprop(m: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.RMSprop(m.parameters(), lr=1e-3, momentum=0.5, centered=True)
-
-
-def _adagrad(m: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.Adagrad(m.parameters(), lr=0.05)
-
-
-def _adam_no_foreach(m: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.Adam(m.parameters(), lr=3e-3, foreach=False, amsgrad=True)
-
-
-def _adam_fused(m: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.Adam(m.parameters(), lr=3e-3, fused=True)
-
-
-def _param_groups(m: nn.Module) -> torch.optim.Optimizer:
-    body = [p for n, p in m.named_parameters() if n.startswith("body")]
-    rest = [p for n, p in m.named_parameters() if not n.startswith("body")]
-    return torch.optim.SGD([{"params": body, "lr": 0.01}, {"params": rest, "weight_decay": 1e-2}],
-                           lr=0.05, momentum=0.9)
-
-
-class Optimizers(torch.optim.Optimizer):
-    """Several optimizers stepped one after another, as a loop steps them (``for opt in optimizers:
-    opt.step()``); the harness's one ``opt`` (its state_dict holds each one's)."""
-
-    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
-        self.optimizers = optimizers
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return [g for o in self.optimizers for g in o.param_groups]
-
-    @property
-    def state(self) -> dict[Any, Any]:  # type: ignore[override]
-        return {p: s for o in self.optimizers for p, s in o.state.items()}
-
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        for o in self.optimizers:
-            o.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for o in self.optimizers:
-            o.zero_grad(set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        return {str(i): o.state_dict() for i, o in enumerate(self.optimizers)}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        for i, o in enumerate(self.optimizers):
-            o.load_state_dict(state_dict[str(i)])
-
-
-def _muon_and_adamw(m: nn.Module) -> torch.optim.Optimizer:
-    """torch's Muon for the matrices, AdamW for the rest (Muon takes 2-D parameters only)."""
-    matrices = [p for p in m.parameters() if p.ndim == 2]
-    rest = [p for p in m.parameters() if p.ndim != 2]
-    return Optimizers(torch.optim.Muon(matrices, lr=0.02, momentum=0.95),
-                      torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.01))
-
-
-def _sgd_and_adam(m: nn.Module) -> torch.optim.Optimizer:
-    """The body's parameters under SGD, the rest under Adam."""
-    body = [p for n, p in m.named_parameters() if n.startswith("body")]
-    rest = [p for n, p in m.named_parameters() if not n.startswith("body")]
-    return Optimizers(torch.optim.SGD(body, lr=0.05, momentum=0.9), torch.optim.Adam(rest, lr=3e-3))
-
-
-def _amp_two_optimizers(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
-    """torch's AMP recipe with two optimizers: ``scaler.step`` for each (each unscaled and checked for
-    inf at its own step), one ``scaler.update()``; rank 0's loss infinite at iteration 14."""
-    assert loop.scaler is not None and isinstance(loop.opt, Optimizers)
-    with torch.autocast(device_type="cpu", dtype=torch.float16):
-        loss = loss_fn(loop.wrapped(x), y)
-    loop.scaler.scale(loss * float("inf") if t == 14 and loop.rank == 0 else loss).backward()
-    for o in loop.opt.optimizers:
-        loop.scaler.step(o)
-    loop.scaler.update()
-    loop.opt.zero_grad()
-    loop.log.losses.append(loss.item())
-    loop.log.values.append(loop.scaler.get_scale())
-
-
-def _second_optimizer_every_other_step(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
-    """The first optimizer steps every iteration, the second every other one (its gradients zeroed
-    either way): a step that ends at the next forward."""
-    assert isinstance(loop.opt, Optimizers)
-    loss = loss_fn(loop.wrapped(x), y)
-    loss.backward()
-    first, second = loop.opt.optimizers
-    first.step()
-    if t % 2:
-        second.step()
-    loop.opt.zero_grad()
-    loop.log.losses.append(loss.item())
-
-
-def _optimizers_in_turns(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
-    """Block-coordinate training: one optimizer steps in even iterations, the other in odd ones; both
-    zero their gradients every iteration."""
-    assert isinstance(loop.opt, Optimizers)
-    loss = loss_fn(loop.wrapped(x), y)
-    loss.backward()
-    loop.opt.optimizers[t % 2].step()
-    loop.opt.zero_grad()
-    loop.log.losses.append(loss.item())
-
-
-def _lr_set_before_step(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
-    """The rate written into the param groups between ``backward()`` and ``step()`` (a warm-up computed
-    from the iteration, as some loops do right before stepping)."""
-    loss = loss_fn(loop.wrapped(x), y)
-    loss.backward()
-    for group in loop.opt.param_groups:
-        group["lr"] = 0.05 * min(1.0, (t + 1) / 8)
     loop.opt.step()
     loop.opt.zero_grad()
     loop.log.losses.append(loss.item())
@@ -434,21 +292,7 @@ RECIPES: dict[str, Recipe] = {
     "pseudo_labels_from_a_no_grad_forward": Recipe(mlp, _pseudo_labels),
     "input_gradient_penalty": Recipe(mlp, _input_gradient_penalty),
     "parameter_gradient_penalty": Recipe(mlp, _parameter_gradient_penalty),
-    "one_cycle_lr_schedule": Recipe(mlp, _one_cycle),
-    "lr_and_momentum_set_by_hand": Recipe(mlp, _lr_set_by_hand),
-    "lr_set_between_backward_and_step": Recipe(mlp, _lr_set_before_step),
     "clip_grad_value": Recipe(mlp, _clip_by_value),
-    "sgd_nesterov": Recipe(mlp, _plain, optimizer=_nesterov),
-    "rmsprop_centered": Recipe(mlp, _plain, optimizer=_rmsprop),
-    "adagrad": Recipe(mlp, _plain, optimizer=_adagrad),
-    "adam_amsgrad_for_loop": Recipe(mlp, _plain, optimizer=_adam_no_foreach),
-    "adam_fused": Recipe(mlp, _plain, optimizer=_adam_fused),
-    "param_groups": Recipe(mlp, _plain, optimizer=_param_groups),
-    "muon_and_adamw": Recipe(mlp, _plain, optimizer=_muon_and_adamw),
-    "sgd_and_adam_checkpointed": Recipe(mlp, _plain, optimizer=_sgd_and_adam, restart_at=13),
-    "amp_fp16_two_optimizers": Recipe(mlp, _amp_two_optimizers, optimizer=_sgd_and_adam, scaler=True),
-    "second_optimizer_every_other_step": Recipe(mlp, _second_optimizer_every_other_step, optimizer=_sgd_and_adam),
-    "optimizers_in_turns": Recipe(mlp, _optimizers_in_turns, optimizer=_sgd_and_adam),
     "add_param_group_mid_training": Recipe(mlp, _unfreeze_into_the_optimizer, optimizer=_head_only),
     "add_param_group_after_optimizer_zero_grad": Recipe(mlp, _unfreeze_after_optimizer_zero_grad,
                                                         optimizer=_head_only),
@@ -519,7 +363,11 @@ APPLIED_BY_HOOKS = {"rollback_to_a_snapshot"}
 #: Recipes whose loop touches every gradient between backward() and step().
 READS_EVERY_GRADIENT = {"amp_bf16_documented", "amp_fp16_inf_before_plan", "amp_fp16_inf_after_plan",
                         "clip_from_start", "grad_norm_logging", "optimizer_over_the_head_model_clipped",
-                        "clip_grad_value", "amp_fp16_two_optimizers"}
+                        "clip_grad_value"}
+
+
+#: The schedule modes of :mod:`tests.compat._harness` every recipe runs in.
+MODES = ("forced", "given", "measured")
 
 
 def compat_worker(rank: int, world: int, recipe: str, mode: str, workdir: str) -> dict[str, Any]:
@@ -537,23 +385,28 @@ def check_exact(out: list[dict[str, Any]]) -> None:
     assert out[0]["deft"]["params"] == out[1]["deft"]["params"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["forced", "given", "measured"])
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
-def test_recipe_matches_torch_ddp_at_epsilon_zero(recipe: str, mode: str, tmp_path: Any) -> None:
-    out = values(run_ranks(compat_worker, 2, (recipe, mode, str(tmp_path)), timeout=180))
+def check_recipe(r: Recipe, mode: str, reads_every_gradient: bool, out: list[dict[str, Any]]) -> None:
+    """What every recipe must show in ``mode`` (``reads_every_gradient``: its loop touches every gradient
+    between backward() and step())."""
     check_exact(out)
     if mode in ("forced", "given"):
         # Both schedules defer buckets past the step. A loop that reads every gradient before the step
         # (GradScaler's inf check, a global clip, a logged norm) waits for them there, so no update is
         # left finishing after its step; any other loop keeps the overlap.
-        assert (out[0]["deferred"] == 0) == (recipe in READS_EVERY_GRADIENT), out[0]
+        assert (out[0]["deferred"] == 0) == reads_every_gradient, out[0]
     if mode == "forced":  # one update per iteration, each applied once (none of a skipped step)
-        r = RECIPES[recipe]
         # a wrapper resumed from the module's own state_dict starts counting iterations afresh
         first = r.restart_at if r.restart_from == "module" and r.restart_at is not None else 0
         assert out[0]["updates"] == [[t - first] for t in range(first, r.steps)
                                      if t not in _skipped(out[0])], out[0]["updates"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_recipe_matches_torch_ddp_at_epsilon_zero(recipe: str, mode: str, tmp_path: Any) -> None:
+    out = values(run_ranks(compat_worker, 2, (recipe, mode, str(tmp_path)), timeout=180))
+    check_recipe(RECIPES[recipe], mode, recipe in READS_EVERY_GRADIENT, out)
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from torch import nn
 from tests._dist import run_ranks, values
 from tests.compat._harness import Loop, Recipe, mlp, run
 from tests.compat.test_loops import RECIPES, _plain, check_exact
+from tests.compat.test_optimizers import RECIPES as OPTIMIZER_RECIPES
 
 
 # -- HuggingFace GPT-2 ------------------------------------------------------------------------------------
@@ -338,7 +339,7 @@ def test_default_epsilon_skips_a_nonfinite_gradient_in_its_statistics(tmp_path: 
 
 
 def preserver_worker(rank: int, world: int, recipe: str, workdir: str) -> dict[str, Any]:
-    r = RECIPES[recipe]
+    r = {**RECIPES, **OPTIMIZER_RECIPES}[recipe]
     # enough warm-up for the noise estimate, so the preserver really decides
     return run(Recipe(r.model, r.step, r.optimizer, steps=40, scaler=r.scaler), rank, "measured", None, workdir,
                observe=True, extra={"warmup_iters": 6, "profile_iters": 3,
