@@ -235,16 +235,32 @@ class OptimizerBinding:
 
     def step_internally(self) -> None:
         """Run every member's ``step()`` for an update the user's step does not apply (several due at
-        once; a deferred part): each applies the gradients of its own parameters."""
+        once; a deferred part): each applies the gradients of its own parameters. A member's parameters
+        that are not deft's (torch DDP's ignore list, frozen when the module was wrapped) are stepped by
+        the user's steps alone, as under torch DDP: their ``p.grad`` is hidden meanwhile."""
         if not self.members:
             raise DeftError("deft needs the optimizer to apply pending updates: pass optimizer= to "
                             "deft.DistributedDataParallel or call optimizer.step() once before")
         self.internal = True
         try:
-            for opt in self.members:
-                opt.step()
+            with self._foreign_grads_hidden():
+                for opt in self.members:
+                    opt.step()
         finally:
             self.internal = False
+
+    @contextmanager
+    def _foreign_grads_hidden(self) -> Iterator[None]:
+        """``p.grad`` of the members' parameters outside deft's set as None, given back after."""
+        hidden = [(p, p.grad) for g in self.param_groups() for p in g["params"]
+                  if id(p) not in self._mine and p.grad is not None]
+        for p, _ in hidden:
+            p.grad = None
+        try:
+            yield
+        finally:
+            for p, grad in hidden:
+                p.grad = grad
 
     def remove(self) -> None:
         for h in self._handles:

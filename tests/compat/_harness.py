@@ -56,6 +56,7 @@ class Recipe:
     scaler: bool = False
     restart_at: int | None = None  # checkpoint and resume in a fresh wrapper before this iteration
     restart_from: str = "wrapper"  # how the checkpoint is taken: the wrapper's state_dict, the module's, or "dcp"
+    ranks_agree: bool = True  # False: a parameter neither wrapper averages (each rank trains its own)
 
 
 @dataclass
@@ -111,11 +112,18 @@ def batch(rank: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, (x[:, :4].sum(1) > 0).long() + 2 * (x[:, 4:8].sum(1) > 0).long()
 
 
+def trained(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters torch DDP and deft reduce: those that require a gradient when the module is
+    wrapped, less torch DDP's ignore list."""
+    ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and n not in ignored]
+
+
 def deferring_schedule(path: str, model: nn.Module, merged: bool = False) -> None:
     """The ``forced`` (or ``merged``) schedule of the module docstring for ``model``."""
     from deft.schedule import CommTask, Schedule, StagePlan, Update
 
-    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for _, p in trained(model))
     numel = (total // 3, total // 3, total - 2 * (total // 3))
     sends = (CommTask(0, 0, "primary"), CommTask(1, 0, "second"), CommTask(2, 0, "second"))
     if merged:
@@ -136,7 +144,7 @@ def heavy_profile(model: nn.Module) -> Any:
     links: the lag-free planner sends the output side in the next forward."""
     from deft.profile import Bucket, BucketTimes, Link, Profile
 
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad][::-1]
+    named = trained(model)[::-1]
     buckets = tuple(Bucket(id=i, params=(n,), numel=p.numel(), nbytes=4 * p.numel()) for i, (n, p) in enumerate(named))
     times = tuple(BucketTimes(forward_s=1e-3, backward_s=1e-3, comm_s={"primary": 6e-3, "second": 6e-3})
                   for _ in named)
