@@ -178,14 +178,19 @@ def gan_class() -> type:
 
 def fit(world: int, strategy: Any, steps: int, precision: str = "32-true", ckpt_dir: str | None = None,
         ckpt_path: str | None = None, module: Any = None, callbacks: list[Any] | None = None,
-        manual: bool | str = False, clip: bool = True, compiled: bool = False, gan: bool = False) -> Any:
+        manual: bool | str = False, clip: bool = True, compiled: bool = False, gan: bool = False,
+        backbone: bool = False) -> Any:
     """A fresh module trained by a fresh Trainer for ``steps`` optimizer steps; the module.
     ``compiled``: ``fit`` gets ``torch.compile(module)`` (Lightning compiles its forward and steps),
-    compiled afresh as in a process of its own (Dynamo would reuse an earlier run's code for the class)."""
+    compiled afresh as in a process of its own (Dynamo would reuse an earlier run's code for the class).
+    ``backbone``: the module's ``backbone`` is its first two layers (what Lightning's finetuning callbacks
+    freeze and unfreeze)."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     module = gan_class()() if gan else module_class()(manual, norms=clip)
+    if backbone:
+        module.backbone = module.net[:4]
     given: Any = module
     if compiled:
         torch._dynamo.reset()
@@ -214,10 +219,10 @@ def worst(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
 
 
-def strategy(config: dict[str, Any]) -> Any:
+def strategy(config: dict[str, Any], **kw: Any) -> Any:
     from deft.integrations.lightning import DeftStrategy
 
-    return DeftStrategy(deft_config=config)
+    return DeftStrategy(deft_config=config, **kw)
 
 
 def naive_strategy(config: dict[str, Any]) -> Any:
@@ -256,7 +261,7 @@ def _deft_fit(world: int, config: dict[str, Any], steps: int, **kw: Any) -> tupl
 def _deft_fit_recorded(world: int, config: dict[str, Any], steps: int, **kw: Any) -> tuple[Any, list[int], Any]:
     """:func:`_deft_fit`, and the wrapper's ``plan_info["used_before_forward"]``."""
     keep = keeper()
-    module = fit(world, strategy(config), steps, callbacks=[keep], **kw)
+    module = fit(world, strategy(config), steps, callbacks=[keep, *kw.pop("callbacks", [])], **kw)
     used = keep.ddp.plan_info.get("used_before_forward")
     return module, sorted(t for _, its in keep.ddp.update_log for t in its), used
 
@@ -311,6 +316,29 @@ def parity_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     ours, its = _deft_fit(world, EXACT, steps, manual="accumulate")
     out["manual_accumulate"] = {"worst": worst(params(ours), params(ref)), "applied": its,
                                 "batches": len(ours.losses)}
+    # Lightning's BackboneFinetuning: the backbone frozen when the module is wrapped, unfrozen into a new
+    # param group at the second epoch; neither wrapper averages its gradient, each rank steps its own
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    def finetuning() -> list[Any]:
+        return [BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_lr=1e-3, verbose=False)]
+
+    ref = fit(world, "ddp", steps, clip=False, backbone=True, callbacks=finetuning())
+    ours, its = _deft_fit(world, EXACT, steps, clip=False, backbone=True, callbacks=finetuning())
+    out["backbone_finetuning"] = {"worst": worst(params(ours), params(ref)), "applied": its,
+                                  "params": [p.flatten().tolist() for p in params(ours)]}
+    # a comm hook given to the strategy on the CPU: strategy="ddp" leaves it out there, and so must deft
+    import lightning.pytorch as pl
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hook = {"ddp_comm_hook": default_hooks.fp16_compress_hook}
+    ref = fit(world, pl.strategies.DDPStrategy(**hook), steps)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = fit(world, strategy(EXACT, **hook), steps)
+    out["comm_hook_on_cpu"] = {"worst": worst(params(ours), params(ref)),
+                               "warned": [str(w.message) for w in caught if "ddp_comm_hook" in str(w.message)],
+                               "vs_exact": worst(params(ref), params(fit(world, "ddp", steps)))}
     # refused: a GAN's two optimizers at setup; a second manual_backward in one training_step, before it runs
     for name, kw in (("gan", {"gan": True}), ("twice", {"manual": "twice"})):
         try:

@@ -130,6 +130,30 @@ def test_manual_accumulation_with_clipping_and_a_scheduler_matches_ddp(ranks: li
 
 
 @pytest.mark.slow
+def test_backbone_finetuning_matches_ddp(ranks: list[dict[str, Any]]) -> None:
+    """``BackboneFinetuning``: the backbone frozen when the module is wrapped and unfrozen into a param group
+    of its own at the second epoch. Neither wrapper averages its gradient (the ranks' backbones part),
+    and each rank's optimizer steps it once per step: deft's own steps of updates it left finishing
+    must not step it again."""
+    for v in ranks:
+        case = v["backbone_finetuning"]
+        assert case["worst"] < 1e-5, case["worst"]
+        assert case["applied"] == list(range(STEPS))
+    assert ranks[0]["backbone_finetuning"]["params"][0] != ranks[1]["backbone_finetuning"]["params"][0]
+
+
+@pytest.mark.slow
+def test_a_comm_hook_on_the_cpu_is_left_out_as_strategy_ddp_leaves_it(ranks: list[dict[str, Any]]) -> None:
+    """``ddp_comm_hook=fp16_compress_hook`` on the CPU: Lightning's ``DDPStrategy`` registers comm hooks on
+    CUDA only, so its run is the plain one; deft's equals it and says the hook is not registered."""
+    for v in ranks:
+        case = v["comm_hook_on_cpu"]
+        assert case["vs_exact"] == 0.0, "strategy='ddp' now registers the hook on the CPU: follow it"
+        assert case["worst"] < 1e-5, case["worst"]
+    assert len(ranks[0]["comm_hook_on_cpu"]["warned"]) == 1 and ranks[1]["comm_hook_on_cpu"]["warned"] == []
+
+
+@pytest.mark.slow
 def test_a_gan_with_two_optimizers_is_refused_at_setup(ranks: list[dict[str, Any]]) -> None:
     for v in ranks:
         assert "takes one optimizer" in v["gan"] and "strategy='ddp'" in v["gan"], v["gan"]

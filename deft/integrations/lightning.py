@@ -19,8 +19,10 @@ What differs from the plain ``DDPStrategy``, and why:
   ``no_sync()``: one reduction per optimizer step, as with torch DDP. (Lightning's own test for it
   names torch DDP's class, so deft's wrapper would otherwise reduce every micro-batch: correct, slower.)
 * ``ddp_comm_hook`` (with ``ddp_comm_state`` / ``ddp_comm_wrapper``) goes to deft's
-  ``register_comm_hook`` on every device; post-local SGD's model averaging is refused (deft's
-  ``local_steps`` config is its counterpart).
+  ``register_comm_hook`` where ``DDPStrategy`` registers it, on CUDA devices only: on another device
+  Lightning's strategy leaves it out, and so does this one (with a warning), so that the run equals
+  ``strategy="ddp"``'s (on the CPU, deft's own ``compression`` config sends in 16 bits). Post-local
+  SGD's model averaging is refused (deft's ``local_steps`` config is its counterpart).
 * Checkpoints: Lightning saves the LightningModule's ``state_dict`` and the optimizer's on every rank,
   and writes rank 0's. Before the module's state is taken, deft is flushed (collective: every rank is
   in ``save_checkpoint``), so both hold every update, whatever the schedule; the wrapper's record
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Generator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -182,6 +185,12 @@ class DeftMethods(_Base):
         hook = self._ddp_comm_hook
         ddp = self.deft_ddp
         if hook is None or ddp is None:
+            return
+        if self.root_device.type != "cuda":  # DDPStrategy._register_ddp_hooks: CUDA only
+            if self.global_rank == 0:
+                warnings.warn(f"DeftStrategy: ddp_comm_hook is not registered on {self.root_device.type}, as "
+                              "strategy='ddp' leaves it out there; deft_config={'compression': ...} compresses "
+                              "on any device", stacklevel=2)
             return
         if self._ddp_comm_wrapper is not None:
             hook = self._ddp_comm_wrapper(hook)
