@@ -69,7 +69,7 @@ def _schedule(path: str, model: torch.nn.Module) -> str:
 def lm_run(rank: int, world: int, *, deft: dict[str, Any] | None, mixed_precision: str = "no",
            scaler: bool = False, inf_at: int | None = None, save_at: int | None = None,
            resume: str | None = None, tmp: str = "", clip: bool = True,
-           join: bool = False, dynamo: str = "no", muon: bool = False) -> dict[str, Any]:
+           join: bool = False, dynamo: str = "no", muon: bool = False, save_mid: bool = False) -> dict[str, Any]:
     """One training run; ``deft``: deft's config (None: plain Accelerate, torch DDP).
 
     ``scaler``: Accelerate's fp16 path with a GradScaler (fp16 autocast, scaled backward, unscale in
@@ -80,7 +80,8 @@ def lm_run(rank: int, world: int, *, deft: dict[str, Any] | None, mixed_precisio
     with even and uneven batches (the error text of the latter is returned); ``dynamo``: Accelerate's
     ``dynamo_backend`` (it compiles the prepared wrapper, torch DDP's or deft's); ``muon``: torch's Muon
     on the blocks' matrices and AdamW on the rest, both prepared with a scheduler each and stepped one
-    after the other (two optimizers). Returns the parameters,
+    after the other (two optimizers); ``save_mid``: the save comes after the first micro-batch of step
+    ``save_at`` (between its micro-batches), into the folder a save at the step before wrote. Returns the parameters,
     the losses, the clipped norms, deft's update log and whether an update was left finishing in the
     next forward after each step.
     """
@@ -124,7 +125,7 @@ def lm_run(rank: int, world: int, *, deft: dict[str, Any] | None, mixed_precisio
             refused = f"{type(e).__name__}: {e}"
     if resume is not None:
         acc.load_state(resume)
-        first = int(save_at or 0) * ACCUM
+        first = (int(save_at or 0) - 1) * ACCUM + 1 if save_mid else int(save_at or 0) * ACCUM
         loader = acc.skip_first_batches(loader, first)
     losses, norms, finishing, skipped, steps = [], [], [], 0, (first // ACCUM)
     for i, (ids,) in enumerate(loader, start=first):
@@ -147,13 +148,19 @@ def lm_run(rank: int, world: int, *, deft: dict[str, Any] | None, mixed_precisio
                     finishing.append(any(u.finishing for u in model.pending_updates))
         if acc.sync_gradients:
             steps += 1
-            if save_at is not None and resume is None and steps == save_at:
+            if save_at is not None and resume is None and steps == save_at - int(save_mid):
                 acc.save_state(os.path.join(tmp, "ckpt"))
-                break
+                if not save_mid:
+                    break
+        elif save_mid and resume is None and save_at is not None and steps == save_at - 1:
+            acc.save_state(os.path.join(tmp, "ckpt"))  # between the micro-batches of step save_at
+            break
     out: dict[str, Any] = {"seconds": time.perf_counter() - began, "losses": losses, "norms": norms,
                            "skipped": skipped, "steps": steps,
                            "finishing": finishing, "join": refused}
-    if deft is not None:
+    if deft is not None and save_mid and resume is None:  # stopped between micro-batches: nothing to flush
+        acc.deft_wrappers[0].close()
+    elif deft is not None:
         ddp = acc.deft_wrappers[0]
         ddp.flush()
         out["update_log"] = [[int(t), [int(i) for i in its]] for t, its in ddp.update_log]
@@ -198,5 +205,14 @@ def cases(rank: int, world: int, tmp: str) -> dict[str, Any]:
     res["muon_deft"] = lm_run(rank, world, deft=BASE, muon=True)
     res["muon_noclip_torch"] = lm_run(rank, world, deft=None, clip=False, muon=True)
     res["muon_deferring_deft"] = lm_run(rank, world, deft=deferring, clip=False, muon=True)
+    # save_state between the micro-batches of a step (a checkpoint every so many batches), and resumed
+    mid = {"torch": None, "deft": deferring}
+    for kind, cfg in mid.items():
+        where = os.path.join(tmp, f"mid_{kind}")
+        lm_run(rank, world, deft=cfg, clip=False, save_at=STEPS // 2, save_mid=True, tmp=where)
+        torch.distributed.barrier()  # every rank's files written
+        res[f"mid_{kind}_saved"] = sorted(os.listdir(os.path.join(where, "ckpt")))
+        res[f"mid_{kind}_resumed"] = lm_run(rank, world, deft=cfg, clip=False, save_at=STEPS // 2, save_mid=True,
+                                            resume=os.path.join(where, "ckpt"))
     res["default_deft"] = lm_run(rank, world, deft={"warmup_iters": 1, "profile_iters": 2, "bucket_cap_mb": 0.001})
     return res

@@ -96,6 +96,21 @@ def test_save_state_then_load_state_resumes_where_it_stopped(runs: list[dict[str
 
 
 @pytest.mark.slow
+def test_save_state_between_micro_batches_resumes_as_torch_ddp(runs: list[dict[str, Any]]) -> None:
+    """``save_state`` after the first micro-batch of a step, into the folder of a save at the step before,
+    on a schedule whose updates finish in the next forward: it holds what torch DDP's holds (the
+    micro-batch's gradient is in neither), and the run resumed from it equals torch DDP's resumed run;
+    the folder keeps no deft record (the earlier save's is not this checkpoint's: the resumed run profiles
+    again, as a run resumed from torch DDP's checkpoint does)."""
+    for rank in runs:
+        assert rank["mid_deft_saved"] == rank["mid_torch_saved"]  # no deft_state_<rank>.pt
+        ours, ref = rank["mid_deft_resumed"], rank["mid_torch_resumed"]
+        assert ours["steps"] == ref["steps"] == lm.STEPS
+        assert ours["losses"] == pytest.approx(ref["losses"], abs=1e-6)
+        torch.testing.assert_close(flat(ours), flat(ref), atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
 def test_default_epsilon_trains(runs: list[dict[str, Any]]) -> None:
     for rank in runs:
         run = rank["default_deft"]

@@ -29,7 +29,7 @@ What differs from the plain ``DDPStrategy``, and why:
   (iteration, schedule, update log), now with nothing pending, goes in the checkpoint under ``"deft"``
   and is loaded into the new wrapper on resume, so a resumed run keeps its plan instead of profiling
   again. Between the micro-batches of an accumulated step (a validation there saves too) nothing can
-  be flushed: see :func:`check_nothing_held`.
+  be flushed: see :mod:`deft.integrations.checkpoints`.
 * ``teardown`` flushes (after a clean run only: a failed rank would leave its peers waiting), removes
   deft's hooks, and hands back the bare LightningModule.
 * Manual optimization (``automatic_optimization = False``): Lightning runs the whole ``training_step``
@@ -72,6 +72,7 @@ except ImportError as e:  # pragma: no cover - the extra is installed where the 
 from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.errors import DeftError
+from deft.integrations.checkpoints import check_nothing_held
 from deft.runtime.ddp import DistributedDataParallel
 from deft.runtime.phase import Phase
 
@@ -208,7 +209,8 @@ class DeftMethods(_Base):
             ddp.flush()  # collective: Lightning takes the state on every rank
         state = super().lightning_module_state_dict()  # deft's state_dict hook finishes what is deferred
         if ddp is not None:
-            check_nothing_held(ddp)
+            check_nothing_held(ddp, "a Lightning checkpoint", "Save between optimizer steps (val_check_interval a "
+                               "multiple of accumulate_grad_batches)")
         return state
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -238,19 +240,6 @@ class DeftMethods(_Base):
             ddp.close()
             self.model = self.lightning_module
         super().teardown()
-
-
-def check_nothing_held(ddp: DistributedDataParallel) -> None:
-    """A checkpoint between the micro-batches of an accumulated step (Lightning validates, and
-    ``ModelCheckpoint`` saves, every ``val_check_interval`` batches, aligned with steps or not) cannot
-    flush: the iteration is half done. It holds torch DDP's state unless an update of an earlier
-    iteration is still queued (a merged schedule): then it is refused rather than saved without it."""
-    held = [u.iterations for u in ddp.pending_updates if u.iterations and max(u.iterations) < ddp.iteration]
-    if held:
-        raise DeftError(f"a checkpoint between the micro-batches of an accumulated step, while deft still holds the "
-                        f"gradients of iterations {held} (a merged update): the checkpoint would lose them. Save "
-                        "between optimizer steps (val_check_interval a multiple of accumulate_grad_batches), or "
-                        "deft_config={'epsilon': 0.0}")
 
 
 class DeftStrategy(DeftMethods, DDPStrategy):
