@@ -156,7 +156,7 @@ def test_the_forward_decides_and_a_step_after_only_micro_batches_is_refused() ->
         # (2 x STEPS iterations) and, the average being linear, end on the same parameters.
         assert v["flag_iterations"] == {"deft": STEPS, "deft_accelerate": STEPS}
         assert v["refused"] is not None and "under no_sync()" in v["refused"], v["refused"]
-        assert "trigger_sync_in_backward" in v["refused"]
+        assert "trigger_sync_in_backward" in v["refused"] and "local_steps" in v["refused"]
         assert v["untouched"]
 
 

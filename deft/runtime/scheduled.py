@@ -388,7 +388,9 @@ class ScheduledRun:
             raise DeftError(f"optimizer.step() of iteration {self._t} follows only backwards whose forward ran "
                             "under no_sync(): torch DDP would step every rank on its own local gradient (the "
                             "ranks drift apart). End the accumulation with a forward and backward outside "
-                            "no_sync(), or run the last backward under ddp.trigger_sync_in_backward()")
+                            "no_sync(), or run the last backward under ddp.trigger_sync_in_backward(). Local "
+                            "SGD (Accelerate's LocalSGD keeps no_sync() open for the whole run, stepping each "
+                            "rank alone) is deft's config local_steps=H instead")
         self._step_open = True
         if self._phase in (Phase.FORWARD, Phase.BACKWARD):
             self._take_left_grads()
