@@ -133,3 +133,74 @@ def test_delayed_updates_closed_form(tmp_path: Path, world: int) -> None:
     for v in out:
         assert v["links"]["primary"]["calls"] > 0 and v["links"]["second"]["calls"] > 0
         assert v["links"]["second"]["bytes"] > 0
+
+
+#: After the step of these iterations an evaluation forward with gradients enabled and no backward begins
+#: the next iteration, then the loop checkpoints the wrapper or flushes, as torch DDP allows there. The next
+#: iterations are at positions 1 (its group holds an iteration already), 2 (its forward stage has sent a
+#: bucket of the group before it) and 2 again, before flush().
+EVAL_THEN = {1: "state_dict", 2: "state_dict", 6: "flush"}
+
+
+def _withdrawn_run(rank: int, schedule_path: str, start: int, saved: bytes | None) -> tuple[Linear, object, bytes]:
+    import io
+
+    import deft
+
+    model = Linear()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    ddp = deft.DistributedDataParallel(model, config={
+        "epsilon": 0.1, "warmup_iters": 1, "schedule_path": schedule_path, "timeout_s": 30,
+        "links": [{"name": "primary"}, {"name": "second"}]})
+    if saved is not None:
+        sd = torch.load(io.BytesIO(saved), weights_only=True)
+        ddp.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["opt"])
+    checkpoint = b""
+    for t in range(start, ITERS):
+        ddp(coefficients(rank, t)).backward()
+        opt.step()
+        opt.zero_grad()
+        what = EVAL_THEN.get(t)
+        if what is None:
+            continue
+        ddp.eval()
+        ddp(coefficients(rank, 99))
+        ddp.train()
+        if what == "flush":
+            ddp.flush()
+            continue
+        buf = io.BytesIO()
+        torch.save({"model": ddp.state_dict(), "opt": opt.state_dict()}, buf)
+        if t == 2:
+            checkpoint = buf.getvalue()
+    ddp.flush()
+    return model, ddp, checkpoint
+
+
+def withdrawn_worker(rank: int, world: int, schedule_path: str) -> dict[str, object]:
+    model, ddp, checkpoint = _withdrawn_run(rank, schedule_path, 0, None)
+    log = [[t, list(its)] for t, its in ddp.update_log]
+    expect = closed_form(log, world)
+    for n, p in model.named_parameters():
+        tol = 1e-6 if p.dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(p.detach().double(), expect[n], rtol=0, atol=tol)
+    resumed, rddp, _ = _withdrawn_run(rank, schedule_path, 3, checkpoint)
+    return {"log": log, "params": {n: p.double().tolist() for n, p in model.named_parameters()},
+            "resumed_log": [[t, list(its)] for t, its in rddp.update_log],
+            "resumed_params": {n: p.double().tolist() for n, p in resumed.named_parameters()}}
+
+
+@pytest.mark.slow
+def test_a_checkpoint_after_a_forward_without_backward_applies_each_iteration_once(tmp_path: Path) -> None:
+    path = tmp_path / "schedule.json"
+    delayed_schedule().save(path)
+    out = values(run_ranks(withdrawn_worker, 2, (str(path),), timeout=180))
+    log = out[0]["log"]
+    assert all(v["log"] == log and v["params"] == out[0]["params"] for v in out)
+    merged = [t for _, its in log for t in its]
+    assert sorted(merged) == list(range(ITERS))  # every iteration applied once, none of the evaluations
+    assert [t for t, _ in log].count(6) >= 1  # flush() after iteration 6 applied what was queued there
+    for v in out:  # the checkpoint taken after the evaluation resumes to the same run
+        assert v["resumed_log"] == v["log"]
+        assert v["resumed_params"] == v["params"]

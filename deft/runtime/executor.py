@@ -315,7 +315,8 @@ class Executor:
 
     # -- iteration -----------------------------------------------------------------------------
     def begin_iteration(self, t: int) -> None:
-        """Forward start of iteration ``t``: open its group instance, launch the forward stage."""
+        """Forward start of iteration ``t``: open its group instance, launch the forward stage (less what
+        a withdrawn begin of ``t`` launched already, here or before a checkpoint: :meth:`withdraw_iteration`)."""
         s, lay = self.schedule, self.layout
         assert s is not None and lay is not None
         self.t = t
@@ -334,6 +335,23 @@ class Executor:
             self.groups[last] = g
         g.iterations.append(t)
         self._start_stage("forward")
+
+    def withdraw_iteration(self) -> None:
+        """Iteration :attr:`t` was begun by a forward that had no backward (an evaluation with gradients
+        enabled) and the loop needs deft between iterations (a checkpoint, ``flush()``): it leaves its
+        group instance, which is dropped if it opened it, and nothing of its forward stage stays queued.
+        What that stage launched (sends of earlier groups) stays in flight: those groups record it, and
+        every rank's forward launched it in the same order; a checkpoint saves it as sent, and the
+        forward that begins the iteration again (here or after the checkpoint is loaded) skips it."""
+        if self.in_backward or self.backward_done or any(self._touched):
+            raise DeftError(f"internal: iteration {self.t} is withdrawn after a gradient of it arrived")
+        last = self.group_last(self.t)
+        g = self.groups[last]
+        g.iterations.remove(self.t)
+        if not g.iterations:
+            del self.groups[last]
+            self._release(g.buffers)
+        self._queues = {}
 
     def begin_backward(self) -> None:
         if self.in_backward or self.backward_done:
@@ -420,8 +438,14 @@ class Executor:
         for task in s.stage(p, stage).comms:
             if stage == "forward" and self._ahead(p, task):
                 continue  # launched at the end of its group's backward (_launch_ahead)
+            if stage == "forward" and self._launched_before(task):
+                continue  # launched when the iteration was first begun (withdraw_iteration)
             self._queues[task.link].append(task)
         self._pump()
+
+    def _launched_before(self, task: CommTask) -> bool:
+        g = self.groups.get(self.t - task.origin)
+        return g is not None and task.bucket in g.launched
 
     def _ahead(self, position: int, task: CommTask) -> bool:
         """Is ``task`` (forward stage of ``position``) a send of an update finishing in the forward?"""

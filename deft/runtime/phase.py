@@ -6,9 +6,12 @@ One training iteration is forward -> backward -> ``optimizer.step()``::
     FORWARD --first gradient outside no_sync()--> BACKWARD
     BACKWARD --end of the autograd pass--> BACKWARD_DONE
     FORWARD | BACKWARD | BACKWARD_DONE --optimizer.step()--> IDLE   (the iteration counter advances)
+    FORWARD --flush(), a checkpoint, before any gradient--> IDLE   (withdrawn: the next forward begins it again)
 
 Forwards under ``torch.no_grad()`` never leave IDLE (evaluation). ``flush()``, checkpoints and
-schedule switches happen only in IDLE, between iterations.
+schedule switches happen only in IDLE, between iterations; a forward with gradients enabled that no
+backward followed (evaluation outside ``torch.no_grad()``) is withdrawn for them, not refused, as torch
+DDP allows them there. Between the micro-batches of an accumulation they are refused.
 """
 
 from __future__ import annotations

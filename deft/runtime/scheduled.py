@@ -90,6 +90,7 @@ class ScheduledRun:
         self._phase = Phase.IDLE
         self._step_open = False  # the user's step began (its post hook ends the iteration)
         self._micro_batches = False  # a backward under no_sync() in this iteration (saving must wait for the step)
+        self._withdrawn = False  # the iteration a forward began was withdrawn (_withdraw): it begins again
         self._course.install_warmup(list(reversed(range(len(self._params)))), t0=0)
         me = weakref.ref(self)
         self._switch = _hold_switch_interval(self, cfg.switch_interval_ms, self._links)
@@ -259,6 +260,7 @@ class ScheduledRun:
         self._course.codecs.load_hook_states(st.codec_hooks, "deft checkpoint")
         layout = FlatLayout(st.order, self._names, self._params, st.schedule.bucket_numel, "deft checkpoint: schedule")
         self._executor.forget_groups()
+        self._withdrawn = False  # the loaded state begins its next iteration afresh
         self._course.restore(st)
         self._install(st.schedule, layout, st.t0)
         self._executor.restore_groups(st.groups, "deft checkpoint")
@@ -289,13 +291,31 @@ class ScheduledRun:
             raise DeftError(f"{what} must be called between iterations (after optimizer.step()); iteration "
                             f"{self._t} is between the micro-batches of a gradient accumulation (a backward under "
                             "no_sync() and no step yet): call it after the step that ends the accumulation")
+        if self._phase is Phase.FORWARD:
+            self._withdraw()
         if self._phase is not Phase.IDLE:
             raise DeftError(f"{what} must be called between iterations (after optimizer.step()); iteration "
-                            f"{self._t} is in its {self._phase} phase. A forward with gradients enabled starts "
-                            "an iteration: run evaluation under torch.no_grad()")
+                            f"{self._t} is in its {self._phase} phase")
+
+    def _withdraw(self) -> None:
+        """A forward with gradients enabled began iteration ``t`` and no backward followed (evaluation
+        outside ``torch.no_grad()``, which torch DDP allows): the loop now needs deft between iterations,
+        so the executor withdraws the iteration, and the next training forward begins it again.
+
+        Note: only the executor's part is undone. The course's timing and the traces keep the first
+        begin (the next begin does not repeat them), so that iteration is timed from the evaluation's
+        forward, as it is when no checkpoint comes between."""
+        self._executor.withdraw_iteration()
+        self._phase = Phase.IDLE
+        self._withdrawn = True
 
     def _begin_iteration(self) -> None:
         """A forward begins (or a first gradient arrives through the bare module)."""
+        if self._withdrawn:  # begun before (_withdraw): the executor's part again, nothing else
+            self._withdrawn = False
+            self._phase = Phase.FORWARD
+            self._executor.begin_iteration(self._t)
+            return
         self._updates.stop_watching()
         self._updates.drop_after_step()
         self._phase = Phase.FORWARD

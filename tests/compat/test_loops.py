@@ -273,6 +273,20 @@ def _zero_grad_first(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> No
     loop.log.losses.append(loss.item())
 
 
+def _eval_with_gradients(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Evaluation under ``model.eval()`` alone (gradients enabled, no backward) after the step, then a
+    checkpoint of the wrapper, and once deft's ``flush()``: torch DDP allows both there."""
+    _plain(loop, t, x, y)
+    if t % 5 == 2 or t == 0:
+        loop.wrapped.eval()
+        probe = torch.linspace(-1, 1, 16 * 16).reshape(16, 16)
+        loop.log.values.extend(loop.wrapped(probe).detach().flatten().tolist())
+        loop.wrapped.train()
+        loop.log.values.append(float(loop.wrapped.state_dict()["module.head.weight"].sum()))
+        if loop.is_deft and t == 7:
+            loop.wrapped.flush()  # type: ignore[operator]
+
+
 def _first_layer_frozen() -> nn.Module:
     """The body's first layer frozen when the module is wrapped: torch DDP and deft leave it out."""
     m = mlp()
@@ -334,6 +348,7 @@ RECIPES: dict[str, Recipe] = {
     "optimizer_over_the_head_model_clipped": Recipe(mlp, _head_trained_model_clipped, optimizer=_head_only),
     "gradients_never_zeroed": Recipe(mlp, _never_zeroed, optimizer=_small_sgd),
     "zero_grad_before_the_forward": Recipe(mlp, _zero_grad_first),
+    "evaluation_with_gradients_then_checkpoint": Recipe(mlp, _eval_with_gradients, optimizer=_adam, restart_at=13),
     "layer_unfrozen_after_wrapping": Recipe(_first_layer_frozen, _unfrozen_after_wrapping, ranks_agree=False),
     "ignore_list_with_zero_grad_before_the_forward": Recipe(_middle_layer_ignored, _zero_grad_first,
                                                             ranks_agree=False),
