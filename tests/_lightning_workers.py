@@ -292,7 +292,10 @@ def parity_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     saved = sorted(os.path.basename(f) for f in glob.glob(os.path.join(ckpt_dir, "*.ckpt")))
     end_of_second = os.path.join(ckpt_dir, f"epoch=1-step={BATCHES_PER_EPOCH}.ckpt")
     resumed, its = _deft_fit(world, forced, steps, ckpt_path=end_of_second, clip=False)
-    out["resumed"] = {"worst": worst(params(resumed), params(ours)), "applied": its, "saved": saved}
+    # which checkpoints hold deft's record: every one, those between a step's micro-batches included
+    with_record = sorted(f for f in saved if "deft" in torch.load(os.path.join(ckpt_dir, f), weights_only=False))
+    out["resumed"] = {"worst": worst(params(resumed), params(ours)), "applied": its, "saved": saved,
+                      "with_record": with_record}
     # torch.compile(module) given to fit, on the same schedule
     ref_compiled = fit(world, "ddp", steps, clip=False, compiled=True)
     ours, its = _deft_fit(world, forced, steps, clip=False, compiled=True)

@@ -99,15 +99,16 @@ def test_save_state_then_load_state_resumes_where_it_stopped(runs: list[dict[str
 def test_save_state_between_micro_batches_resumes_as_torch_ddp(runs: list[dict[str, Any]]) -> None:
     """``save_state`` after the first micro-batch of a step, into the folder of a save at the step before,
     on a schedule whose updates finish in the next forward: it holds what torch DDP's holds (the
-    micro-batch's gradient is in neither), and the run resumed from it equals torch DDP's resumed run;
-    the folder keeps no deft record (the earlier save's is not this checkpoint's: the resumed run profiles
-    again, as a run resumed from torch DDP's checkpoint does)."""
+    micro-batch's gradient is in neither) and deft's records, and the run resumed from it equals torch
+    DDP's resumed run, its update log carried on from the record."""
     for rank in runs:
-        assert rank["mid_deft_saved"] == rank["mid_torch_saved"]  # no deft_state_<rank>.pt
+        world = len(runs)
+        assert rank["mid_deft_saved"] == sorted(rank["mid_torch_saved"] + [f"deft_state_{r}.pt" for r in range(world)])
         ours, ref = rank["mid_deft_resumed"], rank["mid_torch_resumed"]
         assert ours["steps"] == ref["steps"] == lm.STEPS
         assert ours["losses"] == pytest.approx(ref["losses"], abs=1e-6)
         torch.testing.assert_close(flat(ours), flat(ref), atol=1e-5, rtol=0)
+        assert applied(ours) == list(range(lm.STEPS))  # steps 1-3 from the record, step 4's second micro-batch on
 
 
 @pytest.mark.slow

@@ -78,6 +78,7 @@ def test_updates_finishing_in_the_forward_checkpoints_and_resume(ranks: list[dic
         # saved at every validation, the one between a step's micro-batches included
         assert v["resumed"]["saved"] == ["epoch=0-step=1.ckpt", "epoch=0-step=3.ckpt", "epoch=1-step=4.ckpt",
                                          "epoch=1-step=6.ckpt", "epoch=2-step=7.ckpt"]
+        assert v["resumed"]["with_record"] == v["resumed"]["saved"]
         assert v["resumed"]["worst"] < 1e-5, v["resumed"]["worst"]
         assert v["resumed"]["applied"] == list(range(STEPS))  # the record came back with the checkpoint
 

@@ -140,9 +140,18 @@ def test_delayed_updates_closed_form(tmp_path: Path, world: int) -> None:
 #: iterations are at positions 1 (its group holds an iteration already), 2 (its forward stage has sent a
 #: bucket of the group before it) and 2 again, before flush().
 EVAL_THEN = {1: "state_dict", 2: "state_dict", 6: "flush"}
+#: These iterations run as two micro-batches of half the loss (the first under no_sync()), with a
+#: checkpoint or flush() between them: at position 3, the merged update holding iteration 3 queued, and
+#: at position 1 after the flush restarted the cycle at iteration 7, the update holding iteration 7 queued.
+MICRO_THEN = {4: "state_dict", 8: "flush"}
+#: The checkpoints resumed from: after an evaluation, and between micro-batches.
+RESUMED = (2, 4)
 
 
-def _withdrawn_run(rank: int, schedule_path: str, start: int, saved: bytes | None) -> tuple[Linear, object, bytes]:
+def _withdrawn_run(rank: int, schedule_path: str, start: int,
+                   saved: bytes | None) -> tuple[Linear, object, dict[int, bytes]]:
+    """The run from iteration ``start`` (from the checkpoint ``saved``): its model, its wrapper, and the
+    checkpoints it took at :data:`RESUMED`."""
     import io
 
     import deft
@@ -156,43 +165,56 @@ def _withdrawn_run(rank: int, schedule_path: str, start: int, saved: bytes | Non
         sd = torch.load(io.BytesIO(saved), weights_only=True)
         ddp.load_state_dict(sd["model"])
         opt.load_state_dict(sd["opt"])
-    checkpoint = b""
-    for t in range(start, ITERS):
-        ddp(coefficients(rank, t)).backward()
-        opt.step()
-        opt.zero_grad()
-        what = EVAL_THEN.get(t)
-        if what is None:
-            continue
-        ddp.eval()
-        ddp(coefficients(rank, 99))
-        ddp.train()
+    checkpoints: dict[int, bytes] = {}
+
+    def between(t: int, what: str) -> None:
         if what == "flush":
             ddp.flush()
-            continue
+            return
         buf = io.BytesIO()
         torch.save({"model": ddp.state_dict(), "opt": opt.state_dict()}, buf)
-        if t == 2:
-            checkpoint = buf.getvalue()
+        if t in RESUMED:
+            checkpoints[t] = buf.getvalue()
+
+    for t in range(start, ITERS):
+        if t in MICRO_THEN:
+            with ddp.no_sync():
+                (0.5 * ddp(coefficients(rank, t))).backward()
+            between(t, MICRO_THEN[t])
+            (0.5 * ddp(coefficients(rank, t))).backward()
+        else:
+            ddp(coefficients(rank, t)).backward()
+        opt.step()
+        opt.zero_grad()
+        if t in EVAL_THEN:
+            ddp.eval()
+            ddp(coefficients(rank, 99))
+            ddp.train()
+            between(t, EVAL_THEN[t])
     ddp.flush()
-    return model, ddp, checkpoint
+    return model, ddp, checkpoints
 
 
 def withdrawn_worker(rank: int, world: int, schedule_path: str) -> dict[str, object]:
-    model, ddp, checkpoint = _withdrawn_run(rank, schedule_path, 0, None)
+    model, ddp, checkpoints = _withdrawn_run(rank, schedule_path, 0, None)
     log = [[t, list(its)] for t, its in ddp.update_log]
     expect = closed_form(log, world)
     for n, p in model.named_parameters():
         tol = 1e-6 if p.dtype == torch.float32 else 2e-2
         torch.testing.assert_close(p.detach().double(), expect[n], rtol=0, atol=tol)
-    resumed, rddp, _ = _withdrawn_run(rank, schedule_path, 3, checkpoint)
-    return {"log": log, "params": {n: p.double().tolist() for n, p in model.named_parameters()},
-            "resumed_log": [[t, list(its)] for t, its in rddp.update_log],
-            "resumed_params": {n: p.double().tolist() for n, p in resumed.named_parameters()}}
+    out: dict[str, object] = {"log": log, "params": {n: p.double().tolist() for n, p in model.named_parameters()}}
+    for t in RESUMED:  # the loop resumes at the checkpoint's iteration: after step t, or at t's first micro-batch
+        first = t + 1 if t in EVAL_THEN else t
+        resumed, rddp, _ = _withdrawn_run(rank, schedule_path, first, checkpoints[t])
+        out[f"resumed_{t}"] = {"log": [[t, list(its)] for t, its in rddp.update_log],
+                               "params": {n: p.double().tolist() for n, p in resumed.named_parameters()}}
+    return out
 
 
 @pytest.mark.slow
-def test_a_checkpoint_after_a_forward_without_backward_applies_each_iteration_once(tmp_path: Path) -> None:
+def test_a_checkpoint_in_an_iteration_no_gradient_reached_applies_each_iteration_once(tmp_path: Path) -> None:
+    """After a forward without backward, and between micro-batches with a merged update queued: the
+    checkpoint and flush() are allowed, as under torch DDP, and nothing is lost or applied twice."""
     path = tmp_path / "schedule.json"
     delayed_schedule().save(path)
     out = values(run_ranks(withdrawn_worker, 2, (str(path),), timeout=180))
@@ -200,7 +222,8 @@ def test_a_checkpoint_after_a_forward_without_backward_applies_each_iteration_on
     assert all(v["log"] == log and v["params"] == out[0]["params"] for v in out)
     merged = [t for _, its in log for t in its]
     assert sorted(merged) == list(range(ITERS))  # every iteration applied once, none of the evaluations
-    assert [t for t, _ in log].count(6) >= 1  # flush() after iteration 6 applied what was queued there
-    for v in out:  # the checkpoint taken after the evaluation resumes to the same run
-        assert v["resumed_log"] == v["log"]
-        assert v["resumed_params"] == v["params"]
+    assert (6, [5, 6]) in [(t, its) for t, its in log]  # flush() after iteration 6 applied the group queued there
+    assert (7, [7]) in [(t, its) for t, its in log]  # flush() between 8's micro-batches: 7's group cut short
+    for v in out:  # each checkpoint resumes to the same run
+        for t in RESUMED:
+            assert v[f"resumed_{t}"] == {"log": v["log"], "params": v["params"]}, t

@@ -42,11 +42,9 @@ except ImportError as e:  # pragma: no cover - exercised without the extra insta
 from deft._json import JsonDict
 from deft.config import DeftConfig
 from deft.errors import DeftError
-from deft.integrations.checkpoints import check_nothing_held
 from deft.profile import Profile
 from deft.runtime.compat import refuse_join
 from deft.runtime.ddp import DistributedDataParallel
-from deft.runtime.phase import Phase
 
 #: Accelerate's modes in which it builds torch DDP (or nothing, one process): the ones deft can take.
 SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
@@ -204,21 +202,14 @@ class Accelerator(accelerate.Accelerator):
         schedule, the update log) also holds this rank's *local* gradients not yet communicated, so
         every rank writes its own, and :meth:`load_state` gives each rank its own back. Nothing is
         communicated and no pending update is applied early: training resumes exactly where it stopped.
-
-        Between the micro-batches of an accumulated step the checkpoint holds what torch DDP's holds and
-        no deft record (the resumed run profiles again), as :mod:`deft.integrations.checkpoints` says; a
-        merged update still queued there is refused before anything is written.
+        Between the micro-batches of an accumulated step too: the record is the state before the step's
+        first micro-batch, whose gradients so far are in ``p.grad``, which torch DDP's checkpoint does not
+        hold either.
         """
-        between = [w for w in self.deft_wrappers if w.phase is not Phase.IDLE]
-        for w in between:
-            check_nothing_held(w, "Accelerator.save_state", "Save after the step that ends the accumulation "
-                               "(when accelerator.sync_gradients is True)")
+        records = [w.get_deft_state() for w in self.deft_wrappers]  # first: a refusal writes nothing
         location = super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
-        path = Path(location) / RECORD_FILE.format(rank=self.process_index)
-        if self.deft_wrappers and not between:
-            torch.save({"records": [w.get_deft_state() for w in self.deft_wrappers]}, path)
-        else:
-            path.unlink(missing_ok=True)  # an earlier save's record in this folder is not this checkpoint's
+        if records:
+            torch.save({"records": records}, Path(location) / RECORD_FILE.format(rank=self.process_index))
         return str(location)
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None,

@@ -28,8 +28,10 @@ What differs from the plain ``DDPStrategy``, and why:
   in ``save_checkpoint``), so both hold every update, whatever the schedule; the wrapper's record
   (iteration, schedule, update log), now with nothing pending, goes in the checkpoint under ``"deft"``
   and is loaded into the new wrapper on resume, so a resumed run keeps its plan instead of profiling
-  again. Between the micro-batches of an accumulated step (a validation there saves too) nothing can
-  be flushed: see :mod:`deft.integrations.checkpoints`.
+  again. So between the micro-batches of an accumulated step (a validation there saves too): the
+  micro-batches' gradients so far stay in ``p.grad``, which neither checkpoint holds (nor ``"ddp"``'s).
+  Inside manual optimization's own accumulation (after a ``manual_backward``, before its step) nothing
+  can be flushed: see :mod:`deft.integrations.checkpoints`.
 * ``teardown`` flushes (after a clean run only: a failed rank would leave its peers waiting), removes
   deft's hooks, and hands back the bare LightningModule.
 * Manual optimization (``automatic_optimization = False``): Lightning runs the whole ``training_step``
@@ -205,17 +207,16 @@ class DeftMethods(_Base):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         ddp = self.deft_ddp
-        if ddp is not None and ddp.phase is Phase.IDLE:
-            ddp.flush()  # collective: Lightning takes the state on every rank
+        if ddp is not None and ddp.phase in (Phase.IDLE, Phase.FORWARD):
+            ddp.flush()  # collective: Lightning takes the state on every rank (between micro-batches too)
         state = super().lightning_module_state_dict()  # deft's state_dict hook finishes what is deferred
         if ddp is not None:
-            check_nothing_held(ddp, "a Lightning checkpoint", "Save between optimizer steps (val_check_interval a "
-                               "multiple of accumulate_grad_batches)")
+            check_nothing_held(ddp, "a Lightning checkpoint", "Save between optimizer steps")
         return state
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         ddp = self.deft_ddp
-        if ddp is not None and ddp.phase is Phase.IDLE:  # between micro-batches the resumed run profiles again
+        if ddp is not None and ddp.phase is Phase.IDLE:  # after a backward and before its step it profiles again
             checkpoint[CHECKPOINT_KEY] = ddp.get_deft_state()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 

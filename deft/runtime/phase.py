@@ -9,9 +9,9 @@ One training iteration is forward -> backward -> ``optimizer.step()``::
     FORWARD --flush(), a checkpoint, before any gradient--> IDLE   (withdrawn: the next forward begins it again)
 
 Forwards under ``torch.no_grad()`` never leave IDLE (evaluation). ``flush()``, checkpoints and
-schedule switches happen only in IDLE, between iterations; a forward with gradients enabled that no
-backward followed (evaluation outside ``torch.no_grad()``) is withdrawn for them, not refused, as torch
-DDP allows them there. Between the micro-batches of an accumulation they are refused.
+schedule switches happen only in IDLE, between iterations. An iteration no gradient of which reached
+deft yet (a forward with gradients enabled and no backward, or the micro-batches of an accumulation so
+far) is withdrawn for them, not refused, as torch DDP allows them there.
 """
 
 from __future__ import annotations

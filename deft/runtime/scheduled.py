@@ -89,7 +89,7 @@ class ScheduledRun:
         self._t = 0  # index of the current (or next) training iteration
         self._phase = Phase.IDLE
         self._step_open = False  # the user's step began (its post hook ends the iteration)
-        self._micro_batches = False  # a backward under no_sync() in this iteration (saving must wait for the step)
+        self._micro_batches = False  # a backward under no_sync() in this iteration (its sum is in p.grad)
         self._withdrawn = False  # the iteration a forward began was withdrawn (_withdraw): it begins again
         self._course.install_warmup(list(reversed(range(len(self._params)))), t0=0)
         me = weakref.ref(self)
@@ -287,10 +287,6 @@ class ScheduledRun:
     def _require_idle(self, what: str) -> None:
         if self._phase is Phase.BACKWARD_DONE and self._updates.exposed:
             self._skip_step()  # the last step was skipped (GradScaler found inf/NaN): the iteration is over
-        if self._phase is Phase.FORWARD and self._micro_batches:
-            raise DeftError(f"{what} must be called between iterations (after optimizer.step()); iteration "
-                            f"{self._t} is between the micro-batches of a gradient accumulation (a backward under "
-                            "no_sync() and no step yet): call it after the step that ends the accumulation")
         if self._phase is Phase.FORWARD:
             self._withdraw()
         if self._phase is not Phase.IDLE:
@@ -298,13 +294,15 @@ class ScheduledRun:
                             f"{self._t} is in its {self._phase} phase")
 
     def _withdraw(self) -> None:
-        """A forward with gradients enabled began iteration ``t`` and no backward followed (evaluation
-        outside ``torch.no_grad()``, which torch DDP allows): the loop now needs deft between iterations,
-        so the executor withdraws the iteration, and the next training forward begins it again.
+        """Iteration ``t`` was begun and no gradient of it reached deft: a forward with gradients enabled
+        and no backward (evaluation outside ``torch.no_grad()``), or the micro-batches of an accumulation
+        so far (their sum stays in ``p.grad``, which no checkpoint holds, torch DDP's neither). The loop
+        now needs deft between iterations, as torch DDP allows there, so the executor withdraws the
+        iteration, and the next training forward (or micro-batch) begins it again.
 
         Note: only the executor's part is undone. The course's timing and the traces keep the first
-        begin (the next begin does not repeat them), so that iteration is timed from the evaluation's
-        forward, as it is when no checkpoint comes between."""
+        begin (the next begin does not repeat them), so that iteration is timed from its first forward,
+        as it is when nothing comes between."""
         self._executor.withdraw_iteration()
         self._phase = Phase.IDLE
         self._withdrawn = True
@@ -399,6 +397,8 @@ class ScheduledRun:
             self._course.loop_resumes(self._t)  # the optimizer's own step is the loop's
 
     def _prepare_step(self) -> None:
+        if self._withdrawn:  # a step after a checkpoint taken in the iteration: its state as before that
+            self._begin_iteration()
         if self._phase is Phase.IDLE:
             # no iteration: the step applies whatever gradients the caller set, as under torch DDP
             # (torch.distributed.checkpoint's get_state_dict steps zero gradients at lr 0 to create the state)
