@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -149,9 +150,9 @@ RESUMED = (2, 4)
 
 
 def _withdrawn_run(rank: int, schedule_path: str, start: int,
-                   saved: bytes | None) -> tuple[Linear, object, dict[int, bytes]]:
-    """The run from iteration ``start`` (from the checkpoint ``saved``): its model, its wrapper, and the
-    checkpoints it took at :data:`RESUMED`."""
+                   saved: bytes | None) -> tuple[Linear, Any, torch.optim.Optimizer, dict[int, bytes]]:
+    """The run from iteration ``start`` (from the checkpoint ``saved``): its model, its wrapper and
+    optimizer, and the checkpoints it took at :data:`RESUMED`."""
     import io
 
     import deft
@@ -192,11 +193,11 @@ def _withdrawn_run(rank: int, schedule_path: str, start: int,
             ddp.train()
             between(t, EVAL_THEN[t])
     ddp.flush()
-    return model, ddp, checkpoints
+    return model, ddp, opt, checkpoints
 
 
 def withdrawn_worker(rank: int, world: int, schedule_path: str) -> dict[str, object]:
-    model, ddp, checkpoints = _withdrawn_run(rank, schedule_path, 0, None)
+    model, ddp, opt, checkpoints = _withdrawn_run(rank, schedule_path, 0, None)
     log = [[t, list(its)] for t, its in ddp.update_log]
     expect = closed_form(log, world)
     for n, p in model.named_parameters():
@@ -205,9 +206,31 @@ def withdrawn_worker(rank: int, world: int, schedule_path: str) -> dict[str, obj
     out: dict[str, object] = {"log": log, "params": {n: p.double().tolist() for n, p in model.named_parameters()}}
     for t in RESUMED:  # the loop resumes at the checkpoint's iteration: after step t, or at t's first micro-batch
         first = t + 1 if t in EVAL_THEN else t
-        resumed, rddp, _ = _withdrawn_run(rank, schedule_path, first, checkpoints[t])
+        resumed, rddp, _, _ = _withdrawn_run(rank, schedule_path, first, checkpoints[t])
         out[f"resumed_{t}"] = {"log": [[t, list(its)] for t, its in rddp.update_log],
                                "params": {n: p.double().tolist() for n, p in resumed.named_parameters()}}
+    # after a backward and before its step (the flush restarted the cycle at ITERS): at position 0 deft
+    # holds nothing of an earlier iteration and the state_dict is the module's, without deft's record; at
+    # position 1 its group holds the iteration before, which that checkpoint would lose: refused
+    import deft
+
+    said: list[object] = []
+    for t in (ITERS, ITERS + 1):
+        ddp(coefficients(rank, t)).backward()
+        try:
+            said.append(sorted(k for k in ddp.state_dict() if not k.startswith("module.")))
+        except deft.DeftError as e:
+            said.append(str(e))
+        try:  # deft's record alone (what a trainer's checkpoint takes): refused, the gradients left in place
+            ddp.get_deft_state()
+            said.append("record taken")
+        except deft.DeftError as e:
+            said.append(str(e))
+        opt.step()
+        opt.zero_grad()
+    ddp.flush()
+    out["before_the_step"] = said
+    out["applied_after"] = sorted(i for _, its in ddp.update_log for i in its if i >= ITERS)
     return out
 
 
@@ -227,3 +250,8 @@ def test_a_checkpoint_in_an_iteration_no_gradient_reached_applies_each_iteration
     for v in out:  # each checkpoint resumes to the same run
         for t in RESUMED:
             assert v[f"resumed_{t}"] == {"log": v["log"], "params": v["params"]}, t
+        no_record, no_record_alone, refused, _ = v["before_the_step"]
+        assert no_record == []
+        assert "cannot be taken after the backward of iteration 10 and before its optimizer step" in no_record_alone
+        assert v["applied_after"] == [ITERS, ITERS + 1]  # the steps after them applied both iterations
+        assert f"while deft still holds the gradients of iterations [[{ITERS}, {ITERS + 1}]]" in refused, refused

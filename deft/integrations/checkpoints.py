@@ -20,7 +20,7 @@ from deft.runtime.ddp import DistributedDataParallel
 def check_nothing_held(ddp: DistributedDataParallel, where: str, advice: str) -> None:
     """Refuse ``where`` (a checkpoint after a backward, before its step) while ``ddp`` holds the gradients
     of an earlier iteration; ``advice``: how to save elsewhere, in the trainer's terms."""
-    held = [u.iterations for u in ddp.pending_updates if u.iterations and max(u.iterations) < ddp.iteration]
+    held = [list(u.iterations) for u in ddp.pending_updates if any(i < ddp.iteration for i in u.iterations)]
     if held:
         raise DeftError(f"{where}: after a backward and before its optimizer step, while deft still holds the "
                         f"gradients of iterations {held} (a merged update), the checkpoint would lose them. "

@@ -398,8 +398,10 @@ class DistributedDataParallel(nn.Module):
 
 def _add_record(ddp: DistributedDataParallel, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """``state_dict()``'s post-hook: this rank's record, after the module's parameters (whose pre-hook
-    finished the deferred updates)."""
-    state_dict[prefix + record_key(ddp.rank)] = ddp.get_deft_state()
+    finished the deferred updates). None between a backward and its step: that state_dict is torch
+    DDP's (``ScheduledRun.takes_record``), and the wrapper it is loaded into starts afresh."""
+    if ddp._mode.takes_record():
+        state_dict[prefix + record_key(ddp.rank)] = ddp.get_deft_state()
 
 
 def _take_record(ddp: DistributedDataParallel, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:

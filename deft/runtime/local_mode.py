@@ -119,6 +119,9 @@ class LocalStepsMode:
         return None
 
     # -- checkpoint ------------------------------------------------------------------------------------
+    def takes_record(self) -> bool:
+        return True  # no gradient of an iteration is held between its backward and its step
+
     def state(self) -> StateDoc:
         return LocalStepsState(rank=self.rank, world=self.world, t=self._t,
                                local_steps=self.engine.state_dict()).to_dict()

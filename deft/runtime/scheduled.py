@@ -239,6 +239,10 @@ class ScheduledRun:
 
     # -- checkpoint (deft.runtime.checkpoint) ----------------------------------------------------------
     def state(self) -> StateDoc:
+        if not self.takes_record():
+            raise DeftError(f"deft's record cannot be taken after the backward of iteration {self._t} and before "
+                            "its optimizer step: save after the step, or take the wrapper's state_dict(), which is "
+                            "torch DDP's there (the module's alone)")
         self._require_idle("deft's state can only be saved; saving")
         self._updates.finish_deferred()  # no collective: waits only for what every rank launched
         ex = self._executor
@@ -284,14 +288,35 @@ class ScheduledRun:
                         "parameters there every few iterations keeps most of the overlap", what, t)
         self._course.record.used(t, what)
 
+    def takes_record(self) -> bool:
+        """Can :meth:`state` be taken now? Not after a backward and before its step (the loop has not
+        cleared the gradients, as a skipped step's are): the wrapper's ``state_dict()`` is then torch
+        DDP's, the module's alone (the step's gradients are in neither), unless deft queues gradients of
+        earlier iterations (a merged update), which that checkpoint would lose: refused."""
+        if self._phase in (Phase.IDLE, Phase.FORWARD) or self._skipped():
+            return True
+        held = [list(u.iterations) for u in self.pending_updates if any(i < self._t for i in u.iterations)]
+        if held:
+            raise DeftError(f"state_dict() after the backward of iteration {self._t} and before its optimizer "
+                            f"step, while deft still holds the gradients of iterations {held} (a merged update): "
+                            "the checkpoint would lose them. Save after optimizer.step(), or set epsilon = 0")
+        return False
+
+    def _skipped(self) -> bool:
+        """After a backward, the loop cleared the gradients without a step: GradScaler skipped it."""
+        return self._phase is Phase.BACKWARD_DONE and self._updates.exposed and self._updates.cleared()
+
     def _require_idle(self, what: str) -> None:
         if self._phase is Phase.BACKWARD_DONE and self._updates.exposed:
-            self._skip_step()  # the last step was skipped (GradScaler found inf/NaN): the iteration is over
+            # the last step was skipped (GradScaler found inf/NaN), or none comes (the end of a loop whose
+            # last backward no step takes): the iteration is over, its gradients dropped. state() is
+            # refused before this where they are still in p.grad (takes_record)
+            self._skip_step()
         if self._phase is Phase.FORWARD:
             self._withdraw()
         if self._phase is not Phase.IDLE:
             raise DeftError(f"{what} must be called between iterations (after optimizer.step()); iteration "
-                            f"{self._t} is in its {self._phase} phase")
+                            f"{self._t} is in its {self._phase} phase, between its first gradient and its step")
 
     def _withdraw(self) -> None:
         """Iteration ``t`` was begun and no gradient of it reached deft: a forward with gradients enabled

@@ -225,6 +225,9 @@ class SoloMode:
         return None
 
     # -- checkpoint ------------------------------------------------------------------------------------
+    def takes_record(self) -> bool:
+        return True  # no gradient of an iteration is held between its backward and its step
+
     def state(self) -> StateDoc:
         return SoloState(rank=self.rank, world=self.world, t=self._t, local_steps=self._local_steps).to_dict()
 

@@ -193,12 +193,9 @@ class UpdateApplier:
         the rounding, which is then torch DDP's. That holds where every iteration's update is due at its
         own step; under a schedule that merges or delays, the next backward's update may not be, and
         the carried gradient is added to what the next step applies instead (:meth:`_expose_with_carried`)."""
-        kept = [p.grad for p in self._params]
-        # zero_grad(set_to_none=False) leaves zeros (an update's future it zeroed holds them): cleared all
-        # the same, a skipped step to record; a future nothing touched, and a placeholder, are kept
-        if all(g is None or (not (isinstance(g, PendingGrad) and (g.placeholder or not g.resolved))
-                             and not bool(_plain(g).any())) for g in kept):
+        if self.cleared():
             return False
+        kept = [p.grad for p in self._params]
         # a deferred gradient the loop kept is waited for; the rest of the deferred (dropped by the loop) too
         carried = [None if g is None or (isinstance(g, PendingGrad) and g.placeholder)
                    else (g.value() if isinstance(g, PendingGrad) else g).detach().clone() for g in kept]
@@ -211,6 +208,13 @@ class UpdateApplier:
             self._carried_iterations.append(self._exposed_iterations)
             self._exposed_iterations = None
         return True
+
+    def cleared(self) -> bool:
+        """Did the loop clear ``p.grad`` since the update was exposed (a skipped step: None, or zeros)?"""
+        # zero_grad(set_to_none=False) leaves zeros (an update's future it zeroed holds them): cleared all
+        # the same, a skipped step to record; a future nothing touched, and a placeholder, are kept
+        return all(g is None or (not (isinstance(g, PendingGrad) and (g.placeholder or not g.resolved))
+                                 and not bool(_plain(g).any())) for g in (p.grad for p in self._params))
 
     def _resolver(self, i: int) -> Callable[[], torch.Tensor]:
         """Parameter ``i``'s deferred gradient, now: its bucket is waited for and it stops being deferred."""

@@ -40,6 +40,7 @@ class Logged:
 
     losses: list[float] = field(default_factory=list)
     values: list[float] = field(default_factory=list)  # norms, scales, evaluation outputs
+    saved: list[float] = field(default_factory=list)  # what checkpoints taken in the loop held
     deferred: list[bool] = field(default_factory=list)  # deft: an update still finishing after the step
 
 
@@ -223,7 +224,7 @@ def run(recipe: Recipe, rank: int, mode: str, epsilon: float | None, workdir: st
             out["deferred"] = sum(loop.log.deferred)
             out["nonfinite_steps"] = loop.wrapped.plan_info.get("nonfinite_steps", [])  # type: ignore[union-attr]
             out["used_before_forward"] = loop.wrapped.plan_info.get("used_before_forward")  # type: ignore[union-attr]
-        out[kind] = {"losses": loop.log.losses, "values": loop.log.values,
+        out[kind] = {"losses": loop.log.losses, "values": loop.log.values, "saved": loop.log.saved,
                      "params": [p.detach().flatten().tolist() for p in loop.model.parameters()],
                      "scale": None if loop.scaler is None else float(loop.scaler.get_scale())}
     return out

@@ -66,6 +66,31 @@ _amp_inf_early = _amp_fp16_inf(2)   # before planning
 _amp_inf_late = _amp_fp16_inf(14)   # after planning, under the deferring schedule
 
 
+def _saved(loop: Loop) -> None:
+    """A checkpoint of the wrapper, as torch DDP's loops take one anywhere: what it holds, logged."""
+    state = loop.wrapped.state_dict()
+    loop.log.saved.extend(float(state[f"module.{n}"].double().sum()) for n, _ in loop.model.named_parameters())
+
+
+def _state_dict_around_the_step(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """The wrapper's ``state_dict()`` between ``backward()`` and GradScaler's step, and after the step
+    before ``zero_grad()``, where torch DDP allows both; rank 0's loss is infinite at iteration 14, so
+    that step is skipped."""
+    assert loop.scaler is not None
+    with torch.autocast(device_type="cpu", dtype=torch.float16):
+        loss = loss_fn(loop.wrapped(x), y)
+    loop.scaler.scale(loss * float("inf") if t == 14 and loop.rank == 0 else loss).backward()
+    if t % 4 == 1:
+        _saved(loop)
+    loop.scaler.step(loop.opt)
+    loop.scaler.update()
+    if t in (13, 14):
+        _saved(loop)
+    loop.opt.zero_grad()
+    loop.log.losses.append(loss.item())
+    loop.log.values.append(loop.scaler.get_scale())
+
+
 def _clip_from(start: int) -> Any:
     def step(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
         loss = loss_fn(loop.wrapped(x), y)
@@ -324,6 +349,7 @@ RECIPES: dict[str, Recipe] = {
     "amp_bf16_documented": Recipe(mlp, _amp_documented, scaler=True),
     "amp_fp16_inf_before_plan": Recipe(mlp, _amp_inf_early, scaler=True),
     "amp_fp16_inf_after_plan": Recipe(mlp, _amp_inf_late, scaler=True),
+    "state_dict_between_backward_and_step": Recipe(mlp, _state_dict_around_the_step, scaler=True),
     "clip_from_start": Recipe(mlp, _clip_always),
     "clip_from_iteration_15": Recipe(mlp, _clip_late),
     "grad_norm_logging": Recipe(mlp, _log_norm),
@@ -416,6 +442,7 @@ APPLIED_BY_HOOKS = {"rollback_to_a_snapshot"}
 
 #: Recipes whose loop touches every gradient between backward() and step().
 READS_EVERY_GRADIENT = {"amp_bf16_documented", "amp_fp16_inf_before_plan", "amp_fp16_inf_after_plan",
+                        "state_dict_between_backward_and_step",
                         "clip_from_start", "grad_norm_logging", "optimizer_over_the_head_model_clipped",
                         "clip_grad_value"}
 
@@ -435,6 +462,7 @@ def check_exact(out: list[dict[str, Any]], ranks_agree: bool = True) -> None:
         assert worst < 1e-5, f"parameters differ from torch DDP's by {worst:.3g}"
         assert close(ours["losses"], ref["losses"]), (ours["losses"], ref["losses"])
         assert close(ours["values"], ref["values"]), (ours["values"], ref["values"])
+        assert close(ours["saved"], ref["saved"]), (ours["saved"], ref["saved"])
         assert ours["scale"] == ref["scale"]
     assert (out[0]["deft"]["params"] == out[1]["deft"]["params"]) == ranks_agree
 
