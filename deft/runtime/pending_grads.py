@@ -12,8 +12,10 @@ ATen op reaches ``__torch_dispatch__``, the in-place ones GradScaler and clippin
 ``.data``; ``.tolist()``, ``.numpy()``, ``copy.deepcopy`` and pickling read the value too) first
 waits for the parameter's bucket and takes its averaged gradient (:meth:`Executor.finish` for that
 parameter), then runs on that value. A touched gradient is applied by the user's step like any other,
-with whatever the loop did to it; an untouched one is taken out of ``p.grad`` right before the
-optimizer reads it (:func:`settle_for_step`) and applied in the next forward. So:
+with whatever the loop did to it (``p.grad.data = x`` included: ``x`` is applied); one the loop set to
+None is skipped by the step and dropped from the next forward, as torch DDP's step skips it; an
+untouched one is taken out of ``p.grad`` right before the optimizer reads it (:func:`settle_for_step`)
+and applied in the next forward. So:
 
 * a loop that never looks keeps the whole overlap;
 * a loop that looks gets torch DDP's values and maths, and pays the wait for what it looked at;
@@ -86,6 +88,17 @@ class PendingGrad(torch.Tensor):
 
     def numpy(self, *, force: bool = False) -> Any:
         return self.value().numpy(force=force)
+
+    # ``p.grad.data = x`` replaces the gradient the step applies (torch's own setter would change only
+    # the wrapper, whose value the step reads): the gradient becomes the loop's, ``x``.
+    @property
+    def data(self) -> torch.Tensor:
+        return self.value()
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        self.value()  # taken from the executor first: nothing of it is left deferred
+        self._value = new
 
     def __deepcopy__(self, memo: dict[int, object]) -> torch.Tensor:
         return self.value().clone()

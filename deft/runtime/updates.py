@@ -238,6 +238,9 @@ class UpdateApplier:
     def settle(self, params: list[torch.Tensor]) -> None:
         """Right before an optimizer reads the gradients of ``params`` (:func:`settle_for_step`)."""
         index = {id(p): i for i, p in enumerate(self._params)}
+        cleared = {index[id(p)] for p in params if p.grad is None} & self._executor.deferred
+        if cleared:  # the loop set p.grad to None (zero_grad(), a frozen layer): the step skips them, as torch DDP's
+            self._executor.finish(cleared)
         self._taken |= {index[id(p)]: g for p in params
                         if isinstance(g := p.grad, PendingGrad) and (g.placeholder or not g.resolved)}
         self._settled |= {index[id(p)] for p in params}

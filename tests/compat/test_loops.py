@@ -12,6 +12,7 @@ Mixed Precision" page (``scaler.scale(loss).backward(); scaler.step(opt); scaler
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -312,6 +313,37 @@ def _eval_with_gradients(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -
             loop.wrapped.flush()  # type: ignore[operator]
 
 
+def _between_backward_and_step(edit: Callable[[Loop, int], None]) -> Any:
+    def step(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = loss_fn(loop.wrapped(x), y)
+        loss.backward()
+        edit(loop, t)
+        loop.opt.step()
+        loop.opt.zero_grad()
+        loop.log.losses.append(loss.item())
+    return step
+
+
+def _head_left_out(loop: Loop, t: int) -> None:
+    """Every other step leaves the head out: its ``p.grad`` set to None (the optimizer skips it)."""
+    if t % 2:
+        for p in loop.model.head.parameters():  # type: ignore[union-attr]
+            p.grad = None
+
+
+def _zero_grad_instead(loop: Loop, t: int) -> None:
+    """Now and then the loop drops the whole step's gradient (``zero_grad()``: None) before stepping."""
+    if t % 5 == 3:
+        loop.model.zero_grad()
+
+
+def _grad_data_replaced(loop: Loop, t: int) -> None:
+    """Each gradient replaced through ``.data`` (older clipping code): the step applies the new tensor."""
+    for p in loop.model.parameters():
+        if p.grad is not None:
+            p.grad.data = p.grad.data.clamp(-0.05, 0.05)
+
+
 def _first_layer_frozen() -> nn.Module:
     """The body's first layer frozen when the module is wrapped: torch DDP and deft leave it out."""
     m = mlp()
@@ -349,6 +381,9 @@ RECIPES: dict[str, Recipe] = {
     "amp_bf16_documented": Recipe(mlp, _amp_documented, scaler=True),
     "amp_fp16_inf_before_plan": Recipe(mlp, _amp_inf_early, scaler=True),
     "amp_fp16_inf_after_plan": Recipe(mlp, _amp_inf_late, scaler=True),
+    "grad_set_to_none_for_the_head": Recipe(mlp, _between_backward_and_step(_head_left_out)),
+    "zero_grad_between_backward_and_step": Recipe(mlp, _between_backward_and_step(_zero_grad_instead)),
+    "grad_data_replaced": Recipe(mlp, _between_backward_and_step(_grad_data_replaced)),
     "state_dict_between_backward_and_step": Recipe(mlp, _state_dict_around_the_step, scaler=True),
     "clip_from_start": Recipe(mlp, _clip_always),
     "clip_from_iteration_15": Recipe(mlp, _clip_late),
@@ -442,7 +477,7 @@ APPLIED_BY_HOOKS = {"rollback_to_a_snapshot"}
 
 #: Recipes whose loop touches every gradient between backward() and step().
 READS_EVERY_GRADIENT = {"amp_bf16_documented", "amp_fp16_inf_before_plan", "amp_fp16_inf_after_plan",
-                        "state_dict_between_backward_and_step",
+                        "state_dict_between_backward_and_step", "grad_data_replaced",
                         "clip_from_start", "grad_norm_logging", "optimizer_over_the_head_model_clipped",
                         "clip_grad_value"}
 
