@@ -40,8 +40,8 @@ hooks.
 
 from __future__ import annotations
 
+import functools
 import logging
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
@@ -49,6 +49,8 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+from deft.runtime.saved_hooks import DeadOnSave
 
 log = logging.getLogger("deft.runtime")
 
@@ -76,7 +78,8 @@ class ForwardHooks:
         self._post: OrderedDict[int, Listener] = OrderedDict()
         self._hooked = {id(m) for m in root.modules() if next(m.parameters(), None) is not None}
         self._parent = {id(child): m for m in root.modules() for child in m.children()}
-        pre, post = _pre_hook(weakref.ref(self)), _post_hook(weakref.ref(self))
+        # picklable, and dead once loaded: torch.save(model) saves the module hooks and all (saved_hooks)
+        pre, post = functools.partial(_pre_hook, DeadOnSave(self)), functools.partial(_post_hook, DeadOnSave(self))
         # the pre-hook ahead of any the module had: a hook of the user's sees its deferred update applied
         # and rank 0's buffers, as under torch DDP, where both are in place before the module is called
         self._handles = [h for m in root.modules() if id(m) in self._hooked
@@ -175,20 +178,16 @@ def _with_resumes(code: Any, resumes: Any) -> list[Any]:
     return out
 
 
-def _pre_hook(me: weakref.ref[ForwardHooks]) -> Callable[[nn.Module, object], None]:
-    """A weak reference, so a dropped wrapper's listeners are not called."""
-    @outside_graphs
-    def hook(m: nn.Module, args: object) -> None:
-        d = me()
-        if d is not None:
-            d.begins(m)
-    return hook
+@outside_graphs
+def _pre_hook(me: DeadOnSave[ForwardHooks], m: nn.Module, args: object) -> None:
+    """Through a weak reference, so a dropped wrapper's listeners are not called."""
+    d = me()
+    if d is not None:
+        d.begins(m)
 
 
-def _post_hook(me: weakref.ref[ForwardHooks]) -> Callable[[nn.Module, object, object], None]:
-    @outside_graphs
-    def hook(m: nn.Module, args: object, out: object) -> None:
-        d = me()
-        if d is not None:
-            d.ends(m)
-    return hook
+@outside_graphs
+def _post_hook(me: DeadOnSave[ForwardHooks], m: nn.Module, args: object, out: object) -> None:
+    d = me()
+    if d is not None:
+        d.ends(m)

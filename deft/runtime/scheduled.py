@@ -41,6 +41,7 @@ from deft.runtime.optimizer_hooks import OptimizerBinding
 from deft.runtime.pending_grads import settle_for_step
 from deft.runtime.phase import Phase
 from deft.runtime.records import PlanInfoView
+from deft.runtime.saved_hooks import DeadOnSave
 from deft.runtime.switch_interval import SWITCH
 from deft.runtime.tensors import batch_size
 from deft.runtime.tracing import Tracing
@@ -92,11 +93,12 @@ class ScheduledRun:
         self._micro_batches = False  # a backward under no_sync() in this iteration (its sum is in p.grad)
         self._withdrawn = False  # the iteration a forward began was withdrawn (_withdraw): it begins again
         self._course.install_warmup(list(reversed(range(len(self._params)))), t0=0)
-        me = weakref.ref(self)
+        me = DeadOnSave(self)  # the hooks on the user's module pickle with it, and load dead (saved_hooks)
         self._switch = _hold_switch_interval(self, cfg.switch_interval_ms, self._links)
-        self._hooks = [p.register_post_accumulate_grad_hook(_grad_hook(me, i)) for i, p in enumerate(self._params)]
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, me, i))
+                       for i, p in enumerate(self._params)]
         # Whoever reads the module's state_dict gets the parameters torch DDP would have.
-        self._hooks.append(self.module.register_state_dict_pre_hook(_state_dict_hook(me)))
+        self._hooks.append(self.module.register_state_dict_pre_hook(functools.partial(_state_dict_hook, me)))
 
     # -- the facade's events ---------------------------------------------------------------------------
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -528,18 +530,14 @@ def _hold_switch_interval(owner: ScheduledRun, ms: float, links: dict[str, CommL
     return weakref.finalize(owner, SWITCH.release, SWITCH.hold(ms / 1000))
 
 
-def _grad_hook(me: weakref.ref[ScheduledRun], index: int) -> Callable[[torch.Tensor], None]:
-    """Gradient capture; a weak reference, so a dropped wrapper does not keep capturing."""
-    def hook(p: torch.Tensor) -> None:
-        d = me()
-        if d is not None:
-            d._on_grad(index, p)
-    return hook
+def _grad_hook(me: DeadOnSave[ScheduledRun], index: int, p: torch.Tensor) -> None:
+    """Gradient capture; through a weak reference, so a dropped wrapper does not keep capturing."""
+    d = me()
+    if d is not None:
+        d._on_grad(index, p)
 
 
-def _state_dict_hook(me: weakref.ref[ScheduledRun]) -> Callable[[nn.Module, str, bool], None]:
-    def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        d = me()
-        if d is not None:
-            d._updates.finish_deferred()
-    return hook
+def _state_dict_hook(me: DeadOnSave[ScheduledRun], module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    d = me()
+    if d is not None:
+        d._updates.finish_deferred()

@@ -12,6 +12,7 @@ Mixed Precision" page (``scaler.scale(loss).backward(); scaler.step(opt); scaler
 from __future__ import annotations
 
 import copy
+import io
 from collections.abc import Callable
 from typing import Any
 
@@ -462,6 +463,18 @@ def _rollback(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
         loop.model.load_state_dict(model_state)
 
 
+def _whole_model_saved(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """torch's "save the entire model" after the step, now and then: ``torch.save(model)`` (the module
+    pickled with its hooks), loaded back and run on a probe."""
+    _plain(loop, t, x, y)
+    if t % 4 == 1:
+        buf = io.BytesIO()
+        torch.save(loop.model, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        loop.log.values.extend(loaded(torch.linspace(-1, 1, 4 * 16).reshape(4, 16)).flatten().tolist())
+
+
 #: Loops that use the parameters (or their optimizer state) between the step and the next forward.
 USE_AFTER_STEP: dict[str, Recipe] = {
     "ema_after_step": Recipe(mlp, _ema_after_step),
@@ -469,6 +482,7 @@ USE_AFTER_STEP: dict[str, Recipe] = {
     "penalty_before_forward": Recipe(mlp, _penalty_before_forward),
     "optimizer_state_logged_after_step": Recipe(mlp, _optimizer_state_logged, optimizer=_adam),
     "rollback_to_a_snapshot": Recipe(mlp, _rollback),
+    "whole_model_saved_after_step": Recipe(mlp, _whole_model_saved),
 }
 #: ... of which those where a hook applies the deferred updates before the use (the optimizer's
 #: ``load_state_dict``), not the watch.
