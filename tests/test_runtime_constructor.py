@@ -11,6 +11,7 @@ gradient, so the parameters equal those of the same model trained without any wr
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import pytest
@@ -96,6 +97,14 @@ def constructor_worker(rank: int, world: int) -> dict[str, Any]:
     out["isinstance"] = isinstance(ours, nn.parallel.DistributedDataParallel)
     to_save = ours.module if isinstance(ours, nn.parallel.DistributedDataParallel) else ours  # the saving idiom
     out["saved_keys"] = (sorted(to_save.state_dict()), sorted(_model().state_dict()))
+    pickled = {}  # torch.save of the wrapper itself on a process group of its own: refused by both
+    for kind, wrapper in (("deft", ours), ("torch", ref)):
+        try:
+            torch.save(wrapper, io.BytesIO())
+            pickled[kind] = None
+        except Exception as e:  # torch raises a RuntimeError, deft a DeftError
+            pickled[kind] = f"{type(e).__name__}: {e}"
+    out["pickled"] = pickled
     ours.close()
     m = _model()
     out["plain"] = _train(m, m, lambda: None)
@@ -135,6 +144,9 @@ def test_torch_ddp_constructor_lines_carry_over() -> None:
     assert out["isinstance"]
     keys, plain_keys = out["saved_keys"]
     assert keys == plain_keys
+    assert "default process group" in out["pickled"]["torch"], out["pickled"]
+    assert out["pickled"]["deft"].startswith("DeftError: torch.save or copy.deepcopy of the wrapper: supported "
+                                             "with the default process group only"), out["pickled"]
     errors = out["errors"]
     assert "device_ids" in errors["optimizer_positional"] and "optimizer=" in errors["optimizer_positional"]
     assert "mixed_precision" in errors["mixed_precision"]

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,10 @@ from deft.runtime.records import PlanInfoView
 from deft.runtime.updates import LogEntry
 from deft.schedule import Schedule
 
+#: The constructor's arguments a pickled or copied wrapper is built again with (``__reduce_ex__``).
+_REBUILT_WITH = ("device_ids", "output_device", "dim", "broadcast_buffers", "init_sync", "find_unused_parameters",
+                 "gradient_as_bucket_view", "static_graph", "forward_sync_buffers")
+
 
 class DistributedDataParallel(nn.Module):
     """Drop-in replacement of ``torch.nn.parallel.DistributedDataParallel`` running a DeFT schedule.
@@ -96,6 +100,7 @@ class DistributedDataParallel(nn.Module):
                  config: DeftConfig | str | os.PathLike[str] | JsonDict | None = None,
                  profile: Profile | str | os.PathLike[str] | None = None) -> None:
         super().__init__()
+        self._rebuild_args = {k: v for k, v in locals().items() if k in _REBUILT_WITH}  # __reduce_ex__
         del check_reduction, skip_all_reduce_unused_params, batched_grad_copy
         check_torch_args(dict(delay_all_reduce_named_params=delay_all_reduce_named_params,
                               param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
@@ -134,6 +139,7 @@ class DistributedDataParallel(nn.Module):
         self._sync_buffers = self.broadcast_buffers if forward_sync_buffers is None else bool(forward_sync_buffers)
         self._buffers_due = True  # the next forward broadcasts the buffers (torch DDP's first forward does)
         self._build(given_profile, optimizer)
+        self._rebuild_args |= {"config": self.config, "profile": given_profile}
         # deft's record travels in state_dict() under this rank's key (deft.runtime.checkpoint, its Note)
         self._record_to_load: dict[int | None, object] = {}
         self.register_state_dict_post_hook(_add_record)
@@ -382,6 +388,18 @@ class DistributedDataParallel(nn.Module):
             self._buffer_sync.close()
 
     # -- checkpoint (deft.runtime.checkpoint) ----------------------------------------------------
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        """``torch.save(ddp)``, ``copy.deepcopy(ddp)``, as torch DDP allows them: the module (deft's hooks
+        on it dead: :mod:`deft.runtime.saved_hooks`), the constructor's arguments and deft's record.
+        Loading builds the wrapper again on the default process group (collective: every rank loads
+        it at the same point, where the group exists, as torch DDP's load needs) and restores the record."""
+        if self._ranks is not None:
+            raise DeftError("torch.save or copy.deepcopy of the wrapper: supported with the default process group "
+                            "only, as torch DDP's pickling is; save ddp.state_dict() or ddp.module instead")
+        record = self.get_deft_state() if self._mode.takes_record() else None
+        return (_rebuilt, (self.module, self._rebuild_args, record))
+
+
     def get_deft_state(self) -> torch.Tensor:
         """deft's runtime state, which ``state_dict()`` holds under this rank's key
         (:func:`deft.runtime.checkpoint.record_key`): the mode's record as one uint8 tensor, so the
@@ -394,6 +412,14 @@ class DistributedDataParallel(nn.Module):
         doc = decode_record(state, self.device)
         check_stamp(doc, self.world, shared_config(self.config))
         self._mode.load_state(doc)
+
+
+def _rebuilt(module: nn.Module, args: dict[str, Any], record: torch.Tensor | None) -> DistributedDataParallel:
+    """A pickled or copied wrapper (:meth:`DistributedDataParallel.__reduce_ex__`), built again."""
+    ddp = DistributedDataParallel(module, **args)
+    if record is not None:
+        ddp.set_deft_state(record)
+    return ddp
 
 
 def _add_record(ddp: DistributedDataParallel, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:

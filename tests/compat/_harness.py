@@ -56,7 +56,8 @@ class Recipe:
     batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
     scaler: bool = False
     restart_at: int | None = None  # checkpoint and resume in a fresh wrapper before this iteration
-    restart_from: str = "wrapper"  # how the checkpoint is taken: the wrapper's state_dict, the module's, or "dcp"
+    restart_from: str = "wrapper"  # how the checkpoint is taken: the wrapper's state_dict, the module's, "dcp",
+    # or "pickle" (torch.save of the wrapper itself)
     ranks_agree: bool = True  # False: a parameter neither wrapper averages (each rank trains its own)
 
 
@@ -237,6 +238,8 @@ def _resume(recipe: Recipe, loop: Loop, kind: str, mode: str, epsilon: float | N
     wrapper and optimizer."""
     if recipe.restart_from == "dcp":
         return _resume_dcp(recipe, loop, kind, mode, epsilon, workdir, rank)
+    if recipe.restart_from == "pickle":
+        return _resume_pickled(recipe, loop, kind, workdir, rank)
     path = os.path.join(workdir, f"{kind}-rank{rank}.pt")
     whose = loop.wrapped if recipe.restart_from == "wrapper" else loop.model
     torch.save({"model": whose.state_dict(), "opt": loop.opt.state_dict(),
@@ -258,6 +261,20 @@ def _resume(recipe: Recipe, loop: Loop, kind: str, mode: str, epsilon: float | N
         scaler = torch.amp.GradScaler("cpu")
         scaler.load_state_dict(saved["scaler"])
     return Loop(model, wrapped, opt, rank, loop.log, scaler, loop.is_deft)
+
+
+def _resume_pickled(recipe: Recipe, loop: Loop, kind: str, workdir: str, rank: int) -> Loop:
+    """``torch.save`` of the wrapper itself (the whole model, as some scripts save it) and of the
+    optimizer's state; ``torch.load`` gives a wrapper again, and a fresh optimizer over its module."""
+    path = os.path.join(workdir, f"{kind}-whole-rank{rank}.pt")
+    torch.save({"wrapped": loop.wrapped, "opt": loop.opt.state_dict()}, path)
+    saved = torch.load(path, weights_only=False)
+    wrapped: nn.Module = saved["wrapped"]
+    model = wrapped.module
+    assert isinstance(model, nn.Module)
+    opt = recipe.optimizer(model)
+    opt.load_state_dict(saved["opt"])
+    return Loop(model, wrapped, opt, rank, loop.log, loop.scaler, loop.is_deft)
 
 
 def _resume_dcp(recipe: Recipe, loop: Loop, kind: str, mode: str, epsilon: float | None, workdir: str,

@@ -397,6 +397,7 @@ RECIPES: dict[str, Recipe] = {
     "checkpoint_and_resume": Recipe(mlp, _plain, optimizer=_adam, restart_at=13),
     "checkpoint_of_the_module": Recipe(mlp, _plain, optimizer=_adam, restart_at=13, restart_from="module"),
     "checkpoint_through_dcp": Recipe(mlp, _plain, optimizer=_adam, restart_at=13, restart_from="dcp"),
+    "checkpoint_by_pickling_the_wrapper": Recipe(mlp, _plain, optimizer=_adam, restart_at=13, restart_from="pickle"),
     "functional_parameter_use": Recipe(_functional_model, _plain, optimizer=_adam),
     "activation_checkpointing": Recipe(_checkpointed_model, _plain, optimizer=_adam),
     "two_forwards_one_backward": Recipe(mlp, _two_forwards),
@@ -475,6 +476,18 @@ def _whole_model_saved(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> 
         loop.log.values.extend(loaded(torch.linspace(-1, 1, 4 * 16).reshape(4, 16)).flatten().tolist())
 
 
+def _wrapper_copied(loop: Loop, t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """``copy.deepcopy`` of the wrapper after the step (a frozen copy to evaluate, on every rank), run
+    on a probe under ``torch.no_grad()`` then and later."""
+    _plain(loop, t, x, y)
+    if t == 5:
+        loop.kept["copy"] = copy.deepcopy(loop.wrapped)
+    if t >= 5 and t % 3 == 2:
+        with torch.no_grad():
+            out = loop.kept["copy"](torch.linspace(-1, 1, 4 * 16).reshape(4, 16))
+        loop.log.values.extend(out.flatten().tolist())
+
+
 #: Loops that use the parameters (or their optimizer state) between the step and the next forward.
 USE_AFTER_STEP: dict[str, Recipe] = {
     "ema_after_step": Recipe(mlp, _ema_after_step),
@@ -483,10 +496,11 @@ USE_AFTER_STEP: dict[str, Recipe] = {
     "optimizer_state_logged_after_step": Recipe(mlp, _optimizer_state_logged, optimizer=_adam),
     "rollback_to_a_snapshot": Recipe(mlp, _rollback),
     "whole_model_saved_after_step": Recipe(mlp, _whole_model_saved),
+    "wrapper_deep_copied_after_step": Recipe(mlp, _wrapper_copied),
 }
 #: ... of which those where a hook applies the deferred updates before the use (the optimizer's
-#: ``load_state_dict``), not the watch.
-APPLIED_BY_HOOKS = {"rollback_to_a_snapshot"}
+#: ``load_state_dict``; the wrapper's record, taken by its copy), not the watch.
+APPLIED_BY_HOOKS = {"rollback_to_a_snapshot", "wrapper_deep_copied_after_step"}
 
 
 #: Recipes whose loop touches every gradient between backward() and step().
