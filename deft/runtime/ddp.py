@@ -399,7 +399,6 @@ class DistributedDataParallel(nn.Module):
         record = self.get_deft_state() if self._mode.takes_record() else None
         return (_rebuilt, (self.module, self._rebuild_args, record))
 
-
     def get_deft_state(self) -> torch.Tensor:
         """deft's runtime state, which ``state_dict()`` holds under this rank's key
         (:func:`deft.runtime.checkpoint.record_key`): the mode's record as one uint8 tensor, so the

@@ -337,12 +337,13 @@ class Executor:
         self._start_stage("forward")
 
     def withdraw_iteration(self) -> None:
-        """Iteration :attr:`t` was begun by a forward that had no backward (an evaluation with gradients
-        enabled) and the loop needs deft between iterations (a checkpoint, ``flush()``): it leaves its
-        group instance, which is dropped if it opened it, and nothing of its forward stage stays queued.
-        What that stage launched (sends of earlier groups) stays in flight: those groups record it, and
-        every rank's forward launched it in the same order; a checkpoint saves it as sent, and the
-        forward that begins the iteration again (here or after the checkpoint is loaded) skips it."""
+        """Iteration :attr:`t` was begun and no gradient of it reached deft (a forward with gradients enabled
+        and no backward, or micro-batches under ``no_sync()`` so far), and the loop needs deft between
+        iterations (a checkpoint, ``flush()``): it leaves its group instance, which is dropped if it opened
+        it, and nothing of its forward stage stays queued. What that stage launched (sends of earlier
+        groups) stays in flight: those groups record it, and every rank's forward launched it in the same
+        order; a checkpoint saves it as sent, and the forward that begins the iteration again (here or
+        after the checkpoint is loaded) skips it."""
         if self.in_backward or self.backward_done or any(self._touched):
             raise DeftError(f"internal: iteration {self.t} is withdrawn after a gradient of it arrived")
         last = self.group_last(self.t)
