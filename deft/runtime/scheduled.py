@@ -299,9 +299,10 @@ class ScheduledRun:
             return True
         held = [list(u.iterations) for u in self.pending_updates if any(i < self._t for i in u.iterations)]
         if held:
-            raise DeftError(f"state_dict() after the backward of iteration {self._t} and before its optimizer "
-                            f"step, while deft still holds the gradients of iterations {held} (a merged update): "
-                            "the checkpoint would lose them. Save after optimizer.step(), or set epsilon = 0")
+            raise DeftError(f"a checkpoint of the wrapper (state_dict(), torch.save) after the backward of iteration "
+                            f"{self._t} and before its optimizer step, while deft still holds the gradients of "
+                            f"iterations {held} (a merged update): the checkpoint would lose them. Save after "
+                            "optimizer.step(), or set epsilon = 0")
         return False
 
     def _skipped(self) -> bool:
